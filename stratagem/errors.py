@@ -1,0 +1,63 @@
+"""Exceptions raised by stratagem.
+
+Every error subclasses :class:`StratagemError`, and also ``ValueError`` or
+``RuntimeError`` where one of those fits, so that ``except ValueError`` around a
+call that validates user input keeps working.
+
+Example::
+
+    import stratagem as sg
+    try:
+        sg.MirroredStrategy(devices=[])
+    except sg.errors.StratagemError as err:
+        print(err)
+"""
+
+from __future__ import annotations
+
+
+class StratagemError(Exception):
+    """Base class of every error stratagem raises on purpose."""
+
+
+class InvalidArgumentError(StratagemError, ValueError):
+    """An argument has the wrong value: the message names it and the fix."""
+
+
+class InvalidDeviceError(InvalidArgumentError):
+    """A device name could not be parsed or names a device this machine lacks."""
+
+
+class ContextError(StratagemError, RuntimeError):
+    """A call was made from the wrong context (replica vs cross-replica, wrong scope)."""
+
+
+class ReplicaError(StratagemError, RuntimeError):
+    """A replica's function raised; the message names the replica.
+
+    The user's original exception is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, replica_id: int | None = None):
+        super().__init__(message)
+        self.replica_id = replica_id
+
+
+class CollectiveMismatchError(StratagemError, RuntimeError):
+    """Replicas called different collectives, or one returned while others waited."""
+
+
+class ClusterConfigError(InvalidArgumentError):
+    """A cluster description (TF_CONFIG, torchrun variables, ClusterSpec) is malformed."""
+
+
+class UnavailableError(StratagemError, RuntimeError):
+    """A peer task (worker, parameter server) died or stopped answering."""
+
+    def __init__(self, message: str, task: str | None = None):
+        super().__init__(message)
+        self.task = task
+
+
+class CheckpointError(StratagemError, RuntimeError):
+    """A checkpoint is corrupt or does not match what is being restored."""
