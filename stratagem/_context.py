@@ -1,0 +1,100 @@
+"""The thread-local context stack behind ``get_strategy`` and ``get_replica_context``.
+
+Every thread has its own stack of frames. ``strategy.scope()`` pushes a frame with
+no replica context (cross-replica context); ``strategy.run`` pushes, on each replica's
+thread, a frame carrying that replica's :class:`~stratagem.ReplicaContext`. With an
+empty stack a thread is in the default strategy's replica context.
+
+Nothing here is shared between threads, so replica threads never clobber each
+other's state.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from stratagem.strategies.base import ReplicaContext, Strategy
+
+
+@dataclass(frozen=True)
+class _Frame:
+    strategy: "Strategy"
+    replica_context: "ReplicaContext | None"
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[_Frame] = []
+
+
+_state = _ThreadState()
+_default: dict[str, Any] = {}
+
+
+def push(strategy: "Strategy", replica_context: "ReplicaContext | None") -> None:
+    _state.stack.append(_Frame(strategy, replica_context))
+
+
+def pop() -> None:
+    _state.stack.pop()
+
+
+def current_frame() -> _Frame | None:
+    stack = _state.stack
+    return stack[-1] if stack else None
+
+
+def default_strategy() -> "Strategy":
+    strategy = _default.get("strategy")
+    if strategy is None:
+        from stratagem.strategies.default import _DefaultStrategy
+
+        strategy = _default.setdefault("strategy", _DefaultStrategy._create())
+    return strategy
+
+
+def get_strategy() -> "Strategy":
+    """The strategy whose scope is active on this thread, else the default strategy.
+
+    Example::
+
+        import stratagem as sg
+        assert sg.get_strategy() is sg.get_strategy()   # the default singleton
+        s = sg.OneDeviceStrategy("cpu")
+        with s.scope():
+            assert sg.get_strategy() is s
+    """
+    frame = current_frame()
+    return frame.strategy if frame is not None else default_strategy()
+
+
+def has_strategy() -> bool:
+    """Whether a non-default strategy's scope is active on this thread."""
+    frame = current_frame()
+    return frame is not None and not frame.strategy._is_default
+
+
+def in_cross_replica_context() -> bool:
+    """True inside a strategy's scope but outside ``strategy.run``."""
+    frame = current_frame()
+    return frame is not None and frame.replica_context is None
+
+
+def get_replica_context() -> "ReplicaContext | None":
+    """This replica's context inside ``run``; ``None`` in cross-replica context.
+
+    Outside every scope it is the default strategy's replica context, as in TensorFlow.
+
+    Example::
+
+        import stratagem as sg
+        ctx = sg.get_replica_context()
+        assert ctx.replica_id_in_sync_group == 0 and ctx.num_replicas_in_sync == 1
+    """
+    frame = current_frame()
+    if frame is None:
+        return default_strategy()._default_replica_context()
+    return frame.replica_context

@@ -1,0 +1,65 @@
+"""resolve(): pick the resolver that the environment of this process calls for.
+
+The order, first match wins:
+
+1. ``TF_CONFIG`` describes a cluster -> :class:`TFConfigClusterResolver`;
+2. ``RANK`` or ``WORLD_SIZE`` is set (torchrun) -> :class:`TorchrunClusterResolver`
+   (only one of them set is an error it reports, not a reason to run alone);
+3. otherwise a lone local task: ``SimpleClusterResolver(ClusterSpec())``.
+
+When both TF_CONFIG and torchrun's variables are set, TF_CONFIG wins: it is the more
+complete description (every task's address), and a launcher that sets it means it. If the
+two disagree on this task's rank or on the number of workers, a RuntimeWarning says so,
+since one of them is then stale (inherited from a parent process, typically).
+
+Example::
+
+    >>> from stratagem.cluster import resolve
+    >>> resolve({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
+    ...          "MASTER_PORT": "29500"}).worker_rank
+    1
+    >>> resolve({}).num_workers       # nothing set: a lone local task
+    1
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+
+from stratagem.cluster.resolver import ClusterResolver, SimpleClusterResolver
+from stratagem.cluster.spec import ClusterSpec
+from stratagem.cluster.tf_config import TFConfigClusterResolver
+from stratagem.cluster.torchrun import TorchrunClusterResolver
+
+__all__ = ["resolve"]
+
+
+def _warn_if_torchrun_disagrees(resolver: TFConfigClusterResolver,
+                                env: Mapping[str, str]) -> None:
+    try:
+        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return
+    if (rank, world_size) != (resolver.worker_rank, resolver.num_workers):
+        warnings.warn(
+            f"TF_CONFIG and torchrun's variables disagree: TF_CONFIG makes this task rank "
+            f"{resolver.worker_rank} of {resolver.num_workers} workers, RANK={rank} and "
+            f"WORLD_SIZE={world_size} say rank {rank} of {world_size}. Using TF_CONFIG; unset "
+            "the stale one.", RuntimeWarning, stacklevel=3)
+
+
+def resolve(environment: Mapping[str, str] | None = None) -> ClusterResolver:
+    """The resolver for this process: TF_CONFIG, else torchrun, else a lone local task.
+
+    ``environment`` replaces ``os.environ``, for tests.
+    """
+    env = os.environ if environment is None else environment
+    resolver = TFConfigClusterResolver(environment=env)
+    if resolver.cluster_spec():
+        _warn_if_torchrun_disagrees(resolver, env)
+        return resolver
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return TorchrunClusterResolver(environment=env)
+    return SimpleClusterResolver(ClusterSpec())

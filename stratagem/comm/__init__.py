@@ -1,0 +1,1 @@
+"""How bytes move: in-process cross-device ops and the replica rendezvous."""

@@ -1,0 +1,288 @@
+"""Distributing input across replicas (SPEC §5).
+
+``experimental_distribute_dataset`` takes an iterable of *global* batches. Each
+batch is cut along its first dimension into one contiguous slice per replica
+(counting over all workers): when it does not divide evenly, earlier replicas take
+one extra row, and a replica may get an empty slice. This process keeps only its
+own replicas' slices and moves each to its replica's device. For CUDA devices the
+next batch is copied ahead while the current step runs.
+
+Nothing here knows whether the strategy lives in one process: the strategy's
+``_first_replica_id``, ``_num_local_replicas`` and ``num_replicas_in_sync`` say which
+slices are this process's.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from stratagem.errors import InvalidArgumentError
+from stratagem.strategies.replica_context import split_sizes
+from stratagem.values import PerReplica, flatten, pack_as
+
+
+class AutoShardPolicy(enum.Enum):
+    """How a multi-worker input is divided: TensorFlow's names.
+
+    ``AUTO`` and ``DATA`` give each worker its replicas' slices of every global
+    batch; ``OFF`` gives every worker the whole batch (each worker's replicas split it).
+    """
+
+    AUTO = "AUTO"
+    DATA = "DATA"
+    OFF = "OFF"
+
+
+@dataclass(frozen=True)
+class InputOptions:
+    """Options of a distributed dataset.
+
+    Example::
+
+        import stratagem as sg
+        opts = sg.InputOptions(auto_shard_policy=sg.AutoShardPolicy.OFF)
+    """
+
+    auto_shard_policy: AutoShardPolicy = AutoShardPolicy.AUTO
+    experimental_fetch_to_device: bool = True
+    experimental_prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.auto_shard_policy, AutoShardPolicy):
+            raise InvalidArgumentError(
+                f"auto_shard_policy must be a sg.AutoShardPolicy, got {self.auto_shard_policy!r}")
+
+
+@dataclass(frozen=True)
+class InputContext:
+    """What ``dataset_fn`` of ``distribute_datasets_from_function`` is told.
+
+    Example::
+
+        import stratagem as sg
+        ctx = sg.InputContext(num_input_pipelines=2, input_pipeline_id=0, num_replicas_in_sync=4)
+        assert ctx.get_per_replica_batch_size(64) == 16
+    """
+
+    num_input_pipelines: int = 1
+    input_pipeline_id: int = 0
+    num_replicas_in_sync: int = 1
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        if global_batch_size % self.num_replicas_in_sync:
+            raise InvalidArgumentError(
+                f"the global batch size {global_batch_size} is not divisible by the "
+                f"{self.num_replicas_in_sync} replicas in sync; pick a multiple of "
+                f"{self.num_replicas_in_sync} (e.g. {self.num_replicas_in_sync * max(1, global_batch_size // self.num_replicas_in_sync)})")
+        return global_batch_size // self.num_replicas_in_sync
+
+
+@dataclass(frozen=True)
+class ValueContext:
+    """What ``experimental_distribute_values_from_function``'s function is told."""
+
+    replica_id_in_sync_group: int = 0
+    num_replicas_in_sync: int = 1
+
+
+def _batch_size_of(leaves: list[Any]) -> int:
+    sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
+    if len(sizes) > 1:
+        raise InvalidArgumentError(
+            f"the tensors of one batch disagree on the batch size (first dimensions {sorted(sizes)}); "
+            f"every tensor in a batch must have the batch dimension first")
+    if not sizes:
+        raise InvalidArgumentError(
+            "a batch must contain at least one tensor or array with a batch dimension first")
+    return sizes.pop()
+
+
+def _as_tensor(leaf: Any) -> Any:
+    if isinstance(leaf, np.ndarray):
+        return torch.from_numpy(leaf)
+    return leaf
+
+
+def split_batch(batch: Any, num_replicas: int, first: int, count: int) -> tuple[list[Any], int]:
+    """Cut a global batch into ``num_replicas`` slices; return slices ``first..first+count-1``.
+
+    Leaves without a batch dimension (numbers, strings, 0-d tensors) go to every
+    replica unchanged. Returns the slices and the global batch size.
+    """
+    leaves = [_as_tensor(leaf) for leaf in flatten(batch)]
+    total = _batch_size_of(leaves)
+    sizes = split_sizes(total, num_replicas)
+    starts = [sum(sizes[:r]) for r in range(num_replicas)]
+    slices = []
+    for r in range(first, first + count):
+        lo, hi = starts[r], starts[r] + sizes[r]
+        slices.append([leaf[lo:hi] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
+                       for leaf in leaves])
+    return slices, total
+
+
+def _to_device(leaves: list[Any], device: torch.device) -> list[Any]:
+    non_blocking = device.type == "cuda"
+    return [leaf.to(device, non_blocking=non_blocking) if isinstance(leaf, torch.Tensor) else leaf
+            for leaf in leaves]
+
+
+def _pin(leaves: list[Any]) -> list[Any]:
+    return [leaf.pin_memory() if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" else leaf
+            for leaf in leaves]
+
+
+class _PrefetchingIterator:
+    """Yields distributed batches; with CUDA devices, the next batch is copied ahead."""
+
+    def __init__(self, strategy: Any, source: Iterator, make: Callable[[Any], Any], prefetch: bool):
+        self._strategy = strategy
+        self._source = source
+        self._make = make
+        self._prefetch = prefetch
+        self._ahead: list[Any] = []
+
+    def __iter__(self) -> "_PrefetchingIterator":
+        return self
+
+    def __next__(self) -> Any:
+        if not self._prefetch:
+            return self._make(next(self._source))
+        if not self._ahead:
+            self._ahead.append(self._make(next(self._source)))
+        current = self._ahead.pop()
+        try:
+            self._ahead.append(self._make(next(self._source)))
+        except StopIteration:
+            pass
+        return current
+
+    def get_next(self) -> Any:
+        """TensorFlow's spelling of ``next(iterator)``."""
+        return next(self)
+
+
+class DistributedDataset:
+    """An iterable of global batches, split across replicas (from ``experimental_distribute_dataset``).
+
+    Example::
+
+        import torch, stratagem as sg
+        s = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+        data = s.experimental_distribute_dataset([torch.arange(5)])
+        print(next(iter(data)))    # PerReplica:{ 0: tensor([0, 1, 2]), 1: tensor([3, 4]) }
+    """
+
+    def __init__(self, strategy: Any, dataset: Iterable, options: InputOptions | None = None):
+        if options is not None and not isinstance(options, InputOptions):
+            raise InvalidArgumentError(f"options must be sg.InputOptions, got {options!r}")
+        if not isinstance(dataset, Iterable):
+            raise InvalidArgumentError(
+                f"experimental_distribute_dataset needs an iterable of global batches (a "
+                f"DataLoader, a list, ...), got {type(dataset).__name__}")
+        self._strategy = strategy
+        self._dataset = dataset
+        self._options = options or InputOptions()
+
+    def __iter__(self) -> _PrefetchingIterator:
+        strategy = self._strategy
+        devices = [d.torch_device for d in strategy._devices]
+        cuda = any(d.type == "cuda" for d in devices) and self._options.experimental_fetch_to_device
+        shard_off = self._options.auto_shard_policy is AutoShardPolicy.OFF
+        num_replicas = strategy._num_local_replicas if shard_off else strategy.num_replicas_in_sync
+        first = 0 if shard_off else strategy._first_replica_id
+        count = strategy._num_local_replicas
+        one_replica = strategy.num_replicas_in_sync == 1
+
+        def make(batch: Any) -> Any:
+            slices, total = split_batch(batch, num_replicas, first, count)
+            if self._options.experimental_fetch_to_device:
+                if cuda:
+                    slices = [_pin(s) for s in slices]
+                slices = [_to_device(s, device) for s, device in zip(slices, devices)]
+            if one_replica:
+                return pack_as(batch, slices[0])
+            columns = [PerReplica([s[i] for s in slices], strategy, total) for i in range(len(slices[0]))]
+            return pack_as(batch, columns)
+
+        return _PrefetchingIterator(strategy, iter(self._dataset), make,
+                                    cuda and self._options.experimental_prefetch)
+
+
+class DistributedDatasetsFromFunction:
+    """Per-replica batches from ``dataset_fn(InputContext)`` (``distribute_datasets_from_function``).
+
+    Each local replica takes the next element of this worker's dataset in turn.
+    When the dataset runs out part-way through a step, the replicas left without an
+    element get an empty slice of the same structure, so the step still completes.
+
+    Example::
+
+        import torch, stratagem as sg
+        s = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+
+        def dataset_fn(ctx):
+            n = ctx.get_per_replica_batch_size(8)
+            return [torch.ones(n, 3) for _ in range(4)]
+
+        for batch in s.distribute_datasets_from_function(dataset_fn):
+            pass
+    """
+
+    def __init__(self, strategy: Any, dataset_fn: Callable, options: InputOptions | None = None):
+        if not callable(dataset_fn):
+            raise InvalidArgumentError("dataset_fn must be callable: dataset_fn(input_context) -> iterable")
+        if options is not None and not isinstance(options, InputOptions):
+            raise InvalidArgumentError(f"options must be sg.InputOptions, got {options!r}")
+        self._strategy = strategy
+        self._options = options or InputOptions()
+        context = InputContext(strategy._num_workers, strategy._worker_index, strategy.num_replicas_in_sync)
+        self._dataset = dataset_fn(context)
+        if not isinstance(self._dataset, Iterable):
+            raise InvalidArgumentError(
+                f"dataset_fn must return an iterable of per-replica batches, got {type(self._dataset).__name__}")
+
+    def __iter__(self) -> _PrefetchingIterator:
+        strategy = self._strategy
+        devices = [d.torch_device for d in strategy._devices]
+        count = strategy._num_local_replicas
+        cuda = any(d.type == "cuda" for d in devices)
+        source = iter(self._dataset)
+        exact = strategy._num_workers == 1
+
+        def groups() -> Iterator[list[Any]]:
+            while True:
+                group = []
+                for _ in range(count):
+                    try:
+                        group.append(next(source))
+                    except StopIteration:
+                        break
+                if not group:
+                    return
+                while len(group) < count:
+                    group.append(_empty_like(group[0]))
+                yield group
+
+        def make(group: list[Any]) -> Any:
+            flat = [[_as_tensor(leaf) for leaf in flatten(element)] for element in group]
+            if self._options.experimental_fetch_to_device:
+                flat = [_to_device(f, device) for f, device in zip(flat, devices)]
+            total = sum(_batch_size_of(f) for f in flat) if exact else None
+            if strategy.num_replicas_in_sync == 1:
+                return pack_as(group[0], flat[0])
+            columns = [PerReplica([f[i] for f in flat], strategy, total) for i in range(len(flat[0]))]
+            return pack_as(group[0], columns)
+
+        return _PrefetchingIterator(strategy, groups(), make, cuda and self._options.experimental_prefetch)
+
+
+def _empty_like(element: Any) -> Any:
+    leaves = [_as_tensor(leaf) for leaf in flatten(element)]
+    return pack_as(element, [leaf[:0] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
+                             for leaf in leaves])

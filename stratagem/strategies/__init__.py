@@ -1,0 +1,1 @@
+"""One file per strategy, each a small subclass of :class:`Strategy`."""

@@ -1,0 +1,257 @@
+"""ReplicaContext: what a replica's function sees, and the collectives among replicas.
+
+Collectives inside ``run`` go through :class:`~stratagem.comm.sync.ReplicaSync`:
+every replica deposits its value and gets everyone's back (one barrier). Each
+collective is a few lines on top of that exchange; ``all_reduce`` hands the
+arithmetic to the strategy's cross-device op so that gradients and user values are
+reduced the same way.
+
+merge_call protocol (states per call):
+
+1. every replica deposits ``(fn, args, kwargs)`` and waits (barrier 1);
+2. replica 0's thread regroups the arguments into PerReplica values and runs
+   ``fn(strategy, *args, **kwargs)`` in cross-replica context; the others wait;
+3. replica 0 deposits the outcome (value or exception) and all meet (barrier 2);
+4. every replica returns the result (its own component where the result is
+   distributed). If ``fn`` raised, replica 0 raises it and the others stop with
+   ``ReplicaAborted``, so ``run`` reports the error once. A replica that raised
+   before reaching merge_call aborts the exchange: no replica is left waiting.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from stratagem import _context
+from stratagem.errors import InvalidArgumentError
+from stratagem.values import (DistributedValues, PerReplica, ReduceOp, flatten, map_structure,
+                              pack_as, regroup, select_replica)
+from stratagem.comm.sync import ReplicaAborted
+
+
+def split_sizes(total: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` contiguous slices of ``total`` rows, earlier slices taking the extra rows."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+class ReplicaContext:
+    """A replica's view of the strategy while its function runs inside ``strategy.run``.
+
+    Example::
+
+        import torch, stratagem as sg
+        s = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+
+        def fn():
+            ctx = sg.get_replica_context()
+            mine = torch.tensor([float(ctx.replica_id_in_sync_group)])
+            return ctx.all_reduce("sum", mine), ctx.all_gather(mine, axis=0)
+
+        total, gathered = s.run(fn)
+        print(s.experimental_local_results(total))   # (tensor([1.]), tensor([1.]))
+    """
+
+    def __init__(self, strategy: Any, replica_id_in_sync_group: int, local_id: int, sync: Any = None):
+        self._strategy = strategy
+        self._replica_id = replica_id_in_sync_group
+        self._local_id = local_id
+        self._sync = sync
+        self._global_batch_size: int | None = None
+
+    @property
+    def strategy(self) -> Any:
+        return self._strategy
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        return self._replica_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return (str(self._strategy._devices[self._local_id]),)
+
+    @property
+    def _device(self) -> torch.device:
+        return self._strategy._devices[self._local_id].torch_device
+
+    def _exchange(self, value: Any, tag: str) -> list[Any]:
+        if self._sync is None:
+            return [value]
+        return self._sync.exchange(self._local_id, value, tag)
+
+    def _as_tensors(self, value: Any) -> tuple[list[torch.Tensor], list[bool]]:
+        leaves = flatten(value)
+        tensors, was_number = [], []
+        for leaf in leaves:
+            if isinstance(leaf, DistributedValues):
+                raise InvalidArgumentError(
+                    "a replica function received a distributed value inside a collective; pass "
+                    "this replica's own tensors (strategy.run already unwraps its arguments)")
+            was_number.append(not isinstance(leaf, torch.Tensor))
+            tensors.append(torch.as_tensor(leaf, device=self._device) if was_number[-1] else leaf)
+        return tensors, was_number
+
+    # ------------------------------------------------------------ collectives
+
+    def all_reduce(self, reduce_op: "ReduceOp | str", value: Any) -> Any:
+        """Reduce ``value`` (a tensor, number or nested structure) over all replicas.
+
+        Every replica gets the result on its own device; numbers come back as numbers.
+        """
+        op = ReduceOp.from_any(reduce_op)
+        tensors, was_number = self._as_tensors(value)
+        reduced = self._strategy._replica_all_reduce(self, op, tensors)
+        out = [t.item() if number else t for t, number in zip(reduced, was_number)]
+        return pack_as(value, out)
+
+    def all_gather(self, value: Any, axis: int) -> Any:
+        """Concatenate every replica's ``value`` along ``axis``, in replica order."""
+        tensors, _ = self._as_tensors(value)
+        gathered = self._strategy._replica_all_gather(self, tensors, axis)
+        return pack_as(value, gathered)
+
+    def broadcast(self, value: Any, source_replica: int = 0) -> Any:
+        """Every replica gets ``source_replica``'s value (copied to its own device)."""
+        self._check_replica(source_replica, "source_replica")
+        tensors, _ = self._as_tensors(value)
+        everyone = self._strategy._replica_exchange(self, tensors, "broadcast")
+        return pack_as(value, [t.to(self._device, copy=True) for t in everyone[source_replica]])
+
+    def reduce(self, reduce_op: "ReduceOp | str", value: Any, destination_replica: int = 0) -> Any:
+        """Like ``all_reduce``, but only ``destination_replica`` gets the result; others get None."""
+        self._check_replica(destination_replica, "destination_replica")
+        result = self.all_reduce(reduce_op, value)
+        return result if self._replica_id == destination_replica else None
+
+    def reduce_scatter(self, reduce_op: "ReduceOp | str", value: torch.Tensor, axis: int = 0) -> torch.Tensor:
+        """Reduce over replicas, then keep this replica's slice along ``axis``.
+
+        Slices are contiguous; when the length does not divide evenly, earlier
+        replicas take one extra row (the input splitting rule).
+        """
+        reduced = self.all_reduce(reduce_op, value)
+        sizes = split_sizes(reduced.shape[axis], self.num_replicas_in_sync)
+        return torch.split(reduced, sizes, dim=axis)[self._replica_id].clone()
+
+    def all_to_all(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Replica ``i`` sends ``values[j]`` to replica ``j``; returns what each replica sent here."""
+        if len(values) != self.num_replicas_in_sync:
+            raise InvalidArgumentError(
+                f"all_to_all needs one tensor per replica ({self.num_replicas_in_sync}), got {len(values)}")
+        tensors, _ = self._as_tensors(list(values))
+        everyone = self._strategy._replica_exchange(self, tensors, "all_to_all")
+        return [everyone[src][self._replica_id].to(self._device, copy=True) for src in range(len(everyone))]
+
+    def scatter(self, values: Sequence[torch.Tensor] | None, source_replica: int = 0) -> torch.Tensor:
+        """``source_replica`` gives one tensor per replica; each replica gets its own."""
+        self._check_replica(source_replica, "source_replica")
+        if self._replica_id == source_replica:
+            if values is None or len(values) != self.num_replicas_in_sync:
+                raise InvalidArgumentError(
+                    f"the source replica of scatter must pass one tensor per replica "
+                    f"({self.num_replicas_in_sync})")
+            tensors, _ = self._as_tensors(list(values))
+        else:
+            tensors = []
+        everyone = self._strategy._replica_exchange(self, tensors, "scatter")
+        return everyone[source_replica][self._replica_id].to(self._device, copy=True)
+
+    def gather(self, value: torch.Tensor, axis: int = 0, destination_replica: int = 0) -> torch.Tensor | None:
+        """Concatenation of every replica's value on ``destination_replica``; None elsewhere."""
+        self._check_replica(destination_replica, "destination_replica")
+        result = self.all_gather(value, axis)
+        return result if self._replica_id == destination_replica else None
+
+    # ------------------------------------------------------------ merge_call
+
+    def merge_call(self, merge_fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
+        """Pause every replica and run ``merge_fn(strategy, *args, **kwargs)`` once.
+
+        ``merge_fn`` runs in cross-replica context; arguments that differ between
+        replicas arrive as PerReplica values. Its result is returned to every replica
+        (each replica's own component where the result is distributed).
+        """
+        kwargs = {} if kwargs is None else kwargs
+        strategy = self._strategy
+        everyone = self._exchange((tuple(args), kwargs), "merge_call")
+        if self._local_id == 0:
+            merged_args, merged_kwargs = regroup(everyone, strategy)
+            _context.push(strategy, None)
+            try:
+                outcome = (True, merge_fn(strategy, *merged_args, **merged_kwargs))
+            except BaseException as error:  # noqa: BLE001 - handed to every replica below
+                outcome = (False, error)
+            finally:
+                _context.pop()
+        else:
+            outcome = None
+        ok, result = self._exchange(outcome, "merge_call:result")[0]
+        if not ok:
+            if self._local_id == 0:
+                raise result
+            raise ReplicaAborted()
+        return select_replica(self._local_id, result)
+
+    def _check_replica(self, replica: int, name: str) -> None:
+        if not isinstance(replica, int) or not 0 <= replica < self.num_replicas_in_sync:
+            raise InvalidArgumentError(
+                f"{name} must be a replica id in [0, {self.num_replicas_in_sync}), got {replica!r}")
+
+    def __repr__(self) -> str:
+        return (f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+class CrossReplicaCollectives:
+    """The §12 collectives on PerReplica values, from cross-replica context.
+
+    Each method runs the replica-side collective through ``strategy.run``, so results
+    are identical to calling it inside a replica function.
+
+    Example::
+
+        import torch, stratagem as sg
+        s = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+        v = s.experimental_distribute_values_from_function(
+            lambda ctx: torch.tensor([1.0, 2.0]) * (ctx.replica_id_in_sync_group + 1))
+        print(s.collectives.all_reduce("sum", v))    # each replica: tensor([3., 6.])
+    """
+
+    def __init__(self, strategy: Any):
+        self._strategy = strategy
+
+    def _each(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            return getattr(_context.get_replica_context(), method)(*a, **kw)
+        return self._strategy.run(call, args=args, kwargs=kwargs)
+
+    def all_reduce(self, reduce_op, value):
+        return self._each("all_reduce", reduce_op, value)
+
+    def all_gather(self, value, axis):
+        return self._each("all_gather", value, axis)
+
+    def broadcast(self, value, source_replica=0):
+        return self._each("broadcast", value, source_replica=source_replica)
+
+    def reduce(self, reduce_op, value, destination_replica=0):
+        return self._each("reduce", reduce_op, value, destination_replica=destination_replica)
+
+    def reduce_scatter(self, reduce_op, value, axis=0):
+        return self._each("reduce_scatter", reduce_op, value, axis=axis)
+
+    def all_to_all(self, values):
+        return self._each("all_to_all", values)
+
+    def scatter(self, values, source_replica=0):
+        return self._each("scatter", values, source_replica=source_replica)
+
+    def gather(self, value, axis=0, destination_replica=0):
+        return self._each("gather", value, axis=axis, destination_replica=destination_replica)
