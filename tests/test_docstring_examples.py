@@ -1,0 +1,61 @@
+"""Every ``Example::`` block in a public docstring runs as written."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import inspect
+import pkgutil
+import textwrap
+
+import pytest
+
+import stratagem
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _examples() -> list[tuple[str, str]]:
+    found: dict[str, str] = {}
+    for info in pkgutil.walk_packages(stratagem.__path__, "stratagem."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        objects = [module] + [obj for _, obj in inspect.getmembers(module)
+                              if (inspect.isclass(obj) or inspect.isfunction(obj))
+                              and getattr(obj, "__module__", None) == module.__name__]
+        for obj in list(objects):
+            if inspect.isclass(obj):
+                objects += [m for m in vars(obj).values() if inspect.isfunction(m) or isinstance(m, property)]
+        for obj in objects:
+            doc = inspect.getdoc(obj.fget if isinstance(obj, property) else obj) or ""
+            if "Example::" not in doc:
+                continue
+            block = doc.split("Example::", 1)[1]
+            lines = []
+            for line in block.splitlines()[1:]:
+                if line.strip() and not line.startswith(" "):
+                    break
+                lines.append(line)
+            code = textwrap.dedent("\n".join(lines))
+            name = f"{module.__name__}.{getattr(obj, '__qualname__', '')}".rstrip(".")
+            found.setdefault(code, name)
+    return sorted((name, code) for code, name in found.items())
+
+
+EXAMPLES = _examples()
+
+
+def test_examples_were_found() -> None:
+    assert len(EXAMPLES) >= 15
+
+
+@pytest.mark.parametrize("name,code", EXAMPLES, ids=[name for name, _ in EXAMPLES])
+def test_example_runs(name: str, code: str, capsys: pytest.CaptureFixture) -> None:
+    if ">>>" in code:  # doctest style: the shown output is checked too
+        test = doctest.DocTestParser().get_doctest(code, {}, name, None, 0)
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        runner.run(test)
+        assert runner.failures == 0, f"{name}: {runner.failures} doctest failures"
+        return
+    exec(compile(code, f"<example {name}>", "exec"), {"__name__": "__example__"})
