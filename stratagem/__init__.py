@@ -37,17 +37,18 @@ from stratagem.comm.options import CommunicationImplementation, CommunicationOpt
 from stratagem.data.input import AutoShardPolicy, InputContext, InputOptions, ValueContext
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.mirrored import MirroredStrategy
+from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
 from stratagem.strategies.one_device import OneDeviceStrategy
 from stratagem.strategies.replica_context import ReplicaContext
 from stratagem.values import DistributedValues, PerReplica, ReduceOp
-from stratagem import nn
+from stratagem import cluster, nn
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AutoShardPolicy", "CommunicationImplementation", "CommunicationOptions", "CrossDeviceOps",
-    "DistributedValues", "HierarchicalCopyAllReduce", "InputContext", "InputOptions", "MirroredStrategy",
+    "DistributedValues", "HierarchicalCopyAllReduce", "InputContext", "InputOptions", "MirroredStrategy", "MultiWorkerMirroredStrategy",
     "NcclAllReduce", "OneDeviceStrategy", "PerReplica", "ReduceOp", "ReductionToOneDevice",
-    "ReplicaContext", "Strategy", "ValueContext", "errors", "get_replica_context", "get_strategy",
+    "ReplicaContext", "Strategy", "ValueContext", "cluster", "errors", "get_replica_context", "get_strategy",
     "has_strategy", "in_cross_replica_context", "nn",
 ]

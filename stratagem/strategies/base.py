@@ -199,7 +199,13 @@ class Strategy:
     def _local_tensors(self, leaf: Any) -> tuple[list[torch.Tensor], torch.device | None]:
         components = self.experimental_local_results(leaf)
         target = self._result_device(components[0])
-        tensors = [torch.as_tensor(c, device=target) for c in components]
+        try:
+            tensors = [torch.as_tensor(c, device=target) for c in components]
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise InvalidArgumentError(
+                f"reduce and gather combine tensors and numbers, but got a "
+                f"{type(components[0]).__name__} leaf {_short(components[0])}; leave such values "
+                f"out of the structure you reduce") from error
         if not isinstance(leaf, DistributedValues):
             tensors = tensors * self._num_local_replicas
         return tensors, target
@@ -253,6 +259,7 @@ class Strategy:
             self._check_owned(value, "experimental_local_results")
             return value._values
         if isinstance(value, torch.Tensor):
+            self._placement.finalize()  # a module created in a scope that is still open
             copies = self._placement.all_copies(value)
             if copies is not None:
                 return copies
@@ -293,6 +300,9 @@ class Strategy:
 
     def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def _on_modules_placed(self, modules: list) -> None:
+        """Modules created in scope were just placed (multi-worker: check and broadcast)."""
 
     def _cross_worker_gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         return tensor
@@ -336,6 +346,11 @@ def _ordered_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for t in tensors[1:]:
         total = total + t  # in replica order, like the cross-device ops
     return total
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _global_batch_size_of(structure: Any) -> int | None:

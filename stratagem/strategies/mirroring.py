@@ -191,11 +191,10 @@ class Placement:
         """Place pending modules and build replica twins of pending optimizers."""
         if self._pending_modules:
             modules, self._pending_modules = self._pending_modules, []
-            seen: set[int] = set()
-            for module in modules:
-                if id(module) not in seen:
-                    seen.add(id(module))
-                    self._place_module(module)
+            unique = list({id(m): m for m in modules}.values())
+            for module in unique:
+                self._place_module(module)
+            self.strategy._on_modules_placed(unique)
         if self._pending_optimizers:
             optimizers, self._pending_optimizers = self._pending_optimizers, []
             for optimizer in optimizers:

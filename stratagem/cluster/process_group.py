@@ -1,0 +1,195 @@
+"""The torch.distributed process group joining the workers of a cluster.
+
+:class:`WorkerGroup` is set up from a cluster resolver: gloo for CPU replicas, NCCL
+for CUDA ones (``CommunicationOptions.implementation``), the rendezvous at the
+chief's address (torchrun's MASTER_ADDR:MASTER_PORT under torchrun), and an explicit
+timeout so that a peer that stops answering is noticed (gloo's default is 30 min).
+
+Every collective runs inside :meth:`WorkerGroup.guard`, which turns the backend's
+failure into :class:`~stratagem.errors.UnavailableError` naming the lost task. The
+lost task is found through heartbeats: each worker stamps a counter in the
+rendezvous store every second; after a failure, the task whose counter stopped
+moving is the one that died or hung (if the store itself is gone, the chief is).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from stratagem.comm.options import CommunicationImplementation, CommunicationOptions
+from stratagem.errors import InvalidArgumentError, UnavailableError
+
+DEFAULT_TIMEOUT_SECONDS = 180.0
+HEARTBEAT_SECONDS = 1.0
+
+
+def task_names(resolver: Any) -> list[str]:
+    """The task name of every rank: chief first, then workers in index order."""
+    try:
+        spec = resolver.cluster_spec()
+    except InvalidArgumentError:  # torchrun: every process is a worker named by its rank
+        return [f"worker {r}" for r in range(resolver.num_workers)]
+    names = [f"chief {i}" if spec.num_tasks("chief") > 1 else "chief"
+             for i in range(spec.num_tasks("chief"))] if "chief" in spec.jobs else []
+    if "worker" in spec.jobs:
+        names += [f"worker {i}" for i in range(spec.num_tasks("worker"))]
+    return names or ["worker 0"]
+
+
+class WorkerGroup:
+    """One process's membership of the workers' collective."""
+
+    def __init__(self, resolver: Any, options: CommunicationOptions, uses_cuda: bool):
+        rank = resolver.worker_rank
+        if rank is None:
+            raise InvalidArgumentError(
+                f"this task is {resolver.task_type!r} {resolver.task_id}, which takes no part in "
+                f"synchronous training; only the chief and the workers run "
+                f"MultiWorkerMirroredStrategy (an evaluator uses its own local strategy)")
+        self.rank = rank
+        self.world_size = resolver.num_workers
+        self.names = task_names(resolver)
+        self.timeout = options.timeout_seconds or DEFAULT_TIMEOUT_SECONDS
+        self.backend = _backend(options.implementation, uses_cuda)
+        self._stop = threading.Event()
+        self.solo = self.world_size == 1
+        if self.solo:  # a lone worker: nothing to join, every collective is the identity
+            self.group = None
+            return
+        if dist.is_initialized():
+            if dist.get_world_size() != self.world_size or dist.get_rank() != rank:
+                raise InvalidArgumentError(
+                    f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                    f"{dist.get_world_size()}, but the cluster says rank {rank} of {self.world_size}")
+            self.group = dist.new_group(backend=self.backend, timeout=datetime.timedelta(seconds=self.timeout))
+        else:
+            address = resolver.chief_address
+            init_method = "env://" if type(resolver).__name__ == "TorchrunClusterResolver" else f"tcp://{address}"
+            try:
+                dist.init_process_group(self.backend, init_method=init_method, rank=rank,
+                                        world_size=self.world_size,
+                                        timeout=datetime.timedelta(seconds=self.timeout))
+            except Exception as error:  # noqa: BLE001 - every rendezvous failure means the same
+                raise UnavailableError(
+                    f"{self.names[rank]} could not meet the other workers at {address} within "
+                    f"{self.timeout:g} s ({type(error).__name__}: {error}); check that every task "
+                    f"was started with the same cluster description and that {address} is "
+                    f"reachable", task=self.names[0]) from error
+            self.group = None  # the default group
+        self._store = dist.distributed_c10d._get_default_store()
+        self._beats = 0
+        self._beat()
+        threading.Thread(target=self._heartbeat, daemon=True, name="stratagem-heartbeat").start()
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    # --------------------------------------------------------------- failures
+
+    def _beat(self) -> None:
+        self._beats += 1
+        self._store.set(f"stratagem/heartbeat/{self.rank}", str(self._beats))
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            try:
+                self._beat()
+            except Exception:  # noqa: BLE001 - the store is gone; guard() will say who
+                return
+
+    def _lost_tasks(self) -> list[str]:
+        """Tasks whose heartbeat stopped moving (waits ~2.5 heartbeats to see)."""
+        keys = [f"stratagem/heartbeat/{r}" for r in range(self.world_size)]
+        try:
+            before = [self._store.get(k) for k in keys]
+            time.sleep(2.5 * HEARTBEAT_SECONDS)
+            after = [self._store.get(k) for k in keys]
+        except Exception:  # noqa: BLE001 - the store lives on the chief: it is gone
+            return [self.names[0]]
+        return [self.names[r] for r in range(self.world_size) if r != self.rank and before[r] == after[r]]
+
+    @contextlib.contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        """Turn a collective's failure into UnavailableError naming the lost task."""
+        try:
+            yield
+        except UnavailableError:
+            raise
+        except (RuntimeError, dist.DistBackendError, ConnectionError) as error:
+            lost = self._lost_tasks()
+            who = ", ".join(lost) if lost else "a peer"
+            raise UnavailableError(
+                f"{what} failed on {self.names[self.rank]}: {who} stopped answering "
+                f"(timeout {self.timeout:g} s; {type(error).__name__}: {str(error).splitlines()[0]}). "
+                f"The other workers cannot continue without it: restart the job (stratagem launch "
+                f"--max-restarts) and restore from the last checkpoint",
+                task=lost[0] if lost else None) from error
+
+    # ------------------------------------------------------------ collectives
+
+    def all_reduce(self, tensor: torch.Tensor, what: str = "all_reduce") -> torch.Tensor:
+        if self.solo:
+            return tensor
+        with self.guard(what):
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> Any:
+        with self.guard("gradient all_reduce"):
+            return dist.all_reduce(tensor, group=self.group, async_op=True)
+
+    def wait(self, work: Any, what: str = "gradient all_reduce") -> None:
+        with self.guard(what):
+            work.wait()
+
+    def broadcast(self, tensor: torch.Tensor, what: str = "broadcast") -> torch.Tensor:
+        if self.solo:
+            return tensor
+        with self.guard(what):
+            dist.broadcast(tensor, src=self._global(0), group=self.group)
+        return tensor
+
+    def all_gather_object(self, obj: Any, what: str = "all_gather") -> list[Any]:
+        if self.solo:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        with self.guard(what):
+            dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj: Any, what: str = "broadcast") -> Any:
+        if self.solo:
+            return obj
+        box = [obj if self.is_chief else None]
+        with self.guard(what):
+            dist.broadcast_object_list(box, src=self._global(0), group=self.group)
+        return box[0]
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _backend(implementation: CommunicationImplementation, uses_cuda: bool) -> str:
+    if implementation is CommunicationImplementation.NCCL:
+        if not uses_cuda:
+            raise InvalidArgumentError(
+                "CommunicationImplementation.NCCL needs CUDA devices, but this worker's replicas "
+                "are on the CPU; use RING (gloo) or AUTO")
+        if not dist.is_nccl_available():
+            raise InvalidArgumentError("this PyTorch build has no NCCL; use RING (gloo) or AUTO")
+        return "nccl"
+    if implementation is CommunicationImplementation.RING:
+        return "gloo"
+    return "nccl" if uses_cuda and dist.is_nccl_available() else "gloo"
+

@@ -1,0 +1,150 @@
+"""Cross-worker gradient summation: packs, launched while backward is still running.
+
+Gradients are fused into packs (buckets) of about ``bytes_per_pack`` bytes, formed
+in *reverse* parameter order because backward produces the last layers' gradients
+first. With ``overlap=True`` an autograd hook on each parameter copies its gradient
+into its pack as soon as it is accumulated; when a pack is complete it is
+all-reduced asynchronously. Packs are always launched in index order, so every
+worker issues the same collectives in the same order (gloo and NCCL need that),
+whatever order the hooks fire in.
+
+``finish()`` (called by ``optimizer.step()``) launches the packs not yet launched,
+waits only for what is still in flight, and copies the sums back into ``.grad``.
+
+Each pack carries one extra element per parameter: 1 where this worker has a
+gradient. After the sum, a parameter whose flag is 0 had no gradient on any worker
+and keeps ``grad=None``; elsewhere a missing gradient counts as zeros. A gradient
+accumulated again after its pack was launched (several backward passes per step)
+is noticed and its pack is reduced once more at ``finish()``, from the full local
+gradient, so the result stays exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+DEFAULT_BYTES_PER_PACK = 25 << 20   # DistributedDataParallel's bucket_cap_mb
+FIRST_PACK_BYTES = 1 << 20          # a small first pack starts communication early
+
+
+class _Pack:
+    __slots__ = ("params", "offsets", "buffer", "flags", "filled", "work", "stale")
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self.offsets: list[int] = []
+        offset = 0
+        for p in params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        first = params[0]
+        self.buffer = torch.zeros(offset + len(params), dtype=first.dtype, device=first.device)
+        self.flags = self.buffer[offset:]
+        self.filled = 0
+        self.work: Any = None
+        self.stale = False
+
+    def slot(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+    def fill(self, i: int) -> None:
+        grad = self.params[i].grad
+        if grad is None:
+            self.slot(i).zero_()
+            self.flags[i] = 0
+        else:
+            self.slot(i).copy_(grad)
+            self.flags[i] = 1
+
+
+class GradientPacks:
+    """Sums the gradients of ``params`` over workers through ``group``."""
+
+    def __init__(self, params: Sequence[torch.Tensor], group: Any, *, bytes_per_pack: int = 0,
+                 overlap: bool = True):
+        self._group = group
+        cap = bytes_per_pack or DEFAULT_BYTES_PER_PACK
+        first_cap = min(cap, FIRST_PACK_BYTES) if not bytes_per_pack else cap
+        self.packs: list[_Pack] = []
+        self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (pack, index in pack)
+        current: list[torch.Tensor] = []
+        size = 0
+        for p in reversed([p for p in params if p.requires_grad]):
+            if current and (size + p.numel() * p.element_size() > (first_cap if not self.packs else cap)
+                            or p.dtype != current[0].dtype or p.device != current[0].device):
+                self._add_pack(current)
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * p.element_size()
+        if current:
+            self._add_pack(current)
+        self._next_launch = 0
+        self._hooks = []
+        if overlap:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params()]
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for pack in self.packs for p in pack.params]
+
+    def _add_pack(self, params: list[torch.Tensor]) -> None:
+        for i, p in enumerate(params):
+            self._where[id(p)] = (len(self.packs), i)
+        self.packs.append(_Pack(params))
+
+    def covers(self, params: Sequence[torch.Tensor]) -> bool:
+        return all(id(p) in self._where for p in params if p.requires_grad)
+
+    # ---------------------------------------------------------------- backward
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        k, i = self._where[id(param)]
+        pack = self.packs[k]
+        if pack.work is not None or k < self._next_launch:
+            pack.stale = True  # accumulated again after launch: reduce again in finish()
+            return
+        pack.fill(i)
+        pack.filled += 1
+        if pack.filled == len(pack.params):
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.packs):
+            pack = self.packs[self._next_launch]
+            if pack.filled < len(pack.params):
+                return
+            pack.work = self._group.all_reduce_async(pack.buffer)
+            self._next_launch += 1
+
+    # -------------------------------------------------------------------- step
+
+    def finish(self) -> None:
+        """Launch what backward did not, wait for everything, write the sums to ``.grad``."""
+        for pack in self.packs[self._next_launch:]:
+            for i in range(len(pack.params)):
+                pack.fill(i)
+            pack.filled = len(pack.params)
+        self._launch_ready()
+        for pack in self.packs:
+            self._group.wait(pack.work)
+            if pack.stale:
+                for i in range(len(pack.params)):
+                    pack.fill(i)
+                self._group.all_reduce(pack.buffer, "gradient all_reduce")
+            present = pack.flags.tolist()
+            for i, p in enumerate(pack.params):
+                if present[i] == 0:
+                    continue
+                if p.grad is None:
+                    p.grad = pack.slot(i).clone()
+                else:
+                    p.grad.copy_(pack.slot(i))
+            pack.work, pack.filled, pack.stale = None, 0, False
+        self._next_launch = 0
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []

@@ -1,0 +1,127 @@
+"""Helpers to run real multi-process clusters on one machine, for tests.
+
+:func:`run_local_cluster` starts one process per task of a loopback cluster, each
+with its TF_CONFIG, waits for all of them with a deadline, and always cleans up:
+on timeout or failure every process group is killed. Ports are free ports.
+
+Example::
+
+    import sys, tempfile, pathlib
+    from stratagem.testing import run_local_cluster
+    script = pathlib.Path(tempfile.mkdtemp()) / "hello.py"
+    script.write_text("import json, os; print(json.loads(os.environ['TF_CONFIG'])['task'])")
+    results = run_local_cluster(script, num_workers=2, timeout=60)
+    assert all(r.returncode == 0 for r in results)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports that were free a moment ago."""
+    sockets, ports = [], []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind((host, 0))
+            sockets.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in sockets:
+            s.close()
+    return ports
+
+
+def local_cluster(num_workers: int, *, chief: bool = False, num_ps: int = 0,
+                  host: str = "127.0.0.1") -> dict[str, list[str]]:
+    """A cluster dict of loopback addresses on free ports."""
+    ports = iter(free_ports(num_workers + int(chief) + num_ps, host))
+    cluster: dict[str, list[str]] = {}
+    if chief:
+        cluster["chief"] = [f"{host}:{next(ports)}"]
+    if num_workers:
+        cluster["worker"] = [f"{host}:{next(ports)}" for _ in range(num_workers)]
+    if num_ps:
+        cluster["ps"] = [f"{host}:{next(ports)}" for _ in range(num_ps)]
+    return cluster
+
+
+@dataclass
+class TaskResult:
+    task: str
+    returncode: int
+    output: str
+
+
+def run_local_cluster(script: "str | Path", num_workers: int, *, args: Sequence[str] = (),
+                      chief: bool = False, timeout: float = 120, env: dict[str, str] | None = None,
+                      kill_after: dict[str, float] | None = None) -> list[TaskResult]:
+    """Run ``script`` once per task of a local cluster; return each task's exit code and output.
+
+    ``kill_after={"worker 1": 3.0}`` SIGKILLs that task after 3 s (failure tests).
+    Raises ``TimeoutError`` (after killing everything) when the deadline passes.
+    """
+    cluster = local_cluster(num_workers, chief=chief)
+    tasks = [(job, i) for job in ("chief", "worker") for i in range(len(cluster.get(job, [])))]
+    procs: list[tuple[str, subprocess.Popen]] = []
+    logs: list = []
+    base_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    try:
+        for job, index in tasks:
+            task_env = {**base_env, "TF_CONFIG": json.dumps({"cluster": cluster,
+                                                           "task": {"type": job, "index": index}})}
+            name = "chief" if job == "chief" else f"{job} {index}"
+            log = tempfile.TemporaryFile(mode="w+")  # a file, never a pipe that could fill up
+            logs.append(log)
+            proc = subprocess.Popen([sys.executable, str(script), *args], env=task_env,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True, text=True)
+            procs.append((name, proc))
+        deadline = time.monotonic() + timeout
+        kills = dict(kill_after or {})
+        started = time.monotonic()
+        while any(p.poll() is None for _, p in procs):
+            now = time.monotonic()
+            if now > deadline:
+                for _, proc in procs:
+                    _kill(proc)
+                    proc.wait()
+                raise TimeoutError(f"the cluster did not finish within {timeout} s; outputs:\n" +
+                                   "\n".join(f"--- {n} ---\n{_read(log)}" for (n, _), log in zip(procs, logs)))
+            for name, proc in procs:
+                if name in kills and now - started >= kills[name]:
+                    _kill(proc)
+                    del kills[name]
+            time.sleep(0.05)
+        return [TaskResult(name, proc.returncode, _read(log)) for (name, proc), log in zip(procs, logs)]
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                _kill(proc)
+            proc.wait()
+        for log in logs:
+            log.close()
+
+
+def _read(log) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
