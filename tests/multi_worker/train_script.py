@@ -18,10 +18,10 @@ import stratagem as sg
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, classes: int = 4) -> None:
         super().__init__()
         self.fc1 = nn.Linear(6, 16)
-        self.fc2 = nn.Linear(16, 4)
+        self.fc2 = nn.Linear(16, classes)
         self.register_buffer("scale", torch.linspace(0.5, 1.5, 16))
 
     def forward(self, x):
@@ -58,9 +58,7 @@ def main(argv=None):
     rank = strategy.cluster_resolver.worker_rank
     torch.manual_seed(100 + rank)  # different on every worker: the chief's values must win
     with strategy.scope():
-        model = Net()
-        if rank == args.wrong_shape_on_rank:
-            model.fc2 = nn.Linear(16, 5)
+        model = Net(classes=5 if rank == args.wrong_shape_on_rank else 4)
         optimizer = make_optimizer(args.optimizer, model.parameters())
     initial = {k: v.clone() for k, v in model.state_dict().items()}
 
