@@ -59,6 +59,9 @@ class WorkerGroup:
         self.timeout = options.timeout_seconds or DEFAULT_TIMEOUT_SECONDS
         self.backend = _backend(options.implementation, uses_cuda)
         self._stop = threading.Event()
+        # NCCL moves CUDA tensors only: small host-side values travel through this device
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
+            else torch.device("cpu")
         self.solo = self.world_size == 1
         if self.solo:  # a lone worker: nothing to join, every collective is the identity
             self.group = None
@@ -138,8 +141,11 @@ class WorkerGroup:
     def all_reduce(self, tensor: torch.Tensor, what: str = "all_reduce") -> torch.Tensor:
         if self.solo:
             return tensor
+        carrier = tensor if tensor.device == self.device else tensor.to(self.device)
         with self.guard(what):
-            dist.all_reduce(tensor, group=self.group)
+            dist.all_reduce(carrier, group=self.group)
+        if carrier is not tensor:
+            tensor.copy_(carrier)
         return tensor
 
     def all_reduce_async(self, tensor: torch.Tensor) -> Any:
@@ -153,8 +159,11 @@ class WorkerGroup:
     def broadcast(self, tensor: torch.Tensor, what: str = "broadcast") -> torch.Tensor:
         if self.solo:
             return tensor
+        carrier = tensor if tensor.device == self.device else tensor.to(self.device)
         with self.guard(what):
-            dist.broadcast(tensor, src=self._global(0), group=self.group)
+            dist.broadcast(carrier, src=self._global(0), group=self.group)
+        if carrier is not tensor:
+            tensor.copy_(carrier)
         return tensor
 
     def all_gather_object(self, obj: Any, what: str = "all_gather") -> list[Any]:

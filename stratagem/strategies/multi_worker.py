@@ -58,6 +58,8 @@ class MultiWorkerMirroredStrategy(LocalStrategy):
         local_devices = parse_devices(devices) if devices is not None else _default_worker_devices(resolver)
         self._resolver = resolver
         self._options = options
+        if local_devices[0].is_cuda:
+            torch.cuda.set_device(local_devices[0].torch_device)  # NCCL's device for this process
         self._group = WorkerGroup(resolver, options, uses_cuda=local_devices[0].is_cuda)
         super().__init__(local_devices)
         self._packs: dict[int, GradientPacks] = {}
