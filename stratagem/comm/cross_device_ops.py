@@ -162,7 +162,12 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
                                            "use dense gradients (e.g. nn.Embedding(sparse=False))")
         plan = self._plan(tuple(t.numel() for t in mine), n)
         for i, start, stop in plan[replica_id]:
-            pieces = [everyone[r][i].view(-1)[start:stop] for r in range(n)]
+            if all(everyone[r][i].is_contiguous() for r in range(n)):
+                pieces = [everyone[r][i].view(-1)[start:stop] for r in range(n)]
+            elif start == 0:  # e.g. channels_last: no flat view, so reduce the whole tensor
+                pieces = [everyone[r][i] for r in range(n)]
+            else:
+                continue  # the replica holding this tensor's first element reduces all of it
             acc = _sum_into(pieces[0], pieces[1:], op, n)
             for piece in pieces[1:]:
                 piece.copy_(acc, non_blocking=True)

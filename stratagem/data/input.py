@@ -201,6 +201,8 @@ class DistributedDataset:
 
         def make(batch: Any) -> Any:
             slices, total = split_batch(batch, num_replicas, first, count)
+            if shard_off:  # every worker's replicas share the whole batch: the step sees it once per worker
+                total *= strategy._num_workers
             if self._options.experimental_fetch_to_device:
                 if cuda:
                     slices = [_pin(s) for s in slices]

@@ -204,8 +204,8 @@ class Strategy:
         except (TypeError, ValueError, RuntimeError) as error:
             raise InvalidArgumentError(
                 f"reduce and gather combine tensors and numbers, but got a "
-                f"{type(components[0]).__name__} leaf {_short(components[0])}; leave such values "
-                f"out of the structure you reduce") from error
+                f"{type(components[0]).__name__} leaf; leave such values out of the structure "
+                f"you reduce or gather") from error
         if not isinstance(leaf, DistributedValues):
             tensors = tensors * self._num_local_replicas
         return tensors, target
@@ -346,11 +346,6 @@ def _ordered_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for t in tensors[1:]:
         total = total + t  # in replica order, like the cross-device ops
     return total
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _global_batch_size_of(structure: Any) -> int | None:

@@ -78,7 +78,12 @@ class LocalStrategy(Strategy):
                 ctx._global_batch_size = global_batch_size
             if len(self._devices) == 1:
                 args, kwargs = per_replica_args[0]
-                return [_call_in_replica(self._contexts[0], self._devices[0], fn, args, kwargs)]
+                try:
+                    return [_call_in_replica(self._contexts[0], self._devices[0], fn, args, kwargs)]
+                except Exception as error:
+                    if not self._is_default:
+                        _name_replica(error, self, 0)
+                    raise
             if self._threads is None:
                 self._threads = _ReplicaThreads(self)
             with _unscoped_module_check():
@@ -185,6 +190,11 @@ def _copy_hyperparameters(source: torch.optim.Optimizer, twin: torch.optim.Optim
                 twin_group[key] = value
 
 
+def _name_replica(error: BaseException, strategy: LocalStrategy, local_id: int) -> None:
+    error.add_note(f"(raised in replica {strategy._first_replica_id + local_id} of {strategy!r}, "
+                   f"on device {strategy._devices[local_id]})")
+
+
 def _call_in_replica(ctx: ReplicaContext, device: Device, fn: Callable, args: tuple, kwargs: dict) -> Any:
     _context.push(ctx._strategy, ctx)
     try:
@@ -257,9 +267,7 @@ class _ReplicaThreads:
                     if not ok and not isinstance(value, ReplicaAborted)]
         if failures:
             replica, error = failures[0]
-            device = strategy._devices[replica]
-            error.add_note(f"(raised in replica {strategy._first_replica_id + replica} of "
-                           f"{strategy!r}, on device {device})")
+            _name_replica(error, strategy, replica)
             raise error
         if any(not ok for ok, _ in outcomes):  # pragma: no cover - aborted without a cause
             raise ContextError("a replica was aborted without an error; this is a bug in stratagem")

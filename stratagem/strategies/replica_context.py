@@ -94,8 +94,18 @@ class ReplicaContext:
                 raise InvalidArgumentError(
                     "a replica function received a distributed value inside a collective; pass "
                     "this replica's own tensors (strategy.run already unwraps its arguments)")
-            was_number.append(not isinstance(leaf, torch.Tensor))
-            tensors.append(torch.as_tensor(leaf, device=self._device) if was_number[-1] else leaf)
+            if isinstance(leaf, torch.Tensor):
+                tensors.append(leaf)
+                was_number.append(False)
+                continue
+            try:
+                tensor = torch.as_tensor(leaf, device=self._device)
+            except (TypeError, ValueError, RuntimeError) as error:
+                raise InvalidArgumentError(
+                    f"collectives combine tensors and numbers, got a {type(leaf).__name__} leaf; "
+                    f"pass tensors, numbers, or nested tuples/lists/dicts of them") from error
+            tensors.append(tensor)
+            was_number.append(tensor.dim() == 0)  # numbers come back as numbers, arrays as tensors
         return tensors, was_number
 
     # ------------------------------------------------------------ collectives
@@ -104,9 +114,14 @@ class ReplicaContext:
         """Reduce ``value`` (a tensor, number or nested structure) over all replicas.
 
         Every replica gets the result on its own device; numbers come back as numbers.
+        A MEAN of integers is a float, as in ``strategy.reduce`` (never truncated).
         """
         op = ReduceOp.from_any(reduce_op)
         tensors, was_number = self._as_tensors(value)
+        if op is ReduceOp.MEAN:
+            tensors = [t if t.is_floating_point() or t.is_complex() else t.to(torch.get_default_dtype())
+                       for t in tensors]
+        tensors = [t.contiguous() for t in tensors]  # ops reduce flat ranges (e.g. of a transposed view)
         reduced = self._strategy._replica_all_reduce(self, op, tensors)
         out = [t.item() if number else t for t, number in zip(reduced, was_number)]
         return pack_as(value, out)
