@@ -181,30 +181,6 @@ def test_auto_shard_policy_off_in_one_process_splits_among_local_replicas():
         assert rows(strategy, batch) == [[0, 1, 2], [3, 4]], policy
 
 
-class _WorkerOneOfTwo:
-    """What a distributed dataset reads from a strategy: worker 1 of 2, with two local replicas."""
-
-    _devices = parse_devices(["cpu:0", "cpu:1"])
-    _num_workers = 2
-    _worker_index = 1
-    _num_local_replicas = 2
-    _first_replica_id = 2
-    num_replicas_in_sync = 4
-
-
-def test_multi_worker_slices_and_global_batch_size_per_policy():
-    data = [torch.arange(9)]
-    auto = next(iter(DistributedDataset(_WorkerOneOfTwo(), data)))
-    # replicas 2 and 3 of 4 over 9 rows split 3, 2, 2, 2
-    assert [t.tolist() for t in auto.values] == [[5, 6], [7, 8]]
-    assert auto._global_batch_size == 9
-    off = next(iter(DistributedDataset(_WorkerOneOfTwo(), data,
-                                       sg.InputOptions(auto_shard_policy=sg.AutoShardPolicy.OFF))))
-    # every worker reads the whole batch and its replicas split it: each step sees it twice
-    assert [t.tolist() for t in off.values] == [[0, 1, 2, 3, 4], [5, 6, 7, 8]]
-    assert off._global_batch_size == 18
-
-
 def test_input_options_validate():
     with pytest.raises(InvalidArgumentError, match="AutoShardPolicy"):
         sg.InputOptions(auto_shard_policy="OFF")

@@ -14,6 +14,7 @@ moving is the one that died or hung (if the store itself is gone, the chief is).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import threading
@@ -86,6 +87,7 @@ class WorkerGroup:
                     f"was started with the same cluster description and that {address} is "
                     f"reachable", task=self.names[0]) from error
             self.group = None  # the default group
+            atexit.register(self.close)  # leave gloo cleanly, or its threads abort the process at exit
         self._store = dist.distributed_c10d._get_default_store()
         self._beats = 0
         self._beat()
@@ -186,7 +188,13 @@ class WorkerGroup:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def close(self) -> None:
+        """Stop the heartbeat and leave the process group (idempotent)."""
         self._stop.set()
+        if self.group is None and not self.solo and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - peers may be gone already; nothing left to do
+                pass
 
 
 def _backend(implementation: CommunicationImplementation, uses_cuda: bool) -> str:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
+from stratagem.data.sharding import AgreedEnd, WorkerBatchSampler, shard_dataloader
 from stratagem.errors import InvalidArgumentError
 from stratagem.strategies.replica_context import split_sizes
 from stratagem.values import PerReplica, flatten, pack_as
@@ -199,8 +200,8 @@ class DistributedDataset:
         count = strategy._num_local_replicas
         one_replica = strategy.num_replicas_in_sync == 1
 
-        def make(batch: Any) -> Any:
-            slices, total = split_batch(batch, num_replicas, first, count)
+        def make(item: tuple[Any, list[list[Any]], int]) -> Any:
+            batch, slices, total = item
             if shard_off:  # every worker's replicas share the whole batch: the step sees it once per worker
                 total *= strategy._num_workers
             if self._options.experimental_fetch_to_device:
@@ -212,9 +213,22 @@ class DistributedDataset:
             columns = [PerReplica([s[i] for s in slices], strategy, total) for i in range(len(slices[0]))]
             return pack_as(batch, columns)
 
-        return _PrefetchingIterator(strategy, iter(self._dataset), make,
-                                    cuda and self._options.experimental_prefetch)
+        sharded = None
+        if strategy._num_workers > 1 and not shard_off:
+            sharded = shard_dataloader(self._dataset, num_replicas, first, count, strategy._broadcast_from_chief)
+        if sharded is not None:
+            items = _sharded_items(*sharded, num_replicas, first, count)
+        else:
+            items = _split_items(self._worker_batches(), num_replicas, first, count)
+        return _PrefetchingIterator(strategy, items, make, cuda and self._options.experimental_prefetch)
 
+    def _worker_batches(self) -> Iterator[tuple[Any, int | None]]:
+        """Global batches, agreed across workers: ``(batch, None)``, or ``(template, total)``
+        while this worker has run out and others have not."""
+        strategy = self._strategy
+        if strategy._num_workers == 1 or _same_length_everywhere(strategy, self._dataset):
+            return ((batch, None) for batch in self._dataset)
+        return _agreed_batches(strategy, iter(self._dataset), global_batches=True)
 
 class DistributedDatasetsFromFunction:
     """Per-replica batches from ``dataset_fn(InputContext)`` (``distribute_datasets_from_function``).
@@ -271,20 +285,107 @@ class DistributedDatasetsFromFunction:
                     group.append(_empty_like(group[0]))
                 yield group
 
-        def make(group: list[Any]) -> Any:
+        if not exact:
+            agreed = _agreed_batches(strategy, groups(), global_batches=False)
+        else:
+            agreed = ((group, None) for group in groups())
+
+        def make(item: tuple[Any, int | None]) -> Any:
+            group, total = item
+            if isinstance(group, _Template):
+                group = [_empty_like(group.batch[0])] * count
             flat = [[_as_tensor(leaf) for leaf in flatten(element)] for element in group]
             if self._options.experimental_fetch_to_device:
                 flat = [_to_device(f, device) for f, device in zip(flat, devices)]
-            total = sum(_batch_size_of(f) for f in flat) if exact else None
+            if exact:
+                total = sum(_batch_size_of(f) for f in flat)
             if strategy.num_replicas_in_sync == 1:
                 return pack_as(group[0], flat[0])
             columns = [PerReplica([f[i] for f in flat], strategy, total) for i in range(len(flat[0]))]
             return pack_as(group[0], columns)
 
-        return _PrefetchingIterator(strategy, groups(), make, cuda and self._options.experimental_prefetch)
+        return _PrefetchingIterator(strategy, agreed, make, cuda and self._options.experimental_prefetch)
 
 
 def _empty_like(element: Any) -> Any:
     leaves = [_as_tensor(leaf) for leaf in flatten(element)]
     return pack_as(element, [leaf[:0] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
                              for leaf in leaves])
+
+
+# ------------------------------------------------------------------ workers
+
+class _Template:
+    """Stands for a batch this worker no longer has, while other workers still do."""
+
+    def __init__(self, batch: Any):
+        self.batch = batch
+
+
+def _split_items(batches: Iterator[tuple[Any, int | None]], num_replicas: int, first: int,
+                 count: int) -> Iterator[tuple[Any, list[list[Any]], int]]:
+    for batch, agreed_total in batches:
+        if isinstance(batch, _Template):
+            slices, _ = split_batch(_empty_like(batch.batch), count, 0, count)
+            yield batch.batch, slices, agreed_total
+        else:
+            slices, total = split_batch(batch, num_replicas, first, count)
+            yield batch, slices, total
+
+
+def _sharded_items(loader: Any, sampler: WorkerBatchSampler, num_replicas: int, first: int,
+                   count: int) -> Iterator[tuple[Any, list[list[Any]], int]]:
+    """This worker's rows of each global batch, cut into its replicas' slices."""
+    for local in loader:
+        total = sampler.global_sizes.popleft()
+        sizes = split_sizes(total, num_replicas)[first:first + count]  # all 0: the loaded row is dropped
+        leaves = [_as_tensor(leaf) for leaf in flatten(local)]
+        slices, start = [], 0
+        for size in sizes:
+            slices.append([leaf[start:start + size] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
+                           for leaf in leaves])
+            start += size
+        yield local, slices, total
+
+
+def _same_length_everywhere(strategy: Any, dataset: Any) -> bool:
+    """Whether every worker's dataset has the same known length (then no per-step agreement)."""
+    try:
+        length = len(dataset)
+    except TypeError:
+        length = -1
+    lengths = torch.tensor([length, length * length], dtype=torch.float64)
+    totals = strategy._cross_worker_sum(lengths)
+    n = strategy._num_workers
+    return length >= 0 and totals[0].item() == n * length and totals[1].item() == n * length * length
+
+
+def _agreed_batches(strategy: Any, source: Iterator, *, global_batches: bool) -> Iterator[tuple[Any, int | None]]:
+    """Read ``source`` step by step while any worker still has data (see :mod:`.sharding`)."""
+    agreement = AgreedEnd(strategy._cross_worker_sum)
+    template = None
+    while True:
+        try:
+            batch = next(source)
+        except StopIteration:
+            batch = None
+        if batch is None:
+            rows = 0
+        elif global_batches:
+            rows = _batch_size_of([_as_tensor(leaf) for leaf in flatten(batch)])
+        else:
+            rows = sum(_batch_size_of([_as_tensor(leaf) for leaf in flatten(e)]) for e in batch)
+        holders, total = agreement.step(batch is not None, rows)
+        if not holders:
+            return
+        if batch is not None:
+            template = batch
+            yield batch, (None if global_batches else total)
+            continue
+        if template is None:
+            raise InvalidArgumentError(
+                f"worker {strategy._worker_index}'s dataset is empty while other workers have data; "
+                f"give every worker at least one batch (or read one shared dataset)")
+        # Global batches: every worker that still has data read the same batch, so the
+        # rows summed over them divided by their number is its size.
+        yield _Template(template), (total // holders if global_batches else total)

@@ -61,7 +61,8 @@ class WorkerBatchSampler:
             start = sum(sizes[:self._first])
             stop = start + sum(sizes[self._first:self._first + self._count])
             self.global_sizes.append(len(indices))
-            yield indices[start:stop]
+            # A DataLoader cannot collate an empty batch: load one row, which the reader drops.
+            yield indices[start:stop] if stop > start else indices[:1]
 
 
 def shard_dataloader(loader: Any, num_replicas: int, first: int, count: int,
@@ -84,13 +85,13 @@ def shard_dataloader(loader: Any, num_replicas: int, first: int, count: int,
 class AgreedEnd:
     """Step-by-step agreement of the workers on whether anyone still has data.
 
-    ``step(has_batch, rows)`` returns ``(anyone_has_data, total_rows)``, the sums
+    ``step(has_batch, rows)`` returns ``(workers_with_data, total_rows)``, the sums
     over workers; every worker must call it once per step.
     """
 
     def __init__(self, cross_worker_sum: Callable[[torch.Tensor], torch.Tensor]):
         self._sum = cross_worker_sum
 
-    def step(self, has_batch: bool, rows: int) -> tuple[bool, int]:
+    def step(self, has_batch: bool, rows: int) -> tuple[int, int]:
         totals = self._sum(torch.tensor([int(has_batch), rows], dtype=torch.int64))
-        return bool(totals[0].item()), int(totals[1].item())
+        return int(totals[0].item()), int(totals[1].item())

@@ -301,6 +301,10 @@ class Strategy:
     def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    def _broadcast_from_chief(self, value: Any) -> Any:
+        """The chief's ``value`` on every worker (a picklable object)."""
+        return value
+
     def _on_modules_placed(self, modules: list) -> None:
         """Modules created in scope were just placed (multi-worker: check and broadcast)."""
 

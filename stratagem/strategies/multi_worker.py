@@ -177,6 +177,9 @@ class MultiWorkerMirroredStrategy(LocalStrategy):
             return tensor
         return self._group.all_reduce(tensor.contiguous().clone(), "strategy.reduce")
 
+    def _broadcast_from_chief(self, value: Any) -> Any:
+        return self._group.broadcast_object(value, "broadcast from the chief")
+
     def _cross_worker_gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         if self._num_workers == 1:
             return tensor
