@@ -23,6 +23,7 @@ from stratagem.errors import StratagemError
 #: Modules providing ``add_subcommand``, in the order ``--help`` lists them.
 SUBCOMMANDS: tuple[str, ...] = (
     "stratagem.demo",
+    "stratagem.launch",
 )
 
 

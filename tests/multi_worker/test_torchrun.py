@@ -1,4 +1,4 @@
-"""The same script under torchrun gives the same parameters as under TF_CONFIG."""
+"""The same script under `stratagem launch` (TF_CONFIG) and under torchrun gives the same parameters."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.testing import free_ports, run_local_cluster
+from stratagem.testing import free_ports
 
 from . import train_script
 
@@ -22,9 +22,12 @@ def test_torchrun_and_tf_config_agree(tmp_path: Path) -> None:
     by_tf_config, by_torchrun = tmp_path / "tf_config", tmp_path / "torchrun"
     by_tf_config.mkdir()
     by_torchrun.mkdir()
-    for r in run_local_cluster(SCRIPT, 2, args=[str(by_tf_config), "--optimizer", "adam"], timeout=120):
-        assert r.returncode == 0, r.output
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    launched = subprocess.run([sys.executable, "-m", "stratagem", "launch", "--workers", "2", str(SCRIPT),
+                               str(by_tf_config), "--optimizer", "adam"],
+                              env=env, capture_output=True, text=True, timeout=150)
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert "[worker 1] rank 1 done" in launched.stdout
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -1,0 +1,25 @@
+"""Who starts the processes: the local launcher behind ``stratagem launch``.
+
+``stratagem launch`` runs a script as a whole cluster on one machine, over loopback: one
+process per task (chief, workers, parameter servers), each given TensorFlow's TF_CONFIG
+for its task and a cluster token shared by the job, so that the script finds its place with
+``sg.cluster.TFConfigClusterResolver()`` exactly as it would on a real cluster.
+
+- :func:`launch_local` -- the launcher as a Python function returning the exit status
+  (``local.py``, with the process supervisor);
+- :func:`add_launch_parser` -- the ``launch`` subcommand for the ``stratagem`` command
+  (``command.py``; ``python -m stratagem.launch`` runs it alone);
+- ``tasks.py`` -- which tasks a launch has, what each runs, its TF_CONFIG;
+- ``ports.py`` -- free loopback ports.
+
+Commands::
+
+    stratagem launch --workers 2 train.py --epochs 3
+    stratagem launch --ps 1 --workers 2 --max-restarts 3 train_ps.py
+    python -m stratagem.launch --chief --workers 2 train.py
+"""
+
+from stratagem.launch.command import add_launch_parser, add_subcommand
+from stratagem.launch.local import launch_local
+
+__all__ = ["add_launch_parser", "add_subcommand", "launch_local"]

@@ -1,0 +1,109 @@
+"""``stratagem launch``: the command line of the local launcher.
+
+:func:`add_launch_parser` registers the subcommand on the ``stratagem`` command's
+subparsers; ``python -m stratagem.launch`` runs it on its own (:func:`main`). Everything
+after the script is the script's own command line. Bad input is reported as
+``stratagem launch: error: ...`` with exit status 2, before any process starts.
+
+Commands::
+
+    stratagem launch --workers 2 train.py --epochs 3      # 2 workers run train.py
+    stratagem launch --chief --workers 2 train.py         # a chief and 2 workers run it
+    stratagem launch --ps 2 --workers 2 train.py          # train.py is the coordinator;
+                                                          # 2 workers, 2 ps run `stratagem server`
+    stratagem launch --max-restarts 3 train.py            # restart a failed task up to 3 times
+    python -m stratagem.launch --workers 2 train.py       # the same, without the stratagem command
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from collections.abc import Sequence
+
+from stratagem.errors import StratagemError
+from stratagem.launch.local import launch_local
+
+__all__ = ["add_launch_parser", "add_subcommand", "build_parser", "main", "run_launch"]
+
+_DESCRIPTION = (
+    "Start a local cluster on loopback and run SCRIPT in it: every task gets TensorFlow's "
+    "TF_CONFIG and a fresh cluster token (STRATAGEM_CLUSTER_TOKEN), each output line is "
+    "prefixed with its task, failed tasks are restarted up to --max-restarts times, and the "
+    "exit status is non-zero, naming the task, when the job fails. Without --ps every worker "
+    "(and the chief) runs SCRIPT; with --ps, SCRIPT is the coordinator (the chief) and the "
+    "workers and parameter servers run `stratagem server`.")
+_DESCRIPTION = textwrap.fill(_DESCRIPTION, width=88)  # the epilog's layout is kept as written
+
+_EPILOG = """examples:
+  stratagem launch --workers 2 train.py --epochs 3
+  stratagem launch --chief --workers 2 --max-restarts 2 train.py
+  stratagem launch --ps 1 --workers 2 train_ps.py"""
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=2, metavar="N",
+                        help="worker tasks (default: 2)")
+    parser.add_argument("--ps", type=int, default=0, metavar="M",
+                        help="parameter-server tasks; with M > 0 SCRIPT runs as the chief "
+                             "(the coordinator) and the other tasks run `stratagem server` "
+                             "(default: 0)")
+    parser.add_argument("--chief", action="store_true",
+                        help="add a chief task (index 0) that runs SCRIPT too; implied by --ps")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="restart a failed task up to K times, with the same TF_CONFIG and "
+                             "port (default: 0)")
+    parser.add_argument("--port-base", type=int, default=None, metavar="P",
+                        help="give the tasks the ports P, P+1, ... (chief, workers, ps) "
+                             "(default: free ports)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="the address every task listens on (default: 127.0.0.1)")
+    parser.add_argument("script", metavar="SCRIPT", help="the Python script to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="the script's own arguments")
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """The subcommand's handler: launch, and return the exit status (2 for bad input)."""
+    try:
+        return launch_local(args.script, args.args, num_workers=args.workers, num_ps=args.ps,
+                            chief=args.chief, max_restarts=args.max_restarts,
+                            port_base=args.port_base, host=args.host)
+    except StratagemError as err:
+        print(f"stratagem launch: error: {err}", file=sys.stderr)
+        return 2
+
+
+def add_launch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Registers ``launch`` on the ``stratagem`` command's subparsers.
+
+    The handler is set as both ``func`` and ``handler`` (the name ``stratagem.cli`` uses):
+    a function of the parsed arguments returning the exit status.
+    """
+    parser = subparsers.add_parser(
+        "launch", help="run a script as a local cluster (TF_CONFIG for every task)",
+        description=_DESCRIPTION, epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(parser)
+    parser.set_defaults(func=run_launch, handler=run_launch)
+    return parser
+
+
+#: The name ``stratagem.cli`` looks for in each subcommand module.
+add_subcommand = add_launch_parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A stand-alone parser for ``python -m stratagem.launch``."""
+    parser = argparse.ArgumentParser(prog="stratagem launch", description=_DESCRIPTION,
+                                     epilog=_EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m stratagem.launch ...``: parse, launch, return the exit status."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    return run_launch(args)

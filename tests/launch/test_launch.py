@@ -1,0 +1,418 @@
+"""``stratagem launch`` with real processes: TF_CONFIG, output, restarts, stopping, errors.
+
+Each test writes small scripts to ``tmp_path`` and launches them, either through the Python
+API (:func:`launch_local`, in-process) or as ``python -m stratagem.launch`` (the command a
+user types). Scripts that must be stopped write their pid (and their children's) to files,
+and the test checks that those processes are gone afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from stratagem.cluster import TFConfigClusterResolver
+from stratagem.errors import ClusterConfigError, InvalidArgumentError
+from stratagem.launch import add_launch_parser, launch_local
+from stratagem.launch.command import main as command_main, run_launch
+from stratagem.launch.tasks import plan_cluster, server_command
+
+pytestmark = pytest.mark.timeout(60)
+
+# Shared by the scripts: record what the task was given; wait for files; write a pid file.
+_PRELUDE = '''
+import json, os, signal, subprocess, sys, time
+TASK = json.loads(os.environ["TF_CONFIG"])["task"]
+NAME = f"{TASK['type']}-{TASK['index']}"
+OUT = sys.argv[1]
+
+def write(name, text):
+    path = os.path.join(OUT, name)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+def wait_for(*names, timeout=20):
+    deadline = time.time() + timeout
+    while not all(os.path.exists(os.path.join(OUT, n)) for n in names):
+        if time.time() > deadline:
+            sys.exit(99)
+        time.sleep(0.02)
+'''
+
+
+def _script(tmp_path: Path, body: str, name: str = "script.py") -> Path:
+    path = tmp_path / name
+    path.write_text(_PRELUDE + textwrap.dedent(body))
+    return path
+
+
+def _launch(script: Path, *args: str, **options: object) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    status = launch_local(script, list(args), stdout=out, stderr=err, **options)
+    return status, out.getvalue(), err.getvalue()
+
+
+def _cli(*args: str, cwd: Path, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stratagem.launch", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie waiting for its parent counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+def _assert_gone(pids: list[int], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [pid for pid in pids if not _gone(pid)]
+    for pid in alive:  # never leave a process behind, even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"processes {alive} outlived the launcher"
+
+
+def _pids(out: Path) -> list[int]:
+    return [int(path.read_text()) for path in sorted(out.glob("*.pid"))]
+
+
+# -- what every task is given ---------------------------------------------------------------
+
+def test_every_task_gets_its_tf_config_and_the_job_token(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "7")  # a stale torchrun variable must not reach the tasks
+    script = _script(tmp_path, '''
+        write(NAME + ".json", json.dumps({
+            "tf_config": os.environ["TF_CONFIG"], "token": os.environ["STRATAGEM_CLUSTER_TOKEN"],
+            "argv": sys.argv[2:], "unbuffered": os.environ.get("PYTHONUNBUFFERED"),
+            "rank": os.environ.get("RANK")}))
+        print("recorded", NAME)
+    ''')
+    status, out, err = _launch(script, str(tmp_path), "--lr", "0.5", chief=True, num_workers=2)
+    assert status == 0, err
+
+    records = {path.stem: json.loads(path.read_text()) for path in tmp_path.glob("*.json")}
+    assert sorted(records) == ["chief-0", "worker-0", "worker-1"]
+    configs = {name: json.loads(r["tf_config"]) for name, r in records.items()}
+    cluster = configs["chief-0"]["cluster"]
+    assert sorted(cluster) == ["chief", "worker"]
+    assert len(cluster["chief"]) == 1 and len(cluster["worker"]) == 2
+    addresses = cluster["chief"] + cluster["worker"]
+    assert len(set(addresses)) == 3 and all(re.fullmatch(r"127\.0\.0\.1:\d+", a) for a in addresses)
+    for name, config in configs.items():
+        assert set(config) == {"cluster", "task"}            # TensorFlow's exact format
+        assert config["cluster"] == cluster                   # one cluster, seen alike by all
+        task_type, index = name.split("-")
+        assert config["task"] == {"type": task_type, "index": int(index)}
+        resolver = TFConfigClusterResolver(environment={"TF_CONFIG": records[name]["tf_config"]})
+        assert (resolver.task_type, resolver.task_id) == (task_type, int(index))
+        assert resolver.is_chief == (task_type == "chief")
+    assert all(r["argv"] == ["--lr", "0.5"] for r in records.values())
+    assert all(r["unbuffered"] == "1" and r["rank"] is None for r in records.values())
+
+    tokens = {r["token"] for r in records.values()}
+    assert len(tokens) == 1
+    token = tokens.pop()
+    assert re.fullmatch(r"[0-9a-f]{64}", token)
+    assert token not in out and token not in err
+    assert sorted(out.splitlines()) == ["[chief]    recorded chief-0",
+                                        "[worker 0] recorded worker-0",
+                                        "[worker 1] recorded worker-1"]
+
+
+def test_each_job_gets_a_fresh_token(tmp_path: Path) -> None:
+    script = _script(tmp_path, 'print(os.environ["STRATAGEM_CLUSTER_TOKEN"])')
+    tokens = [_launch(script, str(tmp_path), num_workers=1)[1] for _ in range(2)]
+    assert tokens[0] != tokens[1]
+
+
+def test_port_base_gives_consecutive_ports(tmp_path: Path) -> None:
+    base = next(port for port in range(20000, 60000, 97) if _block_is_free(port, 3))
+    script = _script(tmp_path, 'print(json.loads(os.environ["TF_CONFIG"])["cluster"])')
+    status, out, _ = _launch(script, str(tmp_path), chief=True, num_workers=2, port_base=base)
+    assert status == 0
+    assert f"'chief': ['127.0.0.1:{base}'], 'worker': ['127.0.0.1:{base + 1}', " \
+           f"'127.0.0.1:{base + 2}']" in out
+
+
+def _block_is_free(base: int, count: int) -> bool:
+    for port in range(base, base + count):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+# -- output ---------------------------------------------------------------------------------
+
+def test_command_prefixes_every_line_with_its_task(tmp_path: Path) -> None:
+    script = _script(tmp_path, '''
+        print("out", NAME)
+        print("err", NAME, file=sys.stderr, flush=True)
+        sys.stdout.write("crlf " + NAME + "\\r\\n")
+        for i in range(100):
+            print(f"{NAME} line {i} " + "x" * 200)
+        print(NAME + " long " + "y" * 200_000)
+        sys.stdout.write("partial " + NAME)
+    ''')
+    result = _cli("--chief", "--workers", "2", str(script), str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    prefixes = {"chief-0": "[chief]    ", "worker-0": "[worker 0] ", "worker-1": "[worker 1] "}
+    for name, prefix in prefixes.items():
+        mine = [line[len(prefix):] for line in lines if line.startswith(prefix)]
+        assert mine[:3] == [f"out {name}", f"err {name}", f"crlf {name}"]
+        assert mine[3:103] == [f"{name} line {i} " + "x" * 200 for i in range(100)]  # whole lines
+        assert mine[103:] == [f"{name} long " + "y" * 200_000, f"partial {name}"]
+    assert len(lines) == 3 * 105                             # nothing unprefixed, nothing torn
+    assert "\r" not in result.stdout
+
+
+# -- failures, restarts, stopping -----------------------------------------------------------
+
+def test_a_failed_task_fails_the_job_and_stops_the_others(tmp_path: Path) -> None:
+    script = _script(tmp_path, '''
+        if TASK["index"] == 0:
+            wait_for("worker-1.pid", "worker-1-child.pid", "worker-2.pid")
+            print("giving up")
+            sys.exit(3)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        write(NAME + "-child.pid", str(child.pid))
+        write(NAME + ".pid", str(os.getpid()))
+        time.sleep(60)
+    ''')
+    start = time.monotonic()
+    result = _cli("--workers", "3", str(script), str(tmp_path), cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    pids = _pids(tmp_path)
+    assert len(pids) == 4
+    _assert_gone(pids, timeout=2)
+    assert result.returncode == 3
+    assert "[worker 0] giving up" in result.stdout
+    assert "[launch] worker 0 failed with exit code 3; stopping 2 other task(s)" in result.stderr
+    assert elapsed < 15
+
+
+def test_tasks_that_ignore_sigterm_are_killed_after_the_grace_period(tmp_path: Path) -> None:
+    script = _script(tmp_path, '''
+        if TASK["index"] == 0:
+            wait_for("worker-1.pid")
+            os.kill(os.getpid(), signal.SIGKILL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        write(NAME + ".pid", str(os.getpid()))
+        time.sleep(60)
+    ''')
+    start = time.monotonic()
+    status, _, err = _launch(script, str(tmp_path), num_workers=2, grace_period=0.5)
+    assert status == 1
+    assert "[launch] worker 0 failed: killed by SIGKILL; stopping 1 other task(s)" in err
+    assert time.monotonic() - start < 10
+    _assert_gone(_pids(tmp_path), timeout=1)
+
+
+def test_a_task_that_fails_once_is_restarted_with_the_same_tf_config(tmp_path: Path) -> None:
+    script = _script(tmp_path, '''
+        with open(os.path.join(OUT, NAME + ".log"), "a") as f:
+            f.write(os.environ["TF_CONFIG"] + "\\n")
+        if NAME == "worker-1" and not os.path.exists(os.path.join(OUT, "failed-once")):
+            write("failed-once", "")
+            sys.exit(1)
+        print("done")
+    ''')
+    status, out, err = _launch(script, str(tmp_path), num_workers=2, max_restarts=2)
+    assert status == 0, err
+    assert err == "[launch] worker 1 exited with code 1; restarting (1/2)\n"
+    attempts = (tmp_path / "worker-1.log").read_text().splitlines()
+    assert len(attempts) == 2 and attempts[0] == attempts[1]
+    assert len((tmp_path / "worker-0.log").read_text().splitlines()) == 1
+    assert out.count("done") == 2
+
+
+def test_restarts_run_out(tmp_path: Path) -> None:
+    script = _script(tmp_path, 'sys.exit(5 if NAME == "worker-0" else 0)')
+    status, _, err = _launch(script, str(tmp_path), num_workers=2, max_restarts=1)
+    assert status == 5
+    assert "[launch] worker 0 exited with code 5; restarting (1/1)" in err
+    assert "[launch] worker 0 failed with exit code 5 (after 1 restart(s))" in err
+
+
+def test_a_task_killed_by_a_signal_gives_status_1(tmp_path: Path) -> None:
+    script = _script(tmp_path, 'os.kill(os.getpid(), signal.SIGTERM)')
+    status, _, err = _launch(script, str(tmp_path), num_workers=1)
+    assert status == 1
+    assert err == "[launch] worker 0 failed: killed by SIGTERM\n"
+
+
+@pytest.mark.parametrize("signum,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_to_the_launcher_stops_every_task(tmp_path: Path, signum: int, status: int) -> None:
+    script = _script(tmp_path, '''
+        write(NAME + ".pid", str(os.getpid()))
+        time.sleep(60)
+    ''')
+    launcher = subprocess.Popen([sys.executable, "-m", "stratagem.launch", "--chief",
+                                 "--workers", "2", str(script), str(tmp_path)],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while len(list(tmp_path.glob("*.pid"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = _pids(tmp_path)
+        assert len(pids) == 3
+        start = time.monotonic()
+        launcher.send_signal(signum)
+        _, err = launcher.communicate(timeout=20)
+        assert time.monotonic() - start < 10
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode == status
+    assert f"[launch] received {signal.Signals(signum).name}; stopping 3 task(s)" in err
+    _assert_gone(pids, timeout=2)
+
+
+# -- parameter-server mode --------------------------------------------------------------------
+
+def _fake_server(tmp_path: Path) -> list[str]:
+    """A stand-in for ``stratagem server``: records its TF_CONFIG, serves until SIGTERM."""
+    server = _script(tmp_path, '''
+        def stop(signum, frame):
+            write(NAME + ".stopped", "")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, stop)
+        write(NAME + ".json", os.environ["TF_CONFIG"])
+        write(NAME + ".pid", str(os.getpid()))
+        print("serving")
+        while True:
+            time.sleep(1)
+    ''', name="server.py")
+    return [sys.executable, str(server), str(tmp_path)]
+
+
+@pytest.mark.parametrize("chief_status", [0, 4])
+def test_ps_mode_runs_the_script_as_chief_and_ends_with_it(tmp_path: Path, chief_status: int) -> None:
+    script = _script(tmp_path, f'''
+        assert NAME == "chief-0", NAME
+        wait_for("worker-0.pid", "worker-1.pid", "ps-0.pid")
+        print("coordinating")
+        sys.exit({chief_status})
+    ''')
+    status, out, err = _launch(script, str(tmp_path), num_workers=2, num_ps=1,
+                               server_command=_fake_server(tmp_path))
+    assert status == chief_status, err
+    assert "[chief]    coordinating" in out and "[ps 0]     serving" in out
+    servers = ["worker-0", "worker-1", "ps-0"]
+    configs = [json.loads((tmp_path / f"{name}.json").read_text()) for name in servers]
+    assert [c["task"] for c in configs] == [{"type": "worker", "index": 0},
+                                            {"type": "worker", "index": 1},
+                                            {"type": "ps", "index": 0}]
+    assert sorted(configs[0]["cluster"]) == ["chief", "ps", "worker"]
+    assert all(c["cluster"] == configs[0]["cluster"] for c in configs)
+    assert all((tmp_path / f"{name}.stopped").exists() for name in servers)  # asked with SIGTERM
+    _assert_gone(_pids(tmp_path), timeout=1)
+
+
+def test_ps_mode_a_lost_server_is_reported_and_the_chief_decides(tmp_path: Path) -> None:
+    server = _script(tmp_path, '''
+        write("server-ran", "")
+        sys.exit(1)
+    ''', name="server.py")
+    script = _script(tmp_path, '''
+        wait_for("server-ran")
+        time.sleep(1)  # time for the launcher to see the server's exit
+        print("still fine")
+    ''')
+    status, out, err = _launch(script, str(tmp_path), num_workers=1, num_ps=1,
+                               server_command=[sys.executable, str(server), str(tmp_path)])
+    assert status == 0
+    assert "[chief]    still fine" in out
+    assert "[launch] ps 0 failed with exit code 1; the job goes on" in err
+
+
+def test_servers_run_stratagem_server_by_default() -> None:
+    _, tasks = plan_cluster(["train.py"], num_workers=2, num_ps=1, chief=False,
+                            ports=[1001, 1002, 1003, 1004])
+    assert [(task.name, task.runs_script) for task in tasks] == [
+        ("chief", True), ("worker 0", False), ("worker 1", False), ("ps 0", False)]
+    assert tasks[0].command == (sys.executable, "train.py")
+    assert all(task.command == tuple(server_command()) for task in tasks[1:])
+    assert server_command() == [sys.executable, "-m", "stratagem", "server"]
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+def test_command_reports_a_missing_script(tmp_path: Path) -> None:
+    result = _cli("--workers", "2", "missing.py", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("stratagem launch: error: script 'missing.py' not found")
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--workers", "0", "{script}"], "nothing to launch: --workers is 0 and there is no chief"),
+    (["--workers", "-1", "{script}"], "--workers (num_workers) must be an integer >= 0, got -1"),
+    (["--ps", "-1", "{script}"], "--ps (num_ps) must be an integer >= 0, got -1"),
+    (["--max-restarts", "-2", "{script}"], "--max-restarts (max_restarts) must be an integer >= 0"),
+    (["--ps", "1", "--workers", "0", "{script}"], "needs at least one worker"),
+    (["--workers", "3", "--port-base", "65534", "{script}"], "outside 1..65535"),
+    (["--port-base", "0", "{script}"], "--port-base (port_base) must be an integer >= 1"),
+    (["--host", "not a host", "{script}"], "is not a host name or IP address"),
+    (["--host", "10.255.255.1", "{script}"], "cannot listen on host '10.255.255.1'"),
+    (["{tmp}"], "is a directory"),
+])
+def test_bad_input_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                    argv: list[str], message: str) -> None:
+    script = _script(tmp_path, 'raise SystemExit("must not run")')
+    argv = [arg.format(script=script, tmp=tmp_path) for arg in argv]
+    assert command_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("stratagem launch: error: ") and message in err, err
+
+
+def test_a_busy_port_is_reported(tmp_path: Path) -> None:
+    script = _script(tmp_path, 'raise SystemExit("must not run")')
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ClusterConfigError, match=f"port {port} on '127.0.0.1' is not free"):
+            launch_local(script, num_workers=1, port_base=port)
+
+
+def test_python_api_rejects_bad_arguments(tmp_path: Path) -> None:
+    script = _script(tmp_path, 'raise SystemExit("must not run")')
+    with pytest.raises(InvalidArgumentError, match="args must be a sequence of strings"):
+        launch_local(script, "--lr 0.1")
+    with pytest.raises(InvalidArgumentError, match="num_workers"):
+        launch_local(script, num_workers=True)
+    with pytest.raises(InvalidArgumentError, match="grace_period"):
+        launch_local(script, grace_period=-1)
+
+
+def test_add_launch_parser_registers_the_subcommand() -> None:
+    parser = argparse.ArgumentParser(prog="stratagem")
+    add_launch_parser(parser.add_subparsers())
+    args = parser.parse_args(["launch", "--workers", "3", "--chief", "train.py", "--workers", "9"])
+    assert args.func is run_launch and args.handler is run_launch
+    assert (args.workers, args.chief, args.script, args.args) == (3, True, "train.py",
+                                                                  ["--workers", "9"])
