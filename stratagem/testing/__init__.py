@@ -67,10 +67,12 @@ class TaskResult:
 
 def run_local_cluster(script: "str | Path", num_workers: int, *, args: Sequence[str] = (),
                       chief: bool = False, timeout: float = 120, env: dict[str, str] | None = None,
-                      kill_after: dict[str, float] | None = None) -> list[TaskResult]:
+                      kill_after: dict[str, float] | None = None,
+                      stop_after: dict[str, float] | None = None) -> list[TaskResult]:
     """Run ``script`` once per task of a local cluster; return each task's exit code and output.
 
-    ``kill_after={"worker 1": 3.0}`` SIGKILLs that task after 3 s (failure tests).
+    ``kill_after={"worker 1": 3.0}`` SIGKILLs that task after 3 s; ``stop_after`` SIGSTOPs it
+    (a hung peer). Failure tests use them.
     Raises ``TimeoutError`` (after killing everything) when the deadline passes.
     """
     cluster = local_cluster(num_workers, chief=chief)
@@ -89,8 +91,10 @@ def run_local_cluster(script: "str | Path", num_workers: int, *, args: Sequence[
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True, text=True)
             procs.append((name, proc))
         deadline = time.monotonic() + timeout
-        kills = dict(kill_after or {})
+        kills = {name: (after, signal.SIGKILL) for name, after in (kill_after or {}).items()}
+        kills.update({name: (after, signal.SIGSTOP) for name, after in (stop_after or {}).items()})
         started = time.monotonic()
+        stopped: set[str] = set()
         while any(p.poll() is None for _, p in procs):
             now = time.monotonic()
             if now > deadline:
@@ -100,18 +104,23 @@ def run_local_cluster(script: "str | Path", num_workers: int, *, args: Sequence[
                 raise TimeoutError(f"the cluster did not finish within {timeout} s; outputs:\n" +
                                    "\n".join(f"--- {n} ---\n{_read(log)}" for (n, _), log in zip(procs, logs)))
             for name, proc in procs:
-                if name in kills and now - started >= kills[name]:
-                    _kill(proc)
-                    del kills[name]
+                if name in kills and now - started >= kills[name][0]:
+                    sig = kills.pop(name)[1]
+                    _kill(proc, sig)
+                    if sig == signal.SIGSTOP:
+                        stopped.add(name)
+            if all(p.poll() is not None or n in stopped for n, p in procs):
+                break  # everyone still running is stopped on purpose: the finally clause kills them
             time.sleep(0.05)
-        return [TaskResult(name, proc.returncode, _read(log)) for (name, proc), log in zip(procs, logs)]
     finally:
         for _, proc in procs:
             if proc.poll() is None:
                 _kill(proc)
             proc.wait()
-        for log in logs:
-            log.close()
+    results = [TaskResult(name, proc.returncode, _read(log)) for (name, proc), log in zip(procs, logs)]
+    for log in logs:
+        log.close()
+    return results
 
 
 def _read(log) -> str:
@@ -120,8 +129,8 @@ def _read(log) -> str:
     return log.read()
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass

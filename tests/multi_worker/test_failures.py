@@ -27,7 +27,7 @@ def test_parameter_mismatch_fails_every_worker_naming_the_parameter(tmp_path: Pa
 def test_killed_worker_makes_the_others_raise_unavailable_in_bounded_time(tmp_path: Path) -> None:
     started = time.monotonic()
     results = run_local_cluster(SCRIPT, 3, args=[str(tmp_path), "--die-on-rank", "2", "--timeout", "20",
-                                                 "--batches", ",".join(["12"] * 200)], timeout=90)
+                                                 "--batches", "12", "--repeat", "200"], timeout=90)
     elapsed = time.monotonic() - started
     by_task = {r.task: r for r in results}
     assert by_task["worker 2"].returncode == 17
@@ -36,4 +36,16 @@ def test_killed_worker_makes_the_others_raise_unavailable_in_bounded_time(tmp_pa
         assert by_task[name].returncode != 0, out
         assert "UnavailableError" in out, out
         assert "worker 2" in out, out
+    assert elapsed < 60
+
+
+def test_hung_worker_makes_the_others_raise_unavailable_after_the_timeout(tmp_path: Path) -> None:
+    started = time.monotonic()
+    results = run_local_cluster(SCRIPT, 2, args=[str(tmp_path), "--timeout", "6",
+                                                 "--batches", "12", "--repeat", "1000000"],
+                                stop_after={"worker 1": 6.0}, timeout=90)
+    elapsed = time.monotonic() - started
+    survivor = {r.task: r for r in results}["worker 0"]
+    assert survivor.returncode != 0, survivor.output
+    assert "UnavailableError" in survivor.output and "worker 1" in survivor.output, survivor.output
     assert elapsed < 60

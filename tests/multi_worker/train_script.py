@@ -50,6 +50,7 @@ def main(argv=None):
     parser.add_argument("--wrong-shape-on-rank", type=int, default=-1)
     parser.add_argument("--die-on-rank", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--repeat", type=int, default=1, help="pass over the batches this many times")
     args = parser.parse_args(argv)
 
     options = sg.CommunicationOptions(bytes_per_pack=args.bytes_per_pack, timeout_seconds=args.timeout)
@@ -63,7 +64,7 @@ def main(argv=None):
     initial = {k: v.clone() for k, v in model.state_dict().items()}
 
     batch_sizes = [int(b) for b in args.batches.split(",")]
-    data = make_data(batch_sizes)
+    data = make_data(batch_sizes) * args.repeat
     if args.input == "loader":
         xs = torch.cat([x for x, _ in data])
         ys = torch.cat([y for _, y in data])
@@ -85,9 +86,12 @@ def main(argv=None):
     for i, batch in enumerate(strategy.experimental_distribute_dataset(source)):
         if i == 1 and rank == args.die_on_rank:
             os._exit(17)
+        if i == 1:
+            print(f"rank {rank} reached step 1", flush=True)
         loss = strategy.reduce("sum", strategy.run(step, args=(batch,)), axis=None)
-        history.append({"loss": loss.item(),
-                        "params": {k: v.tolist() for k, v in model.state_dict().items()}})
+        if i < 100:
+            history.append({"loss": loss.item(),
+                            "params": {k: v.tolist() for k, v in model.state_dict().items()}})
     replicas_equal = all(torch.equal(c, strategy.experimental_local_results(p)[0])
                          for p in model.parameters() for c in strategy.experimental_local_results(p))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
