@@ -116,6 +116,9 @@ class ReductionToOneDevice(CrossDeviceOps):
         return f"ReductionToOneDevice(reduce_to_device={self.reduce_to_device and str(self.reduce_to_device)!r})"
 
 
+_PIECE_ELEMENTS = 1 << 18
+
+
 class HierarchicalCopyAllReduce(CrossDeviceOps):
     """Each replica reduces one contiguous range of all tensors for everyone.
 
@@ -147,8 +150,9 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
             for i, numel in enumerate(numels):
                 for r in range(n):
                     lo, hi = max(bounds[r], offset), min(bounds[r + 1], offset + numel)
-                    if lo < hi:
-                        plan[r].append((i, lo - offset, hi - offset))
+                    # pieces small enough that the copy-back still finds the sum in cache
+                    for start in range(lo, hi, _PIECE_ELEMENTS):
+                        plan[r].append((i, start - offset, min(start + _PIECE_ELEMENTS, hi) - offset))
                 offset += numel
             self._plans[(n,) + numels] = plan
         return plan
