@@ -182,6 +182,27 @@ class LocalStrategy(Strategy):
                 base.zero_grad(twin, set_to_none)
 
 
+    def _optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        return optimizer._sg_base.state_dict(optimizer)  # replica 0's: one logical copy
+
+    def _optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        base = optimizer._sg_base
+        base.load_state_dict(optimizer, state_dict)
+        for twin in self._placement.twins(optimizer)[1:]:
+            base.load_state_dict(twin, state_dict)
+
+    def _optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+        optimizer._sg_base.add_param_group(optimizer, param_group)
+        if optimizer.__dict__.get("_sg_twins"):
+            optimizer._sg_twins = None
+            self._placement.twins(optimizer)
+
+    def _reduce_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+        raise TypeError(
+            f"a {optimizer._sg_base.__name__} created in the scope of {self!r} cannot be pickled or "
+            f"deep-copied; save its state_dict() instead (one logical copy)")
+
+
 def _copy_hyperparameters(source: torch.optim.Optimizer, twin: torch.optim.Optimizer) -> None:
     """Schedulers change the user's optimizer; its twins follow before every step."""
     for group, twin_group in zip(source.param_groups, twin.param_groups):

@@ -301,7 +301,12 @@ _DISTRIBUTED_CLASSES: dict[type, type] = {}
 
 
 def _distributed_class(base: type) -> type:
-    """A subclass of ``base`` whose step/zero_grad are routed through the strategy."""
+    """A subclass of ``base`` whose methods ask the owning strategy what to do.
+
+    The strategy decides what ``step``, ``zero_grad``, state dicts and pickling mean:
+    mirrored twins for strategies in one process, parameter servers for
+    ParameterServerStrategy.
+    """
     cls = _DISTRIBUTED_CLASSES.get(base)
     if cls is not None:
         return cls
@@ -312,28 +317,25 @@ def _distributed_class(base: type) -> type:
     def zero_grad(self, set_to_none: bool = True):
         self._sg_strategy._optimizer_zero_grad(self, set_to_none)
 
+    def state_dict(self):
+        return self._sg_strategy._optimizer_state_dict(self)
+
     def load_state_dict(self, state_dict):
-        base.load_state_dict(self, state_dict)
-        for twin in self._sg_strategy._placement.twins(self)[1:]:
-            base.load_state_dict(twin, state_dict)
+        self._sg_strategy._optimizer_load_state_dict(self, state_dict)
 
     def add_param_group(self, param_group):
-        base.add_param_group(self, param_group)
-        twins = self.__dict__.get("_sg_twins")
-        if twins and len(twins) > 1:
-            strategy = self._sg_strategy
-            self._sg_twins = None
-            strategy._placement.twins(self)
+        strategy = self.__dict__.get("_sg_strategy")
+        if strategy is None:  # still inside Optimizer.__init__
+            return base.add_param_group(self, param_group)
+        strategy._optimizer_add_param_group(self, param_group)
 
     def __reduce_ex__(self, protocol):
-        raise TypeError(
-            f"a distributed {base.__name__} cannot be pickled or deep-copied; save its "
-            f"state_dict() instead (one logical copy)")
+        return self._sg_strategy._reduce_optimizer(self)
 
     cls = type(base.__name__, (base,), {
-        "step": step, "zero_grad": zero_grad, "load_state_dict": load_state_dict,
-        "add_param_group": add_param_group, "__reduce_ex__": __reduce_ex__,
-        "_sg_base": base, "__module__": base.__module__,
+        "step": step, "zero_grad": zero_grad, "state_dict": state_dict,
+        "load_state_dict": load_state_dict, "add_param_group": add_param_group,
+        "__reduce_ex__": __reduce_ex__, "_sg_base": base, "__module__": base.__module__,
         "__doc__": f"{base.__name__} created in a stratagem strategy's scope.",
     })
     cls.__qualname__ = f"distributed.{base.__qualname__}"
