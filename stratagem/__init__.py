@@ -33,20 +33,25 @@ from stratagem import errors
 from stratagem._context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from stratagem.comm.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                              ReductionToOneDevice)
+from stratagem.coordinator import ClusterCoordinator, RemoteValue
 from stratagem.comm.options import CommunicationImplementation, CommunicationOptions
 from stratagem.data.input import AutoShardPolicy, InputContext, InputOptions, ValueContext
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.mirrored import MirroredStrategy
 from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
 from stratagem.strategies.one_device import OneDeviceStrategy
+from stratagem.strategies.parameter_server import ParameterServerStrategy
 from stratagem.strategies.replica_context import ReplicaContext
 from stratagem.values import DistributedValues, PerReplica, ReduceOp
+from stratagem.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
+from stratagem.ps.variables import ShardedVariable
 from stratagem import cluster, nn
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AutoShardPolicy", "CommunicationImplementation", "CommunicationOptions", "CrossDeviceOps",
+    "AutoShardPolicy", "ClusterCoordinator", "FixedShardsPartitioner", "MaxSizePartitioner",
+    "MinSizePartitioner", "ParameterServerStrategy", "RemoteValue", "ShardedVariable", "CommunicationImplementation", "CommunicationOptions", "CrossDeviceOps",
     "DistributedValues", "HierarchicalCopyAllReduce", "InputContext", "InputOptions", "MirroredStrategy", "MultiWorkerMirroredStrategy",
     "NcclAllReduce", "OneDeviceStrategy", "PerReplica", "ReduceOp", "ReductionToOneDevice",
     "ReplicaContext", "Strategy", "ValueContext", "cluster", "errors", "get_replica_context", "get_strategy",

@@ -1,0 +1,273 @@
+"""The worker side of parameter-server training: what runs a closure on a worker task.
+
+``stratagem server`` with a worker TF_CONFIG serves :class:`WorkerService`. A closure
+arrives once (cloudpickle) and is cached under its key; each ``run`` then:
+
+1. pulls the latest value of every dense variable this worker knows, one request per
+   parameter server, all in flight at once;
+2. calls the user's function; inside it an embedding reads only the rows its batch
+   uses (``pull_rows``) and ``optimizer.step()`` pushes the gradients (dense ones per
+   shard, an embedding's only for the rows used) to the parameter servers;
+3. returns the function's result.
+
+While the closure is unpickled, the model's parameter dicts turn into this worker's
+local parameters (:func:`worker_parameters`), the optimizer into a
+:class:`WorkerOptimizer` and per-worker iterators into this worker's live iterator.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stratagem.data.input import InputContext
+from stratagem.errors import InvalidArgumentError
+from stratagem.ps.client import ParameterServerClient
+from stratagem.ps.variables import RemoteVariable, remote_of
+from stratagem.rpc.auth import cluster_token
+
+_RUNTIME: "WorkerRuntime | None" = None
+
+
+def runtime() -> "WorkerRuntime | None":
+    """This process's worker runtime, or None outside a worker task."""
+    return _RUNTIME
+
+
+class WorkerRuntime:
+    """Local copies of remote variables, and the clients that refresh and update them."""
+
+    def __init__(self, ps_addresses: list[str], token: str, *, num_workers: int, worker_index: int,
+                 timeout: float = 60.0):
+        self.ps = [ParameterServerClient(address, token, task=f"ps {i}", default_timeout=timeout)
+                   for i, address in enumerate(ps_addresses)]
+        self.num_workers = num_workers
+        self.worker_index = worker_index
+        self.params: dict[str, nn.Parameter] = {}
+        self.remotes: dict[str, RemoteVariable] = {}
+        self.sparse: list[tuple[RemoteVariable, torch.Tensor, torch.Tensor]] = []
+        self.datasets: dict[str, Any] = {}
+        self.iterators: dict[tuple[str, str], Any] = {}
+
+    # ------------------------------------------------------------ variables
+
+    def local_parameter(self, remote: RemoteVariable, is_parameter: bool) -> torch.Tensor:
+        local = self.params.get(remote.var_id)
+        if local is None:
+            data = torch.zeros(remote.shape if not remote.row_sparse else (0, *remote.shape[1:]),
+                               dtype=remote.dtype)
+            local = nn.Parameter(data, requires_grad=remote.trainable) if is_parameter else data
+            local._sg_remote = remote
+            self.params[remote.var_id] = local
+            self.remotes[remote.var_id] = remote
+        return local
+
+    def pull_dense(self) -> None:
+        """Refresh every dense variable from the parameter servers, all servers at once."""
+        wanted: dict[int, list[str]] = {}
+        for remote in self.remotes.values():
+            if not remote.row_sparse:
+                for shard in remote.shards:
+                    wanted.setdefault(shard.ps, []).append(shard.shard_id)
+        futures = {ps: self.ps[ps].call_async("pull", var_ids=ids) for ps, ids in wanted.items()}
+        values: dict[str, torch.Tensor] = {}
+        for future in futures.values():
+            values.update(future.result())
+        with torch.no_grad():
+            for var_id, local in self.params.items():
+                remote = self.remotes[var_id]
+                if remote.row_sparse:
+                    continue
+                for shard in remote.shards:
+                    local.data[shard.start:shard.stop].copy_(values[shard.shard_id])
+
+    def pull_rows(self, remote: RemoteVariable, rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((rows.numel(), *remote.shape[1:]), dtype=remote.dtype)
+        pieces = remote.shard_of_rows(rows)
+        futures = [(positions, self.ps[shard.ps].call_async("pull_rows", var_id=shard.shard_id, row_ids=local))
+                   for shard, positions, local in pieces]
+        for positions, future in futures:
+            out[positions] = future.result()
+        return out
+
+    def push_gradients(self, params: Iterable[torch.Tensor]) -> None:
+        """Send dense gradients (split per shard) and recorded embedding row gradients."""
+        per_ps: dict[int, dict[str, torch.Tensor]] = {}
+        for p in params:
+            remote = remote_of(p)
+            if remote is None or remote.row_sparse or p.grad is None:
+                continue
+            for shard in remote.shards:
+                per_ps.setdefault(shard.ps, {})[shard.shard_id] = p.grad[shard.start:shard.stop].contiguous()
+        futures = [self.ps[ps].call_async("push", grads=grads) for ps, grads in per_ps.items()]
+        futures += self._push_rows()
+        for future in futures:
+            future.result()
+
+    def _push_rows(self) -> list:
+        merged: dict[str, tuple[RemoteVariable, list, list]] = {}
+        for remote, rows, small in self.sparse:
+            if small.grad is None:
+                continue
+            entry = merged.setdefault(remote.var_id, (remote, [], []))
+            entry[1].append(rows)
+            entry[2].append(small.grad)
+        self.sparse = []
+        futures = []
+        for remote, rows_list, grads in merged.values():
+            rows, inverse = torch.cat(rows_list).unique(return_inverse=True)
+            grad = torch.zeros((rows.numel(), *remote.shape[1:]), dtype=grads[0].dtype)
+            grad.index_add_(0, inverse, torch.cat(grads))
+            for shard, positions, local in remote.shard_of_rows(rows):
+                futures.append(self.ps[shard.ps].call_async(
+                    "push_rows", var_id=shard.shard_id, row_ids=local, row_grads=grad[positions]))
+        return futures
+
+    def lookup(self, remote: RemoteVariable, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows ``ids`` use, as a small leaf whose gradient becomes a row update; and the
+        positions of ``ids`` in it."""
+        rows, inverse = ids.reshape(-1).unique(return_inverse=True)
+        small = self.pull_rows(remote, rows).requires_grad_(remote.trainable)
+        self.sparse.append((remote, rows, small))
+        return small, inverse.reshape(ids.shape)
+
+    # ------------------------------------------------------------- datasets
+
+    def iterator(self, dataset_id: str, iterator_id: str) -> Any:
+        key = (dataset_id, iterator_id)
+        if key not in self.iterators:
+            if dataset_id not in self.datasets:
+                raise InvalidArgumentError(
+                    f"per-worker dataset {dataset_id} was not created on this worker; create it with "
+                    f"coordinator.create_per_worker_dataset(dataset_fn) before scheduling steps that use it")
+            self.iterators[key] = iter(self.datasets[dataset_id])
+        return self.iterators[key]
+
+    def create_dataset(self, dataset_id: str, dataset_fn: Callable) -> None:
+        import inspect
+
+        try:
+            takes_context = len(inspect.signature(dataset_fn).parameters) >= 1
+        except (TypeError, ValueError):
+            takes_context = True
+        context = InputContext(self.num_workers, self.worker_index, self.num_workers)
+        self.datasets[dataset_id] = dataset_fn(context) if takes_context else dataset_fn()
+        for key in [k for k in self.iterators if k[0] == dataset_id]:
+            del self.iterators[key]
+
+
+# --------------------------------------------------------- unpickled forms
+
+def worker_parameters(entries: tuple, plain_values: dict | None = None) -> dict:
+    """What a scoped module's parameter dict becomes when a closure is unpickled on a worker."""
+    rt = runtime()
+    if rt is None:  # unpickled elsewhere (a copy on the coordinator): plain tensors
+        return dict(plain_values or {})
+    return {name: (None if remote is None else rt.local_parameter(remote, is_parameter))
+            for name, remote, is_parameter in entries}
+
+
+class WorkerOptimizer:
+    """The optimizer of a scoped model, on a worker: ``step()`` sends the gradients to the
+    parameter servers, where the real optimizer (one per shard) applies them."""
+
+    def __init__(self, var_ids: list[str]):
+        self._var_ids = var_ids
+
+    def _params(self) -> list[torch.Tensor]:
+        rt = runtime()
+        return [rt.params[v] for v in self._var_ids if v in rt.params]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._params():
+            p.grad = None
+        runtime().sparse = []
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise InvalidArgumentError("optimizer.step(closure) is not supported in parameter-server training")
+        runtime().push_gradients(self._params())
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [{"params": self._params()}]
+
+
+def worker_optimizer(var_ids: list[str]) -> WorkerOptimizer:
+    return WorkerOptimizer(var_ids)
+
+
+def worker_iterator(dataset_id: str, iterator_id: str) -> Any:
+    rt = runtime()
+    if rt is None:
+        raise InvalidArgumentError("a per-worker iterator can only be read inside a scheduled function")
+    return rt.iterator(dataset_id, iterator_id)
+
+
+def embedding_forward(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """nn.Embedding's forward for a table on parameter servers: only the rows used travel."""
+    rt = runtime()
+    remote = remote_of(module.weight)
+    if rt is None or remote is None or not remote.row_sparse:
+        return F.embedding(ids, module.weight, module.padding_idx, module.max_norm, module.norm_type,
+                           module.scale_grad_by_freq, module.sparse)
+    small, positions = rt.lookup(remote, ids)
+    return F.embedding(positions, small, None, module.max_norm, module.norm_type, module.scale_grad_by_freq)
+
+
+# ---------------------------------------------------------------- service
+
+class WorkerService:
+    """The RPC handlers of a worker task."""
+
+    def __init__(self, task: Any):
+        global _RUNTIME
+        spec = task.cluster_spec
+        ps = list(spec.job_tasks("ps")) if "ps" in spec.jobs else []
+        workers = spec.num_tasks("worker") if "worker" in spec.jobs else 1
+        self.incarnation = uuid.uuid4().hex
+        self._runtime = WorkerRuntime(ps, cluster_token(), num_workers=workers, worker_index=task.task_id)
+        _RUNTIME = self._runtime
+        self._closures: dict[str, Callable] = {}
+        self._lock = threading.Lock()
+
+    def handlers(self) -> dict[str, Callable[[Any], Any]]:
+        return {"ping": self.ping, "run": self.run, "create_dataset": self.create_dataset}
+
+    def ping(self, request: Any = None) -> dict:
+        return {"incarnation": self.incarnation}
+
+    def create_dataset(self, request: dict) -> None:
+        with self._lock:
+            self._runtime.create_dataset(request["dataset_id"], request["dataset_fn"])
+
+    def run(self, request: dict) -> Any:
+        key = request["key"]
+        if request.get("fn") is not None:
+            self._closures[key] = request["fn"]
+        fn = self._closures.get(key)
+        if fn is None:
+            raise LookupError(f"closure {key} is not cached on this worker (it restarted?)")
+        args, kwargs = request["args"], request["kwargs"]
+        with self._lock:
+            self._runtime.pull_dense()
+            self._runtime.sparse = []
+            with torch.enable_grad():
+                result = fn(*args, **kwargs)
+        return _detached(result)
+
+
+def _detached(value: Any) -> Any:
+    from stratagem.values import map_structure
+
+    return map_structure(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
+
+
+def worker_service(task: Any) -> WorkerService:
+    """The service factory of task type "worker" for ``stratagem server``."""
+    return WorkerService(task)
