@@ -133,6 +133,7 @@ class _Worker:
                 closure.value._set_error(error)
                 coordinator._queue.finished(error)
                 continue
+            coordinator.strategy._placement.stale()  # the ps values moved: re-read on next access
             closure.value._set_value(result)
             coordinator._queue.finished()
 
@@ -166,7 +167,7 @@ class _Worker:
                 self.cached.discard(key)
                 raise _WorkerLost() from error
             except RemoteError as error:
-                if error.remote_type == "LookupError" and "not cached" in str(error):
+                if error.remote_type.endswith("LookupError") and "not cached" in str(error):
                     self.cached.discard(key)
                     raise _WorkerLost() from error
                 raise
@@ -271,7 +272,7 @@ class ClusterCoordinator:
             raise self._ps_failure
 
     def _classify(self, error: BaseException) -> BaseException:
-        if isinstance(error, RemoteError) and error.remote_type == "UnavailableError":
+        if isinstance(error, RemoteError) and error.remote_type.endswith("UnavailableError"):
             match = re.search(r"\bps \d+\b", str(error))
             if match:
                 failure = UnavailableError(
@@ -298,7 +299,9 @@ class ClusterCoordinator:
                     break
 
     def _variables_restored(self) -> None:
+        """The user restored the variables after a ps failure: scheduling may go on."""
         self._ps_failure = None
+        self._queue.errors = [e for e in self._queue.errors if not isinstance(e, UnavailableError)]
 
 
 class PerWorkerDataset:

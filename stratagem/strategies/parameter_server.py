@@ -34,6 +34,9 @@ from stratagem.strategies.mirroring import _distributed_class, install_hooks
 from stratagem.strategies.replica_context import ReplicaContext, split_sizes
 
 
+STARTUP_TIMEOUT_SECONDS = 120.0
+
+
 class ParameterServerStrategy(Strategy):
     """Asynchronous training: variables on parameter servers, steps scheduled onto workers.
 
@@ -66,6 +69,8 @@ class ParameterServerStrategy(Strategy):
         self._worker_addresses = list(spec.job_tasks("worker"))
         self._ps_clients = [ParameterServerClient(a, self._token, task=f"ps {i}")
                             for i, a in enumerate(self._ps_addresses)]
+        for client in self._ps_clients:  # the ps tasks may still be starting: wait for them
+            client.wait_ready(timeout=STARTUP_TIMEOUT_SECONDS)
         self._partitioner = variable_partitioner
         self._placement = _Placement(self)
         self._contexts = [ReplicaContext(self, 0, 0, None)]
@@ -185,7 +190,7 @@ class _VariableDict(dict):
         return (dict, ({k: (None if v is None else v.detach().clone()) for k, v in self.items()},))
 
     def _refresh(self) -> None:
-        if self._pulled_at != self._placement.version:
+        if self._pulled_at != self._placement.version and not self._placement.loading:
             self._pulled_at = self._placement.version
             self._placement.pull_into([t for t in dict.values(self) if t is not None])
 
@@ -222,6 +227,7 @@ class _Placement:
         self._specs: dict[str, Any] = {}            # var_id -> optimizer spec
         self._sent_hyper: dict[int, list[dict]] = {}
         self._optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        self.loading = False
 
     # ------------------------------------------------------------ modules
 
@@ -267,7 +273,10 @@ class _Placement:
                 dict.__setitem__(placed, name, tensor)
             placed._pulled_at = self.version
             module.__dict__[attr] = placed
-        module.register_load_state_dict_post_hook(lambda m, _: self.push_module(m))
+        # load_state_dict writes the coordinator's copies (no pull first: a fresh ps may not have
+        # them yet), then the values go to the ps
+        module.register_load_state_dict_pre_hook(lambda *_: setattr(self, "loading", True))
+        module.register_load_state_dict_post_hook(lambda m, _: self._after_load(m))
 
     def _create(self, module: nn.Module, name: str, tensor: torch.Tensor, is_parameter: bool) -> torch.Tensor:
         var_id = f"{next(self._ids)}/{type(module).__name__}.{name}"
@@ -312,6 +321,10 @@ class _Placement:
                     (t.data[shard.start:shard.stop] if t.dim() else t.data).copy_(piece.reshape(
                         t.data[shard.start:shard.stop].shape if t.dim() else t.shape))
 
+    def _after_load(self, module: nn.Module) -> None:
+        self.loading = False
+        self.push_module(module)
+
     def push_module(self, module: nn.Module) -> None:
         """After load_state_dict on the coordinator: write the values to the ps (re-creating them)."""
         state: dict[int, dict[str, dict]] = {}
@@ -329,6 +342,8 @@ class _Placement:
 
     def _set_state(self, per_ps: dict[int, dict[str, dict]]) -> None:
         clients = self.strategy._ps_clients
+        for ps in per_ps:  # after a failure the ps may still be restarting
+            clients[ps].wait_ready(timeout=STARTUP_TIMEOUT_SECONDS)
         for future in [clients[ps].call_async("set_state", state=s) for ps, s in per_ps.items()]:
             future.result()
         self.stale()
@@ -419,7 +434,10 @@ class _Placement:
         base.load_state_dict(optimizer, {"state": {}, "param_groups": state_dict["param_groups"]})
         self.finalize()
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.pull_into(params)
+        try:
+            self.pull_into(params)
+        except Exception:  # noqa: BLE001 - a fresh ps lacks them: keep the coordinator's values
+            pass
         per_ps: dict[int, dict[str, dict]] = {}
         index = 0
         for group in optimizer.param_groups:

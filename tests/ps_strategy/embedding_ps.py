@@ -1,0 +1,67 @@
+"""Coordinator script: an embedding table on 2 ps; measures the bytes moved per step."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stratagem as sg
+
+
+class Model(nn.Module):
+    def __init__(self, rows):
+        super().__init__()
+        self.embedding = nn.Embedding(rows, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, ids):
+        return self.head(self.embedding(ids).mean(dim=1))
+
+
+def traffic(strategy):
+    total = 0
+    for client in strategy._ps_clients:
+        stats = client.stats()
+        total += sum(op.get("bytes_out", 0) + op.get("bytes_in", 0)
+                     for name, op in stats["ops"].items() if name in ("pull_rows", "push_rows"))
+    return total
+
+
+def main(out):
+    strategy = sg.ParameterServerStrategy(sg.cluster.TFConfigClusterResolver(),
+                                          variable_partitioner=sg.FixedShardsPartitioner(2))
+    coordinator = sg.ClusterCoordinator(strategy)
+    report = {}
+    for rows in (1000, 100000):
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = Model(rows)
+            optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+        before_table = model.embedding.weight.detach().clone()
+
+        def step(ids):
+            optimizer.zero_grad()
+            loss = F.mse_loss(model(ids), torch.ones(ids.shape[0], 1))
+            loss.backward()
+            optimizer.step()
+            return loss.detach()
+
+        ids = torch.tensor([[1, 5, 7, 5], [3, 999, 1, 2]])
+        start = traffic(strategy)
+        for _ in range(5):
+            coordinator.schedule(step, args=(ids,))
+        coordinator.join()
+        after_table = model.embedding.weight.detach()
+        changed = sorted((after_table != before_table).any(dim=1).nonzero().flatten().tolist())
+        report[rows] = {"bytes_per_step": (traffic(strategy) - start) / 5, "changed_rows": changed,
+                        "shard_shapes": model.embedding.weight.shard_shapes}
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(report, f)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,137 @@
+"""Coordinator script for failure tests (run as the chief of `stratagem launch --ps ...`).
+
+Modes:
+  kill-worker    SIGKILL worker 1 while closures run: join() still completes every step
+  stop-worker    SIGSTOP worker 1 while a closure runs on it: the closure moves elsewhere
+  user-error     a step raises: join() re-raises it with the remote traceback, others run
+  kill-ps        SIGKILL ps 0: UnavailableError naming it; restore from saved state dicts, continue
+Writes OUT/report.json.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stratagem as sg
+
+
+def task_pid(task_type, index):
+    """The pid of a local task of this job, found by its TF_CONFIG (test helper, Linux only)."""
+    mine = json.loads(os.environ["TF_CONFIG"])["cluster"]
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        config = env.get(b"TF_CONFIG")
+        if config:
+            config = json.loads(config)
+            if config["cluster"] == mine and config["task"] == {"type": task_type, "index": index}:
+                return int(entry)
+    raise LookupError(f"no {task_type} {index} process found")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("mode")
+    args = parser.parse_args()
+    report = {"mode": args.mode}
+
+    strategy = sg.ParameterServerStrategy(sg.cluster.TFConfigClusterResolver())
+    coordinator = sg.ClusterCoordinator(strategy)
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    target = torch.tensor([[1.0, -2.0, 3.0, 0.5]])
+
+    def step(delay):
+        ran_on = os.environ["TF_CONFIG"]
+        time.sleep(delay)
+        x = torch.randn(16, 4)
+        y = x @ target.T
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach(), json.loads(ran_on)["task"]["index"], os.getpid()
+
+    def bad_step():
+        raise ValueError("bad step on purpose")
+
+    pids = {}
+    first = [coordinator.schedule(step, args=(0.0,)) for _ in range(4)]
+    coordinator.join()
+    for value in first:
+        _, worker, pid = value.fetch()
+        pids[worker] = pid
+    report["worker_pids"] = pids
+
+    if args.mode in ("kill-worker", "stop-worker"):
+        values = [coordinator.schedule(step, args=(0.3,)) for _ in range(20)]
+        time.sleep(0.5)
+        os.kill(pids[1], signal.SIGKILL if args.mode == "kill-worker" else signal.SIGSTOP)
+        started = time.time()
+        coordinator.join()
+        report["join_seconds"] = time.time() - started
+        report["ran"] = [v.fetch()[1] for v in values]
+        if args.mode == "kill-worker":  # the launcher restarts it: it must get work again
+            time.sleep(3.0)
+            later = [coordinator.schedule(step, args=(0.2,)) for _ in range(16)]
+            coordinator.join()
+            report["after_restart"] = [v.fetch()[1] for v in later]
+        else:
+            os.kill(pids[1], signal.SIGCONT)
+    elif args.mode == "user-error":
+        good = [coordinator.schedule(step, args=(0.0,)) for _ in range(3)]
+        bad = coordinator.schedule(bad_step)
+        more = [coordinator.schedule(step, args=(0.0,)) for _ in range(3)]
+        try:
+            coordinator.join()
+            report["raised"] = None
+        except Exception as error:  # noqa: BLE001
+            report["raised"] = f"{type(error).__name__}: {error}"
+        try:
+            bad.fetch()
+        except Exception as error:  # noqa: BLE001
+            report["fetch_raised"] = f"{type(error).__name__}: {error}"
+        report["others_ran"] = all(v.fetch() is not None for v in good + more)
+    elif args.mode == "kill-ps":
+        saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+        saved_opt = optimizer.state_dict()
+        report["saved_weight"] = saved_model["weight"].tolist()
+        os.kill(task_pid("ps", 0), signal.SIGKILL)
+        started = time.time()
+        try:
+            for _ in range(200):
+                coordinator.schedule(step, args=(0.05,))
+            coordinator.join()
+            report["raised"] = None
+        except sg.errors.UnavailableError as error:
+            report["raised"] = str(error)
+            report["task"] = error.task
+        report["raise_seconds"] = time.time() - started
+        time.sleep(2.0)  # the launcher restarts the ps on the same address
+        model.load_state_dict(saved_model)
+        optimizer.load_state_dict(saved_opt)
+        report["restored_weight"] = model.weight.tolist()
+        values = [coordinator.schedule(step, args=(0.0,)) for _ in range(150)]
+        coordinator.join()
+        report["final_loss"] = sum(v.fetch()[0].item() for v in values[-10:]) / 10
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        json.dump(report, f)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

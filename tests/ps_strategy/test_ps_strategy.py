@@ -1,0 +1,69 @@
+"""ParameterServerStrategy end to end: real ps, worker and coordinator processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+HERE = Path(__file__).parent
+
+
+def launch(tmp_path: Path, script: str, *args: str, workers: int = 2, ps: int = 1,
+           restarts: int = 0) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "stratagem", "launch", "--workers", str(workers), "--ps", str(ps),
+         "--max-restarts", str(restarts), str(HERE / script), str(tmp_path), *args],
+        capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    return json.loads((tmp_path / "report.json").read_text())
+
+
+def test_two_workers_two_ps_converge_like_single_process_training(tmp_path: Path) -> None:
+    report = launch(tmp_path, "train_ps.py", "--steps", "300", ps=2)
+    # plain single-process training of this model reaches about 0.97 (the demo measures it)
+    assert report["accuracy"] > 0.93, report
+    assert report["last_loss"] < report["first_loss"] / 5
+    assert report["sharded"] and report["shard_shapes"] == [[32, 64], [32, 64]]
+    assert report["shards_equal_logical"]
+
+
+def test_killed_worker_closures_run_elsewhere_and_the_restarted_worker_gets_work(tmp_path: Path) -> None:
+    report = launch(tmp_path, "failures_ps.py", "kill-worker", restarts=1)
+    assert len(report["ran"]) == 20            # join() returned with every step run
+    assert 1 in report["after_restart"]        # the restarted worker 1 took work again
+
+
+def test_stopped_worker_closure_moves_after_the_heartbeat_deadline(tmp_path: Path) -> None:
+    report = launch(tmp_path, "failures_ps.py", "stop-worker")
+    assert len(report["ran"]) == 20
+    assert report["ran"].count(0) >= 19
+    assert report["join_seconds"] < 30
+
+
+def test_exception_in_a_step_reaches_the_coordinator_with_its_traceback(tmp_path: Path) -> None:
+    report = launch(tmp_path, "failures_ps.py", "user-error")
+    for key in ("raised", "fetch_raised"):
+        assert "ValueError: bad step on purpose" in report[key]
+        assert "Remote traceback" in report[key] and "bad_step" in report[key]
+    assert report["others_ran"]
+
+
+def test_killed_ps_raises_unavailable_then_restores_and_continues(tmp_path: Path) -> None:
+    report = launch(tmp_path, "failures_ps.py", "kill-ps", restarts=1)
+    assert report["task"] == "ps 0" and "ps 0" in report["raised"]
+    assert report["raise_seconds"] < 15
+    assert report["restored_weight"] == report["saved_weight"]
+    assert report["final_loss"] < 1e-3
+
+
+def test_embedding_traffic_scales_with_rows_used_not_table_size(tmp_path: Path) -> None:
+    report = launch(tmp_path, "embedding_ps.py", workers=1, ps=2)
+    small, large = report["1000"], report["100000"]
+    assert small["bytes_per_step"] == large["bytes_per_step"] < 2000
+    assert small["changed_rows"] == large["changed_rows"] == [1, 2, 3, 5, 7, 999]
+    assert large["shard_shapes"] == [[50000, 16], [50000, 16]]
