@@ -16,8 +16,9 @@ h2:2222``, and answers only callers that hold the cluster token.
 What a task serves is looked up in :data:`SERVICES`, task type -> service factory: a
 callable ``factory(task: TaskInfo)`` returning an object with ``handlers() -> {name:
 handler}`` (and optionally ``close()``, called on stop), or the "module:attribute" name of
-one, imported when needed. "ps" serves a :class:`stratagem.ps.ParameterServer`; the worker
-service registers itself under "worker" with :func:`register_service`.
+one, imported when needed. "ps" serves a :class:`stratagem.ps.ParameterServer`, "worker"
+the coordinator's worker service (:mod:`stratagem.coordinator.worker`); :func:`register_service`
+adds or replaces one.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, Union
+
+import torch
 
 from stratagem.cluster import ClusterSpec, TFConfigClusterResolver
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
@@ -142,8 +145,6 @@ def _run(args: argparse.Namespace) -> int:
     token = cluster_token()
     if args.torch_threads < 1:
         raise InvalidArgumentError(f"--torch-threads must be >= 1, got {args.torch_threads}.")
-    import torch
-
     torch.set_num_threads(args.torch_threads)
     stop = threading.Event()
     received: list[int] = []

@@ -1,0 +1,118 @@
+"""ParameterServerClient: the ParameterServer's methods, called over RPC.
+
+The coordinator and the workers hold one client per ps task. Each method is the
+:class:`~stratagem.ps.ParameterServer` method of the same name, run on the ps; errors come
+back as :class:`stratagem.rpc.RemoteError` (an argument the ps refused: its
+``remote_exception`` is the ps's ``InvalidArgumentError``) and a dead or silent ps raises
+:class:`stratagem.errors.UnavailableError` naming it. :meth:`call_async` sends any of them
+without waiting, to talk to several parameter servers at once.
+
+Example::
+
+    >>> import torch
+    >>> from stratagem.ps import ParameterServer, ParameterServerClient
+    >>> from stratagem.rpc import RpcServer
+    >>> server = RpcServer("127.0.0.1:0", ParameterServer(name="ps 0").handlers(), "token").start()
+    >>> client = ParameterServerClient(server.address, "token", task="ps 0")
+    >>> client.create("dense/kernel", torch.zeros(2, 2), (torch.optim.SGD, {"lr": 0.5}))
+    >>> pending = client.call_async("push", grads={"dense/kernel": torch.ones(2, 2)})
+    >>> pending.result()                 # a Future: send to several ps, then wait for all
+    >>> client.pull(["dense/kernel"])["dense/kernel"]
+    tensor([[-0.5000, -0.5000],
+            [-0.5000, -0.5000]])
+    >>> client.close(); server.stop()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from stratagem.ps.service import OptimizerSpec, Rows
+from stratagem.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, RpcClient
+
+__all__ = ["ParameterServerClient"]
+
+
+class ParameterServerClient:
+    """Calls the :class:`~stratagem.ps.ParameterServer` of the ps task at ``address``."""
+
+    def __init__(self, address: str, token: str, *, task: str = "ps",
+                 default_timeout: float = DEFAULT_TIMEOUT_S,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.rpc = RpcClient(address, token, task=task, default_timeout=default_timeout,
+                             max_message_bytes=max_message_bytes)
+
+    @property
+    def task(self) -> str:
+        return self.rpc.task
+
+    def __repr__(self) -> str:
+        return f"ParameterServerClient({self.rpc.address!r}, task={self.task!r})"
+
+    def call_async(self, method: str, *, timeout: float | None = None, **kwargs: Any) -> Future[Any]:
+        """Starts ``method(**kwargs)`` on the ps; a Future of its result."""
+        return self.rpc.call_async(method, kwargs, timeout=timeout)
+
+    def _call(self, method: str, timeout: float | None = None, **kwargs: Any) -> Any:
+        return self.rpc.call(method, kwargs, timeout=timeout)
+
+    def create(self, var_id: str, value: torch.Tensor, optimizer_spec: OptimizerSpec | None = None,
+               *, timeout: float | None = None) -> None:
+        self._call("create", timeout, var_id=var_id, value=value, optimizer_spec=optimizer_spec)
+
+    def delete(self, var_ids: Iterable[str], *, timeout: float | None = None) -> None:
+        self._call("delete", timeout, var_ids=list(var_ids))
+
+    def variables(self, *, timeout: float | None = None) -> dict[str, dict[str, Any]]:
+        return self._call("variables", timeout)
+
+    def pull(self, var_ids: Iterable[str], *, timeout: float | None = None) -> dict[str, torch.Tensor]:
+        return self._call("pull", timeout, var_ids=list(var_ids))
+
+    def pull_rows(self, var_id: str, row_ids: Rows, *, timeout: float | None = None) -> torch.Tensor:
+        return self._call("pull_rows", timeout, var_id=var_id, row_ids=torch.as_tensor(row_ids))
+
+    def push(self, grads: Mapping[str, torch.Tensor], *, timeout: float | None = None) -> None:
+        self._call("push", timeout, grads=dict(grads))
+
+    def push_rows(self, var_id: str, row_ids: Rows, row_grads: torch.Tensor, *,
+                  timeout: float | None = None) -> None:
+        self._call("push_rows", timeout, var_id=var_id, row_ids=torch.as_tensor(row_ids),
+                   row_grads=row_grads)
+
+    def assign(self, values: Mapping[str, torch.Tensor], *, timeout: float | None = None) -> None:
+        self._call("assign", timeout, values=dict(values))
+
+    def set_hyperparameters(self, var_ids: Iterable[str] | None, values: Mapping[str, Any], *,
+                            timeout: float | None = None) -> None:
+        self._call("set_hyperparameters", timeout,
+                   var_ids=None if var_ids is None else list(var_ids), values=dict(values))
+
+    def get_state(self, var_ids: Iterable[str] | None = None, *,
+                  timeout: float | None = None) -> dict[str, dict[str, Any]]:
+        return self._call("get_state", timeout, var_ids=None if var_ids is None else list(var_ids))
+
+    def set_state(self, state: Mapping[str, Mapping[str, Any]], *, timeout: float | None = None) -> None:
+        self._call("set_state", timeout, state=dict(state))
+
+    def ping(self, *, timeout: float | None = None) -> dict[str, Any]:
+        return self._call("ping", timeout)
+
+    def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
+        return self._call("stats", timeout)
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        self.rpc.wait_ready(timeout)
+
+    def close(self) -> None:
+        self.rpc.close()
+
+    def __enter__(self) -> ParameterServerClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

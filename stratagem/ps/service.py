@@ -1,0 +1,381 @@
+"""ParameterServer: the variables (shards) of one ps task, and their optimizers.
+
+In parameter-server training (SPEC §11) each variable, or each shard of a partitioned one,
+lives on one parameter server, with its optimizer beside it. Workers read the latest
+values (``pull``, ``pull_rows``) and send gradients (``push``, ``push_rows``); the ps
+applies each push at once, with the variable's own ``torch.optim`` instance, so workers
+never wait for each other (asynchronous training).
+
+Each variable is an ``nn.Parameter`` with a lock: pushes to one variable are applied one
+after the other, in arrival order; pushes to different variables run in parallel (the RPC
+server runs requests on a thread pool and torch releases the GIL). A read takes the lock
+too, so it never sees half of an update.
+
+The service is plain Python -- usable in-process, as tests do -- and :meth:`handlers`
+exposes it to :class:`stratagem.rpc.RpcServer`: each handler takes the dict of its method's
+keyword arguments, e.g. ``client.call("pull", {"var_ids": ["dense/kernel"]})``
+(:class:`stratagem.ps.ParameterServerClient` wraps this).
+
+Example::
+
+    >>> import torch
+    >>> from stratagem.ps import ParameterServer
+    >>> ps = ParameterServer(name="ps 0")
+    >>> ps.create("w", torch.zeros(3), optimizer_spec=(torch.optim.SGD, {"lr": 0.5}))
+    >>> ps.push({"w": torch.ones(3)})
+    >>> ps.pull(["w"])["w"]
+    tensor([-0.5000, -0.5000, -0.5000])
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from stratagem.errors import InvalidArgumentError
+from stratagem.ps.sparse_update import after_load_state_dict, apply_row_update, note_dense_step
+
+__all__ = ["OptimizerSpec", "ParameterServer"]
+
+#: How a variable's optimizer is made on the ps: ``(torch.optim.Adam, {"lr": 1e-3})``.
+OptimizerSpec = tuple[type[torch.optim.Optimizer], Mapping[str, Any]]
+Handler = Callable[[Any], Any]
+Rows = Union[torch.Tensor, Sequence[int]]
+
+
+@dataclass
+class _Variable:
+    param: nn.Parameter
+    optimizer: torch.optim.Optimizer | None
+    optimizer_spec: OptimizerSpec | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    updates: int = 0
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _clone_tree(obj: Any) -> Any:
+    """A copy of an optimizer state dict whose tensors no longer alias the live state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {key: _clone_tree(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_clone_tree(value) for value in obj]
+    return obj
+
+
+def _check_spec(spec: Any, var_id: str) -> OptimizerSpec | None:
+    if spec is None:
+        return None
+    if (isinstance(spec, (tuple, list)) and len(spec) == 2 and isinstance(spec[0], type)
+            and issubclass(spec[0], torch.optim.Optimizer) and isinstance(spec[1], Mapping)):
+        return spec[0], dict(spec[1])
+    raise InvalidArgumentError(
+        f"variable {var_id!r}: optimizer_spec must be (optimizer class, hyperparameter dict), "
+        f"like (torch.optim.Adam, {{'lr': 1e-3}}), or None; got {spec!r}.")
+
+
+class ParameterServer:
+    """The variables of one parameter-server task, by id, each with its own optimizer.
+
+    ``name`` ("ps 0") appears in error messages. Thread-safe.
+    """
+
+    def __init__(self, *, name: str = "ps") -> None:
+        self.name = name
+        self._variables: dict[str, _Variable] = {}
+        self._registry_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._ops: dict[str, dict[str, int]] = {}
+        self._started = time.time()
+
+    # ------------------------------------------------------------------ variables
+
+    def create(self, var_id: str, value: torch.Tensor,
+               optimizer_spec: OptimizerSpec | None = None) -> None:
+        """Creates variable ``var_id`` holding a copy of ``value``, with an optimizer made
+        from ``optimizer_spec`` over it (none: the variable can be read and assigned, not
+        pushed to). Creating an existing id is an error."""
+        if not isinstance(var_id, str) or not var_id:
+            raise InvalidArgumentError(f"a variable id must be a non-empty str, got {var_id!r}.")
+        if not isinstance(value, torch.Tensor):
+            raise InvalidArgumentError(
+                f"variable {var_id!r}: the initial value must be a torch.Tensor, got "
+                f"{type(value).__name__}.")
+        spec = _check_spec(optimizer_spec, var_id)
+        data = value.detach().to("cpu", copy=True).contiguous()   # owns its memory
+        param = nn.Parameter(data, requires_grad=data.is_floating_point() or data.is_complex())
+        optimizer = None
+        if spec is not None:
+            if not param.requires_grad:
+                raise InvalidArgumentError(
+                    f"variable {var_id!r} has dtype {data.dtype}: only floating-point "
+                    "variables can have an optimizer.")
+            try:
+                optimizer = spec[0]([param], **spec[1])
+            except (TypeError, ValueError) as err:
+                raise InvalidArgumentError(
+                    f"variable {var_id!r}: cannot make {spec[0].__name__}(**{spec[1]!r}): {err}") from err
+        with self._registry_lock:
+            if var_id in self._variables:
+                raise InvalidArgumentError(
+                    f"{self.name} already has a variable {var_id!r}; ids must be unique (delete "
+                    "it first to recreate it).")
+            self._variables[var_id] = _Variable(param, optimizer, spec)
+        self._count("create", _nbytes(data), 0)
+
+    def delete(self, var_ids: Iterable[str]) -> None:
+        """Forgets the variables ``var_ids`` (unknown ids are an error; nothing is deleted then)."""
+        var_ids = list(var_ids)
+        with self._registry_lock:
+            for var_id in var_ids:
+                self._get(var_id)
+            for var_id in var_ids:
+                del self._variables[var_id]
+
+    def variables(self) -> dict[str, dict[str, Any]]:
+        """What this ps holds: per id, shape, dtype, optimizer class name, updates applied."""
+        return {var_id: {"shape": tuple(var.param.shape), "dtype": str(var.param.dtype),
+                         "optimizer": None if var.optimizer is None else type(var.optimizer).__name__,
+                         "updates": var.updates}
+                for var_id, var in list(self._variables.items())}
+
+    # ----------------------------------------------------------------------- reads
+
+    def pull(self, var_ids: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The current values of ``var_ids`` (copies, each taken between two updates)."""
+        result = {}
+        for var_id in var_ids:
+            var = self._get(var_id)
+            with var.lock:
+                result[var_id] = var.param.detach().clone()
+        self._count("pull", 0, sum(_nbytes(value) for value in result.values()))
+        return result
+
+    def pull_rows(self, var_id: str, row_ids: Rows) -> torch.Tensor:
+        """Rows ``row_ids`` (1-D, repeats allowed) of variable ``var_id``, in that order."""
+        var = self._get(var_id)
+        rows = self._check_rows(var_id, var, row_ids)
+        with var.lock:
+            values = var.param.detach().index_select(0, rows)
+        self._count("pull_rows", _nbytes(rows), _nbytes(values))
+        return values
+
+    # ---------------------------------------------------------------------- updates
+
+    def push(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Applies one optimizer step per variable with its gradient in ``grads``.
+
+        Every gradient is checked before any is applied; a variable without optimizer is
+        an error. The gradient is cast to the variable's dtype.
+        """
+        checked = []
+        for var_id, grad in grads.items():
+            var = self._get(var_id)
+            if var.optimizer is None:
+                raise InvalidArgumentError(
+                    f"variable {var_id!r} on {self.name} has no optimizer: create it with an "
+                    "optimizer_spec to push gradients, or use assign().")
+            checked.append((var, self._check_value(var_id, var, grad, "gradient")))
+        for var, grad in checked:
+            with var.lock:
+                var.param.grad = grad
+                try:
+                    var.optimizer.step()  # type: ignore[union-attr]
+                finally:
+                    var.param.grad = None
+                note_dense_step(var.optimizer, var.param)  # type: ignore[arg-type]
+                var.updates += 1
+        self._count("push", sum(_nbytes(grad) for _, grad in checked), 0)
+
+    def push_rows(self, var_id: str, row_ids: Rows, row_grads: torch.Tensor) -> None:
+        """A row-sparse step: only rows ``row_ids`` of ``var_id`` and their optimizer state
+        change (see :mod:`stratagem.ps.sparse_update`); repeated rows' gradients are summed.
+        ``row_grads`` has shape ``(len(row_ids), *shape[1:])``."""
+        var = self._get(var_id)
+        rows = self._check_rows(var_id, var, row_ids)
+        if var.optimizer is None:
+            raise InvalidArgumentError(
+                f"variable {var_id!r} on {self.name} has no optimizer: create it with an "
+                "optimizer_spec to push gradients.")
+        expected = (rows.numel(), *var.param.shape[1:])
+        if not isinstance(row_grads, torch.Tensor) or tuple(row_grads.shape) != expected:
+            got = tuple(row_grads.shape) if isinstance(row_grads, torch.Tensor) else type(row_grads).__name__
+            raise InvalidArgumentError(
+                f"push_rows({var_id!r}): row_grads must have shape {expected} (one row per row "
+                f"id), got {got}.")
+        with var.lock:
+            apply_row_update(var.optimizer, var.param, rows, row_grads)
+            var.updates += 1
+        self._count("push_rows", _nbytes(rows) + _nbytes(row_grads), 0)
+
+    def assign(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Overwrites the values of variables (optimizer state is kept)."""
+        checked = [(self._get(var_id), var_id, value) for var_id, value in values.items()]
+        checked = [(var, self._check_value(var_id, var, value, "value")) for var, var_id, value in checked]
+        for var, value in checked:
+            with var.lock, torch.no_grad():
+                var.param.copy_(value)
+        self._count("assign", sum(_nbytes(value) for _, value in checked), 0)
+
+    def set_hyperparameters(self, var_ids: Iterable[str] | None, values: Mapping[str, Any]) -> None:
+        """Sets optimizer hyperparameters (``{"lr": 0.01}``) of ``var_ids`` (None: all with
+        an optimizer), as a learning-rate schedule on the coordinator does each step."""
+        targets = ([(var_id, var) for var_id, var in list(self._variables.items()) if var.optimizer]
+                   if var_ids is None else [(var_id, self._get(var_id)) for var_id in var_ids])
+        for var_id, var in targets:
+            if var.optimizer is None:
+                raise InvalidArgumentError(f"variable {var_id!r} on {self.name} has no optimizer.")
+            group = var.optimizer.param_groups[0]
+            unknown = [key for key in values if key == "params" or key not in group]
+            if unknown:
+                raise InvalidArgumentError(
+                    f"{type(var.optimizer).__name__} of {var_id!r} has no hyperparameter "
+                    f"{unknown[0]!r}; it has {sorted(key for key in group if key != 'params')}.")
+        for _, var in targets:
+            with var.lock:
+                var.optimizer.param_groups[0].update(values)  # type: ignore[union-attr]
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def get_state(self, var_ids: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
+        """Per variable: ``{"value", "optimizer_spec", "optimizer_state"}`` (copies), what
+        :meth:`set_state` needs to restore it -- here or on a fresh parameter server."""
+        ids = list(self._variables) if var_ids is None else list(var_ids)
+        state = {}
+        for var_id in ids:
+            var = self._get(var_id)
+            with var.lock:
+                state[var_id] = {
+                    "value": var.param.detach().clone(),
+                    "optimizer_spec": var.optimizer_spec,
+                    "optimizer_state": None if var.optimizer is None else _clone_tree(var.optimizer.state_dict()),
+                }
+        self._count("get_state", 0, sum(_nbytes(entry["value"]) for entry in state.values()))
+        return state
+
+    def set_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        """Restores what :meth:`get_state` returned: values and optimizer states (including
+        hyperparameters). Variables missing here are created from the entry's
+        ``optimizer_spec``."""
+        for var_id, entry in state.items():
+            if not isinstance(entry, Mapping) or "value" not in entry:
+                raise InvalidArgumentError(
+                    f"set_state: the entry of {var_id!r} must be a dict with 'value' (and "
+                    "'optimizer_spec', 'optimizer_state'), as get_state() returns.")
+            if var_id not in self._variables:
+                self.create(var_id, entry["value"], entry.get("optimizer_spec"))
+            var = self._get(var_id)
+            value = self._check_value(var_id, var, entry["value"], "value")
+            optimizer_state = entry.get("optimizer_state")
+            with var.lock:
+                with torch.no_grad():
+                    var.param.copy_(value)
+                if optimizer_state is not None:
+                    if var.optimizer is None:
+                        raise InvalidArgumentError(
+                            f"set_state: {var_id!r} has optimizer state but no optimizer on {self.name}.")
+                    try:
+                        # A copy: load_state_dict keeps the given tensors, which belong to
+                        # the caller (or to the request's buffer).
+                        var.optimizer.load_state_dict(_clone_tree(optimizer_state))
+                        after_load_state_dict(var.optimizer, var.param)
+                    except (KeyError, ValueError, TypeError) as err:
+                        raise InvalidArgumentError(
+                            f"set_state: the optimizer state of {var_id!r} does not fit its "
+                            f"{type(var.optimizer).__name__}: {err}") from err
+
+    # ------------------------------------------------------------------- monitoring
+
+    def ping(self) -> dict[str, Any]:
+        """A cheap liveness answer: name, wall time, number of variables, uptime."""
+        return {"name": self.name, "time": time.time(), "num_variables": len(self._variables),
+                "uptime_s": time.time() - self._started}
+
+    def stats(self) -> dict[str, Any]:
+        """Tensor bytes received and sent, per operation (to check, for instance, that
+        embedding traffic grows with the rows used, not the table size)."""
+        with self._stats_lock:
+            ops = {op: dict(counts) for op, counts in self._ops.items()}
+        return {"name": self.name, "num_variables": len(self._variables),
+                "variable_bytes": sum(_nbytes(var.param) for var in list(self._variables.values())),
+                "ops": ops,
+                "bytes_in": sum(counts["bytes_in"] for counts in ops.values()),
+                "bytes_out": sum(counts["bytes_out"] for counts in ops.values())}
+
+    def handlers(self) -> dict[str, Handler]:
+        """RPC handlers: each takes the dict of its method's keyword arguments."""
+        methods: dict[str, Callable[..., Any]] = {
+            "create": self.create, "delete": self.delete, "variables": self.variables,
+            "pull": self.pull, "pull_rows": self.pull_rows, "push": self.push,
+            "push_rows": self.push_rows, "assign": self.assign,
+            "set_hyperparameters": self.set_hyperparameters, "get_state": self.get_state,
+            "set_state": self.set_state, "ping": self.ping, "stats": self.stats,
+        }
+        return {name: _keyword_handler(name, method) for name, method in methods.items()}
+
+    # ------------------------------------------------------------------- internals
+
+    def _get(self, var_id: str) -> _Variable:
+        var = self._variables.get(var_id)
+        if var is None:
+            known = sorted(self._variables)
+            shown = ", ".join(map(repr, known[:10])) + (" ..." if len(known) > 10 else "")
+            raise InvalidArgumentError(
+                f"{self.name} has no variable {var_id!r}; it has {len(known)}: {shown or 'none'}.")
+        return var
+
+    def _check_value(self, var_id: str, var: _Variable, value: Any, what: str) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor) or value.shape != var.param.shape:
+            got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise InvalidArgumentError(
+                f"the {what} for {var_id!r} must be a tensor of shape {tuple(var.param.shape)}, "
+                f"got {got}.")
+        return value.detach().to(device="cpu", dtype=var.param.dtype)
+
+    def _check_rows(self, var_id: str, var: _Variable, row_ids: Rows) -> torch.Tensor:
+        rows = torch.as_tensor(row_ids)
+        if rows.dim() != 1 or rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool:
+            raise InvalidArgumentError(
+                f"row ids for {var_id!r} must be a 1-D integer tensor, got dtype {rows.dtype} "
+                f"and shape {tuple(rows.shape)}.")
+        if var.param.dim() == 0:
+            raise InvalidArgumentError(f"variable {var_id!r} is 0-d: it has no rows.")
+        rows = rows.to(torch.int64)
+        num_rows = var.param.shape[0]
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
+            bad = rows[(rows < 0) | (rows >= num_rows)][0].item()
+            raise InvalidArgumentError(
+                f"row id {bad} is out of range for {var_id!r}, which has {num_rows} rows "
+                "(ids are local to the shard: subtract the shard's first row).")
+        return rows
+
+    def _count(self, op: str, bytes_in: int, bytes_out: int) -> None:
+        with self._stats_lock:
+            counts = self._ops.setdefault(op, {"calls": 0, "bytes_in": 0, "bytes_out": 0})
+            counts["calls"] += 1
+            counts["bytes_in"] += bytes_in
+            counts["bytes_out"] += bytes_out
+
+
+def _keyword_handler(name: str, method: Callable[..., Any]) -> Handler:
+    def handler(request: Any) -> Any:
+        if request is None:
+            request = {}
+        if not isinstance(request, Mapping):
+            raise InvalidArgumentError(
+                f"the request of {name!r} must be a dict of its keyword arguments, got "
+                f"{type(request).__name__}.")
+        return method(**request)
+
+    handler.__name__ = name
+    return handler

@@ -1,0 +1,38 @@
+"""How coordinator, workers and parameter servers talk: authenticated gRPC calls.
+
+- :mod:`~stratagem.rpc.codec` -- ``encode``/``decode``: any picklable object (functions too,
+  via cloudpickle), with its tensors framed as raw bytes beside the pickle;
+- :mod:`~stratagem.rpc.auth` -- the cluster token (``STRATAGEM_CLUSTER_TOKEN``) and the
+  HMAC that every request and reply carries, checked before anything is unpickled;
+- :mod:`~stratagem.rpc.transport` -- :class:`RpcServer` (named handlers at one address) and
+  :class:`RpcClient` (``call``, ``call_async``), with deadlines, size limits, reconnection,
+  and errors that name the peer task.
+
+This layer knows nothing of parameters or steps: services (the parameter server in
+:mod:`stratagem.ps`, the worker service) are tables of handlers on top of it. It does not
+use ``torch.distributed``.
+
+Never fork a process that holds a gRPC object; start servers with spawn or the launcher.
+
+Example::
+
+    >>> import torch
+    >>> from stratagem.rpc import RpcClient, RpcServer
+    >>> server = RpcServer("127.0.0.1:0", {"double": lambda t: 2 * t}, "token").start()
+    >>> client = RpcClient(server.address, "token", task="demo")
+    >>> client.call("double", torch.ones(2))
+    tensor([2., 2.])
+    >>> client.close(); server.stop()
+"""
+
+from stratagem.rpc.auth import TOKEN_VARIABLE, Authenticator, cluster_token
+from stratagem.rpc.codec import decode, encode
+from stratagem.rpc.errors import (AuthenticationError, CodecError, MessageTooLargeError,
+                                  RemoteError, RpcError)
+from stratagem.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES, Handler, RpcClient, RpcServer
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES", "TOKEN_VARIABLE", "AuthenticationError", "Authenticator",
+    "CodecError", "Handler", "MessageTooLargeError", "RemoteError", "RpcClient", "RpcError",
+    "RpcServer", "cluster_token", "decode", "encode",
+]

@@ -1,0 +1,92 @@
+"""Helpers for the RPC tests: free loopback ports, child environments, server processes."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import stratagem
+
+REPO_ROOT = Path(stratagem.__file__).resolve().parent.parent
+SERVER_SCRIPT = Path(__file__).with_name("server_script.py")
+TOKEN = "test-token-0123456789abcdef"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_env(token: str | None = TOKEN) -> dict[str, str]:
+    """The environment of a child process: this checkout first on the path, the token set."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("STRATAGEM_CLUSTER_TOKEN", None)
+    if token is not None:
+        env["STRATAGEM_CLUSTER_TOKEN"] = token
+    return env
+
+
+def read_line(process: subprocess.Popen[str], prefix: str, timeout: float) -> str:
+    """The first line of ``process``'s stdout starting with ``prefix``; fails after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    assert process.stdout is not None
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([process.stdout], [], [], 0.1)
+        if ready:
+            line = process.stdout.readline()
+            if line.startswith(prefix):
+                return line.strip()
+            if not line and process.poll() is not None:
+                break
+    process.kill()
+    raise AssertionError(f"no {prefix!r} line within {timeout} s; stderr: "
+                         f"{process.stderr.read() if process.stderr else ''}")
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen[str]
+    address: str
+    marker_dir: Path
+
+    def handler_calls(self, name: str) -> int:
+        return len(list(self.marker_dir.glob(f"handler-{name}-*")))
+
+    def stop(self, sig: int = signal.SIGTERM) -> str:
+        """Stops the process; returns its stderr."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            _, err = self.process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            _, err = self.process.communicate()
+        return err or ""
+
+
+def start_server_processes(count: int, tmp: Path, max_bytes: int | None = None) -> list[ServerProcess]:
+    """``count`` server_script.py processes, started at once (torch imports overlap)."""
+    started = []
+    for index in range(count):
+        marker_dir = tmp / f"server{index}"
+        marker_dir.mkdir()
+        address = f"127.0.0.1:{free_port()}"
+        args = [sys.executable, str(SERVER_SCRIPT), address, str(marker_dir)]
+        if max_bytes is not None:
+            args.append(str(max_bytes))
+        process = subprocess.Popen(args, env=child_env(), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        started.append(ServerProcess(process, address, marker_dir))
+    for server in started:
+        read_line(server.process, "READY", timeout=60)
+    return started

@@ -1,0 +1,95 @@
+"""Authenticator and cluster_token, without a network: what is accepted and what is refused."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from stratagem.errors import ClusterConfigError, InvalidArgumentError
+from stratagem.rpc import AuthenticationError, Authenticator, cluster_token
+
+pytestmark = pytest.mark.timeout(30)
+
+BODY = b"\x00payload\xff" * 10
+
+
+def _signed(token: str = "token", method: str = "push", body: bytes = BODY, **kwargs: int) -> dict[str, str]:
+    return dict(Authenticator(token).sign_request(method, body, **kwargs))
+
+
+def test_a_signed_request_is_accepted_once() -> None:
+    server = Authenticator("token")
+    metadata = _signed()
+    assert len(server.verify_request("push", metadata, BODY)) == 24
+    with pytest.raises(AuthenticationError, match="replayed"):
+        server.verify_request("push", metadata, BODY)
+
+
+@pytest.mark.parametrize("change", ["token", "method", "body", "timestamp", "nonce", "mac"])
+def test_any_change_is_refused(change: str) -> None:
+    server = Authenticator("token")
+    metadata = _signed("other-token" if change == "token" else "token")
+    method, body = "push", BODY
+    if change == "method":
+        method = "pull"
+    elif change == "body":
+        body = BODY[:-1] + b"\x00"
+    elif change in ("timestamp", "nonce", "mac"):
+        key = {"timestamp": "sg-ts", "nonce": "sg-nonce", "mac": "sg-mac"}[change]
+        value = metadata[key]
+        metadata[key] = value[:-1] + ("0" if value[-1] != "0" else "1")
+    with pytest.raises(AuthenticationError, match="wrong cluster token"):
+        server.verify_request(method, metadata, body)
+
+
+def test_missing_proof_is_refused() -> None:
+    with pytest.raises(AuthenticationError, match="no cluster-token proof"):
+        Authenticator("token").verify_request("push", {}, BODY)
+
+
+@pytest.mark.parametrize("offset_s", [-600, 600])
+def test_stale_and_future_timestamps_are_refused(offset_s: int) -> None:
+    metadata = _signed(timestamp_ms=int((time.time() + offset_s) * 1000))
+    with pytest.raises(AuthenticationError, match="synchronise"):
+        Authenticator("token").verify_request("push", metadata, BODY)
+
+
+def test_skew_within_the_window_is_accepted() -> None:
+    metadata = _signed(timestamp_ms=int((time.time() - 60) * 1000))
+    Authenticator("token").verify_request("push", metadata, BODY)
+
+
+def test_replies_are_bound_to_their_request() -> None:
+    client, server = Authenticator("token"), Authenticator("token")
+    reply = server.sign_reply("pull", "a" * 24, b"reply")
+    client.verify_reply("pull", "a" * 24, dict(reply), b"reply")
+    for method, nonce, body in [("pull", "b" * 24, b"reply"), ("push", "a" * 24, b"reply"),
+                                ("pull", "a" * 24, b"reply!")]:
+        with pytest.raises(AuthenticationError):
+            client.verify_reply(method, nonce, dict(reply), body)
+    with pytest.raises(AuthenticationError):
+        Authenticator("other").verify_reply("pull", "a" * 24, dict(reply), b"reply")
+    with pytest.raises(AuthenticationError):
+        client.verify_reply("pull", "a" * 24, {}, b"reply")
+
+
+def test_the_token_is_never_shown() -> None:
+    auth = Authenticator("super-secret-value")
+    assert "super-secret-value" not in repr(auth)
+    metadata = _signed("super-secret-value")
+    assert all("super-secret-value" not in value for value in metadata.values())
+
+
+def test_cluster_token_reads_the_environment_with_a_clear_error() -> None:
+    assert cluster_token({"STRATAGEM_CLUSTER_TOKEN": "abc"}) == "abc"
+    for env in ({}, {"STRATAGEM_CLUSTER_TOKEN": "  "}):
+        with pytest.raises(ClusterConfigError, match="STRATAGEM_CLUSTER_TOKEN is not set.*secrets.token_hex"):
+            cluster_token(env)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(InvalidArgumentError, match="non-empty string"):
+        Authenticator("")
+    with pytest.raises(InvalidArgumentError, match="max_skew_s"):
+        Authenticator("token", max_skew_s=0)
