@@ -91,7 +91,8 @@ class WorkerGroup:
         self._store = dist.distributed_c10d._get_default_store()
         self._beats = 0
         self._beat()
-        threading.Thread(target=self._heartbeat, daemon=True, name="stratagem-heartbeat").start()
+        self._heartbeat_thread = threading.Thread(target=self._heartbeat, daemon=True, name="stratagem-heartbeat")
+        self._heartbeat_thread.start()
 
     @property
     def is_chief(self) -> bool:
@@ -190,6 +191,11 @@ class WorkerGroup:
     def close(self) -> None:
         """Stop the heartbeat and leave the process group (idempotent)."""
         self._stop.set()
+        # A daemon thread still inside the store's C++ code when the interpreter shuts down
+        # aborts the process ("terminate called without an active exception"): join it.
+        thread = getattr(self, "_heartbeat_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
         if self.group is None and not self.solo and dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -19,6 +19,7 @@ the variables (``model.load_state_dict`` / ``optimizer.load_state_dict``).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import itertools
 import re
@@ -171,6 +172,9 @@ class _Worker:
                     self.cached.discard(key)
                     raise _WorkerLost() from error
                 raise
+            if self.coordinator._stopping.is_set():
+                future.cancel()
+                raise _WorkerLost()
             missed = 0 if self._ping(PING_SECONDS) else missed + 1
             if missed >= MISSED_PINGS:
                 future.cancel()
@@ -210,7 +214,9 @@ class ClusterCoordinator:
         self._ps_failure: UnavailableError | None = None
         self._workers = [_Worker(self, i, address, strategy._token)
                          for i, address in enumerate(strategy._worker_addresses)]
-        threading.Thread(target=self._watch_ps, daemon=True, name="stratagem-ps-watchdog").start()
+        self._watchdog = threading.Thread(target=self._watch_ps, daemon=True, name="stratagem-ps-watchdog")
+        self._watchdog.start()
+        atexit.register(self.shutdown)  # threads inside gRPC calls at interpreter exit abort it
 
     # ------------------------------------------------------------------ API
 
@@ -253,8 +259,14 @@ class ClusterCoordinator:
         return PerWorkerDataset(dataset_id)
 
     def shutdown(self) -> None:
-        """Stop dispatching; closures still queued are not run."""
+        """Stop dispatching (closures still queued are not run) and wait for the threads to end.
+
+        Calls in flight have deadlines, so this takes seconds even with dead peers.
+        """
         self._stopping.set()
+        for thread in [w.thread for w in self._workers] + [self._watchdog]:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5.0)
 
     # ------------------------------------------------------------- internals
 
