@@ -18,7 +18,9 @@ class Model(nn.Module):
         self.head = nn.Linear(16, 1)
 
     def forward(self, ids):
-        return self.head(self.embedding(ids).mean(dim=1))
+        rows = self.embedding(ids[:, :2])  # the module's own forward ...
+        by_hand = sg.nn.embedding_lookup(self.embedding.weight, ids[:, 2:])  # ... and the same by hand
+        return self.head(torch.cat([rows, by_hand], dim=1).mean(dim=1))
 
 
 def traffic(strategy):
