@@ -84,7 +84,11 @@ class WorkerRuntime:
                 if remote.row_sparse:
                     continue
                 for shard in remote.shards:
-                    local.data[shard.start:shard.stop].copy_(values[shard.shard_id])
+                    value = values[shard.shard_id]
+                    if local.dim() == 0:
+                        local.data.copy_(value.reshape(()))
+                    else:
+                        local.data[shard.start:shard.stop].copy_(value)
 
     def pull_rows(self, remote: RemoteVariable, rows: torch.Tensor) -> torch.Tensor:
         out = torch.empty((rows.numel(), *remote.shape[1:]), dtype=remote.dtype)
@@ -103,7 +107,8 @@ class WorkerRuntime:
             if remote is None or remote.row_sparse or p.grad is None:
                 continue
             for shard in remote.shards:
-                per_ps.setdefault(shard.ps, {})[shard.shard_id] = p.grad[shard.start:shard.stop].contiguous()
+                grad = p.grad if p.grad.dim() == 0 else p.grad[shard.start:shard.stop]
+                per_ps.setdefault(shard.ps, {})[shard.shard_id] = grad.contiguous()
         futures = [self.ps[ps].call_async("push", grads=grads) for ps, grads in per_ps.items()]
         futures += self._push_rows()
         for future in futures:

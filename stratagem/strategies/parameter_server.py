@@ -118,7 +118,8 @@ class ParameterServerStrategy(Strategy):
         per_ps: dict[int, dict[str, torch.Tensor]] = {}
         for p in params:
             for shard in remote_of(p).shards:
-                per_ps.setdefault(shard.ps, {})[shard.shard_id] = p.grad[shard.start:shard.stop].contiguous()
+                grad = p.grad if p.grad.dim() == 0 else p.grad[shard.start:shard.stop]
+                per_ps.setdefault(shard.ps, {})[shard.shard_id] = grad.contiguous()
         for future in [self._ps_clients[ps].call_async("push", grads=g) for ps, g in per_ps.items()]:
             future.result()
         self._placement.stale()

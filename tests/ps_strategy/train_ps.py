@@ -34,7 +34,7 @@ def main():
     coordinator = sg.ClusterCoordinator(strategy)
     torch.manual_seed(0)
     with strategy.scope():
-        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 
     def dataset_fn(ctx):
@@ -63,6 +63,9 @@ def main():
     elapsed = time.time() - started
     losses = [v.fetch().item() for v in values]
     x, y = data()
+    model.eval()  # BatchNorm's statistics stay on the workers: evaluate with batch statistics off
+    model[1].track_running_stats = False
+    model[1].running_mean = model[1].running_var = None
     with torch.no_grad():
         accuracy = (model(x).argmax(1) == y).float().mean().item()
     weight = model[0].weight
