@@ -12,11 +12,20 @@ The default global batch of 64 does not divide the 1,437 training images: the la
 of every epoch has 29 rows, split 15/14 over two replicas, and
 ``sg.nn.compute_average_loss`` still divides by the true global size.
 
+``--strategy multi_worker`` and ``--strategy parameter_server`` start a local cluster of
+processes themselves (:mod:`stratagem.demo_cluster`): two workers under
+``MultiWorkerMirroredStrategy``, checked for equivalence like the others; or a
+coordinator, two workers and a parameter server under ``ParameterServerStrategy``, whose
+asynchronous training cannot be equivalent to plain PyTorch step by step and passes
+instead when test accuracy reaches :data:`MIN_ASYNC_ACCURACY` (0.9; about 5 epochs).
+
 Commands::
 
     stratagem demo                                  # MirroredStrategy on cpu:0, cpu:1
     stratagem demo --replicas 3 --optimizer adam    # three replicas, Adam
     stratagem demo --strategy one_device --quiet    # results only
+    stratagem demo --strategy multi_worker          # 2 worker processes, 1 replica each
+    stratagem demo --strategy parameter_server      # coordinator + 2 workers + 1 ps
     python -m stratagem demo --help
 
 In Python::
@@ -50,23 +59,38 @@ from stratagem.errors import InvalidArgumentError
 class StrategyChoice:
     """One value of ``--strategy``: how to build it, and whether ``--replicas`` applies.
 
-    Strategies that need processes of their own (multi-worker, parameter server) get an
-    entry here whose ``build`` starts them.
+    ``build(replicas)`` makes the strategy in this process. Strategies that need processes
+    of their own (multi-worker, parameter server) have ``build=None`` and a ``cluster``
+    job instead, the name of what :mod:`stratagem.demo_cluster` starts: the demo launches
+    a local cluster, trains there and reads the result back. ``default_replicas`` is what
+    ``--replicas`` means when not given (per worker for multi-worker).
     """
 
-    build: Callable[[int], sg.Strategy]
+    build: Callable[[int], sg.Strategy] | None
     uses_replicas: bool
     help: str
+    default_replicas: int = 1
+    cluster: str | None = None
 
 
 def _mirrored(replicas: int) -> sg.Strategy:
     return sg.MirroredStrategy([f"cpu:{i}" for i in range(replicas)])
 
 
+DEFAULT_REPLICAS = 2
+
 STRATEGIES: dict[str, StrategyChoice] = {
-    "mirrored": StrategyChoice(_mirrored, True, "MirroredStrategy on --replicas logical CPU devices"),
+    "mirrored": StrategyChoice(_mirrored, True, "MirroredStrategy on --replicas logical CPU devices",
+                               default_replicas=DEFAULT_REPLICAS),
     "one_device": StrategyChoice(lambda _: sg.OneDeviceStrategy("cpu"), False, 'OneDeviceStrategy("cpu")'),
     "default": StrategyChoice(lambda _: sg.get_strategy(), False, "the default strategy (sg.get_strategy())"),
+    "multi_worker": StrategyChoice(
+        None, True, "MultiWorkerMirroredStrategy on 2 local worker processes that the demo starts, "
+                    "--replicas logical CPU devices each (default 1)", cluster="multi_worker"),
+    "parameter_server": StrategyChoice(
+        None, False, "ParameterServerStrategy + ClusterCoordinator on a local cluster that the demo "
+                     "starts (coordinator, 2 workers, 1 parameter server); asynchronous, so it passes "
+                     "on test accuracy (>= 0.9) instead of equivalence", cluster="parameter_server"),
 }
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], float]] = {
@@ -74,10 +98,11 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], float]] = {
     "adam": (torch.optim.Adam, 0.01),
 }
 
-DEFAULT_REPLICAS = 2
 DEFAULT_EPOCHS = 20
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_TOLERANCE = 1e-4
+# parameter_server's pass criterion: plain PyTorch reaches 0.92 in 4 epochs, 0.97 in the default 20
+MIN_ASYNC_ACCURACY = 0.9
 MAX_REPLICAS = 64   # each logical CPU replica is a thread; a typo like --replicas 6400 should not start them
 
 
@@ -87,12 +112,18 @@ class DemoResult:
 
     ``max_rel_diff`` is, over every parameter tensor, the largest absolute difference
     between the strategy's and plain PyTorch's final values, divided by the largest
-    absolute value of that tensor in plain PyTorch. ``seconds`` is the strategy's
-    training time (not the reference's, not data loading).
+    absolute value of that tensor in plain PyTorch; ``passed`` means it is within
+    ``tolerance``. ``seconds`` is the strategy's training time (not the reference's, not
+    data loading or starting processes).
+
+    Asynchronous training (``parameter_server``) does not follow plain PyTorch step by
+    step, so there ``max_rel_diff`` is None and ``passed`` means ``accuracy >=
+    min_accuracy``; ``reference_accuracy`` is still plain PyTorch's after as many steps.
+    ``num_workers`` counts the worker processes (1 for the strategies of one process).
     """
 
     accuracy: float
-    max_rel_diff: float
+    max_rel_diff: float | None
     passed: bool
     steps: int
     seconds: float
@@ -100,6 +131,8 @@ class DemoResult:
     tolerance: float
     strategy: str
     num_replicas: int
+    num_workers: int = 1
+    min_accuracy: float | None = None
 
 
 # ----------------------------------------------------------------------- data
@@ -193,16 +226,57 @@ def make_model(num_features: int = 64, hidden: int = 64, num_classes: int = 10) 
 # ------------------------------------------------------------------- training
 
 
-def run_demo(strategy: str = "mirrored", replicas: int = DEFAULT_REPLICAS, epochs: int = DEFAULT_EPOCHS,
+@dataclass(frozen=True)
+class TrainConfig:
+    """The demo's training settings, resolved (``lr`` filled in); the cluster tasks get the same."""
+
+    epochs: int
+    batch_size: int
+    lr: float
+    optimizer: str
+    seed: int
+
+    def make_optimizer(self, params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
+        return OPTIMIZERS[self.optimizer][0](params, lr=self.lr)
+
+    def train_batches(self, data: "Digits") -> "ShuffledBatches":
+        return ShuffledBatches(data.x_train, data.y_train, batch_size=self.batch_size, seed=self.seed)
+
+    def test_batches(self, data: "Digits") -> "ShuffledBatches":
+        return ShuffledBatches(data.x_test, data.y_test, batch_size=self.batch_size, shuffle=False)
+
+    def steps_per_epoch(self, data: "Digits") -> int:
+        return math.ceil(len(data.y_train) / self.batch_size)
+
+
+@dataclass
+class Trained:
+    """A strategy's training run: the initial and final parameters, test accuracy, time."""
+
+    initial_state: dict[str, torch.Tensor]
+    final_state: dict[str, torch.Tensor]
+    accuracy: float
+    seconds: float
+    steps: int
+
+
+def run_demo(strategy: str = "mirrored", replicas: int | None = None, epochs: int = DEFAULT_EPOCHS,
              batch_size: int = DEFAULT_BATCH_SIZE, lr: float | None = None, optimizer: str = "sgd",
              seed: int = 0, tolerance: float = DEFAULT_TOLERANCE, progress: bool = True,
-             out: TextIO | None = None) -> DemoResult:
+             out: TextIO | None = None, min_accuracy: float = MIN_ASYNC_ACCURACY) -> DemoResult:
     """Train the digits MLP under a strategy, then check it against plain PyTorch.
 
-    ``strategy`` is a key of :data:`STRATEGIES`; ``replicas`` applies to ``"mirrored"``
-    only. ``lr=None`` takes the optimizer's default (0.1 for SGD, 0.01 for Adam).
+    ``strategy`` is a key of :data:`STRATEGIES`. ``replicas`` applies to ``"mirrored"``
+    (default 2) and ``"multi_worker"`` (replicas per worker process, default 1).
+    ``lr=None`` takes the optimizer's default (0.1 for SGD, 0.01 for Adam).
     ``progress`` shows a tqdm bar on stderr; ``out`` (e.g. ``sys.stdout``) receives a
     header naming the strategy and the data before training starts.
+
+    ``"multi_worker"`` and ``"parameter_server"`` start a local cluster of processes
+    (:mod:`stratagem.demo_cluster`) and raise
+    :class:`~stratagem.demo_cluster.ClusterDemoError` if it fails. Parameter-server
+    training is asynchronous: it passes when its test accuracy is at least
+    ``min_accuracy`` (0.9, which needs about 5 epochs) instead of on equivalence.
 
     Example::
 
@@ -210,9 +284,18 @@ def run_demo(strategy: str = "mirrored", replicas: int = DEFAULT_REPLICAS, epoch
         result = run_demo("mirrored", replicas=3, epochs=1, progress=False)
         print(f"{result.accuracy:.3f}", result.passed)
     """
-    choice = _validate(strategy, replicas, epochs, batch_size, lr, optimizer, tolerance)
+    choice = _validate(strategy, replicas, epochs, batch_size, lr, optimizer, tolerance, min_accuracy)
+    replicas = choice.default_replicas if replicas is None else replicas
+    config = TrainConfig(epochs=epochs, batch_size=batch_size,
+                         lr=OPTIMIZERS[optimizer][1] if lr is None else float(lr),
+                         optimizer=optimizer, seed=seed)
+    if choice.cluster is not None:
+        from stratagem.demo_cluster import run_cluster_demo
+
+        return run_cluster_demo(choice.cluster, replicas, config, tolerance=tolerance,
+                                min_accuracy=min_accuracy, progress=progress, out=out)
     with _one_intra_op_thread():
-        return _run(choice, replicas, epochs, batch_size, lr, optimizer, seed, tolerance, progress, out)
+        return _run_local(choice, replicas, config, tolerance, progress, out)
 
 
 @contextlib.contextmanager
@@ -232,23 +315,29 @@ def _one_intra_op_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _run(choice: StrategyChoice, replicas: int, epochs: int, batch_size: int, lr: float | None,
-         optimizer: str, seed: int, tolerance: float, progress: bool, out: TextIO | None) -> DemoResult:
-    optimizer_class, default_lr = OPTIMIZERS[optimizer]
-    lr = default_lr if lr is None else lr
+def _run_local(choice: StrategyChoice, replicas: int, config: TrainConfig, tolerance: float,
+               progress: bool, out: TextIO | None) -> DemoResult:
     data = load_digits_split()
-    train = ShuffledBatches(data.x_train, data.y_train, batch_size=batch_size, seed=seed)
-    test = ShuffledBatches(data.x_test, data.y_test, batch_size=batch_size, shuffle=False)
-
     dist_strategy = choice.build(replicas)
     if out is not None:
-        _print_header(out, dist_strategy, data, batch_size, epochs, len(train), optimizer, lr, seed)
+        print_header(out, _local_strategy_line(dist_strategy), data, config,
+                     dist_strategy.num_replicas_in_sync)
+    trained = train_with_strategy(dist_strategy, data, config, progress=progress)
+    return check_equivalence(trained, data, config, tolerance, strategy=repr(dist_strategy),
+                             num_replicas=dist_strategy.num_replicas_in_sync)
 
-    # --- the custom training loop of SPEC §1 --------------------------------------
+
+def train_with_strategy(dist_strategy: sg.Strategy, data: "Digits", config: TrainConfig, *,
+                        progress: bool, ncols: int | None = None) -> Trained:
+    """The custom training loop of SPEC §1 under ``dist_strategy``, then its test accuracy.
+
+    Every worker of a multi-worker strategy runs this same function.
+    """
+    train, test = config.train_batches(data), config.test_batches(data)
     with dist_strategy.scope():
-        torch.manual_seed(seed)
+        torch.manual_seed(config.seed)
         model = make_model(data.num_features)
-        dist_optimizer = optimizer_class(model.parameters(), lr=lr)
+        dist_optimizer = config.make_optimizer(model.parameters())
     initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     dist_train = dist_strategy.experimental_distribute_dataset(train)
@@ -263,7 +352,8 @@ def _run(choice: StrategyChoice, replicas: int, epochs: int, batch_size: int, lr
         dist_optimizer.step()   # gradients summed over replicas, the same update everywhere
         return loss.detach()
 
-    bar = _progress_bar(epochs * len(train), enabled=progress)
+    epochs = config.epochs
+    bar = progress_bar(epochs * len(train), enabled=progress, ncols=ncols)
     started = time.perf_counter()
     for epoch in range(epochs):
         train.set_epoch(epoch)
@@ -275,25 +365,37 @@ def _run(choice: StrategyChoice, replicas: int, epochs: int, batch_size: int, lr
     seconds = time.perf_counter() - started
     bar.close()
     accuracy = _distributed_accuracy(dist_strategy, model, test)
+    final_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return Trained(initial_state, final_state, accuracy, seconds, epochs * len(train))
 
-    # --- the same training in plain single-device PyTorch --------------------------
+
+def train_plain_pytorch(initial_state: dict[str, torch.Tensor], data: "Digits",
+                        config: TrainConfig) -> tuple[nn.Module, float]:
+    """The same training in plain single-device PyTorch; returns the model and its test accuracy."""
+    train, test = config.train_batches(data), config.test_batches(data)
     reference = make_model(data.num_features)
     reference.load_state_dict(initial_state)
-    reference_optimizer = optimizer_class(reference.parameters(), lr=lr)
-    for epoch in range(epochs):
+    reference_optimizer = config.make_optimizer(reference.parameters())
+    for epoch in range(config.epochs):
         train.set_epoch(epoch)
         for x, y in train:
             loss = F.cross_entropy(reference(x), y)
             reference_optimizer.zero_grad()
             loss.backward()
             reference_optimizer.step()
-    reference_accuracy = _accuracy(reference, test)
+    return reference, accuracy_of(reference, test)
 
-    diff = max_relative_difference(model.state_dict(), reference.state_dict())
-    return DemoResult(accuracy=accuracy, max_rel_diff=diff, passed=diff <= tolerance,
-                      steps=epochs * len(train), seconds=seconds, reference_accuracy=reference_accuracy,
-                      tolerance=tolerance, strategy=repr(dist_strategy),
-                      num_replicas=dist_strategy.num_replicas_in_sync)
+
+def check_equivalence(trained: Trained, data: "Digits", config: TrainConfig, tolerance: float, *,
+                      strategy: str, num_replicas: int, num_workers: int = 1) -> DemoResult:
+    """Train plain PyTorch from the same initial weights and compare the final parameters."""
+    with _one_intra_op_thread():
+        reference, reference_accuracy = train_plain_pytorch(trained.initial_state, data, config)
+    diff = max_relative_difference(trained.final_state, reference.state_dict())
+    return DemoResult(accuracy=trained.accuracy, max_rel_diff=diff, passed=diff <= tolerance,
+                      steps=trained.steps, seconds=trained.seconds, reference_accuracy=reference_accuracy,
+                      tolerance=tolerance, strategy=strategy, num_replicas=num_replicas,
+                      num_workers=num_workers)
 
 
 def _distributed_accuracy(strategy: sg.Strategy, model: nn.Module, test: ShuffledBatches) -> float:
@@ -309,7 +411,8 @@ def _distributed_accuracy(strategy: sg.Strategy, model: nn.Module, test: Shuffle
     return correct / test.num_examples
 
 
-def _accuracy(model: nn.Module, test: ShuffledBatches) -> float:
+def accuracy_of(model: nn.Module, test: ShuffledBatches) -> float:
+    """The fraction of ``test`` that ``model`` classifies right."""
     with torch.no_grad():
         correct = sum(int((model(x).argmax(dim=1) == y).sum()) for x, y in test)
     return correct / test.num_examples
@@ -338,16 +441,18 @@ def max_relative_difference(state: dict[str, torch.Tensor], reference: dict[str,
     return worst
 
 
-def _validate(strategy: str, replicas: int, epochs: int, batch_size: int, lr: float | None,
-              optimizer: str, tolerance: float) -> StrategyChoice:
+def _validate(strategy: str, replicas: int | None, epochs: int, batch_size: int, lr: float | None,
+              optimizer: str, tolerance: float, min_accuracy: float) -> StrategyChoice:
     if strategy not in STRATEGIES:
         raise InvalidArgumentError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if optimizer not in OPTIMIZERS:
         raise InvalidArgumentError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     for name, value in (("replicas", replicas), ("epochs", epochs), ("batch_size", batch_size)):
+        if name == "replicas" and value is None:
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
-    if replicas > MAX_REPLICAS:
+    if replicas is not None and replicas > MAX_REPLICAS:
         raise InvalidArgumentError(
             f"replicas={replicas} is more than the demo allows: every logical CPU replica is a thread; "
             f"use {MAX_REPLICAS} or fewer")
@@ -355,36 +460,49 @@ def _validate(strategy: str, replicas: int, epochs: int, batch_size: int, lr: fl
         raise InvalidArgumentError(f"lr must be a positive number (or None for the default), got {lr!r}")
     if not tolerance > 0:
         raise InvalidArgumentError(f"tolerance must be positive, got {tolerance!r}")
+    if not 0 <= min_accuracy <= 1:
+        raise InvalidArgumentError(f"min_accuracy must be between 0 and 1, got {min_accuracy!r}")
     return STRATEGIES[strategy]
 
 
 # --------------------------------------------------------------------- output
 
 
-def _progress_bar(total: int, enabled: bool):
+def progress_bar(total: int, enabled: bool, ncols: int | None = None):
+    """The demo's tqdm bar on stderr; ``ncols`` fixes its width (a cluster task's stderr is a pipe)."""
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="train", unit="step", file=sys.stderr, disable=not enabled,
-                dynamic_ncols=True, leave=True)
+                dynamic_ncols=ncols is None, ncols=ncols, leave=True)
 
 
-def _print_header(out: TextIO, strategy: sg.Strategy, data: Digits, batch_size: int, epochs: int,
-                  steps_per_epoch: int, optimizer: str, lr: float, seed: int) -> None:
-    num_replicas = strategy.num_replicas_in_sync
+def print_header(out: TextIO, strategy_line: str, data: Digits, config: TrainConfig, num_replicas: int,
+                 *, batches_line: str | None = None, training_line: str | None = None) -> None:
+    """The header before training: the data, the strategy, how batches are cut, the settings."""
     train_rows = len(data.y_train)
+    batch_size, epochs = config.batch_size, config.epochs
+    steps_per_epoch = config.steps_per_epoch(data)
     last = train_rows - (steps_per_epoch - 1) * batch_size
-    name = type(strategy).__name__.lstrip("_")   # the default strategy's class is private
+    if batches_line is None:
+        batches_line = (f"global {batch_size} -> {_split(batch_size, num_replicas)} per replica; "
+                        f"last batch {last} -> {_split(last, num_replicas)}")
+    if training_line is None:
+        training_line = f"{epochs} epoch{'s' * (epochs != 1)} x {steps_per_epoch} steps"
     lines = [
         f"stratagem demo: MLP on scikit-learn digits ({train_rows} train / {len(data.y_test)} test "
         f"images, 64 features, 10 classes)",
-        f"  strategy   {name}, {num_replicas} replica{'s' * (num_replicas != 1)} on "
-        f"{', '.join(strategy.worker_devices)}",
-        f"  batches    global {batch_size} -> {_split(batch_size, num_replicas)} per replica; "
-        f"last batch {last} -> {_split(last, num_replicas)}",
-        f"  training   {epochs} epoch{'s' * (epochs != 1)} x {steps_per_epoch} steps, "
-        f"{optimizer} lr {lr:g}, seed {seed}",
+        f"  strategy   {strategy_line}",
+        f"  batches    {batches_line}",
+        f"  training   {training_line}, {config.optimizer} lr {config.lr:g}, seed {config.seed}",
     ]
     print("\n".join(lines), file=out, flush=True)
+
+
+def _local_strategy_line(strategy: sg.Strategy) -> str:
+    num_replicas = strategy.num_replicas_in_sync
+    name = type(strategy).__name__.lstrip("_")   # the default strategy's class is private
+    return (f"{name}, {num_replicas} replica{'s' * (num_replicas != 1)} on "
+            f"{', '.join(strategy.worker_devices)}")
 
 
 def _split(rows: int, num_replicas: int) -> str:
@@ -397,14 +515,26 @@ def _split(rows: int, num_replicas: int) -> str:
 def format_result(result: DemoResult) -> str:
     """The results block that ``stratagem demo`` prints."""
     verdict = "PASS" if result.passed else "FAIL"
-    return "\n".join([
+    lines = [
         "results",
         f"  test accuracy   {result.accuracy:.4f}   (plain PyTorch: {result.reference_accuracy:.4f})",
         f"  training time   {result.seconds:.2f} s for {result.steps} steps "
         f"({result.steps / max(result.seconds, 1e-9):.0f} steps/s)",
-        f"  equivalence     {verdict}: max relative parameter difference vs plain PyTorch "
-        f"{result.max_rel_diff:.1e} (tolerance {result.tolerance:.0e})",
-    ])
+    ]
+    if result.max_rel_diff is not None:
+        lines.append(f"  equivalence     {verdict}: max relative parameter difference vs plain PyTorch "
+                     f"{result.max_rel_diff:.1e} (tolerance {result.tolerance:.0e})")
+    else:   # asynchronous training: judged on accuracy
+        relation = ">=" if result.passed else "<"
+        lines += [
+            "  equivalence     not applicable: asynchronous training applies each worker's update "
+            "as it comes, not in plain PyTorch's order",
+            f"  accuracy check  {verdict}: test accuracy {result.accuracy:.4f} {relation} "
+            f"{result.min_accuracy:g}",
+        ]
+        if not result.passed:
+            lines.append("                  train longer (the threshold needs about --epochs 5)")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------ CLI
@@ -436,15 +566,20 @@ def add_subcommand(subparsers: "argparse._SubParsersAction") -> argparse.Argumen
         "demo", help="train a small classifier under a strategy and check it against plain PyTorch",
         description="Train an MLP on scikit-learn's handwritten digits under a strategy (2 logical "
                     "CPU replicas by default), report test accuracy, and check that the final "
-                    "parameters equal those of plain single-device PyTorch (exit 1 if not).")
+                    "parameters equal those of plain single-device PyTorch (exit 1 if not). "
+                    "multi_worker and parameter_server start their local processes themselves; "
+                    "parameter_server, being asynchronous, passes on test accuracy >= "
+                    f"{MIN_ASYNC_ACCURACY:g} instead.")
     strategies = "; ".join(f"{name}: {c.help}" for name, c in STRATEGIES.items())
     parser.add_argument("--strategy", choices=list(STRATEGIES), default="mirrored",
                         help=f"which strategy to train under (default: mirrored). {strategies}")
     parser.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
-                        help=f"logical CPU devices for --strategy mirrored, 1 to {MAX_REPLICAS} "
-                             f"(default: {DEFAULT_REPLICAS})")
+                        help=f"logical CPU devices for --strategy mirrored (default: {DEFAULT_REPLICAS}), "
+                             f"or per worker process for --strategy multi_worker (default: 1); "
+                             f"1 to {MAX_REPLICAS}")
     parser.add_argument("--epochs", type=_positive_int, default=DEFAULT_EPOCHS,
-                        help=f"passes over the training set (default: {DEFAULT_EPOCHS})")
+                        help=f"passes over the training set (default: {DEFAULT_EPOCHS}); parameter_server "
+                             f"runs as many steps")
     parser.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
                         help=f"global batch size, split over the replicas (default: {DEFAULT_BATCH_SIZE}, "
                              f"which leaves an uneven last batch of 29)")
@@ -453,7 +588,9 @@ def add_subcommand(subparsers: "argparse._SubParsersAction") -> argparse.Argumen
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="sgd",
                         help="optimizer (default: sgd)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and data order")
-    parser.add_argument("--quiet", action="store_true", help="print only the results, no header or progress bar")
+    parser.add_argument("--quiet", action="store_true",
+                        help="print only the results, no header or progress bar (nor, for the cluster "
+                             "strategies, the output of their processes unless they fail)")
     parser.set_defaults(handler=_main, parser=parser)
     return parser
 
@@ -461,11 +598,18 @@ def add_subcommand(subparsers: "argparse._SubParsersAction") -> argparse.Argumen
 def _main(args: argparse.Namespace) -> int:
     choice = STRATEGIES[args.strategy]
     if args.replicas is not None and not choice.uses_replicas:
-        args.parser.error(f"--replicas applies to --strategy mirrored only; --strategy "
-                          f"{args.strategy} has one replica. Drop --replicas or use --strategy mirrored")
-    replicas = DEFAULT_REPLICAS if args.replicas is None else args.replicas
-    result = run_demo(strategy=args.strategy, replicas=replicas, epochs=args.epochs,
-                      batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
-                      progress=not args.quiet, out=None if args.quiet else sys.stdout)
+        with_replicas = " and ".join(name for name, c in STRATEGIES.items() if c.uses_replicas)
+        args.parser.error(f"--replicas applies to --strategy {with_replicas} only; --strategy "
+                          f"{args.strategy} has one replica per worker. Drop --replicas or use "
+                          f"--strategy mirrored")
+    from stratagem.demo_cluster import ClusterDemoError
+
+    try:
+        result = run_demo(strategy=args.strategy, replicas=args.replicas, epochs=args.epochs,
+                          batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
+                          progress=not args.quiet, out=None if args.quiet else sys.stdout)
+    except ClusterDemoError as err:
+        print(f"stratagem demo: {err}", file=sys.stderr, flush=True)
+        return 1
     print(format_result(result), flush=True)
     return 0 if result.passed else 1

@@ -11,7 +11,9 @@ import torch
 
 import stratagem as sg
 from stratagem.cli import main
-from stratagem.demo import ShuffledBatches, format_result, max_relative_difference, run_demo
+from stratagem.demo import (DemoResult, ShuffledBatches, TrainConfig, format_result, max_relative_difference,
+                            run_demo)
+from stratagem.demo_cluster import ClusterDemoError, run_cluster_demo
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -87,6 +89,50 @@ def test_command_line_quiet_run() -> None:
     assert "train:" not in completed.stderr        # --quiet: no progress bar
 
 
+def _demo(*flags: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stratagem", "demo", *flags], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_command_line_multi_worker_starts_its_workers_and_matches_plain_pytorch() -> None:
+    completed = _demo("--strategy", "multi_worker", "--epochs", "1", "--quiet")
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "test accuracy" in completed.stdout
+    assert "for 23 steps" in completed.stdout
+    assert "equivalence     PASS" in completed.stdout
+    assert "train:" not in completed.stderr and "[worker" not in completed.stderr   # --quiet
+
+
+def test_command_line_parameter_server_passes_on_accuracy() -> None:
+    # Asynchronous: no equivalence. 8 epochs' worth of steps (184) reach about 0.95 (threshold 0.9).
+    completed = _demo("--strategy", "parameter_server", "--epochs", "8", "--quiet")
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "test accuracy" in completed.stdout
+    assert "for 184 steps" in completed.stdout and "steps/s" in completed.stdout
+    assert "equivalence     not applicable: asynchronous training" in completed.stdout
+    assert "accuracy check  PASS: test accuracy" in completed.stdout and ">= 0.9" in completed.stdout
+    assert "train:" not in completed.stderr and "[chief]" not in completed.stderr   # --quiet
+
+
+def test_failed_cluster_raises_with_the_tasks_last_lines() -> None:
+    config = TrainConfig(epochs=1, batch_size=64, lr=0.1, optimizer="no-such-optimizer", seed=0)
+    with pytest.raises(ClusterDemoError, match="multi_worker cluster failed with exit status 1") as info:
+        run_cluster_demo("multi_worker", 1, config, tolerance=1e-4, min_accuracy=0.9, progress=False,
+                         out=None)
+    assert "KeyError: 'no-such-optimizer'" in str(info.value)   # the tasks' output, kept while quiet
+    assert "[worker " in str(info.value)
+
+
+def test_asynchronous_result_is_judged_on_accuracy() -> None:
+    result = DemoResult(accuracy=0.85, max_rel_diff=None, passed=False, steps=46, seconds=0.5,
+                        reference_accuracy=0.85, tolerance=1e-4, strategy="ParameterServerStrategy(...)",
+                        num_replicas=1, num_workers=2, min_accuracy=0.9)
+    text = format_result(result)
+    assert "equivalence     not applicable" in text
+    assert "accuracy check  FAIL: test accuracy 0.8500 < 0.9" in text
+    assert "--epochs 5" in text
+
+
 def test_command_line_header_and_bar(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--epochs", "1", "--replicas", "3"]) == 0
     captured = capsys.readouterr()
@@ -101,7 +147,10 @@ def test_command_line_header_and_bar(capsys: pytest.CaptureFixture[str]) -> None
     (["demo", "--epochs", "two"], "--epochs: expected a positive integer, got 'two'"),
     (["demo", "--lr", "-1"], "--lr: must be a positive number, got -1"),
     (["demo", "--strategy", "tpu"], "invalid choice: 'tpu'"),
-    (["demo", "--strategy", "one_device", "--replicas", "2"], "--replicas applies to --strategy mirrored only"),
+    (["demo", "--strategy", "one_device", "--replicas", "2"],
+     "--replicas applies to --strategy mirrored and multi_worker only"),
+    (["demo", "--strategy", "parameter_server", "--replicas", "2"],
+     "--replicas applies to --strategy mirrored and multi_worker only"),
 ])
 def test_bad_flags_exit_non_zero_with_a_message(argv: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,6 +4,7 @@ step, the same parameters as plain single-device PyTorch, within float32 roundin
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -195,3 +196,41 @@ def test_state_dict_is_one_logical_copy_and_loads_into_plain_model() -> None:
     plain.load_state_dict(model.state_dict())
     assert set(model.state_dict()) == set(plain.state_dict())
     assert len(list(model.parameters())) == len(list(plain.parameters()))
+
+
+@pytest.mark.parametrize("optimizer_kind", ["sgd", "adam"])
+def test_optimizer_state_dict_round_trip_resumes_identically(optimizer_kind: str) -> None:
+    """Saving mid-training and loading into a fresh model and optimizer continues identically."""
+    data = _data([8, 8, 8, 8])
+
+    def train(strategy, model, optimizer, batches):
+        def step(batch):
+            x, y = batch
+            loss = sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        for batch in strategy.experimental_distribute_dataset(batches):
+            strategy.run(step, args=(batch,))
+
+    torch.manual_seed(0)
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    with strategy.scope():
+        model = BufferedNet()
+        optimizer = _optimizer(optimizer_kind, model.parameters())
+    train(strategy, model, optimizer, data[:2])
+    assert optimizer._sg_sharded is not None  # one update split between the replica threads
+    saved_model, saved_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    train(strategy, model, optimizer, data[2:])
+
+    other = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+    with other.scope():
+        resumed = BufferedNet()
+        resumed_optimizer = _optimizer(optimizer_kind, resumed.parameters())
+    resumed.load_state_dict(saved_model)
+    resumed_optimizer.load_state_dict(saved_optimizer)
+    train(other, resumed, resumed_optimizer, data[2:])
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    plain = _optimizer(optimizer_kind, BufferedNet().parameters())
+    plain.load_state_dict(saved_optimizer)  # the layout is plain PyTorch's

@@ -47,8 +47,11 @@ class CrossDeviceOps:
         return tensors
 
     def reduce_exchanged(self, sync: ReplicaSync, replica_id: int,
-                         everyone: list[list[torch.Tensor]], op: ReduceOp) -> None:
-        """Reduce in place tensors that every replica has already deposited with ``sync``."""
+                         everyone: list[list[torch.Tensor]], op: ReduceOp, *, copy_back: bool = True) -> None:
+        """Reduce in place tensors that every replica has already deposited with ``sync``.
+
+        With ``copy_back=False`` only replica 0's tensors are sure to hold the result.
+        """
         if len(everyone) == 1:
             return
         first = everyone[0]
@@ -59,11 +62,12 @@ class CrossDeviceOps:
                     f"all-reduce but replica 0 passed {[tuple(t.shape) for t in first]}; every "
                     f"replica must reduce tensors of the same shapes")
         try:
-            self._reduce_all(everyone, replica_id, op)
+            self._reduce_all(everyone, replica_id, op, copy_back)
         finally:
             sync.exchange(replica_id, None, "all_reduce:done")
 
-    def _reduce_all(self, everyone: list[list[torch.Tensor]], replica_id: int, op: ReduceOp) -> None:
+    def _reduce_all(self, everyone: list[list[torch.Tensor]], replica_id: int, op: ReduceOp,
+                    copy_back: bool = True) -> None:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -97,7 +101,7 @@ class ReductionToOneDevice(CrossDeviceOps):
 
         self.reduce_to_device = None if reduce_to_device is None else parse_device(reduce_to_device)
 
-    def _reduce_all(self, everyone, replica_id, op):
+    def _reduce_all(self, everyone, replica_id, op, copy_back=True):
         n = len(everyone)
         if replica_id == 0:
             target = self.reduce_to_device.torch_device if self.reduce_to_device else None
@@ -107,7 +111,7 @@ class ReductionToOneDevice(CrossDeviceOps):
                                                "use dense gradients (e.g. nn.Embedding(sparse=False))")
                 acc = first if target is None or first.device == target else first.to(target)
                 _sum_into(acc, [everyone[r][i] for r in range(1, n)], op, n)
-                for r in range(n):
+                for r in range(n) if copy_back else range(1):
                     if everyone[r][i] is not acc:
                         everyone[r][i].copy_(acc, non_blocking=True)
         # the other replicas wait for replica 0 at the "done" exchange
@@ -157,7 +161,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
             self._plans[(n,) + numels] = plan
         return plan
 
-    def _reduce_all(self, everyone, replica_id, op):
+    def _reduce_all(self, everyone, replica_id, op, copy_back=True):
         n = len(everyone)
         mine = everyone[0]
         for t in mine:
@@ -173,8 +177,9 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
             else:
                 continue  # the replica holding this tensor's first element reduces all of it
             acc = _sum_into(pieces[0], pieces[1:], op, n)
-            for piece in pieces[1:]:
-                piece.copy_(acc, non_blocking=True)
+            if copy_back:
+                for piece in pieces[1:]:
+                    piece.copy_(acc, non_blocking=True)
 
     def __repr__(self) -> str:
         return f"HierarchicalCopyAllReduce(num_packs={self.num_packs})"
@@ -208,7 +213,7 @@ class NcclAllReduce(CrossDeviceOps):
             raise InvalidArgumentError("NCCL is not available for these CUDA devices; use "
                                        "sg.HierarchicalCopyAllReduce() instead")
 
-    def _reduce_all(self, everyone, replica_id, op):
+    def _reduce_all(self, everyone, replica_id, op, copy_back=True):
         if replica_id != 0:
             return
         n = len(everyone)

@@ -33,6 +33,7 @@ from stratagem.errors import ContextError, InvalidArgumentError
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.mirroring import MirroredDict, Placement, install_hooks
 from stratagem.strategies.replica_context import ReplicaContext
+from stratagem.strategies.sharded_update import ShardedUpdate
 from stratagem.values import ReduceOp
 
 
@@ -118,13 +119,30 @@ class LocalStrategy(Strategy):
         if ctx is None or ctx._strategy is not self:
             return self._cross_replica_step(optimizer, twins)
         twin = twins[ctx._local_id]
+        params = [p for group in twin.param_groups for p in group["params"]]
+        sharded = self._sharded(optimizer)
+        if sharded is not None:
+            self._reduce_gradients(ctx, params, copy_back=False)
+            sharded.step(ctx._local_id)
+            ctx._exchange(None, "optimizer.step (parameters updated)")  # no replica reads a half-copied copy
+            return None
         if twin is not optimizer:
             _copy_hyperparameters(optimizer, twin)
-        params = [p for group in twin.param_groups for p in group["params"]]
         self._reduce_gradients(ctx, params)
         return base.step(twin)
 
-    def _reduce_gradients(self, ctx: ReplicaContext, params: list[torch.Tensor]) -> None:
+    def _sharded(self, optimizer: torch.optim.Optimizer) -> ShardedUpdate | None:
+        """The range optimizers of ``optimizer`` when one update can be split between replicas."""
+        sharded = optimizer.__dict__.get("_sg_sharded", False)
+        if sharded is False:
+            sharded = None
+            if self._num_workers == 1 and ShardedUpdate.supports(optimizer, self._devices):
+                self._placement.twins(optimizer)  # parameters are mirrored by now
+                sharded = ShardedUpdate(optimizer, self._placement.all_copies, len(self._devices))
+            optimizer._sg_sharded = sharded
+        return sharded
+
+    def _reduce_gradients(self, ctx: ReplicaContext, params: list[torch.Tensor], *, copy_back: bool = True) -> None:
         if len(self._devices) > 1:
             grads = [p.grad for p in params]
             tag = f"optimizer.step ({len(params)} parameters)"
@@ -140,7 +158,8 @@ class LocalStrategy(Strategy):
                     everyone = ctx._exchange(grads, tag)
                 present = [i for i, g in enumerate(grads) if g is not None]
                 everyone = [[e[i] for i in present] for e in everyone]
-            self._cross_device_ops.reduce_exchanged(self._sync, ctx._local_id, everyone, ReduceOp.SUM)
+            self._cross_device_ops.reduce_exchanged(self._sync, ctx._local_id, everyone, ReduceOp.SUM,
+                                                    copy_back=copy_back)
         self._cross_worker_gradients(ctx, params)
 
     def _cross_worker_gradients(self, ctx: ReplicaContext, params: list[torch.Tensor]) -> None:
@@ -163,10 +182,15 @@ class LocalStrategy(Strategy):
                     for params in per_twin[1:]:
                         params[i].grad.copy_(acc)
         result = None
-        for twin in twins:
-            if twin is not optimizer:
-                _copy_hyperparameters(optimizer, twin)
-            result = base.step(twin)
+        sharded = self._sharded(optimizer)
+        if sharded is not None:
+            for replica in range(len(twins)):
+                sharded.step(replica)
+        else:
+            for twin in twins:
+                if twin is not optimizer:
+                    _copy_hyperparameters(optimizer, twin)
+                result = base.step(twin)
         self._placement.after_run()
         return result
 
@@ -183,15 +207,29 @@ class LocalStrategy(Strategy):
 
 
     def _optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        return optimizer._sg_base.state_dict(optimizer)  # replica 0's: one logical copy
+        result = optimizer._sg_base.state_dict(optimizer)  # replica 0's: one logical copy
+        sharded = self._sharded(optimizer)
+        if sharded is not None:
+            result["state"] = sharded.state()
+        return result
 
     def _optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         base = optimizer._sg_base
+        sharded = self._sharded(optimizer)
+        if sharded is not None:  # hyperparameters here, the state in the range optimizers
+            base.load_state_dict(optimizer, {**state_dict, "state": {}})
+            sharded.load_state(state_dict["state"])
+            return
         base.load_state_dict(optimizer, state_dict)
         for twin in self._placement.twins(optimizer)[1:]:
             base.load_state_dict(twin, state_dict)
 
     def _optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+        if optimizer.__dict__.get("_sg_sharded"):
+            raise InvalidArgumentError(
+                "add_param_group after the first step is not supported for an optimizer created in a "
+                "multi-replica scope; pass every parameter group when creating the optimizer")
+        optimizer._sg_sharded = False  # decided again at the next step
         optimizer._sg_base.add_param_group(optimizer, param_group)
         if optimizer.__dict__.get("_sg_twins"):
             optimizer._sg_twins = None

@@ -363,8 +363,10 @@ _original_optimizer_init = torch.optim.Optimizer.__init__
 
 
 def _optimizer_init(self, params, defaults):
+    from stratagem.strategies.sharded_update import building
+
     strategy = _scoped_strategy()
-    if strategy is None or type(self).__dict__.get("_sg_base") is not None:
+    if strategy is None or building() or type(self).__dict__.get("_sg_base") is not None:
         return _original_optimizer_init(self, params, defaults)
     strategy._placement.finalize()   # modules placed before the optimizer captures parameters
     _original_optimizer_init(self, params, defaults)

@@ -1,0 +1,133 @@
+"""One optimizer update per process, split between the replica threads.
+
+With several CPU replicas the twin optimizers of :mod:`.mirroring` would each apply
+the same update to their own copy: the work and the optimizer state are repeated
+once per replica. For optimizers that act element by element (SGD, Adam, ...) that
+is not needed: thread ``r`` updates range ``r`` of replica 0's flattened parameters
+with the summed gradient, using one optimizer over views of that range, then copies
+the new values of its range to the other replicas. Every replica still holds an
+identical copy, the optimizer state exists once, and the threads share the work.
+
+The user's optimizer keeps its hyperparameters (schedulers change them there); its
+``state_dict()`` is assembled from the range optimizers, in the usual layout.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+#: Optimizers whose update of an element depends only on that element's history.
+ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adagrad", "Adamax", "RMSprop", "NAdam", "RAdam", "Adadelta", "ASGD")
+    if hasattr(torch.optim, name))
+
+_building = threading.local()
+
+
+def building() -> bool:
+    """True while range optimizers are being made (they must not be distributed themselves)."""
+    return getattr(_building, "active", False)
+
+
+class ShardedUpdate:
+    """Range optimizers of one distributed optimizer, one per local replica."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, copies: Any, num_replicas: int):
+        self._optimizer = optimizer
+        base = optimizer._sg_base
+        entries = [(g, p) for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
+        total = sum(p.numel() for _, p in entries)
+        bounds = [total * r // num_replicas for r in range(num_replicas + 1)]
+        self.pieces: list[list[tuple[int, int, nn.Parameter, int, int]]] = [[] for _ in range(num_replicas)]
+        self.optimizers: list[torch.optim.Optimizer | None] = []
+        self._copies = [copies(p) for _, p in entries]
+        offset = 0
+        for index, (g, p) in enumerate(entries):
+            for r in range(num_replicas):
+                lo, hi = max(bounds[r], offset), min(bounds[r + 1], offset + p.numel())
+                if lo < hi:
+                    view = nn.Parameter(p.data.view(-1)[lo - offset:hi - offset], requires_grad=p.requires_grad)
+                    self.pieces[r].append((index, g, view, lo - offset, hi - offset))
+            offset += p.numel()
+        _building.active = True
+        try:
+            for r in range(num_replicas):
+                groups: dict[int, list[nn.Parameter]] = {}
+                for _, g, view, _, _ in self.pieces[r]:
+                    groups.setdefault(g, []).append(view)
+                self.optimizers.append(base([{**_hyper(optimizer.param_groups[g]), "params": views}
+                                             for g, views in groups.items()]) if groups else None)
+        finally:
+            _building.active = False
+        self._group_of = [[g for g in dict.fromkeys(g for _, g, _, _, _ in self.pieces[r])]
+                          for r in range(num_replicas)]
+
+    @staticmethod
+    def supports(optimizer: torch.optim.Optimizer, devices: tuple) -> bool:
+        if len(devices) < 2 or any(d.is_cuda for d in devices) or optimizer._sg_base not in ELEMENTWISE:
+            return False
+        return all(p.is_contiguous() and not p.is_sparse
+                   for group in optimizer.param_groups for p in group["params"])
+
+    def step(self, replica: int) -> None:
+        """Update range ``replica`` from replica 0's (summed) gradients; copy it to every replica."""
+        range_optimizer = self.optimizers[replica]
+        if range_optimizer is None:
+            return
+        for group, g in zip(range_optimizer.param_groups, self._group_of[replica]):
+            group.update(_hyper(self._optimizer.param_groups[g]))
+        pieces = self.pieces[replica]
+        for index, _, view, start, stop in pieces:
+            grad = self._copies[index][0].grad
+            view.grad = None if grad is None else grad.view(-1)[start:stop]
+        range_optimizer.step()
+        with torch.no_grad():
+            for index, _, view, start, stop in pieces:
+                view.grad = None
+                for copy in self._copies[index][1:]:
+                    copy.view(-1)[start:stop].copy_(view)
+
+    # ------------------------------------------------------------ state dicts
+
+    def state(self) -> dict[int, dict]:
+        """The optimizer state per parameter index, as one optimizer would hold it."""
+        per_param: dict[int, list[tuple[int, dict]]] = {}
+        for r, range_optimizer in enumerate(self.optimizers):
+            for index, _, view, start, _ in self.pieces[r]:
+                state = range_optimizer.state.get(view) if range_optimizer is not None else None
+                if state:
+                    per_param.setdefault(index, []).append((start, state))
+        result = {}
+        for index, parts in per_param.items():
+            parts.sort(key=lambda part: part[0])
+            shape = self._copies[index][0].shape
+            merged = {}
+            for key, first in parts[0][1].items():
+                if isinstance(first, torch.Tensor) and first.dim() > 0:
+                    merged[key] = torch.cat([state[key].reshape(-1) for _, state in parts]).view(shape).clone()
+                else:
+                    merged[key] = first.clone() if isinstance(first, torch.Tensor) else first
+            result[index] = merged
+        return result
+
+    def load_state(self, state: dict) -> None:
+        for r, range_optimizer in enumerate(self.optimizers):
+            if range_optimizer is None:
+                continue
+            for index, _, view, start, stop in self.pieces[r]:
+                entry = state.get(index, state.get(str(index)))
+                if entry is None:
+                    range_optimizer.state.pop(view, None)
+                    continue
+                range_optimizer.state[view] = {
+                    key: (value.reshape(-1)[start:stop].clone() if isinstance(value, torch.Tensor)
+                          and value.dim() > 0 else (value.clone() if isinstance(value, torch.Tensor) else value))
+                    for key, value in entry.items()}
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
