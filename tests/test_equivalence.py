@@ -234,3 +234,9 @@ def test_optimizer_state_dict_round_trip_resumes_identically(optimizer_kind: str
         torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
     plain = _optimizer(optimizer_kind, BufferedNet().parameters())
     plain.load_state_dict(saved_optimizer)  # the layout is plain PyTorch's
+
+
+def test_first_step_builds_one_shared_update_under_thread_races() -> None:
+    """Replica threads reach their first optimizer.step together; they must share one update."""
+    for _ in range(10):
+        _check_equivalent(sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2", "cpu:3"]), "adam", [8, 8, 5])

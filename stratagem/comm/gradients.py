@@ -9,7 +9,10 @@ worker issues the same collectives in the same order (gloo and NCCL need that),
 whatever order the hooks fire in.
 
 ``finish()`` (called by ``optimizer.step()``) launches the packs not yet launched,
-waits only for what is still in flight, and copies the sums back into ``.grad``.
+waits only for what is still in flight, and makes each parameter's ``.grad`` the view
+of its sum in the pack (no copy back). ``zero_grad(set_to_none=False)`` gives such
+parameters fresh zero gradients, so that a later backward never writes into a pack
+that is being all-reduced.
 
 Each pack carries one extra element per parameter: 1 where this worker has a
 gradient. After the sum, a parameter whose flag is 0 had no gradient on any worker
@@ -73,12 +76,14 @@ class GradientPacks:
         current: list[torch.Tensor] = []
         size = 0
         for p in reversed([p for p in params if p.requires_grad]):
-            if current and (size + p.numel() * p.element_size() > (first_cap if not self.packs else cap)
-                            or p.dtype != current[0].dtype or p.device != current[0].device):
+            if current and (p.dtype != current[0].dtype or p.device != current[0].device):
                 self._add_pack(current)
                 current, size = [], 0
-            current.append(p)
+            current.append(p)  # like DDP: a pack closes once it reaches its size, not before
             size += p.numel() * p.element_size()
+            if size >= (first_cap if not self.packs else cap):
+                self._add_pack(current)
+                current, size = [], 0
         if current:
             self._add_pack(current)
         self._next_launch = 0
@@ -135,12 +140,10 @@ class GradientPacks:
                 self._group.all_reduce(pack.buffer, "gradient all_reduce")
             present = pack.flags.tolist()
             for i, p in enumerate(pack.params):
-                if present[i] == 0:
-                    continue
-                if p.grad is None:
-                    p.grad = pack.slot(i).clone()
-                else:
-                    p.grad.copy_(pack.slot(i))
+                if present[i] != 0:
+                    # the sum becomes the gradient: a view of the pack, no copy back. The next
+                    # backward writes a new .grad (zero_grad sets None) that fill() copies in.
+                    p.grad = pack.slot(i)
             pack.work, pack.filled, pack.stale = None, 0, False
         self._next_launch = 0
 

@@ -65,6 +65,7 @@ class LocalStrategy(Strategy):
         self._threads: _ReplicaThreads | None = None
         self._running = False
         self._run_lock = threading.Lock()
+        self._build_lock = threading.Lock()
 
     # ------------------------------------------------------------------ run
 
@@ -112,7 +113,8 @@ class LocalStrategy(Strategy):
             raise InvalidArgumentError(
                 "optimizer.step(closure) is not supported for optimizers created in a strategy's "
                 "scope: compute the loss and call loss.backward() before optimizer.step()")
-        twins = self._placement.twins(optimizer)
+        with self._build_lock:  # replica threads must share one set of twins
+            twins = self._placement.twins(optimizer)
         base = optimizer._sg_base
         frame = _context.current_frame()
         ctx = frame.replica_context if frame is not None else None
@@ -135,11 +137,14 @@ class LocalStrategy(Strategy):
         """The range optimizers of ``optimizer`` when one update can be split between replicas."""
         sharded = optimizer.__dict__.get("_sg_sharded", False)
         if sharded is False:
-            sharded = None
-            if self._num_workers == 1 and ShardedUpdate.supports(optimizer, self._devices):
-                self._placement.twins(optimizer)  # parameters are mirrored by now
-                sharded = ShardedUpdate(optimizer, self._placement.all_copies, len(self._devices))
-            optimizer._sg_sharded = sharded
+            with self._build_lock:  # every replica thread asks at the first step: build it once
+                sharded = optimizer.__dict__.get("_sg_sharded", False)
+                if sharded is False:
+                    sharded = None
+                    if self._num_workers == 1 and ShardedUpdate.supports(optimizer, self._devices):
+                        self._placement.twins(optimizer)  # parameters are mirrored by now
+                        sharded = ShardedUpdate(optimizer, self._placement.all_copies, len(self._devices))
+                    optimizer._sg_sharded = sharded
         return sharded
 
     def _reduce_gradients(self, ctx: ReplicaContext, params: list[torch.Tensor], *, copy_back: bool = True) -> None:
@@ -195,7 +200,8 @@ class LocalStrategy(Strategy):
         return result
 
     def _optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        twins = self._placement.twins(optimizer)
+        with self._build_lock:
+            twins = self._placement.twins(optimizer)
         base = optimizer._sg_base
         frame = _context.current_frame()
         ctx = frame.replica_context if frame is not None else None

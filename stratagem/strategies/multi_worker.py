@@ -161,6 +161,16 @@ class MultiWorkerMirroredStrategy(LocalStrategy):
                             p.grad.copy_(p0.grad)
             ctx._exchange(None, "optimizer.step (cross-worker gradients done)")
 
+    def _optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        if not set_to_none:  # gradients may be views of packs: detach them from the packs first
+            for twin in self._placement.twins(optimizer):
+                for group in twin.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad = torch.zeros_like(p)
+            return
+        super()._optimizer_zero_grad(optimizer, set_to_none)
+
     def _packs_for(self, params: list[torch.Tensor]) -> GradientPacks:
         key = id(params[0]) if params else 0
         packs = self._packs.get(key)
