@@ -24,6 +24,7 @@ adds or replaces one.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import logging
 import signal
@@ -139,6 +140,18 @@ def serve(task: TaskInfo, token: str, stop: threading.Event, *,
             close()
 
 
+def _keep_large_buffers() -> None:
+    """Ask glibc to reuse the buffers of large messages instead of returning them to the OS
+    after every call: otherwise each pull and push page-faults its megabytes in again
+    (measured: about a third of a ps's CPU time)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    libc.mallopt(-3, 256 << 20)   # M_MMAP_THRESHOLD: allocate below 256 MiB from the heap
+    libc.mallopt(-1, 1 << 30)     # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap
+
+
 def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"{PREFIX} %(levelname)s %(name)s: %(message)s")
     task = resolve_task()
@@ -146,6 +159,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.torch_threads < 1:
         raise InvalidArgumentError(f"--torch-threads must be >= 1, got {args.torch_threads}.")
     torch.set_num_threads(args.torch_threads)
+    _keep_large_buffers()
     stop = threading.Event()
     received: list[int] = []
 

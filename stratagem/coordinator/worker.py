@@ -32,6 +32,13 @@ from stratagem.ps.variables import RemoteVariable, remote_of
 from stratagem.rpc.auth import cluster_token
 
 _RUNTIME: "WorkerRuntime | None" = None
+_seen = threading.local()  # variable ids met while this thread decoded its current request
+
+
+def _take_seen() -> list[str]:
+    ids = getattr(_seen, "ids", [])
+    _seen.ids = []
+    return ids
 
 
 def runtime() -> "WorkerRuntime | None":
@@ -67,10 +74,11 @@ class WorkerRuntime:
             self.remotes[remote.var_id] = remote
         return local
 
-    def pull_dense(self) -> None:
-        """Refresh every dense variable from the parameter servers, all servers at once."""
+    def pull_dense(self, var_ids: Iterable[str]) -> None:
+        """Refresh these dense variables from the parameter servers, all servers at once."""
         wanted: dict[int, list[str]] = {}
-        for remote in self.remotes.values():
+        var_ids = list(dict.fromkeys(var_ids))
+        for remote in (self.remotes[v] for v in var_ids):
             if not remote.row_sparse:
                 for shard in remote.shards:
                     wanted.setdefault(shard.ps, []).append(shard.shard_id)
@@ -79,8 +87,8 @@ class WorkerRuntime:
         for future in futures.values():
             values.update(future.result())
         with torch.no_grad():
-            for var_id, local in self.params.items():
-                remote = self.remotes[var_id]
+            for var_id in var_ids:
+                local, remote = self.params[var_id], self.remotes[var_id]
                 if remote.row_sparse:
                     continue
                 for shard in remote.shards:
@@ -173,6 +181,10 @@ def worker_parameters(entries: tuple, plain_values: dict | None = None) -> dict:
     rt = runtime()
     if rt is None:  # unpickled elsewhere (a copy on the coordinator): plain tensors
         return dict(plain_values or {})
+    seen = getattr(_seen, "ids", None)
+    if seen is None:
+        seen = _seen.ids = []
+    seen.extend(remote.var_id for _, remote, _ in entries if remote is not None)
     return {name: (None if remote is None else rt.local_parameter(remote, is_parameter))
             for name, remote, is_parameter in entries}
 
@@ -239,6 +251,7 @@ class WorkerService:
         self._runtime = WorkerRuntime(ps, cluster_token(), num_workers=workers, worker_index=task.task_id)
         _RUNTIME = self._runtime
         self._closures: dict[str, Callable] = {}
+        self._closure_vars: dict[str, list[str]] = {}   # the variables each closure mentions
         self._lock = threading.Lock()
 
     def handlers(self) -> dict[str, Callable[[Any], Any]]:
@@ -248,19 +261,23 @@ class WorkerService:
         return {"incarnation": self.incarnation}
 
     def create_dataset(self, request: dict) -> None:
+        _take_seen()
         with self._lock:
             self._runtime.create_dataset(request["dataset_id"], request["dataset_fn"])
 
     def run(self, request: dict) -> Any:
+        # the request was decoded on this thread: the variables it mentioned were noted
+        seen = _take_seen()
         key = request["key"]
         if request.get("fn") is not None:
             self._closures[key] = request["fn"]
+            self._closure_vars[key] = seen
         fn = self._closures.get(key)
         if fn is None:
             raise LookupError(f"closure {key} is not cached on this worker (it restarted?)")
         args, kwargs = request["args"], request["kwargs"]
         with self._lock:
-            self._runtime.pull_dense()
+            self._runtime.pull_dense(self._closure_vars.get(key, []) + seen)
             self._runtime.sparse = []
             with torch.enable_grad():
                 result = fn(*args, **kwargs)
