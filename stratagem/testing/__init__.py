@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,20 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from stratagem.launch.ports import free_ports
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports that were free a moment ago."""
-    sockets, ports = [], []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind((host, 0))
-            sockets.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in sockets:
-            s.close()
-    return ports
+__all__ = ["TaskResult", "free_ports", "local_cluster", "run_local_cluster"]
 
 
 def local_cluster(num_workers: int, *, chief: bool = False, num_ps: int = 0,
