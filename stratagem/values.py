@@ -180,11 +180,3 @@ def regroup(per_replica_results: Sequence[Any], strategy: Any = None) -> Any:
         else:
             grouped.append(PerReplica(components, strategy))
     return pack_as(first, grouped)
-
-
-def contains_distributed(structure: Any) -> bool:
-    return any(isinstance(leaf, DistributedValues) for leaf in flatten(structure))
-
-
-def num_elements_along(value: torch.Tensor, axis: int) -> int:
-    return value.shape[axis] if value.dim() > 0 else 1

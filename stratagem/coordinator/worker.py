@@ -28,7 +28,7 @@ from torch import nn
 from stratagem.data.input import InputContext
 from stratagem.errors import InvalidArgumentError
 from stratagem.ps.client import ParameterServerClient
-from stratagem.ps.variables import RemoteVariable, remote_of
+from stratagem.ps.variables import RemoteVariable, gradients_by_ps, remote_of
 from stratagem.rpc.auth import cluster_token
 
 _RUNTIME: "WorkerRuntime | None" = None
@@ -92,11 +92,7 @@ class WorkerRuntime:
                 if remote.row_sparse:
                     continue
                 for shard in remote.shards:
-                    value = values[shard.shard_id]
-                    if local.dim() == 0:
-                        local.data.copy_(value.reshape(()))
-                    else:
-                        local.data[shard.start:shard.stop].copy_(value)
+                    shard.of(local.data).copy_(values[shard.shard_id].reshape(shard.of(local.data).shape))
 
     def pull_rows(self, remote: RemoteVariable, rows: torch.Tensor) -> torch.Tensor:
         out = torch.empty((rows.numel(), *remote.shape[1:]), dtype=remote.dtype)
@@ -109,15 +105,7 @@ class WorkerRuntime:
 
     def push_gradients(self, params: Iterable[torch.Tensor]) -> None:
         """Send dense gradients (split per shard) and recorded embedding row gradients."""
-        per_ps: dict[int, dict[str, torch.Tensor]] = {}
-        for p in params:
-            remote = remote_of(p)
-            if remote is None or remote.row_sparse or p.grad is None:
-                continue
-            for shard in remote.shards:
-                grad = p.grad if p.grad.dim() == 0 else p.grad[shard.start:shard.stop]
-                per_ps.setdefault(shard.ps, {})[shard.shard_id] = grad.contiguous()
-        futures = [self.ps[ps].call_async("push", grads=grads) for ps, grads in per_ps.items()]
+        futures = [self.ps[ps].call_async("push", grads=grads) for ps, grads in gradients_by_ps(params).items()]
         futures += self._push_rows()
         for future in futures:
             future.result()

@@ -30,6 +30,10 @@ class Shard:
     start: int
     stop: int
 
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This shard's rows of a logical-shaped tensor (a 0-d tensor is its own only shard)."""
+        return tensor if tensor.dim() == 0 else tensor[self.start:self.stop]
+
 
 @dataclass(frozen=True)
 class RemoteVariable:
@@ -104,6 +108,18 @@ def _plain_parameter(data: torch.Tensor, requires_grad: bool) -> nn.Parameter:
 
 def remote_of(tensor: torch.Tensor) -> RemoteVariable | None:
     return getattr(tensor, "_sg_remote", None)
+
+
+def gradients_by_ps(params: Any) -> dict[int, dict[str, torch.Tensor]]:
+    """The dense gradients of ``params``, cut per shard and grouped by ps task (one push each)."""
+    per_ps: dict[int, dict[str, torch.Tensor]] = {}
+    for p in params:
+        remote = remote_of(p)
+        if remote is None or remote.row_sparse or p.grad is None:
+            continue
+        for shard in remote.shards:
+            per_ps.setdefault(shard.ps, {})[shard.shard_id] = shard.of(p.grad).contiguous()
+    return per_ps
 
 
 _pickling = threading.local()

@@ -63,7 +63,6 @@ class LocalStrategy(Strategy):
         self._contexts = [ReplicaContext(self, self._first_replica_id + i, i, self._sync)
                           for i in range(len(self._devices))]
         self._threads: _ReplicaThreads | None = None
-        self._running = False
         self._run_lock = threading.Lock()
         self._build_lock = threading.Lock()
 
@@ -337,10 +336,6 @@ class _ReplicaThreads:
         if any(not ok for ok, _ in outcomes):  # pragma: no cover - aborted without a cause
             raise ContextError("a replica was aborted without an error; this is a bug in stratagem")
         return [value for _, value in outcomes]
-
-    def close(self) -> None:
-        for inbox in self._inbox[1:]:
-            inbox.put(None)
 
 
 # ------------------------------------------------ modules used without scope

@@ -26,8 +26,8 @@ from stratagem import _context
 from stratagem.devices import Device
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.ps.client import ParameterServerClient
-from stratagem.ps.variables import (RemoteVariable, Shard, ShardedVariable, is_pickling_for_worker,
-                                    remote_of)
+from stratagem.ps.variables import (RemoteVariable, Shard, ShardedVariable, gradients_by_ps,
+                                    is_pickling_for_worker, remote_of)
 from stratagem.rpc.auth import cluster_token
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.mirroring import _distributed_class, install_hooks
@@ -114,12 +114,7 @@ class ParameterServerStrategy(Strategy):
         if closure is not None:
             raise InvalidArgumentError("optimizer.step(closure) is not supported in parameter-server training")
         self._placement.finalize()
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        per_ps: dict[int, dict[str, torch.Tensor]] = {}
-        for p in params:
-            for shard in remote_of(p).shards:
-                grad = p.grad if p.grad.dim() == 0 else p.grad[shard.start:shard.stop]
-                per_ps.setdefault(shard.ps, {})[shard.shard_id] = grad.contiguous()
+        per_ps = gradients_by_ps(p for g in optimizer.param_groups for p in g["params"])
         for future in [self._ps_clients[ps].call_async("push", grads=g) for ps, g in per_ps.items()]:
             future.result()
         self._placement.stale()
@@ -296,8 +291,7 @@ class _Placement:
                                 row_sparse=isinstance(module, nn.Embedding) and name == "weight")
         self._remotes[var_id] = remote
         for shard in shards:
-            value = tensor.detach()[shard.start:shard.stop] if tensor.dim() else tensor.detach()
-            self.strategy._ps_clients[shard.ps].create(shard.shard_id, value.clone())
+            self.strategy._ps_clients[shard.ps].create(shard.shard_id, shard.of(tensor.detach()).clone())
         if num_shards > 1 and is_parameter:
             placed = ShardedVariable(tensor.detach(), remote, requires_grad=tensor.requires_grad)
         else:
@@ -318,9 +312,7 @@ class _Placement:
         with torch.no_grad():
             for t in tensors:
                 for shard in remote_of(t).shards:
-                    piece = values[shard.shard_id]
-                    (t.data[shard.start:shard.stop] if t.dim() else t.data).copy_(piece.reshape(
-                        t.data[shard.start:shard.stop].shape if t.dim() else t.shape))
+                    shard.of(t.data).copy_(values[shard.shard_id].reshape(shard.of(t.data).shape))
 
     def _after_load(self, module: nn.Module) -> None:
         self.loading = False
@@ -335,9 +327,8 @@ class _Placement:
                     continue
                 remote = remote_of(t)
                 for shard in remote.shards:
-                    value = t.detach()[shard.start:shard.stop] if t.dim() else t.detach()
                     state.setdefault(shard.ps, {})[shard.shard_id] = {
-                        "value": value.clone(), "optimizer_spec": self._specs.get(remote.var_id),
+                        "value": shard.of(t.detach()).clone(), "optimizer_spec": self._specs.get(remote.var_id),
                         "optimizer_state": None}
         self._set_state(state)
 
@@ -379,7 +370,7 @@ class _Placement:
                 remote = remote_of(p)
                 for shard in remote.shards:
                     per_ps.setdefault(shard.ps, {})[shard.shard_id] = {
-                        "value": p.detach()[shard.start:shard.stop].clone(),
+                        "value": shard.of(p.detach()).clone(),
                         "optimizer_spec": (base, hyper), "optimizer_state": None}
         clients = self.strategy._ps_clients
         for ps, entries in per_ps.items():
@@ -455,7 +446,7 @@ class _Placement:
                                  for k, v in state.items()}
                     group_state = {**hyper, "params": [0]}
                     per_ps.setdefault(shard.ps, {})[shard.shard_id] = {
-                        "value": p.detach()[shard.start:shard.stop].clone(), "optimizer_spec": (base, hyper),
+                        "value": shard.of(p.detach()).clone(), "optimizer_spec": (base, hyper),
                         "optimizer_state": None if piece is None else {"state": {0: piece},
                                                                       "param_groups": [group_state]}}
                 index += 1
