@@ -27,7 +27,7 @@ from torch import nn
 
 from stratagem.data.input import InputContext
 from stratagem.errors import InvalidArgumentError
-from stratagem.ps.client import ParameterServerClient
+from stratagem.ps.client import ParameterServerClient, call_each
 from stratagem.ps.variables import RemoteVariable, gradients_by_ps, remote_of
 from stratagem.rpc.auth import cluster_token
 
@@ -82,10 +82,9 @@ class WorkerRuntime:
             if not remote.row_sparse:
                 for shard in remote.shards:
                     wanted.setdefault(shard.ps, []).append(shard.shard_id)
-        futures = {ps: self.ps[ps].call_async("pull", var_ids=ids) for ps, ids in wanted.items()}
         values: dict[str, torch.Tensor] = {}
-        for future in futures.values():
-            values.update(future.result())
+        for pulled in call_each([(self.ps[ps], "pull", {"var_ids": ids}) for ps, ids in wanted.items()]):
+            values.update(pulled)
         with torch.no_grad():
             for var_id in var_ids:
                 local, remote = self.params[var_id], self.remotes[var_id]
@@ -97,20 +96,18 @@ class WorkerRuntime:
     def pull_rows(self, remote: RemoteVariable, rows: torch.Tensor) -> torch.Tensor:
         out = torch.empty((rows.numel(), *remote.shape[1:]), dtype=remote.dtype)
         pieces = remote.shard_of_rows(rows)
-        futures = [(positions, self.ps[shard.ps].call_async("pull_rows", var_id=shard.shard_id, row_ids=local))
-                   for shard, positions, local in pieces]
-        for positions, future in futures:
-            out[positions] = future.result()
+        pulled = call_each([(self.ps[shard.ps], "pull_rows", {"var_id": shard.shard_id, "row_ids": local})
+                            for shard, _, local in pieces])
+        for (_, positions, _), rows in zip(pieces, pulled):
+            out[positions] = rows
         return out
 
     def push_gradients(self, params: Iterable[torch.Tensor]) -> None:
         """Send dense gradients (split per shard) and recorded embedding row gradients."""
-        futures = [self.ps[ps].call_async("push", grads=grads) for ps, grads in gradients_by_ps(params).items()]
-        futures += self._push_rows()
-        for future in futures:
-            future.result()
+        calls = [(self.ps[ps], "push", {"grads": grads}) for ps, grads in gradients_by_ps(params).items()]
+        call_each(calls + self._row_pushes())
 
-    def _push_rows(self) -> list:
+    def _row_pushes(self) -> list:
         merged: dict[str, tuple[RemoteVariable, list, list]] = {}
         for remote, rows, small in self.sparse:
             if small.grad is None:
@@ -119,15 +116,15 @@ class WorkerRuntime:
             entry[1].append(rows)
             entry[2].append(small.grad)
         self.sparse = []
-        futures = []
+        calls = []
         for remote, rows_list, grads in merged.values():
             rows, inverse = torch.cat(rows_list).unique(return_inverse=True)
             grad = torch.zeros((rows.numel(), *remote.shape[1:]), dtype=grads[0].dtype)
             grad.index_add_(0, inverse, torch.cat(grads))
             for shard, positions, local in remote.shard_of_rows(rows):
-                futures.append(self.ps[shard.ps].call_async(
-                    "push_rows", var_id=shard.shard_id, row_ids=local, row_grads=grad[positions]))
-        return futures
+                calls.append((self.ps[shard.ps], "push_rows",
+                              {"var_id": shard.shard_id, "row_ids": local, "row_grads": grad[positions]}))
+        return calls
 
     def lookup(self, remote: RemoteVariable, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows ``ids`` use, as a small leaf whose gradient becomes a row update; and the

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stratagem.ps.client import ParameterServerClient
+from stratagem.ps.client import ParameterServerClient, call_each
 from stratagem.ps.partitioners import (FixedShardsPartitioner, MaxSizePartitioner,
                                        MinSizePartitioner, Partitioner, shard_offsets, shard_sizes)
 from stratagem.ps.service import OptimizerSpec, ParameterServer
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "OptimizerSpec",
     "ParameterServer", "ParameterServerClient", "Partitioner", "SPARSE_OPTIMIZERS",
-    "ps_service", "shard_offsets", "shard_sizes",
+    "call_each", "ps_service", "shard_offsets", "shard_sizes",
 ]
 
 

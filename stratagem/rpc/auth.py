@@ -6,21 +6,32 @@ itself never travels. Every request carries, in gRPC metadata:
 
 - ``sg-ts``: the sender's wall-clock time in milliseconds;
 - ``sg-nonce``: 96 random bits, hex;
-- ``sg-mac``: HMAC-SHA256, keyed by the token, over ("request", method, ts, nonce, body).
+- ``sg-mac``: the message's authentication code (below).
 
-The server recomputes the MAC over the raw bytes it received and compares in constant
+The code is two keyed functions, both derived from the token. The body -- megabytes of
+tensors, often -- is authenticated by GMAC (AES-256-GCM with the body as associated data
+and nothing encrypted; the nonce is the GCM IV): OpenSSL runs it at 10-20 GB/s with AES-NI
+and carry-less multiplication, against about 1.5 GB/s for HMAC-SHA256, which made the MAC
+the largest cost of a parameter server moving 7 MB per step. The 16-byte GMAC tag and the
+small fields (message kind, method, timestamp, nonce, body length) then go through
+HMAC-SHA256, whose hex digest is ``sg-mac``. Requests and replies use different GMAC keys,
+so an IV is never reused between the two directions.
+
+The server recomputes the code over the raw bytes it received and compares in constant
 time; only then does the transport decode (unpickle) the body. It refuses a timestamp more
 than ``max_skew_s`` (default 5 minutes) from its own clock -- cluster hosts need roughly
 synchronised clocks -- and a nonce it has already accepted with the same timestamp (a
 replayed request); nonces are forgotten once their timestamp leaves the window, when a
 replay would be refused as stale anyway.
 
-Replies are authenticated the same way: the server's MAC covers ("reply", method, the
-request's nonce, body), so a reply cannot be forged, altered, or replayed for another
-request; the client checks it before it decodes the reply.
+Replies are authenticated the same way, with a fresh random IV of their own (``sg-iv``):
+the code covers ("reply", method, the request's nonce, the IV, body), so a reply cannot be
+forged, altered, or replayed for another request; the client checks it before it decodes
+the reply.
 
-This is authentication and integrity, not secrecy: the bytes travel in clear (plain
-HTTP/2). Run clusters on a private network.
+Random 96-bit IVs keep GCM within its bounds for 2**32 messages per token; the launcher
+makes a new token per job. This is authentication and integrity, not secrecy: the bytes
+travel in clear (plain HTTP/2). Run clusters on a private network.
 
 Example::
 
@@ -45,15 +56,18 @@ import threading
 import time
 from collections.abc import Mapping
 
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.rpc.errors import AuthenticationError
 
 __all__ = ["Authenticator", "TOKEN_VARIABLE", "cluster_token"]
 
 TOKEN_VARIABLE = "STRATAGEM_CLUSTER_TOKEN"
-TIMESTAMP_KEY, NONCE_KEY, MAC_KEY = "sg-ts", "sg-nonce", "sg-mac"
+TIMESTAMP_KEY, NONCE_KEY, MAC_KEY, IV_KEY = "sg-ts", "sg-nonce", "sg-mac", "sg-iv"
 DEFAULT_MAX_SKEW_S = 300.0
-_NONCE_HEX = 24
+_NONCE_HEX = 24      # 96 bits: the GCM IV
+_REQUEST, _REPLY = b"request", b"reply"
 
 
 def cluster_token(environ: Mapping[str, str] | None = None) -> str:
@@ -104,7 +118,7 @@ class _NonceCache:
 
 
 class Authenticator:
-    """Signs and checks messages with the cluster token (HMAC-SHA256).
+    """Signs and checks messages with the cluster token (GMAC over bodies, HMAC-SHA256 over the rest).
 
     One per server or client; thread-safe. The token must be the same in every task.
     """
@@ -116,19 +130,26 @@ class Authenticator:
                 f"use stratagem.rpc.cluster_token() to read {TOKEN_VARIABLE}.")
         if not max_skew_s > 0:
             raise InvalidArgumentError(f"max_skew_s must be > 0 seconds, got {max_skew_s!r}.")
-        self._mac = hmac.new(token.encode("utf-8"), digestmod=hashlib.sha256)
+        secret = token.encode("utf-8")
+        self._mac = hmac.new(secret, digestmod=hashlib.sha256)
+        self._body_keys = {   # one GMAC key per direction, derived from the token
+            kind: AESGCM(hmac.digest(secret, b"stratagem body key: " + kind, "sha256"))
+            for kind in (_REQUEST, _REPLY)}
         self._max_skew_ms = int(max_skew_s * 1000)
         self._nonces = _NonceCache(max_skew_s)
 
     def __repr__(self) -> str:   # never show the token
         return "Authenticator(token=<hidden>)"
 
-    def _digest(self, kind: bytes, method: str, stamp: str, nonce: str,
+    def _digest(self, kind: bytes, method: str, bound: str, iv_hex: str,
                 body: bytes | memoryview) -> str:
+        """The code of a message: GMAC of ``body`` with IV ``iv_hex`` (already checked as hex),
+        then HMAC over the fields and that tag. ``bound`` ties the message to its context:
+        a request's timestamp, or the nonce of the request that a reply answers."""
+        body_tag = self._body_keys[kind].encrypt(bytes.fromhex(iv_hex), b"", body)
         mac = self._mac.copy()
-        mac.update(_field(kind) + _field(method.encode()) + _field(stamp.encode())
-                   + _field(nonce.encode()) + struct.pack("<Q", len(body)))
-        mac.update(body)
+        mac.update(_field(kind) + _field(method.encode()) + _field(bound.encode())
+                   + _field(iv_hex.encode()) + struct.pack("<Q", len(body)) + body_tag)
         return mac.hexdigest()
 
     # --------------------------------------------------------------------- requests
@@ -139,7 +160,7 @@ class Authenticator:
         stamp = str(int(time.time() * 1000) if timestamp_ms is None else timestamp_ms)
         nonce = secrets.token_hex(_NONCE_HEX // 2)
         return ((TIMESTAMP_KEY, stamp), (NONCE_KEY, nonce),
-                (MAC_KEY, self._digest(b"request", method, stamp, nonce, body)))
+                (MAC_KEY, self._digest(_REQUEST, method, stamp, nonce, body)))
 
     def verify_request(self, method: str, metadata: Mapping[str, str],
                        body: bytes | memoryview) -> str:
@@ -150,18 +171,20 @@ class Authenticator:
                                       "stratagem client of this cluster?)")
         if not (stamp.isascii() and stamp.isdigit() and len(stamp) < 20):
             raise AuthenticationError("malformed timestamp")
+        if not _is_hex(nonce, _NONCE_HEX):
+            raise AuthenticationError(f"malformed nonce (expected {_NONCE_HEX} hex digits)")
         now = time.time()
         skew_ms = abs(int(now * 1000) - int(stamp))
         if skew_ms > self._max_skew_ms:
             raise AuthenticationError(
                 f"stale or future timestamp ({skew_ms / 1000:.0f} s from this host's clock, "
                 f"more than {self._max_skew_ms / 1000:.0f} s): synchronise the hosts' clocks")
-        expected = self._digest(b"request", method, stamp, nonce, body)
+        expected = self._digest(_REQUEST, method, stamp, nonce, body)
         if not hmac.compare_digest(expected, mac):
             raise AuthenticationError(
-                f"wrong cluster token: the request's HMAC does not match; give every task "
-                f"the same {TOKEN_VARIABLE}")
-        if len(nonce) != _NONCE_HEX or not self._nonces.add(int(stamp), nonce, now):
+                f"wrong cluster token: the request's authentication code does not match; give "
+                f"every task the same {TOKEN_VARIABLE}")
+        if not self._nonces.add(int(stamp), nonce, now):
             raise AuthenticationError("replayed request (nonce already used)")
         return nonce
 
@@ -170,14 +193,20 @@ class Authenticator:
     def sign_reply(self, method: str, request_nonce: str,
                    body: bytes) -> tuple[tuple[str, str], ...]:
         """gRPC (trailing) metadata authenticating a reply to the request with that nonce."""
-        return ((MAC_KEY, self._digest(b"reply", method, "", request_nonce, body)),)
+        iv = secrets.token_hex(_NONCE_HEX // 2)
+        return ((IV_KEY, iv), (MAC_KEY, self._digest(_REPLY, method, request_nonce, iv, body)))
 
     def verify_reply(self, method: str, request_nonce: str, metadata: Mapping[str, str],
                      body: bytes | memoryview) -> None:
         """Raises AuthenticationError unless the reply was made by a holder of the token."""
-        mac = metadata.get(MAC_KEY)
-        expected = self._digest(b"reply", method, "", request_nonce, body)
-        if not isinstance(mac, str) or not hmac.compare_digest(expected, mac):
+        iv, mac = metadata.get(IV_KEY), metadata.get(MAC_KEY)
+        if (not isinstance(mac, str) or not isinstance(iv, str) or not _is_hex(iv, _NONCE_HEX)
+                or not hmac.compare_digest(
+                    self._digest(_REPLY, method, request_nonce, iv, body), mac)):
             raise AuthenticationError(
                 "the reply is not signed with this cluster's token: the server at this "
                 f"address does not share {TOKEN_VARIABLE} (or is not a stratagem server)")
+
+
+def _is_hex(text: str, length: int) -> bool:
+    return len(text) == length and all(char in "0123456789abcdef" for char in text)

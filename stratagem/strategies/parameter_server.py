@@ -25,7 +25,7 @@ from torch import nn
 from stratagem import _context
 from stratagem.devices import Device
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
-from stratagem.ps.client import ParameterServerClient
+from stratagem.ps.client import ParameterServerClient, call_each
 from stratagem.ps.variables import (RemoteVariable, Shard, ShardedVariable, gradients_by_ps,
                                     is_pickling_for_worker, remote_of)
 from stratagem.rpc.auth import cluster_token
@@ -115,8 +115,7 @@ class ParameterServerStrategy(Strategy):
             raise InvalidArgumentError("optimizer.step(closure) is not supported in parameter-server training")
         self._placement.finalize()
         per_ps = gradients_by_ps(p for g in optimizer.param_groups for p in g["params"])
-        for future in [self._ps_clients[ps].call_async("push", grads=g) for ps, g in per_ps.items()]:
-            future.result()
+        call_each([(self._ps_clients[ps], "push", {"grads": g}) for ps, g in per_ps.items()])
         self._placement.stale()
 
     def _optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
@@ -305,10 +304,9 @@ class _Placement:
             for shard in remote_of(t).shards:
                 wanted.setdefault(shard.ps, []).append(shard.shard_id)
         clients = self.strategy._ps_clients
-        futures = [clients[ps].call_async("pull", var_ids=ids) for ps, ids in wanted.items()]
         values: dict[str, torch.Tensor] = {}
-        for future in futures:
-            values.update(future.result())
+        for pulled in call_each([(clients[ps], "pull", {"var_ids": ids}) for ps, ids in wanted.items()]):
+            values.update(pulled)
         with torch.no_grad():
             for t in tensors:
                 for shard in remote_of(t).shards:
@@ -336,8 +334,7 @@ class _Placement:
         clients = self.strategy._ps_clients
         for ps in per_ps:  # after a failure the ps may still be restarting
             clients[ps].wait_ready(timeout=STARTUP_TIMEOUT_SECONDS)
-        for future in [clients[ps].call_async("set_state", state=s) for ps, s in per_ps.items()]:
-            future.result()
+        call_each([(clients[ps], "set_state", {"state": s}) for ps, s in per_ps.items()])
         self.stale()
         coordinator = self.strategy._coordinator
         if coordinator is not None:
@@ -460,8 +457,7 @@ class _Placement:
             for shard in remote_of(p).shards:
                 wanted.setdefault(shard.ps, []).append(shard.shard_id)
         clients = self.strategy._ps_clients
-        futures = [clients[ps].call_async("get_state", var_ids=ids) for ps, ids in wanted.items()]
         states: dict[str, dict] = {}
-        for future in futures:
-            states.update(future.result())
+        for got in call_each([(clients[ps], "get_state", {"var_ids": ids}) for ps, ids in wanted.items()]):
+            states.update(got)
         return states

@@ -72,6 +72,28 @@ def test_replies_are_bound_to_their_request() -> None:
         Authenticator("other").verify_reply("pull", "a" * 24, dict(reply), b"reply")
     with pytest.raises(AuthenticationError):
         client.verify_reply("pull", "a" * 24, {}, b"reply")
+    for iv in ("0" * 24, "not hex" + "0" * 17, "", None):   # another, malformed or missing IV
+        changed = {**dict(reply), "sg-iv": iv}
+        with pytest.raises(AuthenticationError, match="not signed"):
+            client.verify_reply("pull", "a" * 24, {k: v for k, v in changed.items() if v is not None},
+                                b"reply")
+
+
+def test_a_malformed_nonce_is_refused_before_any_work() -> None:
+    metadata = _signed()
+    metadata["sg-nonce"] = "zz" + metadata["sg-nonce"][2:]
+    with pytest.raises(AuthenticationError, match="malformed nonce"):
+        Authenticator("token").verify_request("push", metadata, BODY)
+
+
+def test_large_bodies_are_covered_whole() -> None:
+    body = bytes(range(256)) * 40_000   # 10 MB: one flipped byte anywhere is caught
+    metadata = _signed(body=body)
+    tampered = bytearray(body)
+    tampered[len(body) // 2] ^= 1
+    with pytest.raises(AuthenticationError, match="wrong cluster token"):
+        Authenticator("token").verify_request("push", metadata, bytes(tampered))
+    Authenticator("token").verify_request("push", metadata, memoryview(body))
 
 
 def test_the_token_is_never_shown() -> None:
