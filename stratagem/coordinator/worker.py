@@ -83,7 +83,8 @@ class WorkerRuntime:
                 for shard in remote.shards:
                     wanted.setdefault(shard.ps, []).append(shard.shard_id)
         values: dict[str, torch.Tensor] = {}
-        for pulled in call_each([(self.ps[ps], "pull", {"var_ids": ids}) for ps, ids in wanted.items()]):
+        calls = [(self.ps[ps], "pull", {"var_ids": ids}) for ps, ids in wanted.items()]
+        for pulled in call_each(calls, writable_reply=False):   # only copied into params below
             values.update(pulled)
         with torch.no_grad():
             for var_id in var_ids:
@@ -97,9 +98,9 @@ class WorkerRuntime:
         out = torch.empty((rows.numel(), *remote.shape[1:]), dtype=remote.dtype)
         pieces = remote.shard_of_rows(rows)
         pulled = call_each([(self.ps[shard.ps], "pull_rows", {"var_id": shard.shard_id, "row_ids": local})
-                            for shard, _, local in pieces])
-        for (_, positions, _), rows in zip(pieces, pulled):
-            out[positions] = rows
+                            for shard, _, local in pieces], writable_reply=False)
+        for (_, positions, _), values in zip(pieces, pulled):
+            out[positions] = values
         return out
 
     def push_gradients(self, params: Iterable[torch.Tensor]) -> None:

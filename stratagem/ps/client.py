@@ -53,13 +53,16 @@ class ParameterServerClient:
     def __repr__(self) -> str:
         return f"ParameterServerClient({self.rpc.address!r}, task={self.task!r})"
 
-    def call_async(self, method: str, *, timeout: float | None = None, **kwargs: Any) -> Future[Any]:
+    def call_async(self, method: str, *, timeout: float | None = None, writable_reply: bool = True,
+                   **kwargs: Any) -> Future[Any]:
         """Starts ``method(**kwargs)`` on the ps; a Future of its result."""
-        return self.rpc.call_async(method, kwargs, timeout=timeout)
+        return self.rpc.call_async(method, kwargs, timeout=timeout, writable_reply=writable_reply)
 
-    def call(self, method: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
-        """Runs ``method(**kwargs)`` on the ps and returns its result."""
-        return self.rpc.call(method, kwargs, timeout=timeout)
+    def call(self, method: str, *, timeout: float | None = None, writable_reply: bool = True,
+             **kwargs: Any) -> Any:
+        """Runs ``method(**kwargs)`` on the ps and returns its result (``writable_reply``:
+        see :meth:`stratagem.rpc.RpcClient.call`)."""
+        return self.rpc.call(method, kwargs, timeout=timeout, writable_reply=writable_reply)
 
     def _call(self, method: str, timeout: float | None = None, **kwargs: Any) -> Any:
         return self.rpc.call(method, kwargs, timeout=timeout)
@@ -123,8 +126,11 @@ class ParameterServerClient:
 
 
 def call_each(calls: Sequence[tuple[ParameterServerClient, str, Mapping[str, Any]]], *,
-              timeout: float | None = None) -> list[Any]:
+              timeout: float | None = None, writable_reply: bool = True) -> list[Any]:
     """Runs ``client.method(**kwargs)`` for each ``(client, method, kwargs)`` at once; their results in order.
+
+    ``writable_reply=False``: the caller only reads the tensors of the results (copies them
+    into its own), so they need not be copied out of the received bytes first.
 
     All calls but the last start in the background; the last runs in this thread, which
     then waits for the others, so one call costs no thread hand-off (a gRPC future starts a
@@ -148,11 +154,13 @@ def call_each(calls: Sequence[tuple[ParameterServerClient, str, Mapping[str, Any
     """
     if not calls:
         return []
-    pending = [client.call_async(method, timeout=timeout, **kwargs) for client, method, kwargs in calls[:-1]]
+    pending = [client.call_async(method, timeout=timeout, writable_reply=writable_reply, **kwargs)
+               for client, method, kwargs in calls[:-1]]
     client, method, kwargs = calls[-1]
     outcomes: list[tuple[bool, Any]] = []
     try:
-        last: tuple[bool, Any] = (True, client.call(method, timeout=timeout, **kwargs))
+        last: tuple[bool, Any] = (True, client.call(method, timeout=timeout,
+                                                    writable_reply=writable_reply, **kwargs))
     except Exception as error:  # noqa: BLE001 - raised below, after the others finished
         last = (False, error)
     for future in pending:

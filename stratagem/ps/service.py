@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -40,12 +41,12 @@ from torch import nn
 
 from stratagem.errors import InvalidArgumentError
 from stratagem.ps.sparse_update import after_load_state_dict, apply_row_update, note_dense_step
+from stratagem.rpc.transport import EncodedReply, Handler, reads_only
 
 __all__ = ["OptimizerSpec", "ParameterServer"]
 
 #: How a variable's optimizer is made on the ps: ``(torch.optim.Adam, {"lr": 1e-3})``.
 OptimizerSpec = tuple[type[torch.optim.Optimizer], Mapping[str, Any]]
-Handler = Callable[[Any], Any]
 Rows = Union[torch.Tensor, Sequence[int]]
 
 
@@ -160,6 +161,19 @@ class ParameterServer:
                 result[var_id] = var.param.detach().clone()
         self._count("pull", 0, sum(_nbytes(value) for value in result.values()))
         return result
+
+    def _pull_framed(self, var_ids: Iterable[str]) -> EncodedReply:
+        """:meth:`pull` for the RPC handler: the reply is framed straight from the live values
+        while their locks are held (framing copies them once; no clone first). Locks are
+        taken in id order, so concurrent pulls cannot wait on each other in a cycle; every
+        other method holds one variable lock at a time."""
+        wanted = {var_id: self._get(var_id) for var_id in var_ids}
+        with contextlib.ExitStack() as held:
+            for var_id in sorted(wanted):
+                held.enter_context(wanted[var_id].lock)
+            reply = EncodedReply({var_id: var.param.detach() for var_id, var in wanted.items()})
+        self._count("pull", 0, sum(_nbytes(var.param) for var in wanted.values()))
+        return reply
 
     def pull_rows(self, var_id: str, row_ids: Rows) -> torch.Tensor:
         """Rows ``row_ids`` (1-D, repeats allowed) of variable ``var_id``, in that order."""
@@ -316,12 +330,17 @@ class ParameterServer:
         """RPC handlers: each takes the dict of its method's keyword arguments."""
         methods: dict[str, Callable[..., Any]] = {
             "create": self.create, "delete": self.delete, "variables": self.variables,
-            "pull": self.pull, "pull_rows": self.pull_rows, "push": self.push,
+            "pull": self._pull_framed, "pull_rows": self.pull_rows, "push": self.push,
             "push_rows": self.push_rows, "assign": self.assign,
             "set_hyperparameters": self.set_hyperparameters, "get_state": self.get_state,
             "set_state": self.set_state, "ping": self.ping, "stats": self.stats,
         }
-        return {name: _keyword_handler(name, method) for name, method in methods.items()}
+        handlers = {name: _keyword_handler(name, method) for name, method in methods.items()}
+        # These copy the request's tensors into variables or read them as gradients: the
+        # transport may hand them over as views of the received bytes, without a copy.
+        for name in ("create", "push", "push_rows", "assign", "set_state"):
+            reads_only(handlers[name])
+        return handlers
 
     # ------------------------------------------------------------------- internals
 

@@ -24,8 +24,12 @@ What a decoded tensor is:
 - a view of the message: no copy when the buffer given to :func:`decode` is writable (a
   ``bytearray`` or writable ``memoryview``); when it is read-only (``bytes``, which is what
   gRPC hands over) the tensor region is copied once into a ``bytearray`` -- tensors must be
-  writable, and writing into a ``bytes`` object would corrupt it. Every tensor of a message
-  keeps that whole region alive: ``clone()`` one that is kept long while the others are not;
+  writable, and writing into a ``bytes`` object would corrupt it -- unless the caller
+  promises to only read them (``decode(data, writable=False)``: views of the read-only
+  buffer, for receivers that copy the values elsewhere or use them as gradients; the
+  transport does this for handlers marked :func:`~stratagem.rpc.transport.reads_only` and
+  replies asked for with ``writable_reply=False``). Every tensor of a message keeps that
+  whole region alive: ``clone()`` one that is kept long while the others are not;
 - sharing nothing with other tensors: two views of one storage arrive as two tensors.
 
 Sparse, quantized and nested tensors cannot be framed and raise :class:`CodecError`.
@@ -51,6 +55,8 @@ import json
 import pickle
 import struct
 import sys
+import threading
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -162,8 +168,30 @@ def encode(obj: Any) -> bytes:
                      lead_padding, *chunks])
 
 
+_quiet_lock = threading.Lock()
+_quiet = False
+
+
+def _frombuffer_readonly(region: Any, **kwargs: Any) -> Any:
+    """torch.frombuffer over a read-only buffer, without torch's (once per process) warning
+    that such tensors must not be written: :func:`decode` only does this when asked to."""
+    global _quiet
+    import torch
+
+    if not _quiet:
+        with _quiet_lock:
+            if not _quiet:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                    torch.frombuffer(bytes(8), dtype=torch.uint8)   # spends the warning
+                _quiet = True
+    return torch.frombuffer(region, **kwargs)
+
+
 def _build_tensors(entries: Any, region: Any) -> list[Any]:
     import torch
+
+    make = _frombuffer_readonly if region.readonly else torch.frombuffer
 
     if not isinstance(entries, list):
         raise CodecError("malformed tensor header")
@@ -183,7 +211,7 @@ def _build_tensors(entries: Any, region: Any) -> list[Any]:
             if nbytes == 0:
                 tensor = torch.empty(shape, dtype=dtype)
             else:
-                tensor = torch.frombuffer(region, dtype=dtype, count=numel, offset=offset)
+                tensor = make(region, dtype=dtype, count=numel, offset=offset)
                 tensor = tensor.reshape(shape)
         except CodecError:
             raise
@@ -197,10 +225,12 @@ def _build_tensors(entries: Any, region: Any) -> list[Any]:
     return tensors
 
 
-def decode(data: bytes | bytearray | memoryview) -> Any:
+def decode(data: bytes | bytearray | memoryview, *, writable: bool = True) -> Any:
     """The object that :func:`encode` framed; tensors are views of ``data`` when it is writable.
 
-    Only call this on bytes from an authenticated peer: it unpickles.
+    ``writable=False``: the caller will only read the tensors, so a read-only ``data`` is
+    not copied either (writing such a tensor is undefined behaviour). Only call this on
+    bytes from an authenticated peer: it unpickles.
     """
     view = memoryview(data).cast("B")
     if len(view) < _PREFIX.size:
@@ -220,7 +250,7 @@ def decode(data: bytes | bytearray | memoryview) -> Any:
         except ValueError as err:
             raise CodecError(f"malformed tensor header: {err}") from err
         region = view[_aligned(pickle_end):]
-        if region.readonly:
-            region = bytearray(region)   # one copy: tensors must be writable
+        if region.readonly and writable:
+            region = memoryview(bytearray(region))   # one copy: tensors must be writable
         tensors = _build_tensors(entries, region)
     return _Unpickler(io.BytesIO(view[pickle_start:pickle_end]), tensors).load()

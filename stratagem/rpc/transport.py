@@ -54,7 +54,8 @@ from stratagem.rpc.codec import decode, encode
 from stratagem.rpc.errors import (AuthenticationError, MessageTooLargeError, RemoteError,
                                   RpcError)
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "Handler", "RpcClient", "RpcServer"]
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "EncodedReply", "Handler", "RpcClient", "RpcServer",
+           "reads_only"]
 
 logger = logging.getLogger("stratagem.rpc")
 
@@ -87,6 +88,26 @@ def _check_timeout(timeout: float, name: str) -> float:
 def _size_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+def reads_only(handler: Handler) -> Handler:
+    """Marks ``handler`` as one that only reads the tensors of its request (it copies them
+    elsewhere or uses them as gradients, and never writes them or keeps them): the server
+    then decodes its requests without copying their tensors out of gRPC's read-only buffer
+    (see :func:`~stratagem.rpc.codec.decode`). Returns ``handler``."""
+    handler._sg_reads_only = True   # type: ignore[attr-defined]
+    return handler
+
+
+class EncodedReply:
+    """A handler's reply framed at once: return ``EncodedReply(value)`` from a handler to
+    encode ``value`` while the handler still holds its locks, so that live tensors can be
+    sent without first copying them (the framing is the copy)."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, value: Any) -> None:
+        self.message = encode((_OK, value))
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:
@@ -262,7 +283,8 @@ class RpcServer:
             if handler is None:
                 raise RpcError(f"{self.name} has no method {method!r}; it serves "
                                f"{sorted(self._handlers)}.", code="UNIMPLEMENTED")
-            reply = encode((_OK, handler(decode(request))))
+            result = handler(decode(request, writable=not getattr(handler, "_sg_reads_only", False)))
+            reply = result.message if isinstance(result, EncodedReply) else encode((_OK, result))
             if len(reply) > self._max_bytes:
                 raise MessageTooLargeError(
                     f"the reply to {method!r} is {len(reply)} bytes, more than this server's "
@@ -311,17 +333,22 @@ class RpcClient:
     def __repr__(self) -> str:
         return f"RpcClient({self.address!r}, task={self.task!r})"
 
-    def call(self, method: str, request: Any = None, *, timeout: float | None = None) -> Any:
-        """Runs handler ``method`` on the server with ``request``; returns its reply."""
+    def call(self, method: str, request: Any = None, *, timeout: float | None = None,
+             writable_reply: bool = True) -> Any:
+        """Runs handler ``method`` on the server with ``request``; returns its reply.
+
+        ``writable_reply=False`` promises that the caller only reads the reply's tensors
+        (copies them elsewhere): they are then views of the received bytes, not copies.
+        """
         body, metadata, nonce, seconds = self._prepare(method, request, timeout)
         try:
             reply, call = self._callable(method).with_call(body, timeout=seconds, metadata=metadata)
         except grpc.RpcError as err:
             raise self._translate(err, method, seconds) from None
-        return self._finish(method, nonce, reply, call.trailing_metadata())
+        return self._finish(method, nonce, reply, call.trailing_metadata(), writable_reply)
 
-    def call_async(self, method: str, request: Any = None, *,
-                   timeout: float | None = None) -> futures.Future[Any]:
+    def call_async(self, method: str, request: Any = None, *, timeout: float | None = None,
+                   writable_reply: bool = True) -> futures.Future[Any]:
         """Like :meth:`call`, but returns at once a Future of the reply (or of the error)."""
         body, metadata, nonce, seconds = self._prepare(method, request, timeout)
         result: futures.Future[Any] = futures.Future()
@@ -330,7 +357,8 @@ class RpcClient:
         def done(call: Any) -> None:   # on a gRPC thread: decode, never block
             try:
                 reply = call.result()
-                result.set_result(self._finish(method, nonce, reply, call.trailing_metadata()))
+                result.set_result(self._finish(method, nonce, reply, call.trailing_metadata(),
+                                               writable_reply))
             except grpc.RpcError as err:
                 result.set_exception(self._translate(err, method, seconds))
             except BaseException as err:
@@ -380,12 +408,13 @@ class RpcClient:
         metadata = self._auth.sign_request(method, body)
         return body, metadata, metadata[1][1], seconds
 
-    def _finish(self, method: str, nonce: str, reply: bytes, trailing: Any) -> Any:
+    def _finish(self, method: str, nonce: str, reply: bytes, trailing: Any,
+                writable: bool = True) -> Any:
         metadata: dict[str, str] = {}
         for key, value in trailing or ():
             metadata.setdefault(key, value)
         self._auth.verify_reply(method, nonce, metadata, reply)   # before decoding
-        status, value = decode(reply)
+        status, value = decode(reply, writable=writable)
         if status == _OK:
             return value
         remote_exception = None

@@ -305,7 +305,8 @@ class _Placement:
                 wanted.setdefault(shard.ps, []).append(shard.shard_id)
         clients = self.strategy._ps_clients
         values: dict[str, torch.Tensor] = {}
-        for pulled in call_each([(clients[ps], "pull", {"var_ids": ids}) for ps, ids in wanted.items()]):
+        calls = [(clients[ps], "pull", {"var_ids": ids}) for ps, ids in wanted.items()]
+        for pulled in call_each(calls, writable_reply=False):   # only copied into the tensors below
             values.update(pulled)
         with torch.no_grad():
             for t in tensors:
