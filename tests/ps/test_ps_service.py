@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stratagem.errors import InvalidArgumentError
-from stratagem.ps import ParameterServer, ParameterServerClient
+from stratagem.ps import ParameterServer, ParameterServerClient, call_each
 from stratagem.rpc import RemoteError, RpcServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -233,3 +233,76 @@ def test_concurrent_pushes_over_rpc_are_serialised(served: tuple[ParameterServer
     for future in pending:
         future.result(timeout=30)
     assert client.pull(["counter"])["counter"].item() == 60
+
+
+class SlowElementwise(torch.optim.Optimizer):
+    """Adds 1 to one element at a time, pausing in between: a read during a step is torn."""
+
+    def __init__(self, params: object) -> None:
+        super().__init__(params, {})
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                for index in range(param.numel()):
+                    param.view(-1)[index] += 1
+                    time.sleep(0.0005)
+
+
+def test_pulls_over_rpc_are_whole_values_between_updates(
+        served: tuple[ParameterServer, ParameterServerClient]) -> None:
+    ps, client = served
+    for var_id in ("a", "b"):
+        ps.create(var_id, torch.zeros(8), (SlowElementwise, {}))
+    stop = threading.Event()
+
+    def pushing() -> None:
+        while not stop.is_set():
+            client.push({"a": torch.zeros(8), "b": torch.zeros(8)})
+
+    pushers = [threading.Thread(target=pushing) for _ in range(2)]
+    for thread in pushers:
+        thread.start()
+    try:
+        seen = []
+        for order in (["a", "b"], ["b", "a"], ["a", "a", "b"]) * 10:   # both lock orders, repeats
+            pulled = call_each([(client, "pull", {"var_ids": order})] * 2)
+            for values in pulled:
+                assert sorted(values) == ["a", "b"]
+                for value in values.values():
+                    assert torch.all(value == value[0]), f"torn read {value}"
+                    seen.append(value[0].item())
+    finally:
+        stop.set()
+        for thread in pushers:
+            thread.join(timeout=30)
+    assert max(seen) > 0   # the pulls really overlapped updates
+    fresh = client.pull(["a"])["a"]
+    fresh.add_(100)   # an ordinary pull's tensors belong to the caller
+    assert ps.pull(["a"])["a"].max() < 100
+
+
+def test_call_each_returns_in_order_and_raises_the_first_error_after_all_finished() -> None:
+    servers = [RpcServer("127.0.0.1:0", ParameterServer(name=f"ps {i}").handlers(), TOKEN).start()
+               for i in range(3)]
+    clients = [ParameterServerClient(s.address, TOKEN, task=f"ps {i}") for i, s in enumerate(servers)]
+    try:
+        assert call_each([]) == []
+        call_each([(c, "create", {"var_id": "v", "value": torch.full((2,), float(i)),
+                                  "optimizer_spec": (SlowIncrement, {"pause": 0.2})})
+                   for i, c in enumerate(clients)])
+        pulled = call_each([(c, "pull", {"var_ids": ["v"]}) for c in reversed(clients)])
+        assert [p["v"][0].item() for p in pulled] == [2.0, 1.0, 0.0]
+        started = time.monotonic()
+        with pytest.raises(RemoteError, match="no variable 'missing'"):
+            call_each([(clients[0], "push", {"grads": {"v": torch.zeros(2)}}),
+                       (clients[1], "pull", {"var_ids": ["missing"]}),
+                       (clients[2], "push", {"grads": {"v": torch.zeros(2)}})])
+        assert time.monotonic() - started >= 0.2   # the slow pushes were waited for
+        assert [c.pull(["v"])["v"][0].item() for c in clients] == [1.0, 1.0, 3.0]   # both pushes ran
+    finally:
+        for client in clients:
+            client.close()
+        for server in servers:
+            server.stop()

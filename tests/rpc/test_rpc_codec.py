@@ -114,6 +114,25 @@ def test_decode_of_bytes_gives_writable_tensors_and_leaves_the_bytes_alone() -> 
     assert message == before and torch.equal(out["a"], torch.ones(16))
 
 
+def test_read_only_decode_of_bytes_shares_the_bytes_without_a_copy_or_warning() -> None:
+    import warnings
+
+    message = encode({"a": torch.arange(16.0), "n": 3})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # torch's "buffer is not writable" warning is not shown
+        out = decode(message, writable=False)
+    assert out["n"] == 3 and torch.equal(out["a"], torch.arange(16.0))
+    start = out["a"].data_ptr() - _address_of(message)
+    assert 0 < start < len(message)   # a view into the bytes object itself
+    assert decode(message)["a"].data_ptr() != out["a"].data_ptr()   # writable: a copy
+
+
+def _address_of(data: bytes) -> int:
+    import ctypes
+
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+
+
 def test_tensors_are_aligned_in_the_message() -> None:
     message = bytearray(encode([torch.zeros(3, dtype=torch.int8), torch.zeros(5, dtype=torch.float64)]))
     first, second = decode(message)

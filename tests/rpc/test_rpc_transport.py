@@ -19,6 +19,7 @@ import torch
 
 from rpc_processes import TOKEN, ServerProcess, free_port
 from stratagem.errors import ClusterConfigError, UnavailableError
+from stratagem.rpc.transport import EncodedReply, reads_only
 from stratagem.rpc import (AuthenticationError, Authenticator, MessageTooLargeError, RemoteError,
                            RpcClient, RpcServer, decode, encode)
 
@@ -257,3 +258,39 @@ def test_handlers_run_in_parallel_threads() -> None:
         with RpcClient(server.address, TOKEN) as client:
             pending = [client.call_async("meet") for _ in range(3)]
             assert sorted(future.result(timeout=10) for future in pending) == [0, 1, 2]
+
+
+def test_reads_only_handlers_and_read_only_replies_skip_the_copy_and_keep_values() -> None:
+    seen: list[bool] = []
+
+    def inspect(tensor: torch.Tensor) -> torch.Tensor:
+        seen.append(_is_view_of_bytes(tensor))
+        return tensor * 2
+
+    handlers = {"reads": reads_only(lambda t: inspect(t)), "copies": inspect,
+                "writes": lambda t: t.add_(1), "framed": lambda t: EncodedReply({"t": t, "n": 1})}
+    with RpcServer("127.0.0.1:0", handlers, TOKEN) as server, RpcClient(server.address, TOKEN) as client:
+        for method in ("reads", "copies"):
+            assert torch.equal(client.call(method, torch.ones(1000)), torch.full((1000,), 2.0))
+        assert seen == [True, False]   # a view of gRPC's bytes only where the handler only reads
+        assert torch.equal(client.call("writes", torch.ones(3)), torch.full((3,), 2.0))
+        reply = client.call("framed", torch.arange(4.0), writable_reply=False)
+        assert reply["n"] == 1 and torch.equal(reply["t"], torch.arange(4.0))
+        writable = client.call("framed", torch.arange(4.0))
+        writable["t"].add_(1)   # an ordinary reply may be written
+        assert torch.equal(writable["t"], torch.arange(1.0, 5.0))
+
+
+def _is_view_of_bytes(tensor: torch.Tensor) -> bool:
+    """True when the tensor's memory belongs to an immutable bytes object (gRPC's request)."""
+    import gc
+
+    return any(type(obj) is memoryview and type(obj.obj) is bytes and _inside(tensor, obj)
+               for obj in gc.get_objects())
+
+
+def _inside(tensor: torch.Tensor, view: memoryview) -> bool:
+    import ctypes
+
+    start = ctypes.cast(ctypes.c_char_p(view.obj), ctypes.c_void_p).value or 0
+    return start <= tensor.data_ptr() < start + len(view.obj)
