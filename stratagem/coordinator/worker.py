@@ -104,11 +104,16 @@ class WorkerRuntime:
         return out
 
     def push_gradients(self, params: Iterable[torch.Tensor]) -> None:
-        """Send dense gradients (split per shard) and recorded embedding row gradients."""
-        calls = [(self.ps[ps], "push", {"grads": grads}) for ps, grads in gradients_by_ps(params).items()]
-        call_each(calls + self._row_pushes())
+        """Send dense gradients (split per shard) and recorded embedding row gradients: one
+        push per ps, all servers at once."""
+        requests: dict[int, dict[str, Any]] = {
+            ps: {"grads": grads, "rows": []} for ps, grads in gradients_by_ps(params).items()}
+        for ps, update in self._row_updates():
+            requests.setdefault(ps, {"grads": {}, "rows": []})["rows"].append(update)
+        call_each([(self.ps[ps], "push", request) for ps, request in requests.items()])
 
-    def _row_pushes(self) -> list:
+    def _row_updates(self) -> list[tuple[int, tuple[str, torch.Tensor, torch.Tensor]]]:
+        """(ps, (shard id, row ids, row gradients)) for the embedding rows this step looked up."""
         merged: dict[str, tuple[RemoteVariable, list, list]] = {}
         for remote, rows, small in self.sparse:
             if small.grad is None:
@@ -117,15 +122,14 @@ class WorkerRuntime:
             entry[1].append(rows)
             entry[2].append(small.grad)
         self.sparse = []
-        calls = []
+        updates = []
         for remote, rows_list, grads in merged.values():
             rows, inverse = torch.cat(rows_list).unique(return_inverse=True)
             grad = torch.zeros((rows.numel(), *remote.shape[1:]), dtype=grads[0].dtype)
             grad.index_add_(0, inverse, torch.cat(grads))
             for shard, positions, local in remote.shard_of_rows(rows):
-                calls.append((self.ps[shard.ps], "push_rows",
-                              {"var_id": shard.shard_id, "row_ids": local, "row_grads": grad[positions]}))
-        return calls
+                updates.append((shard.ps, (shard.shard_id, local, grad[positions])))
+        return updates
 
     def lookup(self, remote: RemoteVariable, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows ``ids`` use, as a small leaf whose gradient becomes a row update; and the

@@ -83,8 +83,10 @@ class ParameterServerClient:
     def pull_rows(self, var_id: str, row_ids: Rows, *, timeout: float | None = None) -> torch.Tensor:
         return self._call("pull_rows", timeout, var_id=var_id, row_ids=torch.as_tensor(row_ids))
 
-    def push(self, grads: Mapping[str, torch.Tensor], *, timeout: float | None = None) -> None:
-        self._call("push", timeout, grads=dict(grads))
+    def push(self, grads: Mapping[str, torch.Tensor], rows: Sequence[tuple[str, Rows, torch.Tensor]] = (),
+             *, timeout: float | None = None) -> None:
+        self._call("push", timeout, grads=dict(grads),
+                   rows=[(var_id, torch.as_tensor(ids), g) for var_id, ids, g in rows])
 
     def push_rows(self, var_id: str, row_ids: Rows, row_grads: torch.Tensor, *,
                   timeout: float | None = None) -> None:

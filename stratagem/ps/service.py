@@ -186,20 +186,24 @@ class ParameterServer:
 
     # ---------------------------------------------------------------------- updates
 
-    def push(self, grads: Mapping[str, torch.Tensor]) -> None:
-        """Applies one optimizer step per variable with its gradient in ``grads``.
+    def push(self, grads: Mapping[str, torch.Tensor] | None = None,
+             rows: Sequence[tuple[str, Rows, torch.Tensor]] = ()) -> None:
+        """Applies one optimizer step per variable with its gradient in ``grads``, and the
+        row-sparse steps ``rows``: ``(var_id, row_ids, row_grads)`` each, as :meth:`push_rows`
+        -- so one request carries all that a training step sends to this ps.
 
-        Every gradient is checked before any is applied; a variable without optimizer is
-        an error. The gradient is cast to the variable's dtype.
+        Everything is checked before anything is applied; a variable without optimizer is
+        an error. A dense gradient is cast to the variable's dtype.
         """
         checked = []
-        for var_id, grad in grads.items():
+        for var_id, grad in (grads or {}).items():
             var = self._get(var_id)
-            if var.optimizer is None:
-                raise InvalidArgumentError(
-                    f"variable {var_id!r} on {self.name} has no optimizer: create it with an "
-                    "optimizer_spec to push gradients, or use assign().")
+            self._check_optimizer(var_id, var)
             checked.append((var, self._check_value(var_id, var, grad, "gradient")))
+        if not isinstance(rows, Sequence) or not all(isinstance(r, Sequence) and len(r) == 3 for r in rows):
+            raise InvalidArgumentError(
+                "push(rows=...) takes a list of (var_id, row_ids, row_grads) triples, as push_rows.")
+        row_updates = [self._checked_rows(*update) for update in rows]
         for var, grad in checked:
             with var.lock:
                 var.param.grad = grad
@@ -209,28 +213,41 @@ class ParameterServer:
                     var.param.grad = None
                 note_dense_step(var.optimizer, var.param)  # type: ignore[arg-type]
                 var.updates += 1
-        self._count("push", sum(_nbytes(grad) for _, grad in checked), 0)
+        if checked:
+            self._count("push", sum(_nbytes(grad) for _, grad in checked), 0)
+        for update in row_updates:
+            self._apply_rows(*update)
 
     def push_rows(self, var_id: str, row_ids: Rows, row_grads: torch.Tensor) -> None:
         """A row-sparse step: only rows ``row_ids`` of ``var_id`` and their optimizer state
         change (see :mod:`stratagem.ps.sparse_update`); repeated rows' gradients are summed.
         ``row_grads`` has shape ``(len(row_ids), *shape[1:])``."""
+        self._apply_rows(*self._checked_rows(var_id, row_ids, row_grads))
+
+    def _checked_rows(self, var_id: str, row_ids: Rows,
+                      row_grads: torch.Tensor) -> tuple[_Variable, torch.Tensor, torch.Tensor]:
         var = self._get(var_id)
         rows = self._check_rows(var_id, var, row_ids)
-        if var.optimizer is None:
-            raise InvalidArgumentError(
-                f"variable {var_id!r} on {self.name} has no optimizer: create it with an "
-                "optimizer_spec to push gradients.")
+        self._check_optimizer(var_id, var)
         expected = (rows.numel(), *var.param.shape[1:])
         if not isinstance(row_grads, torch.Tensor) or tuple(row_grads.shape) != expected:
             got = tuple(row_grads.shape) if isinstance(row_grads, torch.Tensor) else type(row_grads).__name__
             raise InvalidArgumentError(
                 f"push_rows({var_id!r}): row_grads must have shape {expected} (one row per row "
                 f"id), got {got}.")
+        return var, rows, row_grads
+
+    def _apply_rows(self, var: _Variable, rows: torch.Tensor, row_grads: torch.Tensor) -> None:
         with var.lock:
             apply_row_update(var.optimizer, var.param, rows, row_grads)
             var.updates += 1
         self._count("push_rows", _nbytes(rows) + _nbytes(row_grads), 0)
+
+    def _check_optimizer(self, var_id: str, var: _Variable) -> None:
+        if var.optimizer is None:
+            raise InvalidArgumentError(
+                f"variable {var_id!r} on {self.name} has no optimizer: create it with an "
+                "optimizer_spec to push gradients, or use assign().")
 
     def assign(self, values: Mapping[str, torch.Tensor]) -> None:
         """Overwrites the values of variables (optimizer state is kept)."""

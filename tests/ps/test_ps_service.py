@@ -94,7 +94,28 @@ def test_bad_requests_name_the_problem() -> None:
             call()
     with pytest.raises(InvalidArgumentError):   # checked before anything is applied
         ps.push({"w": torch.ones(3, 2), "nope": torch.ones(1)})
+    with pytest.raises(InvalidArgumentError, match="row id 5 is out of range"):
+        ps.push({"w": torch.ones(3, 2)}, rows=[("w", [0], torch.ones(1, 2)), ("w", [5], torch.ones(1, 2))])
+    with pytest.raises(InvalidArgumentError, match="triples"):
+        ps.push({"w": torch.ones(3, 2)}, rows=[("w", [0])])
     assert torch.equal(ps.pull(["w"])["w"], torch.zeros(3, 2))
+    assert ps.variables()["w"]["updates"] == 0
+
+
+def test_one_push_carries_dense_and_row_updates_like_separate_calls() -> None:
+    spec = (torch.optim.Adagrad, {"lr": 0.1})
+    combined, separate = (_ps_with("dense", torch.ones(2, 3), spec) for _ in range(2))
+    for ps in (combined, separate):
+        ps.create("table", torch.arange(12.0).reshape(6, 2), spec)
+    dense_grad, rows, row_grads = torch.full((2, 3), 0.5), torch.tensor([4, 1]), torch.ones(2, 2)
+    combined.push({"dense": dense_grad}, rows=[("table", rows, row_grads)])
+    separate.push({"dense": dense_grad})
+    separate.push_rows("table", rows, row_grads)
+    for var_id in ("dense", "table"):
+        assert torch.equal(combined.pull([var_id])[var_id], separate.pull([var_id])[var_id])
+    assert combined.stats()["ops"]["push_rows"] == separate.stats()["ops"]["push_rows"]
+    combined.push(rows=[("table", [0], torch.ones(1, 2))])   # rows alone
+    assert combined.variables()["table"]["updates"] == 2
 
 
 def test_concurrent_pushes_to_one_variable_are_serialised() -> None:
