@@ -74,6 +74,10 @@ class ParameterServerClient:
     def delete(self, var_ids: Iterable[str], *, timeout: float | None = None) -> None:
         self._call("delete", timeout, var_ids=list(var_ids))
 
+    def set_optimizer(self, var_ids: Iterable[str], optimizer_spec: OptimizerSpec | None, *,
+                      timeout: float | None = None) -> None:
+        self._call("set_optimizer", timeout, var_ids=list(var_ids), optimizer_spec=optimizer_spec)
+
     def variables(self, *, timeout: float | None = None) -> dict[str, dict[str, Any]]:
         return self._call("variables", timeout)
 

@@ -74,6 +74,21 @@ def _clone_tree(obj: Any) -> Any:
     return obj
 
 
+def _make_optimizer(var_id: str, param: nn.Parameter,
+                    spec: OptimizerSpec | None) -> torch.optim.Optimizer | None:
+    if spec is None:
+        return None
+    if not param.requires_grad:
+        raise InvalidArgumentError(
+            f"variable {var_id!r} has dtype {param.dtype}: only floating-point variables can "
+            "have an optimizer.")
+    try:
+        return spec[0]([param], **spec[1])
+    except (TypeError, ValueError) as err:
+        raise InvalidArgumentError(
+            f"variable {var_id!r}: cannot make {spec[0].__name__}(**{spec[1]!r}): {err}") from err
+
+
 def _check_spec(spec: Any, var_id: str) -> OptimizerSpec | None:
     if spec is None:
         return None
@@ -115,17 +130,7 @@ class ParameterServer:
         spec = _check_spec(optimizer_spec, var_id)
         data = value.detach().to("cpu", copy=True).contiguous()   # owns its memory
         param = nn.Parameter(data, requires_grad=data.is_floating_point() or data.is_complex())
-        optimizer = None
-        if spec is not None:
-            if not param.requires_grad:
-                raise InvalidArgumentError(
-                    f"variable {var_id!r} has dtype {data.dtype}: only floating-point "
-                    "variables can have an optimizer.")
-            try:
-                optimizer = spec[0]([param], **spec[1])
-            except (TypeError, ValueError) as err:
-                raise InvalidArgumentError(
-                    f"variable {var_id!r}: cannot make {spec[0].__name__}(**{spec[1]!r}): {err}") from err
+        optimizer = _make_optimizer(var_id, param, spec)
         with self._registry_lock:
             if var_id in self._variables:
                 raise InvalidArgumentError(
@@ -142,6 +147,20 @@ class ParameterServer:
                 self._get(var_id)
             for var_id in var_ids:
                 del self._variables[var_id]
+
+    def set_optimizer(self, var_ids: Iterable[str], optimizer_spec: OptimizerSpec | None) -> None:
+        """Gives the variables ``var_ids`` each a fresh optimizer made from ``optimizer_spec``
+        (None: no optimizer), keeping their values -- what creating an optimizer over an
+        existing model means. Every variable is checked before any changes."""
+        spec = None
+        targets = []
+        for var_id in list(var_ids):
+            spec = _check_spec(optimizer_spec, var_id)
+            var = self._get(var_id)
+            targets.append((var, _make_optimizer(var_id, var.param, spec)))
+        for var, optimizer in targets:
+            with var.lock:
+                var.optimizer, var.optimizer_spec = optimizer, spec
 
     def variables(self) -> dict[str, dict[str, Any]]:
         """What this ps holds: per id, shape, dtype, optimizer class name, updates applied."""
@@ -347,6 +366,7 @@ class ParameterServer:
         """RPC handlers: each takes the dict of its method's keyword arguments."""
         methods: dict[str, Callable[..., Any]] = {
             "create": self.create, "delete": self.delete, "variables": self.variables,
+            "set_optimizer": self.set_optimizer,
             "pull": self._pull_framed, "pull_rows": self.pull_rows, "push": self.push,
             "push_rows": self.push_rows, "assign": self.assign,
             "set_hyperparameters": self.set_hyperparameters, "get_state": self.get_state,

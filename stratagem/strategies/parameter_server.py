@@ -349,13 +349,15 @@ class _Placement:
         self._pending_optimizers.append(optimizer)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Give every variable of ``optimizer`` its own optimizer on its ps (re-created there)."""
+        """Give every variable of ``optimizer`` its own optimizer on its ps, in place (the
+        values stay where they are)."""
         base = optimizer._sg_base
-        per_ps: dict[int, dict[str, dict]] = {}
+        calls = []
+        clients = self.strategy._ps_clients
         for group in optimizer.param_groups:
             hyper = {k: v for k, v in group.items() if k != "params"}
-            params = group["params"]
-            for p in params:
+            per_ps: dict[int, list[str]] = {}
+            for p in group["params"]:
                 remote = remote_of(p)
                 if remote is None:
                     raise InvalidArgumentError(
@@ -363,17 +365,11 @@ class _Placement:
                         f"of shape {tuple(p.shape)} that was not created in that scope; create the "
                         f"model inside `with strategy.scope():` too")
                 self._specs[remote.var_id] = (base, hyper)
-            self.pull_into(params)
-            for p in params:
-                remote = remote_of(p)
                 for shard in remote.shards:
-                    per_ps.setdefault(shard.ps, {})[shard.shard_id] = {
-                        "value": shard.of(p.detach()).clone(),
-                        "optimizer_spec": (base, hyper), "optimizer_state": None}
-        clients = self.strategy._ps_clients
-        for ps, entries in per_ps.items():
-            clients[ps].delete(list(entries))
-        self._set_state(per_ps)
+                    per_ps.setdefault(shard.ps, []).append(shard.shard_id)
+            calls += [(clients[ps], "set_optimizer", {"var_ids": ids, "optimizer_spec": (base, hyper)})
+                      for ps, ids in per_ps.items()]
+        call_each(calls)
         self._sent_hyper[id(optimizer)] = [
             {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         self._optimizers.add(optimizer)

@@ -327,3 +327,19 @@ def test_call_each_returns_in_order_and_raises_the_first_error_after_all_finishe
             client.close()
         for server in servers:
             server.stop()
+
+
+def test_set_optimizer_attaches_a_fresh_optimizer_keeping_the_values() -> None:
+    ps = _ps_with("w", torch.ones(3, 2))
+    ps.create("steps", torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(InvalidArgumentError, match="only floating-point"):
+        ps.set_optimizer(["w", "steps"], (torch.optim.SGD, {"lr": 0.5}))
+    with pytest.raises(InvalidArgumentError, match="no variable 'nope'"):
+        ps.set_optimizer(["w", "nope"], (torch.optim.SGD, {"lr": 0.5}))
+    assert ps.variables()["w"]["optimizer"] is None   # nothing changed by the refused calls
+    ps.set_optimizer(["w"], (torch.optim.SGD, {"lr": 0.5}))
+    ps.push({"w": torch.ones(3, 2)})
+    assert torch.equal(ps.pull(["w"])["w"], torch.full((3, 2), 0.5))
+    assert ps.get_state(["w"])["w"]["optimizer_spec"] == (torch.optim.SGD, {"lr": 0.5})
+    ops = ps.stats()["ops"]
+    assert ops["create"]["calls"] == 2 and not {"assign", "set_state"} & set(ops)   # values stayed

@@ -23,13 +23,24 @@ class Model(nn.Module):
         return self.head(torch.cat([rows, by_hand], dim=1).mean(dim=1))
 
 
-def traffic(strategy):
+def traffic(strategy, ops=("pull_rows", "push_rows")):
     total = 0
     for client in strategy._ps_clients:
         stats = client.stats()
         total += sum(op.get("bytes_out", 0) + op.get("bytes_in", 0)
-                     for name, op in stats["ops"].items() if name in ("pull_rows", "push_rows"))
+                     for name, op in stats["ops"].items() if ops is None or name in ops)
     return total
+
+
+def setup_ops(strategy):
+    """Per ps operation, calls and bytes, summed over the ps tasks."""
+    ops = {}
+    for client in strategy._ps_clients:
+        for name, op in client.stats()["ops"].items():
+            for key, value in op.items():
+                ops.setdefault(name, {}).setdefault(key, 0)
+                ops[name][key] += value
+    return ops
 
 
 def main(out):
@@ -39,9 +50,14 @@ def main(out):
     report = {}
     for rows in (1000, 100000):
         torch.manual_seed(0)
+        before_setup = setup_ops(strategy)
         with strategy.scope():
             model = Model(rows)
             optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+        strategy._placement.finalize()   # what the first schedule() does: variables, optimizers
+        after_setup = setup_ops(strategy)
+        setup = {op: {k: after_setup[op][k] - before_setup.get(op, {}).get(k, 0) for k in after_setup[op]}
+                 for op in after_setup if after_setup[op]["calls"] > before_setup.get(op, {}).get("calls", 0)}
         before_table = model.embedding.weight.detach().clone()
 
         def step(ids):
@@ -59,7 +75,9 @@ def main(out):
         after_table = model.embedding.weight.detach()
         changed = sorted((after_table != before_table).any(dim=1).nonzero().flatten().tolist())
         report[rows] = {"bytes_per_step": (traffic(strategy) - start) / 5, "changed_rows": changed,
-                        "shard_shapes": model.embedding.weight.shard_shapes}
+                        "shard_shapes": model.embedding.weight.shard_shapes,
+                        "setup": setup,
+                        "variable_bytes": sum(c.stats()["variable_bytes"] for c in strategy._ps_clients)}
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f)
     print(json.dumps(report))

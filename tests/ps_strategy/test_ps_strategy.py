@@ -67,3 +67,6 @@ def test_embedding_traffic_scales_with_rows_used_not_table_size(tmp_path: Path) 
     assert small["bytes_per_step"] == large["bytes_per_step"] < 2000
     assert small["changed_rows"] == large["changed_rows"] == [1, 2, 3, 5, 7, 999]
     assert large["shard_shapes"] == [[50000, 16], [50000, 16]]
+    # set-up sends each variable once (create); the optimizer is attached in place
+    assert set(large["setup"]) == {"create"}
+    assert large["setup"]["create"]["bytes_in"] == large["variable_bytes"] - small["variable_bytes"]
