@@ -17,7 +17,7 @@ know no variable yet), then the embedding models (small dense heads), then the M
 no-op closures again ("noop_loaded": what a no-op costs once the MLP is known).
 
 ``--profile`` (stratagem only) puts wall-clock timers around the worker runtime's phases
-(whole request, pull_dense, backward, push, encode/decode, HMAC) by monkeypatching at
+(whole request, pull_dense, backward, push, encode/decode, message authentication) by monkeypatching at
 run time from inside a scheduled closure, and around the coordinator's dispatch; and, when
 ``py-spy`` is installed, samples the ps process(es) during the timed MLP steps. Nothing
 under ``stratagem/`` is edited.
@@ -335,17 +335,17 @@ def _install_worker_timers():
     import torch
 
     # handlers are bound methods captured at start-up: time the server's whole request instead
-    wrap(transport.RpcServer, "_handle", "RpcServer._handle (whole request: HMAC, decode, run, encode)")
+    wrap(transport.RpcServer, "_handle", "RpcServer._handle (whole request: MAC, decode, run, encode)")
     wrap(torch.autograd, "backward", "backward (autograd)")
     wrap(worker_module.WorkerRuntime, "pull_dense", "pull_dense (RPC + copy into params)")
     wrap(worker_module.WorkerRuntime, "push_gradients", "push_gradients (RPC, wait for ps apply)")
-    # codec and HMAC are module functions / methods imported by name into transport
+    # codec and MAC are module functions / methods imported by name into transport
     wrap(transport, "encode", "encode (cloudpickle + tensor framing)")
     wrap(transport, "decode", "decode")
-    wrap(auth.Authenticator, "sign_request", "HMAC sign_request")
-    wrap(auth.Authenticator, "verify_reply", "HMAC verify_reply")
-    wrap(auth.Authenticator, "verify_request", "HMAC verify_request")
-    wrap(auth.Authenticator, "sign_reply", "HMAC sign_reply")
+    wrap(auth.Authenticator, "sign_request", "MAC sign_request")
+    wrap(auth.Authenticator, "verify_reply", "MAC verify_reply")
+    wrap(auth.Authenticator, "verify_request", "MAC verify_request")
+    wrap(auth.Authenticator, "sign_reply", "MAC sign_reply")
     worker_module._bench_timers = timers
     return True
 
@@ -377,8 +377,8 @@ class _Profiler:
         self._wrap(coord_module.ClusterCoordinator, "schedule", "coordinator: schedule()")
         self._wrap(transport, "encode", "coordinator: encode")
         self._wrap(transport, "decode", "coordinator: decode")
-        self._wrap(auth.Authenticator, "sign_request", "coordinator: HMAC sign_request")
-        self._wrap(auth.Authenticator, "verify_reply", "coordinator: HMAC verify_reply")
+        self._wrap(auth.Authenticator, "sign_request", "coordinator: MAC sign_request")
+        self._wrap(auth.Authenticator, "verify_reply", "coordinator: MAC verify_reply")
         from stratagem.strategies import parameter_server as ps_module
         self._wrap(ps_module.ParameterServerStrategy, "_sync_before_schedule",
                    "coordinator: _sync_before_schedule")
@@ -474,7 +474,7 @@ class _Profiler:
 
 # py-spy categories: the first whose marker appears in a sample's stack takes the sample
 _SPY_CATEGORIES = (
-    ("HMAC-SHA256 (stratagem/rpc/auth.py)", ("stratagem/rpc/auth.py", "hmac.py")),
+    ("message MAC, GMAC + HMAC (stratagem/rpc/auth.py)", ("stratagem/rpc/auth.py", "hmac.py")),
     ("codec.encode (stratagem/rpc/codec.py)", ("encode (stratagem/rpc/codec.py",)),
     ("codec.decode (stratagem/rpc/codec.py)", ("decode (stratagem/rpc/codec.py",)),
     ("ps push: optimizer apply (stratagem/ps/service.py)", ("push (stratagem/ps/service.py",)),

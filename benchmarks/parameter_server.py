@@ -4,7 +4,7 @@
 Every measurement runs in a real local cluster started with ``python -m stratagem launch
 --workers 2 --ps M benchmarks/_ps_coordinator.py ...`` (2 worker tasks and M parameter
 servers running ``stratagem server``, the coordinator script as the chief; all on loopback,
-with the cluster token and HMAC on every message, exactly as users run it). The script
+with the cluster token and a MAC on every message, exactly as users run it). The script
 measures, side by side in one invocation:
 
 (a) asynchronous MLP training: the core benchmark's MLP 784-1024-1024-10 (1.86 M

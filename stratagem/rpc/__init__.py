@@ -3,7 +3,8 @@
 - :mod:`~stratagem.rpc.codec` -- ``encode``/``decode``: any picklable object (functions too,
   via cloudpickle), with its tensors framed as raw bytes beside the pickle;
 - :mod:`~stratagem.rpc.auth` -- the cluster token (``STRATAGEM_CLUSTER_TOKEN``) and the
-  HMAC that every request and reply carries, checked before anything is unpickled;
+  message authentication code (GMAC + HMAC) that every request and reply carries, checked
+  before anything is unpickled;
 - :mod:`~stratagem.rpc.transport` -- :class:`RpcServer` (named handlers at one address) and
   :class:`RpcClient` (``call``, ``call_async``), with deadlines, size limits, reconnection,
   and errors that name the peer task.

@@ -35,7 +35,7 @@ What a decoded tensor is:
 Sparse, quantized and nested tensors cannot be framed and raise :class:`CodecError`.
 
 Decoding unpickles, and unpickling runs code: only decode bytes whose sender was
-authenticated (the transport checks the HMAC of every message before it calls
+authenticated (the transport checks the MAC of every message before it calls
 :func:`decode`).
 
 Example::

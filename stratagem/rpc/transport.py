@@ -13,7 +13,7 @@ The protocol, one gRPC unary call per request (service ``stratagem.Rpc``, method
 name, raw bytes in and out, no protobuf):
 
 1. the client frames the request with :func:`~stratagem.rpc.codec.encode` and signs it
-   (:class:`~stratagem.rpc.auth.Authenticator`: HMAC in the metadata);
+   (:class:`~stratagem.rpc.auth.Authenticator`: a MAC in the metadata);
 2. the server checks the signature on the raw bytes -- a request that fails is answered
    ``UNAUTHENTICATED``, logged (without the token) and never decoded;
 3. the server decodes the request, runs the handler in its thread pool and frames
