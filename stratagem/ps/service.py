@@ -69,8 +69,8 @@ def _clone_tree(obj: Any) -> Any:
         return obj.detach().clone()
     if isinstance(obj, dict):
         return {key: _clone_tree(value) for key, value in obj.items()}
-    if isinstance(obj, list):
-        return [_clone_tree(value) for value in obj]
+    if type(obj) in (list, tuple):
+        return type(obj)(_clone_tree(value) for value in obj)
     return obj
 
 
