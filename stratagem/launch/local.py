@@ -235,10 +235,12 @@ class _Launcher:
                 self._write(prefix, [pending + b"\n"])
 
     def _write(self, prefix: str, lines: list[bytes]) -> None:
-        if not lines:
-            return
+        # A lone "\r" with nothing before it is a progress bar going back to the start of its
+        # line to redraw it: prefixing it would print an empty "[task]" line each time.
         text = "".join(prefix + line.decode("utf-8", "replace").replace("\r\n", "\n")
-                       for line in lines)
+                       for line in lines if line != b"\r")
+        if not text:
+            return
         with self._lock, contextlib.suppress(OSError, ValueError):  # a closed stdout drops output
             self._stdout.write(text)
             self._stdout.flush()

@@ -188,6 +188,22 @@ def test_command_prefixes_every_line_with_its_task(tmp_path: Path) -> None:
     assert "\r" not in result.stdout
 
 
+def test_progress_bars_redraw_without_empty_prefixed_lines(tmp_path: Path) -> None:
+    script = _script(tmp_path, '''
+        for percent in (0, 50, 100):   # as tqdm draws: "\\r" first, then the bar
+            sys.stdout.write("\\r" + NAME + f" {percent}%")
+            sys.stdout.flush()
+        sys.stdout.write("\\n")
+    ''')
+    result = _cli("--chief", "--workers", "1", str(script), str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    segments = [seg for seg in re.split(r"[\r\n]", result.stdout) if seg]
+    for name, prefix in {"chief-0": "[chief]    ", "worker-0": "[worker 0] "}.items():
+        assert [seg for seg in segments if seg.startswith(prefix)] == [
+            f"{prefix}{name} {percent}%" for percent in (0, 50, 100)]
+    assert all(seg.strip() not in ("[chief]", "[worker 0]") for seg in segments)
+
+
 # -- failures, restarts, stopping -----------------------------------------------------------
 
 def test_a_failed_task_fails_the_job_and_stops_the_others(tmp_path: Path) -> None:
