@@ -126,6 +126,17 @@ def _tail(path: str, lines: int = 20) -> str:
         return "(no output)"
 
 
+def _cluster_result(name: str, code: int, out: str, log: str, started: float) -> dict:
+    """The JSON a finished cluster's coordinator wrote, with the cluster's wall time added."""
+    if code != 0 or not os.path.exists(out):
+        raise RuntimeError(f"{name}: exit status {code}\n    {_tail(log)}")
+    with open(out) as f:
+        result = json.load(f)
+    result["cluster_wall_s"] = time.time() - started
+    _log(f"[{name}] done in {result['cluster_wall_s']:.0f} s")
+    return result
+
+
 def run_stratagem_cluster(args: argparse.Namespace, tmp: str, name: str, num_ps: int, shards: int,
                           phases: str, emb: str, extra: list[str] | None = None) -> dict:
     out = os.path.join(tmp, f"{name}.json")
@@ -142,13 +153,7 @@ def run_stratagem_cluster(args: argparse.Namespace, tmp: str, name: str, num_ps:
         except subprocess.TimeoutExpired:
             _stop(proc, graceful=True)
             raise RuntimeError(f"{name}: timed out after {args.timeout:.0f} s\n    {_tail(log)}") from None
-    if code != 0 or not os.path.exists(out):
-        raise RuntimeError(f"{name}: exit status {code}\n    {_tail(log)}")
-    with open(out) as f:
-        result = json.load(f)
-    result["cluster_wall_s"] = time.time() - started
-    _log(f"[{name}] done in {result['cluster_wall_s']:.0f} s")
-    return result
+    return _cluster_result(name, code, out, log, started)
 
 
 def _free_ports(count: int) -> list[int]:
@@ -210,13 +215,7 @@ def run_tf_cluster(args: argparse.Namespace, tmp: str, name: str, num_ps: int, s
         finally:
             for proc in servers:   # tf servers never exit by themselves
                 _stop(proc, graceful=False)
-    if code != 0 or not os.path.exists(out):
-        raise RuntimeError(f"{name}: exit status {code}\n    {_tail(log)}")
-    with open(out) as f:
-        result = json.load(f)
-    result["cluster_wall_s"] = time.time() - started
-    _log(f"[{name}] done in {result['cluster_wall_s']:.0f} s")
-    return result
+    return _cluster_result(name, code, out, log, started)
 
 
 class _Quiet:

@@ -65,59 +65,56 @@ class ParameterServerClient:
         see :meth:`stratagem.rpc.RpcClient.call`)."""
         return self.rpc.call(method, kwargs, timeout=timeout, writable_reply=writable_reply)
 
-    def _call(self, method: str, timeout: float | None = None, **kwargs: Any) -> Any:
-        return self.rpc.call(method, kwargs, timeout=timeout)
-
     def create(self, var_id: str, value: torch.Tensor, optimizer_spec: OptimizerSpec | None = None,
                *, timeout: float | None = None) -> None:
-        self._call("create", timeout, var_id=var_id, value=value, optimizer_spec=optimizer_spec)
+        self.call("create", timeout=timeout, var_id=var_id, value=value, optimizer_spec=optimizer_spec)
 
     def delete(self, var_ids: Iterable[str], *, timeout: float | None = None) -> None:
-        self._call("delete", timeout, var_ids=list(var_ids))
+        self.call("delete", timeout=timeout, var_ids=list(var_ids))
 
     def set_optimizer(self, var_ids: Iterable[str], optimizer_spec: OptimizerSpec | None, *,
                       timeout: float | None = None) -> None:
-        self._call("set_optimizer", timeout, var_ids=list(var_ids), optimizer_spec=optimizer_spec)
+        self.call("set_optimizer", timeout=timeout, var_ids=list(var_ids), optimizer_spec=optimizer_spec)
 
     def variables(self, *, timeout: float | None = None) -> dict[str, dict[str, Any]]:
-        return self._call("variables", timeout)
+        return self.call("variables", timeout=timeout)
 
     def pull(self, var_ids: Iterable[str], *, timeout: float | None = None) -> dict[str, torch.Tensor]:
-        return self._call("pull", timeout, var_ids=list(var_ids))
+        return self.call("pull", timeout=timeout, var_ids=list(var_ids))
 
     def pull_rows(self, var_id: str, row_ids: Rows, *, timeout: float | None = None) -> torch.Tensor:
-        return self._call("pull_rows", timeout, var_id=var_id, row_ids=torch.as_tensor(row_ids))
+        return self.call("pull_rows", timeout=timeout, var_id=var_id, row_ids=torch.as_tensor(row_ids))
 
     def push(self, grads: Mapping[str, torch.Tensor], rows: Sequence[tuple[str, Rows, torch.Tensor]] = (),
              *, timeout: float | None = None) -> None:
-        self._call("push", timeout, grads=dict(grads),
+        self.call("push", timeout=timeout, grads=dict(grads),
                    rows=[(var_id, torch.as_tensor(ids), g) for var_id, ids, g in rows])
 
     def push_rows(self, var_id: str, row_ids: Rows, row_grads: torch.Tensor, *,
                   timeout: float | None = None) -> None:
-        self._call("push_rows", timeout, var_id=var_id, row_ids=torch.as_tensor(row_ids),
+        self.call("push_rows", timeout=timeout, var_id=var_id, row_ids=torch.as_tensor(row_ids),
                    row_grads=row_grads)
 
     def assign(self, values: Mapping[str, torch.Tensor], *, timeout: float | None = None) -> None:
-        self._call("assign", timeout, values=dict(values))
+        self.call("assign", timeout=timeout, values=dict(values))
 
     def set_hyperparameters(self, var_ids: Iterable[str] | None, values: Mapping[str, Any], *,
                             timeout: float | None = None) -> None:
-        self._call("set_hyperparameters", timeout,
+        self.call("set_hyperparameters", timeout=timeout,
                    var_ids=None if var_ids is None else list(var_ids), values=dict(values))
 
     def get_state(self, var_ids: Iterable[str] | None = None, *,
                   timeout: float | None = None) -> dict[str, dict[str, Any]]:
-        return self._call("get_state", timeout, var_ids=None if var_ids is None else list(var_ids))
+        return self.call("get_state", timeout=timeout, var_ids=None if var_ids is None else list(var_ids))
 
     def set_state(self, state: Mapping[str, Mapping[str, Any]], *, timeout: float | None = None) -> None:
-        self._call("set_state", timeout, state=dict(state))
+        self.call("set_state", timeout=timeout, state=dict(state))
 
     def ping(self, *, timeout: float | None = None) -> dict[str, Any]:
-        return self._call("ping", timeout)
+        return self.call("ping", timeout=timeout)
 
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
-        return self._call("stats", timeout)
+        return self.call("stats", timeout=timeout)
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         self.rpc.wait_ready(timeout)
