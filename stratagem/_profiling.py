@@ -1,0 +1,48 @@
+"""Profiler labels placed inside the package: free when no profiler is running.
+
+``with label("stratagem.optimizer.step"):`` opens a ``torch.profiler.record_function``
+range only while a profiler is active (one cheap C call to ask); otherwise it enters
+a shared no-op context. Benchmarks and users read these ranges from
+``torch.profiler.profile`` tables instead of wrapping private methods.
+
+The labels (one place to look them up):
+
+========================================  ================================================
+``stratagem.run``                         ``strategy.run``: splitting arguments, replicas, regrouping
+``stratagem.replica_fn``                  one replica's call of the user's function
+``stratagem.optimizer.step``              a scoped optimizer's ``step`` in one replica
+``stratagem.gradients.local_reduce``      summing gradients among this process's replicas
+``stratagem.gradients.cross_worker``      summing gradients over workers (torch.distributed)
+``stratagem.optimizer.update``            applying the update to parameters
+``stratagem.input.split``                 slicing a global batch for the replicas
+``stratagem.ps.pull``                     a worker or coordinator reading variables from the ps
+``stratagem.ps.push``                     pushing gradients to the ps
+``stratagem.ps.closure``                  a scheduled closure running on a worker
+``stratagem.ps.schedule``                 ``ClusterCoordinator.schedule`` on the coordinator
+``stratagem.rpc.call``                    one RPC round trip (client side)
+``stratagem.rpc.handle``                  one RPC handled by a server (MAC, decode, run, encode)
+========================================  ================================================
+
+Example::
+
+    import torch
+    from stratagem._profiling import label
+    with torch.profiler.profile() as prof:
+        with label("stratagem.run"):
+            torch.ones(2).sum()
+    assert any(e.key == "stratagem.run" for e in prof.key_averages())
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch.autograd import _profiler_enabled
+from torch.profiler import record_function
+
+_NOOP = contextlib.nullcontext()
+
+
+def label(name: str) -> "contextlib.AbstractContextManager":
+    """A profiler range named ``name`` while a profiler runs; a no-op otherwise."""
+    return record_function(name) if _profiler_enabled() else _NOOP
