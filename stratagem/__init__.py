@@ -33,21 +33,35 @@ from stratagem import errors
 from stratagem._context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from stratagem.comm.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                              ReductionToOneDevice)
-from stratagem.coordinator import ClusterCoordinator, RemoteValue
 from stratagem.comm.options import CommunicationImplementation, CommunicationOptions
 from stratagem.data.input import AutoShardPolicy, InputContext, InputOptions, ValueContext
+from stratagem.strategies import default as _default  # noqa: F401 - registers the default strategy
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.mirrored import MirroredStrategy
 from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
 from stratagem.strategies.one_device import OneDeviceStrategy
-from stratagem.strategies.parameter_server import ParameterServerStrategy
 from stratagem.strategies.replica_context import ReplicaContext
 from stratagem.values import DistributedValues, PerReplica, ReduceOp
-from stratagem.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
-from stratagem.ps.variables import ShardedVariable
 from stratagem import cluster, nn
 
 __version__ = "0.1.0"
+
+# Parameter-server names load gRPC and cryptography: imported on first use.
+_LAZY = {"ClusterCoordinator": "stratagem.coordinator", "RemoteValue": "stratagem.coordinator",
+         "ParameterServerStrategy": "stratagem.strategies.parameter_server",
+         "FixedShardsPartitioner": "stratagem.ps.partitioners", "MaxSizePartitioner": "stratagem.ps.partitioners",
+         "MinSizePartitioner": "stratagem.ps.partitioners", "ShardedVariable": "stratagem.ps.variables"}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stratagem' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "AutoShardPolicy", "ClusterCoordinator", "FixedShardsPartitioner", "MaxSizePartitioner",

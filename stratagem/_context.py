@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from stratagem.strategies.base import ReplicaContext, Strategy
+    from stratagem.strategies.base import Strategy
+    from stratagem.strategies.replica_context import ReplicaContext
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class _ThreadState(threading.local):
 
 
 _state = _ThreadState()
-_default: dict[str, Any] = {}
+_default: dict[str, Any] = {}   # "factory": set by stratagem.strategies.default; "strategy": made on first use
 
 
 def push(strategy: "Strategy", replica_context: "ReplicaContext | None") -> None:
@@ -47,12 +48,15 @@ def current_frame() -> _Frame | None:
     return stack[-1] if stack else None
 
 
+def set_default_strategy_factory(factory: Callable[[], "Strategy"]) -> None:
+    """Called once by the module that defines the default strategy (no import back from here)."""
+    _default["factory"] = factory
+
+
 def default_strategy() -> "Strategy":
     strategy = _default.get("strategy")
     if strategy is None:
-        from stratagem.strategies.default import _DefaultStrategy
-
-        strategy = _default.setdefault("strategy", _DefaultStrategy._create())
+        strategy = _default.setdefault("strategy", _default["factory"]())
     return strategy
 
 

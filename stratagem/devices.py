@@ -35,6 +35,41 @@ class Device:
         return f"{self.kind}:{self.index}"
 
 
+@dataclass(frozen=True)
+class Topology:
+    """Where a strategy's replicas are: this worker's devices and its place among the workers.
+
+    Replica ids count over all workers: worker ``w``'s local replica ``i`` is replica
+    ``w * len(devices) + i``.
+
+    Example::
+
+        from stratagem.devices import Device, Topology
+        t = Topology((Device("cpu", 0), Device("cpu", 1)), num_workers=3, worker_index=1)
+        assert (t.num_replicas_in_sync, t.first_replica_id) == (6, 2)
+    """
+
+    devices: tuple[Device, ...]
+    num_workers: int = 1
+    worker_index: int = 0
+
+    @property
+    def num_local_replicas(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.num_workers * len(self.devices)
+
+    @property
+    def first_replica_id(self) -> int:
+        return self.worker_index * len(self.devices)
+
+    @property
+    def torch_devices(self) -> tuple[torch.device, ...]:
+        return tuple(d.torch_device for d in self.devices)
+
+
 _TF_FULL = re.compile(r"^(/job:[^/]+)?(/replica:\d+)?(/task:\d+)?/device:(?P<kind>[A-Za-z]+):(?P<index>\d+)$")
 _SHORT = re.compile(r"^/?(device:)?(?P<kind>[A-Za-z]+)(:(?P<index>\d+))?$")
 _KINDS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
 DEFAULT_BYTES_PER_PACK = 25 << 20   # DistributedDataParallel's bucket_cap_mb
 FIRST_PACK_BYTES = 1 << 20          # a small first pack starts communication early
@@ -116,35 +117,38 @@ class GradientPacks:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
+        group = self._group
         while self._next_launch < len(self.packs):
             pack = self.packs[self._next_launch]
             if pack.filled < len(pack.params):
                 return
-            pack.work = self._group.all_reduce_async(pack.buffer)
+            with group.guard("gradient all_reduce"):
+                pack.work = dist.all_reduce(pack.buffer, group=group.group, async_op=True)
             self._next_launch += 1
 
     # -------------------------------------------------------------------- step
 
     def finish(self) -> None:
         """Launch what backward did not, wait for everything, write the sums to ``.grad``."""
-        for pack in self.packs[self._next_launch:]:
-            for i in range(len(pack.params)):
-                pack.fill(i)
-            pack.filled = len(pack.params)
-        self._launch_ready()
-        for pack in self.packs:
-            self._group.wait(pack.work)
-            if pack.stale:
+        group = self._group
+        with group.guard("gradient all_reduce"):
+            for pack in self.packs[self._next_launch:]:  # in index order, like every worker
                 for i in range(len(pack.params)):
                     pack.fill(i)
-                self._group.all_reduce(pack.buffer, "gradient all_reduce")
-            present = pack.flags.tolist()
-            for i, p in enumerate(pack.params):
-                if present[i] != 0:
-                    # the sum becomes the gradient: a view of the pack, no copy back. The next
-                    # backward writes a new .grad (zero_grad sets None) that fill() copies in.
-                    p.grad = pack.slot(i)
-            pack.work, pack.filled, pack.stale = None, 0, False
+                pack.work = dist.all_reduce(pack.buffer, group=group.group, async_op=True)
+            for pack in self.packs:
+                pack.work.wait()
+                if pack.stale:
+                    for i in range(len(pack.params)):
+                        pack.fill(i)
+                    dist.all_reduce(pack.buffer, group=group.group)
+                present = pack.flags.tolist()
+                for i, p in enumerate(pack.params):
+                    if present[i] != 0:
+                        # the sum becomes the gradient: a view of the pack, no copy back. The next
+                        # backward writes a new .grad (zero_grad sets None) that fill() copies in.
+                        p.grad = pack.slot(i)
+                pack.work, pack.filled, pack.stale = None, 0, False
         self._next_launch = 0
 
     def close(self) -> None:

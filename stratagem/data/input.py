@@ -8,8 +8,8 @@ own replicas' slices and moves each to its replica's device. For CUDA devices th
 next batch is copied ahead while the current step runs.
 
 Nothing here knows whether the strategy lives in one process: the strategy's
-``_first_replica_id``, ``_num_local_replicas`` and ``num_replicas_in_sync`` say which
-slices are this process's.
+``topology`` says which slices are this process's, and its ``collective`` lets the
+workers agree (on a shuffling seed, on when data ends).
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from stratagem.data.sharding import AgreedEnd, WorkerBatchSampler, shard_dataloader
+from stratagem.data.sharding import AgreedEnd, WorkerBatchSampler, shard_dataloader, split_sizes
 from stratagem.errors import InvalidArgumentError
-from stratagem.strategies.replica_context import split_sizes
 from stratagem.values import PerReplica, flatten, pack_as
 
 
@@ -192,18 +191,18 @@ class DistributedDataset:
 
     def __iter__(self) -> _PrefetchingIterator:
         strategy = self._strategy
-        devices = [d.torch_device for d in strategy._devices]
+        devices = list(strategy.topology.torch_devices)
         cuda = any(d.type == "cuda" for d in devices) and self._options.experimental_fetch_to_device
         shard_off = self._options.auto_shard_policy is AutoShardPolicy.OFF
-        num_replicas = strategy._num_local_replicas if shard_off else strategy.num_replicas_in_sync
-        first = 0 if shard_off else strategy._first_replica_id
-        count = strategy._num_local_replicas
+        num_replicas = strategy.topology.num_local_replicas if shard_off else strategy.num_replicas_in_sync
+        first = 0 if shard_off else strategy.topology.first_replica_id
+        count = strategy.topology.num_local_replicas
         one_replica = strategy.num_replicas_in_sync == 1
 
         def make(item: tuple[Any, list[list[Any]], int]) -> Any:
             batch, slices, total = item
             if shard_off:  # every worker's replicas share the whole batch: the step sees it once per worker
-                total *= strategy._num_workers
+                total *= strategy.topology.num_workers
             if self._options.experimental_fetch_to_device:
                 if cuda:
                     slices = [_pin(s) for s in slices]
@@ -214,8 +213,8 @@ class DistributedDataset:
             return pack_as(batch, columns)
 
         sharded = None
-        if strategy._num_workers > 1 and not shard_off:
-            sharded = shard_dataloader(self._dataset, num_replicas, first, count, strategy._broadcast_from_chief)
+        if strategy.topology.num_workers > 1 and not shard_off:
+            sharded = shard_dataloader(self._dataset, num_replicas, first, count, strategy.collective.broadcast_object)
         if sharded is not None:
             items = _sharded_items(*sharded, num_replicas, first, count)
         else:
@@ -226,7 +225,7 @@ class DistributedDataset:
         """Global batches, agreed across workers: ``(batch, None)``, or ``(template, total)``
         while this worker has run out and others have not."""
         strategy = self._strategy
-        if strategy._num_workers == 1 or _same_length_everywhere(strategy, self._dataset):
+        if strategy.topology.num_workers == 1 or _same_length_everywhere(strategy, self._dataset):
             return ((batch, None) for batch in self._dataset)
         return _agreed_batches(strategy, iter(self._dataset), global_batches=True)
 
@@ -257,7 +256,7 @@ class DistributedDatasetsFromFunction:
             raise InvalidArgumentError(f"options must be sg.InputOptions, got {options!r}")
         self._strategy = strategy
         self._options = options or InputOptions()
-        context = InputContext(strategy._num_workers, strategy._worker_index, strategy.num_replicas_in_sync)
+        context = InputContext(strategy.topology.num_workers, strategy.topology.worker_index, strategy.num_replicas_in_sync)
         self._dataset = dataset_fn(context)
         if not isinstance(self._dataset, Iterable):
             raise InvalidArgumentError(
@@ -265,11 +264,11 @@ class DistributedDatasetsFromFunction:
 
     def __iter__(self) -> _PrefetchingIterator:
         strategy = self._strategy
-        devices = [d.torch_device for d in strategy._devices]
-        count = strategy._num_local_replicas
+        devices = list(strategy.topology.torch_devices)
+        count = strategy.topology.num_local_replicas
         cuda = any(d.type == "cuda" for d in devices)
         source = iter(self._dataset)
-        exact = strategy._num_workers == 1
+        exact = strategy.topology.num_workers == 1
 
         def groups() -> Iterator[list[Any]]:
             while True:
@@ -355,14 +354,14 @@ def _same_length_everywhere(strategy: Any, dataset: Any) -> bool:
     except TypeError:
         length = -1
     lengths = torch.tensor([length, length * length], dtype=torch.float64)
-    totals = strategy._cross_worker_sum(lengths)
-    n = strategy._num_workers
+    totals = strategy.collective.worker_sum(lengths)
+    n = strategy.topology.num_workers
     return length >= 0 and totals[0].item() == n * length and totals[1].item() == n * length * length
 
 
 def _agreed_batches(strategy: Any, source: Iterator, *, global_batches: bool) -> Iterator[tuple[Any, int | None]]:
     """Read ``source`` step by step while any worker still has data (see :mod:`.sharding`)."""
-    agreement = AgreedEnd(strategy._cross_worker_sum)
+    agreement = AgreedEnd(strategy.collective.worker_sum)
     template = None
     while True:
         try:
@@ -384,7 +383,7 @@ def _agreed_batches(strategy: Any, source: Iterator, *, global_batches: bool) ->
             continue
         if template is None:
             raise InvalidArgumentError(
-                f"worker {strategy._worker_index}'s dataset is empty while other workers have data; "
+                f"worker {strategy.topology.worker_index}'s dataset is empty while other workers have data; "
                 f"give every worker at least one batch (or read one shared dataset)")
         # Global batches: every worker that still has data read the same batch, so the
         # rows summed over them divided by their number is its size.

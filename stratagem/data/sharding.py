@@ -21,7 +21,18 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
-from stratagem.strategies.replica_context import split_sizes
+
+
+def split_sizes(total: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` contiguous slices of ``total`` rows, earlier slices taking the extra rows.
+
+    Example::
+
+        from stratagem.data.sharding import split_sizes
+        assert split_sizes(7, 3) == [3, 2, 2]
+    """
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 class WorkerBatchSampler:

@@ -1,27 +1,44 @@
 """The :class:`Strategy` base class: the public API every strategy shares.
 
-A public method validates its input and hands over to one hook that subclasses
-implement. The hooks:
+A strategy is a configuration of three collaborators, each answering one question
+(``docs/architecture.md`` shows how a step flows through them):
 
-- ``_run_replicas(fn, per_replica_args)`` — call ``fn`` once per local replica.
-- ``_placement`` — a :class:`~stratagem.strategies.mirroring.Placement` that decides
-  what happens to modules and optimizers created in scope.
-- ``_cross_worker_sum(tensor)`` — add a tensor over workers (identity in one process).
-- ``_cross_worker_gather(tensor, axis)`` — concatenate over workers in worker order.
+- a replica **runner** (:mod:`stratagem.strategies.runner`): how the local replicas
+  execute the function given to ``run`` — inline, or on persistent replica threads;
+- a **Collective** (:mod:`stratagem.comm`): how bytes move among replicas — between
+  replica threads, between processes, or both;
+- a **Placement** (:mod:`stratagem.placement`): where variables live, and what the
+  scope does to modules and optimizers created in it.
+
+A public method validates its input, then hands over to one of them. The
+:class:`~stratagem.devices.Topology` says where this process's replicas are.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, Sequence
+import threading
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
 from stratagem import _context
-from stratagem.devices import Device
+from stratagem._profiling import label
+from stratagem.comm.collective import Collective
+from stratagem.data.input import DistributedDataset, DistributedDatasetsFromFunction, ValueContext
+from stratagem.devices import Topology
 from stratagem.errors import ContextError, InvalidArgumentError
-from stratagem.values import (DistributedValues, PerReplica, ReduceOp, flatten, map_structure,
-                              pack_as, regroup)
+from stratagem.placement import hooks
+from stratagem.placement.base import Placement
+from stratagem.strategies.replica_context import CrossReplicaCollectives, ReplicaContext
+from stratagem.strategies.runner import InlineRunner, ThreadRunner
+from stratagem.values import DistributedValues, PerReplica, ReduceOp, flatten, map_structure, pack_as, regroup
+
+
+class Runner(Protocol):
+    """How local replicas execute: ``run`` returns one result per local replica."""
+
+    def run(self, fn: Callable, per_replica_args: list, global_batch_size: int | None) -> list: ...
 
 
 class Strategy:
@@ -48,16 +65,36 @@ class Strategy:
 
     _is_default = False
 
-    def __init__(self, devices: Sequence[Device]):
-        self._devices = tuple(devices)
-        self._scope_depth = _ScopeDepth()
+    def _configure(self, topology: Topology, collective: Collective, placement: Placement) -> None:
+        """Set the collaborators (each strategy's ``__init__`` calls this once).
+
+        The runner follows from the topology: the one local replica runs inline, several
+        run on replica threads.
+        """
+        self._topology = topology
+        self._collective = collective
+        self._placement = placement
+        contexts = [ReplicaContext(self, i, device, collective) for i, device in enumerate(topology.devices)]
+        self._runner: Runner = ThreadRunner(contexts, collective) if len(contexts) > 1 else \
+            InlineRunner(contexts, name_errors=not self._is_default)
+        self._scope_depth = threading.local()
 
     # -------------------------------------------------------------- topology
 
     @property
     def num_replicas_in_sync(self) -> int:
         """Replicas taking part in each step, over all workers."""
-        return self._num_workers * len(self._devices)
+        return self._topology.num_replicas_in_sync
+
+    @property
+    def topology(self) -> Topology:
+        """Where the replicas are: this worker's devices, the number of workers, this worker's index."""
+        return self._topology
+
+    @property
+    def collective(self) -> Collective:
+        """How this strategy moves bytes between replicas (advanced use; see ``stratagem.comm``)."""
+        return self._collective
 
     @property
     def extended(self) -> "Strategy":
@@ -65,25 +102,9 @@ class Strategy:
         return self
 
     @property
-    def _num_workers(self) -> int:
-        return 1
-
-    @property
-    def _worker_index(self) -> int:
-        return 0
-
-    @property
-    def _num_local_replicas(self) -> int:
-        return len(self._devices)
-
-    @property
-    def _first_replica_id(self) -> int:
-        return self._worker_index * self._num_local_replicas
-
-    @property
     def worker_devices(self) -> tuple[str, ...]:
         """This process's replica devices, in replica order."""
-        return tuple(str(d) for d in self._devices)
+        return tuple(str(d) for d in self._topology.devices)
 
     # ----------------------------------------------------------------- scope
 
@@ -105,13 +126,18 @@ class Strategy:
                 f"scope, or create everything under one strategy")
         replica_context = frame.replica_context if frame is not None else None
         _context.push(self, replica_context)
-        self._scope_depth.value += 1
+        depth = getattr(self._scope_depth, "value", 0)
+        self._scope_depth.value = depth + 1
+        if not self._is_default:
+            hooks.scope_opened()
         try:
             yield self
         finally:
-            self._scope_depth.value -= 1
+            if not self._is_default:
+                hooks.scope_closed()
+            self._scope_depth.value = depth
             _context.pop()
-            if self._scope_depth.value == 0:
+            if depth == 0:
                 self._placement.finalize()
 
     def _enter_cross_replica(self, method: str) -> contextlib.AbstractContextManager:
@@ -142,30 +168,30 @@ class Strategy:
                 f"args must be a tuple or list of positional arguments, got {type(args).__name__}; "
                 f"write args=(x,) for a single argument")
         kwargs = {} if kwargs is None else kwargs
-        with self._enter_cross_replica("run"):
+        with self._enter_cross_replica("run"), label("stratagem.run"):
             self._check_owned((args, kwargs), "run")
-            self._placement.before_run()
-            per_replica_args = [self._select_replica(i, (tuple(args), kwargs))
-                                for i in range(self._num_local_replicas)]
-            batch_size = _global_batch_size_of((args, kwargs))
-            results = self._run_replicas(fn, per_replica_args, batch_size)
-            self._placement.after_run()
-        if self._num_local_replicas == 1:
+            placement = self._placement
+            placement.before_run()
+            try:
+                per_replica_args = [self._select_replica(i, (tuple(args), kwargs))
+                                    for i in range(self._topology.num_local_replicas)]
+                results = self._runner.run(fn, per_replica_args, _global_batch_size_of((args, kwargs)))
+            finally:
+                placement.after_run()
+        if len(results) == 1:
             return results[0]
         return regroup(results, self)
 
     def _select_replica(self, local_id: int, structure: Any) -> Any:
-        copies = self._placement.replica_copy
+        copy_for = self._placement.replica_copy
+
         def pick(leaf: Any) -> Any:
             if isinstance(leaf, DistributedValues):
                 return leaf._values[local_id]
             if isinstance(leaf, torch.Tensor):
-                return copies(leaf, local_id)
+                return copy_for(leaf, local_id)
             return leaf
         return map_structure(pick, structure)
-
-    def _run_replicas(self, fn: Callable, per_replica_args: list, global_batch_size: int | None) -> list:
-        raise NotImplementedError
 
     # ---------------------------------------------------- cross-replica API
 
@@ -190,11 +216,11 @@ class Strategy:
             raise InvalidArgumentError(f"axis must be an int or None, got {axis!r}")
         with self._enter_cross_replica("reduce"):
             self._check_owned(value, "reduce")
-            return map_structure(lambda leaf: self._reduce_leaf(op, leaf, axis), value)
+            return pack_as(value, [self._reduce_leaf(op, leaf, axis) for leaf in flatten(value)])
 
     def _result_device(self, value: Any) -> torch.device | None:
         """Where reduce/gather put their result: the first local replica's device."""
-        return self._devices[0].torch_device
+        return self._topology.devices[0].torch_device
 
     def _local_tensors(self, leaf: Any) -> tuple[list[torch.Tensor], torch.device | None]:
         components = self.experimental_local_results(leaf)
@@ -207,11 +233,12 @@ class Strategy:
                 f"{type(components[0]).__name__} leaf; leave such values out of the structure "
                 f"you reduce or gather") from error
         if not isinstance(leaf, DistributedValues):
-            tensors = tensors * self._num_local_replicas
+            tensors = tensors * self._topology.num_local_replicas
         return tensors, target
 
     def _reduce_leaf(self, op: ReduceOp, leaf: Any, axis: int | None) -> torch.Tensor:
         components, target = self._local_tensors(leaf)
+        collective = self._collective
         if axis is None:
             total = components[0].clone() if len(components) == 1 else _ordered_sum(components)
             count = self.num_replicas_in_sync
@@ -223,9 +250,9 @@ class Strategy:
                         f"use axis=None for scalars")
             total = _ordered_sum([c.sum(dim=axis) for c in components])
             count = sum(c.shape[axis] for c in components)
-            if self._num_workers > 1:
-                count = int(self._cross_worker_sum(torch.tensor(count, device=target)).item())
-        total = self._cross_worker_sum(total)
+            if collective.num_workers > 1:
+                count = int(collective.worker_sum(torch.tensor(count, device=target)).item())
+        total = collective.worker_sum(total)
         if op is ReduceOp.MEAN:
             if not (total.is_floating_point() or total.is_complex()):
                 total = total.to(torch.get_default_dtype())
@@ -247,8 +274,7 @@ class Strategy:
                 raise InvalidArgumentError(
                     "gather concatenates along an axis, so components need at least one "
                     "dimension; got a scalar. Use reduce(...) for scalars, or x.reshape(1)")
-        local = torch.cat(components, dim=axis)
-        return self._cross_worker_gather(local, axis)
+        return self._collective.worker_gather(torch.cat(components, dim=axis), axis)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The components of ``value`` on this process's replicas (a 1-tuple for a plain value).
@@ -267,49 +293,27 @@ class Strategy:
 
     def experimental_distribute_values_from_function(self, value_fn: Callable) -> Any:
         """Call ``value_fn(sg.ValueContext)`` once per local replica; return a PerReplica."""
-        from stratagem.data.input import ValueContext
-
         if not callable(value_fn):
             raise InvalidArgumentError("value_fn must be callable: value_fn(ctx) -> value")
-        values = [value_fn(ValueContext(self._first_replica_id + i, self.num_replicas_in_sync))
-                  for i in range(self._num_local_replicas)]
+        topology = self._topology
+        values = [value_fn(ValueContext(topology.first_replica_id + i, topology.num_replicas_in_sync))
+                  for i in range(topology.num_local_replicas)]
         return PerReplica(values, self)
 
     def experimental_distribute_dataset(self, dataset: Iterable, options: Any = None) -> Any:
-        """Distribute an iterable of *global* batches: each replica gets its slice (SPEC §5)."""
-        from stratagem.data.input import DistributedDataset
-
+        """Distribute an iterable of *global* batches: each replica gets its own slice of each."""
         with self._enter_cross_replica("experimental_distribute_dataset"):
             return DistributedDataset(self, dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
         """Call ``dataset_fn(sg.InputContext)`` per worker; it returns per-replica batches."""
-        from stratagem.data.input import DistributedDatasetsFromFunction
-
         with self._enter_cross_replica("distribute_datasets_from_function"):
             return DistributedDatasetsFromFunction(self, dataset_fn, options)
 
     @property
-    def collectives(self) -> "Any":
-        """Collectives of §12 applied to PerReplica values from cross-replica context."""
-        from stratagem.strategies.replica_context import CrossReplicaCollectives
-
+    def collectives(self) -> CrossReplicaCollectives:
+        """The collectives (broadcast, all_reduce, ...) applied to PerReplica values from cross-replica context."""
         return CrossReplicaCollectives(self)
-
-    # --------------------------------------------------------------- hooks
-
-    def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def _broadcast_from_chief(self, value: Any) -> Any:
-        """The chief's ``value`` on every worker (a picklable object)."""
-        return value
-
-    def _on_modules_placed(self, modules: list) -> None:
-        """Modules created in scope were just placed (multi-worker: check and broadcast)."""
-
-    def _cross_worker_gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        return tensor
 
     def _check_owned(self, structure: Any, method: str) -> None:
         for leaf in flatten(structure):
@@ -319,30 +323,13 @@ class Strategy:
                         f"strategy.{method}() got a {type(leaf).__name__} produced by another "
                         f"strategy ({leaf._strategy!r}); distributed values can only be used with "
                         f"the strategy that made them")
-                if len(leaf._values) != self._num_local_replicas:
+                if len(leaf._values) != self._topology.num_local_replicas:
                     raise InvalidArgumentError(
                         f"strategy.{method}() got a {type(leaf).__name__} with {len(leaf._values)} "
-                        f"components, but this strategy has {self._num_local_replicas} local replicas")
+                        f"components, but this strategy has {self._topology.num_local_replicas} local replicas")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(devices={list(self.worker_devices)})"
-
-
-class _ScopeDepth:
-    """Per-thread count of open scopes of one strategy (finalize on the outermost exit)."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self._local = threading.local()
-
-    @property
-    def value(self) -> int:
-        return getattr(self._local, "depth", 0)
-
-    @value.setter
-    def value(self, depth: int) -> None:
-        self._local.depth = depth
 
 
 def _ordered_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

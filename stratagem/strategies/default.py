@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-from stratagem.devices import Device
+from stratagem import _context
+from stratagem.comm.cross_device_ops import HierarchicalCopyAllReduce
+from stratagem.comm.replicas import ReplicaCollective
+from stratagem.devices import Device, Topology
 from stratagem.errors import ContextError
-from stratagem.strategies.local import LocalStrategy
+from stratagem.placement.mirrored import MirroredPlacement
+from stratagem.strategies.base import Strategy
 from stratagem.strategies.replica_context import ReplicaContext
 
 _CREATING = object()
 
 
-class _DefaultStrategy(LocalStrategy):
+class _DefaultStrategy(Strategy):
     """What ``sg.get_strategy()`` returns outside every scope.
 
-    Modules and optimizers created under it are left untouched; ``run`` calls the
-    function on the calling thread. Users cannot construct it.
+    Modules and optimizers created under it are left untouched (its scope installs
+    nothing); ``run`` calls the function on the calling thread. Users cannot construct it.
     """
 
     _is_default = True
@@ -24,8 +28,10 @@ class _DefaultStrategy(LocalStrategy):
             raise ContextError(
                 "the default strategy cannot be constructed; use sg.get_strategy() outside any "
                 "scope to get it, or create a real strategy such as sg.OneDeviceStrategy('cpu')")
-        super().__init__((Device("cpu", 0),))
-        self._replica_context = ReplicaContext(self, 0, 0, None)
+        topology = Topology((Device("cpu", 0),))
+        collective = ReplicaCollective.create(topology.devices, HierarchicalCopyAllReduce())
+        self._configure(topology, collective, MirroredPlacement(self, topology, collective))
+        self._replica_context = ReplicaContext(self, 0, topology.devices[0], collective)
 
     @classmethod
     def _create(cls) -> "_DefaultStrategy":
@@ -40,3 +46,6 @@ class _DefaultStrategy(LocalStrategy):
 
     def __repr__(self) -> str:
         return "DefaultStrategy()"
+
+
+_context.set_default_strategy_factory(_DefaultStrategy._create)

@@ -1,4 +1,9 @@
-"""MirroredStrategy: synchronous data parallelism over the devices of one process."""
+"""MirroredStrategy: synchronous data parallelism over the devices of one process.
+
+Configuration: the local devices; a :class:`~stratagem.comm.replicas.ReplicaCollective`
+carrying the chosen cross-device op; a :class:`~stratagem.placement.mirrored.MirroredPlacement`;
+replica threads (inline with one device).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,14 @@ from typing import Sequence
 
 import torch
 
-from stratagem.comm.cross_device_ops import CrossDeviceOps
-from stratagem.devices import default_devices, parse_devices
-from stratagem.strategies.local import LocalStrategy
+from stratagem.comm.cross_device_ops import CrossDeviceOps, check_cross_device_ops
+from stratagem.comm.replicas import ReplicaCollective
+from stratagem.devices import Topology, default_devices, parse_devices
+from stratagem.placement.mirrored import MirroredPlacement
+from stratagem.strategies.base import Strategy
 
 
-class MirroredStrategy(LocalStrategy):
+class MirroredStrategy(Strategy):
     """One replica per device; every parameter mirrored; gradients summed every step.
 
     ``devices=None`` takes every visible CUDA device, else one CPU device. Logical
@@ -32,8 +39,10 @@ class MirroredStrategy(LocalStrategy):
 
     def __init__(self, devices: Sequence["str | torch.device"] | None = None,
                  cross_device_ops: CrossDeviceOps | None = None):
-        chosen = default_devices() if devices is None else parse_devices(devices)
-        super().__init__(chosen, cross_device_ops)
+        topology = Topology(default_devices() if devices is None else parse_devices(devices))
+        collective = ReplicaCollective.create(topology.devices,
+                                              check_cross_device_ops(cross_device_ops, topology.devices))
+        self._configure(topology, collective, MirroredPlacement(self, topology, collective))
 
     def __repr__(self) -> str:
         return f"MirroredStrategy(devices={list(self.worker_devices)})"

@@ -20,17 +20,18 @@ from typing import Any, Sequence
 import torch
 
 from stratagem.cluster import resolve
-from stratagem.cluster.process_group import WorkerGroup
-from stratagem.comm.gradients import GradientPacks
+from stratagem.comm.cross_device_ops import default_cross_device_ops
 from stratagem.comm.options import CommunicationOptions
-from stratagem.devices import Device, parse_devices
+from stratagem.comm.processes import WorkerGroup
+from stratagem.comm.replicas import ReplicaCollective
+from stratagem.comm.workers import WorkerCollective
+from stratagem.devices import Device, Topology, parse_devices
 from stratagem.errors import InvalidArgumentError
-from stratagem.strategies.local import LocalStrategy, _usable_cores
-from stratagem.strategies.replica_context import ReplicaContext
-from stratagem.values import ReduceOp
+from stratagem.placement.mirrored import MirroredPlacement
+from stratagem.strategies.base import Strategy
 
 
-class MultiWorkerMirroredStrategy(LocalStrategy):
+class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous data parallelism over the workers of a cluster.
 
     ``cluster_resolver=None`` reads TF_CONFIG, else torchrun's variables, else runs
@@ -57,191 +58,44 @@ class MultiWorkerMirroredStrategy(LocalStrategy):
             raise InvalidArgumentError(f"communication_options must be sg.CommunicationOptions, got {options!r}")
         local_devices = parse_devices(devices) if devices is not None else _default_worker_devices(resolver)
         self._resolver = resolver
-        self._options = options
         if local_devices[0].is_cuda:
             torch.cuda.set_device(local_devices[0].torch_device)  # NCCL's device for this process
-        self._group = WorkerGroup(resolver, options, uses_cuda=local_devices[0].is_cuda)
-        super().__init__(local_devices)
-        self._packs: dict[int, GradientPacks] = {}
-        _limit_threads(resolver, self._group.world_size, local_devices)
-        self._check_same_configuration()
+        group = WorkerGroup(resolver, options, uses_cuda=local_devices[0].is_cuda)
+        topology = Topology(local_devices, num_workers=group.world_size, worker_index=group.rank)
+        local = ReplicaCollective.create(local_devices, default_cross_device_ops(local_devices))
+        collective = WorkerCollective(local, group, options)
+        self._configure(topology, collective, MirroredPlacement(self, topology, collective))
+        _limit_threads(resolver, group.world_size, local_devices)
+        self._check_same_configuration(group.names)
 
     @property
     def cluster_resolver(self) -> Any:
         return self._resolver
 
     @property
-    def _num_workers(self) -> int:
-        return self._group.world_size
-
-    @property
-    def _worker_index(self) -> int:
-        return self._group.rank
-
-    @property
     def is_chief(self) -> bool:
         """Whether this worker saves checkpoints and writes summaries."""
-        return self._group.is_chief
+        return self._topology.worker_index == 0
 
-    # ------------------------------------------------------------- start-up
-
-    def _configuration(self) -> dict[str, Any]:
-        return {"strategy": type(self).__name__, "local replicas": len(self._devices),
-                "device kind": self._devices[0].kind, "backend": self._group.backend,
-                "bytes_per_pack": self._options.bytes_per_pack,
-                "cross_device_ops": type(self._cross_device_ops).__name__}
-
-    def _check_same_configuration(self) -> None:
-        mine = self._configuration()
-        everyone = self._group.all_gather_object(mine, "start-up configuration check")
+    def _check_same_configuration(self, names: list[str]) -> None:
+        collective = self._collective
+        mine = {"strategy": type(self).__name__, "local replicas": self._topology.num_local_replicas,
+                "device kind": self._topology.devices[0].kind, "backend": collective.group.backend,
+                "bytes_per_pack": collective.options.bytes_per_pack,
+                "cross_device_ops": type(collective.local.options).__name__}
+        everyone = collective.all_gather_object(mine, "start-up configuration check")
         for rank, theirs in enumerate(everyone):
             for key in mine:
                 if theirs.get(key) != everyone[0].get(key):
                     raise InvalidArgumentError(
                         f"the workers run different strategy configurations: {key} is "
-                        f"{everyone[0].get(key)!r} on {self._group.names[0]} but {theirs.get(key)!r} on "
-                        f"{self._group.names[rank]}; start every worker with the same strategy arguments")
-
-    def _on_modules_placed(self, modules: list) -> None:
-        tensors, described = [], []
-        for module in modules:
-            for kind in ("_parameters", "_buffers"):
-                for name, tensor in dict.items(module.__dict__[kind]):
-                    if tensor is not None:
-                        tensors.append(tensor)
-                        described.append((f"{type(module).__name__}.{name}", tuple(tensor.shape),
-                                          str(tensor.dtype)))
-        everyone = self._group.all_gather_object(described, "start-up parameter check")
-        chief = everyone[0]
-        for rank, theirs in enumerate(everyone[1:], start=1):
-            if theirs != chief:
-                self._raise_mismatch(chief, theirs, rank)
-        if tensors:
-            with torch.no_grad():
-                for dtype in dict.fromkeys(t.dtype for t in tensors):
-                    same = [t for t in tensors if t.dtype == dtype]
-                    flat = torch.cat([t.detach().reshape(-1) for t in same])
-                    self._group.broadcast(flat, "broadcast of the chief's initial parameters")
-                    offset = 0
-                    for t in same:
-                        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                        offset += t.numel()
-
-    def _raise_mismatch(self, chief: list, theirs: list, rank: int) -> None:
-        names = self._group.names
-        for i, (a, b) in enumerate(zip(chief, theirs)):
-            if a != b:
-                raise InvalidArgumentError(
-                    f"the workers created different models: tensor #{i} created in scope is {a[0]} "
-                    f"of shape {list(a[1])} ({a[2]}) on {names[0]} but {b[0]} of shape {list(b[1])} "
-                    f"({b[2]}) on {names[rank]}; every worker must build the same model")
-        longer, shorter = (names[0], names[rank]) if len(chief) > len(theirs) else (names[rank], names[0])
-        extra = (chief if len(chief) > len(theirs) else theirs)[min(len(chief), len(theirs))]
-        raise InvalidArgumentError(
-            f"the workers created different models: {longer} created {max(len(chief), len(theirs))} "
-            f"tensors in scope but {shorter} only {min(len(chief), len(theirs))}; the first extra one "
-            f"is {extra[0]} of shape {list(extra[1])}; every worker must build the same model")
-
-    # ------------------------------------------------------------ gradients
-
-    def _cross_worker_gradients(self, ctx: ReplicaContext, params: list[torch.Tensor]) -> None:
-        if self._num_workers == 1:
-            return
-        if ctx._local_id == 0:
-            packs = self._packs_for(params)
-            packs.finish()
-        if len(self._devices) > 1:
-            everyone = ctx._exchange(params, "optimizer.step (cross-worker gradients)")
-            if ctx._local_id != 0:
-                for p, p0 in zip(params, everyone[0]):
-                    if p0.grad is not None:
-                        if p.grad is None:
-                            p.grad = p0.grad.to(p.device, copy=True)
-                        else:
-                            p.grad.copy_(p0.grad)
-            ctx._exchange(None, "optimizer.step (cross-worker gradients done)")
-
-    def _optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        if not set_to_none:  # gradients may be views of packs: detach them from the packs first
-            for twin in self._placement.twins(optimizer):
-                for group in twin.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            p.grad = torch.zeros_like(p)
-            return
-        super()._optimizer_zero_grad(optimizer, set_to_none)
-
-    def _packs_for(self, params: list[torch.Tensor]) -> GradientPacks:
-        key = id(params[0]) if params else 0
-        packs = self._packs.get(key)
-        if packs is None or not packs.covers(params):
-            packs = GradientPacks(params, self._group, bytes_per_pack=self._options.bytes_per_pack,
-                                  overlap=len(self._devices) == 1)
-            self._packs[key] = packs
-        return packs
-
-    # ---------------------------------------------------------- collectives
-
-    def _cross_worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._num_workers == 1:
-            return tensor
-        return self._group.all_reduce(tensor.contiguous().clone(), "strategy.reduce")
-
-    def _broadcast_from_chief(self, value: Any) -> Any:
-        return self._group.broadcast_object(value, "broadcast from the chief")
-
-    def _cross_worker_gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        if self._num_workers == 1:
-            return tensor
-        parts = self._group.all_gather_object(tensor.detach().cpu(), "strategy.gather")
-        return torch.cat([p.to(tensor.device) for p in parts], dim=axis)
-
-    def _replica_all_reduce(self, ctx: ReplicaContext, op: ReduceOp, tensors: list) -> list:
-        local = self._cross_device_ops.all_reduce(self._sync, ctx._local_id, tensors, ReduceOp.SUM, inplace=False)
-        if self._num_workers > 1:
-            if ctx._local_id == 0 and local:
-                flat = torch.cat([t.reshape(-1).to(local[0].dtype) for t in local]) \
-                    if len({t.dtype for t in local}) == 1 else None
-                if flat is not None:
-                    self._group.all_reduce(flat, "ReplicaContext.all_reduce")
-                    offset = 0
-                    for t in local:
-                        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                        offset += t.numel()
-                else:
-                    for t in local:
-                        self._group.all_reduce(t, "ReplicaContext.all_reduce")
-            if len(self._devices) > 1:
-                first = ctx._exchange(local, "all_reduce:workers")[0]
-                if ctx._local_id != 0:
-                    for t, t0 in zip(local, first):
-                        t.copy_(t0)
-                ctx._exchange(None, "all_reduce:workers done")
-        if op is ReduceOp.MEAN:
-            local = [t / self.num_replicas_in_sync if t.is_floating_point() or t.is_complex()
-                     else t // self.num_replicas_in_sync for t in local]
-        return local
-
-    def _replica_exchange(self, ctx: ReplicaContext, tensors: list, tag: str) -> list:
-        local = ctx._exchange(tensors, tag)
-        if self._num_workers == 1:
-            return local
-        if ctx._local_id == 0:
-            per_worker = self._group.all_gather_object(
-                [[t.detach().cpu() for t in replica] for replica in local], f"ReplicaContext.{tag}")
-            everyone = [replica for worker in per_worker for replica in worker]
-        else:
-            everyone = None
-        return ctx._exchange(everyone, f"{tag}:workers")[0]
-
-    def _replica_all_gather(self, ctx: ReplicaContext, tensors: list, axis: int) -> list:
-        everyone = self._replica_exchange(ctx, tensors, "all_gather")
-        device = ctx._device
-        return [torch.cat([e[i].to(device) for e in everyone], dim=axis) for i in range(len(tensors))]
+                        f"{everyone[0].get(key)!r} on {names[0]} but {theirs.get(key)!r} on "
+                        f"{names[rank]}; start every worker with the same strategy arguments")
 
     def __repr__(self) -> str:
-        return (f"MultiWorkerMirroredStrategy({self._group.names[self._group.rank]} of "
-                f"{self._group.world_size} workers, devices={list(self.worker_devices)})")
+        group = self._collective.group
+        return (f"MultiWorkerMirroredStrategy({group.names[group.rank]} of "
+                f"{group.world_size} workers, devices={list(self.worker_devices)})")
 
 
 def _default_worker_devices(resolver: Any) -> tuple[Device, ...]:
@@ -252,6 +106,13 @@ def _default_worker_devices(resolver: Any) -> tuple[Device, ...]:
     if local_rank is not None and type(resolver).__name__ == "TorchrunClusterResolver":
         return (Device("cuda", local_rank % count),)
     return tuple(Device("cuda", i) for i in range(count))
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 def _limit_threads(resolver: Any, world_size: int, devices: tuple[Device, ...]) -> None:

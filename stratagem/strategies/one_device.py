@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from stratagem.devices import parse_device
-from stratagem.strategies.local import LocalStrategy
+from stratagem.comm.cross_device_ops import HierarchicalCopyAllReduce
+from stratagem.comm.replicas import ReplicaCollective
+from stratagem.devices import Topology, parse_device
+from stratagem.placement.mirrored import MirroredPlacement
+from stratagem.strategies.base import Strategy
 
 
-class OneDeviceStrategy(LocalStrategy):
+class OneDeviceStrategy(Strategy):
     """Place every module created in scope, and every ``run``, on one device.
 
     Useful to switch code written for a distributed strategy to a single device
-    without changing it.
+    without changing it. Configuration: one device, a one-replica collective, the
+    mirrored placement (which, with one device, only moves tensors there), inline runs.
 
     Example::
 
@@ -24,7 +28,9 @@ class OneDeviceStrategy(LocalStrategy):
     """
 
     def __init__(self, device: "str | torch.device"):
-        super().__init__((parse_device(device),))
+        topology = Topology((parse_device(device),))
+        collective = ReplicaCollective.create(topology.devices, HierarchicalCopyAllReduce())
+        self._configure(topology, collective, MirroredPlacement(self, topology, collective))
 
     def __repr__(self) -> str:
         return f"OneDeviceStrategy(device={self.worker_devices[0]!r})"

@@ -1,10 +1,8 @@
 """ReplicaContext: what a replica's function sees, and the collectives among replicas.
 
-Collectives inside ``run`` go through :class:`~stratagem.comm.sync.ReplicaSync`:
-every replica deposits its value and gets everyone's back (one barrier). Each
-collective is a few lines on top of that exchange; ``all_reduce`` hands the
-arithmetic to the strategy's cross-device op so that gradients and user values are
-reduced the same way.
+Each collective validates its input here and hands over to one method of the
+strategy's :class:`~stratagem.comm.collective.Collective`, so gradients and user
+values are reduced the same way, whichever implementation carries them.
 
 merge_call protocol (states per call):
 
@@ -20,21 +18,18 @@ merge_call protocol (states per call):
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from stratagem import _context
-from stratagem.errors import InvalidArgumentError
-from stratagem.values import (DistributedValues, PerReplica, ReduceOp, flatten, map_structure,
-                              pack_as, regroup, select_replica)
 from stratagem.comm.sync import ReplicaAborted
+from stratagem.devices import Device
+from stratagem.errors import InvalidArgumentError
+from stratagem.values import DistributedValues, ReduceOp, flatten, pack_as, regroup, select_replica
 
-
-def split_sizes(total: int, parts: int) -> list[int]:
-    """Sizes of ``parts`` contiguous slices of ``total`` rows, earlier slices taking the extra rows."""
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
+if TYPE_CHECKING:  # pragma: no cover
+    from stratagem.comm.collective import Collective
 
 
 class ReplicaContext:
@@ -54,11 +49,13 @@ class ReplicaContext:
         print(s.experimental_local_results(total))   # (tensor([1.]), tensor([1.]))
     """
 
-    def __init__(self, strategy: Any, replica_id_in_sync_group: int, local_id: int, sync: Any = None):
+    def __init__(self, strategy: Any, local_id: int, device: Device, collective: "Collective"):
         self._strategy = strategy
-        self._replica_id = replica_id_in_sync_group
+        self._replica_id = collective.replica_id(local_id)
         self._local_id = local_id
-        self._sync = sync
+        self._device_spec = device
+        self._device = device.torch_device
+        self._collective = collective
         self._global_batch_size: int | None = None
 
     @property
@@ -75,16 +72,10 @@ class ReplicaContext:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        return (str(self._strategy._devices[self._local_id]),)
-
-    @property
-    def _device(self) -> torch.device:
-        return self._strategy._devices[self._local_id].torch_device
+        return (str(self._device_spec),)
 
     def _exchange(self, value: Any, tag: str) -> list[Any]:
-        if self._sync is None:
-            return [value]
-        return self._sync.exchange(self._local_id, value, tag)
+        return self._collective.exchange(self._local_id, value, tag)
 
     def _as_tensors(self, value: Any) -> tuple[list[torch.Tensor], list[bool]]:
         leaves = flatten(value)
@@ -122,22 +113,20 @@ class ReplicaContext:
             tensors = [t if t.is_floating_point() or t.is_complex() else t.to(torch.get_default_dtype())
                        for t in tensors]
         tensors = [t.contiguous() for t in tensors]  # ops reduce flat ranges (e.g. of a transposed view)
-        reduced = self._strategy._replica_all_reduce(self, op, tensors)
+        reduced = self._collective.all_reduce(self._local_id, tensors, op)
         out = [t.item() if number else t for t, number in zip(reduced, was_number)]
         return pack_as(value, out)
 
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenate every replica's ``value`` along ``axis``, in replica order."""
         tensors, _ = self._as_tensors(value)
-        gathered = self._strategy._replica_all_gather(self, tensors, axis)
-        return pack_as(value, gathered)
+        return pack_as(value, self._collective.all_gather(self._local_id, tensors, axis))
 
     def broadcast(self, value: Any, source_replica: int = 0) -> Any:
         """Every replica gets ``source_replica``'s value (copied to its own device)."""
         self._check_replica(source_replica, "source_replica")
         tensors, _ = self._as_tensors(value)
-        everyone = self._strategy._replica_exchange(self, tensors, "broadcast")
-        return pack_as(value, [t.to(self._device, copy=True) for t in everyone[source_replica]])
+        return pack_as(value, self._collective.broadcast(self._local_id, tensors, source_replica))
 
     def reduce(self, reduce_op: "ReduceOp | str", value: Any, destination_replica: int = 0) -> Any:
         """Like ``all_reduce``, but only ``destination_replica`` gets the result; others get None."""
@@ -151,9 +140,16 @@ class ReplicaContext:
         Slices are contiguous; when the length does not divide evenly, earlier
         replicas take one extra row (the input splitting rule).
         """
-        reduced = self.all_reduce(reduce_op, value)
-        sizes = split_sizes(reduced.shape[axis], self.num_replicas_in_sync)
-        return torch.split(reduced, sizes, dim=axis)[self._replica_id].clone()
+        op = ReduceOp.from_any(reduce_op)
+        tensors, _ = self._as_tensors(value)
+        tensor = tensors[0]
+        if op is ReduceOp.MEAN and not (tensor.is_floating_point() or tensor.is_complex()):
+            tensor = tensor.to(torch.get_default_dtype())
+        if tensor.dim() == 0 or not -tensor.dim() <= axis < tensor.dim():
+            raise InvalidArgumentError(
+                f"reduce_scatter cuts along axis {axis}, which a tensor of shape {tuple(tensor.shape)} "
+                f"does not have")
+        return self._collective.reduce_scatter(self._local_id, tensor.contiguous(), op, axis)
 
     def all_to_all(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Replica ``i`` sends ``values[j]`` to replica ``j``; returns what each replica sent here."""
@@ -161,8 +157,7 @@ class ReplicaContext:
             raise InvalidArgumentError(
                 f"all_to_all needs one tensor per replica ({self.num_replicas_in_sync}), got {len(values)}")
         tensors, _ = self._as_tensors(list(values))
-        everyone = self._strategy._replica_exchange(self, tensors, "all_to_all")
-        return [everyone[src][self._replica_id].to(self._device, copy=True) for src in range(len(everyone))]
+        return self._collective.all_to_all(self._local_id, tensors)
 
     def scatter(self, values: Sequence[torch.Tensor] | None, source_replica: int = 0) -> torch.Tensor:
         """``source_replica`` gives one tensor per replica; each replica gets its own."""
@@ -175,8 +170,7 @@ class ReplicaContext:
             tensors, _ = self._as_tensors(list(values))
         else:
             tensors = []
-        everyone = self._strategy._replica_exchange(self, tensors, "scatter")
-        return everyone[source_replica][self._replica_id].to(self._device, copy=True)
+        return self._collective.scatter(self._local_id, tensors, source_replica)
 
     def gather(self, value: torch.Tensor, axis: int = 0, destination_replica: int = 0) -> torch.Tensor | None:
         """Concatenation of every replica's value on ``destination_replica``; None elsewhere."""

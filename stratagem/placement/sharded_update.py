@@ -68,7 +68,7 @@ class ShardedUpdate:
 
     @staticmethod
     def supports(optimizer: torch.optim.Optimizer, devices: tuple) -> bool:
-        if len(devices) < 2 or any(d.is_cuda for d in devices) or optimizer._sg_base not in ELEMENTWISE:
+        if len(devices) < 2 or any(d.type == "cuda" for d in devices) or optimizer._sg_base not in ELEMENTWISE:
             return False
         return all(p.is_contiguous() and not p.is_sparse
                    for group in optimizer.param_groups for p in group["params"])

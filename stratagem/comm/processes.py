@@ -151,14 +151,6 @@ class WorkerGroup:
             tensor.copy_(carrier)
         return tensor
 
-    def all_reduce_async(self, tensor: torch.Tensor) -> Any:
-        with self.guard("gradient all_reduce"):
-            return dist.all_reduce(tensor, group=self.group, async_op=True)
-
-    def wait(self, work: Any, what: str = "gradient all_reduce") -> None:
-        with self.guard(what):
-            work.wait()
-
     def broadcast(self, tensor: torch.Tensor, what: str = "broadcast") -> torch.Tensor:
         if self.solo:
             return tensor

@@ -1,0 +1,156 @@
+"""The Collective: how bytes move among the replicas of a strategy.
+
+A strategy has one Collective. Its methods come in two kinds:
+
+- **replica context**: called on *every* local replica's thread during ``run``, with
+  that replica's ``local_id``; each returns that replica's result. ``exchange`` hands
+  every local replica the list of all local replicas' values (one barrier); the
+  collectives (``all_reduce``, ``all_gather``, ``broadcast``, ``reduce``,
+  ``reduce_scatter``, ``all_to_all``, ``scatter``, ``gather``, ``barrier``) span every
+  replica of every worker.
+- **process level**: called once per process in cross-replica context
+  (``worker_sum``, ``worker_gather``, ``broadcast_object``, ``all_gather_object``,
+  ``agree_on_modules``): identities in one process, torch.distributed across workers.
+
+Implementations: :class:`~stratagem.comm.replicas.ReplicaCollective` (replica
+threads of one process; the cross-device op picks how they sum) and
+:class:`~stratagem.comm.workers.WorkerCollective` (several processes, each with one
+or more replica threads: the hierarchical combination of both).
+
+Shapes and order: replica ``r`` counts over all workers (worker ``w``'s local replica
+``i`` is ``w * num_local + i``); gathers concatenate in that order; ``reduce_scatter``
+cuts along ``axis`` into contiguous slices, earlier replicas taking one extra row when
+the length does not divide (the input splitting rule).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from stratagem.data.sharding import split_sizes
+from stratagem.devices import Device
+from stratagem.values import ReduceOp
+
+
+class Collective:
+    """Base: the declared operations, the derived collectives built on two primitives.
+
+    Subclasses implement ``exchange``, ``exchange_all``, ``all_reduce`` and
+    ``sum_exchanged`` (and the process-level methods when they span processes).
+    """
+
+    num_workers = 1
+    worker_index = 0
+
+    def __init__(self, devices: Sequence[Device]):
+        self.devices = tuple(devices)
+        self.num_local = len(self.devices)
+
+    @property
+    def num_replicas(self) -> int:
+        return self.num_workers * self.num_local
+
+    # ------------------------------------------------ run lifecycle (runner)
+
+    def start_run(self) -> None:
+        """A ``run`` begins; no replica is inside a collective."""
+
+    def abort(self) -> None:
+        """A replica failed: every replica waiting in a collective stops."""
+
+    def finish(self, local_id: int) -> None:
+        """Replica ``local_id`` returned from its function."""
+
+    # ------------------------------------------------------- primitives
+
+    def exchange(self, local_id: int, value: Any, tag: str) -> list[Any]:
+        """Every *local* replica's ``value``, in local order (one barrier)."""
+        raise NotImplementedError
+
+    def exchange_all(self, local_id: int, tensors: list[torch.Tensor], tag: str) -> list[list[torch.Tensor]]:
+        """Every replica's tensors over all workers, in replica order."""
+        raise NotImplementedError
+
+    def all_reduce(self, local_id: int, tensors: list[torch.Tensor], op: ReduceOp) -> list[torch.Tensor]:
+        """New tensors holding the element-wise SUM or MEAN over all replicas."""
+        raise NotImplementedError
+
+    def sum_exchanged(self, local_id: int, everyone: list[list[torch.Tensor]], op: ReduceOp, *,
+                      copy_back: bool = True) -> None:
+        """Reduce in place the local tensors every replica deposited with ``exchange``.
+
+        With ``copy_back=False`` only local replica 0's tensors surely hold the result.
+        """
+        raise NotImplementedError
+
+    # ------------------------------------------------ derived collectives
+
+    def barrier(self, local_id: int) -> None:
+        self.exchange_all(local_id, [], "barrier")
+
+    def all_gather(self, local_id: int, tensors: list[torch.Tensor], axis: int) -> list[torch.Tensor]:
+        everyone = self.exchange_all(local_id, tensors, "all_gather")
+        device = self.devices[local_id].torch_device
+        return [torch.cat([e[i].to(device) for e in everyone], dim=axis) for i in range(len(tensors))]
+
+    def broadcast(self, local_id: int, tensors: list[torch.Tensor], source: int) -> list[torch.Tensor]:
+        everyone = self.exchange_all(local_id, tensors, "broadcast")
+        device = self.devices[local_id].torch_device
+        return [t.to(device, copy=True) for t in everyone[source]]
+
+    def reduce(self, local_id: int, tensors: list[torch.Tensor], op: ReduceOp,
+               destination: int) -> list[torch.Tensor] | None:
+        reduced = self.all_reduce(local_id, tensors, op)
+        return reduced if self.replica_id(local_id) == destination else None
+
+    def reduce_scatter(self, local_id: int, tensor: torch.Tensor, op: ReduceOp, axis: int) -> torch.Tensor:
+        reduced = self.all_reduce(local_id, [tensor], op)[0]
+        sizes = split_sizes(reduced.shape[axis], self.num_replicas)
+        return torch.split(reduced, sizes, dim=axis)[self.replica_id(local_id)].clone()
+
+    def all_to_all(self, local_id: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        everyone = self.exchange_all(local_id, tensors, "all_to_all")
+        me, device = self.replica_id(local_id), self.devices[local_id].torch_device
+        return [everyone[src][me].to(device, copy=True) for src in range(len(everyone))]
+
+    def scatter(self, local_id: int, tensors: list[torch.Tensor], source: int) -> torch.Tensor:
+        everyone = self.exchange_all(local_id, tensors, "scatter")
+        me, device = self.replica_id(local_id), self.devices[local_id].torch_device
+        return everyone[source][me].to(device, copy=True)
+
+    def gather(self, local_id: int, tensors: list[torch.Tensor], axis: int,
+               destination: int) -> list[torch.Tensor] | None:
+        gathered = self.all_gather(local_id, tensors, axis)
+        return gathered if self.replica_id(local_id) == destination else None
+
+    def replica_id(self, local_id: int) -> int:
+        return self.worker_index * self.num_local + local_id
+
+    # ---------------------------------------- process level (one call each)
+
+    def worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over workers (the identity in one process)."""
+        return tensor
+
+    def worker_gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        """Every worker's ``tensor`` concatenated along ``axis`` in worker order."""
+        return tensor
+
+    def broadcast_object(self, value: Any) -> Any:
+        """The chief's picklable ``value`` on every worker."""
+        return value
+
+    def all_gather_object(self, value: Any, what: str = "all_gather") -> list[Any]:
+        """Every worker's picklable ``value``, in worker order (``what`` names it in errors)."""
+        return [value]
+
+    def agree_on_modules(self, modules: list[torch.nn.Module]) -> None:
+        """Modules just placed: check every worker built the same ones; take the chief's values."""
+
+    def close(self) -> None:
+        """Release processes' resources (idempotent)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({[str(d) for d in self.devices]})"

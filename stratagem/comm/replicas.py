@@ -1,0 +1,211 @@
+"""The Collective among the replica threads of one process.
+
+Every replica deposits its value with :class:`~stratagem.comm.sync.ReplicaSync`
+and gets everyone's back (one barrier); the arithmetic then depends on the
+cross-device op the strategy was configured with. All of them sum in replica order
+(``((v0 + v1) + v2) + ...``) and divide once for MEAN, so on CPU they give
+bit-identical results; they differ in who does the work:
+
+- :class:`RangeCollective` (``HierarchicalCopyAllReduce``, the CPU default): the flat
+  concatenation of all tensors is cut into ``num_packs`` packs and each pack into one
+  range per replica; each replica's thread sums its ranges for everyone and copies the
+  sums back (a reduce-scatter followed by an all-gather), so all threads work at once.
+- :class:`OneDeviceCollective` (``ReductionToOneDevice``): local replica 0's thread
+  sums everything on one device, then every replica's tensor receives a copy.
+- :class:`NcclCollective` (``NcclAllReduce``): ``torch.cuda.nccl.all_reduce`` over the
+  replicas' GPUs, tensors fused into ``num_packs`` flat buffers per dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from stratagem.comm.collective import Collective
+from stratagem.comm.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
+                                             ReductionToOneDevice)
+from stratagem.comm.sync import ReplicaSync
+from stratagem.devices import Device
+from stratagem.errors import InvalidArgumentError
+from stratagem.values import ReduceOp
+
+_PIECE_ELEMENTS = 1 << 18  # pieces small enough that the copy-back still finds the sum in cache
+
+
+def sum_into(first: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp, count: int) -> torch.Tensor:
+    """``first += others`` in order, then divided by ``count`` for MEAN (floor for integers)."""
+    for other in others:
+        first.add_(other.to(first.device, non_blocking=True))
+    if op is ReduceOp.MEAN:
+        if first.is_floating_point() or first.is_complex():
+            first.div_(count)
+        else:
+            first.floor_divide_(count)
+    return first
+
+
+class ReplicaCollective(Collective):
+    """Replica threads of one process; subclasses hold one cross-device op's arithmetic."""
+
+    def __init__(self, devices: Sequence[Device], options: CrossDeviceOps):
+        super().__init__(devices)
+        self.options = options
+        self.sync = ReplicaSync(self.num_local)
+
+    @staticmethod
+    def create(devices: Sequence[Device], options: CrossDeviceOps) -> "ReplicaCollective":
+        """The collective that carries out ``options`` (a cross-device op) on ``devices``."""
+        options.validate(tuple(devices))
+        kinds = {HierarchicalCopyAllReduce: RangeCollective, ReductionToOneDevice: OneDeviceCollective,
+                 NcclAllReduce: NcclCollective}
+        for kind, collective in kinds.items():
+            if isinstance(options, kind):
+                return collective(devices, options)
+        raise InvalidArgumentError(f"unknown cross-device op {options!r}")
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start_run(self) -> None:
+        self.sync.reset()
+
+    def abort(self) -> None:
+        self.sync.abort()
+
+    def finish(self, local_id: int) -> None:
+        self.sync.finish(local_id)
+
+    # ------------------------------------------------------------ primitives
+
+    def exchange(self, local_id: int, value: Any, tag: str) -> list[Any]:
+        return self.sync.exchange(local_id, value, tag)
+
+    def exchange_all(self, local_id: int, tensors: list[torch.Tensor], tag: str) -> list[Any]:
+        return self.sync.exchange(local_id, tensors, tag)
+
+    def all_reduce(self, local_id: int, tensors: list[torch.Tensor], op: ReduceOp) -> list[torch.Tensor]:
+        tensors = [t.clone() for t in tensors]
+        everyone = self.sync.exchange(local_id, tensors, f"all_reduce({len(tensors)} tensors)")
+        self.sum_exchanged(local_id, everyone, op)
+        return tensors
+
+    def _check(self, everyone: list[list[torch.Tensor]]) -> None:
+        first = everyone[0]
+        for r, theirs in enumerate(everyone[1:], start=1):
+            if len(theirs) != len(first) or any(a.shape != b.shape for a, b in zip(first, theirs)):
+                raise InvalidArgumentError(
+                    f"replica {r} passed tensors of shapes {[tuple(t.shape) for t in theirs]} to an "
+                    f"all-reduce but replica 0 passed {[tuple(t.shape) for t in first]}; every "
+                    f"replica must reduce tensors of the same shapes")
+        if any(t.is_sparse for t in first):
+            raise InvalidArgumentError("sparse tensors cannot be all-reduced across replicas; "
+                                       "use dense gradients (e.g. nn.Embedding(sparse=False))")
+
+
+class RangeCollective(ReplicaCollective):
+    """``HierarchicalCopyAllReduce``: every replica thread reduces its own ranges."""
+
+    def __init__(self, devices: Sequence[Device], options: HierarchicalCopyAllReduce):
+        super().__init__(devices, options)
+        self._plans: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
+
+    def _plan(self, numels: tuple[int, ...], n: int) -> list[list[tuple[int, int, int]]]:
+        """For each replica, the (tensor index, start, stop) pieces of its ranges."""
+        plan = self._plans.get((n,) + numels)
+        if plan is None:
+            total, packs = sum(numels), self.options.num_packs
+            pack_bounds = [total * k // packs for k in range(packs + 1)]
+            bounds = [(lo + (hi - lo) * r // n, lo + (hi - lo) * (r + 1) // n)
+                      for lo, hi in zip(pack_bounds, pack_bounds[1:]) for r in range(n)]
+            plan = [[] for _ in range(n)]
+            offset = 0
+            for i, numel in enumerate(numels):
+                for k, (range_lo, range_hi) in enumerate(bounds):
+                    lo, hi = max(range_lo, offset), min(range_hi, offset + numel)
+                    for start in range(lo, hi, _PIECE_ELEMENTS):
+                        plan[k % n].append((i, start - offset, min(start + _PIECE_ELEMENTS, hi) - offset))
+                offset += numel
+            self._plans[(n,) + numels] = plan
+        return plan
+
+    def sum_exchanged(self, local_id, everyone, op, *, copy_back=True):
+        n = len(everyone)
+        if n == 1:
+            return
+        self._check(everyone)
+        try:
+            plan = self._plan(tuple(t.numel() for t in everyone[0]), n)
+            for i, start, stop in plan[local_id]:
+                if all(everyone[r][i].is_contiguous() for r in range(n)):
+                    pieces = [everyone[r][i].view(-1)[start:stop] for r in range(n)]
+                elif start == 0:  # e.g. channels_last: no flat view, so reduce the whole tensor
+                    pieces = [everyone[r][i] for r in range(n)]
+                else:
+                    continue  # the replica holding this tensor's first element reduces all of it
+                acc = pieces[0]
+                for piece in pieces[1:]:
+                    acc.add_(piece.to(acc.device, non_blocking=True))
+                if op is ReduceOp.MEAN:
+                    acc.div_(n) if acc.is_floating_point() or acc.is_complex() else acc.floor_divide_(n)
+                if copy_back:
+                    for piece in pieces[1:]:
+                        piece.copy_(acc, non_blocking=True)
+        finally:
+            self.sync.exchange(local_id, None, "all_reduce:done")
+
+
+class OneDeviceCollective(ReplicaCollective):
+    """``ReductionToOneDevice``: one thread sums on one device; every replica gets a copy."""
+
+    def sum_exchanged(self, local_id, everyone, op, *, copy_back=True):
+        n = len(everyone)
+        if n == 1:
+            return
+        self._check(everyone)
+        try:
+            if local_id == 0:  # the others wait for replica 0 at the "done" exchange
+                target = self.options.reduce_to_device
+                target = target.torch_device if target is not None else None
+                for i, first in enumerate(everyone[0]):
+                    acc = first if target is None or first.device == target else first.to(target)
+                    sum_into(acc, [everyone[r][i] for r in range(1, n)], op, n)
+                    for r in range(n) if copy_back else range(1):
+                        if everyone[r][i] is not acc:
+                            everyone[r][i].copy_(acc, non_blocking=True)
+        finally:
+            self.sync.exchange(local_id, None, "all_reduce:done")
+
+
+class NcclCollective(ReplicaCollective):
+    """``NcclAllReduce``: ``torch.cuda.nccl.all_reduce`` over the replicas' GPUs.
+
+    Tensors of one dtype are fused into ``num_packs`` flat buffers per GPU, each
+    all-reduced with one NCCL call (the result is the same as tensor by tensor).
+    """
+
+    def sum_exchanged(self, local_id, everyone, op, *, copy_back=True):
+        n = len(everyone)
+        if n == 1:
+            return
+        self._check(everyone)
+        try:
+            if local_id == 0:  # one NCCL call drives every GPU
+                by_dtype: dict[torch.dtype, list[int]] = {}
+                for i, t in enumerate(everyone[0]):
+                    by_dtype.setdefault(t.dtype, []).append(i)
+                for indices in by_dtype.values():
+                    packs = self.options.num_packs
+                    for k in range(min(packs, len(indices))):
+                        chunk = indices[k * len(indices) // packs:(k + 1) * len(indices) // packs]
+                        flat = [torch.cat([everyone[r][i].reshape(-1) for i in chunk]) for r in range(n)]
+                        torch.cuda.nccl.all_reduce(flat)
+                        for r in range(n) if copy_back else range(1):
+                            if op is ReduceOp.MEAN:
+                                flat[r].div_(n) if flat[r].is_floating_point() else flat[r].floor_divide_(n)
+                            offset = 0
+                            for i in chunk:
+                                t = everyone[r][i]
+                                t.copy_(flat[r][offset:offset + t.numel()].view_as(t))
+                                offset += t.numel()
+        finally:
+            self.sync.exchange(local_id, None, "all_reduce:done")

@@ -1,0 +1,89 @@
+"""The Placement: where variables live, and what a scope does to modules and optimizers.
+
+A strategy has one Placement. While its scope is open on a thread, the module
+registration hooks of :mod:`stratagem.placement.hooks` report every module that
+registers a parameter or buffer there (``on_module_registered``), and every optimizer
+created there (``on_optimizer_created``). The placement then owns them:
+
+- ``finalize()`` places pending modules (their tensors move to where the placement
+  keeps them) and prepares pending optimizers. It runs at the latest when the
+  outermost scope is left, when an optimizer is created, and before every ``run``.
+- ``replica_copy(tensor, local_id)`` / ``all_copies(tensor)``: which tensor replica
+  ``local_id`` computes with, and every local copy of a placed tensor.
+- ``before_run()`` / ``after_run()`` bracket every ``strategy.run``.
+- The optimizer operations: an optimizer created in scope has its class replaced by
+  a subclass (named after the placement, e.g. ``MirroredSGD``) whose ``step``,
+  ``zero_grad``, state dicts, ``add_param_group`` and pickling call the
+  ``optimizer_*`` methods below.
+
+Implementations: :class:`~stratagem.placement.mirrored.MirroredPlacement` (a copy per
+local replica; also one device) and the parameter-server placement (variables on
+the ps tasks).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Placement(abc.ABC):
+    """The declared interface every placement implements."""
+
+    #: Prefix of the names of optimizer classes made by this placement (``MirroredSGD``).
+    kind = "Distributed"
+
+    # -------------------------------------------------------------- modules
+
+    @abc.abstractmethod
+    def on_module_registered(self, module: nn.Module) -> None:
+        """``module`` registered a tensor in this strategy's scope."""
+
+    @abc.abstractmethod
+    def finalize(self) -> None:
+        """Place pending modules and prepare pending optimizers."""
+
+    def before_run(self) -> None:
+        self.finalize()
+
+    def after_run(self) -> None:
+        """``run`` returned (or raised)."""
+
+    def replica_copy(self, tensor: torch.Tensor, local_id: int) -> torch.Tensor:
+        return tensor
+
+    def all_copies(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Every local replica's copy of a placed tensor, else None."""
+        return None
+
+    # ----------------------------------------------------------- optimizers
+
+    @abc.abstractmethod
+    def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` was created in scope (its ``__init__`` has finished)."""
+
+    @abc.abstractmethod
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+        """One logical step: user's step hooks fire once, the update reaches every copy."""
+
+    @abc.abstractmethod
+    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None: ...
+
+    @abc.abstractmethod
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """One logical state dict, whatever the number of copies."""
+
+    @abc.abstractmethod
+    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None: ...
+
+    @abc.abstractmethod
+    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None: ...
+
+    def optimizer_reduce(self, optimizer: torch.optim.Optimizer) -> Any:
+        """``__reduce_ex__`` of a scoped optimizer: by default it cannot be pickled."""
+        raise TypeError(
+            f"a {optimizer._sg_base.__name__} created in a strategy's scope cannot be pickled or "
+            f"deep-copied; save its state_dict() instead (one logical copy)")

@@ -1,0 +1,168 @@
+"""How a scope sees what is created in it, and the class of optimizers created there.
+
+While at least one non-default strategy's scope is open (on any thread), two things
+are installed in torch, and both are removed when the last such scope closes:
+
+- module registration hooks (``register_module_parameter_registration_hook`` and the
+  buffer one), which report each module that registers a tensor on a thread whose
+  innermost frame is a strategy's cross-replica scope;
+- a wrapper of ``torch.optim.Optimizer.__init__`` (torch has no optimizer-creation
+  hook: this is the one patch, and it is only in place while a scope is open). It
+  calls the original ``__init__`` and, only for an optimizer created on a thread
+  inside a scope, hands it to that strategy's placement. Optimizers created outside
+  every scope are never touched.
+
+An optimizer created in scope then has its class replaced by a subclass of its own
+class, named after the placement (``MirroredSGD``, ``ParameterServerAdam``), so that
+``isinstance`` checks and schedulers keep working while ``type(opt).__name__`` and
+``repr(opt)`` say what stratagem changed.
+
+Step hooks: torch runs an optimizer's step pre/post hooks inside its ``step``
+wrapper. A scoped optimizer's ``step`` is ours; it fires the user's hooks itself,
+once per logical step (:func:`run_pre_hooks` / :func:`run_post_hooks`), and applies
+the update to every copy through :func:`unhooked_step`, which skips torch's wrapper.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+from stratagem import _context
+from stratagem.placement.sharded_update import building
+
+_lock = threading.Lock()
+_users = 0
+_installed: list[Any] = []   # hook handles and the wrapped __init__ while scopes are open
+_original_init = torch.optim.Optimizer.__init__
+
+
+def _scoped_placement() -> Any:
+    frame = _context.current_frame()
+    if frame is None or frame.replica_context is not None or frame.strategy._is_default:
+        return None
+    return frame.strategy._placement
+
+
+def _on_tensor_registered(module: nn.Module, name: str, tensor: Any) -> None:
+    placement = _scoped_placement()
+    if placement is not None:
+        placement.on_module_registered(module)
+    return None
+
+
+def _optimizer_init(self: torch.optim.Optimizer, params: Any, defaults: dict) -> None:
+    placement = _scoped_placement()
+    if placement is None or building() or type(self).__dict__.get("_sg_base") is not None:
+        return _original_init(self, params, defaults)
+    placement.finalize()   # modules placed before the optimizer captures parameters
+    _original_init(self, params, defaults)
+    placement.on_optimizer_created(self)
+
+
+def scope_opened() -> None:
+    """A non-default scope was entered on some thread: install the hooks if first."""
+    global _users
+    with _lock:
+        if _users == 0:
+            _installed[:] = [nn.modules.module.register_module_parameter_registration_hook(_on_tensor_registered),
+                             nn.modules.module.register_module_buffer_registration_hook(_on_tensor_registered)]
+            torch.optim.Optimizer.__init__ = _optimizer_init
+        _users += 1
+
+
+def scope_closed() -> None:
+    """The matching exit: the last one removes every hook and restores ``__init__``."""
+    global _users
+    with _lock:
+        _users -= 1
+        if _users == 0:
+            for handle in _installed:
+                handle.remove()
+            _installed.clear()
+            if torch.optim.Optimizer.__init__ is _optimizer_init:
+                torch.optim.Optimizer.__init__ = _original_init
+
+
+def hooks_installed() -> bool:
+    """Whether stratagem has anything installed in torch right now (for tests)."""
+    return torch.optim.Optimizer.__init__ is _optimizer_init or bool(_installed)
+
+
+# ------------------------------------------------------------ the optimizer class
+
+_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def distributed_class(base: type, kind: str) -> type:
+    """The subclass of ``base`` whose methods ask the optimizer's placement what to do."""
+    cls = _CLASSES.get((base, kind))
+    if cls is not None:
+        return cls
+
+    def step(self, closure=None):
+        return self._sg_placement.optimizer_step(self, closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self._sg_placement.optimizer_zero_grad(self, set_to_none)
+
+    def state_dict(self):
+        return self._sg_placement.optimizer_state_dict(self)
+
+    def load_state_dict(self, state_dict):
+        self._sg_placement.optimizer_load_state_dict(self, state_dict)
+
+    def add_param_group(self, param_group):
+        placement = self.__dict__.get("_sg_placement")
+        if placement is None:  # still inside Optimizer.__init__
+            return base.add_param_group(self, param_group)
+        placement.optimizer_add_param_group(self, param_group)
+
+    def __reduce_ex__(self, protocol):
+        return self._sg_placement.optimizer_reduce(self)
+
+    def __repr__(self):
+        return f"{base.__repr__(self)}\n(created in the scope of {self._sg_placement.strategy!r})"
+
+    name = f"{kind}{base.__name__}"
+    cls = type(name, (base,), {
+        "step": step, "zero_grad": zero_grad, "state_dict": state_dict,
+        "load_state_dict": load_state_dict, "add_param_group": add_param_group,
+        "__reduce_ex__": __reduce_ex__, "__repr__": __repr__, "_sg_base": base,
+        "__module__": "stratagem.placement",
+        "__doc__": f"A {base.__name__} created in a stratagem strategy's scope ({kind.lower()} placement).",
+    })
+    cls.__qualname__ = name
+    _CLASSES[(base, kind)] = cls
+    return cls
+
+
+def adopt(optimizer: torch.optim.Optimizer, placement: Any) -> None:
+    """Make ``optimizer`` (just created in scope) ask ``placement`` what its methods mean."""
+    optimizer.__class__ = distributed_class(type(optimizer), placement.kind)
+    optimizer._sg_placement = placement
+
+
+def unhooked_step(base: type) -> Callable[..., Any]:
+    """``base.step`` without torch's hook-running wrapper (we fire the hooks once ourselves)."""
+    step = base.step
+    return step.__wrapped__ if getattr(step, "hooked", False) else step
+
+
+def step_hooks(optimizer: torch.optim.Optimizer) -> tuple[list, list]:
+    """The step pre- and post-hooks that torch would run for ``optimizer`` (global ones included)."""
+    pre = list(itertools.chain(_global_optimizer_pre_hooks.values(),
+                               optimizer.__dict__.get("_optimizer_step_pre_hooks", {}).values()))
+    post = list(itertools.chain(optimizer.__dict__.get("_optimizer_step_post_hooks", {}).values(),
+                                _global_optimizer_post_hooks.values()))
+    return pre, post
+
+
+def run_hooks(hooks: list, optimizer: torch.optim.Optimizer) -> None:
+    for hook in hooks:
+        hook(optimizer, (), {})

@@ -1,0 +1,197 @@
+"""MirroredPlacement: a copy of every variable on each local replica's device.
+
+Modules: a module that registers a tensor in scope joins the pending list; when it
+is finished (at the latest when an optimizer is created, ``run`` starts, or the
+outermost scope is left) its tensors move to the first replica's device and, with
+several local replicas, one copy per replica is made and the module keeps its
+tensors in a :class:`~stratagem.placement.mirrored_dict.MirroredDict`. Across
+workers, the collective then checks that every worker built the same tensors and
+gives everyone the chief's initial values.
+
+Optimizers (:mod:`stratagem.placement.mirrored_optimizers`): each local replica gets
+a twin optimizer over its own copies; one logical step sums the gradients and
+applies the same update to every copy.
+
+With one device this placement only moves tensors to that device.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem import _context
+from stratagem.comm.collective import Collective
+from stratagem.devices import Topology
+from stratagem.errors import ContextError, InvalidArgumentError
+from stratagem.placement.base import Placement
+from stratagem.placement.hooks import adopt
+from stratagem.placement.mirrored_dict import MirroredDict
+from stratagem.placement.mirrored_optimizers import MirroredOptimizers
+
+
+class MirroredPlacement(MirroredOptimizers, Placement):
+    """Variables mirrored on the local replicas' devices (one device: just placed there)."""
+
+    kind = "Mirrored"
+
+    def __init__(self, strategy: Any, topology: Topology, collective: Collective):
+        self._strategy_ref = weakref.ref(strategy)
+        self.devices = topology.torch_devices
+        self.num_replicas = topology.num_local_replicas
+        self.collective = collective
+        self._pending_modules: list[nn.Module] = []
+        self._pending_optimizers: list[torch.optim.Optimizer] = []
+        self._dicts: list[MirroredDict] = []
+        self._copies: dict[int, tuple[torch.Tensor, ...]] = {}   # id(primary) -> all copies
+        self._build_lock = threading.Lock()  # replica threads share one set of twins
+        self._unscoped_check: Any = None
+
+    @property
+    def strategy(self) -> Any:
+        return self._strategy_ref()
+
+    # ---------------------------------------------------------------- modules
+
+    def on_module_registered(self, module: nn.Module) -> None:
+        if self.num_replicas > 1:
+            for attr, is_buffers in (("_parameters", False), ("_buffers", True)):
+                current = module.__dict__[attr]
+                if not isinstance(current, MirroredDict):
+                    mirrored = MirroredDict(self, is_buffers, dict.items(current))
+                    module.__dict__[attr] = mirrored
+                    self._dicts.append(mirrored)
+                elif current._placement is not self:
+                    raise InvalidArgumentError(
+                        f"module {type(module).__name__} already belongs to {current._placement.strategy!r}")
+        if not self._pending_modules or self._pending_modules[-1] is not module:
+            self._pending_modules.append(module)
+
+    def finalize(self) -> None:
+        if self._pending_modules:
+            modules, self._pending_modules = self._pending_modules, []
+            unique = list({id(m): m for m in modules}.values())
+            for module in unique:
+                self._place_module(module)
+            self.collective.agree_on_modules(unique)
+        if self._pending_optimizers:
+            optimizers, self._pending_optimizers = self._pending_optimizers, []
+            for optimizer in optimizers:
+                self._build_twins(optimizer)
+
+    def _place_module(self, module: nn.Module) -> None:
+        first = self.devices[0]
+        for attr in ("_parameters", "_buffers"):
+            entries = module.__dict__[attr]
+            for key, tensor in dict.items(entries):
+                if tensor is not None and tensor.device != first:
+                    with torch.no_grad():
+                        tensor.data = tensor.data.to(first)
+            if isinstance(entries, MirroredDict):
+                for key in dict.keys(entries):
+                    self.mirror_entry(entries, key)
+                entries._finalized = True
+                entries._record_versions()
+
+    def mirror_entry(self, entries: MirroredDict, key: str) -> None:
+        """(Re)make every replica's copy of one primary entry."""
+        primary = dict.__getitem__(entries, key)
+        if primary is None:
+            for copies in entries._copies[1:]:
+                copies[key] = None
+            return
+        if primary.device != self.devices[0]:
+            with torch.no_grad():
+                primary.data = primary.data.to(self.devices[0])
+        all_copies = [primary]
+        for r in range(1, self.num_replicas):
+            with torch.no_grad():
+                data = primary.detach().to(self.devices[r], copy=True)
+            if isinstance(primary, nn.Parameter):
+                copy = nn.Parameter(data, requires_grad=primary.requires_grad)
+            else:
+                copy = data
+            entries._copies[r][key] = copy
+            all_copies.append(copy)
+        self._copies[id(primary)] = tuple(all_copies)
+        entries._versions[key] = primary._version
+
+    def all_copies(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        copies = self._copies.get(id(tensor))
+        return copies if copies is not None and copies[0] is tensor else None
+
+    def replica_copy(self, tensor: torch.Tensor, local_id: int) -> torch.Tensor:
+        if self.num_replicas == 1:
+            return tensor
+        copies = self.all_copies(tensor)
+        return tensor if copies is None else copies[local_id]
+
+    # -------------------------------------------------------------------- run
+
+    def before_run(self) -> None:
+        self.finalize()
+        for entries in self._dicts:
+            entries._push_modified()
+        if self.num_replicas > 1:
+            _unscoped_check.acquire()
+
+    def after_run(self) -> None:
+        if self.num_replicas > 1:
+            _unscoped_check.release()
+        self.record_updates()
+
+    def record_updates(self) -> None:
+        """Copies were written together (a step): note their versions; buffers may need averaging."""
+        for entries in self._dicts:
+            entries._after_run()
+
+    # ------------------------------------------------------------- optimizers
+
+    def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
+        adopt(optimizer, self)
+        optimizer._sg_twins = None
+        self._pending_optimizers.append(optimizer)
+
+
+class _UnscopedModuleCheck:
+    """While multi-replica runs are active, refuse modules whose parameters are not mirrored.
+
+    Such a module (created outside the scope) would be shared by every replica thread:
+    the replicas would silently diverge, or race inside autograd.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._handle: Any = None
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._handle = nn.modules.module.register_module_forward_pre_hook(_forbid_unscoped)
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                self._handle.remove()
+
+
+def _forbid_unscoped(module: nn.Module, args: Any) -> None:
+    frame = _context.current_frame()
+    if frame is None or frame.replica_context is None or frame.strategy.topology.num_local_replicas < 2:
+        return
+    params = module.__dict__.get("_parameters")
+    if params and not isinstance(params, MirroredDict):
+        raise ContextError(
+            f"module {type(module).__name__} has parameters but was created outside "
+            f"strategy.scope(), so every replica of {frame.strategy!r} would share one copy and "
+            f"the replicas would silently diverge. Create it inside `with strategy.scope():`")
+
+
+_unscoped_check = _UnscopedModuleCheck()

@@ -1,0 +1,144 @@
+"""``module._parameters`` / ``module._buffers`` of a module mirrored on several replicas.
+
+The dict's own storage holds the primary tensors (local replica 0's); ``_copies[r]``
+holds replica ``r``'s. A lookup picks the calling thread's replica: the same module
+object computes with replica ``r``'s copy on replica ``r``'s thread inside ``run``,
+and with the primary everywhere else.
+
+Writes made outside ``run`` (``load_state_dict``, manual init) are noticed through
+the tensors' version counters and pushed to every replica before the next ``run``.
+Buffers written inside ``run`` (BatchNorm statistics) read, outside ``run``, as the
+mean over replicas.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+
+from stratagem import _context
+from stratagem.errors import ContextError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from stratagem.placement.mirrored import MirroredPlacement
+
+
+class MirroredDict(dict):
+    """``module._parameters`` / ``module._buffers`` with one value per replica.
+
+    The dict's own storage holds the primary (replica 0) tensors; ``_copies[r]``
+    holds replica ``r``'s. Lookups pick the calling thread's replica.
+    """
+
+    def __init__(self, placement: "MirroredPlacement", is_buffers: bool, items: Iterable = ()):
+        super().__init__(items)
+        self._placement = placement
+        self._is_buffers = is_buffers
+        self._copies: list[dict[str, Any]] = [{} for _ in range(placement.num_replicas)]
+        self._versions: dict[str, int] = {}
+        self._finalized = False
+        self._stale = False  # buffers written by replicas, not yet averaged
+
+    # what torch.save / copy.deepcopy see: one plain copy
+    def __reduce__(self):
+        return (dict, (dict(self.items()),))
+
+    def _replica(self) -> int | None:
+        frame = _context.current_frame()
+        if frame is None or frame.replica_context is None:
+            return None
+        if frame.strategy is not self._placement.strategy:
+            raise ContextError(
+                f"a module created in the scope of {self._placement.strategy!r} was called inside "
+                f"run of {frame.strategy!r}; use each module only with the strategy it was created under")
+        return frame.replica_context._local_id
+
+    def __getitem__(self, key: str) -> Any:
+        replica = self._replica()
+        if replica:
+            return self._copies[replica][key]
+        if replica is None and self._stale:
+            self._average_buffers()
+        return dict.__getitem__(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def __iter__(self):
+        return dict.__iter__(self)
+
+    def values(self):
+        return [self[k] for k in dict.keys(self)]
+
+    def items(self):
+        return [(k, self[k]) for k in dict.keys(self)]
+
+    def copy(self) -> dict:
+        return dict(self.items())
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        replica = self._replica()
+        if replica:
+            self._copies[replica][key] = value
+            return
+        dict.__setitem__(self, key, value)
+        if self._finalized and replica is None:
+            self._placement.mirror_entry(self, key)
+
+    def __delitem__(self, key: str) -> None:
+        dict.__delitem__(self, key)
+        for copies in self._copies:
+            copies.pop(key, None)
+        self._versions.pop(key, None)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        if key not in self:
+            if default:
+                return default[0]
+            raise KeyError(key)
+        value = dict.__getitem__(self, key)
+        del self[key]
+        return value
+
+    # ---------------------------------------------------------- synchronisation
+
+    def _record_versions(self) -> None:
+        for key, tensor in dict.items(self):
+            if tensor is not None:
+                self._versions[key] = tensor._version
+
+    def _push_modified(self) -> None:
+        """Copy primaries written outside ``run`` to every replica."""
+        if self._stale:
+            self._average_buffers()
+        versions = self._versions
+        for key, tensor in dict.items(self):
+            if tensor is not None and versions.get(key) != tensor._version:
+                with torch.no_grad():
+                    for copies in self._copies[1:]:
+                        copies[key].copy_(tensor)
+                versions[key] = tensor._version
+
+    def _after_run(self) -> None:
+        if self._is_buffers:
+            versions = self._versions
+            self._stale = self._stale or any(
+                t is not None and versions.get(k) != t._version for k, t in dict.items(self))
+        self._record_versions()
+
+    def _average_buffers(self) -> None:
+        self._stale = False
+        n = len(self._copies)
+        with torch.no_grad():
+            for key, primary in dict.items(self):
+                if primary is None or not primary.is_floating_point():
+                    continue
+                total = primary.clone()
+                for copies in self._copies[1:]:
+                    total.add_(copies[key].to(total.device))
+                total.div_(n)
+                primary.copy_(total)
+                for copies in self._copies[1:]:
+                    copies[key].copy_(total)
+        self._record_versions()

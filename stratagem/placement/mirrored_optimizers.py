@@ -1,0 +1,286 @@
+"""The optimizer half of :class:`~stratagem.placement.mirrored.MirroredPlacement`.
+
+Each local replica has a *twin* of the user's optimizer over its own copies of the
+parameters (replica 0's twin is the user's optimizer itself); twins are built when
+the optimizer is finished and share its hyperparameters, which a scheduler changes
+on the user's object and are copied to the twins before every step.
+
+One logical step, ``optimizer.step()`` called on every replica's thread inside
+``run`` (:meth:`MirroredOptimizers.optimizer_step`):
+
+1. the local replicas exchange their gradients; a parameter with a gradient on some
+   replicas but not others gets zeros where it is missing (and the exchange is
+   repeated); the collective sums them in place, each thread its share;
+2. across workers, local replica 0 sums the result over the workers in packs
+   (most of which were launched during backward) and the other local replicas copy it;
+3. the user's step pre-hooks run once, on replica 0, seeing the summed gradients
+   (gradients a hook changed are copied to the other replicas);
+4. the update: either every twin applies it to its own copy, or — for element-wise
+   optimizers on several CPU replicas — each thread updates one range of replica 0's
+   parameters and copies it to the others (:mod:`.sharded_update`);
+5. the post-hooks run once, on replica 0, after every copy is updated (parameters a
+   hook changed are copied to the other replicas).
+
+Without hooks, steps 3 and 5 cost nothing. Called in cross-replica context,
+``step()`` sums the twins' gradients and updates every copy itself.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from stratagem import _context
+from stratagem._profiling import label
+from stratagem.errors import InvalidArgumentError
+from stratagem.placement.hooks import run_hooks, step_hooks, unhooked_step
+from stratagem.placement.sharded_update import ShardedUpdate
+from stratagem.comm.replicas import sum_into
+from stratagem.values import ReduceOp
+
+
+class MirroredOptimizers:
+    """Optimizer operations of the mirrored placement (a mixin: one object, no extra frames)."""
+
+    # --------------------------------------------------------------- twins
+
+    def twins(self, optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+        if optimizer._sg_twins is None:
+            with self._build_lock:
+                if optimizer._sg_twins is None:
+                    if optimizer in self._pending_optimizers:
+                        self._pending_optimizers.remove(optimizer)
+                    self._build_twins(optimizer)
+        return optimizer._sg_twins
+
+    def _build_twins(self, optimizer: torch.optim.Optimizer) -> None:
+        base = optimizer._sg_base
+        twins = [optimizer]
+        if self.num_replicas > 1:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if self.all_copies(p) is None:
+                        raise InvalidArgumentError(
+                            f"an optimizer created in the scope of {self.strategy!r} was given a "
+                            f"parameter of shape {tuple(p.shape)} that was not created in that scope, "
+                            f"so it has no copy per replica. Create the model inside "
+                            f"`with strategy.scope():` too")
+            for r in range(1, self.num_replicas):
+                twin = object.__new__(base)
+                twin.__dict__.update(optimizer.__dict__)
+                twin.state = defaultdict(dict)
+                twin.param_groups = [
+                    {**group, "params": [self._copies[id(p)][r] for p in group["params"]]}
+                    for group in optimizer.param_groups]
+                twin._sg_twins = None
+                if optimizer.state:
+                    base.load_state_dict(twin, optimizer.state_dict())
+                twins.append(twin)
+        optimizer._sg_twins = twins
+
+    def sharded(self, optimizer: torch.optim.Optimizer) -> ShardedUpdate | None:
+        """The range optimizers of ``optimizer`` when one update can be split between replicas."""
+        sharded = optimizer.__dict__.get("_sg_sharded", False)
+        if sharded is False:
+            twins = self.twins(optimizer)  # parameters are mirrored by now
+            with self._build_lock:  # every replica thread asks at the first step: build it once
+                sharded = optimizer.__dict__.get("_sg_sharded", False)
+                if sharded is False:
+                    sharded = None
+                    if self.collective.num_workers == 1 and ShardedUpdate.supports(optimizer, self.devices):
+                        sharded = ShardedUpdate(optimizer, self.all_copies, len(twins))
+                    optimizer._sg_sharded = sharded
+        return sharded
+
+    # ---------------------------------------------------------------- step
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+        if closure is not None:
+            raise InvalidArgumentError(
+                "optimizer.step(closure) is not supported for optimizers created in a strategy's "
+                "scope: compute the loss and call loss.backward() before optimizer.step()")
+        twins = self.twins(optimizer)
+        frame = _context.current_frame()
+        ctx = frame.replica_context if frame is not None else None
+        if ctx is None or ctx._strategy is not self.strategy:
+            return self._cross_replica_step(optimizer, twins)
+        local_id, collective, n = ctx._local_id, self.collective, self.num_replicas
+        twin = twins[local_id]
+        params = [p for group in twin.param_groups for p in group["params"]]
+        sharded = self.sharded(optimizer)
+        with label("stratagem.optimizer.step"):
+            if n > 1:  # 1. sum over local replicas
+                with label("stratagem.gradients.local_reduce"):
+                    tag = f"optimizer.step ({len(params)} parameters)"
+                    grads = [p.grad for p in params]
+                    everyone = collective.exchange(local_id, grads, tag)
+                    if any(g is None for e in everyone for g in e):
+                        everyone = _zeros_where_missing(collective, local_id, params, everyone, tag)
+                    collective.sum_exchanged(local_id, everyone, ReduceOp.SUM, copy_back=sharded is None)
+            if collective.num_workers > 1:  # 2. sum over workers
+                with label("stratagem.gradients.cross_worker"):
+                    if local_id == 0:
+                        collective.gradient_packs(params).finish()
+                    collective.share_gradients(local_id, params)
+            pre, post = step_hooks(optimizer)
+            if pre:  # 3.
+                self._run_hooks_once(pre, optimizer, local_id, params, grads=True)
+            with label("stratagem.optimizer.update"):  # 4.
+                if sharded is not None:
+                    sharded.step(local_id)
+                    collective.exchange(local_id, None, "optimizer.step (parameters updated)")
+                    result = None
+                else:
+                    if twin is not optimizer:
+                        _copy_hyperparameters(optimizer, twin)
+                    result = unhooked_step(optimizer._sg_base)(twin)
+            if post:  # 5.
+                if sharded is None:
+                    collective.exchange(local_id, None, "optimizer.step (parameters updated)")
+                self._run_hooks_once(post, optimizer, local_id, params, grads=False)
+        return result
+
+    def _run_hooks_once(self, hooks: list, optimizer: torch.optim.Optimizer, local_id: int,
+                        params: list[torch.Tensor], *, grads: bool) -> None:
+        """Run ``hooks`` on replica 0 while the others wait; spread what they changed."""
+        def watched(p: torch.Tensor) -> Any:
+            t = p.grad if grads else p
+            return None if t is None else (id(t), t._version)
+
+        changed = None
+        if local_id == 0:
+            before = [watched(p) for p in params]
+            try:
+                run_hooks(hooks, optimizer)
+            finally:
+                changed = [i for i, (p, b) in enumerate(zip(params, before)) if watched(p) != b]
+        changed = self.collective.exchange(local_id, changed, "optimizer step hooks")[0]
+        if changed and local_id != 0:
+            primaries = [p for group in optimizer.param_groups for p in group["params"]]
+            with torch.no_grad():
+                for i in changed:
+                    source, target = primaries[i], params[i]
+                    if grads:
+                        target.grad = None if source.grad is None else source.grad.to(target.device, copy=True)
+                    else:
+                        target.copy_(source)
+        if changed:
+            self.collective.exchange(local_id, None, "optimizer step hooks (copied)")
+
+    def _cross_replica_step(self, optimizer: torch.optim.Optimizer, twins: list) -> Any:
+        if len(twins) > 1:
+            per_twin = [[p for g in t.param_groups for p in g["params"]] for t in twins]
+            with torch.no_grad():
+                for i in range(len(per_twin[0])):
+                    grads = [params[i].grad for params in per_twin]
+                    if all(g is None for g in grads):
+                        continue
+                    for params in per_twin:
+                        if params[i].grad is None:
+                            params[i].grad = torch.zeros_like(params[i])
+                    acc = sum_into(per_twin[0][i].grad, [params[i].grad for params in per_twin[1:]],
+                                   ReduceOp.SUM, len(twins))
+                    for params in per_twin[1:]:
+                        params[i].grad.copy_(acc)
+        pre, post = step_hooks(optimizer)
+        run_hooks(pre, optimizer)
+        if len(twins) > 1 and pre:  # a hook may have changed the primary gradients
+            self._copy_from_primary(twins, grads=True)
+        result = None
+        sharded = self.sharded(optimizer)
+        if sharded is not None:
+            for replica in range(len(twins)):
+                sharded.step(replica)
+        else:
+            step = unhooked_step(optimizer._sg_base)
+            for twin in twins:
+                if twin is not optimizer:
+                    _copy_hyperparameters(optimizer, twin)
+                result = step(twin)
+        run_hooks(post, optimizer)
+        if len(twins) > 1 and post:
+            self._copy_from_primary(twins, grads=False)
+        self.record_updates()
+        return result
+
+    def _copy_from_primary(self, twins: list, *, grads: bool) -> None:
+        primaries = [p for g in twins[0].param_groups for p in g["params"]]
+        with torch.no_grad():
+            for twin in twins[1:]:
+                for source, target in zip(primaries, [p for g in twin.param_groups for p in g["params"]]):
+                    if not grads:
+                        target.copy_(source)
+                    elif source.grad is not None:
+                        target.grad = source.grad.to(target.device, copy=True)
+
+    # ------------------------------------------------------ everything else
+
+    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        twins = self.twins(optimizer)
+        frame = _context.current_frame()
+        ctx = frame.replica_context if frame is not None else None
+        mine = [twins[ctx._local_id]] if ctx is not None and ctx._strategy is self.strategy else twins
+        if not set_to_none and self.collective.num_workers > 1:
+            # gradients may be views of packs being all-reduced: give them fresh zeros instead
+            for twin in mine:
+                for group in twin.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad = torch.zeros_like(p)
+            return
+        for twin in mine:
+            optimizer._sg_base.zero_grad(twin, set_to_none)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        result = optimizer._sg_base.state_dict(optimizer)  # replica 0's: one logical copy
+        sharded = self.sharded(optimizer)
+        if sharded is not None:
+            result["state"] = sharded.state()
+        return result
+
+    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        base = optimizer._sg_base
+        sharded = self.sharded(optimizer)
+        if sharded is not None:  # hyperparameters here, the state in the range optimizers
+            base.load_state_dict(optimizer, {**state_dict, "state": {}})
+            sharded.load_state(state_dict["state"])
+            return
+        base.load_state_dict(optimizer, state_dict)
+        for twin in self.twins(optimizer)[1:]:
+            base.load_state_dict(twin, state_dict)
+
+    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+        if optimizer.__dict__.get("_sg_sharded"):
+            raise InvalidArgumentError(
+                "add_param_group after the first step is not supported for an optimizer created in a "
+                "multi-replica scope; pass every parameter group when creating the optimizer")
+        optimizer._sg_sharded = False  # decided again at the next step
+        optimizer._sg_base.add_param_group(optimizer, param_group)
+        if optimizer.__dict__.get("_sg_twins"):
+            optimizer._sg_twins = None
+            self.twins(optimizer)
+
+
+def _zeros_where_missing(collective: Any, local_id: int, params: list, everyone: list, tag: str) -> list:
+    """A parameter with a gradient on some replicas gets zeros on the others (exchanged again)."""
+    grads = [p.grad for p in params]
+    mixed = any(any(e[i] is None for e in everyone) and any(e[i] is not None for e in everyone)
+                for i in range(len(grads)))
+    if mixed:
+        for i, p in enumerate(params):
+            if p.grad is None and any(e[i] is not None for e in everyone):
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        everyone = collective.exchange(local_id, grads, tag)
+    present = [i for i, g in enumerate(grads) if g is not None]
+    return [[e[i] for i in present] for e in everyone]
+
+
+def _copy_hyperparameters(source: torch.optim.Optimizer, twin: torch.optim.Optimizer) -> None:
+    """Schedulers change the user's optimizer; its twins follow before every step."""
+    for group, twin_group in zip(source.param_groups, twin.param_groups):
+        for key, value in group.items():
+            if key != "params":
+                twin_group[key] = value
