@@ -18,6 +18,7 @@ import importlib
 import sys
 from typing import Sequence
 
+from stratagem import __version__
 from stratagem.errors import StratagemError
 
 #: Modules providing ``add_subcommand``, in the order ``--help`` lists them.
@@ -30,8 +31,6 @@ SUBCOMMANDS: tuple[str, ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
-    from stratagem import __version__
-
     parser = argparse.ArgumentParser(
         prog="stratagem",
         description="TensorFlow's tf.distribute strategies for PyTorch.")

@@ -32,17 +32,6 @@ class ContextError(StratagemError, RuntimeError):
     """A call was made from the wrong context (replica vs cross-replica, wrong scope)."""
 
 
-class ReplicaError(StratagemError, RuntimeError):
-    """A replica's function raised; the message names the replica.
-
-    The user's original exception is chained as ``__cause__``.
-    """
-
-    def __init__(self, message: str, replica_id: int | None = None):
-        super().__init__(message)
-        self.replica_id = replica_id
-
-
 class CollectiveMismatchError(StratagemError, RuntimeError):
     """Replicas called different collectives, or one returned while others waited."""
 

@@ -13,7 +13,7 @@ import stratagem as sg
 from stratagem.cli import main
 from stratagem.demo import (DemoResult, ShuffledBatches, TrainConfig, format_result, max_relative_difference,
                             run_demo)
-from stratagem.demo_cluster import ClusterDemoError, run_cluster_demo
+from stratagem.demo.cluster import ClusterDemoError, run_cluster_demo
 
 pytestmark = pytest.mark.timeout(180)
 

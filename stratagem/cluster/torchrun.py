@@ -29,8 +29,10 @@ from stratagem.errors import ClusterConfigError
 
 __all__ = ["TorchrunClusterResolver", "TORCHRUN_VARIABLES"]
 
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                      "MASTER_ADDR", "MASTER_PORT")
+#: Every variable torchrun sets for its processes (besides ``TORCHELASTIC_*``); the resolver
+#: reads the first six, and ``stratagem launch`` removes them all from its tasks' environment.
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")
 
 
 def _read_int(env: Mapping[str, str], name: str, minimum: int) -> int | None:

@@ -59,6 +59,7 @@ from typing import IO, TextIO
 
 from stratagem.cluster import ClusterSpec
 from stratagem.cluster.spec import validate_address
+from stratagem.cluster.torchrun import TORCHRUN_VARIABLES
 from stratagem.errors import InvalidArgumentError
 from stratagem.launch.ports import format_address, free_ports, ports_from_base
 from stratagem.launch.tasks import Task, plan_cluster, tf_config
@@ -66,10 +67,6 @@ from stratagem.launch.tasks import Task, plan_cluster, tf_config
 __all__ = ["launch_local"]
 
 TOKEN_VARIABLE = "STRATAGEM_CLUSTER_TOKEN"
-# torchrun's variables: a child of this launcher is described by TF_CONFIG alone.
-_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                       "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
-                       "MASTER_ADDR", "MASTER_PORT")
 _POLL_SECONDS = 0.05
 _READER_JOIN_SECONDS = 1.0
 # A line ends at "\n", "\r\n" or a lone "\r" (progress bars redraw their line with "\r").
@@ -287,7 +284,8 @@ def _check_script(script: str | os.PathLike[str]) -> str:
 
 
 def _task_env(base: Mapping[str, str], spec: ClusterSpec, task: Task, token: str) -> dict[str, str]:
-    env = {key: value for key, value in base.items() if key not in _TORCHRUN_VARIABLES
+    # torchrun's variables: a child of this launcher is described by TF_CONFIG alone.
+    env = {key: value for key, value in base.items() if key not in TORCHRUN_VARIABLES
            and not key.startswith("TORCHELASTIC_")}
     env.update({"TF_CONFIG": tf_config(spec, task), TOKEN_VARIABLE: token, "PYTHONUNBUFFERED": "1"})
     return env

@@ -3,8 +3,8 @@
 These two strategies need processes of their own, so the demo starts them itself, on
 loopback, with :func:`stratagem.launch.launch_local` (what ``stratagem launch`` runs): each
 task gets its TF_CONFIG and finds its place with ``sg.cluster.TFConfigClusterResolver()``
-as on a real cluster. The tasks run :func:`task_main` of this module, through a small
-entry script written to a temporary folder, next to the data set (split and
+as on a real cluster. The tasks run :func:`stratagem.demo.tasks.task_main`, through a
+small entry script written to a temporary folder, next to the data set (split and
 standardised here once) and the file where the chief saves its result.
 
 ``multi_worker``
@@ -26,7 +26,7 @@ standardised here once) and the file where the chief saves its result.
     a worker's update is applied as it arrives, computed from parameters that other
     workers may have changed meanwhile, so the result does not follow plain PyTorch step
     by step. The demo therefore passes when test accuracy reaches ``min_accuracy``
-    (:data:`stratagem.demo.MIN_ASYNC_ACCURACY`, 0.9: plain PyTorch reaches it in about 4
+    (:data:`stratagem.demo.run.MIN_ASYNC_ACCURACY`, 0.9: plain PyTorch reaches it in about 4
     epochs and 0.97 in the default 20), and reports plain PyTorch's accuracy after as
     many steps for comparison.
 
@@ -44,25 +44,25 @@ Commands::
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Iterator, Sequence, TextIO
+from typing import Any, TextIO
 
 import torch
-import torch.nn.functional as F
 
 import stratagem as sg
-from stratagem.demo import (DemoResult, Digits, ShuffledBatches, TrainConfig, Trained, _one_intra_op_thread,
-                            accuracy_of, check_equivalence, load_digits_split, make_model, print_header,
-                            progress_bar, train_plain_pytorch, train_with_strategy)
+from stratagem.demo.check import DemoResult, check_equivalence
+from stratagem.demo.data import Digits, load_digits_split
+from stratagem.demo.report import print_header
+from stratagem.demo.training import TrainConfig, Trained, one_intra_op_thread, train_plain_pytorch
 from stratagem.errors import StratagemError
+from stratagem.launch import launch_local
 
-__all__ = ["ClusterDemoError", "NUM_WORKERS", "NUM_PS", "run_cluster_demo", "task_main"]
+__all__ = ["ClusterDemoError", "NUM_WORKERS", "NUM_PS", "run_cluster_demo"]
 
 NUM_WORKERS = 2
 NUM_PS = 1
@@ -110,7 +110,7 @@ def run_cluster_demo(mode: str, replicas: int, config: TrainConfig, *, tolerance
                 training_line=f"{steps} steps ({config.epochs} epoch{'s' * (config.epochs != 1)} x "
                               f"{config.steps_per_epoch(data)}), asynchronous")
         saved = _launch("parameter_server", 1, config, data, progress=progress)
-        with _one_intra_op_thread():
+        with one_intra_op_thread():
             _, reference_accuracy = train_plain_pytorch(saved["initial"], data, config)
         accuracy = float(saved["accuracy"])
         return DemoResult(accuracy=accuracy, max_rel_diff=None, passed=accuracy >= min_accuracy,
@@ -157,8 +157,6 @@ class _TaskOutput(io.TextIOBase):
 def _launch(mode: str, replicas: int, config: TrainConfig, data: Digits, *,
             progress: bool) -> dict[str, Any]:
     """Run the cluster for ``mode`` and return what its chief saved; raise ClusterDemoError if it fails."""
-    from stratagem.launch import launch_local
-
     ncols = max(40, shutil.get_terminal_size((100, 24)).columns - _PREFIX_WIDTH - 1) if progress else 0
     log = _TaskOutput(sys.stderr if progress else None)
     with tempfile.TemporaryDirectory(prefix="stratagem-demo-") as tmp:
@@ -198,117 +196,6 @@ def _package_root() -> str:
 _ENTRY_SCRIPT = """\
 import sys
 sys.path.insert(0, {root!r})  # the stratagem that started this demo
-from stratagem.demo_cluster import task_main
+from stratagem.demo.tasks import task_main
 sys.exit(task_main(sys.argv[1:]))
 """
-
-
-# ------------------------------------------------------------------ the tasks
-
-
-def task_main(argv: Sequence[str] | None = None) -> int:
-    """What a task of the demo's cluster runs: ``multi_worker`` (every worker) or ``coordinator``.
-
-    Only the chief writes the result file (``torch.save`` of a dict of tensors and numbers).
-    """
-    parser = argparse.ArgumentParser(prog="python -m stratagem.demo_cluster",
-                                     description="a task of `stratagem demo`'s local cluster "
-                                                 "(started by the demo, with TF_CONFIG)")
-    parser.add_argument("role", choices=["multi_worker", "coordinator"])
-    parser.add_argument("--result", required=True, help="where the chief saves its result")
-    parser.add_argument("--data", help="the split data set, saved by the demo (default: load it here)")
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--epochs", type=int, required=True)
-    parser.add_argument("--batch-size", type=int, required=True)
-    parser.add_argument("--lr", type=float, required=True)
-    parser.add_argument("--optimizer", required=True)
-    parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--ncols", type=int, default=0, help="progress bar width; 0: no bar")
-    args = parser.parse_args(argv)
-    config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                         optimizer=args.optimizer, seed=args.seed)
-    with _one_intra_op_thread():
-        data = Digits(**torch.load(args.data, weights_only=True)) if args.data else load_digits_split()
-        if args.role == "multi_worker":
-            saved = _multi_worker_task(data, config, args.replicas, args.ncols)
-        else:
-            saved = _coordinator_task(data, config, args.ncols)
-    if saved is not None:
-        partial = args.result + ".partial"
-        torch.save(saved, partial)
-        os.replace(partial, args.result)
-    return 0
-
-
-def _multi_worker_task(data: Digits, config: TrainConfig, replicas: int, ncols: int) -> dict[str, Any] | None:
-    strategy = sg.MultiWorkerMirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
-    show = ncols > 0 and strategy.is_chief
-    trained = train_with_strategy(strategy, data, config, progress=show, ncols=ncols or None)
-    if not strategy.is_chief:
-        return None
-    return {"initial": trained.initial_state, "final": trained.final_state, "accuracy": trained.accuracy,
-            "seconds": trained.seconds, "steps": trained.steps, "strategy": repr(strategy),
-            "num_replicas": strategy.num_replicas_in_sync}
-
-
-def worker_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int,
-                   worker: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """A parameter-server worker's dataset: the training set in global batches, epoch after epoch.
-
-    Each worker reshuffles with a seed of its own, so two workers do not compute the same
-    batch at the same time.
-    """
-    batches = ShuffledBatches(x, y, batch_size=batch_size, seed=seed * 1_000 + 1 + worker)
-    epoch = 0
-    while True:
-        batches.set_epoch(epoch)
-        yield from batches
-        epoch += 1
-
-
-def _coordinator_task(data: Digits, config: TrainConfig, ncols: int) -> dict[str, Any]:
-    strategy = sg.ParameterServerStrategy(sg.cluster.TFConfigClusterResolver())
-    coordinator = sg.ClusterCoordinator(strategy)
-    with strategy.scope():
-        torch.manual_seed(config.seed)
-        model = make_model(data.num_features)
-        optimizer = config.make_optimizer(model.parameters())
-    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    x_train, y_train = data.x_train, data.y_train
-    batch_size, seed = config.batch_size, config.seed
-
-    def dataset_fn(context: sg.InputContext) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return worker_batches(x_train, y_train, batch_size, seed, context.input_pipeline_id)
-
-    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
-
-    def step(worker_iterator: Any) -> torch.Tensor:   # runs on a worker
-        x, y = next(worker_iterator)
-        loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()    # the gradients go to the parameter server, which applies them
-        return loss.detach()
-
-    steps_per_epoch = config.steps_per_epoch(data)
-    steps = config.epochs * steps_per_epoch
-    bar = progress_bar(steps, enabled=ncols > 0, ncols=ncols or None)
-    started = time.perf_counter()
-    values = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
-    for index, value in enumerate(values):   # roughly in the order they finish
-        loss = value.fetch()
-        bar.set_postfix_str(f"epoch {index // steps_per_epoch + 1}/{config.epochs} loss {loss.item():.4f}",
-                            refresh=False)
-        bar.update(1)
-    coordinator.join()
-    seconds = time.perf_counter() - started
-    bar.close()
-    accuracy = accuracy_of(model, config.test_batches(data))
-    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"initial": initial, "final": final, "accuracy": accuracy, "seconds": seconds, "steps": steps,
-            "strategy": repr(strategy), "num_replicas": strategy.num_replicas_in_sync}
-
-
-if __name__ == "__main__":
-    sys.exit(task_main())

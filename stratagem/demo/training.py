@@ -1,0 +1,173 @@
+"""The demo's model and training loops: under a strategy, and in plain PyTorch for reference.
+
+:func:`train_with_strategy` is the custom training loop of SPEC §1; every process of a
+multi-worker run executes it. :func:`train_plain_pytorch` is the same training on one
+device, the oracle that the strategies are checked against (:mod:`stratagem.demo.check`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stratagem as sg
+from stratagem.demo.data import Digits, ShuffledBatches
+
+__all__ = ["OPTIMIZERS", "TrainConfig", "Trained", "accuracy_of", "make_model", "one_intra_op_thread",
+           "progress_bar", "train_plain_pytorch", "train_with_strategy"]
+
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], float]] = {
+    "sgd": (torch.optim.SGD, 0.1),     # class, default learning rate
+    "adam": (torch.optim.Adam, 0.01),
+}
+
+
+def make_model(num_features: int = 64, hidden: int = 64, num_classes: int = 10) -> nn.Module:
+    """The demo's network: a two-layer MLP."""
+    return nn.Sequential(nn.Linear(num_features, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The demo's training settings, resolved (``lr`` filled in); the cluster tasks get the same."""
+
+    epochs: int
+    batch_size: int
+    lr: float
+    optimizer: str
+    seed: int
+
+    def make_optimizer(self, params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
+        return OPTIMIZERS[self.optimizer][0](params, lr=self.lr)
+
+    def train_batches(self, data: Digits) -> ShuffledBatches:
+        return ShuffledBatches(data.x_train, data.y_train, batch_size=self.batch_size, seed=self.seed)
+
+    def test_batches(self, data: Digits) -> ShuffledBatches:
+        return ShuffledBatches(data.x_test, data.y_test, batch_size=self.batch_size, shuffle=False)
+
+    def steps_per_epoch(self, data: Digits) -> int:
+        return math.ceil(len(data.y_train) / self.batch_size)
+
+
+@dataclass
+class Trained:
+    """A strategy's training run: the initial and final parameters, test accuracy, time."""
+
+    initial_state: dict[str, torch.Tensor]
+    final_state: dict[str, torch.Tensor]
+    accuracy: float
+    seconds: float
+    steps: int
+
+
+@contextlib.contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """Run with one intra-op thread per replica, as ``torch.set_num_threads(1)``.
+
+    A 64-wide MLP is too small to gain from splitting a matmul over threads; on a busy
+    machine, OpenMP threads waiting for each other made the plain-PyTorch loop 10-30x
+    slower (4-8 s instead of 0.3 s). Mirrored replicas still run in parallel, one per
+    thread.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def progress_bar(total: int, enabled: bool, ncols: int | None = None) -> Any:
+    """The demo's tqdm bar on stderr; ``ncols`` fixes its width (a cluster task's stderr is a pipe)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="train", unit="step", file=sys.stderr, disable=not enabled,
+                dynamic_ncols=ncols is None, ncols=ncols, leave=True)
+
+
+def train_with_strategy(dist_strategy: sg.Strategy, data: Digits, config: TrainConfig, *,
+                        progress: bool, ncols: int | None = None) -> Trained:
+    """The custom training loop of SPEC §1 under ``dist_strategy``, then its test accuracy.
+
+    Every worker of a multi-worker strategy runs this same function.
+    """
+    train, test = config.train_batches(data), config.test_batches(data)
+    with dist_strategy.scope():
+        torch.manual_seed(config.seed)
+        model = make_model(data.num_features)
+        dist_optimizer = config.make_optimizer(model.parameters())
+    initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    dist_train = dist_strategy.experimental_distribute_dataset(train)
+
+    def train_step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        per_example = F.cross_entropy(model(x), y, reduction="none")
+        # global_batch_size=None: divide by the true global size, also for the short last batch
+        loss = sg.nn.compute_average_loss(per_example)
+        dist_optimizer.zero_grad()
+        loss.backward()
+        dist_optimizer.step()   # gradients summed over replicas, the same update everywhere
+        return loss.detach()
+
+    epochs = config.epochs
+    bar = progress_bar(epochs * len(train), enabled=progress, ncols=ncols)
+    started = time.perf_counter()
+    for epoch in range(epochs):
+        train.set_epoch(epoch)
+        for batch in dist_train:
+            per_replica = dist_strategy.run(train_step, args=(batch,))
+            loss = dist_strategy.reduce(sg.ReduceOp.SUM, per_replica, axis=None)
+            bar.set_postfix_str(f"epoch {epoch + 1}/{epochs} loss {loss.item():.4f}", refresh=False)
+            bar.update(1)
+    seconds = time.perf_counter() - started
+    bar.close()
+    accuracy = _distributed_accuracy(dist_strategy, model, test)
+    final_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return Trained(initial_state, final_state, accuracy, seconds, epochs * len(train))
+
+
+def train_plain_pytorch(initial_state: dict[str, torch.Tensor], data: Digits,
+                        config: TrainConfig) -> tuple[nn.Module, float]:
+    """The same training in plain single-device PyTorch; returns the model and its test accuracy."""
+    train, test = config.train_batches(data), config.test_batches(data)
+    reference = make_model(data.num_features)
+    reference.load_state_dict(initial_state)
+    reference_optimizer = config.make_optimizer(reference.parameters())
+    for epoch in range(config.epochs):
+        train.set_epoch(epoch)
+        for x, y in train:
+            loss = F.cross_entropy(reference(x), y)
+            reference_optimizer.zero_grad()
+            loss.backward()
+            reference_optimizer.step()
+    return reference, accuracy_of(reference, test)
+
+
+def _distributed_accuracy(strategy: sg.Strategy, model: nn.Module, test: ShuffledBatches) -> float:
+    """Count correct predictions on every replica's slice, then add them up."""
+    def eval_step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        with torch.no_grad():
+            return (model(x).argmax(dim=1) == y).sum()
+
+    correct = 0
+    for batch in strategy.experimental_distribute_dataset(test):
+        correct += int(strategy.reduce("sum", strategy.run(eval_step, args=(batch,)), axis=None))
+    return correct / test.num_examples
+
+
+def accuracy_of(model: nn.Module, test: ShuffledBatches) -> float:
+    """The fraction of ``test`` that ``model`` classifies right."""
+    with torch.no_grad():
+        correct = sum(int((model(x).argmax(dim=1) == y).sum()) for x, y in test)
+    return correct / test.num_examples

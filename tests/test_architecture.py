@@ -1,0 +1,325 @@
+"""The package's shape, checked: no import cycles, no hidden imports, small modules, documented API.
+
+These checks read the source with :mod:`ast` (nothing is imported except where a check is
+about importing), so a failure names files and lines:
+
+1. the static graph of module-level imports between ``stratagem`` modules has no cycle;
+2. no function imports a ``stratagem`` module except the ones in :data:`LAZY_IMPORTS`,
+   each with the reason it is lazy -- a heavy optional stack loaded on first use is a
+   reason, dodging a cycle is not (fix the cycle instead);
+3. ``import stratagem`` loads neither ``grpc`` nor ``cryptography`` (the parameter-server
+   stack is optional and slow to import);
+4. no module is longer than :data:`MAX_LINES` lines;
+5. every name in ``stratagem.__all__`` has a docstring.
+
+How the graph is built: an edge ``a -> b`` for each ``import b`` / ``from b import x``
+executed when ``a`` is imported (module level, including inside ``if``/``try``/``class``
+bodies, excluding ``if TYPE_CHECKING:``). ``from pkg import name`` imports ``pkg.name``
+when that is a module and ``pkg`` otherwise; a package is its ``__init__``. Importing
+``stratagem.a.b`` also runs ``stratagem/a/__init__.py`` first, so that is an edge too --
+but not the root ``stratagem/__init__``: it is always being imported already (every import
+of a submodule starts there), and as an edge it would put every module in one cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "stratagem"
+MAX_LINES = 400
+
+#: Function-level imports of stratagem modules that are there on purpose, as
+#: ``(importing module, imported module): why``. Lines move; these pairs do not.
+LAZY_IMPORTS: dict[tuple[str, str], str] = {
+    # sg.nn is imported by `import stratagem`; the worker runtime brings the gRPC and
+    # cryptography stack, which only parameter-server training needs.
+    ("stratagem.nn.embedding", "stratagem.coordinator.worker"): "the gRPC stack on first use",
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target among stratagem's modules."""
+
+    source: str       # the importing module, "stratagem.launch.local"
+    target: str       # the imported module, "stratagem.cluster.spec"
+    line: int
+    function: str | None   # the enclosing function's qualified name, None at module level
+
+    @property
+    def where(self) -> str:
+        return f"{_path_of(self.source)}:{self.line}"
+
+
+def _module_names() -> dict[str, Path]:
+    names = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+MODULES = _module_names()
+
+
+def _path_of(module: str) -> str:
+    return str(MODULES[module].relative_to(ROOT))
+
+
+def _is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _resolve(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The stratagem modules that ``node``, written in ``module``, imports."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names if alias.name in MODULES]
+    if node.level:   # relative: from the package that holds `module`
+        package = module if _is_package(module) else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = ".".join(part for part in (package, node.module) if part)
+    else:
+        base = node.module or ""
+    if base not in MODULES:
+        return []
+    return [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+
+
+def _imports(module: str) -> list[Import]:
+    """Every import of a stratagem module in ``module``'s source, with its enclosing function."""
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    found: list[Import] = []
+
+    def visit(nodes: list[ast.stmt], function: str | None, scope: str) -> None:
+        for node in nodes:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.extend(Import(module, target, node.lineno, function) for target in _resolve(module, node))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(node.body, f"{scope}{node.name}", f"{scope}{node.name}.")
+            elif isinstance(node, ast.ClassDef):
+                visit(node.body, function, f"{scope}{node.name}.")
+            elif isinstance(node, ast.If) and _is_type_checking(node.test):
+                visit(node.orelse, function, scope)   # the `if` branch never runs
+            else:   # if / for / while / with / try / match: their bodies run at import time too
+                for field in ("body", "orelse", "finalbody"):
+                    visit(getattr(node, field, []), function, scope)
+                for clause in getattr(node, "handlers", []) + getattr(node, "cases", []):
+                    visit(clause.body, function, scope)
+
+    visit(tree.body, None, "")
+    return found
+
+
+ALL_IMPORTS = [imp for module in MODULES for imp in _imports(module)]
+
+
+def _edges(imports: list[Import]) -> dict[tuple[str, str], Import]:
+    """The graph's edges, each with the first module-level import that makes it.
+
+    Importing ``stratagem.a.b`` runs ``stratagem/a/__init__.py`` first: that is an edge too,
+    reported at the same line. The root package is left out (see the module docstring), and
+    so are a module's own enclosing packages, which are always being imported already.
+    """
+    edges: dict[tuple[str, str], Import] = {}
+    for imp in imports:
+        if imp.function is not None:
+            continue
+        edges.setdefault((imp.source, imp.target), imp)
+        parts = imp.target.split(".")
+        for package in (".".join(parts[:i]) for i in range(2, len(parts))):
+            if not (imp.source == package or imp.source.startswith(package + ".")):
+                edges.setdefault((imp.source, package), Import(imp.source, package, imp.line, None))
+    return edges
+
+
+EDGES = _edges(ALL_IMPORTS)
+GRAPH: dict[str, set[str]] = {module: {t for s, t in EDGES if s == module} for module in MODULES}
+
+
+def _path(start: str, goal: str) -> list[str] | None:
+    """A shortest chain of module-level imports from ``start`` to ``goal``, or None."""
+    came_from: dict[str, str | None] = {start: None}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        if node == goal:
+            path = [node]
+            while came_from[path[-1]] is not None:
+                path.append(came_from[path[-1]])
+            return path[::-1]
+        for target in sorted(GRAPH[node]):
+            if target not in came_from:
+                came_from[target] = node
+                queue.append(target)
+    return None
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative: the components with more than one module, or a self-import."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in graph[node]:
+                    components.append(sorted(component))
+    return components
+
+
+def _shortest_cycle(component: list[str]) -> list[Import]:
+    """One shortest cycle through the component's first module, as the imports that make it."""
+    start = component[0]
+    paths = [_path(target, start) for target in sorted(GRAPH[start])]
+    path = [start] + min((p for p in paths if p), key=len)
+    return [EDGES[hop] for hop in zip(path, path[1:])]
+
+
+def test_no_import_cycles() -> None:
+    cycles = _strongly_connected(GRAPH)
+    report = []
+    for component in cycles:
+        report.append(f"cycle among {', '.join(component)}:\n" +
+                      "\n".join(f"    {h.source} -> {h.target}  ({h.where})" for h in _shortest_cycle(component)))
+    print("\n".join(report))
+    assert not cycles, "module-level import cycles; break each by moving the shared code down:\n" + \
+        "\n".join(report)
+
+
+def test_function_level_imports_are_allow_listed() -> None:
+    hidden = [imp for imp in ALL_IMPORTS
+              if imp.function is not None and (imp.source, imp.target) not in LAZY_IMPORTS]
+    report = []
+    for imp in hidden:
+        cycle = _path(imp.target, imp.source)
+        report.append(f"{imp.where}: {imp.function}() imports {imp.target}" +
+                      (f"; at module level it would close the cycle {' -> '.join(cycle + [imp.target])}"
+                       if cycle else "; no cycle in the static graph either: move it to the top"))
+    print("\n".join(report))
+    assert not hidden, (
+        "function-level imports of stratagem modules; import at the top of the module (and break "
+        "any cycle that prevents it), or add the pair to LAZY_IMPORTS with the reason it must be "
+        "lazy:\n" + "\n".join(report))
+
+
+def test_allow_list_has_no_stale_entries() -> None:
+    present = {(imp.source, imp.target) for imp in ALL_IMPORTS if imp.function is not None}
+    stale = sorted(set(LAZY_IMPORTS) - present)
+    assert not stale, f"LAZY_IMPORTS names imports that no longer exist; remove them: {stale}"
+
+
+def test_import_stratagem_does_not_load_grpc_or_cryptography() -> None:
+    code = ("import json, sys, stratagem; "
+            "print(json.dumps(sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('grpc', 'cryptography'))))")
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                               cwd=ROOT)
+    assert completed.returncode == 0, completed.stderr
+    loaded = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert not loaded, (f"`import stratagem` loaded {len(loaded)} modules of grpc/cryptography "
+                        f"(e.g. {loaded[:5]}); import the parameter-server stack on first use")
+
+
+def test_no_module_is_too_long() -> None:
+    lengths = {module: len(path.read_text().splitlines()) for module, path in MODULES.items()}
+    offenders = sorted(((n, m) for m, n in lengths.items() if n > MAX_LINES), reverse=True)
+    report = [f"{_path_of(module)}: {n} lines" for n, module in offenders]
+    print("\n".join(report))
+    assert not offenders, f"modules over {MAX_LINES} lines; split them by question:\n" + "\n".join(report)
+
+
+def test_every_public_name_has_a_docstring() -> None:
+    import stratagem
+
+    missing = [name for name in stratagem.__all__
+               if not (getattr(getattr(stratagem, name), "__doc__", None) or "").strip()]
+    assert not missing, f"public names without a docstring: {missing}"
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("import stratagem.errors", ["stratagem.errors"]),
+    ("from stratagem import errors, __version__", ["stratagem.errors", "stratagem"]),
+    ("from stratagem.cluster import ClusterSpec", ["stratagem.cluster"]),
+    ("from . import spec", ["stratagem.cluster.spec"]),
+    ("from ..errors import StratagemError", ["stratagem.errors"]),
+    ("import torch", []),
+])
+def test_resolve(source: str, expected: list[str]) -> None:
+    # as written in stratagem/cluster/tf_config.py
+    assert _resolve("stratagem.cluster.tf_config", ast.parse(source).body[0]) == expected
+
+
+def test_importing_a_submodule_runs_its_package_first() -> None:
+    imports = [Import("stratagem.launch.local", "stratagem.cluster.spec", 3, None),
+               Import("stratagem.cluster", "stratagem.cluster.detect", 4, None),
+               Import("stratagem.cluster.detect", "stratagem.cluster.spec", 5, None),
+               Import("stratagem.launch.local", "stratagem.devices", 6, "f")]
+    assert sorted(_edges(imports)) == [("stratagem.cluster", "stratagem.cluster.detect"),
+                                       ("stratagem.cluster.detect", "stratagem.cluster.spec"),
+                                       ("stratagem.launch.local", "stratagem.cluster"),
+                                       ("stratagem.launch.local", "stratagem.cluster.spec")]
+
+
+def test_strongly_connected_components() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}, "f": {"d"}}
+    assert sorted(_strongly_connected(graph)) == [["a", "b", "c"], ["e"]]
+
+
+def test_type_checking_imports_and_functions_are_told_apart(tmp_path: Path, monkeypatch) -> None:
+    source = ("from typing import TYPE_CHECKING\n"
+              "if TYPE_CHECKING:\n    import stratagem.values\n"
+              "else:\n    import stratagem.devices\n"
+              "try:\n    import stratagem.errors\nexcept ImportError:\n    import stratagem.cli\n"
+              "class A:\n    def f(self):\n        import stratagem.launch\n")
+    path = tmp_path / "probe.py"
+    path.write_text(source)
+    monkeypatch.setitem(MODULES, "stratagem.probe", path)
+    found = {(imp.target, imp.function) for imp in _imports("stratagem.probe")}
+    assert found == {("stratagem.devices", None), ("stratagem.errors", None), ("stratagem.cli", None),
+                     ("stratagem.launch", "A.f")}
