@@ -218,8 +218,8 @@ def timed_loop(step: Callable[[int], Any], *, warmup: int, steps: int, max_other
                 i += 1
                 if probe is not None and i == warmup + steps:
                     probed = probe()
-                if t1 - chunk_start >= min_chunk_s:
-                    break
+                if t1 - chunk_start >= min_chunk_s or (max_steps is not None and i - warmup >= max_steps):
+                    break   # with max_steps every rank of a collective times the same number of steps
         quiet = window.foreign_cores is None or window.foreign_cores <= max_other_load
         kept[quiet][0] += ms
         kept[quiet][1] += cpu
