@@ -108,7 +108,7 @@ def load_warning(limit: float = 0.5) -> str | None:
             "benchmark; single rounds are inflated, read the medians and their spread.")
 
 
-def _sibling_pids() -> list[int]:
+def sibling_pids() -> list[int]:
     """Processes with the same parent as this one (the other ranks or tasks of one measurement)."""
     parent, pids = os.getppid(), []
     for entry in os.listdir("/proc"):
@@ -135,7 +135,7 @@ class CpuWindow:
     with ``siblings=True``, its siblings' CPU time). ``foreign_cores`` is None without /proc."""
 
     def __init__(self, siblings: bool = False):
-        self._pids = _sibling_pids() if siblings else []
+        self._pids = sibling_pids() if siblings else []
 
     def _sample(self) -> tuple[float | None, float, float, float]:
         usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -349,18 +349,41 @@ class Processes:
                          for n in names)
 
     def __exit__(self, *exc: Any) -> None:
+        # a launcher puts its tasks in sessions of their own: note them before it can go
+        family = {proc.pid: _descendants(proc.pid) for proc, _, _ in self.procs.values() if proc.poll() is None}
         for proc, _, graceful in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM if graceful else signal.SIGKILL)
+            if proc.pid in family:
+                _signal_groups([proc.pid], signal.SIGTERM if graceful else signal.SIGKILL)
         for proc, log, graceful in self.procs.values():
             try:
                 proc.wait(timeout=10 if graceful else 5)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                _signal_groups([proc.pid], signal.SIGKILL)
                 proc.wait()
+            _signal_groups(family.get(proc.pid, []), signal.SIGKILL)   # whatever outlived its parent
             log.close()
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat") as f:
+                    children.setdefault(int(f.read().rpartition(")")[2].split()[1]), []).append(int(entry))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def _signal_groups(pids: Sequence[int], sig: int) -> None:
+    """Signal the process group of each pid, and the pid itself (a group we did not start)."""
+    for pid in pids:
+        for kill in (lambda: os.killpg(pid, sig), lambda: os.kill(pid, sig)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill()
 
 
 def run_json(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> dict:
@@ -419,7 +442,7 @@ def profile_table(events: Sequence[Sequence], steps: int, top: int = 12) -> str:
 
     head = ["range / op", "calls/step", "CPU ms/step", "self ms/step"]
     text = format_table(head, rows(ranges)) if ranges else "(no stratagem.* ranges were recorded)"
-    return text + f"\ntop {top} ops by self CPU time:\n" + format_table(head, rows(ops))
+    return text + (f"\ntop {top} ops by self CPU time:\n" + format_table(head, rows(ops)) if ops else "\n(no ops)")
 
 
 # ---------------------------------------------------------------- tables
