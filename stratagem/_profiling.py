@@ -1,8 +1,10 @@
 """Profiler labels placed inside the package: free when no profiler is running.
 
 ``with label("stratagem.optimizer.step"):`` opens a ``torch.profiler.record_function``
-range only while a profiler is active (one cheap C call to ask); otherwise it enters
-a shared no-op context. Benchmarks and users read these ranges from
+range only while a profiler is active in the process (a module flag that torch's
+profiler sets; unlike ``torch.autograd._profiler_enabled()`` it is also true in replica
+threads and RPC handler threads, which ``profile_all_threads=True`` records); otherwise
+it enters a shared no-op context. Benchmarks and users read these ranges from
 ``torch.profiler.profile`` tables instead of wrapping private methods.
 
 The labels (one place to look them up):
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 
-from torch.autograd import _profiler_enabled
+from torch.autograd import profiler as _torch_profiler
 from torch.profiler import record_function
 
 _NOOP = contextlib.nullcontext()
@@ -45,4 +47,4 @@ _NOOP = contextlib.nullcontext()
 
 def label(name: str) -> "contextlib.AbstractContextManager":
     """A profiler range named ``name`` while a profiler runs; a no-op otherwise."""
-    return record_function(name) if _profiler_enabled() else _NOOP
+    return record_function(name) if _torch_profiler._is_profiler_enabled else _NOOP

@@ -168,7 +168,10 @@ class OneDeviceCollective(ReplicaCollective):
                 target = target.torch_device if target is not None else None
                 for i, first in enumerate(everyone[0]):
                     acc = first if target is None or first.device == target else first.to(target)
-                    sum_into(acc, [everyone[r][i] for r in range(1, n)], op, n)
+                    for r in range(1, n):
+                        acc.add_(everyone[r][i].to(acc.device, non_blocking=True))
+                    if op is ReduceOp.MEAN:
+                        acc.div_(n) if acc.is_floating_point() or acc.is_complex() else acc.floor_divide_(n)
                     for r in range(n) if copy_back else range(1):
                         if everyone[r][i] is not acc:
                             everyone[r][i].copy_(acc, non_blocking=True)

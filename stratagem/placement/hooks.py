@@ -34,12 +34,22 @@ from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from stratagem import _context
-from stratagem.placement.sharded_update import building
 
 _lock = threading.Lock()
+_internal = threading.local()   # set while stratagem builds optimizers of its own
 _users = 0
 _installed: list[Any] = []   # hook handles and the wrapped __init__ while scopes are open
 _original_init = torch.optim.Optimizer.__init__
+
+
+class internal_optimizers:
+    """While active on this thread, optimizers created are stratagem's own (never adopted)."""
+
+    def __enter__(self) -> None:
+        _internal.active = True
+
+    def __exit__(self, *exc: Any) -> None:
+        _internal.active = False
 
 
 def _scoped_placement() -> Any:
@@ -58,7 +68,7 @@ def _on_tensor_registered(module: nn.Module, name: str, tensor: Any) -> None:
 
 def _optimizer_init(self: torch.optim.Optimizer, params: Any, defaults: dict) -> None:
     placement = _scoped_placement()
-    if placement is None or building() or type(self).__dict__.get("_sg_base") is not None:
+    if placement is None or getattr(_internal, "active", False) or type(self).__dict__.get("_sg_base") is not None:
         return _original_init(self, params, defaults)
     placement.finalize()   # modules placed before the optimizer captures parameters
     _original_init(self, params, defaults)

@@ -14,24 +14,17 @@ The user's optimizer keeps its hyperparameters (schedulers change them there); i
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 from torch import nn
 
+from stratagem.placement.hooks import internal_optimizers, unhooked_step
+
 #: Optimizers whose update of an element depends only on that element's history.
 ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
     "SGD", "Adam", "AdamW", "Adagrad", "Adamax", "RMSprop", "NAdam", "RAdam", "Adadelta", "ASGD")
     if hasattr(torch.optim, name))
-
-_building = threading.local()
-
-
-def building() -> bool:
-    """True while range optimizers are being made (they must not be distributed themselves)."""
-    return getattr(_building, "active", False)
-
 
 class ShardedUpdate:
     """Range optimizers of one distributed optimizer, one per local replica."""
@@ -53,16 +46,14 @@ class ShardedUpdate:
                     view = nn.Parameter(p.data.view(-1)[lo - offset:hi - offset], requires_grad=p.requires_grad)
                     self.pieces[r].append((index, g, view, lo - offset, hi - offset))
             offset += p.numel()
-        _building.active = True
-        try:
+        with internal_optimizers():  # range optimizers are not the user's: never adopted
             for r in range(num_replicas):
                 groups: dict[int, list[nn.Parameter]] = {}
                 for _, g, view, _, _ in self.pieces[r]:
                     groups.setdefault(g, []).append(view)
                 self.optimizers.append(base([{**_hyper(optimizer.param_groups[g]), "params": views}
                                              for g, views in groups.items()]) if groups else None)
-        finally:
-            _building.active = False
+        self._base = base
         self._group_of = [[g for g in dict.fromkeys(g for _, g, _, _, _ in self.pieces[r])]
                           for r in range(num_replicas)]
 
@@ -84,7 +75,7 @@ class ShardedUpdate:
         for index, _, view, start, stop in pieces:
             grad = self._copies[index][0].grad
             view.grad = None if grad is None else grad.view(-1)[start:stop]
-        range_optimizer.step()
+        unhooked_step(self._base)(range_optimizer)  # no user hooks: the logical step fires them once
         with torch.no_grad():
             for index, _, view, start, stop in pieces:
                 view.grad = None
