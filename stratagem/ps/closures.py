@@ -11,7 +11,10 @@ object travel by reference, as persistent ids, never by value:
 - an optimizer created in the strategy's scope: ``("optimizer", [var_id, ...])``; on the
   worker, a :class:`~stratagem.ps.runtime.WorkerOptimizer` of the runtime;
 - a per-worker iterator: ``("iterator", dataset_id, iterator_id)``; on the worker, the
-  runtime's live iterator.
+  runtime's live iterator;
+- the strategy's :class:`~stratagem.ps.placement.Placement`, which a scoped module's
+  ``load_state_dict`` hooks mention: ``("placement",)``; on the worker, None (its modules'
+  values are the runtime's, not the coordinator's).
 
 The unpickler records the variable ids it met (:attr:`ClosureUnpickler.var_ids`): the
 dense ones among them are pulled before the function runs. Pickled any other way (a
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import InvalidArgumentError, StratagemError
-from stratagem.ps.placement import _VariableDict
+from stratagem.ps.placement import Placement, _VariableDict
 from stratagem.ps.runtime import WorkerOptimizer, WorkerRuntime
 from stratagem.ps.strategy import ParameterServerStrategy
 from stratagem.ps.variables import remote_of
@@ -82,6 +85,8 @@ class ClosurePickler(Pickler):
             return ("optimizer", [remote_of(p).var_id for g in obj.param_groups for p in g["params"]])
         if isinstance(obj, PerWorkerIterator):
             return ("iterator", *obj._ids)
+        if isinstance(obj, Placement):
+            return ("placement",)
         return None
 
 
@@ -107,4 +112,7 @@ class ClosureUnpickler(Unpickler):
             return WorkerOptimizer(self.runtime, pid[1])
         if kind == "iterator":
             return self.runtime.iterator(pid[1], pid[2])
-        raise CodecError(f"a closure refers to {pid!r}, which is no variable dict, optimizer or iterator")
+        if kind == "placement":
+            return None
+        raise CodecError(f"a closure refers to {pid!r}, which is no variable dict, optimizer, "
+                         f"iterator or placement")

@@ -38,6 +38,7 @@ launcher, ``multiprocessing`` with the "spawn" start method).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import traceback
@@ -103,9 +104,14 @@ def reads_only(handler: Handler) -> Handler:
 def decodes_request(handler: Handler) -> Handler:
     """Marks ``handler`` as one that decodes its request itself: it receives the request's
     bytes (authenticated, not yet unpickled) and reads them with its own
-    :class:`~stratagem.rpc.codec.Unpickler` subclass. Returns ``handler``."""
-    handler._sg_decodes_request = True   # type: ignore[attr-defined]
-    return handler
+    :class:`~stratagem.rpc.codec.Unpickler` subclass. Returns a marked wrapper of ``handler``
+    (a bound method cannot be marked itself)."""
+    @functools.wraps(handler)
+    def takes_bytes(message: bytes) -> Any:
+        return handler(message)
+
+    takes_bytes._sg_decodes_request = True   # type: ignore[attr-defined]
+    return takes_bytes
 
 
 class EncodedReply:
