@@ -29,6 +29,8 @@ Example::
     print(strategy.num_replicas_in_sync)   # 2
 """
 
+import importlib
+
 from stratagem import errors
 from stratagem._context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from stratagem.comm.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
@@ -71,3 +73,15 @@ __all__ = [
     "ReplicaContext", "Strategy", "ValueContext", "cluster", "errors", "get_replica_context", "get_strategy",
     "has_strategy", "in_cross_replica_context", "nn",
 ]
+
+# PEP 562: the parameter-server names load on first use, with grpc and cryptography (heavy,
+# and only needed once a ps feature is used).
+_LAZY = {"ClusterCoordinator": "stratagem.coordinator", "RemoteValue": "stratagem.coordinator",
+         "ParameterServerStrategy": "stratagem.ps.strategy"}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stratagem' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

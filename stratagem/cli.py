@@ -25,7 +25,7 @@ from stratagem.errors import StratagemError
 SUBCOMMANDS: tuple[str, ...] = (
     "stratagem.demo",
     "stratagem.launch",
-    "stratagem.server",
+    "stratagem.ps.server",
 )
 
 

@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import atexit
 import collections
-import itertools
-import re
 import threading
-import time
 import uuid
 import weakref
 from typing import Any, Callable
 
+from stratagem._profiling import label
 from stratagem.coordinator.values import RemoteValue
 from stratagem.errors import InvalidArgumentError, UnavailableError
-from stratagem.ps.variables import pickling_for_worker
+from stratagem.ps.closures import ClosureNotCachedError, ClosurePickler, PerWorkerDataset
+from stratagem.ps.strategy import ParameterServerStrategy
 from stratagem.rpc import RemoteError, RpcClient
 from stratagem.values import map_structure
 
@@ -95,7 +94,7 @@ class _Worker:
         self.coordinator = coordinator
         self.index = index
         self.name = f"worker {index}"
-        self.client = RpcClient(address, token, task=self.name, default_timeout=10.0)
+        self.client = RpcClient(address, token, task=self.name, default_timeout=10.0, pickler=ClosurePickler)
         self.incarnation: str | None = None
         self.cached: set[str] = set()
         self.datasets: set[str] = set()
@@ -146,8 +145,7 @@ class _Worker:
 
     def _call(self, method: str, request: Any) -> Any:
         try:
-            with pickling_for_worker():
-                return self.client.call(method, request, timeout=60.0)
+            return self.client.call(method, request, timeout=60.0)
         except UnavailableError as error:
             raise _WorkerLost() from error
 
@@ -155,8 +153,7 @@ class _Worker:
         key = self.coordinator._closure_key(closure.fn)
         request = {"key": key, "fn": None if key in self.cached else closure.fn,
                    "args": closure.args, "kwargs": closure.kwargs}
-        with pickling_for_worker():
-            future = self.client.call_async("run", request, timeout=RUN_TIMEOUT_SECONDS)
+        future = self.client.call_async("run", request, timeout=RUN_TIMEOUT_SECONDS)
         self.cached.add(key)
         missed = 0
         while True:
@@ -168,7 +165,7 @@ class _Worker:
                 self.cached.discard(key)
                 raise _WorkerLost() from error
             except RemoteError as error:
-                if error.remote_type.endswith("LookupError") and "not cached" in str(error):
+                if isinstance(error.remote_exception, ClosureNotCachedError):   # it restarted
                     self.cached.discard(key)
                     raise _WorkerLost() from error
                 raise
@@ -197,9 +194,7 @@ class ClusterCoordinator:
         # coordinator.join(); print(value.fetch())
     """
 
-    def __init__(self, strategy: Any):
-        from stratagem.strategies.parameter_server import ParameterServerStrategy
-
+    def __init__(self, strategy: ParameterServerStrategy):
         if not isinstance(strategy, ParameterServerStrategy):
             raise InvalidArgumentError(
                 f"ClusterCoordinator needs a sg.ParameterServerStrategy, got {type(strategy).__name__}")
@@ -207,6 +202,7 @@ class ClusterCoordinator:
             raise InvalidArgumentError("this strategy already has a ClusterCoordinator; create only one")
         self.strategy = strategy
         strategy._coordinator = self
+        strategy._placement.on_restored = self._variables_restored
         self._queue = _Queue()
         self._stopping = threading.Event()
         self._datasets: dict[str, Callable] = {}
@@ -224,11 +220,12 @@ class ClusterCoordinator:
         """Queue ``fn(*args, **kwargs)`` to run on some worker; returns a RemoteValue at once."""
         if not callable(fn):
             raise InvalidArgumentError(f"schedule needs a callable, got {type(fn).__name__}")
-        self._raise_if_ps_failed()
-        self.strategy._sync_before_schedule()
-        value = RemoteValue(self)
-        self._queue.put(_Closure(fn, tuple(args), dict(kwargs or {}), value))
-        return value
+        with label("stratagem.ps.schedule"):
+            self._raise_if_ps_failed()
+            self.strategy._sync_before_schedule()
+            value = RemoteValue(self)
+            self._queue.put(_Closure(fn, tuple(args), dict(kwargs or {}), value))
+            return value
 
     def join(self) -> None:
         """Wait until every scheduled function has run; raise the first error, if any."""
@@ -250,7 +247,7 @@ class ClusterCoordinator:
         """``RemoteValue``s anywhere in a structure replaced by their fetched results."""
         return map_structure(lambda v: v.fetch() if isinstance(v, RemoteValue) else v, value)
 
-    def create_per_worker_dataset(self, dataset_fn: Callable) -> "PerWorkerDataset":
+    def create_per_worker_dataset(self, dataset_fn: Callable) -> PerWorkerDataset:
         """Run ``dataset_fn`` on every worker (with an ``InputContext`` if it takes one)."""
         if not callable(dataset_fn):
             raise InvalidArgumentError("dataset_fn must be callable: dataset_fn(input_context) -> iterable")
@@ -284,15 +281,17 @@ class ClusterCoordinator:
             raise self._ps_failure
 
     def _classify(self, error: BaseException) -> BaseException:
-        if isinstance(error, RemoteError) and error.remote_type.endswith("UnavailableError"):
-            match = re.search(r"\bps \d+\b", str(error))
-            if match:
-                failure = UnavailableError(
-                    f"parameter server {match.group(0)} is unavailable: {error.remote_message}. Restart it "
-                    f"(stratagem launch --max-restarts restarts it) and restore the variables from the last "
-                    f"checkpoint with model.load_state_dict / optimizer.load_state_dict", task=match.group(0))
-                self._ps_failure = failure
-                return failure
+        """A closure's error; one that says a parameter server is unavailable (a worker's
+        pull or push failed) also fails everything after it."""
+        remote = error.remote_exception if isinstance(error, RemoteError) else None
+        ps_tasks = {client.task for client in self.strategy._ps_clients}
+        if isinstance(remote, UnavailableError) and remote.task in ps_tasks:
+            failure = UnavailableError(
+                f"parameter server {remote.task} is unavailable: {error.remote_message}. Restart it "
+                f"(stratagem launch --max-restarts restarts it) and restore the variables from the last "
+                f"checkpoint with model.load_state_dict / optimizer.load_state_dict", task=remote.task)
+            self._ps_failure = failure
+            return failure
         return error
 
     def _watch_ps(self) -> None:
@@ -302,7 +301,7 @@ class ClusterCoordinator:
                 continue
             for i, client in enumerate(clients):
                 try:
-                    client.ping(timeout=2 * PING_SECONDS)
+                    client.call("ping", timeout=2 * PING_SECONDS)
                 except Exception as error:  # noqa: BLE001 - unreachable means unavailable
                     self._ps_failure = UnavailableError(
                         f"parameter server ps {i} stopped answering ({error}). Restart it (stratagem "
@@ -314,33 +313,3 @@ class ClusterCoordinator:
         """The user restored the variables after a ps failure: scheduling may go on."""
         self._ps_failure = None
         self._queue.errors = [e for e in self._queue.errors if not isinstance(e, UnavailableError)]
-
-
-class PerWorkerDataset:
-    """A dataset created on every worker; ``iter()`` gives a per-worker iterator."""
-
-    _counter = itertools.count()
-
-    def __init__(self, dataset_id: str):
-        self._dataset_id = dataset_id
-
-    def __iter__(self) -> "PerWorkerIterator":
-        return PerWorkerIterator(self._dataset_id, f"it{next(self._counter)}")
-
-
-class PerWorkerIterator:
-    """Stands for each worker's own iterator: pass it to scheduled functions, call ``next`` there."""
-
-    def __init__(self, dataset_id: str, iterator_id: str):
-        self._ids = (dataset_id, iterator_id)
-
-    def __reduce__(self) -> Any:
-        from stratagem.coordinator.worker import worker_iterator
-
-        return (worker_iterator, self._ids)
-
-    def __next__(self) -> Any:
-        raise InvalidArgumentError("a per-worker iterator is read inside a scheduled function, on a worker")
-
-    def __iter__(self) -> "PerWorkerIterator":
-        return self

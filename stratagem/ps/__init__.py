@@ -1,39 +1,54 @@
-"""The parameter-server side of ParameterServerStrategy: variables, optimizers, partitioners.
+"""Parameter-server training, in one folder: the strategy, the ps service, the worker.
 
-- :class:`ParameterServer` (``service.py``) -- the variables of one ps task by id, each an
-  ``nn.Parameter`` with its own ``torch.optim`` optimizer; pull / push (dense and
-  row-sparse) / assign / get_state / set_state; :meth:`ParameterServer.handlers` serves it
-  over :mod:`stratagem.rpc`;
-- :class:`ParameterServerClient` (``client.py``) -- the same methods, called over RPC;
-- ``sparse_update.py`` -- torch.optim's SGD, Adagrad and Adam(W) applied to touched rows only;
-- ``partitioners.py`` -- TensorFlow's FixedShards / MinSize / MaxSize partitioners and the
-  row split of shards (:func:`shard_sizes`).
+On the coordinator (the user's script):
 
-``stratagem server`` with a ps TF_CONFIG runs a ParameterServer (see
-:func:`ps_service`, the factory registered for task type "ps").
+- ``strategy.py`` -- :class:`ParameterServerStrategy`, the strategy's hooks;
+- ``placement.py`` -- where scoped variables live (created on the ps, sharded by a
+  partitioner), and what scope does to modules and optimizers;
+- ``closures.py`` -- how a scheduled function travels: variables, optimizers and
+  per-worker iterators by reference (a pickler on the coordinator, an unpickler on the
+  worker); :class:`~stratagem.ClusterCoordinator` (``stratagem/coordinator/``) sends them.
+
+On the servers (``stratagem server``, ``server.py``, serves one task from TF_CONFIG):
+
+- ``service.py`` -- :class:`ParameterServer`, the variables of one ps task, each with its
+  ``torch.optim`` optimizer; ``sparse_update.py`` applies SGD, Adagrad and Adam(W) to the
+  touched rows only;
+- ``worker.py`` -- :class:`~stratagem.ps.worker.WorkerService`, which runs closures with the
+  worker's ``runtime.py`` (local copies of variables, pulls and pushes, datasets).
+
+Shared: ``client.py`` (:class:`ParameterServerClient`, :func:`call_each`), ``variables.py``
+(where a variable lives; :class:`ShardedVariable`), ``partitioners.py`` (TensorFlow's
+FixedShards / MinSize / MaxSize partitioners), ``embedding.py`` (the lookup that moves only
+the rows used).
+
+The names below load their modules on first use, so that ``import stratagem`` does not
+import gRPC and cryptography (they come with the client and the service).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from stratagem.ps.client import ParameterServerClient, call_each
-from stratagem.ps.partitioners import (FixedShardsPartitioner, MaxSizePartitioner,
-                                       MinSizePartitioner, Partitioner, shard_offsets, shard_sizes)
-from stratagem.ps.service import OptimizerSpec, ParameterServer
-from stratagem.ps.sparse_update import SUPPORTED_OPTIMIZERS as SPARSE_OPTIMIZERS
-
-if TYPE_CHECKING:
-    from stratagem.server import TaskInfo
+import importlib
+from typing import Any
 
 __all__ = [
     "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "OptimizerSpec",
-    "ParameterServer", "ParameterServerClient", "Partitioner", "SPARSE_OPTIMIZERS",
-    "call_each", "ps_service", "shard_offsets", "shard_sizes",
+    "ParameterServer", "ParameterServerClient", "ParameterServerStrategy", "Partitioner",
+    "ShardedVariable", "call_each", "shard_sizes",
 ]
 
+_MODULES = {
+    "FixedShardsPartitioner": "partitioners", "MaxSizePartitioner": "partitioners",
+    "MinSizePartitioner": "partitioners", "Partitioner": "partitioners", "shard_sizes": "partitioners",
+    "OptimizerSpec": "service", "ParameterServer": "service",
+    "ParameterServerClient": "client", "call_each": "client",
+    "ParameterServerStrategy": "strategy", "ShardedVariable": "variables",
+}
 
-def ps_service(task: TaskInfo) -> ParameterServer:
-    """The service factory of task type "ps" for ``stratagem server``: a fresh, empty
-    ParameterServer named after the task."""
-    return ParameterServer(name=task.name)
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: grpc and cryptography are heavy and only needed once a ps feature is used
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stratagem.ps' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"stratagem.ps.{module}"), name)

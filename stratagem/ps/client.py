@@ -1,11 +1,11 @@
 """ParameterServerClient: the ParameterServer's methods, called over RPC.
 
-The coordinator and the workers hold one client per ps task. Each method is the
-:class:`~stratagem.ps.ParameterServer` method of the same name, run on the ps; errors come
-back as :class:`stratagem.rpc.RemoteError` (an argument the ps refused: its
-``remote_exception`` is the ps's ``InvalidArgumentError``) and a dead or silent ps raises
-:class:`stratagem.errors.UnavailableError` naming it. :meth:`call_async` sends any of them
-without waiting; :func:`call_each` talks to several parameter servers at once.
+The coordinator and the workers hold one client per ps task. ``client.call(method,
+**kwargs)`` runs the :class:`~stratagem.ps.service.ParameterServer` method of that name on
+the ps with those keyword arguments; errors come back as :class:`stratagem.rpc.RemoteError`
+(an argument the ps refused: its ``remote_exception`` is the ps's ``InvalidArgumentError``)
+and a dead or silent ps raises :class:`stratagem.errors.UnavailableError` naming it.
+:func:`call_each` talks to several parameter servers at once.
 
 Example::
 
@@ -14,10 +14,10 @@ Example::
     >>> from stratagem.rpc import RpcServer
     >>> server = RpcServer("127.0.0.1:0", ParameterServer(name="ps 0").handlers(), "token").start()
     >>> client = ParameterServerClient(server.address, "token", task="ps 0")
-    >>> client.create("dense/kernel", torch.zeros(2, 2), (torch.optim.SGD, {"lr": 0.5}))
-    >>> pending = client.call_async("push", grads={"dense/kernel": torch.ones(2, 2)})
-    >>> pending.result()                 # a Future: send to several ps, then wait for all
-    >>> client.pull(["dense/kernel"])["dense/kernel"]
+    >>> client.call("create", var_id="dense/kernel", value=torch.zeros(2, 2),
+    ...             optimizer_spec=(torch.optim.SGD, {"lr": 0.5}))
+    >>> client.call("push", grads={"dense/kernel": torch.ones(2, 2)})
+    >>> client.call("pull", var_ids=["dense/kernel"])["dense/kernel"]
     tensor([[-0.5000, -0.5000],
             [-0.5000, -0.5000]])
     >>> client.close(); server.stop()
@@ -26,13 +26,10 @@ Example::
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-
-from stratagem.ps.service import OptimizerSpec, Rows
 from stratagem.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, RpcClient
 
 __all__ = ["ParameterServerClient", "call_each"]
@@ -54,67 +51,11 @@ class ParameterServerClient:
     def __repr__(self) -> str:
         return f"ParameterServerClient({self.rpc.address!r}, task={self.task!r})"
 
-    def call_async(self, method: str, *, timeout: float | None = None, writable_reply: bool = True,
-                   **kwargs: Any) -> Future[Any]:
-        """Starts ``method(**kwargs)`` on the ps; a Future of its result."""
-        return self.rpc.call_async(method, kwargs, timeout=timeout, writable_reply=writable_reply)
-
     def call(self, method: str, *, timeout: float | None = None, writable_reply: bool = True,
              **kwargs: Any) -> Any:
         """Runs ``method(**kwargs)`` on the ps and returns its result (``writable_reply``:
         see :meth:`stratagem.rpc.RpcClient.call`)."""
         return self.rpc.call(method, kwargs, timeout=timeout, writable_reply=writable_reply)
-
-    def create(self, var_id: str, value: torch.Tensor, optimizer_spec: OptimizerSpec | None = None,
-               *, timeout: float | None = None) -> None:
-        self.call("create", timeout=timeout, var_id=var_id, value=value, optimizer_spec=optimizer_spec)
-
-    def delete(self, var_ids: Iterable[str], *, timeout: float | None = None) -> None:
-        self.call("delete", timeout=timeout, var_ids=list(var_ids))
-
-    def set_optimizer(self, var_ids: Iterable[str], optimizer_spec: OptimizerSpec | None, *,
-                      timeout: float | None = None) -> None:
-        self.call("set_optimizer", timeout=timeout, var_ids=list(var_ids), optimizer_spec=optimizer_spec)
-
-    def variables(self, *, timeout: float | None = None) -> dict[str, dict[str, Any]]:
-        return self.call("variables", timeout=timeout)
-
-    def pull(self, var_ids: Iterable[str], *, timeout: float | None = None) -> dict[str, torch.Tensor]:
-        return self.call("pull", timeout=timeout, var_ids=list(var_ids))
-
-    def pull_rows(self, var_id: str, row_ids: Rows, *, timeout: float | None = None) -> torch.Tensor:
-        return self.call("pull_rows", timeout=timeout, var_id=var_id, row_ids=torch.as_tensor(row_ids))
-
-    def push(self, grads: Mapping[str, torch.Tensor], rows: Sequence[tuple[str, Rows, torch.Tensor]] = (),
-             *, timeout: float | None = None) -> None:
-        self.call("push", timeout=timeout, grads=dict(grads),
-                   rows=[(var_id, torch.as_tensor(ids), g) for var_id, ids, g in rows])
-
-    def push_rows(self, var_id: str, row_ids: Rows, row_grads: torch.Tensor, *,
-                  timeout: float | None = None) -> None:
-        self.call("push_rows", timeout=timeout, var_id=var_id, row_ids=torch.as_tensor(row_ids),
-                   row_grads=row_grads)
-
-    def assign(self, values: Mapping[str, torch.Tensor], *, timeout: float | None = None) -> None:
-        self.call("assign", timeout=timeout, values=dict(values))
-
-    def set_hyperparameters(self, var_ids: Iterable[str] | None, values: Mapping[str, Any], *,
-                            timeout: float | None = None) -> None:
-        self.call("set_hyperparameters", timeout=timeout,
-                   var_ids=None if var_ids is None else list(var_ids), values=dict(values))
-
-    def get_state(self, var_ids: Iterable[str] | None = None, *,
-                  timeout: float | None = None) -> dict[str, dict[str, Any]]:
-        return self.call("get_state", timeout=timeout, var_ids=None if var_ids is None else list(var_ids))
-
-    def set_state(self, state: Mapping[str, Mapping[str, Any]], *, timeout: float | None = None) -> None:
-        self.call("set_state", timeout=timeout, state=dict(state))
-
-    def ping(self, *, timeout: float | None = None) -> dict[str, Any]:
-        return self.call("ping", timeout=timeout)
-
-    def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
-        return self.call("stats", timeout=timeout)
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         self.rpc.wait_ready(timeout)

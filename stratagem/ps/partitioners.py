@@ -48,7 +48,7 @@ import torch
 from stratagem.errors import InvalidArgumentError
 
 __all__ = ["FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "Partitioner",
-           "shard_offsets", "shard_sizes"]
+           "shard_sizes"]
 
 Shape = Union[torch.Size, Sequence[int]]
 DType = Union[torch.dtype, type]
@@ -160,12 +160,3 @@ def shard_sizes(dim0: int, num_shards: int) -> list[int]:
             f"most {max(dim0, 1)} (partitioners never ask for more shards than rows).")
     base, extra = divmod(dim0, num_shards)
     return [base + 1] * extra + [base] * (num_shards - extra)
-
-
-def shard_offsets(dim0: int, num_shards: int) -> list[int]:
-    """The first row of each shard (see :func:`shard_sizes`)."""
-    offsets, row = [], 0
-    for size in shard_sizes(dim0, num_shards):
-        offsets.append(row)
-        row += size
-    return offsets

@@ -43,7 +43,7 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.ps.sparse_update import after_load_state_dict, apply_row_update, note_dense_step
 from stratagem.rpc.transport import EncodedReply, Handler, reads_only
 
-__all__ = ["OptimizerSpec", "ParameterServer"]
+__all__ = ["OptimizerSpec", "ParameterServer", "ps_service"]
 
 #: How a variable's optimizer is made on the ps: ``(torch.optim.Adam, {"lr": 1e-3})``.
 OptimizerSpec = tuple[type[torch.optim.Optimizer], Mapping[str, Any]]
@@ -421,6 +421,12 @@ class ParameterServer:
             counts["calls"] += 1
             counts["bytes_in"] += bytes_in
             counts["bytes_out"] += bytes_out
+
+
+def ps_service(task: Any) -> ParameterServer:
+    """The service factory of task type "ps" for ``stratagem server``: a fresh, empty
+    ParameterServer named after the task (a :class:`~stratagem.ps.server.TaskInfo`)."""
+    return ParameterServer(name=task.name)
 
 
 def _keyword_handler(name: str, method: Callable[..., Any]) -> Handler:

@@ -12,10 +12,8 @@ variable split into several shards along its first dimension.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -120,20 +118,3 @@ def gradients_by_ps(params: Any) -> dict[int, dict[str, torch.Tensor]]:
         for shard in remote.shards:
             per_ps.setdefault(shard.ps, {})[shard.shard_id] = shard.of(p.grad).contiguous()
     return per_ps
-
-
-_pickling = threading.local()
-
-
-@contextlib.contextmanager
-def pickling_for_worker() -> Iterator[None]:
-    """While active on this thread, scoped modules pickle as variable metadata, not values."""
-    _pickling.for_worker = True
-    try:
-        yield
-    finally:
-        _pickling.for_worker = False
-
-
-def is_pickling_for_worker() -> bool:
-    return getattr(_pickling, "for_worker", False)

@@ -38,6 +38,12 @@ Decoding unpickles, and unpickling runs code: only decode bytes whose sender was
 authenticated (the transport checks the MAC of every message before it calls
 :func:`decode`).
 
+Objects that travel by reference: a subclass of :class:`Pickler` may override
+``persistent_id`` to turn some objects into small ids (tuples: the ints are the tensors'),
+and a subclass of :class:`Unpickler` resolves them in ``persistent_load``; pass the pickler
+class to :func:`encode` and call the unpickler's ``load`` instead of :func:`decode`. The
+parameter-server closures use this (:mod:`stratagem.ps.closures`).
+
 Example::
 
     >>> import torch
@@ -66,7 +72,7 @@ from stratagem.rpc.errors import CodecError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["decode", "encode"]
+__all__ = ["Pickler", "Unpickler", "decode", "encode"]
 
 MAGIC = b"SGR1"
 _PREFIX = struct.Struct("<4sIQ")   # magic, header length, pickle length
@@ -83,7 +89,7 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-class _Pickler(cloudpickle.Pickler):
+class Pickler(cloudpickle.Pickler):
     """cloudpickle, except that tensors become persistent ids (indices into ``tensors``)."""
 
     def __init__(self, file: io.BytesIO, tensor_type: type) -> None:
@@ -100,18 +106,6 @@ class _Pickler(cloudpickle.Pickler):
             index = self._index[id(obj)] = len(self.tensors)
             self.tensors.append(obj)
         return index
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, tensors: list[Any]) -> None:
-        super().__init__(file)
-        self.tensors = tensors
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not isinstance(pid, int) or not 0 <= pid < len(self.tensors):
-            raise CodecError(f"message refers to tensor {pid!r}, but it carries "
-                             f"{len(self.tensors)} tensor(s)")
-        return self.tensors[pid]
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -131,12 +125,13 @@ def _tensor_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
     return data, data.reshape(-1).view(torch.uint8).numpy()
 
 
-def encode(obj: Any) -> bytes:
-    """Frames ``obj`` (any picklable structure; functions via cloudpickle) as one message."""
+def encode(obj: Any, *, pickler: type[Pickler] = Pickler) -> bytes:
+    """Frames ``obj`` (any picklable structure; functions via cloudpickle) as one message,
+    pickled by ``pickler`` (a :class:`Pickler` subclass sends some objects by reference)."""
     torch = sys.modules.get("torch")   # no torch imported: no tensor can be in obj
     tensor_type = torch.Tensor if torch is not None else _NoTensor
     buffer = io.BytesIO()
-    pickler = _Pickler(buffer, tensor_type)
+    pickler = pickler(buffer, tensor_type)
     try:
         pickler.dump(obj)
     except CodecError:
@@ -225,6 +220,45 @@ def _build_tensors(entries: Any, region: Any) -> list[Any]:
     return tensors
 
 
+class Unpickler(pickle.Unpickler):
+    """Reads one message that :func:`encode` framed: ``Unpickler(data).load()`` is the object.
+
+    ``writable=False``: the caller will only read the tensors, so a read-only ``data`` is
+    not copied either (writing such a tensor is undefined behaviour). Only read bytes from
+    an authenticated peer: it unpickles.
+    """
+
+    def __init__(self, data: bytes | bytearray | memoryview, *, writable: bool = True) -> None:
+        view = memoryview(data).cast("B")
+        if len(view) < _PREFIX.size:
+            raise CodecError(f"a message has at least {_PREFIX.size} bytes, got {len(view)}")
+        magic, header_size, pickle_size = _PREFIX.unpack_from(view)
+        if magic != MAGIC:
+            raise CodecError(f"not a stratagem message (starts with {bytes(view[:4])!r}, expected "
+                             f"{MAGIC!r}); is the peer a different version of stratagem?")
+        pickle_start = _PREFIX.size + header_size
+        pickle_end = pickle_start + pickle_size
+        if pickle_end > len(view):
+            raise CodecError(f"message truncated: {len(view)} bytes, header announces {pickle_end}")
+        self.tensors: list[Any] = []
+        if header_size:
+            try:
+                entries = json.loads(bytes(view[_PREFIX.size:pickle_start]))
+            except ValueError as err:
+                raise CodecError(f"malformed tensor header: {err}") from err
+            region = view[_aligned(pickle_end):]
+            if region.readonly and writable:
+                region = memoryview(bytearray(region))   # one copy: tensors must be writable
+            self.tensors = _build_tensors(entries, region)
+        super().__init__(io.BytesIO(view[pickle_start:pickle_end]))
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not isinstance(pid, int) or not 0 <= pid < len(self.tensors):
+            raise CodecError(f"message refers to tensor {pid!r}, but it carries "
+                             f"{len(self.tensors)} tensor(s)")
+        return self.tensors[pid]
+
+
 def decode(data: bytes | bytearray | memoryview, *, writable: bool = True) -> Any:
     """The object that :func:`encode` framed; tensors are views of ``data`` when it is writable.
 
@@ -232,25 +266,4 @@ def decode(data: bytes | bytearray | memoryview, *, writable: bool = True) -> An
     not copied either (writing such a tensor is undefined behaviour). Only call this on
     bytes from an authenticated peer: it unpickles.
     """
-    view = memoryview(data).cast("B")
-    if len(view) < _PREFIX.size:
-        raise CodecError(f"a message has at least {_PREFIX.size} bytes, got {len(view)}")
-    magic, header_size, pickle_size = _PREFIX.unpack_from(view)
-    if magic != MAGIC:
-        raise CodecError(f"not a stratagem message (starts with {bytes(view[:4])!r}, expected "
-                         f"{MAGIC!r}); is the peer a different version of stratagem?")
-    pickle_start = _PREFIX.size + header_size
-    pickle_end = pickle_start + pickle_size
-    if pickle_end > len(view):
-        raise CodecError(f"message truncated: {len(view)} bytes, header announces {pickle_end}")
-    tensors: list[Any] = []
-    if header_size:
-        try:
-            entries = json.loads(bytes(view[_PREFIX.size:pickle_start]))
-        except ValueError as err:
-            raise CodecError(f"malformed tensor header: {err}") from err
-        region = view[_aligned(pickle_end):]
-        if region.readonly and writable:
-            region = memoryview(bytearray(region))   # one copy: tensors must be writable
-        tensors = _build_tensors(entries, region)
-    return _Unpickler(io.BytesIO(view[pickle_start:pickle_end]), tensors).load()
+    return Unpickler(data, writable=writable).load()

@@ -38,6 +38,7 @@ launcher, ``multiprocessing`` with the "spawn" start method).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import traceback
@@ -47,15 +48,16 @@ from typing import Any, NoReturn
 
 import grpc
 
+from stratagem._profiling import label
 from stratagem.cluster.spec import validate_address
 from stratagem.errors import ClusterConfigError, InvalidArgumentError, UnavailableError
 from stratagem.rpc.auth import DEFAULT_MAX_SKEW_S, Authenticator
-from stratagem.rpc.codec import decode, encode
+from stratagem.rpc.codec import Pickler, decode, encode
 from stratagem.rpc.errors import (AuthenticationError, MessageTooLargeError, RemoteError,
                                   RpcError)
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "EncodedReply", "Handler", "RpcClient", "RpcServer",
-           "reads_only"]
+           "decodes_request", "reads_only"]
 
 logger = logging.getLogger("stratagem.rpc")
 
@@ -97,6 +99,19 @@ def reads_only(handler: Handler) -> Handler:
     (see :func:`~stratagem.rpc.codec.decode`). Returns ``handler``."""
     handler._sg_reads_only = True   # type: ignore[attr-defined]
     return handler
+
+
+def decodes_request(handler: Handler) -> Handler:
+    """Marks ``handler`` as one that decodes its request itself: it receives the request's
+    bytes (authenticated, not yet unpickled) and reads them with its own
+    :class:`~stratagem.rpc.codec.Unpickler` subclass. Returns a marked wrapper of ``handler``
+    (a bound method cannot be marked itself)."""
+    @functools.wraps(handler)
+    def takes_bytes(message: bytes) -> Any:
+        return handler(message)
+
+    takes_bytes._sg_decodes_request = True   # type: ignore[attr-defined]
+    return takes_bytes
 
 
 class EncodedReply:
@@ -270,6 +285,10 @@ class RpcServer:
         raise AssertionError("context.abort returns only by raising")
 
     def _handle(self, method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
+        with label("stratagem.rpc.handle"):
+            return self._handle_authenticated(method, request, context)
+
+    def _handle_authenticated(self, method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
         metadata: dict[str, str] = {}
         for key, value in context.invocation_metadata():
             metadata.setdefault(key, value)
@@ -283,7 +302,10 @@ class RpcServer:
             if handler is None:
                 raise RpcError(f"{self.name} has no method {method!r}; it serves "
                                f"{sorted(self._handlers)}.", code="UNIMPLEMENTED")
-            result = handler(decode(request, writable=not getattr(handler, "_sg_reads_only", False)))
+            if getattr(handler, "_sg_decodes_request", False):
+                result = handler(request)
+            else:
+                result = handler(decode(request, writable=not getattr(handler, "_sg_reads_only", False)))
             reply = result.message if isinstance(result, EncodedReply) else encode((_OK, result))
             if len(reply) > self._max_bytes:
                 raise MessageTooLargeError(
@@ -306,14 +328,17 @@ class RpcClient:
 
     ``task`` names the peer in errors ("ps 0"; the address when not given). Every call has
     a deadline: its ``timeout`` or ``default_timeout`` seconds. Thread-safe: threads may
-    share one client (calls are multiplexed over one HTTP/2 connection).
+    share one client (calls are multiplexed over one HTTP/2 connection). Requests are
+    pickled by ``pickler`` (a :class:`~stratagem.rpc.codec.Pickler` subclass may send some
+    objects by reference).
     """
 
     def __init__(self, address: str, token: str, *, task: str | None = None,
                  default_timeout: float = DEFAULT_TIMEOUT_S,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 max_skew_s: float = DEFAULT_MAX_SKEW_S) -> None:
+                 max_skew_s: float = DEFAULT_MAX_SKEW_S, pickler: type[Pickler] = Pickler) -> None:
         self.address = validate_address(address, where="RpcClient address")
+        self._pickler = pickler
         self.task = task or address
         self.default_timeout = _check_timeout(default_timeout, "default_timeout")
         self._max_bytes = _check_max_bytes(max_message_bytes)
@@ -340,12 +365,13 @@ class RpcClient:
         ``writable_reply=False`` promises that the caller only reads the reply's tensors
         (copies them elsewhere): they are then views of the received bytes, not copies.
         """
-        body, metadata, nonce, seconds = self._prepare(method, request, timeout)
-        try:
-            reply, call = self._callable(method).with_call(body, timeout=seconds, metadata=metadata)
-        except grpc.RpcError as err:
-            raise self._translate(err, method, seconds) from None
-        return self._finish(method, nonce, reply, call.trailing_metadata(), writable_reply)
+        with label("stratagem.rpc.call"):
+            body, metadata, nonce, seconds = self._prepare(method, request, timeout)
+            try:
+                reply, call = self._callable(method).with_call(body, timeout=seconds, metadata=metadata)
+            except grpc.RpcError as err:
+                raise self._translate(err, method, seconds) from None
+            return self._finish(method, nonce, reply, call.trailing_metadata(), writable_reply)
 
     def call_async(self, method: str, request: Any = None, *, timeout: float | None = None,
                    writable_reply: bool = True) -> futures.Future[Any]:
@@ -399,7 +425,7 @@ class RpcClient:
         if not isinstance(method, str) or not method or "/" in method:
             raise InvalidArgumentError(f"method must be a handler name (non-empty, no '/'), got {method!r}.")
         seconds = self.default_timeout if timeout is None else _check_timeout(timeout, "timeout")
-        body = encode(request)
+        body = encode(request, pickler=self._pickler)
         if len(body) > self._max_bytes:
             raise MessageTooLargeError(
                 f"the request to {method!r} on {self.task} is {len(body)} bytes, more than "

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from stratagem.errors import InvalidArgumentError
-from stratagem.ps import (FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner,
-                          shard_offsets, shard_sizes)
+from stratagem.ps import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, shard_sizes
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -56,7 +55,6 @@ def test_shard_sizes_give_the_extra_rows_to_the_first_shards() -> None:
     assert shard_sizes(7, 7) == [1] * 7
     assert shard_sizes(5, 1) == [5]
     assert shard_sizes(0, 1) == [0]
-    assert shard_offsets(10, 3) == [0, 4, 7]
     for dim0 in range(1, 30):
         for num_shards in range(1, dim0 + 1):
             sizes = shard_sizes(dim0, num_shards)

@@ -20,8 +20,8 @@ import stratagem
 from stratagem.cli import main as cli_main
 from stratagem.rpc import AuthenticationError, RpcClient
 from stratagem.ps import ParameterServerClient
-import stratagem.server as server_module
-from stratagem.server import TaskInfo, register_service, resolve_task, serve
+import stratagem.ps.server as server_module
+from stratagem.ps.server import TaskInfo, register_service, resolve_task, serve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,10 +61,10 @@ def test_ps_task_serves_and_stops_quickly_on_sigterm() -> None:
     try:
         assert _read_line(process, 60) == f"[stratagem server] ps 0 listening on 127.0.0.1:{port}"
         with ParameterServerClient(f"127.0.0.1:{port}", TOKEN, task="ps 0") as client:
-            assert client.ping()["name"] == "ps 0"
-            client.create("w", torch.zeros(3), (torch.optim.SGD, {"lr": 1.0}))
-            client.push({"w": torch.ones(3)})
-            assert torch.equal(client.pull(["w"])["w"], -torch.ones(3))
+            assert client.call("ping")["name"] == "ps 0"
+            client.call("create", var_id="w", value=torch.zeros(3), optimizer_spec=(torch.optim.SGD, {"lr": 1.0}))
+            client.call("push", grads={"w": torch.ones(3)})
+            assert torch.equal(client.call("pull", var_ids=["w"])["w"], -torch.ones(3))
         with RpcClient(f"127.0.0.1:{port}", "not-the-token") as intruder:
             with pytest.raises(AuthenticationError):
                 intruder.call("ping", {})

@@ -221,27 +221,27 @@ def served():
 
 def test_client_methods_reach_the_service(served: tuple[ParameterServer, ParameterServerClient]) -> None:
     ps, client = served
-    client.create("w", torch.zeros(4, 2), (torch.optim.SGD, {"lr": 0.5}))
-    client.push({"w": torch.ones(4, 2)})
-    client.push_rows("w", [1, 1], torch.ones(2, 2))
-    assert torch.equal(client.pull(["w"])["w"], torch.tensor([[-.5, -.5], [-1.5, -1.5], [-.5, -.5], [-.5, -.5]]))
-    assert torch.equal(client.pull_rows("w", [1]), torch.tensor([[-1.5, -1.5]]))
-    client.assign({"w": torch.zeros(4, 2)})
-    client.set_hyperparameters(["w"], {"lr": 1.0})
-    state = client.get_state()
-    client.set_state(state)
-    assert client.variables()["w"]["updates"] == 2
-    assert client.ping()["name"] == "ps 0"
-    assert client.stats()["ops"]["push"]["calls"] == 1
-    assert client.call_async("pull", var_ids=["w"]).result(timeout=10)["w"].shape == (4, 2)
-    client.delete(["w"])
+    client.call("create", var_id="w", value=torch.zeros(4, 2), optimizer_spec=(torch.optim.SGD, {"lr": 0.5}))
+    client.call("push", grads={"w": torch.ones(4, 2)})
+    client.call("push_rows", var_id="w", row_ids=torch.tensor([1, 1]), row_grads=torch.ones(2, 2))
+    assert torch.equal(client.call("pull", var_ids=["w"])["w"], torch.tensor([[-.5, -.5], [-1.5, -1.5], [-.5, -.5], [-.5, -.5]]))
+    assert torch.equal(client.call("pull_rows", var_id="w", row_ids=torch.tensor([1])), torch.tensor([[-1.5, -1.5]]))
+    client.call("assign", values={"w": torch.zeros(4, 2)})
+    client.call("set_hyperparameters", var_ids=["w"], values={"lr": 1.0})
+    state = client.call("get_state")
+    client.call("set_state", state=state)
+    assert client.call("variables")["w"]["updates"] == 2
+    assert client.call("ping")["name"] == "ps 0"
+    assert client.call("stats")["ops"]["push"]["calls"] == 1
+    assert client.rpc.call_async("pull", {"var_ids": ["w"]}).result(timeout=10)["w"].shape == (4, 2)
+    client.call("delete", var_ids=["w"])
     assert ps.variables() == {}
 
 
 def test_ps_errors_reach_the_client_as_remote_errors(served: tuple[ParameterServer, ParameterServerClient]) -> None:
     _, client = served
     with pytest.raises(RemoteError, match="ps 0 has no variable 'missing'") as info:
-        client.pull(["missing"])
+        client.call("pull", var_ids=["missing"])
     assert isinstance(info.value.remote_exception, InvalidArgumentError)
     with pytest.raises(RemoteError, match="dict of its keyword arguments"):
         client.rpc.call("pull", ["w"])
@@ -250,10 +250,10 @@ def test_ps_errors_reach_the_client_as_remote_errors(served: tuple[ParameterServ
 def test_concurrent_pushes_over_rpc_are_serialised(served: tuple[ParameterServer, ParameterServerClient]) -> None:
     ps, client = served
     ps.create("counter", torch.zeros(()), (SlowIncrement, {}))
-    pending = [client.call_async("push", grads={"counter": torch.zeros(())}) for _ in range(60)]
+    pending = [client.rpc.call_async("push", {"grads": {"counter": torch.zeros(())}}) for _ in range(60)]
     for future in pending:
         future.result(timeout=30)
-    assert client.pull(["counter"])["counter"].item() == 60
+    assert client.call("pull", var_ids=["counter"])["counter"].item() == 60
 
 
 class SlowElementwise(torch.optim.Optimizer):
@@ -280,7 +280,7 @@ def test_pulls_over_rpc_are_whole_values_between_updates(
 
     def pushing() -> None:
         while not stop.is_set():
-            client.push({"a": torch.zeros(8), "b": torch.zeros(8)})
+            client.call("push", grads={"a": torch.zeros(8), "b": torch.zeros(8)})
 
     pushers = [threading.Thread(target=pushing) for _ in range(2)]
     for thread in pushers:
@@ -299,7 +299,7 @@ def test_pulls_over_rpc_are_whole_values_between_updates(
         for thread in pushers:
             thread.join(timeout=30)
     assert max(seen) > 0   # the pulls really overlapped updates
-    fresh = client.pull(["a"])["a"]
+    fresh = client.call("pull", var_ids=["a"])["a"]
     fresh.add_(100)   # an ordinary pull's tensors belong to the caller
     assert ps.pull(["a"])["a"].max() < 100
 
@@ -321,7 +321,7 @@ def test_call_each_returns_in_order_and_raises_the_first_error_after_all_finishe
                        (clients[1], "pull", {"var_ids": ["missing"]}),
                        (clients[2], "push", {"grads": {"v": torch.zeros(2)}})])
         assert time.monotonic() - started >= 0.2   # the slow pushes were waited for
-        assert [c.pull(["v"])["v"][0].item() for c in clients] == [1.0, 1.0, 3.0]   # both pushes ran
+        assert [c.call("pull", var_ids=["v"])["v"][0].item() for c in clients] == [1.0, 1.0, 3.0]   # both pushes ran
     finally:
         for client in clients:
             client.close()

@@ -26,7 +26,7 @@ class Model(nn.Module):
 def traffic(strategy, ops=("pull_rows", "push_rows")):
     total = 0
     for client in strategy._ps_clients:
-        stats = client.stats()
+        stats = client.call("stats")
         total += sum(op.get("bytes_out", 0) + op.get("bytes_in", 0)
                      for name, op in stats["ops"].items() if ops is None or name in ops)
     return total
@@ -36,7 +36,7 @@ def setup_ops(strategy):
     """Per ps operation, calls and bytes, summed over the ps tasks."""
     ops = {}
     for client in strategy._ps_clients:
-        for name, op in client.stats()["ops"].items():
+        for name, op in client.call("stats")["ops"].items():
             for key, value in op.items():
                 ops.setdefault(name, {}).setdefault(key, 0)
                 ops[name][key] += value
@@ -77,7 +77,7 @@ def main(out):
         report[rows] = {"bytes_per_step": (traffic(strategy) - start) / 5, "changed_rows": changed,
                         "shard_shapes": model.embedding.weight.shard_shapes,
                         "setup": setup,
-                        "variable_bytes": sum(c.stats()["variable_bytes"] for c in strategy._ps_clients)}
+                        "variable_bytes": sum(c.call("stats")["variable_bytes"] for c in strategy._ps_clients)}
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f)
     print(json.dumps(report))

@@ -71,24 +71,24 @@ def main() -> None:
     try:
         print(server.stdout.readline().strip())
         client = ParameterServerClient(f"127.0.0.1:{port}", token, task="ps 0")
-        client.ping()
+        client.call("ping")
         results = {}
         for threads in (1, 4):
             results[f"noop_calls_per_s_{threads}_thread"] = _rate(client.ping, args.seconds, threads)
         value = torch.randn(1 << 20)   # 4 MiB
-        client.create("w", value, (torch.optim.SGD, {"lr": 0.0}))
-        best, median = _best_seconds(lambda: client.pull(["w"]), 30)
+        client.call("create", var_id="w", value=value, optimizer_spec=(torch.optim.SGD, {"lr": 0.0}))
+        best, median = _best_seconds(lambda: client.call("pull", var_ids=["w"]), 30)
         results["pull_4MiB_ms_best"], results["pull_4MiB_ms_median"] = best * 1e3, median * 1e3
         results["pull_4MiB_GB_per_s_best"] = (4 << 20) / best / 1e9
         results["pull_4MiB_GB_per_s_median"] = (4 << 20) / median / 1e9
-        best, median = _best_seconds(lambda: client.push({"w": value}), 30)
+        best, median = _best_seconds(lambda: client.call("push", grads={"w": value}), 30)
         results["push_4MiB_GB_per_s_best"] = (4 << 20) / best / 1e9
         results["push_4MiB_GB_per_s_median"] = (4 << 20) / median / 1e9
-        client.create("table", torch.zeros(100_000, 64), (torch.optim.Adagrad, {"lr": 0.1}))
+        client.call("create", var_id="table", value=torch.zeros(100_000, 64), optimizer_spec=(torch.optim.Adagrad, {"lr": 0.1}))
         for rows in (64, 4096):
-            before = client.stats()["ops"].get("pull_rows", {}).get("bytes_out", 0)
-            client.pull_rows("table", torch.randint(0, 100_000, (rows,)))
-            results[f"pull_rows_{rows}_bytes"] = client.stats()["ops"]["pull_rows"]["bytes_out"] - before
+            before = client.call("stats")["ops"].get("pull_rows", {}).get("bytes_out", 0)
+            client.call("pull_rows", var_id="table", row_ids=torch.randint(0, 100_000, (rows,)))
+            results[f"pull_rows_{rows}_bytes"] = client.call("stats")["ops"]["pull_rows"]["bytes_out"] - before
         for key, number in results.items():
             print(f"{key:32s} {number:12.3f}" if isinstance(number, float) else f"{key:32s} {number:12d}")
         client.close()

@@ -19,7 +19,8 @@ import torch
 
 from rpc_processes import TOKEN, ServerProcess, free_port
 from stratagem.errors import ClusterConfigError, UnavailableError
-from stratagem.rpc.transport import EncodedReply, reads_only
+from stratagem.rpc.codec import Pickler, Unpickler
+from stratagem.rpc.transport import EncodedReply, decodes_request, reads_only
 from stratagem.rpc import (AuthenticationError, Authenticator, MessageTooLargeError, RemoteError,
                            RpcClient, RpcServer, decode, encode)
 
@@ -279,6 +280,38 @@ def test_reads_only_handlers_and_read_only_replies_skip_the_copy_and_keep_values
         writable = client.call("framed", torch.arange(4.0))
         writable["t"].add_(1)   # an ordinary reply may be written
         assert torch.equal(writable["t"], torch.arange(1.0, 5.0))
+
+
+class _NamePickler(Pickler):
+    """Sends a ``_Named`` object as its name only."""
+
+    def persistent_id(self, obj: object) -> object:
+        return ("name", obj.name) if isinstance(obj, _Named) else super().persistent_id(obj)
+
+
+class _Named:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def test_a_client_pickler_and_a_handler_that_decodes_its_request_pass_references() -> None:
+    class Resolve(Unpickler):
+        def persistent_load(self, pid: object) -> object:
+            return f"resolved {pid[1]}" if isinstance(pid, tuple) else super().persistent_load(pid)
+
+    handlers = {"resolve": decodes_request(lambda message: Resolve(message).load())}
+    with RpcServer("127.0.0.1:0", handlers, TOKEN) as server, \
+            RpcClient(server.address, TOKEN, pickler=_NamePickler) as client:
+        reply = client.call("resolve", {"who": _Named("w"), "t": torch.arange(3)})
+    assert reply["who"] == "resolved w" and torch.equal(reply["t"], torch.arange(3))
+
+
+def test_calls_and_their_handling_are_labelled_for_the_profiler() -> None:
+    with RpcServer("127.0.0.1:0", {"echo": lambda x: x}, TOKEN) as server, \
+            RpcClient(server.address, TOKEN) as client:
+        with torch.profiler.profile() as profile:
+            client.call("echo", 1)
+    assert "stratagem.rpc.call" in {event.key for event in profile.key_averages()}
 
 
 def _is_view_of_bytes(tensor: torch.Tensor) -> bool:

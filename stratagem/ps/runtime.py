@@ -1,53 +1,33 @@
-"""The worker side of parameter-server training: what runs a closure on a worker task.
+"""WorkerRuntime: what a worker task holds between steps of parameter-server training.
 
-``stratagem server`` with a worker TF_CONFIG serves :class:`WorkerService`. A closure
-arrives once (cloudpickle) and is cached under its key; each ``run`` then:
-
-1. pulls the latest value of every dense variable this worker knows, one request per
-   parameter server, all in flight at once;
-2. calls the user's function; inside it an embedding reads only the rows its batch
-   uses (``pull_rows``) and ``optimizer.step()`` pushes the gradients (dense ones per
-   shard, an embedding's only for the rows used) to the parameter servers;
-3. returns the function's result.
-
-While the closure is unpickled, the model's parameter dicts turn into this worker's
-local parameters (:func:`worker_parameters`), the optimizer into a
-:class:`WorkerOptimizer` and per-worker iterators into this worker's live iterator.
+One per worker process, made by :class:`~stratagem.ps.worker.WorkerService` and handed to
+whatever needs it: the unpickler of each closure (:mod:`stratagem.ps.closures`) resolves a
+closure's references against it -- a scoped module's variables become this runtime's local
+copies, its optimizer a :class:`WorkerOptimizer` bound to it, a per-worker iterator this
+worker's live iterator -- and the local copy of an embedding table carries it
+(``table._sg_runtime``) so that a lookup pulls only the rows it uses.
 """
 
 from __future__ import annotations
 
-import threading
-import uuid
+import inspect
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from stratagem._profiling import label
 from stratagem.data.input import InputContext
 from stratagem.errors import InvalidArgumentError
 from stratagem.ps.client import ParameterServerClient, call_each
-from stratagem.ps.variables import RemoteVariable, gradients_by_ps, remote_of
-from stratagem.rpc.auth import cluster_token
+from stratagem.ps.variables import RemoteVariable, gradients_by_ps
 
-_RUNTIME: "WorkerRuntime | None" = None
-_seen = threading.local()  # variable ids met while this thread decoded its current request
-
-
-def _take_seen() -> list[str]:
-    ids = getattr(_seen, "ids", [])
-    _seen.ids = []
-    return ids
-
-
-def runtime() -> "WorkerRuntime | None":
-    """This process's worker runtime, or None outside a worker task."""
-    return _RUNTIME
+__all__ = ["WorkerOptimizer", "WorkerRuntime"]
 
 
 class WorkerRuntime:
-    """Local copies of remote variables, and the clients that refresh and update them."""
+    """Local copies of remote variables, the clients that refresh and update them, and the
+    worker's datasets."""
 
     def __init__(self, ps_addresses: list[str], token: str, *, num_workers: int, worker_index: int,
                  timeout: float = 60.0):
@@ -55,7 +35,7 @@ class WorkerRuntime:
                    for i, address in enumerate(ps_addresses)]
         self.num_workers = num_workers
         self.worker_index = worker_index
-        self.params: dict[str, nn.Parameter] = {}
+        self.params: dict[str, torch.Tensor] = {}
         self.remotes: dict[str, RemoteVariable] = {}
         self.sparse: list[tuple[RemoteVariable, torch.Tensor, torch.Tensor]] = []
         self.datasets: dict[str, Any] = {}
@@ -64,12 +44,16 @@ class WorkerRuntime:
     # ------------------------------------------------------------ variables
 
     def local_parameter(self, remote: RemoteVariable, is_parameter: bool) -> torch.Tensor:
+        """This worker's copy of ``remote`` (made on first use; an embedding table's is empty
+        and carries this runtime, see :mod:`stratagem.ps.embedding`)."""
         local = self.params.get(remote.var_id)
         if local is None:
             data = torch.zeros(remote.shape if not remote.row_sparse else (0, *remote.shape[1:]),
                                dtype=remote.dtype)
             local = nn.Parameter(data, requires_grad=remote.trainable) if is_parameter else data
             local._sg_remote = remote
+            if remote.row_sparse:
+                local._sg_runtime = self
             self.params[remote.var_id] = local
             self.remotes[remote.var_id] = remote
         return local
@@ -84,15 +68,16 @@ class WorkerRuntime:
                     wanted.setdefault(shard.ps, []).append(shard.shard_id)
         values: dict[str, torch.Tensor] = {}
         calls = [(self.ps[ps], "pull", {"var_ids": ids}) for ps, ids in wanted.items()]
-        for pulled in call_each(calls, writable_reply=False):   # only copied into params below
-            values.update(pulled)
-        with torch.no_grad():
-            for var_id in var_ids:
-                local, remote = self.params[var_id], self.remotes[var_id]
-                if remote.row_sparse:
-                    continue
-                for shard in remote.shards:
-                    shard.of(local.data).copy_(values[shard.shard_id].reshape(shard.of(local.data).shape))
+        with label("stratagem.ps.pull"):
+            for pulled in call_each(calls, writable_reply=False):   # only copied into params below
+                values.update(pulled)
+            with torch.no_grad():
+                for var_id in var_ids:
+                    local, remote = self.params[var_id], self.remotes[var_id]
+                    if remote.row_sparse:
+                        continue
+                    for shard in remote.shards:
+                        shard.of(local.data).copy_(values[shard.shard_id].reshape(shard.of(local.data).shape))
 
     def pull_rows(self, remote: RemoteVariable, rows: torch.Tensor) -> torch.Tensor:
         out = torch.empty((rows.numel(), *remote.shape[1:]), dtype=remote.dtype)
@@ -152,8 +137,6 @@ class WorkerRuntime:
         return self.iterators[key]
 
     def create_dataset(self, dataset_id: str, dataset_fn: Callable) -> None:
-        import inspect
-
         try:
             takes_context = len(inspect.signature(dataset_fn).parameters) >= 1
         except (TypeError, ValueError):
@@ -164,122 +147,29 @@ class WorkerRuntime:
             del self.iterators[key]
 
 
-# --------------------------------------------------------- unpickled forms
-
-def worker_parameters(entries: tuple, plain_values: dict | None = None) -> dict:
-    """What a scoped module's parameter dict becomes when a closure is unpickled on a worker."""
-    rt = runtime()
-    if rt is None:  # unpickled elsewhere (a copy on the coordinator): plain tensors
-        return dict(plain_values or {})
-    seen = getattr(_seen, "ids", None)
-    if seen is None:
-        seen = _seen.ids = []
-    seen.extend(remote.var_id for _, remote, _ in entries if remote is not None)
-    return {name: (None if remote is None else rt.local_parameter(remote, is_parameter))
-            for name, remote, is_parameter in entries}
-
-
 class WorkerOptimizer:
     """The optimizer of a scoped model, on a worker: ``step()`` sends the gradients to the
     parameter servers, where the real optimizer (one per shard) applies them."""
 
-    def __init__(self, var_ids: list[str]):
+    def __init__(self, runtime: WorkerRuntime, var_ids: list[str]):
+        self._runtime = runtime
         self._var_ids = var_ids
 
     def _params(self) -> list[torch.Tensor]:
-        rt = runtime()
-        return [rt.params[v] for v in self._var_ids if v in rt.params]
+        params = self._runtime.params
+        return [params[v] for v in self._var_ids if v in params]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._params():
             p.grad = None
-        runtime().sparse = []
+        self._runtime.sparse = []
 
     def step(self, closure: Any = None) -> None:
         if closure is not None:
             raise InvalidArgumentError("optimizer.step(closure) is not supported in parameter-server training")
-        runtime().push_gradients(self._params())
+        with label("stratagem.ps.push"):
+            self._runtime.push_gradients(self._params())
 
     @property
     def param_groups(self) -> list[dict]:
         return [{"params": self._params()}]
-
-
-def worker_optimizer(var_ids: list[str]) -> WorkerOptimizer:
-    return WorkerOptimizer(var_ids)
-
-
-def worker_iterator(dataset_id: str, iterator_id: str) -> Any:
-    rt = runtime()
-    if rt is None:
-        raise InvalidArgumentError("a per-worker iterator can only be read inside a scheduled function")
-    return rt.iterator(dataset_id, iterator_id)
-
-
-def embedding_forward(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    """nn.Embedding's forward for a table on parameter servers: only the rows used travel."""
-    rt = runtime()
-    remote = remote_of(module.weight)
-    if rt is None or remote is None or not remote.row_sparse:
-        return F.embedding(ids, module.weight, module.padding_idx, module.max_norm, module.norm_type,
-                           module.scale_grad_by_freq, module.sparse)
-    small, positions = rt.lookup(remote, ids)
-    return F.embedding(positions, small, None, module.max_norm, module.norm_type, module.scale_grad_by_freq)
-
-
-# ---------------------------------------------------------------- service
-
-class WorkerService:
-    """The RPC handlers of a worker task."""
-
-    def __init__(self, task: Any):
-        global _RUNTIME
-        spec = task.cluster_spec
-        ps = list(spec.job_tasks("ps")) if "ps" in spec.jobs else []
-        workers = spec.num_tasks("worker") if "worker" in spec.jobs else 1
-        self.incarnation = uuid.uuid4().hex
-        self._runtime = WorkerRuntime(ps, cluster_token(), num_workers=workers, worker_index=task.task_id)
-        _RUNTIME = self._runtime
-        self._closures: dict[str, Callable] = {}
-        self._closure_vars: dict[str, list[str]] = {}   # the variables each closure mentions
-        self._lock = threading.Lock()
-
-    def handlers(self) -> dict[str, Callable[[Any], Any]]:
-        return {"ping": self.ping, "run": self.run, "create_dataset": self.create_dataset}
-
-    def ping(self, request: Any = None) -> dict:
-        return {"incarnation": self.incarnation}
-
-    def create_dataset(self, request: dict) -> None:
-        _take_seen()
-        with self._lock:
-            self._runtime.create_dataset(request["dataset_id"], request["dataset_fn"])
-
-    def run(self, request: dict) -> Any:
-        # the request was decoded on this thread: the variables it mentioned were noted
-        seen = _take_seen()
-        key = request["key"]
-        if request.get("fn") is not None:
-            self._closures[key] = request["fn"]
-            self._closure_vars[key] = seen
-        fn = self._closures.get(key)
-        if fn is None:
-            raise LookupError(f"closure {key} is not cached on this worker (it restarted?)")
-        args, kwargs = request["args"], request["kwargs"]
-        with self._lock:
-            self._runtime.pull_dense(self._closure_vars.get(key, []) + seen)
-            self._runtime.sparse = []
-            with torch.enable_grad():
-                result = fn(*args, **kwargs)
-        return _detached(result)
-
-
-def _detached(value: Any) -> Any:
-    from stratagem.values import map_structure
-
-    return map_structure(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
-
-
-def worker_service(task: Any) -> WorkerService:
-    """The service factory of task type "worker" for ``stratagem server``."""
-    return WorkerService(task)

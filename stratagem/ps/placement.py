@@ -1,16 +1,22 @@
-"""ParameterServerStrategy: asynchronous data parallelism with parameter servers.
+"""Placement: where the variables of a ParameterServerStrategy's scope live, on the coordinator.
 
-Variables (parameters and buffers of modules created in scope) live on the ps tasks:
-whole variables round-robin over the tasks, or split along dim 0 by the
-``variable_partitioner`` into shards spread round-robin too; an ``nn.Embedding`` table
-is row-sparse (steps read and update only the rows they use). Optimizers created in
-scope keep their state beside each shard and apply updates there.
+A module created in scope has its ``_parameters`` and ``_buffers`` replaced by a
+:class:`_VariableDict` once it is complete (:meth:`Placement.finalize`, before the first
+optimizer, ``run`` or ``schedule``): each variable is created on the parameter servers --
+whole, round-robin over the ps tasks, or split along dim 0 by the partitioner into shards
+spread round-robin too -- and the module keeps a coordinator copy tagged with where it
+lives (``tensor._sg_remote``, a :class:`~stratagem.ps.variables.RemoteVariable`). A
+whole ``nn.Embedding`` becomes a :class:`~stratagem.ps.embedding.PSEmbedding`, its table
+row-sparse.
 
-On the coordinator (the user's program) a scoped module still reads as one model:
-its tensors are refreshed from the ps when read after steps have run, ``state_dict()``
-is one logical copy, and ``load_state_dict()`` pushes values back (re-creating them on a
-fresh ps), as do the optimizer's ``state_dict()`` / ``load_state_dict()``.
-Steps run on workers through :class:`~stratagem.ClusterCoordinator`.
+The coordinator copies are refreshed from the ps when read after steps ran
+(:meth:`Placement.stale` marks them old), and ``load_state_dict`` writes them back.
+Optimizers created in scope get, per variable shard, an optimizer of the same class on the
+shard's ps (:meth:`Placement.attach_optimizer`); their hyperparameters follow the
+coordinator's before each schedule, and their state dicts are assembled from the shards.
+
+The hooks the strategy base calls: ``on_registered``, ``finalize``, ``before_run``,
+``after_run``, ``all_copies``, ``replica_copy``, ``on_optimizer_created``.
 """
 
 from __future__ import annotations
@@ -22,166 +28,38 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from stratagem import _context
-from stratagem.devices import Device
-from stratagem.errors import ClusterConfigError, InvalidArgumentError
+from stratagem._profiling import label
+from stratagem.errors import InvalidArgumentError
 from stratagem.ps.client import ParameterServerClient, call_each
-from stratagem.ps.variables import (RemoteVariable, Shard, ShardedVariable, gradients_by_ps,
-                                    is_pickling_for_worker, remote_of)
-from stratagem.rpc.auth import cluster_token
-from stratagem.strategies.base import Strategy
-from stratagem.strategies.mirroring import _distributed_class, install_hooks
-from stratagem.strategies.replica_context import ReplicaContext, split_sizes
+from stratagem.ps.embedding import PSEmbedding
+from stratagem.ps.variables import RemoteVariable, Shard, ShardedVariable, gradients_by_ps, remote_of
+from stratagem.strategies.mirroring import _distributed_class
+from stratagem.strategies.replica_context import split_sizes
 
+__all__ = ["Placement", "STARTUP_TIMEOUT_SECONDS"]
 
 STARTUP_TIMEOUT_SECONDS = 120.0
-
-
-class ParameterServerStrategy(Strategy):
-    """Asynchronous training: variables on parameter servers, steps scheduled onto workers.
-
-    Example (the coordinator script of ``stratagem launch --workers 2 --ps 2 train.py``)::
-
-        # strategy = sg.ParameterServerStrategy(sg.cluster.TFConfigClusterResolver(),
-        #                                       variable_partitioner=sg.MinSizePartitioner(max_shards=2))
-        # coordinator = sg.ClusterCoordinator(strategy)
-        # with strategy.scope():
-        #     model = Net(); optimizer = torch.optim.Adam(model.parameters())
-    """
-
-    def __init__(self, cluster_resolver: Any, variable_partitioner: Callable | None = None):
-        spec = cluster_resolver.cluster_spec()
-        for job in ("ps", "worker"):
-            if job not in spec.jobs or spec.num_tasks(job) == 0:
-                raise ClusterConfigError(
-                    f"ParameterServerStrategy needs {job!r} tasks in the cluster, but it has "
-                    f"{sorted(spec.jobs) or 'none'}; start the cluster with `stratagem launch --workers N "
-                    f"--ps M script.py` or list them in TF_CONFIG")
-        if variable_partitioner is not None and not callable(variable_partitioner):
-            raise InvalidArgumentError(
-                f"variable_partitioner must be a partitioner such as sg.MinSizePartitioner(), got "
-                f"{variable_partitioner!r}")
-        super().__init__((Device("cpu", 0),))
-        install_hooks()
-        self._resolver = cluster_resolver
-        self._token = cluster_token()
-        self._ps_addresses = list(spec.job_tasks("ps"))
-        self._worker_addresses = list(spec.job_tasks("worker"))
-        self._ps_clients = [ParameterServerClient(a, self._token, task=f"ps {i}")
-                            for i, a in enumerate(self._ps_addresses)]
-        for client in self._ps_clients:  # the ps tasks may still be starting: wait for them
-            client.wait_ready(timeout=STARTUP_TIMEOUT_SECONDS)
-        self._partitioner = variable_partitioner
-        self._placement = _Placement(self)
-        self._contexts = [ReplicaContext(self, 0, 0, None)]
-        self._coordinator: Any = None
-
-    def __reduce__(self) -> Any:  # a step function that mentions the strategy runs on a worker
-        return (_WorkerStrategy, ())
-
-    @property
-    def cluster_resolver(self) -> Any:
-        return self._resolver
-
-    # --------------------------------------------------------------- run
-
-    def _run_replicas(self, fn: Callable, per_replica_args: list, global_batch_size: int | None) -> list:
-        args, kwargs = per_replica_args[0]
-        ctx = self._contexts[0]
-        ctx._global_batch_size = global_batch_size
-        _context.push(self, ctx)
-        try:
-            return [fn(*args, **kwargs)]
-        finally:
-            _context.pop()
-
-    def _replica_exchange(self, ctx: ReplicaContext, tensors: list, tag: str) -> list:
-        return [tensors]
-
-    def _replica_all_reduce(self, ctx: ReplicaContext, op: Any, tensors: list) -> list:
-        return [t.clone() for t in tensors]
-
-    def _replica_all_gather(self, ctx: ReplicaContext, tensors: list, axis: int) -> list:
-        return [t.clone() for t in tensors]
-
-    def _sync_before_schedule(self) -> None:
-        self._placement.finalize()
-        self._placement.sync_hyperparameters()
-
-    # -------------------------------------------------------- optimizers
-
-    def _optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> None:
-        if closure is not None:
-            raise InvalidArgumentError("optimizer.step(closure) is not supported in parameter-server training")
-        self._placement.finalize()
-        per_ps = gradients_by_ps(p for g in optimizer.param_groups for p in g["params"])
-        call_each([(self._ps_clients[ps], "push", {"grads": g}) for ps, g in per_ps.items()])
-        self._placement.stale()
-
-    def _optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        optimizer._sg_base.zero_grad(optimizer, set_to_none)
-
-    def _optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        optimizer._sg_base.add_param_group(optimizer, param_group)
-        self._placement.attach_optimizer(optimizer)
-
-    def _reduce_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
-        from stratagem.coordinator.worker import worker_optimizer
-
-        var_ids = [remote_of(p).var_id for g in optimizer.param_groups for p in g["params"]]
-        return (worker_optimizer, (var_ids,))
-
-    def _optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        return self._placement.optimizer_state_dict(optimizer)
-
-    def _optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        self._placement.load_optimizer_state_dict(optimizer, state_dict)
-
-    def __repr__(self) -> str:
-        return (f"ParameterServerStrategy({len(self._worker_addresses)} workers, "
-                f"{len(self._ps_addresses)} ps)")
-
-
-class _WorkerStrategy:
-    """What a ParameterServerStrategy mentioned by a step function is, on a worker."""
-
-    num_replicas_in_sync = 1
-
-    def run(self, fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> Any:
-        return fn(*args, **(kwargs or {}))
-
-    def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
-        return value
-
-
-class PSEmbedding(nn.Embedding):
-    """An ``nn.Embedding`` whose table lives on parameter servers (rows pulled on use)."""
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from stratagem.coordinator.worker import embedding_forward
-
-        return embedding_forward(self, ids)
 
 
 class _VariableDict(dict):
     """``module._parameters`` / ``_buffers`` of a module placed on parameter servers.
 
     Holds the coordinator's copy of each variable (refreshed from the ps when read
-    after steps ran). Pickled for a worker, it becomes metadata only.
+    after steps ran). Pickled for a worker it becomes metadata only
+    (:class:`~stratagem.ps.closures.ClosurePickler`); pickled otherwise, a plain dict.
     """
 
-    def __init__(self, placement: "_Placement", items: Any = ()):
+    def __init__(self, placement: Placement, items: Any = ()):
         super().__init__(items)
         self._placement = placement
         self._pulled_at = -1
 
-    def __reduce__(self) -> Any:
-        from stratagem.coordinator.worker import worker_parameters
+    def entries(self) -> tuple[tuple[str, RemoteVariable | None, bool], ...]:
+        """What a worker needs to make its copies: (name, where it lives, is a parameter)."""
+        return tuple((name, remote_of(t) if t is not None else None, isinstance(t, nn.Parameter))
+                     for name, t in dict.items(self))
 
-        entries = tuple((name, remote_of(t) if t is not None else None, isinstance(t, nn.Parameter))
-                        for name, t in dict.items(self))
-        if is_pickling_for_worker():
-            return (worker_parameters, (entries,))
+    def __reduce__(self) -> Any:  # a copy or a checkpoint: plain tensors holding the values
         return (dict, ({k: (None if v is None else v.detach().clone()) for k, v in self.items()},))
 
     def _refresh(self) -> None:
@@ -192,9 +70,6 @@ class _VariableDict(dict):
     def __getitem__(self, key: str) -> Any:
         self._refresh()
         return dict.__getitem__(self, key)
-
-    def __iter__(self):
-        return dict.__iter__(self)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self[key] if key in self else default
@@ -208,17 +83,26 @@ class _VariableDict(dict):
         return list(dict.items(self))
 
 
-class _Placement:
-    """Creates the variables of scoped modules on the parameter servers and keeps track of them."""
+class Placement:
+    """Creates the variables of scoped modules on the parameter servers and keeps track of them.
 
-    def __init__(self, strategy: ParameterServerStrategy):
+    ``strategy`` only names the owner in errors (and is what scoped optimizers report to);
+    the parameter servers are reached through ``ps_clients``, and ``partitioner`` decides
+    how many shards a variable gets (None: one). ``on_restored`` is called after values
+    were written back to the ps (a ClusterCoordinator sets it).
+    """
+
+    def __init__(self, strategy: Any, ps_clients: Sequence[ParameterServerClient],
+                 partitioner: Callable | None):
         self.strategy = strategy
+        self.ps_clients = list(ps_clients)
+        self.partitioner = partitioner
+        self.on_restored: Callable[[], None] | None = None
         self.version = 0          # bumped whenever the ps values may have changed
         self._ids = itertools.count()
         self._next_ps = itertools.count()
         self._pending: list[nn.Module] = []
         self._pending_optimizers: list[torch.optim.Optimizer] = []
-        self._remotes: dict[str, RemoteVariable] = {}
         self._specs: dict[str, Any] = {}            # var_id -> optimizer spec
         self._sent_hyper: dict[int, list[dict]] = {}
         self._optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
@@ -277,20 +161,20 @@ class _Placement:
         var_id = f"{next(self._ids)}/{type(module).__name__}.{name}"
         rows = tensor.shape[0] if tensor.dim() else 1
         num_shards = 1
-        if self.strategy._partitioner is not None and tensor.dim() > 0:
-            num_shards = max(1, min(int(self.strategy._partitioner(tuple(tensor.shape), tensor.dtype)[0]), rows))
+        if self.partitioner is not None and tensor.dim() > 0:
+            num_shards = max(1, min(int(self.partitioner(tuple(tensor.shape), tensor.dtype)[0]), rows))
         sizes = split_sizes(rows, num_shards)
         shards, start = [], 0
         for i, size in enumerate(sizes):
-            shards.append(Shard(f"{var_id}/part_{i}", next(self._next_ps) % len(self.strategy._ps_clients),
+            shards.append(Shard(f"{var_id}/part_{i}", next(self._next_ps) % len(self.ps_clients),
                                 start, start + size))
             start += size
         remote = RemoteVariable(var_id, tuple(tensor.shape), tensor.dtype, tuple(shards),
                                 trainable=bool(getattr(tensor, "requires_grad", False)),
                                 row_sparse=isinstance(module, nn.Embedding) and name == "weight")
-        self._remotes[var_id] = remote
         for shard in shards:
-            self.strategy._ps_clients[shard.ps].create(shard.shard_id, shard.of(tensor.detach()).clone())
+            self.ps_clients[shard.ps].call("create", var_id=shard.shard_id,
+                                           value=shard.of(tensor.detach()).clone())
         if num_shards > 1 and is_parameter:
             placed = ShardedVariable(tensor.detach(), remote, requires_grad=tensor.requires_grad)
         else:
@@ -303,15 +187,15 @@ class _Placement:
         for t in tensors:
             for shard in remote_of(t).shards:
                 wanted.setdefault(shard.ps, []).append(shard.shard_id)
-        clients = self.strategy._ps_clients
         values: dict[str, torch.Tensor] = {}
-        calls = [(clients[ps], "pull", {"var_ids": ids}) for ps, ids in wanted.items()]
-        for pulled in call_each(calls, writable_reply=False):   # only copied into the tensors below
-            values.update(pulled)
-        with torch.no_grad():
-            for t in tensors:
-                for shard in remote_of(t).shards:
-                    shard.of(t.data).copy_(values[shard.shard_id].reshape(shard.of(t.data).shape))
+        calls = [(self.ps_clients[ps], "pull", {"var_ids": ids}) for ps, ids in wanted.items()]
+        with label("stratagem.ps.pull"):
+            for pulled in call_each(calls, writable_reply=False):   # only copied into the tensors below
+                values.update(pulled)
+            with torch.no_grad():
+                for t in tensors:
+                    for shard in remote_of(t).shards:
+                        shard.of(t.data).copy_(values[shard.shard_id].reshape(shard.of(t.data).shape))
 
     def _after_load(self, module: nn.Module) -> None:
         self.loading = False
@@ -332,14 +216,13 @@ class _Placement:
         self._set_state(state)
 
     def _set_state(self, per_ps: dict[int, dict[str, dict]]) -> None:
-        clients = self.strategy._ps_clients
+        clients = self.ps_clients
         for ps in per_ps:  # after a failure the ps may still be restarting
             clients[ps].wait_ready(timeout=STARTUP_TIMEOUT_SECONDS)
         call_each([(clients[ps], "set_state", {"state": s}) for ps, s in per_ps.items()])
         self.stale()
-        coordinator = self.strategy._coordinator
-        if coordinator is not None:
-            coordinator._variables_restored()
+        if self.on_restored is not None:
+            self.on_restored()
 
     # --------------------------------------------------------- optimizers
 
@@ -348,12 +231,21 @@ class _Placement:
         optimizer._sg_strategy = self.strategy
         self._pending_optimizers.append(optimizer)
 
+    def push_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` on the coordinator: the dense gradients go to the ps, which
+        apply them with the shards' optimizers."""
+        self.finalize()
+        per_ps = gradients_by_ps(p for g in optimizer.param_groups for p in g["params"])
+        with label("stratagem.ps.push"):
+            call_each([(self.ps_clients[ps], "push", {"grads": g}) for ps, g in per_ps.items()])
+        self.stale()
+
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Give every variable of ``optimizer`` its own optimizer on its ps, in place (the
         values stay where they are)."""
         base = optimizer._sg_base
         calls = []
-        clients = self.strategy._ps_clients
+        clients = self.ps_clients
         for group in optimizer.param_groups:
             hyper = {k: v for k, v in group.items() if k != "params"}
             per_ps: dict[int, list[str]] = {}
@@ -390,7 +282,7 @@ class _Placement:
                     for shard in remote_of(p).shards:
                         per_ps.setdefault(shard.ps, []).append(shard.shard_id)
                 for ps, ids in per_ps.items():
-                    self.strategy._ps_clients[ps].set_hyperparameters(ids, changed)
+                    self.ps_clients[ps].call("set_hyperparameters", var_ids=ids, values=changed)
             self._sent_hyper[id(optimizer)] = now
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
@@ -453,7 +345,7 @@ class _Placement:
         for p in params:
             for shard in remote_of(p).shards:
                 wanted.setdefault(shard.ps, []).append(shard.shard_id)
-        clients = self.strategy._ps_clients
+        clients = self.ps_clients
         states: dict[str, dict] = {}
         for got in call_each([(clients[ps], "get_state", {"var_ids": ids}) for ps, ids in wanted.items()]):
             states.update(got)

@@ -16,9 +16,9 @@ h2:2222``, and answers only callers that hold the cluster token.
 What a task serves is looked up in :data:`SERVICES`, task type -> service factory: a
 callable ``factory(task: TaskInfo)`` returning an object with ``handlers() -> {name:
 handler}`` (and optionally ``close()``, called on stop), or the "module:attribute" name of
-one, imported when needed. "ps" serves a :class:`stratagem.ps.ParameterServer`, "worker"
-the coordinator's worker service (:mod:`stratagem.coordinator.worker`); :func:`register_service`
-adds or replaces one.
+one, imported when needed. "ps" serves a :class:`~stratagem.ps.service.ParameterServer`,
+"worker" a :class:`~stratagem.ps.worker.WorkerService`; :func:`register_service` adds or
+replaces one.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ ServiceFactory = Callable[[TaskInfo], Service]
 
 #: Task type -> service factory (or its "module:attribute" name, imported when needed).
 SERVICES: dict[str, Union[ServiceFactory, str]] = {
-    "ps": "stratagem.ps:ps_service",
-    "worker": "stratagem.coordinator.worker:worker_service",
+    "ps": "stratagem.ps.service:ps_service",
+    "worker": "stratagem.ps.worker:WorkerService",
 }
 
 _NOT_SERVED = {
@@ -95,7 +95,7 @@ def _factory(task_type: str) -> ServiceFactory:
     factory = SERVICES.get(task_type)
     if factory is None:
         why = _NOT_SERVED.get(task_type, "no service is registered for it yet (register one with "
-                              f"stratagem.server.register_service({task_type!r}, factory))")
+                              f"stratagem.ps.server.register_service({task_type!r}, factory))")
         raise ClusterConfigError(
             f"TF_CONFIG makes this a {task_type!r} task, which `stratagem server` cannot serve: "
             f"{why}. It serves {sorted(SERVICES)} tasks.")
@@ -197,6 +197,6 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-if __name__ == "__main__":   # python -m stratagem.server
+if __name__ == "__main__":   # python -m stratagem.ps.server
     from stratagem.cli import main
     sys.exit(main(["server", *sys.argv[1:]]))
