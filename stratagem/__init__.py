@@ -44,33 +44,19 @@ from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
 from stratagem.strategies.one_device import OneDeviceStrategy
 from stratagem.strategies.replica_context import ReplicaContext
 from stratagem.values import DistributedValues, PerReplica, ReduceOp
+from stratagem.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
+from stratagem.ps.variables import ShardedVariable
 from stratagem import cluster, nn
 
 __version__ = "0.1.0"
 
-# Parameter-server names load gRPC and cryptography: imported on first use.
-_LAZY = {"ClusterCoordinator": "stratagem.coordinator", "RemoteValue": "stratagem.coordinator",
-         "ParameterServerStrategy": "stratagem.strategies.parameter_server",
-         "FixedShardsPartitioner": "stratagem.ps.partitioners", "MaxSizePartitioner": "stratagem.ps.partitioners",
-         "MinSizePartitioner": "stratagem.ps.partitioners", "ShardedVariable": "stratagem.ps.variables"}
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'stratagem' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
 __all__ = [
-    "AutoShardPolicy", "ClusterCoordinator", "FixedShardsPartitioner", "MaxSizePartitioner",
-    "MinSizePartitioner", "ParameterServerStrategy", "RemoteValue", "ShardedVariable", "CommunicationImplementation", "CommunicationOptions", "CrossDeviceOps",
-    "DistributedValues", "HierarchicalCopyAllReduce", "InputContext", "InputOptions", "MirroredStrategy", "MultiWorkerMirroredStrategy",
-    "NcclAllReduce", "OneDeviceStrategy", "PerReplica", "ReduceOp", "ReductionToOneDevice",
-    "ReplicaContext", "Strategy", "ValueContext", "cluster", "errors", "get_replica_context", "get_strategy",
+    "AutoShardPolicy", "ClusterCoordinator", "CommunicationImplementation", "CommunicationOptions",
+    "CrossDeviceOps", "DistributedValues", "FixedShardsPartitioner", "HierarchicalCopyAllReduce",
+    "InputContext", "InputOptions", "MaxSizePartitioner", "MinSizePartitioner", "MirroredStrategy",
+    "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "ParameterServerStrategy",
+    "PerReplica", "ReduceOp", "ReductionToOneDevice", "RemoteValue", "ReplicaContext", "ShardedVariable",
+    "Strategy", "ValueContext", "cluster", "errors", "get_replica_context", "get_strategy",
     "has_strategy", "in_cross_replica_context", "nn",
 ]
 

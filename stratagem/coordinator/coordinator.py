@@ -133,7 +133,7 @@ class _Worker:
                 closure.value._set_error(error)
                 coordinator._queue.finished(error)
                 continue
-            coordinator.strategy._placement.stale()  # the ps values moved: re-read on next access
+            coordinator.strategy.placement.stale()  # the ps values moved: re-read on next access
             closure.value._set_value(result)
             coordinator._queue.finished()
 
@@ -198,18 +198,16 @@ class ClusterCoordinator:
         if not isinstance(strategy, ParameterServerStrategy):
             raise InvalidArgumentError(
                 f"ClusterCoordinator needs a sg.ParameterServerStrategy, got {type(strategy).__name__}")
-        if strategy._coordinator is not None:
-            raise InvalidArgumentError("this strategy already has a ClusterCoordinator; create only one")
+        strategy.attach_coordinator(self)
         self.strategy = strategy
-        strategy._coordinator = self
-        strategy._placement.on_restored = self._variables_restored
+        strategy.placement.on_restored = self._variables_restored
         self._queue = _Queue()
         self._stopping = threading.Event()
         self._datasets: dict[str, Callable] = {}
         self._keys: "weakref.WeakKeyDictionary[Callable, str]" = weakref.WeakKeyDictionary()
         self._ps_failure: UnavailableError | None = None
-        self._workers = [_Worker(self, i, address, strategy._token)
-                         for i, address in enumerate(strategy._worker_addresses)]
+        self._workers = [_Worker(self, i, address, strategy.cluster.token)
+                         for i, address in enumerate(strategy.cluster.worker_addresses)]
         self._watchdog = threading.Thread(target=self._watch_ps, daemon=True, name="stratagem-ps-watchdog")
         self._watchdog.start()
         atexit.register(self.shutdown)  # threads inside gRPC calls at interpreter exit abort it
@@ -222,7 +220,9 @@ class ClusterCoordinator:
             raise InvalidArgumentError(f"schedule needs a callable, got {type(fn).__name__}")
         with label("stratagem.ps.schedule"):
             self._raise_if_ps_failed()
-            self.strategy._sync_before_schedule()
+            placement = self.strategy.placement
+            placement.finalize()
+            placement.sync_hyperparameters()
             value = RemoteValue(self)
             self._queue.put(_Closure(fn, tuple(args), dict(kwargs or {}), value))
             return value
@@ -284,7 +284,7 @@ class ClusterCoordinator:
         """A closure's error; one that says a parameter server is unavailable (a worker's
         pull or push failed) also fails everything after it."""
         remote = error.remote_exception if isinstance(error, RemoteError) else None
-        ps_tasks = {client.task for client in self.strategy._ps_clients}
+        ps_tasks = {client.task for client in self.strategy.cluster.ps_clients}
         if isinstance(remote, UnavailableError) and remote.task in ps_tasks:
             failure = UnavailableError(
                 f"parameter server {remote.task} is unavailable: {error.remote_message}. Restart it "
@@ -295,7 +295,7 @@ class ClusterCoordinator:
         return error
 
     def _watch_ps(self) -> None:
-        clients = self.strategy._ps_clients
+        clients = self.strategy.cluster.ps_clients
         while not self._stopping.wait(PING_SECONDS):
             if self._ps_failure is not None:
                 continue

@@ -12,7 +12,7 @@ object travel by reference, as persistent ids, never by value:
   worker, a :class:`~stratagem.ps.runtime.WorkerOptimizer` of the runtime;
 - a per-worker iterator: ``("iterator", dataset_id, iterator_id)``; on the worker, the
   runtime's live iterator;
-- the strategy's :class:`~stratagem.ps.placement.Placement`, which a scoped module's
+- the strategy's :class:`~stratagem.ps.placement.ParameterServerPlacement`, which a scoped module's
   ``load_state_dict`` hooks mention: ``("placement",)``; on the worker, None (its modules'
   values are the runtime's, not the coordinator's).
 
@@ -33,9 +33,8 @@ from typing import Any
 import torch
 
 from stratagem.errors import InvalidArgumentError, StratagemError
-from stratagem.ps.placement import Placement, _VariableDict
+from stratagem.ps.placement import ParameterServerPlacement, _VariableDict
 from stratagem.ps.runtime import WorkerOptimizer, WorkerRuntime
-from stratagem.ps.strategy import ParameterServerStrategy
 from stratagem.ps.variables import remote_of
 from stratagem.rpc.codec import Pickler, Unpickler
 from stratagem.rpc.errors import CodecError
@@ -81,11 +80,11 @@ class ClosurePickler(Pickler):
         if isinstance(obj, _VariableDict):
             return ("variables", obj.entries())
         if isinstance(obj, torch.optim.Optimizer) and isinstance(
-                obj.__dict__.get("_sg_strategy"), ParameterServerStrategy):
+                obj.__dict__.get("_sg_placement"), ParameterServerPlacement):
             return ("optimizer", [remote_of(p).var_id for g in obj.param_groups for p in g["params"]])
         if isinstance(obj, PerWorkerIterator):
             return ("iterator", *obj._ids)
-        if isinstance(obj, Placement):
+        if isinstance(obj, ParameterServerPlacement):
             return ("placement",)
         return None
 

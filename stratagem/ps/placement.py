@@ -1,7 +1,7 @@
-"""Placement: where the variables of a ParameterServerStrategy's scope live, on the coordinator.
+"""ParameterServerPlacement: where the variables of a ParameterServerStrategy's scope live, on the coordinator.
 
 A module created in scope has its ``_parameters`` and ``_buffers`` replaced by a
-:class:`_VariableDict` once it is complete (:meth:`Placement.finalize`, before the first
+:class:`_VariableDict` once it is complete (:meth:`ParameterServerPlacement.finalize`, before the first
 optimizer, ``run`` or ``schedule``): each variable is created on the parameter servers --
 whole, round-robin over the ps tasks, or split along dim 0 by the partitioner into shards
 spread round-robin too -- and the module keeps a coordinator copy tagged with where it
@@ -10,13 +10,14 @@ whole ``nn.Embedding`` becomes a :class:`~stratagem.ps.embedding.PSEmbedding`, i
 row-sparse.
 
 The coordinator copies are refreshed from the ps when read after steps ran
-(:meth:`Placement.stale` marks them old), and ``load_state_dict`` writes them back.
+(:meth:`ParameterServerPlacement.stale` marks them old), and ``load_state_dict`` writes them back.
 Optimizers created in scope get, per variable shard, an optimizer of the same class on the
-shard's ps (:meth:`Placement.attach_optimizer`); their hyperparameters follow the
+shard's ps (:meth:`ParameterServerPlacement.attach_optimizer`); their hyperparameters follow the
 coordinator's before each schedule, and their state dicts are assembled from the shards.
 
-The hooks the strategy base calls: ``on_registered``, ``finalize``, ``before_run``,
-``after_run``, ``all_copies``, ``replica_copy``, ``on_optimizer_created``.
+It implements the declared :class:`~stratagem.placement.base.Placement` interface; the
+optimizer operations push gradients (``optimizer_step``) and read or write the shards'
+optimizer states (the state dicts).
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ import torch
 from torch import nn
 
 from stratagem._profiling import label
+from stratagem.data.sharding import split_sizes
 from stratagem.errors import InvalidArgumentError
+from stratagem.placement.base import Placement
+from stratagem.placement.hooks import adopt
 from stratagem.ps.client import ParameterServerClient, call_each
 from stratagem.ps.embedding import PSEmbedding
 from stratagem.ps.variables import RemoteVariable, Shard, ShardedVariable, gradients_by_ps, remote_of
-from stratagem.strategies.mirroring import _distributed_class
-from stratagem.strategies.replica_context import split_sizes
 
-__all__ = ["Placement", "STARTUP_TIMEOUT_SECONDS"]
+__all__ = ["ParameterServerPlacement", "STARTUP_TIMEOUT_SECONDS"]
 
 STARTUP_TIMEOUT_SECONDS = 120.0
 
@@ -49,7 +51,7 @@ class _VariableDict(dict):
     (:class:`~stratagem.ps.closures.ClosurePickler`); pickled otherwise, a plain dict.
     """
 
-    def __init__(self, placement: Placement, items: Any = ()):
+    def __init__(self, placement: "ParameterServerPlacement", items: Any = ()):
         super().__init__(items)
         self._placement = placement
         self._pulled_at = -1
@@ -83,7 +85,7 @@ class _VariableDict(dict):
         return list(dict.items(self))
 
 
-class Placement:
+class ParameterServerPlacement(Placement):
     """Creates the variables of scoped modules on the parameter servers and keeps track of them.
 
     ``strategy`` only names the owner in errors (and is what scoped optimizers report to);
@@ -91,6 +93,8 @@ class Placement:
     how many shards a variable gets (None: one). ``on_restored`` is called after values
     were written back to the ps (a ClusterCoordinator sets it).
     """
+
+    kind = "ParameterServer"
 
     def __init__(self, strategy: Any, ps_clients: Sequence[ParameterServerClient],
                  partitioner: Callable | None):
@@ -110,21 +114,9 @@ class Placement:
 
     # ------------------------------------------------------------ modules
 
-    def on_registered(self, module: nn.Module) -> None:
+    def on_module_registered(self, module: nn.Module) -> None:
         if not self._pending or self._pending[-1] is not module:
             self._pending.append(module)
-
-    def before_run(self) -> None:
-        self.finalize()
-
-    def after_run(self) -> None:
-        pass
-
-    def all_copies(self, tensor: torch.Tensor) -> None:
-        return None
-
-    def replica_copy(self, tensor: torch.Tensor, replica: int) -> torch.Tensor:
-        return tensor
 
     def stale(self) -> None:
         self.version += 1
@@ -227,13 +219,14 @@ class Placement:
     # --------------------------------------------------------- optimizers
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.__class__ = _distributed_class(type(optimizer))
-        optimizer._sg_strategy = self.strategy
+        adopt(optimizer, self)
         self._pending_optimizers.append(optimizer)
 
-    def push_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> None:
         """``optimizer.step()`` on the coordinator: the dense gradients go to the ps, which
         apply them with the shards' optimizers."""
+        if closure is not None:
+            raise InvalidArgumentError("optimizer.step(closure) is not supported in parameter-server training")
         self.finalize()
         per_ps = gradients_by_ps(p for g in optimizer.param_groups for p in g["params"])
         with label("stratagem.ps.push"):
@@ -285,6 +278,20 @@ class Placement:
                     self.ps_clients[ps].call("set_hyperparameters", var_ids=ids, values=changed)
             self._sent_hyper[id(optimizer)] = now
 
+    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        optimizer._sg_base.zero_grad(optimizer, set_to_none)
+
+    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+        optimizer._sg_base.add_param_group(optimizer, param_group)
+        self.attach_optimizer(optimizer)
+
+    def optimizer_reduce(self, optimizer: torch.optim.Optimizer) -> Any:
+        # A scheduled function carries it to a worker by reference (stratagem.ps.closures);
+        # there is no other copy of an optimizer whose state lives on the parameter servers.
+        raise TypeError(
+            f"a {optimizer._sg_base.__name__} created in the scope of {self.strategy!r} cannot be pickled "
+            f"or deep-copied outside a scheduled function; save its state_dict() instead (one logical copy)")
+
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """One logical optimizer state dict, assembled from the shards' states."""
         self.finalize()
@@ -307,7 +314,7 @@ class Placement:
         result["state"] = logical
         return result
 
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         base = optimizer._sg_base
         base.load_state_dict(optimizer, {"state": {}, "param_groups": state_dict["param_groups"]})
         self.finalize()

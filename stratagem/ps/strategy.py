@@ -17,25 +17,42 @@ Steps run on workers through :class:`~stratagem.ClusterCoordinator`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import torch
-
-from stratagem import _context
-from stratagem.devices import Device
+from stratagem.comm.cross_device_ops import HierarchicalCopyAllReduce
+from stratagem.comm.replicas import ReplicaCollective
+from stratagem.devices import Device, Topology
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.ps.client import ParameterServerClient
-from stratagem.ps.placement import STARTUP_TIMEOUT_SECONDS, Placement
+from stratagem.ps.placement import STARTUP_TIMEOUT_SECONDS, ParameterServerPlacement
 from stratagem.rpc.auth import cluster_token
 from stratagem.strategies.base import Strategy
-from stratagem.strategies.mirroring import install_hooks
-from stratagem.strategies.replica_context import ReplicaContext
 
-__all__ = ["ParameterServerStrategy"]
+__all__ = ["ParameterServerCluster", "ParameterServerStrategy"]
+
+
+@dataclass(frozen=True)
+class ParameterServerCluster:
+    """What a :class:`~stratagem.ClusterCoordinator` needs from its strategy: the tasks to
+    reach and the token that proves cluster membership (never shown in ``repr``)."""
+
+    worker_addresses: tuple[str, ...]
+    ps_addresses: tuple[str, ...]
+    ps_clients: tuple[ParameterServerClient, ...]
+    token: str
+
+    def __repr__(self) -> str:
+        return (f"ParameterServerCluster(workers={list(self.worker_addresses)}, "
+                f"ps={list(self.ps_addresses)})")
 
 
 class ParameterServerStrategy(Strategy):
     """Asynchronous training: variables on parameter servers, steps scheduled onto workers.
+
+    Configuration: one replica on the coordinator's CPU (its ``run`` is inline), a
+    one-replica collective, and the :class:`~stratagem.ps.placement.ParameterServerPlacement`;
+    steps run on the workers through :class:`~stratagem.ClusterCoordinator`.
 
     Example (the coordinator script of ``stratagem launch --workers 2 --ps 2 train.py``)::
 
@@ -58,18 +75,16 @@ class ParameterServerStrategy(Strategy):
             raise InvalidArgumentError(
                 f"variable_partitioner must be a partitioner such as sg.MinSizePartitioner(), got "
                 f"{variable_partitioner!r}")
-        super().__init__((Device("cpu", 0),))
-        install_hooks()
         self._resolver = cluster_resolver
-        self._token = cluster_token()
-        self._ps_addresses = list(spec.job_tasks("ps"))
-        self._worker_addresses = list(spec.job_tasks("worker"))
-        self._ps_clients = [ParameterServerClient(a, self._token, task=f"ps {i}")
-                            for i, a in enumerate(self._ps_addresses)]
-        for client in self._ps_clients:  # the ps tasks may still be starting: wait for them
+        token = cluster_token()
+        ps_addresses = tuple(spec.job_tasks("ps"))
+        clients = tuple(ParameterServerClient(a, token, task=f"ps {i}") for i, a in enumerate(ps_addresses))
+        for client in clients:  # the ps tasks may still be starting: wait for them
             client.wait_ready(timeout=STARTUP_TIMEOUT_SECONDS)
-        self._placement = Placement(self, self._ps_clients, variable_partitioner)
-        self._contexts = [ReplicaContext(self, 0, 0, None)]
+        self.cluster = ParameterServerCluster(tuple(spec.job_tasks("worker")), ps_addresses, clients, token)
+        topology = Topology((Device("cpu", 0),))
+        collective = ReplicaCollective.create(topology.devices, HierarchicalCopyAllReduce())
+        self._configure(topology, collective, ParameterServerPlacement(self, clients, variable_partitioner))
         self._coordinator: Any = None
 
     def __reduce__(self) -> Any:  # a step function that mentions the strategy runs on a worker
@@ -79,61 +94,20 @@ class ParameterServerStrategy(Strategy):
     def cluster_resolver(self) -> Any:
         return self._resolver
 
-    # --------------------------------------------------------------- run
+    @property
+    def placement(self) -> ParameterServerPlacement:
+        """Where the scoped variables live (the coordinator refreshes and restores through it)."""
+        return self._placement
 
-    def _run_replicas(self, fn: Callable, per_replica_args: list, global_batch_size: int | None) -> list:
-        args, kwargs = per_replica_args[0]
-        ctx = self._contexts[0]
-        ctx._global_batch_size = global_batch_size
-        _context.push(self, ctx)
-        try:
-            return [fn(*args, **kwargs)]
-        finally:
-            _context.pop()
-
-    def _replica_exchange(self, ctx: ReplicaContext, tensors: list, tag: str) -> list:
-        return [tensors]
-
-    def _replica_all_reduce(self, ctx: ReplicaContext, op: Any, tensors: list) -> list:
-        return [t.clone() for t in tensors]
-
-    def _replica_all_gather(self, ctx: ReplicaContext, tensors: list, axis: int) -> list:
-        return [t.clone() for t in tensors]
-
-    def _sync_before_schedule(self) -> None:
-        self._placement.finalize()
-        self._placement.sync_hyperparameters()
-
-    # -------------------------------------------------------- optimizers
-
-    def _optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> None:
-        if closure is not None:
-            raise InvalidArgumentError("optimizer.step(closure) is not supported in parameter-server training")
-        self._placement.push_gradients(optimizer)
-
-    def _optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        optimizer._sg_base.zero_grad(optimizer, set_to_none)
-
-    def _optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        optimizer._sg_base.add_param_group(optimizer, param_group)
-        self._placement.attach_optimizer(optimizer)
-
-    def _reduce_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
-        # A scheduled function carries it to a worker by reference (stratagem.ps.closures);
-        # there is no other copy of an optimizer whose state lives on the parameter servers.
-        raise TypeError(
-            f"a {optimizer._sg_base.__name__} created in the scope of {self!r} cannot be pickled or "
-            f"deep-copied outside a scheduled function; save its state_dict() instead (one logical copy)")
-
-    def _optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        return self._placement.optimizer_state_dict(optimizer)
-
-    def _optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        self._placement.load_optimizer_state_dict(optimizer, state_dict)
+    def attach_coordinator(self, coordinator: Any) -> None:
+        """Called by :class:`~stratagem.ClusterCoordinator`: one coordinator per strategy."""
+        if self._coordinator is not None:
+            raise InvalidArgumentError("this strategy already has a ClusterCoordinator; create only one")
+        self._coordinator = coordinator
 
     def __repr__(self) -> str:
-        return (f"ParameterServerStrategy({len(self._worker_addresses)} workers, "
-                f"{len(self._ps_addresses)} ps)")
+        return (f"ParameterServerStrategy({len(self.cluster.worker_addresses)} workers, "
+                f"{len(self.cluster.ps_addresses)} ps)")
 
 
 class _WorkerStrategy:

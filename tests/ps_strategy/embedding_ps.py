@@ -25,7 +25,7 @@ class Model(nn.Module):
 
 def traffic(strategy, ops=("pull_rows", "push_rows")):
     total = 0
-    for client in strategy._ps_clients:
+    for client in strategy.cluster.ps_clients:
         stats = client.call("stats")
         total += sum(op.get("bytes_out", 0) + op.get("bytes_in", 0)
                      for name, op in stats["ops"].items() if ops is None or name in ops)
@@ -35,7 +35,7 @@ def traffic(strategy, ops=("pull_rows", "push_rows")):
 def setup_ops(strategy):
     """Per ps operation, calls and bytes, summed over the ps tasks."""
     ops = {}
-    for client in strategy._ps_clients:
+    for client in strategy.cluster.ps_clients:
         for name, op in client.call("stats")["ops"].items():
             for key, value in op.items():
                 ops.setdefault(name, {}).setdefault(key, 0)
@@ -54,7 +54,7 @@ def main(out):
         with strategy.scope():
             model = Model(rows)
             optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
-        strategy._placement.finalize()   # what the first schedule() does: variables, optimizers
+        strategy.placement.finalize()   # what the first schedule() does: variables, optimizers
         after_setup = setup_ops(strategy)
         setup = {op: {k: after_setup[op][k] - before_setup.get(op, {}).get(k, 0) for k in after_setup[op]}
                  for op in after_setup if after_setup[op]["calls"] > before_setup.get(op, {}).get("calls", 0)}
@@ -77,7 +77,7 @@ def main(out):
         report[rows] = {"bytes_per_step": (traffic(strategy) - start) / 5, "changed_rows": changed,
                         "shard_shapes": model.embedding.weight.shard_shapes,
                         "setup": setup,
-                        "variable_bytes": sum(c.call("stats")["variable_bytes"] for c in strategy._ps_clients)}
+                        "variable_bytes": sum(c.call("stats")["variable_bytes"] for c in strategy.cluster.ps_clients)}
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f)
     print(json.dumps(report))
