@@ -40,9 +40,8 @@ MAX_LINES = 400
 #: Function-level imports of stratagem modules that are there on purpose, as
 #: ``(importing module, imported module): why``. Lines move; these pairs do not.
 LAZY_IMPORTS: dict[tuple[str, str], str] = {
-    # sg.nn is imported by `import stratagem`; the worker runtime brings the gRPC and
-    # cryptography stack, which only parameter-server training needs.
-    ("stratagem.nn.embedding", "stratagem.coordinator.worker"): "the gRPC stack on first use",
+    # none today: the parameter-server names load lazily through PEP 562 module __getattr__
+    # (stratagem/__init__.py, stratagem/ps/__init__.py), which the graph does not count.
 }
 
 
