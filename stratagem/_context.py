@@ -78,7 +78,7 @@ def get_strategy() -> "Strategy":
 def has_strategy() -> bool:
     """Whether a non-default strategy's scope is active on this thread."""
     frame = current_frame()
-    return frame is not None and not frame.strategy._is_default
+    return frame is not None and not frame.strategy.is_default
 
 
 def in_cross_replica_context() -> bool:

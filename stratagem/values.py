@@ -50,6 +50,16 @@ class DistributedValues:
         self._global_batch_size = global_batch_size
 
     @property
+    def strategy(self) -> Any:
+        """The strategy that made this value (None for one made by hand)."""
+        return self._strategy
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """For a distributed batch: the rows of the global batch it was cut from."""
+        return self._global_batch_size
+
+    @property
     def values(self) -> tuple[Any, ...]:
         """The local components, in replica order."""
         return self._values

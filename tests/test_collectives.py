@@ -493,3 +493,17 @@ def test_replicas_reducing_different_numbers_of_tensors_is_an_error():
 
     with pytest.raises(CollectiveMismatchError):
         strategy.run(fn)
+
+
+def test_the_collective_refuses_an_integer_mean() -> None:
+    """ReplicaContext turns integers into floats for MEAN; the collective itself refuses them."""
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+
+    def fn():
+        ctx = sg.get_replica_context()
+        return strategy.collective.all_reduce(ctx.local_replica_id, [torch.tensor([3])], sg.ReduceOp.MEAN)
+
+    with pytest.raises(sg.errors.InvalidArgumentError, match="floating-point"):
+        strategy.run(fn)
+    means = strategy.run(lambda: sg.get_replica_context().all_reduce("mean", torch.tensor([3])))
+    assert [t.tolist() for t in strategy.experimental_local_results(means)] == [[3.0], [3.0]]

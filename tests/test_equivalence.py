@@ -240,3 +240,19 @@ def test_first_step_builds_one_shared_update_under_thread_races() -> None:
     """Replica threads reach their first optimizer.step together; they must share one update."""
     for _ in range(10):
         _check_equivalent(sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2", "cpu:3"]), "adam", [8, 8, 5])
+
+
+@pytest.mark.parametrize("num_packs", [2, 5])
+def test_hierarchical_copy_with_several_packs(num_packs: int) -> None:
+    """num_packs cuts the flattened gradients into packs, each split between the replicas:
+    the work is shared differently, the sums are the same."""
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"],
+                                   cross_device_ops=sg.HierarchicalCopyAllReduce(num_packs=num_packs))
+    _check_equivalent(strategy, "adam", [9, 9, 5, 1])
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_num_packs_must_be_a_positive_integer(bad) -> None:
+    for op in (sg.HierarchicalCopyAllReduce, sg.NcclAllReduce):
+        with pytest.raises(sg.errors.InvalidArgumentError, match="num_packs"):
+            op(num_packs=bad)

@@ -33,16 +33,19 @@ from stratagem.values import ReduceOp
 _PIECE_ELEMENTS = 1 << 18  # pieces small enough that the copy-back still finds the sum in cache
 
 
-def sum_into(first: torch.Tensor, others: Sequence[torch.Tensor], op: ReduceOp, count: int) -> torch.Tensor:
-    """``first += others`` in order, then divided by ``count`` for MEAN (floor for integers)."""
+def sum_into(first: torch.Tensor, others: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``first += others``, in order."""
     for other in others:
         first.add_(other.to(first.device, non_blocking=True))
-    if op is ReduceOp.MEAN:
-        if first.is_floating_point() or first.is_complex():
-            first.div_(count)
-        else:
-            first.floor_divide_(count)
     return first
+
+
+def check_mean(tensors: Sequence[torch.Tensor], op: ReduceOp) -> None:
+    """A MEAN divides: it needs floating tensors (``ReplicaContext`` converts integers first)."""
+    if op is ReduceOp.MEAN and any(not (t.is_floating_point() or t.is_complex()) for t in tensors):
+        raise InvalidArgumentError(
+            "a MEAN all-reduce needs floating-point tensors; convert integers first (sg.get_replica_context()"
+            ".all_reduce does, and returns a float)")
 
 
 class ReplicaCollective(Collective):
@@ -84,6 +87,7 @@ class ReplicaCollective(Collective):
         return self.sync.exchange(local_id, tensors, tag)
 
     def all_reduce(self, local_id: int, tensors: list[torch.Tensor], op: ReduceOp) -> list[torch.Tensor]:
+        check_mean(tensors, op)
         tensors = [t.clone() for t in tensors]
         everyone = self.sync.exchange(local_id, tensors, f"all_reduce({len(tensors)} tensors)")
         self.sum_exchanged(local_id, everyone, op)
@@ -146,7 +150,7 @@ class RangeCollective(ReplicaCollective):
                 for piece in pieces[1:]:
                     acc.add_(piece.to(acc.device, non_blocking=True))
                 if op is ReduceOp.MEAN:
-                    acc.div_(n) if acc.is_floating_point() or acc.is_complex() else acc.floor_divide_(n)
+                    acc.div_(n)
                 if copy_back:
                     for piece in pieces[1:]:
                         piece.copy_(acc, non_blocking=True)
@@ -171,7 +175,7 @@ class OneDeviceCollective(ReplicaCollective):
                     for r in range(1, n):
                         acc.add_(everyone[r][i].to(acc.device, non_blocking=True))
                     if op is ReduceOp.MEAN:
-                        acc.div_(n) if acc.is_floating_point() or acc.is_complex() else acc.floor_divide_(n)
+                        acc.div_(n)
                     for r in range(n) if copy_back else range(1):
                         if everyone[r][i] is not acc:
                             everyone[r][i].copy_(acc, non_blocking=True)
@@ -204,7 +208,7 @@ class NcclCollective(ReplicaCollective):
                         torch.cuda.nccl.all_reduce(flat)
                         for r in range(n) if copy_back else range(1):
                             if op is ReduceOp.MEAN:
-                                flat[r].div_(n) if flat[r].is_floating_point() else flat[r].floor_divide_(n)
+                                flat[r].div_(n)
                             offset = 0
                             for i in chunk:
                                 t = everyone[r][i]

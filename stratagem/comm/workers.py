@@ -20,7 +20,7 @@ from stratagem.comm.collective import Collective
 from stratagem.comm.gradients import GradientPacks
 from stratagem.comm.options import CommunicationOptions
 from stratagem.comm.processes import WorkerGroup
-from stratagem.comm.replicas import ReplicaCollective
+from stratagem.comm.replicas import ReplicaCollective, check_mean
 from stratagem.errors import InvalidArgumentError
 from stratagem.values import ReduceOp
 
@@ -53,6 +53,7 @@ class WorkerCollective(Collective):
     # ------------------------------------------------------ replica context
 
     def all_reduce(self, local_id: int, tensors: list[torch.Tensor], op: ReduceOp) -> list[torch.Tensor]:
+        check_mean(tensors, op)
         local = self.local.all_reduce(local_id, tensors, ReduceOp.SUM)
         if self.num_workers > 1:
             if local_id == 0 and local:
@@ -69,7 +70,7 @@ class WorkerCollective(Collective):
             self._share_first(local_id, local, "all_reduce:workers")
         if op is ReduceOp.MEAN:
             n = self.num_replicas
-            local = [t / n if t.is_floating_point() or t.is_complex() else t // n for t in local]
+            local = [t / n for t in local]
         return local
 
     def _share_first(self, local_id: int, tensors: list[torch.Tensor], tag: str) -> None:

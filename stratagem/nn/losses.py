@@ -43,8 +43,8 @@ def _current_global_batch_size(local_size: int) -> int:
     ctx = _context.get_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:
         return local_size or 1
-    if ctx._global_batch_size is not None:
-        return ctx._global_batch_size
+    if ctx.global_batch_size is not None:
+        return ctx.global_batch_size
     return int(ctx.all_reduce("sum", local_size)) or 1
 
 

@@ -54,9 +54,9 @@ class internal_optimizers:
 
 def _scoped_placement() -> Any:
     frame = _context.current_frame()
-    if frame is None or frame.replica_context is not None or frame.strategy._is_default:
+    if frame is None or frame.replica_context is not None or frame.strategy.is_default:
         return None
-    return frame.strategy._placement
+    return frame.strategy.placement
 
 
 def _on_tensor_registered(module: nn.Module, name: str, tensor: Any) -> None:

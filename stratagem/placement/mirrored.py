@@ -65,9 +65,9 @@ class MirroredPlacement(MirroredOptimizers, Placement):
                     mirrored = MirroredDict(self, is_buffers, dict.items(current))
                     module.__dict__[attr] = mirrored
                     self._dicts.append(mirrored)
-                elif current._placement is not self:
+                elif current.placement is not self:
                     raise InvalidArgumentError(
-                        f"module {type(module).__name__} already belongs to {current._placement.strategy!r}")
+                        f"module {type(module).__name__} already belongs to {current.placement.strategy!r}")
         if not self._pending_modules or self._pending_modules[-1] is not module:
             self._pending_modules.append(module)
 
@@ -94,14 +94,14 @@ class MirroredPlacement(MirroredOptimizers, Placement):
             if isinstance(entries, MirroredDict):
                 for key in dict.keys(entries):
                     self.mirror_entry(entries, key)
-                entries._finalized = True
-                entries._record_versions()
+                entries.finalized = True
+                entries.record_versions()
 
     def mirror_entry(self, entries: MirroredDict, key: str) -> None:
         """(Re)make every replica's copy of one primary entry."""
         primary = dict.__getitem__(entries, key)
         if primary is None:
-            for copies in entries._copies[1:]:
+            for copies in entries.copies[1:]:
                 copies[key] = None
             return
         if primary.device != self.devices[0]:
@@ -115,10 +115,10 @@ class MirroredPlacement(MirroredOptimizers, Placement):
                 copy = nn.Parameter(data, requires_grad=primary.requires_grad)
             else:
                 copy = data
-            entries._copies[r][key] = copy
+            entries.copies[r][key] = copy
             all_copies.append(copy)
         self._copies[id(primary)] = tuple(all_copies)
-        entries._versions[key] = primary._version
+        entries.versions[key] = primary._version
 
     def all_copies(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         copies = self._copies.get(id(tensor))
@@ -135,7 +135,7 @@ class MirroredPlacement(MirroredOptimizers, Placement):
     def before_run(self) -> None:
         self.finalize()
         for entries in self._dicts:
-            entries._push_modified()
+            entries.push_modified()
         if self.num_replicas > 1:
             _unscoped_check.acquire()
 
@@ -147,7 +147,7 @@ class MirroredPlacement(MirroredOptimizers, Placement):
     def record_updates(self) -> None:
         """Copies were written together (a step): note their versions; buffers may need averaging."""
         for entries in self._dicts:
-            entries._after_run()
+            entries.after_run()
 
     # ------------------------------------------------------------- optimizers
 

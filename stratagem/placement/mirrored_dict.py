@@ -1,6 +1,6 @@
 """``module._parameters`` / ``module._buffers`` of a module mirrored on several replicas.
 
-The dict's own storage holds the primary tensors (local replica 0's); ``_copies[r]``
+The dict's own storage holds the primary tensors (local replica 0's); ``copies[r]``
 holds replica ``r``'s. A lookup picks the calling thread's replica: the same module
 object computes with replica ``r``'s copy on replica ``r``'s thread inside ``run``,
 and with the primary everywhere else.
@@ -27,17 +27,17 @@ if TYPE_CHECKING:  # pragma: no cover
 class MirroredDict(dict):
     """``module._parameters`` / ``module._buffers`` with one value per replica.
 
-    The dict's own storage holds the primary (replica 0) tensors; ``_copies[r]``
+    The dict's own storage holds the primary (replica 0) tensors; ``copies[r]``
     holds replica ``r``'s. Lookups pick the calling thread's replica.
     """
 
     def __init__(self, placement: "MirroredPlacement", is_buffers: bool, items: Iterable = ()):
         super().__init__(items)
-        self._placement = placement
+        self.placement = placement
         self._is_buffers = is_buffers
-        self._copies: list[dict[str, Any]] = [{} for _ in range(placement.num_replicas)]
-        self._versions: dict[str, int] = {}
-        self._finalized = False
+        self.copies: list[dict[str, Any]] = [{} for _ in range(placement.num_replicas)]
+        self.versions: dict[str, int] = {}
+        self.finalized = False
         self._stale = False  # buffers written by replicas, not yet averaged
 
     # what torch.save / copy.deepcopy see: one plain copy
@@ -48,16 +48,16 @@ class MirroredDict(dict):
         frame = _context.current_frame()
         if frame is None or frame.replica_context is None:
             return None
-        if frame.strategy is not self._placement.strategy:
+        if frame.strategy is not self.placement.strategy:
             raise ContextError(
-                f"a module created in the scope of {self._placement.strategy!r} was called inside "
+                f"a module created in the scope of {self.placement.strategy!r} was called inside "
                 f"run of {frame.strategy!r}; use each module only with the strategy it was created under")
-        return frame.replica_context._local_id
+        return frame.replica_context.local_replica_id
 
     def __getitem__(self, key: str) -> Any:
         replica = self._replica()
         if replica:
-            return self._copies[replica][key]
+            return self.copies[replica][key]
         if replica is None and self._stale:
             self._average_buffers()
         return dict.__getitem__(self, key)
@@ -80,17 +80,17 @@ class MirroredDict(dict):
     def __setitem__(self, key: str, value: Any) -> None:
         replica = self._replica()
         if replica:
-            self._copies[replica][key] = value
+            self.copies[replica][key] = value
             return
         dict.__setitem__(self, key, value)
-        if self._finalized and replica is None:
-            self._placement.mirror_entry(self, key)
+        if self.finalized and replica is None:
+            self.placement.mirror_entry(self, key)
 
     def __delitem__(self, key: str) -> None:
         dict.__delitem__(self, key)
-        for copies in self._copies:
+        for copies in self.copies:
             copies.pop(key, None)
-        self._versions.pop(key, None)
+        self.versions.pop(key, None)
 
     def pop(self, key: str, *default: Any) -> Any:
         if key not in self:
@@ -103,42 +103,42 @@ class MirroredDict(dict):
 
     # ---------------------------------------------------------- synchronisation
 
-    def _record_versions(self) -> None:
+    def record_versions(self) -> None:
         for key, tensor in dict.items(self):
             if tensor is not None:
-                self._versions[key] = tensor._version
+                self.versions[key] = tensor._version
 
-    def _push_modified(self) -> None:
+    def push_modified(self) -> None:
         """Copy primaries written outside ``run`` to every replica."""
         if self._stale:
             self._average_buffers()
-        versions = self._versions
+        versions = self.versions
         for key, tensor in dict.items(self):
             if tensor is not None and versions.get(key) != tensor._version:
                 with torch.no_grad():
-                    for copies in self._copies[1:]:
+                    for copies in self.copies[1:]:
                         copies[key].copy_(tensor)
                 versions[key] = tensor._version
 
-    def _after_run(self) -> None:
+    def after_run(self) -> None:
         if self._is_buffers:
-            versions = self._versions
+            versions = self.versions
             self._stale = self._stale or any(
                 t is not None and versions.get(k) != t._version for k, t in dict.items(self))
-        self._record_versions()
+        self.record_versions()
 
     def _average_buffers(self) -> None:
         self._stale = False
-        n = len(self._copies)
+        n = len(self.copies)
         with torch.no_grad():
             for key, primary in dict.items(self):
                 if primary is None or not primary.is_floating_point():
                     continue
                 total = primary.clone()
-                for copies in self._copies[1:]:
+                for copies in self.copies[1:]:
                     total.add_(copies[key].to(total.device))
                 total.div_(n)
                 primary.copy_(total)
-                for copies in self._copies[1:]:
+                for copies in self.copies[1:]:
                     copies[key].copy_(total)
-        self._record_versions()
+        self.record_versions()

@@ -104,9 +104,9 @@ class MirroredOptimizers:
         twins = self.twins(optimizer)
         frame = _context.current_frame()
         ctx = frame.replica_context if frame is not None else None
-        if ctx is None or ctx._strategy is not self.strategy:
+        if ctx is None or ctx.strategy is not self.strategy:
             return self._cross_replica_step(optimizer, twins)
-        local_id, collective, n = ctx._local_id, self.collective, self.num_replicas
+        local_id, collective, n = ctx.local_replica_id, self.collective, self.num_replicas
         twin = twins[local_id]
         params = [p for group in twin.param_groups for p in group["params"]]
         sharded = self.sharded(optimizer)
@@ -180,8 +180,7 @@ class MirroredOptimizers:
                     for params in per_twin:
                         if params[i].grad is None:
                             params[i].grad = torch.zeros_like(params[i])
-                    acc = sum_into(per_twin[0][i].grad, [params[i].grad for params in per_twin[1:]],
-                                   ReduceOp.SUM, len(twins))
+                    acc = sum_into(per_twin[0][i].grad, [params[i].grad for params in per_twin[1:]])
                     for params in per_twin[1:]:
                         params[i].grad.copy_(acc)
         pre, post = step_hooks(optimizer)
@@ -221,7 +220,7 @@ class MirroredOptimizers:
         twins = self.twins(optimizer)
         frame = _context.current_frame()
         ctx = frame.replica_context if frame is not None else None
-        mine = [twins[ctx._local_id]] if ctx is not None and ctx._strategy is self.strategy else twins
+        mine = [twins[ctx.local_replica_id]] if ctx is not None and ctx.strategy is self.strategy else twins
         if not set_to_none and self.collective.num_workers > 1:
             # gradients may be views of packs being all-reduced: give them fresh zeros instead
             for twin in mine:

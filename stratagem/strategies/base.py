@@ -63,7 +63,8 @@ class Strategy:
             print(strategy.reduce("sum", strategy.run(step, args=(batch,)), axis=None))
     """
 
-    _is_default = False
+    #: True only for the default strategy (what sg.get_strategy() returns outside every scope).
+    is_default = False
 
     def _configure(self, topology: Topology, collective: Collective, placement: Placement) -> None:
         """Set the collaborators (each strategy's ``__init__`` calls this once).
@@ -76,7 +77,7 @@ class Strategy:
         self._placement = placement
         contexts = [ReplicaContext(self, i, device, collective) for i, device in enumerate(topology.devices)]
         self._runner: Runner = ThreadRunner(contexts, collective) if len(contexts) > 1 else \
-            InlineRunner(contexts, name_errors=not self._is_default)
+            InlineRunner(contexts, name_errors=not self.is_default)
         self._scope_depth = threading.local()
 
     # -------------------------------------------------------------- topology
@@ -90,6 +91,11 @@ class Strategy:
     def topology(self) -> Topology:
         """Where the replicas are: this worker's devices, the number of workers, this worker's index."""
         return self._topology
+
+    @property
+    def placement(self) -> Placement:
+        """Where this strategy keeps variables (advanced use; see ``stratagem.placement``)."""
+        return self._placement
 
     @property
     def collective(self) -> Collective:
@@ -128,12 +134,12 @@ class Strategy:
         _context.push(self, replica_context)
         depth = getattr(self._scope_depth, "value", 0)
         self._scope_depth.value = depth + 1
-        if not self._is_default:
+        if not self.is_default:
             hooks.scope_opened()
         try:
             yield self
         finally:
-            if not self._is_default:
+            if not self.is_default:
                 hooks.scope_closed()
             self._scope_depth.value = depth
             _context.pop()
@@ -187,7 +193,7 @@ class Strategy:
 
         def pick(leaf: Any) -> Any:
             if isinstance(leaf, DistributedValues):
-                return leaf._values[local_id]
+                return leaf.values[local_id]
             if isinstance(leaf, torch.Tensor):
                 return copy_for(leaf, local_id)
             return leaf
@@ -286,7 +292,7 @@ class Strategy:
         """
         if isinstance(value, DistributedValues):
             self._check_owned(value, "experimental_local_results")
-            return value._values
+            return value.values
         if isinstance(value, torch.Tensor):
             self._placement.finalize()  # a module created in a scope that is still open
             copies = self._placement.all_copies(value)
@@ -321,14 +327,14 @@ class Strategy:
     def _check_owned(self, structure: Any, method: str) -> None:
         for leaf in flatten(structure):
             if isinstance(leaf, DistributedValues):
-                if leaf._strategy is not None and leaf._strategy is not self:
+                if leaf.strategy is not None and leaf.strategy is not self:
                     raise InvalidArgumentError(
                         f"strategy.{method}() got a {type(leaf).__name__} produced by another "
-                        f"strategy ({leaf._strategy!r}); distributed values can only be used with "
+                        f"strategy ({leaf.strategy!r}); distributed values can only be used with "
                         f"the strategy that made them")
-                if len(leaf._values) != self._topology.num_local_replicas:
+                if len(leaf.values) != self._topology.num_local_replicas:
                     raise InvalidArgumentError(
-                        f"strategy.{method}() got a {type(leaf).__name__} with {len(leaf._values)} "
+                        f"strategy.{method}() got a {type(leaf).__name__} with {len(leaf.values)} "
                         f"components, but this strategy has {self._topology.num_local_replicas} local replicas")
 
     def __repr__(self) -> str:
@@ -344,6 +350,6 @@ def _ordered_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def _global_batch_size_of(structure: Any) -> int | None:
     for leaf in flatten(structure):
-        if isinstance(leaf, DistributedValues) and leaf._global_batch_size is not None:
-            return leaf._global_batch_size
+        if isinstance(leaf, DistributedValues) and leaf.global_batch_size is not None:
+            return leaf.global_batch_size
     return None

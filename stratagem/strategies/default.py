@@ -21,7 +21,7 @@ class _DefaultStrategy(Strategy):
     nothing); ``run`` calls the function on the calling thread. Users cannot construct it.
     """
 
-    _is_default = True
+    is_default = True
 
     def __init__(self, _token: object = None):
         if _token is not _CREATING:

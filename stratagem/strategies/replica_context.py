@@ -56,7 +56,9 @@ class ReplicaContext:
         self._device_spec = device
         self._device = device.torch_device
         self._collective = collective
-        self._global_batch_size: int | None = None
+        #: Rows of the global batch this step's inputs were cut from, when the inputs are a
+        #: distributed batch (set by the strategy's runner for each ``run``); else None.
+        self.global_batch_size: int | None = None
 
     @property
     def strategy(self) -> Any:
@@ -73,6 +75,16 @@ class ReplicaContext:
     @property
     def devices(self) -> tuple[str, ...]:
         return (str(self._device_spec),)
+
+    @property
+    def device(self) -> Device:
+        """This replica's device."""
+        return self._device_spec
+
+    @property
+    def local_replica_id(self) -> int:
+        """This replica's index among this process's replicas."""
+        return self._local_id
 
     def _exchange(self, value: Any, tag: str) -> list[Any]:
         return self._collective.exchange(self._local_id, value, tag)

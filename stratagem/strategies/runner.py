@@ -43,9 +43,9 @@ class InlineRunner:
         if not self._lock.acquire(blocking=False):
             raise _overlapping(self._context.strategy)
         ctx = self._context
-        ctx._global_batch_size = global_batch_size
+        ctx.global_batch_size = global_batch_size
         args, kwargs = per_replica_args[0]
-        _context.push(ctx._strategy, ctx)
+        _context.push(ctx.strategy, ctx)
         try:
             with _on_device(ctx), label("stratagem.replica_fn"):
                 return [fn(*args, **kwargs)]
@@ -64,8 +64,8 @@ class ThreadRunner:
     def __init__(self, contexts: Sequence[ReplicaContext], collective: Collective):
         self._contexts = list(contexts)
         self._collective = collective
-        cpu_replicas = sum(1 for c in contexts if not c._device_spec.is_cuda)
-        self._cpu = not contexts[0]._device_spec.is_cuda
+        cpu_replicas = sum(1 for c in contexts if not c.device.is_cuda)
+        self._cpu = not contexts[0].device.is_cuda
         self._threads_per_replica = max(1, torch.get_num_threads() // max(cpu_replicas, 1))
         self._lock = threading.Lock()
         self._inbox: list[queue.SimpleQueue] | None = None
@@ -75,18 +75,18 @@ class ThreadRunner:
         self._inbox = [queue.SimpleQueue() for _ in self._contexts]
         for ctx in self._contexts[1:]:
             threading.Thread(target=self._serve, args=(ctx,), daemon=True,
-                             name=f"stratagem-replica-{ctx._local_id}").start()
+                             name=f"stratagem-replica-{ctx.local_replica_id}").start()
 
     def _serve(self, ctx: ReplicaContext) -> None:
-        if not ctx._device_spec.is_cuda:
+        if not ctx.device.is_cuda:
             torch.set_num_threads(self._threads_per_replica)
-        inbox = self._inbox[ctx._local_id]
+        inbox = self._inbox[ctx.local_replica_id]
         while True:
             task = inbox.get()
             if task is None:
                 return
             fn, args, kwargs = task
-            _context.push(ctx._strategy, ctx)
+            _context.push(ctx.strategy, ctx)
             try:
                 with _on_device(ctx), label("stratagem.replica_fn"):
                     outcome = (True, fn(*args, **kwargs))
@@ -95,8 +95,8 @@ class ThreadRunner:
                 outcome = (False, error)
             finally:
                 _context.pop()
-                self._collective.finish(ctx._local_id)
-            self._outbox.put((ctx._local_id, *outcome))
+                self._collective.finish(ctx.local_replica_id)
+            self._outbox.put((ctx.local_replica_id, *outcome))
 
     def run(self, fn: Callable, per_replica_args: list, global_batch_size: int | None) -> list:
         if not self._lock.acquire(blocking=False):
@@ -105,7 +105,7 @@ class ThreadRunner:
             if self._inbox is None:
                 self._start_threads()
             for ctx in self._contexts:
-                ctx._global_batch_size = global_batch_size
+                ctx.global_batch_size = global_batch_size
             collective, n = self._collective, len(self._contexts)
             collective.start_run()
             for r in range(1, n):
@@ -117,7 +117,7 @@ class ThreadRunner:
                 torch.set_num_threads(self._threads_per_replica)
             ctx = self._contexts[0]
             args, kwargs = per_replica_args[0]
-            _context.push(ctx._strategy, ctx)
+            _context.push(ctx.strategy, ctx)
             try:
                 with _on_device(ctx), label("stratagem.replica_fn"):
                     outcomes[0] = (True, fn(*args, **kwargs))
@@ -150,14 +150,14 @@ def _results(outcomes: list[tuple[bool, Any]], contexts: list[ReplicaContext]) -
 
 
 def _on_device(ctx: ReplicaContext) -> contextlib.AbstractContextManager:
-    if ctx._device_spec.is_cuda:
-        return torch.cuda.device(ctx._device)
+    if ctx.device.is_cuda:
+        return torch.cuda.device(ctx.device.torch_device)
     return contextlib.nullcontext()
 
 
 def _name_replica(error: BaseException, ctx: ReplicaContext) -> None:
     error.add_note(f"(raised in replica {ctx.replica_id_in_sync_group} of {ctx.strategy!r}, "
-                   f"on device {ctx._device_spec})")
+                   f"on device {ctx.device})")
 
 
 def _overlapping(strategy: Any) -> ContextError:
