@@ -12,8 +12,9 @@ On the coordinator (the user's script):
 On the servers (``stratagem server``, ``server.py``, serves one task from TF_CONFIG):
 
 - ``service.py`` -- :class:`ParameterServer`, the variables of one ps task, each with its
-  ``torch.optim`` optimizer; ``sparse_update.py`` applies SGD, Adagrad and Adam(W) to the
-  touched rows only;
+  ``torch.optim`` optimizer; ``shards.py`` -- one such variable (value, optimizer, lock) and
+  the checks of what workers send for it; ``sparse_update.py`` applies SGD, Adagrad and
+  Adam(W) to the touched rows only;
 - ``worker.py`` -- :class:`~stratagem.ps.worker.WorkerService`, which runs closures with the
   worker's ``runtime.py`` (local copies of variables, pulls and pushes, datasets).
 
@@ -40,7 +41,7 @@ __all__ = [
 _MODULES = {
     "FixedShardsPartitioner": "partitioners", "MaxSizePartitioner": "partitioners",
     "MinSizePartitioner": "partitioners", "Partitioner": "partitioners", "shard_sizes": "partitioners",
-    "OptimizerSpec": "service", "ParameterServer": "service",
+    "OptimizerSpec": "shards", "ParameterServer": "service",
     "ParameterServerClient": "client", "call_each": "client",
     "ParameterServerStrategy": "strategy", "ShardedVariable": "variables",
 }

@@ -30,7 +30,8 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from stratagem.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, RpcClient
+from stratagem.rpc.client import RpcClient
+from stratagem.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S
 
 __all__ = ["ParameterServerClient", "call_each"]
 

@@ -9,7 +9,8 @@ never wait for each other (asynchronous training).
 Each variable is an ``nn.Parameter`` with a lock: pushes to one variable are applied one
 after the other, in arrival order; pushes to different variables run in parallel (the RPC
 server runs requests on a thread pool and torch releases the GIL). A read takes the lock
-too, so it never sees half of an update.
+too, so it never sees half of an update. (One variable's record and the checks of what
+workers send for it are in :mod:`stratagem.ps.shards`.)
 
 The service is plain Python -- usable in-process, as tests do -- and :meth:`handlers`
 exposes it to :class:`stratagem.rpc.RpcServer`: each handler takes the dict of its method's
@@ -33,71 +34,18 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
 
 from stratagem.errors import InvalidArgumentError
+from stratagem.ps.shards import (OptimizerSpec, Rows, Shard, check_rows, check_spec, check_value,
+                                 clone_tree, make_optimizer, nbytes)
 from stratagem.ps.sparse_update import after_load_state_dict, apply_row_update, note_dense_step
-from stratagem.rpc.transport import EncodedReply, Handler, reads_only
+from stratagem.rpc.server import EncodedReply, Handler, reads_only
 
 __all__ = ["OptimizerSpec", "ParameterServer", "ps_service"]
-
-#: How a variable's optimizer is made on the ps: ``(torch.optim.Adam, {"lr": 1e-3})``.
-OptimizerSpec = tuple[type[torch.optim.Optimizer], Mapping[str, Any]]
-Rows = Union[torch.Tensor, Sequence[int]]
-
-
-@dataclass
-class _Variable:
-    param: nn.Parameter
-    optimizer: torch.optim.Optimizer | None
-    optimizer_spec: OptimizerSpec | None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    updates: int = 0
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _clone_tree(obj: Any) -> Any:
-    """A copy of an optimizer state dict whose tensors no longer alias the live state."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {key: _clone_tree(value) for key, value in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(_clone_tree(value) for value in obj)
-    return obj
-
-
-def _make_optimizer(var_id: str, param: nn.Parameter,
-                    spec: OptimizerSpec | None) -> torch.optim.Optimizer | None:
-    if spec is None:
-        return None
-    if not param.requires_grad:
-        raise InvalidArgumentError(
-            f"variable {var_id!r} has dtype {param.dtype}: only floating-point variables can "
-            "have an optimizer.")
-    try:
-        return spec[0]([param], **spec[1])
-    except (TypeError, ValueError) as err:
-        raise InvalidArgumentError(
-            f"variable {var_id!r}: cannot make {spec[0].__name__}(**{spec[1]!r}): {err}") from err
-
-
-def _check_spec(spec: Any, var_id: str) -> OptimizerSpec | None:
-    if spec is None:
-        return None
-    if (isinstance(spec, (tuple, list)) and len(spec) == 2 and isinstance(spec[0], type)
-            and issubclass(spec[0], torch.optim.Optimizer) and isinstance(spec[1], Mapping)):
-        return spec[0], dict(spec[1])
-    raise InvalidArgumentError(
-        f"variable {var_id!r}: optimizer_spec must be (optimizer class, hyperparameter dict), "
-        f"like (torch.optim.Adam, {{'lr': 1e-3}}), or None; got {spec!r}.")
 
 
 class ParameterServer:
@@ -108,7 +56,7 @@ class ParameterServer:
 
     def __init__(self, *, name: str = "ps") -> None:
         self.name = name
-        self._variables: dict[str, _Variable] = {}
+        self._variables: dict[str, Shard] = {}
         self._registry_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._ops: dict[str, dict[str, int]] = {}
@@ -127,17 +75,17 @@ class ParameterServer:
             raise InvalidArgumentError(
                 f"variable {var_id!r}: the initial value must be a torch.Tensor, got "
                 f"{type(value).__name__}.")
-        spec = _check_spec(optimizer_spec, var_id)
+        spec = check_spec(optimizer_spec, var_id)
         data = value.detach().to("cpu", copy=True).contiguous()   # owns its memory
         param = nn.Parameter(data, requires_grad=data.is_floating_point() or data.is_complex())
-        optimizer = _make_optimizer(var_id, param, spec)
+        optimizer = make_optimizer(var_id, param, spec)
         with self._registry_lock:
             if var_id in self._variables:
                 raise InvalidArgumentError(
                     f"{self.name} already has a variable {var_id!r}; ids must be unique (delete "
                     "it first to recreate it).")
-            self._variables[var_id] = _Variable(param, optimizer, spec)
-        self._count("create", _nbytes(data), 0)
+            self._variables[var_id] = Shard(param, optimizer, spec)
+        self._count("create", nbytes(data), 0)
 
     def delete(self, var_ids: Iterable[str]) -> None:
         """Forgets the variables ``var_ids`` (unknown ids are an error; nothing is deleted then)."""
@@ -155,9 +103,9 @@ class ParameterServer:
         spec = None
         targets = []
         for var_id in list(var_ids):
-            spec = _check_spec(optimizer_spec, var_id)
+            spec = check_spec(optimizer_spec, var_id)
             var = self._get(var_id)
-            targets.append((var, _make_optimizer(var_id, var.param, spec)))
+            targets.append((var, make_optimizer(var_id, var.param, spec)))
         for var, optimizer in targets:
             with var.lock:
                 var.optimizer, var.optimizer_spec = optimizer, spec
@@ -178,7 +126,7 @@ class ParameterServer:
             var = self._get(var_id)
             with var.lock:
                 result[var_id] = var.param.detach().clone()
-        self._count("pull", 0, sum(_nbytes(value) for value in result.values()))
+        self._count("pull", 0, sum(nbytes(value) for value in result.values()))
         return result
 
     def _pull_framed(self, var_ids: Iterable[str]) -> EncodedReply:
@@ -191,16 +139,16 @@ class ParameterServer:
             for var_id in sorted(wanted):
                 held.enter_context(wanted[var_id].lock)
             reply = EncodedReply({var_id: var.param.detach() for var_id, var in wanted.items()})
-        self._count("pull", 0, sum(_nbytes(var.param) for var in wanted.values()))
+        self._count("pull", 0, sum(nbytes(var.param) for var in wanted.values()))
         return reply
 
     def pull_rows(self, var_id: str, row_ids: Rows) -> torch.Tensor:
         """Rows ``row_ids`` (1-D, repeats allowed) of variable ``var_id``, in that order."""
         var = self._get(var_id)
-        rows = self._check_rows(var_id, var, row_ids)
+        rows = check_rows(var_id, var, row_ids)
         with var.lock:
             values = var.param.detach().index_select(0, rows)
-        self._count("pull_rows", _nbytes(rows), _nbytes(values))
+        self._count("pull_rows", nbytes(rows), nbytes(values))
         return values
 
     # ---------------------------------------------------------------------- updates
@@ -218,7 +166,7 @@ class ParameterServer:
         for var_id, grad in (grads or {}).items():
             var = self._get(var_id)
             self._check_optimizer(var_id, var)
-            checked.append((var, self._check_value(var_id, var, grad, "gradient")))
+            checked.append((var, check_value(var_id, var, grad, "gradient")))
         if not isinstance(rows, Sequence) or not all(isinstance(r, Sequence) and len(r) == 3 for r in rows):
             raise InvalidArgumentError(
                 "push(rows=...) takes a list of (var_id, row_ids, row_grads) triples, as push_rows.")
@@ -233,7 +181,7 @@ class ParameterServer:
                 note_dense_step(var.optimizer, var.param)  # type: ignore[arg-type]
                 var.updates += 1
         if checked:
-            self._count("push", sum(_nbytes(grad) for _, grad in checked), 0)
+            self._count("push", sum(nbytes(grad) for _, grad in checked), 0)
         for update in row_updates:
             self._apply_rows(*update)
 
@@ -244,9 +192,9 @@ class ParameterServer:
         self._apply_rows(*self._checked_rows(var_id, row_ids, row_grads))
 
     def _checked_rows(self, var_id: str, row_ids: Rows,
-                      row_grads: torch.Tensor) -> tuple[_Variable, torch.Tensor, torch.Tensor]:
+                      row_grads: torch.Tensor) -> tuple[Shard, torch.Tensor, torch.Tensor]:
         var = self._get(var_id)
-        rows = self._check_rows(var_id, var, row_ids)
+        rows = check_rows(var_id, var, row_ids)
         self._check_optimizer(var_id, var)
         expected = (rows.numel(), *var.param.shape[1:])
         if not isinstance(row_grads, torch.Tensor) or tuple(row_grads.shape) != expected:
@@ -256,13 +204,13 @@ class ParameterServer:
                 f"id), got {got}.")
         return var, rows, row_grads
 
-    def _apply_rows(self, var: _Variable, rows: torch.Tensor, row_grads: torch.Tensor) -> None:
+    def _apply_rows(self, var: Shard, rows: torch.Tensor, row_grads: torch.Tensor) -> None:
         with var.lock:
             apply_row_update(var.optimizer, var.param, rows, row_grads)
             var.updates += 1
-        self._count("push_rows", _nbytes(rows) + _nbytes(row_grads), 0)
+        self._count("push_rows", nbytes(rows) + nbytes(row_grads), 0)
 
-    def _check_optimizer(self, var_id: str, var: _Variable) -> None:
+    def _check_optimizer(self, var_id: str, var: Shard) -> None:
         if var.optimizer is None:
             raise InvalidArgumentError(
                 f"variable {var_id!r} on {self.name} has no optimizer: create it with an "
@@ -271,11 +219,11 @@ class ParameterServer:
     def assign(self, values: Mapping[str, torch.Tensor]) -> None:
         """Overwrites the values of variables (optimizer state is kept)."""
         checked = [(self._get(var_id), var_id, value) for var_id, value in values.items()]
-        checked = [(var, self._check_value(var_id, var, value, "value")) for var, var_id, value in checked]
+        checked = [(var, check_value(var_id, var, value, "value")) for var, var_id, value in checked]
         for var, value in checked:
             with var.lock, torch.no_grad():
                 var.param.copy_(value)
-        self._count("assign", sum(_nbytes(value) for _, value in checked), 0)
+        self._count("assign", sum(nbytes(value) for _, value in checked), 0)
 
     def set_hyperparameters(self, var_ids: Iterable[str] | None, values: Mapping[str, Any]) -> None:
         """Sets optimizer hyperparameters (``{"lr": 0.01}``) of ``var_ids`` (None: all with
@@ -308,9 +256,9 @@ class ParameterServer:
                 state[var_id] = {
                     "value": var.param.detach().clone(),
                     "optimizer_spec": var.optimizer_spec,
-                    "optimizer_state": None if var.optimizer is None else _clone_tree(var.optimizer.state_dict()),
+                    "optimizer_state": None if var.optimizer is None else clone_tree(var.optimizer.state_dict()),
                 }
-        self._count("get_state", 0, sum(_nbytes(entry["value"]) for entry in state.values()))
+        self._count("get_state", 0, sum(nbytes(entry["value"]) for entry in state.values()))
         return state
 
     def set_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
@@ -325,7 +273,7 @@ class ParameterServer:
             if var_id not in self._variables:
                 self.create(var_id, entry["value"], entry.get("optimizer_spec"))
             var = self._get(var_id)
-            value = self._check_value(var_id, var, entry["value"], "value")
+            value = check_value(var_id, var, entry["value"], "value")
             optimizer_state = entry.get("optimizer_state")
             with var.lock:
                 with torch.no_grad():
@@ -337,7 +285,7 @@ class ParameterServer:
                     try:
                         # A copy: load_state_dict keeps the given tensors, which belong to
                         # the caller (or to the request's buffer).
-                        var.optimizer.load_state_dict(_clone_tree(optimizer_state))
+                        var.optimizer.load_state_dict(clone_tree(optimizer_state))
                         after_load_state_dict(var.optimizer, var.param)
                     except (KeyError, ValueError, TypeError) as err:
                         raise InvalidArgumentError(
@@ -357,7 +305,7 @@ class ParameterServer:
         with self._stats_lock:
             ops = {op: dict(counts) for op, counts in self._ops.items()}
         return {"name": self.name, "num_variables": len(self._variables),
-                "variable_bytes": sum(_nbytes(var.param) for var in list(self._variables.values())),
+                "variable_bytes": sum(nbytes(var.param) for var in list(self._variables.values())),
                 "ops": ops,
                 "bytes_in": sum(counts["bytes_in"] for counts in ops.values()),
                 "bytes_out": sum(counts["bytes_out"] for counts in ops.values())}
@@ -381,7 +329,7 @@ class ParameterServer:
 
     # ------------------------------------------------------------------- internals
 
-    def _get(self, var_id: str) -> _Variable:
+    def _get(self, var_id: str) -> Shard:
         var = self._variables.get(var_id)
         if var is None:
             known = sorted(self._variables)
@@ -389,31 +337,6 @@ class ParameterServer:
             raise InvalidArgumentError(
                 f"{self.name} has no variable {var_id!r}; it has {len(known)}: {shown or 'none'}.")
         return var
-
-    def _check_value(self, var_id: str, var: _Variable, value: Any, what: str) -> torch.Tensor:
-        if not isinstance(value, torch.Tensor) or value.shape != var.param.shape:
-            got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise InvalidArgumentError(
-                f"the {what} for {var_id!r} must be a tensor of shape {tuple(var.param.shape)}, "
-                f"got {got}.")
-        return value.detach().to(device="cpu", dtype=var.param.dtype)
-
-    def _check_rows(self, var_id: str, var: _Variable, row_ids: Rows) -> torch.Tensor:
-        rows = torch.as_tensor(row_ids)
-        if rows.dim() != 1 or rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool:
-            raise InvalidArgumentError(
-                f"row ids for {var_id!r} must be a 1-D integer tensor, got dtype {rows.dtype} "
-                f"and shape {tuple(rows.shape)}.")
-        if var.param.dim() == 0:
-            raise InvalidArgumentError(f"variable {var_id!r} is 0-d: it has no rows.")
-        rows = rows.to(torch.int64)
-        num_rows = var.param.shape[0]
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
-            bad = rows[(rows < 0) | (rows >= num_rows)][0].item()
-            raise InvalidArgumentError(
-                f"row id {bad} is out of range for {var_id!r}, which has {num_rows} rows "
-                "(ids are local to the shard: subtract the shard's first row).")
-        return rows
 
     def _count(self, op: str, bytes_in: int, bytes_out: int) -> None:
         with self._stats_lock:

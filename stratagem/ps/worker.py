@@ -28,7 +28,7 @@ from stratagem._profiling import label
 from stratagem.ps.closures import ClosureNotCachedError, ClosureUnpickler
 from stratagem.ps.runtime import WorkerRuntime
 from stratagem.rpc.auth import cluster_token
-from stratagem.rpc.transport import decodes_request
+from stratagem.rpc.server import decodes_request
 from stratagem.values import map_structure
 
 __all__ = ["WorkerService"]

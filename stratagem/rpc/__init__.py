@@ -5,9 +5,13 @@
 - :mod:`~stratagem.rpc.auth` -- the cluster token (``STRATAGEM_CLUSTER_TOKEN``) and the
   message authentication code (GMAC + HMAC) that every request and reply carries, checked
   before anything is unpickled;
-- :mod:`~stratagem.rpc.transport` -- :class:`RpcServer` (named handlers at one address) and
-  :class:`RpcClient` (``call``, ``call_async``), with deadlines, size limits, reconnection,
-  and errors that name the peer task.
+- :mod:`~stratagem.rpc.transport` -- what both ends agree on: the wire protocol, the
+  message size limit and the default deadline;
+- :mod:`~stratagem.rpc.server` -- :class:`RpcServer` (named handlers at one address, with
+  size limits and wire counters);
+- :mod:`~stratagem.rpc.client` -- :class:`RpcClient` (``call``, ``call_async``), with
+  deadlines, reconnection, and errors that name the peer task;
+- :mod:`~stratagem.rpc.errors` -- the exceptions a caller can see.
 
 This layer knows nothing of parameters or steps: services (the parameter server in
 :mod:`stratagem.ps`, the worker service) are tables of handlers on top of it. It does not
@@ -30,7 +34,9 @@ from stratagem.rpc.auth import TOKEN_VARIABLE, Authenticator, cluster_token
 from stratagem.rpc.codec import decode, encode
 from stratagem.rpc.errors import (AuthenticationError, CodecError, MessageTooLargeError,
                                   RemoteError, RpcError)
-from stratagem.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES, Handler, RpcClient, RpcServer
+from stratagem.rpc.client import RpcClient
+from stratagem.rpc.server import Handler, RpcServer
+from stratagem.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "TOKEN_VARIABLE", "AuthenticationError", "Authenticator",

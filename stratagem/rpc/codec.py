@@ -27,7 +27,7 @@ What a decoded tensor is:
   writable, and writing into a ``bytes`` object would corrupt it -- unless the caller
   promises to only read them (``decode(data, writable=False)``: views of the read-only
   buffer, for receivers that copy the values elsewhere or use them as gradients; the
-  transport does this for handlers marked :func:`~stratagem.rpc.transport.reads_only` and
+  transport does this for handlers marked :func:`~stratagem.rpc.server.reads_only` and
   replies asked for with ``writable_reply=False``). Every tensor of a message keeps that
   whole region alive: ``clone()`` one that is kept long while the others are not;
 - sharing nothing with other tensors: two views of one storage arrive as two tensors.

@@ -20,7 +20,7 @@ import torch
 from rpc_processes import TOKEN, ServerProcess, free_port
 from stratagem.errors import ClusterConfigError, UnavailableError
 from stratagem.rpc.codec import Pickler, Unpickler
-from stratagem.rpc.transport import EncodedReply, decodes_request, reads_only
+from stratagem.rpc.server import EncodedReply, decodes_request, reads_only
 from stratagem.rpc import (AuthenticationError, Authenticator, MessageTooLargeError, RemoteError,
                            RpcClient, RpcServer, decode, encode)
 
