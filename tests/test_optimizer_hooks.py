@@ -185,3 +185,21 @@ def test_hooks_removed_even_when_the_scope_raises() -> None:
             nn.Linear(2, 2)
             raise RuntimeError("boom")
     assert not hooks.hooks_installed()
+
+
+def test_hooks_still_fire_once_after_load_state_dict() -> None:
+    """torch re-wraps an optimizer class's step in load_state_dict; ours must stay unwrapped."""
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer.load_state_dict(optimizer.state_dict())
+    calls = []
+    optimizer.register_step_pre_hook(lambda *a: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda *a: calls.append("post"))
+
+    def step(x):
+        model(x).sum().backward()
+        optimizer.step()
+    strategy.run(step, args=(next(iter(strategy.experimental_distribute_dataset([torch.ones(4, 3)]))),))
+    assert calls == ["pre", "post"]

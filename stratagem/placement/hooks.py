@@ -117,6 +117,9 @@ def distributed_class(base: type, kind: str) -> type:
 
     def step(self, closure=None):
         return self._sg_placement.optimizer_step(self, closure)
+    # torch wraps an optimizer class's step to run the hooks (at __init__, and again in
+    # load_state_dict); ours fires them itself, once per logical step: never wrap it
+    step.hooked = True
 
     def zero_grad(self, set_to_none: bool = True):
         self._sg_placement.optimizer_zero_grad(self, set_to_none)
