@@ -1,4 +1,4 @@
-"""SPEC §4 and §12: collectives among the replicas of one process, and merge_call.
+"""Collectives among the replicas of one process, and merge_call.
 
 Expected values are computed by hand from the inputs: replica ``r`` contributes
 multiples of ``r + 1`` so that every replica's share is visible in the result.

@@ -1,4 +1,4 @@
-"""SPEC §2 (default strategy) and §4 (contexts): which strategy and which replica a thread sees."""
+"""The default strategy and the contexts: which strategy and which replica a thread sees."""
 
 import threading
 

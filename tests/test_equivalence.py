@@ -1,4 +1,4 @@
-"""The equivalence oracle (SPEC §7): every synchronous strategy gives, after every
+"""The equivalence oracle: every synchronous strategy gives, after every
 step, the same parameters as plain single-device PyTorch, within float32 rounding.
 """
 

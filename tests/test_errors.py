@@ -1,4 +1,4 @@
-"""SPEC §13 in one process: every misuse fails early with an error that names the problem and the fix."""
+"""In one process, every misuse fails early with an error that names the problem and the fix."""
 
 import inspect
 

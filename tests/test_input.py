@@ -1,4 +1,4 @@
-"""SPEC §5 (input) and the loss helpers of §6, in one process."""
+"""Input distribution and the loss helpers, in one process."""
 
 import numpy as np
 import pytest

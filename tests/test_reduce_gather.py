@@ -1,4 +1,4 @@
-"""SPEC §3: strategy.reduce and strategy.gather from cross-replica context."""
+"""strategy.reduce and strategy.gather from cross-replica context."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""SPEC §3: PerReplica values, nested structures through run, local results, values from a function."""
+"""PerReplica values, nested structures through run, local results, values from a function."""
 
 import collections
 

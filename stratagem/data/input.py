@@ -1,4 +1,4 @@
-"""Distributing input across replicas (SPEC §5).
+"""Distributing input across replicas.
 
 ``experimental_distribute_dataset`` takes an iterable of *global* batches. Each
 batch is cut along its first dimension into one contiguous slice per replica

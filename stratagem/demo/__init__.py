@@ -2,11 +2,11 @@
 
 The first thing to run on a fresh machine. It trains a two-layer MLP on scikit-learn's
 handwritten digits (1,797 8x8 images shipped inside scikit-learn, so nothing is
-downloaded) with the custom training loop of SPEC §1, under ``MirroredStrategy`` on two
+downloaded) with the custom training loop of the README, under ``MirroredStrategy`` on two
 logical CPU replicas by default. Then it trains the same model again with plain
 single-device PyTorch -- same initial weights, same batches in the same order,
 ``F.cross_entropy`` with its mean -- and compares the final parameters: the equivalence
-guarantee of SPEC §7, checked on real data.
+equivalence guarantee, checked on real data.
 
 The default global batch of 64 does not divide the 1,437 training images: the last batch
 of every epoch has 29 rows, split 15/14 over two replicas, and

@@ -1,4 +1,4 @@
-"""The demo's verdict: a strategy's final parameters against plain PyTorch's (SPEC §7).
+"""The demo's verdict: a strategy's final parameters against plain PyTorch's (the equivalence guarantee).
 
 A synchronous strategy trained from the same initial weights on the same batches must end
 where plain single-device PyTorch ends, up to float32 rounding: :func:`check_equivalence`

@@ -1,6 +1,6 @@
 """The demo's model and training loops: under a strategy, and in plain PyTorch for reference.
 
-:func:`train_with_strategy` is the custom training loop of SPEC §1; every process of a
+:func:`train_with_strategy` is the README's custom training loop; every process of a
 multi-worker run executes it. :func:`train_plain_pytorch` is the same training on one
 device, the oracle that the strategies are checked against (:mod:`stratagem.demo.check`).
 """
@@ -96,7 +96,7 @@ def progress_bar(total: int, enabled: bool, ncols: int | None = None) -> Any:
 
 def train_with_strategy(dist_strategy: sg.Strategy, data: Digits, config: TrainConfig, *,
                         progress: bool, ncols: int | None = None) -> Trained:
-    """The custom training loop of SPEC §1 under ``dist_strategy``, then its test accuracy.
+    """The README's custom training loop under ``dist_strategy``, then its test accuracy.
 
     Every worker of a multi-worker strategy runs this same function.
     """

@@ -1,4 +1,4 @@
-"""Loss helpers that make per-replica losses add up to the single-device loss (SPEC §6)."""
+"""Loss helpers that make per-replica losses add up to the single-device loss."""
 
 from stratagem.ps.embedding import embedding_lookup
 from stratagem.nn.losses import compute_average_loss, scale_regularization_loss

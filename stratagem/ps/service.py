@@ -1,6 +1,6 @@
 """ParameterServer: the variables (shards) of one ps task, and their optimizers.
 
-In parameter-server training (SPEC §11) each variable, or each shard of a partitioned one,
+In parameter-server training each variable, or each shard of a partitioned one,
 lives on one parameter server, with its optimizer beside it. Workers read the latest
 values (``pull``, ``pull_rows``) and send gradients (``push``, ``push_rows``); the ps
 applies each push at once, with the variable's own ``torch.optim`` instance, so workers

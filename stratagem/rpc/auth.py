@@ -1,6 +1,6 @@
 """Proof of the cluster token on every message, checked before anything is unpickled.
 
-SPEC §14: cluster processes accept work only from members of their own cluster, which
+Cluster processes accept work only from members of their own cluster, which
 share a secret, ``STRATAGEM_CLUSTER_TOKEN`` (the launcher makes one per job). The token
 itself never travels. Every request carries, in gRPC metadata:
 

@@ -1,8 +1,7 @@
 """Errors of the RPC layer.
 
-They live here until the lead moves them into :mod:`stratagem.errors`; each subclasses
-:class:`~stratagem.errors.StratagemError` and ``RuntimeError`` or ``ValueError``, as SPEC §13
-asks. A dead or silent peer is not among them: that is
+Each subclasses :class:`~stratagem.errors.StratagemError` and ``RuntimeError`` or
+``ValueError``, like every stratagem error. A dead or silent peer is not among them: that is
 :class:`stratagem.errors.UnavailableError`, raised with the peer's task name.
 """
 

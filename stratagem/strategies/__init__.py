@@ -1,1 +1,2 @@
-"""One file per strategy, each a small subclass of :class:`Strategy`."""
+"""The Strategy base, one small file per strategy (each a configuration of a runner, a
+Collective and a Placement), the replica runners and the ReplicaContext."""

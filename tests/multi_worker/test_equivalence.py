@@ -1,4 +1,4 @@
-"""SPEC §7 across processes: MultiWorkerMirroredStrategy equals single-device PyTorch."""
+"""The equivalence guarantee across processes: MultiWorkerMirroredStrategy equals single-device PyTorch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Multi-worker input (SPEC §5) seen from inside two real worker processes."""
+"""Multi-worker input seen from inside two real worker processes."""
 
 from __future__ import annotations
 
