@@ -49,8 +49,8 @@ class Placement(abc.ABC):
     def before_run(self) -> None:
         self.finalize()
 
-    def after_run(self) -> None:
-        """``run`` returned (or raised)."""
+    def after_run(self, failed: bool = False) -> None:
+        """``run`` returned (``failed``: or raised; then this must not raise)."""
 
     def replica_copy(self, tensor: torch.Tensor, local_id: int) -> torch.Tensor:
         return tensor

@@ -12,6 +12,11 @@ Optimizers (:mod:`stratagem.placement.mirrored_optimizers`): each local replica 
 a twin optimizer over its own copies; one logical step sums the gradients and
 applies the same update to every copy.
 
+On logical CPU devices (``"cpu:0"``, ``"cpu:1"``: one memory), the replicas' parameters
+share the primary's memory instead of copying it: every replica keeps its own
+``Parameter`` object and gradient, the update is applied once, and the weights sit in the
+caches once. Buffers (running statistics) stay one copy per replica.
+
 With one device this placement only moves tensors to that device.
 """
 
@@ -43,6 +48,8 @@ class MirroredPlacement(MirroredOptimizers, Placement):
         self._strategy_ref = weakref.ref(strategy)
         self.devices = topology.torch_devices
         self.num_replicas = topology.num_local_replicas
+        #: replicas' parameters share the primary's memory (several logical CPU devices)
+        self.shares_parameters = self.num_replicas > 1 and all(d.type == "cpu" for d in self.devices)
         self.collective = collective
         self._pending_modules: list[nn.Module] = []
         self._pending_optimizers: list[torch.optim.Optimizer] = []
@@ -109,13 +116,14 @@ class MirroredPlacement(MirroredOptimizers, Placement):
                 primary.data = primary.data.to(self.devices[0])
         all_copies = [primary]
         for r in range(1, self.num_replicas):
-            with torch.no_grad():
-                data = primary.detach().to(self.devices[r], copy=True)
             if isinstance(primary, nn.Parameter):
+                # .data: the same memory with a version counter of its own (writes are told apart)
+                data = primary.data if entries.shared else primary.detach().to(self.devices[r], copy=True)
                 copy = nn.Parameter(data, requires_grad=primary.requires_grad)
             else:
-                copy = data
-            entries.copies[r][key] = copy
+                with torch.no_grad():
+                    copy = primary.detach().to(self.devices[r], copy=True)
+            entries.set_copy(r, key, copy)
             all_copies.append(copy)
         self._copies[id(primary)] = tuple(all_copies)
         entries.versions[key] = primary._version
@@ -139,15 +147,25 @@ class MirroredPlacement(MirroredOptimizers, Placement):
         if self.num_replicas > 1:
             _unscoped_check.acquire()
 
-    def after_run(self) -> None:
+    def after_run(self, failed: bool = False) -> None:
         if self.num_replicas > 1:
             _unscoped_check.release()
-        self.record_updates()
+        written = self.record_updates()
+        if written and not failed:
+            raise ContextError(
+                f"a replica function wrote to the parameters {sorted(set(written))} in place; on "
+                f"{self.strategy!r} the replicas' parameters share one memory, so every replica's "
+                f"write would land on it. Update parameters with an optimizer created in the scope "
+                f"(its step sums the gradients and applies the update once), or write them outside "
+                f"strategy.run")
 
-    def record_updates(self) -> None:
-        """Copies were written together (a step): note their versions; buffers may need averaging."""
+    def record_updates(self) -> list[str]:
+        """Note the versions of every copy (buffers may need averaging); return the names of
+        shared parameters that a replica other than the first wrote in place."""
+        written = []
         for entries in self._dicts:
-            entries.after_run()
+            written += entries.after_run()
+        return written
 
     # ------------------------------------------------------------- optimizers
 

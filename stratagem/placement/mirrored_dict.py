@@ -5,6 +5,12 @@ holds replica ``r``'s. A lookup picks the calling thread's replica: the same mod
 object computes with replica ``r``'s copy on replica ``r``'s thread inside ``run``,
 and with the primary everywhere else.
 
+On logical CPU devices the replicas' *parameters* share the primary's memory (one
+tensor, several ``Parameter`` objects, each with its own ``.grad``): the update is then
+applied once, and the replicas read one copy of the weights (half the cache footprint).
+A parameter written in place inside ``run`` on any replica but the first is refused
+(the replicas would each apply their write to the one shared memory).
+
 Writes made outside ``run`` (``load_state_dict``, manual init) are noticed through
 the tensors' version counters and pushed to every replica before the next ``run``.
 Buffers written inside ``run`` (BatchNorm statistics) read, outside ``run``, as the
@@ -38,6 +44,8 @@ class MirroredDict(dict):
         self.copies: list[dict[str, Any]] = [{} for _ in range(placement.num_replicas)]
         self.versions: dict[str, int] = {}
         self.finalized = False
+        self.shared = placement.shares_parameters and not is_buffers  # copies share the primary's memory
+        self._copy_versions: list[dict[str, int]] = [{} for _ in range(placement.num_replicas)]
         self._stale = False  # buffers written by replicas, not yet averaged
 
     # what torch.save / copy.deepcopy see: one plain copy
@@ -103,10 +111,20 @@ class MirroredDict(dict):
 
     # ---------------------------------------------------------- synchronisation
 
+    def set_copy(self, replica: int, key: str, tensor: torch.Tensor) -> None:
+        """Replica ``replica``'s (new) copy of entry ``key``."""
+        self.copies[replica][key] = tensor
+        self._copy_versions[replica][key] = tensor._version
+
     def record_versions(self) -> None:
         for key, tensor in dict.items(self):
             if tensor is not None:
                 self.versions[key] = tensor._version
+        if self.shared:
+            for copies, versions in zip(self.copies[1:], self._copy_versions[1:]):
+                for key, tensor in copies.items():
+                    if tensor is not None:
+                        versions[key] = tensor._version
 
     def push_modified(self) -> None:
         """Copy primaries written outside ``run`` to every replica."""
@@ -114,18 +132,30 @@ class MirroredDict(dict):
             self._average_buffers()
         versions = self.versions
         for key, tensor in dict.items(self):
-            if tensor is not None and versions.get(key) != tensor._version:
+            if tensor is None:
+                continue
+            if self.shared:  # one memory: only a primary given new memory must be followed
+                for copies in self.copies[1:]:
+                    if copies[key].data_ptr() != tensor.data_ptr():
+                        copies[key].data = tensor.data
+            elif versions.get(key) != tensor._version:
                 with torch.no_grad():
                     for copies in self.copies[1:]:
                         copies[key].copy_(tensor)
-                versions[key] = tensor._version
+            versions[key] = tensor._version
 
-    def after_run(self) -> None:
+    def after_run(self) -> list[str]:
+        """Note what ``run`` wrote; return the shared parameters a replica wrote in place."""
+        written = []
         if self._is_buffers:
             versions = self.versions
             self._stale = self._stale or any(
                 t is not None and versions.get(k) != t._version for k, t in dict.items(self))
+        elif self.shared:
+            written = [key for copies, versions in zip(self.copies[1:], self._copy_versions[1:])
+                       for key, t in copies.items() if t is not None and versions.get(key) != t._version]
         self.record_versions()
+        return written
 
     def _average_buffers(self) -> None:
         self._stale = False

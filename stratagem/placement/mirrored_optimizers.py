@@ -15,9 +15,11 @@ One logical step, ``optimizer.step()`` called on every replica's thread inside
    (most of which were launched during backward) and the other local replicas copy it;
 3. the user's step pre-hooks run once, on replica 0, seeing the summed gradients
    (gradients a hook changed are copied to the other replicas);
-4. the update: either every twin applies it to its own copy, or — for element-wise
-   optimizers on several CPU replicas — each thread updates one range of replica 0's
-   parameters and copies it to the others (:mod:`.sharded_update`);
+4. the update: for element-wise optimizers on several CPU replicas, each thread updates
+   one range of replica 0's parameters (:mod:`.sharded_update`); otherwise, where the
+   replicas' parameters share one memory (logical CPU devices), replica 0's optimizer
+   applies it once while the others wait; else every twin applies it to its own copy
+   (GPUs);
 5. the post-hooks run once, on replica 0, after every copy is updated (parameters a
    hook changed are copied to the other replicas).
 
@@ -110,6 +112,7 @@ class MirroredOptimizers:
         twin = twins[local_id]
         params = [p for group in twin.param_groups for p in group["params"]]
         sharded = self.sharded(optimizer)
+        shared = self.shares_parameters  # one memory: the update is applied once, from replica 0's gradients
         with label("stratagem.optimizer.step"):
             if n > 1:  # 1. sum over local replicas
                 with label("stratagem.gradients.local_reduce"):
@@ -118,12 +121,14 @@ class MirroredOptimizers:
                     everyone = collective.exchange(local_id, grads, tag)
                     if any(g is None for e in everyone for g in e):
                         everyone = _zeros_where_missing(collective, local_id, params, everyone, tag)
-                    collective.sum_exchanged(local_id, everyone, ReduceOp.SUM, copy_back=sharded is None)
+                    collective.sum_exchanged(local_id, everyone, ReduceOp.SUM,
+                                             copy_back=sharded is None and not shared)
             if collective.num_workers > 1:  # 2. sum over workers
                 with label("stratagem.gradients.cross_worker"):
                     if local_id == 0:
                         collective.gradient_packs(params).finish()
-                    collective.share_gradients(local_id, params)
+                    if not shared:
+                        collective.share_gradients(local_id, params)
             pre, post = step_hooks(optimizer)
             if pre:  # 3.
                 self._run_hooks_once(pre, optimizer, local_id, params, grads=True)
@@ -132,12 +137,15 @@ class MirroredOptimizers:
                     sharded.step(local_id)
                     collective.exchange(local_id, None, "optimizer.step (parameters updated)")
                     result = None
+                elif shared:
+                    result = unhooked_step(optimizer._sg_base)(optimizer) if local_id == 0 else None
+                    collective.exchange(local_id, None, "optimizer.step (parameters updated)")
                 else:
                     if twin is not optimizer:
                         _copy_hyperparameters(optimizer, twin)
                     result = unhooked_step(optimizer._sg_base)(twin)
             if post:  # 5.
-                if sharded is None:
+                if sharded is None and not shared:
                     collective.exchange(local_id, None, "optimizer.step (parameters updated)")
                 self._run_hooks_once(post, optimizer, local_id, params, grads=False)
         return result
@@ -157,7 +165,7 @@ class MirroredOptimizers:
             finally:
                 changed = [i for i, (p, b) in enumerate(zip(params, before)) if watched(p) != b]
         changed = self.collective.exchange(local_id, changed, "optimizer step hooks")[0]
-        if changed and local_id != 0:
+        if changed and local_id != 0 and not self.shares_parameters:  # (shared: nothing to copy)
             primaries = [p for group in optimizer.param_groups for p in group["params"]]
             with torch.no_grad():
                 for i in changed:
@@ -185,7 +193,8 @@ class MirroredOptimizers:
                         params[i].grad.copy_(acc)
         pre, post = step_hooks(optimizer)
         run_hooks(pre, optimizer)
-        if len(twins) > 1 and pre:  # a hook may have changed the primary gradients
+        shared = self.shares_parameters
+        if len(twins) > 1 and pre and not shared:  # a hook may have changed the primary gradients
             self._copy_from_primary(twins, grads=True)
         result = None
         sharded = self.sharded(optimizer)
@@ -194,12 +203,12 @@ class MirroredOptimizers:
                 sharded.step(replica)
         else:
             step = unhooked_step(optimizer._sg_base)
-            for twin in twins:
+            for twin in twins[:1] if shared else twins:
                 if twin is not optimizer:
                     _copy_hyperparameters(optimizer, twin)
                 result = step(twin)
         run_hooks(post, optimizer)
-        if len(twins) > 1 and post:
+        if len(twins) > 1 and post and not shared:
             self._copy_from_primary(twins, grads=False)
         self.record_updates()
         return result

@@ -1,12 +1,11 @@
 """One optimizer update per process, split between the replica threads.
 
-With several CPU replicas the twin optimizers of :mod:`.mirroring` would each apply
-the same update to their own copy: the work and the optimizer state are repeated
-once per replica. For optimizers that act element by element (SGD, Adam, ...) that
-is not needed: thread ``r`` updates range ``r`` of replica 0's flattened parameters
-with the summed gradient, using one optimizer over views of that range, then copies
-the new values of its range to the other replicas. Every replica still holds an
-identical copy, the optimizer state exists once, and the threads share the work.
+For optimizers that act element by element (SGD, Adam, ...) one update can be split
+between the replica threads of a CPU strategy: thread ``r`` updates range ``r`` of
+replica 0's flattened parameters with the summed gradient, using one optimizer over
+views of that range, then copies the new values of its range to the replicas whose
+parameters do not share replica 0's memory (on logical CPU devices they all do, and
+nothing is copied). The optimizer state exists once, and the threads share the work.
 
 The user's optimizer keeps its hyperparameters (schedulers change them there); its
 ``state_dict()`` is assembled from the range optimizers, in the usual layout.
@@ -54,6 +53,9 @@ class ShardedUpdate:
                 self.optimizers.append(base([{**_hyper(optimizer.param_groups[g]), "params": views}
                                              for g, views in groups.items()]) if groups else None)
         self._base = base
+        # copies that share replica 0's memory (logical CPU devices) need no copy back
+        self._copies = [(c[0],) + tuple(t for t in c[1:] if t.data_ptr() != c[0].data_ptr())
+                        for c in self._copies]
         self._group_of = [[g for g in dict.fromkeys(g for _, g, _, _, _ in self.pieces[r])]
                           for r in range(num_replicas)]
 

@@ -182,8 +182,10 @@ class Strategy:
                 per_replica_args = [self._select_replica(i, (tuple(args), kwargs))
                                     for i in range(self._topology.num_local_replicas)]
                 results = self._runner.run(fn, per_replica_args, _global_batch_size_of((args, kwargs)))
-            finally:
-                placement.after_run()
+            except BaseException:
+                placement.after_run(failed=True)
+                raise
+            placement.after_run()
         if len(results) == 1:
             return results[0]
         return regroup(results, self)
