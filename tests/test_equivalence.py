@@ -256,3 +256,34 @@ def test_num_packs_must_be_a_positive_integer(bad) -> None:
     for op in (sg.HierarchicalCopyAllReduce, sg.NcclAllReduce):
         with pytest.raises(sg.errors.InvalidArgumentError, match="num_packs"):
             op(num_packs=bad)
+
+
+def test_logical_cpu_replicas_share_parameter_memory_and_refuse_in_place_writes() -> None:
+    """On logical CPU devices the replicas' parameters are one memory (the update lands once);
+    a replica function that writes a parameter in place is refused instead of applying its
+    write once per replica."""
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = nn.Linear(3, 1)
+    first, second = strategy.experimental_local_results(model.weight)
+    assert first is not second and first.data_ptr() == second.data_ptr()
+    buffers = strategy.experimental_local_results  # buffers keep one copy per replica
+    with strategy.scope():
+        norm = nn.BatchNorm1d(3)
+    means = buffers(norm.running_mean)
+    assert means[0].data_ptr() != means[1].data_ptr()
+
+    def manual_sgd(x):
+        model(x).sum().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    batch = next(iter(strategy.experimental_distribute_dataset([torch.ones(4, 3)])))
+    with pytest.raises(sg.errors.ContextError, match="in place"):
+        strategy.run(manual_sgd, args=(batch,))
+    # writes outside run reach every replica (one memory), new memory included
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    model.weight.data = torch.full((1, 3), 3.0)
+    seen = strategy.run(lambda: model.weight.detach().clone())
+    assert [t.tolist() for t in strategy.experimental_local_results(seen)] == [[[3.0] * 3]] * 2
