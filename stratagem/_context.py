@@ -100,5 +100,5 @@ def get_replica_context() -> "ReplicaContext | None":
     """
     frame = current_frame()
     if frame is None:
-        return default_strategy()._default_replica_context()
+        return default_strategy().default_replica_context()
     return frame.replica_context

@@ -287,3 +287,13 @@ def test_logical_cpu_replicas_share_parameter_memory_and_refuse_in_place_writes(
     model.weight.data = torch.full((1, 3), 3.0)
     seen = strategy.run(lambda: model.weight.detach().clone())
     assert [t.tolist() for t in strategy.experimental_local_results(seen)] == [[[3.0] * 3]] * 2
+
+
+def test_writes_to_a_replica_copy_outside_run_are_not_taken_for_writes_inside() -> None:
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = nn.Linear(3, 1)
+    with torch.no_grad():
+        strategy.experimental_local_results(model.weight)[1].mul_(2.0)  # one memory: every replica sees it
+    strategy.run(lambda: model(torch.ones(1, 3)))
+    strategy.run(lambda: model(torch.ones(1, 3)))

@@ -120,6 +120,10 @@ class MirroredDict(dict):
         for key, tensor in dict.items(self):
             if tensor is not None:
                 self.versions[key] = tensor._version
+        self._record_copy_versions()
+
+    def _record_copy_versions(self) -> None:
+        """Shared parameters: what ``after_run`` compares with (writes inside ``run`` only)."""
         if self.shared:
             for copies, versions in zip(self.copies[1:], self._copy_versions[1:]):
                 for key, tensor in copies.items():
@@ -143,6 +147,7 @@ class MirroredDict(dict):
                     for copies in self.copies[1:]:
                         copies[key].copy_(tensor)
             versions[key] = tensor._version
+        self._record_copy_versions()  # a write outside run, to any replica's copy, is allowed
 
     def after_run(self) -> list[str]:
         """Note what ``run`` wrote; return the shared parameters a replica wrote in place."""

@@ -37,7 +37,7 @@ class _DefaultStrategy(Strategy):
     def _create(cls) -> "_DefaultStrategy":
         return cls(_CREATING)
 
-    def _default_replica_context(self) -> ReplicaContext:
+    def default_replica_context(self) -> ReplicaContext:
         return self._replica_context
 
     def _result_device(self, value):
