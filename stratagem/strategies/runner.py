@@ -108,13 +108,15 @@ class ThreadRunner:
                 ctx.global_batch_size = global_batch_size
             collective, n = self._collective, len(self._contexts)
             collective.start_run()
-            for r in range(1, n):
-                self._inbox[r].put((fn, *per_replica_args[r]))
-            outcomes: list[tuple[bool, Any]] = [None] * n  # type: ignore[list-item]
+            # before any replica starts: the thread count is also MKL's process-wide one, and a
+            # replica thread starting under the caller's count would oversubscribe the cores
             main_threads = torch.get_num_threads()
             adjust = self._cpu and main_threads != self._threads_per_replica
             if adjust:
                 torch.set_num_threads(self._threads_per_replica)
+            for r in range(1, n):
+                self._inbox[r].put((fn, *per_replica_args[r]))
+            outcomes: list[tuple[bool, Any]] = [None] * n  # type: ignore[list-item]
             ctx = self._contexts[0]
             args, kwargs = per_replica_args[0]
             _context.push(ctx.strategy, ctx)
