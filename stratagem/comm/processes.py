@@ -10,6 +10,25 @@ failure into :class:`~stratagem.errors.UnavailableError` naming the lost task. T
 lost task is found through heartbeats: each worker stamps a counter in the
 rendezvous store every second; after a failure, the task whose counter stopped
 moving is the one that died or hung (if the store itself is gone, the chief is).
+A heartbeat that cannot reach the store logs one warning with the reason and stops;
+the next failed collective's error repeats it.
+
+**Where the store listens.** With a cluster spec (TF_CONFIG), the chief builds the
+rendezvous ``TCPStore`` itself, on a socket bound to the chief's address from the
+spec and nothing else (torch's ``tcp://`` rendezvous would listen on every interface,
+``*:PORT``): a loopback cluster exposes nothing beyond the host. Under torchrun
+(``env://``) the store is torchrun's -- its agent's, or rank 0's -- and listens where
+torchrun and torch put it; a process group initialised before the strategy keeps the
+store it was given.
+
+**What is not authenticated.** The synchronous path has no authentication at all:
+anyone who can reach the store's port can read and overwrite its keys (rendezvous
+addresses, heartbeats) or take a rank's place at the rendezvous, and gloo's (or
+NCCL's) connections between the workers carry tensors unauthenticated and
+unencrypted. The cluster token that guards parameter-server traffic
+(``STRATAGEM_CLUSTER_TOKEN``) does not cover it. Run multi-worker training only on a
+network that only the cluster's hosts can reach; gloo listens on the address its host
+name resolves to (``GLOO_SOCKET_IFNAME`` picks an interface).
 """
 
 from __future__ import annotations
@@ -17,6 +36,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import logging
+import socket
 import threading
 import time
 from typing import Any, Iterator
@@ -29,6 +50,8 @@ from stratagem.errors import InvalidArgumentError, UnavailableError
 
 DEFAULT_TIMEOUT_SECONDS = 180.0
 HEARTBEAT_SECONDS = 1.0
+
+logger = logging.getLogger("stratagem.comm")
 
 
 def task_names(resolver: Any) -> list[str]:
@@ -60,6 +83,7 @@ class WorkerGroup:
         self.timeout = options.timeout_seconds or DEFAULT_TIMEOUT_SECONDS
         self.backend = _backend(options.implementation, uses_cuda)
         self._stop = threading.Event()
+        self.heartbeat_failure: str | None = None  # why this task's heartbeat stopped, if it did
         # NCCL moves CUDA tensors only: small host-side values travel through this device
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
             else torch.device("cpu")
@@ -75,11 +99,15 @@ class WorkerGroup:
             self.group = dist.new_group(backend=self.backend, timeout=datetime.timedelta(seconds=self.timeout))
         else:
             address = resolver.chief_address
-            init_method = "env://" if type(resolver).__name__ == "TorchrunClusterResolver" else f"tcp://{address}"
+            timeout = datetime.timedelta(seconds=self.timeout)
             try:
-                dist.init_process_group(self.backend, init_method=init_method, rank=rank,
-                                        world_size=self.world_size,
-                                        timeout=datetime.timedelta(seconds=self.timeout))
+                if type(resolver).__name__ == "TorchrunClusterResolver":  # torchrun's store
+                    dist.init_process_group(self.backend, init_method="env://", rank=rank,
+                                            world_size=self.world_size, timeout=timeout)
+                else:
+                    store = rendezvous_store(address, rank, self.world_size, timeout)
+                    dist.init_process_group(self.backend, store=store, rank=rank,
+                                            world_size=self.world_size, timeout=timeout)
             except Exception as error:  # noqa: BLE001 - every rendezvous failure means the same
                 raise UnavailableError(
                     f"{self.names[rank]} could not meet the other workers at {address} within "
@@ -108,7 +136,17 @@ class WorkerGroup:
         while not self._stop.wait(HEARTBEAT_SECONDS):
             try:
                 self._beat()
-            except Exception:  # noqa: BLE001 - the store is gone; guard() will say who
+            except Exception as error:  # noqa: BLE001 - any failure ends the heartbeat: say so
+                if self._stop.is_set():  # closing: the store went away with the group
+                    return
+                first_line = (str(error).splitlines() or [""])[0]
+                self.heartbeat_failure = (f"{self.names[self.rank]}'s heartbeat stopped at "
+                                          f"{time.strftime('%H:%M:%S')} ({type(error).__name__}: "
+                                          f"{first_line})")
+                logger.warning(
+                    "%s; the rendezvous store on %s could not be reached, and the other workers "
+                    "will take %s for lost at their next failed collective",
+                    self.heartbeat_failure, self.names[0], self.names[self.rank])
                 return
 
     def _lost_tasks(self) -> list[str]:
@@ -132,9 +170,11 @@ class WorkerGroup:
         except (RuntimeError, dist.DistBackendError, ConnectionError) as error:
             lost = self._lost_tasks()
             who = ", ".join(lost) if lost else "a peer"
+            heartbeat = f"; earlier, {self.heartbeat_failure}" if self.heartbeat_failure else ""
+            first_line = (str(error).splitlines() or [""])[0]
             raise UnavailableError(
                 f"{what} failed on {self.names[self.rank]}: {who} stopped answering "
-                f"(timeout {self.timeout:g} s; {type(error).__name__}: {str(error).splitlines()[0]}). "
+                f"(timeout {self.timeout:g} s; {type(error).__name__}: {first_line}{heartbeat}). "
                 f"The other workers cannot continue without it: restart the job (stratagem launch "
                 f"--max-restarts) and restore from the last checkpoint",
                 task=lost[0] if lost else None) from error
@@ -193,6 +233,31 @@ class WorkerGroup:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - peers may be gone already; nothing left to do
                 pass
+
+
+def rendezvous_store(address: str, rank: int, world_size: int,
+                     timeout: datetime.timedelta) -> dist.TCPStore:
+    """The workers' rendezvous store, listening only on the chief's ``address``.
+
+    Rank 0 (the chief) serves it from a socket it binds to ``address`` itself: torch's own
+    ``tcp://`` rendezvous binds ``*:PORT`` whatever the host. The other ranks connect to
+    it, retrying until ``timeout`` while the chief starts.
+    """
+    host, _, port_text = address.rpartition(":")
+    host, port = host.strip("[]"), int(port_text)
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own store does
+        listener.bind(sockaddr)
+    except OSError:
+        listener.close()
+        raise
+    # The store owns the descriptor from here (it listens on it and closes it with itself).
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
+                         master_listen_fd=listener.detach())
 
 
 def _backend(implementation: CommunicationImplementation, uses_cuda: bool) -> str:
