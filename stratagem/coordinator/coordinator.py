@@ -15,172 +15,40 @@ A parameter server that stops answering (a watchdog pings each every second, and
 workers report failed pulls and pushes) makes ``schedule``, ``join`` and ``fetch``
 raise :class:`~stratagem.errors.UnavailableError` naming it until the user restores
 the variables (``model.load_state_dict`` / ``optimizer.load_state_dict``).
+
+Nothing waits silently forever:
+
+- ``join(timeout=)`` and ``fetch(timeout=)`` raise Python's ``TimeoutError`` when the
+  time passes (the closures stay scheduled: waiting again is allowed).
+- When every worker is lost and none has answered for ``worker_timeout`` seconds,
+  ``join`` and ``fetch`` raise :class:`~stratagem.errors.UnavailableError` naming the
+  workers. The closures stay queued: a worker that comes back is given them.
+- A worker that refuses the coordinator's cluster token
+  (:class:`~stratagem.rpc.errors.AuthenticationError`), an address that is not a worker
+  task (:class:`~stratagem.errors.ClusterConfigError`), and any unexpected error in a
+  dispatcher thread are fatal: the closure it held and every waiting one fail with the
+  error, and ``schedule``, ``join``, ``done`` and ``fetch`` raise it from then on.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import threading
+import time
 import uuid
 import weakref
 from typing import Any, Callable
 
 from stratagem._profiling import label
-from stratagem.coordinator.values import RemoteValue
+from stratagem.coordinator.dispatcher import PING_SECONDS, _Closure, _Queue, _Worker
+from stratagem.coordinator.values import RemoteValue, check_timeout, remaining
 from stratagem.errors import InvalidArgumentError, UnavailableError
-from stratagem.ps.closures import ClosureNotCachedError, ClosurePickler, PerWorkerDataset
+from stratagem.ps.closures import PerWorkerDataset
 from stratagem.ps.strategy import ParameterServerStrategy
-from stratagem.rpc import RemoteError, RpcClient
+from stratagem.rpc import RemoteError
 from stratagem.values import map_structure
 
-PING_SECONDS = 1.0
-MISSED_PINGS = 3
-RUN_TIMEOUT_SECONDS = 24 * 3600.0
-
-
-class _Closure:
-    __slots__ = ("fn", "args", "kwargs", "value")
-
-    def __init__(self, fn: Callable, args: tuple, kwargs: dict, value: RemoteValue):
-        self.fn, self.args, self.kwargs, self.value = fn, args, kwargs, value
-
-
-class _Queue:
-    """Closures waiting to run, and a count of those scheduled but not finished."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._waiting: collections.deque[_Closure] = collections.deque()
-        self._unfinished = 0
-        self.errors: list[BaseException] = []
-
-    def put(self, closure: _Closure, *, front: bool = False, new: bool = True) -> None:
-        with self._cond:
-            if new:
-                self._unfinished += 1
-            (self._waiting.appendleft if front else self._waiting.append)(closure)
-            self._cond.notify_all()
-
-    def get(self, timeout: float) -> _Closure | None:
-        with self._cond:
-            if not self._waiting:
-                self._cond.wait(timeout)
-            return self._waiting.popleft() if self._waiting else None
-
-    def finished(self, error: BaseException | None = None) -> None:
-        with self._cond:
-            self._unfinished -= 1
-            if error is not None:
-                self.errors.append(error)
-            self._cond.notify_all()
-
-    def wait_idle(self, check: Callable[[], None]) -> None:
-        with self._cond:
-            while self._unfinished:
-                self._cond.wait(0.2)
-                check()
-
-    @property
-    def idle(self) -> bool:
-        with self._cond:
-            return self._unfinished == 0
-
-
-class _Worker:
-    """One worker task and the dispatcher thread that feeds it."""
-
-    def __init__(self, coordinator: "ClusterCoordinator", index: int, address: str, token: str):
-        self.coordinator = coordinator
-        self.index = index
-        self.name = f"worker {index}"
-        self.client = RpcClient(address, token, task=self.name, default_timeout=10.0, pickler=ClosurePickler)
-        self.incarnation: str | None = None
-        self.cached: set[str] = set()
-        self.datasets: set[str] = set()
-        self.thread = threading.Thread(target=self._loop, daemon=True, name=f"stratagem-dispatch-{index}")
-        self.thread.start()
-
-    def _ping(self, timeout: float) -> bool:
-        try:
-            answer = self.client.call("ping", None, timeout=timeout)
-        except Exception:  # noqa: BLE001 - any failure means: not available now
-            return False
-        if answer["incarnation"] != self.incarnation:  # a new process: it knows nothing yet
-            self.incarnation = answer["incarnation"]
-            self.cached.clear()
-            self.datasets.clear()
-        return True
-
-    def _loop(self) -> None:
-        coordinator = self.coordinator
-        while not coordinator._stopping.is_set():
-            if self.incarnation is None and not self._ping(2.0):  # lost or not yet seen: probe
-                coordinator._stopping.wait(0.2)
-                continue
-            closure = coordinator._queue.get(timeout=0.5)
-            if closure is None:
-                continue
-            try:
-                self._prepare()
-                result = self._run(closure)
-            except _WorkerLost:
-                self.incarnation = None
-                coordinator._queue.put(closure, front=True, new=False)
-                continue
-            except BaseException as error:  # noqa: BLE001 - belongs to this closure only
-                error = coordinator._classify(error)
-                closure.value._set_error(error)
-                coordinator._queue.finished(error)
-                continue
-            coordinator.strategy.placement.stale()  # the ps values moved: re-read on next access
-            closure.value._set_value(result)
-            coordinator._queue.finished()
-
-    def _prepare(self) -> None:
-        for dataset_id, dataset_fn in list(self.coordinator._datasets.items()):
-            if dataset_id not in self.datasets:
-                self._call("create_dataset", {"dataset_id": dataset_id, "dataset_fn": dataset_fn})
-                self.datasets.add(dataset_id)
-
-    def _call(self, method: str, request: Any) -> Any:
-        try:
-            return self.client.call(method, request, timeout=60.0)
-        except UnavailableError as error:
-            raise _WorkerLost() from error
-
-    def _run(self, closure: _Closure) -> Any:
-        key = self.coordinator._closure_key(closure.fn)
-        request = {"key": key, "fn": None if key in self.cached else closure.fn,
-                   "args": closure.args, "kwargs": closure.kwargs}
-        future = self.client.call_async("run", request, timeout=RUN_TIMEOUT_SECONDS)
-        self.cached.add(key)
-        missed = 0
-        while True:
-            try:
-                return future.result(timeout=PING_SECONDS)
-            except TimeoutError:
-                pass
-            except UnavailableError as error:
-                self.cached.discard(key)
-                raise _WorkerLost() from error
-            except RemoteError as error:
-                if isinstance(error.remote_exception, ClosureNotCachedError):   # it restarted
-                    self.cached.discard(key)
-                    raise _WorkerLost() from error
-                raise
-            if self.coordinator._stopping.is_set():
-                future.cancel()
-                raise _WorkerLost()
-            missed = 0 if self._ping(PING_SECONDS) else missed + 1
-            if missed >= MISSED_PINGS:
-                future.cancel()
-                self.cached.discard(key)
-                raise _WorkerLost()
-
-
-class _WorkerLost(Exception):
-    pass
+DEFAULT_WORKER_TIMEOUT_SECONDS = 60.0
 
 
 class ClusterCoordinator:
@@ -192,12 +60,18 @@ class ClusterCoordinator:
         # coordinator = sg.ClusterCoordinator(strategy)
         # value = coordinator.schedule(step_fn, args=(per_worker_iterator,))
         # coordinator.join(); print(value.fetch())
+
+    ``worker_timeout``: seconds without an answer from any worker after which ``join`` and
+    ``fetch`` raise ``UnavailableError`` instead of waiting for one to come back.
     """
 
-    def __init__(self, strategy: ParameterServerStrategy):
+    def __init__(self, strategy: ParameterServerStrategy, *,
+                 worker_timeout: float = DEFAULT_WORKER_TIMEOUT_SECONDS):
         if not isinstance(strategy, ParameterServerStrategy):
             raise InvalidArgumentError(
                 f"ClusterCoordinator needs a sg.ParameterServerStrategy, got {type(strategy).__name__}")
+        self._worker_timeout = check_timeout(worker_timeout, "worker_timeout")
+        self._fatal: BaseException | None = None
         strategy.attach_coordinator(self)
         self.strategy = strategy
         strategy.placement.on_restored = self._variables_restored
@@ -219,7 +93,7 @@ class ClusterCoordinator:
         if not callable(fn):
             raise InvalidArgumentError(f"schedule needs a callable, got {type(fn).__name__}")
         with label("stratagem.ps.schedule"):
-            self._raise_if_ps_failed()
+            self._raise_if_failed()
             placement = self.strategy.placement
             placement.finalize()
             placement.sync_hyperparameters()
@@ -227,25 +101,40 @@ class ClusterCoordinator:
             self._queue.put(_Closure(fn, tuple(args), dict(kwargs or {}), value))
             return value
 
-    def join(self) -> None:
-        """Wait until every scheduled function has run; raise the first error, if any."""
-        self._queue.wait_idle(self._raise_if_ps_failed)
-        self._raise_if_ps_failed()
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until every scheduled function has run; raise the first error, if any.
+
+        ``TimeoutError`` when ``timeout`` seconds pass first; ``UnavailableError`` when no
+        worker has answered for ``worker_timeout`` seconds.
+        """
+        timeout = None if timeout is None else check_timeout(timeout, "timeout")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._queue.wait_idle(self._check, deadline):
+            self._check()
+            raise TimeoutError(f"join(timeout={timeout:g}): {self._queue.unfinished} scheduled "
+                               "functions had not finished; they stay scheduled")
+        self._raise_if_failed()
         if self._queue.errors:
             error, self._queue.errors = self._queue.errors[0], []
             raise error
 
     def done(self) -> bool:
         """Whether every scheduled function has run (errors are raised, as by join)."""
-        self._raise_if_ps_failed()
+        self._raise_if_failed()
         if self._queue.errors:
             error, self._queue.errors = self._queue.errors[0], []
             raise error
-        return self._queue.idle
+        return self._queue.unfinished == 0
 
-    def fetch(self, value: Any) -> Any:
-        """``RemoteValue``s anywhere in a structure replaced by their fetched results."""
-        return map_structure(lambda v: v.fetch() if isinstance(v, RemoteValue) else v, value)
+    def fetch(self, value: Any, timeout: float | None = None) -> Any:
+        """``RemoteValue``s anywhere in a structure replaced by their fetched results.
+
+        ``timeout`` bounds the whole fetch (``TimeoutError``), as in ``RemoteValue.fetch``.
+        """
+        timeout = None if timeout is None else check_timeout(timeout, "timeout")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return map_structure(
+            lambda v: v.fetch(remaining(deadline)) if isinstance(v, RemoteValue) else v, value)
 
     def create_per_worker_dataset(self, dataset_fn: Callable) -> PerWorkerDataset:
         """Run ``dataset_fn`` on every worker (with an ``InputContext`` if it takes one)."""
@@ -276,9 +165,31 @@ class ClusterCoordinator:
         except TypeError:  # not weak-referenceable: ship it every time
             return uuid.uuid4().hex
 
-    def _raise_if_ps_failed(self) -> None:
+    def _check(self) -> None:
+        """Raise what makes waiting pointless: a fatal error, a lost ps, no worker answering."""
+        self._raise_if_failed()
+        workers = self._workers
+        if any(w.incarnation is not None for w in workers):
+            return
+        silent = time.monotonic() - max(w.last_answer for w in workers)
+        if silent >= self._worker_timeout:
+            raise UnavailableError(
+                f"no worker has answered for {silent:.0f} s (worker_timeout={self._worker_timeout:g} s): "
+                f"{', '.join(w.who for w in workers)}. They died or cannot be reached; restart them "
+                "(stratagem launch --max-restarts restarts them): the scheduled functions stay queued "
+                "and run when a worker answers again.", task=", ".join(w.name for w in workers))
+
+    def _raise_if_failed(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
         if self._ps_failure is not None:
             raise self._ps_failure
+
+    def _fail(self, error: BaseException) -> None:
+        """A fatal error (from a dispatcher): fail every waiting closure and keep raising it."""
+        if self._fatal is None:
+            self._fatal = error
+        self._queue.close(self._fatal)
 
     def _classify(self, error: BaseException) -> BaseException:
         """A closure's error; one that says a parameter server is unavailable (a worker's

@@ -7,14 +7,30 @@ States and transitions::
     PENDING --(worker lost)------> PENDING      re-queued, runs again on another worker
 
 A closure whose worker dies stays PENDING and is scheduled again, so a RemoteValue
-is only ever set once.
+is only ever set once. ``fetch(timeout=)`` raising ``TimeoutError`` or
+``UnavailableError`` (no worker answering) changes nothing: the value stays PENDING.
 """
 
 from __future__ import annotations
 
 import enum
 import threading
+import time
 from typing import Any
+
+from stratagem.errors import InvalidArgumentError
+
+
+def check_timeout(timeout: Any, name: str) -> float:
+    """``timeout`` as seconds > 0; ``InvalidArgumentError`` otherwise."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise InvalidArgumentError(f"{name} must be a number of seconds > 0 (or None: no limit), got {timeout!r}")
+    return float(timeout)
+
+
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left before ``deadline`` (monotonic); a tiny positive number once it passed."""
+    return None if deadline is None else max(deadline - time.monotonic(), 1e-6)
 
 
 class RemoteValueStatus(enum.Enum):
@@ -52,12 +68,19 @@ class RemoteValue:
         self._event.set()
 
     def fetch(self, timeout: float | None = None) -> Any:
-        """Wait until the function has run; return its result or raise its error."""
-        while not self._event.wait(0.2 if timeout is None else timeout):
+        """Wait until the function has run; return its result or raise its error.
+
+        Python's ``TimeoutError`` after ``timeout`` seconds (the value stays PENDING);
+        the coordinator's errors (a lost ps, no worker answering, a fatal error) at once.
+        """
+        timeout = None if timeout is None else check_timeout(timeout, "timeout")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._event.wait(0.2 if deadline is None else min(0.2, max(deadline - time.monotonic(), 0))):
             if self._coordinator is not None:
-                self._coordinator._raise_if_ps_failed()
-            if timeout is not None:
-                raise TimeoutError(f"the scheduled function did not finish within {timeout} s")
+                self._coordinator._check()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"the scheduled function did not finish within {timeout:g} s; "
+                                   "it stays scheduled (fetch again to wait longer)")
         if self._error is not None:
             raise self._error
         return self._value

@@ -1,0 +1,266 @@
+"""The closure queue and the dispatcher thread that feeds one worker task.
+
+Queue: ``put`` appends a closure; ``get`` hands the next one to a dispatcher; ``finished``
+counts it done (with its error, if any). ``close(error)`` is the end of the queue after a
+fatal error: every waiting closure fails with it, and so does any closure put back later.
+
+A dispatcher's states::
+
+    probing --(ping answered by a worker)--------------> serving
+    serving --(broken connection, 3 missed pings)-------> probing   (closure re-queued at the front)
+    probing/serving --(refused token, not a worker,
+                       any unexpected error)------------> dead      (the coordinator fails with it)
+
+The dead state is never silent: the closure the dispatcher held fails with the error,
+``coordinator._fail`` closes the queue with it, and ``join()``/``fetch()`` raise it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from stratagem.coordinator.values import RemoteValue
+from stratagem.errors import ClusterConfigError, UnavailableError
+from stratagem.ps.closures import ClosureNotCachedError, ClosurePickler
+from stratagem.rpc import RemoteError, RpcClient
+from stratagem.rpc.errors import AuthenticationError, RpcError
+
+if TYPE_CHECKING:
+    from stratagem.coordinator.coordinator import ClusterCoordinator
+
+PING_SECONDS = 1.0
+MISSED_PINGS = 3
+RUN_TIMEOUT_SECONDS = 24 * 3600.0
+
+
+class _Closure:
+    __slots__ = ("fn", "args", "kwargs", "value")
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, value: RemoteValue):
+        self.fn, self.args, self.kwargs, self.value = fn, args, kwargs, value
+
+
+class _Queue:
+    """Closures waiting to run, and a count of those scheduled but not finished."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[_Closure] = collections.deque()
+        self._unfinished = 0
+        self._closed: BaseException | None = None
+        self.errors: list[BaseException] = []
+
+    def put(self, closure: _Closure, *, front: bool = False, new: bool = True) -> None:
+        with self._cond:
+            if new:
+                self._unfinished += 1
+            if self._closed is not None:
+                self._fail(closure, self._closed)
+                return
+            (self._waiting.appendleft if front else self._waiting.append)(closure)
+            self._cond.notify_all()
+
+    def get(self, timeout: float) -> _Closure | None:
+        with self._cond:
+            if not self._waiting:
+                self._cond.wait(timeout)
+            return self._waiting.popleft() if self._waiting else None
+
+    def finished(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            self._unfinished -= 1
+            if error is not None:
+                self.errors.append(error)
+            self._cond.notify_all()
+
+    def close(self, error: BaseException) -> None:
+        """Fail every waiting closure, and every one put later, with ``error``."""
+        with self._cond:
+            if self._closed is None:
+                self._closed = error
+                self.errors.append(error)
+            while self._waiting:
+                self._fail(self._waiting.popleft(), error)
+
+    def _fail(self, closure: _Closure, error: BaseException) -> None:   # holding the lock
+        closure.value._set_error(error)
+        self._unfinished -= 1
+        self._cond.notify_all()
+
+    def wait_idle(self, check: Callable[[], None], deadline: float | None = None) -> bool:
+        """Wait until nothing is unfinished (True) or ``deadline`` (monotonic) passes (False)."""
+        with self._cond:
+            while self._unfinished:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                self._cond.wait(0.2 if deadline is None else min(0.2, max(deadline - time.monotonic(), 0)))
+                check()
+            return True
+
+    @property
+    def unfinished(self) -> int:
+        with self._cond:
+            return self._unfinished
+
+
+class _WorkerLost(Exception):
+    pass
+
+
+class _Worker:
+    """One worker task and the dispatcher thread that feeds it.
+
+    ``last_answer`` (monotonic) is when the task last answered; ``incarnation`` is None
+    while it is lost or not yet seen.
+    """
+
+    def __init__(self, coordinator: ClusterCoordinator, index: int, address: str, token: str):
+        self.coordinator = coordinator
+        self.index = index
+        self.name = f"worker {index}"
+        self.client = RpcClient(address, token, task=self.name, default_timeout=10.0, pickler=ClosurePickler)
+        self.incarnation: str | None = None
+        self.last_answer = time.monotonic()
+        self.cached: set[str] = set()
+        self.datasets: set[str] = set()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name=f"stratagem-dispatch-{index}")
+        self.thread.start()
+
+    @property
+    def who(self) -> str:
+        return f"{self.name} ({self.client.address})"
+
+    def _ping(self, timeout: float) -> bool:
+        try:
+            answer = self.client.call("ping", None, timeout=timeout)
+        except AuthenticationError as error:
+            raise self._token_error(error) from error
+        except Exception:  # noqa: BLE001 - any other failure means: not available now
+            return False
+        if not isinstance(answer, dict) or "incarnation" not in answer:
+            said = f", and calls itself {answer['name']!r}" if isinstance(answer, dict) and "name" in answer else ""
+            raise ClusterConfigError(
+                f"{self.who} is not a worker task: it answered the coordinator's ping with "
+                f"{sorted(answer) if isinstance(answer, dict) else type(answer).__name__}{said}, where "
+                "a worker answers with its incarnation. The cluster's 'worker' list names another "
+                "task's address (a parameter server's, spelled differently?); fix the cluster "
+                "description (TF_CONFIG).")
+        self.last_answer = time.monotonic()
+        if answer["incarnation"] != self.incarnation:  # a new process: it knows nothing yet
+            self.incarnation = answer["incarnation"]
+            self.cached.clear()
+            self.datasets.clear()
+        return True
+
+    def _token_error(self, error: AuthenticationError) -> AuthenticationError:
+        return AuthenticationError(
+            f"{self.who} refused the coordinator's requests or its replies failed the check: its "
+            "cluster token (STRATAGEM_CLUSTER_TOKEN) differs from the coordinator's. Every task of a "
+            "cluster must be started with the same token (`stratagem launch` gives all its tasks "
+            f"one); their clocks must also agree within 5 minutes. ({error})")
+
+    def _loop(self) -> None:
+        coordinator = self.coordinator
+        closure: _Closure | None = None
+        try:
+            while not coordinator._stopping.is_set():
+                closure = None
+                if self.incarnation is None and not self._ping(2.0):  # lost or not yet seen: probe
+                    coordinator._stopping.wait(0.2)
+                    continue
+                closure = coordinator._queue.get(timeout=0.5)
+                if closure is not None:
+                    self._serve(closure)
+        except BaseException as error:  # noqa: BLE001 - a dispatcher never dies silently
+            error = self._explain(error)
+            if closure is not None:
+                closure.value._set_error(error)
+                coordinator._queue.finished(error)
+            coordinator._fail(error)
+
+    def _serve(self, closure: _Closure) -> None:
+        """Run one closure; a fatal error (refused token, not a worker) propagates."""
+        queue = self.coordinator._queue
+        try:
+            self._prepare()
+            result = self._run(closure)
+        except _WorkerLost:
+            self.incarnation = None
+            queue.put(closure, front=True, new=False)
+            return
+        except (AuthenticationError, ClusterConfigError):
+            raise
+        except BaseException as error:  # noqa: BLE001 - belongs to this closure only
+            if self._misconfigured(error):
+                raise
+            error = self.coordinator._classify(error)
+            closure.value._set_error(error)
+            queue.finished(error)
+            return
+        self.coordinator.strategy.placement.stale()  # the ps values moved: re-read on next access
+        closure.value._set_value(result)
+        queue.finished()
+
+    def _misconfigured(self, error: BaseException) -> bool:
+        """The task has no handler for a worker's methods (told by status code, not text)."""
+        remote = error.remote_exception if isinstance(error, RemoteError) else error
+        return isinstance(remote, RpcError) and remote.code == "UNIMPLEMENTED"
+
+    def _explain(self, error: BaseException) -> BaseException:
+        if isinstance(error, AuthenticationError) and self.name not in str(error):
+            return self._token_error(error)
+        if self._misconfigured(error):
+            return ClusterConfigError(
+                f"{self.who} is not a worker task: it has no handler for the coordinator's "
+                f"requests ({error}). Fix the cluster's 'worker' list (TF_CONFIG).")
+        if isinstance(error, Exception) and not isinstance(error, (ClusterConfigError, AuthenticationError)):
+            error.add_note(f"(raised in the ClusterCoordinator's dispatcher thread of {self.who})")
+        return error
+
+    def _prepare(self) -> None:
+        for dataset_id, dataset_fn in list(self.coordinator._datasets.items()):
+            if dataset_id not in self.datasets:
+                self._call("create_dataset", {"dataset_id": dataset_id, "dataset_fn": dataset_fn})
+                self.datasets.add(dataset_id)
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            result = self.client.call(method, request, timeout=60.0)
+        except UnavailableError as error:
+            raise _WorkerLost() from error
+        self.last_answer = time.monotonic()
+        return result
+
+    def _run(self, closure: _Closure) -> Any:
+        key = self.coordinator._closure_key(closure.fn)
+        request = {"key": key, "fn": None if key in self.cached else closure.fn,
+                   "args": closure.args, "kwargs": closure.kwargs}
+        future = self.client.call_async("run", request, timeout=RUN_TIMEOUT_SECONDS)
+        self.cached.add(key)
+        missed = 0
+        while True:
+            try:
+                result = future.result(timeout=PING_SECONDS)
+                self.last_answer = time.monotonic()
+                return result
+            except TimeoutError:
+                pass
+            except UnavailableError as error:
+                self.cached.discard(key)
+                raise _WorkerLost() from error
+            except RemoteError as error:
+                if isinstance(error.remote_exception, ClosureNotCachedError):   # it restarted
+                    self.cached.discard(key)
+                    raise _WorkerLost() from error
+                raise
+            if self.coordinator._stopping.is_set():
+                future.cancel()
+                raise _WorkerLost()
+            missed = 0 if self._ping(PING_SECONDS) else missed + 1
+            if missed >= MISSED_PINGS:
+                future.cancel()
+                self.cached.discard(key)
+                raise _WorkerLost()
