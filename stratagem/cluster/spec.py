@@ -120,7 +120,34 @@ def _parse_tasks(job: str, tasks: object) -> dict[int, str]:
             raise ClusterConfigError(
                 f"job {job!r}: task {index} is given twice; give each index once.")
         parsed[index] = validate_address(address, where=f"{job!r} task {index}")
+        if int(parsed[index].rpartition(":")[2]) == 0:
+            raise ClusterConfigError(
+                f"{job!r} task {index}: port 0 in {address!r} is not a real port (it asks the "
+                "system for any free one, which the other tasks cannot know); give the port "
+                "the task listens on, like 'host:2222'.")
     return dict(sorted(parsed.items()))
+
+
+_LOOPBACK_NAMES = ("localhost", "ip6-localhost", "ip6-loopback")
+
+
+def _same_address_key(address: str) -> tuple[str, int]:
+    """What makes two valid addresses one host:port: ``(host, port)`` with the host in one
+    spelling -- lower case, IP addresses in their canonical form, and ``localhost``,
+    ``127.0.0.1``, ``[::1]`` and the other spellings of this host's loopback interface as one
+    (a client given ``localhost:2222`` may reach the task listening on ``127.0.0.1:2222``)."""
+    host, _, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") else host
+    host = host.lower().rstrip(".")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return ("loopback" if host in _LOOPBACK_NAMES else host), int(port)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip in (ipaddress.IPv4Address("127.0.0.1"), ipaddress.IPv6Address("::1")):
+        return "loopback", int(port)
+    return str(ip), int(port)
 
 
 def _parse_cluster(cluster: object) -> Mapping[str, Mapping[int, str]]:
@@ -132,7 +159,7 @@ def _parse_cluster(cluster: object) -> Mapping[str, Mapping[int, str]]:
             f"{{'worker': ['host1:2222', 'host2:2222']}}; got {type(cluster).__name__} "
             f"{cluster!r}.")
     jobs: dict[str, Mapping[int, str]] = {}
-    owners: dict[str, str] = {}  # address (lower-cased) -> the task that has it
+    owners: dict[tuple[str, int], tuple[str, str]] = {}  # same-address key -> (task, address)
     for job, tasks in cluster.items():
         if not isinstance(job, str) or not _JOB_NAME.fullmatch(job):
             raise ClusterConfigError(
@@ -140,10 +167,13 @@ def _parse_cluster(cluster: object) -> Mapping[str, Mapping[int, str]]:
                 "of letters, digits and '_' starting with a letter, like 'worker' or 'ps'.")
         parsed = _parse_tasks(job, tasks)
         for index, address in parsed.items():
-            owner = owners.setdefault(address.lower(), f"{job!r} task {index}")
-            if owner != f"{job!r} task {index}":
+            task = f"{job!r} task {index}"
+            owner, first = owners.setdefault(_same_address_key(address), (task, address))
+            if owner != task:
+                spelled = ("" if first.lower() == address.lower() else
+                           f" (as {first!r} and {address!r}: two spellings of one host:port)")
                 raise ClusterConfigError(
-                    f"address {address!r} is given to both {owner} and {job!r} task {index}; "
+                    f"address {address!r} is given to both {owner} and {task}{spelled}; "
                     "every task needs its own host:port -- change the port of one of them.")
         jobs[job] = MappingProxyType(parsed)
     return MappingProxyType(dict(sorted(jobs.items())))

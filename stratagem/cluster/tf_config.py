@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,6 +68,11 @@ def load_tf_config(text: str | None) -> dict[str, Any]:
         config = json.loads(text)
     except json.JSONDecodeError as err:
         raise _json_error(text, err) from err
+    except RecursionError:   # json's decoder recurses once per nested [ or {
+        raise ClusterConfigError(
+            f"TF_CONFIG is nested too deeply to parse: its [ and {{ go deeper than Python's "
+            f"recursion limit ({sys.getrecursionlimit()}); TF_CONFIG is a shallow JSON object "
+            f"such as {_EXAMPLE} -- check what sets it.") from None
     if not isinstance(config, dict):
         raise ClusterConfigError(
             f"TF_CONFIG must be a JSON object, got a {type(config).__name__}: {text.strip()!r}; "

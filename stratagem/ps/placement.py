@@ -319,10 +319,12 @@ class ParameterServerPlacement(Placement):
         base.load_state_dict(optimizer, {"state": {}, "param_groups": state_dict["param_groups"]})
         self.finalize()
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        try:
-            self.pull_into(params)
-        except Exception:  # noqa: BLE001 - a fresh ps lacks them: keep the coordinator's values
-            pass
+        # A fresh ps (restarted, or not yet restored) lacks the variables: those keep the
+        # coordinator's values, which go to the ps below. Asked, not guessed from a failed
+        # pull: any other failure (a ps down, a wrong token, a broken pull) raises.
+        held = [set(ids) for ids in call_each([(c, "variables", {}) for c in self.ps_clients])]
+        self.pull_into([p for p in params
+                        if all(shard.shard_id in held[shard.ps] for shard in remote_of(p).shards)])
         per_ps: dict[int, dict[str, dict]] = {}
         index = 0
         for group in optimizer.param_groups:

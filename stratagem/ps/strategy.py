@@ -64,6 +64,13 @@ class ParameterServerStrategy(Strategy):
     """
 
     def __init__(self, cluster_resolver: Any, variable_partitioner: Callable | None = None):
+        if not callable(getattr(cluster_resolver, "cluster_spec", None)):
+            raise InvalidArgumentError(
+                f"ParameterServerStrategy needs a cluster resolver (an object with a "
+                f"cluster_spec() method), got {cluster_resolver!r}; pass "
+                f"sg.cluster.TFConfigClusterResolver() to read the cluster from TF_CONFIG (as "
+                f"`stratagem launch --workers N --ps M script.py` sets it), or "
+                f"sg.cluster.SimpleClusterResolver(sg.cluster.ClusterSpec({{...}})).")
         spec = cluster_resolver.cluster_spec()
         for job in ("ps", "worker"):
             if job not in spec.jobs or spec.num_tasks(job) == 0:

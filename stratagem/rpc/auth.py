@@ -1,8 +1,9 @@
 """Proof of the cluster token on every message, checked before anything is unpickled.
 
 Cluster processes accept work only from members of their own cluster, which
-share a secret, ``STRATAGEM_CLUSTER_TOKEN`` (the launcher makes one per job). The token
-itself never travels. Every request carries, in gRPC metadata:
+share a secret, ``STRATAGEM_CLUSTER_TOKEN`` (the launcher makes one per job; one read from
+the environment must be random and at least 32 characters long, see
+:func:`check_token_strength`). The token itself never travels. Every request carries, in gRPC metadata:
 
 - ``sg-ts``: the sender's wall-clock time in milliseconds;
 - ``sg-nonce``: 96 random bits, hex;
@@ -61,7 +62,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.rpc.errors import AuthenticationError
 
-__all__ = ["Authenticator", "TOKEN_VARIABLE", "cluster_token"]
+__all__ = ["Authenticator", "MIN_TOKEN_CHARS", "TOKEN_VARIABLE", "check_token_strength", "cluster_token"]
 
 TOKEN_VARIABLE = "STRATAGEM_CLUSTER_TOKEN"
 TIMESTAMP_KEY, NONCE_KEY, MAC_KEY, IV_KEY = "sg-ts", "sg-nonce", "sg-mac", "sg-iv"
@@ -70,8 +71,17 @@ _NONCE_HEX = 24      # 96 bits: the GCM IV
 _REQUEST, _REPLY = b"request", b"reply"
 
 
+MIN_TOKEN_CHARS = 32        # 128 bits as hex, the launcher's kind (it makes 64 hex digits)
+MIN_TOKEN_DISTINCT = 8      # a long run of a few characters ("aaaa...") is not a secret
+_MAKE_TOKEN = "python -c \"import secrets; print(secrets.token_hex(32))\""
+
+
 def cluster_token(environ: Mapping[str, str] | None = None) -> str:
-    """The cluster token from ``STRATAGEM_CLUSTER_TOKEN``; a clear error when it is unset."""
+    """The cluster token from ``STRATAGEM_CLUSTER_TOKEN``; a clear error when it is unset or weak.
+
+    Every task reads the token here (the coordinator's strategy, ``stratagem server``, the
+    workers), so a weak token stops the task at start-up; see :func:`check_token_strength`.
+    """
     env = os.environ if environ is None else environ
     token = env.get(TOKEN_VARIABLE, "")
     if not token.strip():
@@ -79,9 +89,32 @@ def cluster_token(environ: Mapping[str, str] | None = None) -> str:
             f"{TOKEN_VARIABLE} is not set: every task of a cluster must be given the same "
             "secret token, which proves to the others that it belongs to the cluster. "
             "`stratagem launch` sets it for local clusters; on a real cluster create one "
-            "with `python -c \"import secrets; print(secrets.token_hex(32))\"` and put it in "
-            f"the environment of every task (coordinator, workers, parameter servers).")
+            f"with `{_MAKE_TOKEN}` and put it in the environment of every task "
+            "(coordinator, workers, parameter servers).")
+    check_token_strength(token)
     return token
+
+
+def check_token_strength(token: str) -> None:
+    """Raises ClusterConfigError unless ``token`` is strong enough to keep others out.
+
+    Anyone who guesses the token can run code on every task of the cluster, so it must be
+    random: at least ``MIN_TOKEN_CHARS`` characters (128 bits as hex digits) with at least
+    ``MIN_TOKEN_DISTINCT`` different ones. A random token passes (the chance that 32 random
+    hex digits have fewer than 8 different ones is below 1e-7); "secret" or "aaaa..." does
+    not. The message gives the token's length, never the token.
+    """
+    distinct = len(set(token))
+    if len(token) >= MIN_TOKEN_CHARS and distinct >= MIN_TOKEN_DISTINCT:
+        return
+    what = (f"{len(token)} character{'s' * (len(token) != 1)}" if len(token) < MIN_TOKEN_CHARS
+            else f"only {distinct} different character{'s' * (distinct != 1)}")
+    raise ClusterConfigError(
+        f"{TOKEN_VARIABLE} is too weak: it has {what}, and a cluster token needs at least "
+        f"{MIN_TOKEN_CHARS} characters with at least {MIN_TOKEN_DISTINCT} different ones "
+        "(128 random bits), because whoever guesses it can run code on every task. Make a "
+        f"random one with `{_MAKE_TOKEN}` and give the same one to every task "
+        "(`stratagem launch` makes one per job).")
 
 
 def _field(value: bytes) -> bytes:

@@ -146,7 +146,7 @@ def test_spec_repr() -> None:
 
 
 @pytest.mark.parametrize("address", [
-    "localhost:2222", "10.0.0.2:0", "my-host.example.com:65535", "host_1:80",
+    "localhost:2222", "10.0.0.2:1", "my-host.example.com:65535", "host_1:80",
     "[::1]:1234", "[2001:db8::1]:8080", "[fe80::1%eth0]:22",
 ])
 def test_spec_accepts_addresses(address: str) -> None:
@@ -161,6 +161,9 @@ def test_spec_accepts_addresses(address: str) -> None:
     ("host:65536", r"port '65536' .* from 0 to 65535"),
     ("host:-1", r"port '-1' .* from 0 to 65535"),
     ("host:1.5", r"port '1.5'"),
+    ("10.0.0.2:0", r"'worker' task 0: port 0 in '10.0.0.2:0' is not a real port .* give the port "
+                   r"the task listens on"),
+    ("[::1]:00", r"port 0 in '\[::1\]:00' is not a real port"),
     ("::1:1234", r"looks like an IPv6 address without brackets; .* '\[::1\]:1234'"),
     ("[::1]", r"expected '\[ipv6\]:port', got '\[::1\]'"),
     ("[::1:1234", r"expected '\[ipv6\]:port'"),
@@ -182,6 +185,31 @@ def test_spec_rejects_duplicate_addresses() -> None:
         ClusterSpec({"chief": ["a:1"], "worker": ["b:1", "a:1"]})
     with pytest.raises(ClusterConfigError, match="is given to both 'worker' task 0 and 'worker'"):
         ClusterSpec({"worker": ["Host:1", "host:1"]})
+
+
+@pytest.mark.parametrize("first, second", [
+    ("localhost:2222", "127.0.0.1:2222"),
+    ("localhost:2222", "[::1]:2222"),
+    ("127.0.0.1:2222", "[::1]:2222"),
+    ("127.0.0.1:2222", "[::ffff:127.0.0.1]:2222"),
+    ("[::1]:2222", "[0:0:0:0:0:0:0:1]:2222"),
+    ("LocalHost.:2222", "localhost:2222"),
+    ("[2001:db8::1]:8080", "[2001:DB8:0:0::1]:8080"),
+    ("host:2222", "host:02222"),
+])
+def test_spec_rejects_one_address_spelled_two_ways(first: str, second: str) -> None:
+    with pytest.raises(ClusterConfigError) as info:
+        ClusterSpec({"ps": [first], "worker": [second]})
+    assert str(info.value) == (
+        f"address {second!r} is given to both 'ps' task 0 and 'worker' task 0 (as {first!r} and "
+        f"{second!r}: two spellings of one host:port); every task needs its own host:port -- "
+        "change the port of one of them.")
+
+
+def test_spec_keeps_different_loopback_addresses_and_ports_apart() -> None:
+    spec = ClusterSpec({"worker": ["127.0.0.1:2222", "127.0.0.2:2222", "localhost:2223",
+                                   "[::1]:2224", "host:2222", "10.0.0.1:2222"]})
+    assert spec.num_tasks("worker") == 6
 
 
 @pytest.mark.parametrize("job, match", [
@@ -548,10 +576,26 @@ def test_tf_config_bad_json_on_a_later_line() -> None:
      r"TF_CONFIG \"cluster\": address 'a:1' is given to both"),
     ({"cluster": ["a:1"], "task": {"type": "worker", "index": 0}},
      r"TF_CONFIG \"cluster\": a cluster must be a dict"),
+    ({"cluster": {"worker": ["localhost:2222", "127.0.0.1:2222"]}, "task": {"type": "worker", "index": 0}},
+     r"TF_CONFIG \"cluster\": address '127.0.0.1:2222' is given to both 'worker' task 0 and "
+     r"'worker' task 1 \(as 'localhost:2222' and '127.0.0.1:2222': two spellings of one host:port\)"),
+    ({"cluster": {"worker": ["localhost:0"]}, "task": {"type": "worker", "index": 0}},
+     r"TF_CONFIG \"cluster\": 'worker' task 0: port 0 in 'localhost:0' is not a real port"),
 ])
 def test_tf_config_errors(config: object, match: str) -> None:
     with pytest.raises(ClusterConfigError, match=match):
         TFConfigClusterResolver(environment={"TF_CONFIG": json.dumps(config)})
+
+
+@pytest.mark.parametrize("text", [
+    "[" * 100_000 + "]" * 100_000,
+    '{"cluster": {"worker": ' + "[" * 100_000 + "]" * 100_000 + "}}",
+    '{"task": ' + '{"a": ' * 100_000 + "0" + "}" * 100_001,
+], ids=["list", "cluster", "task"])
+def test_tf_config_nested_too_deeply_is_a_config_error(text: str) -> None:
+    with pytest.raises(ClusterConfigError, match=r"TF_CONFIG is nested too deeply to parse: .* "
+                                                 r"TF_CONFIG is a shallow JSON object such as"):
+        TFConfigClusterResolver(environment={"TF_CONFIG": text})
 
 
 def test_tf_config_constructor_errors() -> None:

@@ -26,7 +26,7 @@ from stratagem.ps.server import TaskInfo, register_service, resolve_task, serve
 pytestmark = pytest.mark.timeout(60)
 
 REPO_ROOT = Path(stratagem.__file__).resolve().parent.parent
-TOKEN = "server-test-token"
+TOKEN = "server-test-token-5c1f0e9a7b2d4e83a6f1"   # strong enough: >= 32 characters
 
 
 def _free_port() -> int:
@@ -83,6 +83,26 @@ def test_ps_task_serves_and_stops_quickly_on_sigterm() -> None:
             process.communicate()
 
 
+def test_server_with_a_weak_token_exits_at_once_without_showing_it() -> None:
+    weak = "hunter2-hunter2"
+    env = {**os.environ, "TF_CONFIG": _tf_config("ps", _free_port()), "STRATAGEM_CLUSTER_TOKEN": weak,
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "stratagem", "server"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # It stops before listening: the time is the interpreter's start and imports.
+        out, err = process.communicate(timeout=45)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 2, (out, err)
+    assert "STRATAGEM_CLUSTER_TOKEN is too weak: it has 15 characters" in err
+    assert "secrets.token_hex(32)" in err
+    assert "listening" not in out and weak not in out + err
+
+
 @pytest.mark.parametrize(("env", "message"), [
     ({}, "needs TF_CONFIG naming the cluster and this task"),
     ({"TF_CONFIG": _tf_config("ps", 5)}, "STRATAGEM_CLUSTER_TOKEN is not set"),
@@ -91,6 +111,8 @@ def test_ps_task_serves_and_stops_quickly_on_sigterm() -> None:
     ({"TF_CONFIG": _tf_config("chief", 5), "STRATAGEM_CLUSTER_TOKEN": TOKEN},
      "the chief runs the training script"),
     ({"TF_CONFIG": '{"cluster": ', "STRATAGEM_CLUSTER_TOKEN": TOKEN}, "TF_CONFIG is not valid JSON"),
+    ({"TF_CONFIG": _tf_config("ps", 5), "STRATAGEM_CLUSTER_TOKEN": "x"},
+     "STRATAGEM_CLUSTER_TOKEN is too weak: it has 1 character"),
 ])
 def test_misconfigured_server_fails_with_a_clear_error(
         env: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch,

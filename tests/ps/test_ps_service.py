@@ -14,7 +14,7 @@ from stratagem.ps import ParameterServer, ParameterServerClient, call_each
 from stratagem.rpc import RemoteError, RpcServer
 
 pytestmark = pytest.mark.timeout(60)
-TOKEN = "ps-test-token"
+TOKEN = "ps-test-token-94d2e7b0c18f3a65d7e2"
 
 
 class SlowIncrement(torch.optim.Optimizer):

@@ -16,7 +16,7 @@ import stratagem
 
 REPO_ROOT = Path(stratagem.__file__).resolve().parent.parent
 SERVER_SCRIPT = Path(__file__).with_name("server_script.py")
-TOKEN = "test-token-0123456789abcdef"
+TOKEN = "test-token-0123456789abcdef-7e41b9c2"   # strong enough: >= 32 characters
 
 
 def free_port() -> int:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 
 import pytest
 
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.rpc import AuthenticationError, Authenticator, cluster_token
+from stratagem.rpc.auth import MIN_TOKEN_CHARS, check_token_strength
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -104,10 +106,40 @@ def test_the_token_is_never_shown() -> None:
 
 
 def test_cluster_token_reads_the_environment_with_a_clear_error() -> None:
-    assert cluster_token({"STRATAGEM_CLUSTER_TOKEN": "abc"}) == "abc"
+    strong = secrets.token_hex(16)
+    assert cluster_token({"STRATAGEM_CLUSTER_TOKEN": strong}) == strong
     for env in ({}, {"STRATAGEM_CLUSTER_TOKEN": "  "}):
         with pytest.raises(ClusterConfigError, match="STRATAGEM_CLUSTER_TOKEN is not set.*secrets.token_hex"):
             cluster_token(env)
+
+
+@pytest.mark.parametrize("token, why", [
+    ("x", "it has 1 character,"),
+    ("s3cret-password", "it has 15 characters"),
+    ("0123456789abcdef0123456789abcde", "it has 31 characters"),
+    ("a" * 64, "it has only 1 different character,"),
+    ("abcd" * 16, "it has only 4 different characters"),
+])
+def test_weak_tokens_are_refused_without_showing_them(token: str, why: str) -> None:
+    with pytest.raises(ClusterConfigError) as info:
+        cluster_token({"STRATAGEM_CLUSTER_TOKEN": token})
+    message = str(info.value)
+    assert message.startswith(f"STRATAGEM_CLUSTER_TOKEN is too weak: {why}")
+    assert "at least 32 characters" in message
+    assert 'python -c "import secrets; print(secrets.token_hex(32))"' in message
+    assert len(token) == 1 or token not in message
+
+
+@pytest.mark.parametrize("token", [
+    secrets.token_hex(32),           # what `stratagem launch` makes
+    secrets.token_hex(16),           # 128 bits, the least accepted
+    secrets.token_urlsafe(32),
+    "test-token-0123456789abcdef-7e41b9c2",
+])
+def test_random_tokens_are_strong_enough(token: str) -> None:
+    assert len(token) >= MIN_TOKEN_CHARS
+    check_token_strength(token)
+    assert cluster_token({"STRATAGEM_CLUSTER_TOKEN": token}) == token
 
 
 def test_bad_arguments() -> None:

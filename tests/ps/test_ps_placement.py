@@ -1,0 +1,105 @@
+"""ParameterServerStrategy's argument check and the placement's optimizer restore, in one
+process: the parameter servers are RpcServers in this process, and no worker is needed."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import stratagem as sg
+from stratagem.errors import InvalidArgumentError
+from stratagem.ps import ParameterServer
+from stratagem.rpc import RemoteError, RpcServer
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = secrets.token_hex(16)
+
+
+@pytest.mark.parametrize("resolver", [None, "worker:2222", sg.cluster.ClusterSpec({"worker": ["a:1"]})])
+def test_strategy_needs_a_cluster_resolver(resolver: object) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        sg.ParameterServerStrategy(resolver)
+    message = str(info.value)
+    assert message.startswith("ParameterServerStrategy needs a cluster resolver (an object with a "
+                              f"cluster_spec() method), got {resolver!r}; pass "
+                              "sg.cluster.TFConfigClusterResolver()")
+
+
+class _Cluster:
+    """Two in-process ps tasks whose ``pull`` can be made to fail (``broken_pull``)."""
+
+    def __init__(self) -> None:
+        self.broken_pull = False
+        self.services = [ParameterServer(name=f"ps {i}") for i in range(2)]
+        self.servers = [RpcServer("127.0.0.1:0", self._handlers(ps), TOKEN, name=ps.name).start()
+                        for ps in self.services]
+
+    def _handlers(self, ps: ParameterServer) -> dict:
+        handlers = ps.handlers()
+        pull = handlers["pull"]
+
+        def maybe_broken_pull(request: object) -> object:
+            if self.broken_pull:
+                raise OSError(f"{ps.name} cannot read its variables")
+            return pull(request)
+
+        return {**handlers, "pull": maybe_broken_pull}
+
+    def strategy(self) -> sg.ParameterServerStrategy:
+        spec = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
+                "ps": [server.address for server in self.servers]}
+        return sg.ParameterServerStrategy(sg.cluster.SimpleClusterResolver(spec))
+
+
+@pytest.fixture
+def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Cluster]:
+    monkeypatch.setenv("STRATAGEM_CLUSTER_TOKEN", TOKEN)
+    made = _Cluster()
+    try:
+        yield made
+    finally:
+        for server in made.servers:
+            server.stop()
+
+
+def _model_and_optimizer(strategy: sg.ParameterServerStrategy) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Linear(3, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, optimizer
+
+
+def test_optimizer_restore_onto_fresh_ps_keeps_the_coordinator_values(cluster: _Cluster) -> None:
+    model, optimizer = _model_and_optimizer(cluster.strategy())
+    expected = {name: value.clone() for name, value in model.state_dict().items()}
+    state = optimizer.state_dict()
+    for ps in cluster.services:   # as if the ps tasks had restarted: nothing on them
+        ps.delete(list(ps.variables()))
+    optimizer.load_state_dict(state)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name])
+    assert sum(len(ps.variables()) for ps in cluster.services) == 2   # written back
+
+
+def test_optimizer_restore_pulls_what_the_ps_holds(cluster: _Cluster) -> None:
+    model, optimizer = _model_and_optimizer(cluster.strategy())
+    state = optimizer.state_dict()
+    holder = next(ps for ps in cluster.services if any("weight" in v for v in ps.variables()))
+    weight_id = next(v for v in holder.variables() if "weight" in v)
+    holder.assign({weight_id: torch.full((2, 3), 7.0)})   # the ps moved on (workers' steps)
+    optimizer.load_state_dict(state)
+    torch.testing.assert_close(model.weight.detach(), torch.full((2, 3), 7.0))
+
+
+def test_optimizer_restore_raises_when_the_pull_fails(cluster: _Cluster) -> None:
+    _, optimizer = _model_and_optimizer(cluster.strategy())
+    state = optimizer.state_dict()
+    cluster.broken_pull = True   # the variables are there, but reading them fails
+    with pytest.raises(RemoteError, match=r"'pull' on ps \d raised builtins.OSError: ps \d cannot read"):
+        optimizer.load_state_dict(state)
