@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.testing import local_cluster
+from stratagem.testing import free_ports, local_cluster
 
 pytestmark = pytest.mark.timeout(150)
 HERE = Path(__file__).parent
@@ -148,11 +148,15 @@ def test_worker_with_another_token_fails_the_closures_within_seconds(cluster_fac
 
 
 def test_ps_address_as_a_worker_fails_saying_it_is_not_a_worker(cluster_factory) -> None:
+    # (the same ps written twice, "localhost:P" and "127.0.0.1:P", is refused by the cluster spec
+    # itself; here the worker address is another cluster's ps, which only the dispatcher can see)
     cluster = cluster_factory(1)
     cluster.server("ps", 0)
     cluster.wait_for("ps 0", "listening")
-    ps_port = cluster.spec["ps"][0].rsplit(":", 1)[1]
-    wrong = {**cluster.spec, "worker": [f"localhost:{ps_port}"]}   # the ps, spelled differently
+    other_ps = f"127.0.0.1:{free_ports(1)[0]}"
+    cluster.server("ps", 1, cluster={**cluster.spec, "ps": [*cluster.spec["ps"], other_ps]})
+    cluster.wait_for("ps 1", "listening")
+    wrong = {**cluster.spec, "worker": [other_ps]}
     cluster.coordinator("not-worker", 60.0, cluster=wrong)
     report = cluster.result()
 
@@ -162,7 +166,7 @@ def test_ps_address_as_a_worker_fails_saying_it_is_not_a_worker(cluster_factory)
     for key in keys:
         assert report[key]["type"] == "ClusterConfigError", report
         assert "worker 0" in report[key]["message"] and "not a worker" in report[key]["message"], report
-        assert "ps 0" in report[key]["message"], report
+        assert "ps 1" in report[key]["message"], report
     assert report["join"]["seconds"] < 10, report
     assert set(report["status"]) <= {"FAILED"}, report
     assert "Traceback" not in cluster.log("chief 0"), cluster.log("chief 0")
