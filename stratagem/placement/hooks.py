@@ -38,7 +38,7 @@ from stratagem import _context
 _lock = threading.Lock()
 _internal = threading.local()   # set while stratagem builds optimizers of its own
 _users = 0
-_installed: list[Any] = []   # hook handles and the wrapped __init__ while scopes are open
+_installed: list[Any] = []   # the registration hooks' handles while scopes are open
 _original_init = torch.optim.Optimizer.__init__
 
 
