@@ -88,25 +88,29 @@ class WorkerRuntime:
             out[positions] = values
         return out
 
-    def push_gradients(self, params: Iterable[torch.Tensor]) -> None:
-        """Send dense gradients (split per shard) and recorded embedding row gradients: one
-        push per ps, all servers at once."""
+    def push_gradients(self, params: Iterable[torch.Tensor], var_ids: Iterable[str] | None = None) -> None:
+        """Send dense gradients (split per shard) and the gradients of the embedding rows
+        looked up for the tables in ``var_ids`` (all tables when None): one push per ps, all
+        servers at once."""
         requests: dict[int, dict[str, Any]] = {
             ps: {"grads": grads, "rows": []} for ps, grads in gradients_by_ps(params).items()}
-        for ps, update in self._row_updates():
+        for ps, update in self._row_updates(var_ids):
             requests.setdefault(ps, {"grads": {}, "rows": []})["rows"].append(update)
         call_each([(self.ps[ps], "push", request) for ps, request in requests.items()])
 
-    def _row_updates(self) -> list[tuple[int, tuple[str, torch.Tensor, torch.Tensor]]]:
-        """(ps, (shard id, row ids, row gradients)) for the embedding rows this step looked up."""
+    def _row_updates(self, var_ids: Iterable[str] | None = None
+                     ) -> list[tuple[int, tuple[str, torch.Tensor, torch.Tensor]]]:
+        """(ps, (shard id, row ids, row gradients)) for the embedding rows looked up whose small
+        tensors hold a gradient. Like a dense ``step()``, this leaves the gradients (and so the
+        record) in place: only ``zero_grad`` or the next closure clears them."""
+        wanted = None if var_ids is None else set(var_ids)
         merged: dict[str, tuple[RemoteVariable, list, list]] = {}
         for remote, rows, small in self.sparse:
-            if small.grad is None:
+            if small.grad is None or (wanted is not None and remote.var_id not in wanted):
                 continue
             entry = merged.setdefault(remote.var_id, (remote, [], []))
             entry[1].append(rows)
             entry[2].append(small.grad)
-        self.sparse = []
         updates = []
         for remote, rows_list, grads in merged.values():
             rows, inverse = torch.cat(rows_list).unique(return_inverse=True)
@@ -115,6 +119,19 @@ class WorkerRuntime:
             for shard, positions, local in remote.shard_of_rows(rows):
                 updates.append((shard.ps, (shard.shard_id, local, grad[positions])))
         return updates
+
+    def zero_row_gradients(self, var_ids: Iterable[str]) -> None:
+        """``zero_grad`` for the embedding rows looked up from the tables ``var_ids``.
+
+        Drops the gradients of the lookups' small tensors but keeps the record of the
+        lookups: ``zero_grad`` between forward and backward is the usual PyTorch order, and
+        the backward still to come fills the small tensors of lookups made before it. The
+        record lasts one closure (the worker clears it before running the next).
+        """
+        wanted = set(var_ids)
+        for remote, _, small in self.sparse:
+            if remote.var_id in wanted:
+                small.grad = None
 
     def lookup(self, remote: RemoteVariable, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows ``ids`` use, as a small leaf whose gradient becomes a row update; and the
@@ -162,13 +179,13 @@ class WorkerOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._params():
             p.grad = None
-        self._runtime.sparse = []
+        self._runtime.zero_row_gradients(self._var_ids)
 
     def step(self, closure: Any = None) -> None:
         if closure is not None:
             raise InvalidArgumentError("optimizer.step(closure) is not supported in parameter-server training")
         with label("stratagem.ps.push"):
-            self._runtime.push_gradients(self._params())
+            self._runtime.push_gradients(self._params(), self._var_ids)
 
     @property
     def param_groups(self) -> list[dict]:

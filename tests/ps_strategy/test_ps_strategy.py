@@ -70,3 +70,23 @@ def test_embedding_traffic_scales_with_rows_used_not_table_size(tmp_path: Path) 
     # set-up sends each variable once (create); the optimizer is attached in place
     assert set(large["setup"]) == {"create"}
     assert large["setup"]["create"]["bytes_in"] == large["variable_bytes"] - small["variable_bytes"]
+
+
+def test_embedding_rows_train_like_plain_pytorch_whatever_the_step_order(tmp_path: Path) -> None:
+    # zero_grad between forward and backward used to drop the record of the rows looked up,
+    # so the embedding never moved while the dense layers trained
+    names = launch(tmp_path, "embedding_orders_ps.py", workers=1, ps=2)
+    import torch   # the other tests need no torch in this process
+
+    cases = torch.load(tmp_path / "cases.pt")
+    assert sorted(cases) == names and len(names) == 30
+    mismatches = []
+    for name, case in cases.items():
+        assert case["embedding_shards"] == (2 if "16rows" in name else 1), name
+        assert not torch.equal(case["ps"]["embedding.weight"], case["initial"]["embedding.weight"]), name
+        for param, plain in case["plain"].items():
+            try:
+                torch.testing.assert_close(case["ps"][param], plain)
+            except AssertionError as error:
+                mismatches.append(f"{name} {param}: {error}")
+    assert not mismatches, "\n".join(mismatches)
