@@ -16,6 +16,12 @@ workers report failed pulls and pushes) makes ``schedule``, ``join`` and ``fetch
 raise :class:`~stratagem.errors.UnavailableError` naming it until the user restores
 the variables (``model.load_state_dict`` / ``optimizer.load_state_dict``).
 
+Back-pressure: at most ``max_queued`` closures are scheduled and unfinished at once;
+``schedule`` blocks while that many are, and goes on as they finish. A blocked
+``schedule`` raises as soon as the coordinator fails (a fatal dispatcher error, a lost
+ps) or is shut down. Per-worker datasets and iterators the program no longer references
+are released on the workers (with the next step each worker is sent).
+
 Nothing waits silently forever:
 
 - ``join(timeout=)`` and ``fetch(timeout=)`` raise Python's ``TimeoutError`` when the
@@ -43,12 +49,37 @@ from stratagem._profiling import label
 from stratagem.coordinator.dispatcher import PING_SECONDS, _Closure, _Queue, _Worker
 from stratagem.coordinator.values import RemoteValue, check_timeout, remaining
 from stratagem.errors import InvalidArgumentError, UnavailableError
-from stratagem.ps.closures import PerWorkerDataset
+from stratagem.ps.closures import PerWorkerDataset, PerWorkerIterator
 from stratagem.ps.strategy import ParameterServerStrategy
 from stratagem.rpc import RemoteError
 from stratagem.values import map_structure
 
 DEFAULT_WORKER_TIMEOUT_SECONDS = 60.0
+DEFAULT_MAX_QUEUED_PER_WORKER = 64
+MIN_DEFAULT_MAX_QUEUED = 256
+
+
+class _TrackedDataset(PerWorkerDataset):
+    """A per-worker dataset whose iterators keep it alive; when the program drops the
+    dataset and all its iterators, the workers are told to release them."""
+
+    def __init__(self, dataset_id: str, coordinator: ClusterCoordinator):
+        super().__init__(dataset_id)
+        release = weakref.WeakMethod(coordinator._release)
+        self._release = release
+        weakref.finalize(self, _call_weak, release, dataset_id, None)
+
+    def __iter__(self) -> PerWorkerIterator:
+        iterator = super().__iter__()
+        iterator._sg_dataset = self       # the dataset lives as long as any iterator of it
+        weakref.finalize(iterator, _call_weak, self._release, *iterator._ids)
+        return iterator
+
+
+def _call_weak(method: weakref.WeakMethod, *args: Any) -> None:
+    bound = method()
+    if bound is not None:
+        bound(*args)
 
 
 class ClusterCoordinator:
@@ -63,19 +94,30 @@ class ClusterCoordinator:
 
     ``worker_timeout``: seconds without an answer from any worker after which ``join`` and
     ``fetch`` raise ``UnavailableError`` instead of waiting for one to come back.
+
+    ``max_queued``: how many scheduled functions may be unfinished (queued or running) at
+    once before ``schedule`` blocks; default ``max(256, 64 * num_workers)``. It bounds the
+    coordinator's memory: each queued function holds its arguments.
     """
 
     def __init__(self, strategy: ParameterServerStrategy, *,
-                 worker_timeout: float = DEFAULT_WORKER_TIMEOUT_SECONDS):
+                 worker_timeout: float = DEFAULT_WORKER_TIMEOUT_SECONDS, max_queued: int | None = None):
         if not isinstance(strategy, ParameterServerStrategy):
             raise InvalidArgumentError(
                 f"ClusterCoordinator needs a sg.ParameterServerStrategy, got {type(strategy).__name__}")
+        num_workers = len(strategy.cluster.worker_addresses)
+        if max_queued is None:
+            max_queued = max(MIN_DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_PER_WORKER * num_workers)
+        if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
+            raise InvalidArgumentError(
+                f"max_queued must be a positive int (how many scheduled functions may wait or run "
+                f"at once), got {max_queued!r}")
         self._worker_timeout = check_timeout(worker_timeout, "worker_timeout")
         self._fatal: BaseException | None = None
         strategy.attach_coordinator(self)
         self.strategy = strategy
         strategy.placement.on_restored = self._variables_restored
-        self._queue = _Queue()
+        self._queue = _Queue(max_queued)
         self._stopping = threading.Event()
         self._datasets: dict[str, Callable] = {}
         self._keys: "weakref.WeakKeyDictionary[Callable, str]" = weakref.WeakKeyDictionary()
@@ -89,7 +131,11 @@ class ClusterCoordinator:
     # ------------------------------------------------------------------ API
 
     def schedule(self, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> RemoteValue:
-        """Queue ``fn(*args, **kwargs)`` to run on some worker; returns a RemoteValue at once."""
+        """Queue ``fn(*args, **kwargs)`` to run on some worker; returns a RemoteValue.
+
+        Blocks while ``max_queued`` functions are unfinished; raises instead when the
+        coordinator has failed or is shut down.
+        """
         if not callable(fn):
             raise InvalidArgumentError(f"schedule needs a callable, got {type(fn).__name__}")
         with label("stratagem.ps.schedule"):
@@ -98,7 +144,7 @@ class ClusterCoordinator:
             placement.finalize()
             placement.sync_hyperparameters()
             value = RemoteValue(self)
-            self._queue.put(_Closure(fn, tuple(args), dict(kwargs or {}), value))
+            self._queue.put(_Closure(fn, tuple(args), dict(kwargs or {}), value), check=self._raise_if_failed)
             return value
 
     def join(self, timeout: float | None = None) -> None:
@@ -142,17 +188,20 @@ class ClusterCoordinator:
             raise InvalidArgumentError("dataset_fn must be callable: dataset_fn(input_context) -> iterable")
         dataset_id = uuid.uuid4().hex[:12]
         self._datasets[dataset_id] = dataset_fn
-        return PerWorkerDataset(dataset_id)
+        return _TrackedDataset(dataset_id, self)
 
     def shutdown(self) -> None:
         """Stop dispatching (closures still queued are not run) and wait for the threads to end.
 
-        Calls in flight have deadlines, so this takes seconds even with dead peers.
+        Calls in flight have deadlines, so this takes seconds even with dead peers. A
+        ``schedule`` blocked on a full queue raises; so does any later ``schedule``.
         """
         self._stopping.set()
         for thread in [w.thread for w in self._workers] + [self._watchdog]:
             if thread is not threading.current_thread():
                 thread.join(timeout=5.0)
+        for worker in self._workers:
+            worker.client.close()
 
     # ------------------------------------------------------------- internals
 
@@ -184,6 +233,16 @@ class ClusterCoordinator:
             raise self._fatal
         if self._ps_failure is not None:
             raise self._ps_failure
+        if self._stopping.is_set():
+            raise InvalidArgumentError("this ClusterCoordinator was shut down: it runs nothing more; "
+                                       "make a new one to schedule functions")
+
+    def _release(self, dataset_id: str, iterator_id: str | None) -> None:
+        """A per-worker dataset (iterator_id None) or iterator the program dropped."""
+        if iterator_id is None:
+            self._datasets.pop(dataset_id, None)
+        for worker in self._workers:
+            worker.release(dataset_id, iterator_id)
 
     def _fail(self, error: BaseException) -> None:
         """A fatal error (from a dispatcher): fail every waiting closure and keep raising it."""

@@ -3,6 +3,10 @@
 Queue: ``put`` appends a closure; ``get`` hands the next one to a dispatcher; ``finished``
 counts it done (with its error, if any). ``close(error)`` is the end of the queue after a
 fatal error: every waiting closure fails with it, and so does any closure put back later.
+The queue is bounded (back-pressure, as TensorFlow bounds its in-flight closures): a new
+closure waits while ``max_queued`` closures are scheduled and unfinished (waiting or
+running); a closure put back after a lost worker never waits. A waiting ``put`` polls its
+``check`` and wakes at once when the queue is closed, so it never outlives a failure.
 
 A dispatcher's states::
 
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
 PING_SECONDS = 1.0
 MISSED_PINGS = 3
 RUN_TIMEOUT_SECONDS = 24 * 3600.0
+MAX_CACHED_HINTS = 4096   # keys a dispatcher remembers having sent; only saves re-sending
 
 
 class _Closure:
@@ -46,15 +51,25 @@ class _Closure:
 class _Queue:
     """Closures waiting to run, and a count of those scheduled but not finished."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_queued: int) -> None:
+        self.max_queued = max_queued
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Closure] = collections.deque()
         self._unfinished = 0
         self._closed: BaseException | None = None
         self.errors: list[BaseException] = []
 
-    def put(self, closure: _Closure, *, front: bool = False, new: bool = True) -> None:
+    def put(self, closure: _Closure, *, front: bool = False, new: bool = True,
+            check: Callable[[], None] | None = None) -> None:
+        """Append ``closure``; a new one first waits for room, calling ``check`` (which raises
+        to give up) every 0.1 s."""
         with self._cond:
+            while new and self._closed is None and self._unfinished >= self.max_queued:
+                self._cond.wait(0.1)
+                if check is not None:
+                    check()
+            if self._closed is not None and check is not None:
+                check()
             if new:
                 self._unfinished += 1
             if self._closed is not None:
@@ -84,6 +99,7 @@ class _Queue:
                 self.errors.append(error)
             while self._waiting:
                 self._fail(self._waiting.popleft(), error)
+            self._cond.notify_all()
 
     def _fail(self, closure: _Closure, error: BaseException) -> None:   # holding the lock
         closure.value._set_error(error)
@@ -110,6 +126,10 @@ class _WorkerLost(Exception):
     pass
 
 
+class _NotCached(Exception):
+    pass
+
+
 class _Worker:
     """One worker task and the dispatcher thread that feeds it.
 
@@ -126,6 +146,7 @@ class _Worker:
         self.last_answer = time.monotonic()
         self.cached: set[str] = set()
         self.datasets: set[str] = set()
+        self.releases: collections.deque[tuple[str, str | None]] = collections.deque()
         self.thread = threading.Thread(target=self._loop, daemon=True, name=f"stratagem-dispatch-{index}")
         self.thread.start()
 
@@ -234,11 +255,32 @@ class _Worker:
         self.last_answer = time.monotonic()
         return result
 
+    def release(self, dataset_id: str, iterator_id: str | None) -> None:
+        """The coordinator no longer references this dataset (iterator_id None) or iterator:
+        the worker drops it with the next ``run`` it is sent."""
+        if iterator_id is None:
+            self.datasets.discard(dataset_id)
+        self.releases.append((dataset_id, iterator_id))
+
     def _run(self, closure: _Closure) -> Any:
         key = self.coordinator._closure_key(closure.fn)
-        request = {"key": key, "fn": None if key in self.cached else closure.fn,
-                   "args": closure.args, "kwargs": closure.kwargs}
+        try:
+            return self._run_once(closure, key, send=key not in self.cached)
+        except _NotCached:   # evicted from the worker's bounded cache, or the worker restarted
+            if not self._ping(2.0):
+                raise _WorkerLost() from None
+            self._prepare()  # (re-creates the datasets if it is a new process)
+            return self._run_once(closure, key, send=True)
+
+    def _run_once(self, closure: _Closure, key: str, send: bool) -> Any:
+        releases = []
+        while self.releases:
+            releases.append(self.releases.popleft())
+        request = {"key": key, "fn": closure.fn if send else None,
+                   "args": closure.args, "kwargs": closure.kwargs, "release": releases}
         future = self.client.call_async("run", request, timeout=RUN_TIMEOUT_SECONDS)
+        if len(self.cached) >= MAX_CACHED_HINTS:
+            self.cached.clear()
         self.cached.add(key)
         missed = 0
         while True:
@@ -252,9 +294,11 @@ class _Worker:
                 self.cached.discard(key)
                 raise _WorkerLost() from error
             except RemoteError as error:
-                if isinstance(error.remote_exception, ClosureNotCachedError):   # it restarted
+                if isinstance(error.remote_exception, ClosureNotCachedError):   # evicted, or restarted
                     self.cached.discard(key)
-                    raise _WorkerLost() from error
+                    if send:     # it had the function and still lacks it: something else is wrong
+                        raise
+                    raise _NotCached() from error
                 raise
             if self.coordinator._stopping.is_set():
                 future.cancel()

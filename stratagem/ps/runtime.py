@@ -153,6 +153,16 @@ class WorkerRuntime:
             self.iterators[key] = iter(self.datasets[dataset_id])
         return self.iterators[key]
 
+    def release(self, dataset_id: str, iterator_id: str | None) -> None:
+        """Forget an iterator, or (``iterator_id`` None) a dataset and all its iterators: the
+        coordinator's program no longer references them."""
+        if iterator_id is not None:
+            self.iterators.pop((dataset_id, iterator_id), None)
+            return
+        self.datasets.pop(dataset_id, None)
+        for key in [k for k in self.iterators if k[0] == dataset_id]:
+            del self.iterators[key]
+
     def create_dataset(self, dataset_id: str, dataset_fn: Callable) -> None:
         try:
             takes_context = len(inspect.signature(dataset_fn).parameters) >= 1

@@ -12,12 +12,18 @@ whatever needs it: each request is read by a
    shard, an embedding's only for the rows used) to the parameter servers;
 3. returns the function's result, detached.
 
-A ``run`` of a key this worker does not hold (it restarted) raises
-:class:`~stratagem.ps.closures.ClosureNotCachedError`: the coordinator sends it again.
+The closure cache is bounded: an LRU of ``closure_cache_size`` functions (default 256, or
+the ``STRATAGEM_WORKER_CLOSURE_CACHE`` environment variable). A ``run`` of a key this
+worker does not hold (evicted, or the worker restarted) raises
+:class:`~stratagem.ps.closures.ClosureNotCachedError`, and the coordinator sends the
+function again. A ``run`` request also carries the per-worker datasets and iterators
+the coordinator's program dropped (``release``): the runtime forgets them.
 """
 
 from __future__ import annotations
 
+import collections
+import os
 import threading
 import uuid
 from typing import Any, Callable
@@ -33,18 +39,38 @@ from stratagem.values import map_structure
 
 __all__ = ["WorkerService"]
 
+CLOSURE_CACHE_VARIABLE = "STRATAGEM_WORKER_CLOSURE_CACHE"
+DEFAULT_CLOSURE_CACHE_SIZE = 256
+
+
+def _cache_size_from_environment() -> int:
+    text = os.environ.get(CLOSURE_CACHE_VARIABLE, str(DEFAULT_CLOSURE_CACHE_SIZE))
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"{CLOSURE_CACHE_VARIABLE} must be a positive integer (how many scheduled "
+                         f"functions a worker keeps), got {text!r}")
+    return size
+
 
 class WorkerService:
     """The RPC handlers of a worker task (``task``: a :class:`~stratagem.ps.server.TaskInfo`)."""
 
-    def __init__(self, task: Any):
+    def __init__(self, task: Any, *, closure_cache_size: int | None = None):
+        if closure_cache_size is None:
+            closure_cache_size = _cache_size_from_environment()
+        if closure_cache_size < 1:
+            raise ValueError(f"closure_cache_size must be positive, got {closure_cache_size}")
+        self.closure_cache_size = closure_cache_size
         spec = task.cluster_spec
         ps = list(spec.job_tasks("ps")) if "ps" in spec.jobs else []
         workers = spec.num_tasks("worker") if "worker" in spec.jobs else 1
         self.incarnation = uuid.uuid4().hex
         self.runtime = WorkerRuntime(ps, cluster_token(), num_workers=workers, worker_index=task.task_id)
-        self._closures: dict[str, Callable] = {}
-        self._closure_vars: dict[str, list[str]] = {}   # the variables each closure mentions
+        # key -> (function, the variables it mentions); least recently used first
+        self._closures: collections.OrderedDict[str, tuple[Callable, list[str]]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def handlers(self) -> dict[str, Callable[[Any], Any]]:
@@ -52,7 +78,9 @@ class WorkerService:
                 "create_dataset": decodes_request(self.create_dataset)}
 
     def ping(self, request: Any = None) -> dict:
-        return {"incarnation": self.incarnation}
+        """Who this is (a new process has a new incarnation), and the sizes of its caches."""
+        return {"incarnation": self.incarnation, "closures": len(self._closures),
+                "datasets": len(self.runtime.datasets), "iterators": len(self.runtime.iterators)}
 
     def create_dataset(self, message: bytes) -> None:
         request = ClosureUnpickler(message, self.runtime).load()
@@ -63,15 +91,22 @@ class WorkerService:
         unpickler = ClosureUnpickler(message, self.runtime)
         request = unpickler.load()
         key = request["key"]
-        if request.get("fn") is not None:
-            self._closures[key] = request["fn"]
-            self._closure_vars[key] = unpickler.var_ids
-        fn = self._closures.get(key)
-        if fn is None:
-            raise ClosureNotCachedError(f"closure {key} is not cached on this worker (it restarted?)")
+        with self._lock:
+            for dataset_id, iterator_id in request.get("release", ()):
+                self.runtime.release(dataset_id, iterator_id)
+            if request.get("fn") is not None:
+                self._closures[key] = (request["fn"], unpickler.var_ids)
+            entry = self._closures.get(key)
+            if entry is None:
+                raise ClosureNotCachedError(f"closure {key} is not cached on this worker (evicted from its "
+                                            f"cache of {self.closure_cache_size}, or the worker restarted)")
+            self._closures.move_to_end(key)
+            while len(self._closures) > self.closure_cache_size:
+                self._closures.popitem(last=False)
+        fn, closure_vars = entry
         args, kwargs = request["args"], request["kwargs"]
         with self._lock, label("stratagem.ps.closure"):
-            self.runtime.pull_dense(self._closure_vars.get(key, []) + unpickler.var_ids)
+            self.runtime.pull_dense(closure_vars + unpickler.var_ids)
             self.runtime.sparse = []
             with torch.enable_grad():
                 result = fn(*args, **kwargs)
