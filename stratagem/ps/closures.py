@@ -2,7 +2,7 @@
 
 A closure (the function, its arguments, the datasets' functions) is pickled on the
 coordinator by :class:`ClosurePickler` and read on the worker by :class:`ClosureUnpickler`,
-made with that worker's :class:`~stratagem.ps.runtime.WorkerRuntime`. Three kinds of
+made with that worker's :class:`~stratagem.ps.runtime.WorkerRuntime`. These kinds of
 object travel by reference, as persistent ids, never by value:
 
 - a scoped module's ``_parameters`` / ``_buffers`` (a placement's ``_VariableDict``):
@@ -12,6 +12,10 @@ object travel by reference, as persistent ids, never by value:
   worker, a :class:`~stratagem.ps.runtime.WorkerOptimizer` of the runtime;
 - a per-worker iterator: ``("iterator", dataset_id, iterator_id)``; on the worker, the
   runtime's live iterator;
+- the :class:`~stratagem.ps.strategy.ParameterServerStrategy` itself (a dataset function
+  that calls ``strategy.distribute_datasets_from_function``, a step that calls
+  ``strategy.run``): ``("strategy",)``; on the worker, a ``_WorkerStrategy`` bound to the
+  runtime;
 - the strategy's :class:`~stratagem.ps.placement.ParameterServerPlacement`, which a scoped module's
   ``load_state_dict`` hooks mention: ``("placement",)``; on the worker, None (its modules'
   values are the runtime's, not the coordinator's).
@@ -35,6 +39,7 @@ import torch
 from stratagem.errors import InvalidArgumentError, StratagemError
 from stratagem.ps.placement import ParameterServerPlacement, _VariableDict
 from stratagem.ps.runtime import WorkerOptimizer, WorkerRuntime
+from stratagem.ps.strategy import ParameterServerStrategy, _WorkerStrategy
 from stratagem.ps.variables import remote_of
 from stratagem.rpc.codec import Pickler, Unpickler
 from stratagem.rpc.errors import CodecError
@@ -86,6 +91,8 @@ class ClosurePickler(Pickler):
             return ("iterator", *obj._ids)
         if isinstance(obj, ParameterServerPlacement):
             return ("placement",)
+        if isinstance(obj, ParameterServerStrategy):
+            return ("strategy",)
         return None
 
 
@@ -113,5 +120,7 @@ class ClosureUnpickler(Unpickler):
             return self.runtime.iterator(pid[1], pid[2])
         if kind == "placement":
             return None
+        if kind == "strategy":
+            return _WorkerStrategy(self.runtime)
         raise CodecError(f"a closure refers to {pid!r}, which is no variable dict, optimizer, "
-                         f"iterator or placement")
+                         f"iterator, placement or strategy")

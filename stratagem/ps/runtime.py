@@ -163,12 +163,17 @@ class WorkerRuntime:
         for key in [k for k in self.iterators if k[0] == dataset_id]:
             del self.iterators[key]
 
+    def input_context(self) -> InputContext:
+        """What this worker's dataset functions are told: one input pipeline per worker, this
+        worker's index, one replica per worker."""
+        return InputContext(self.num_workers, self.worker_index, self.num_workers)
+
     def create_dataset(self, dataset_id: str, dataset_fn: Callable) -> None:
         try:
             takes_context = len(inspect.signature(dataset_fn).parameters) >= 1
         except (TypeError, ValueError):
             takes_context = True
-        context = InputContext(self.num_workers, self.worker_index, self.num_workers)
+        context = self.input_context()
         self.datasets[dataset_id] = dataset_fn(context) if takes_context else dataset_fn()
         for key in [k for k in self.iterators if k[0] == dataset_id]:
             del self.iterators[key]

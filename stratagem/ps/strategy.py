@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 from stratagem.comm.cross_device_ops import HierarchicalCopyAllReduce
 from stratagem.comm.replicas import ReplicaCollective
 from stratagem.devices import Device, Topology
-from stratagem.errors import ClusterConfigError, InvalidArgumentError
+from stratagem.errors import ClusterConfigError, ContextError, InvalidArgumentError
 from stratagem.ps.client import ParameterServerClient
 from stratagem.ps.placement import STARTUP_TIMEOUT_SECONDS, ParameterServerPlacement
 from stratagem.rpc.auth import cluster_token
@@ -118,12 +118,56 @@ class ParameterServerStrategy(Strategy):
 
 
 class _WorkerStrategy:
-    """What a ParameterServerStrategy mentioned by a step function is, on a worker."""
+    """What a ParameterServerStrategy mentioned by a step or dataset function is, on a worker.
+
+    Read by the worker's :class:`~stratagem.ps.closures.ClosureUnpickler`, it is bound to that
+    worker's :class:`~stratagem.ps.runtime.WorkerRuntime` (``runtime``); pickled any other way
+    it has none. A worker runs one replica: ``run`` calls the function, ``reduce`` returns the
+    value, ``distribute_datasets_from_function`` calls ``dataset_fn`` with this worker's
+    :class:`~stratagem.InputContext` and ``experimental_distribute_dataset`` returns the
+    dataset as is (TensorFlow's tutorial calls them inside the function given to
+    ``coordinator.create_per_worker_dataset``). The strategy's other methods belong to the
+    coordinator and raise :class:`~stratagem.errors.ContextError` here.
+    """
 
     num_replicas_in_sync = 1
+
+    def __init__(self, runtime: Any = None):
+        self.runtime = runtime
+
+    def __reduce__(self) -> Any:  # the runtime stays on its worker
+        return (_WorkerStrategy, ())
 
     def run(self, fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> Any:
         return fn(*args, **(kwargs or {}))
 
     def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
         return value
+
+    def experimental_local_results(self, value: Any) -> tuple:
+        return (value,)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
+        if not callable(dataset_fn):
+            raise InvalidArgumentError(
+                f"distribute_datasets_from_function takes a function dataset_fn(input_context) that "
+                f"returns an iterable, got {dataset_fn!r}")
+        if self.runtime is None:
+            raise ContextError(
+                "this copy of a ParameterServerStrategy was not made by a worker's closure reader, so "
+                "it knows no worker; call distribute_datasets_from_function on the coordinator's "
+                "strategy, or inside the function given to coordinator.create_per_worker_dataset")
+        return dataset_fn(self.runtime.input_context())
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        return dataset
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("_") and hasattr(ParameterServerStrategy, name):
+            raise ContextError(
+                f"strategy.{name} is not available inside a function that runs on a parameter-server "
+                f"worker; there the strategy offers only run, reduce, experimental_local_results, "
+                f"num_replicas_in_sync, distribute_datasets_from_function and "
+                f"experimental_distribute_dataset. Call strategy.{name} on the coordinator, outside "
+                f"scheduled and per-worker dataset functions")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

@@ -90,3 +90,16 @@ def test_embedding_rows_train_like_plain_pytorch_whatever_the_step_order(tmp_pat
             except AssertionError as error:
                 mismatches.append(f"{name} {param}: {error}")
     assert not mismatches, "\n".join(mismatches)
+
+
+def test_distribute_datasets_from_function_inside_a_per_worker_dataset_fn(tmp_path: Path) -> None:
+    # TensorFlow's tutorial: create_per_worker_dataset(lambda: strategy.distribute_datasets_from_function(fn));
+    # on a worker the strategy used to lack the method, an AttributeError raised only at join()
+    report = launch(tmp_path, "dataset_fn_ps.py", workers=2, ps=1)
+    assert report["last_loss"] < report["first_loss"] / 5, report
+    # (input_pipeline_id, num_input_pipelines, num_replicas_in_sync) each worker's dataset_fn saw;
+    # with 150 steps both workers take some
+    assert report["seen"] == [[0, 2, 2], [1, 2, 2]], report
+    assert report["plain_first"] == [7.0]
+    assert "strategy.scope is not available" in report["misuse_error"]
+    assert "AttributeError" not in report["misuse_error"]
