@@ -221,8 +221,11 @@ class _Worker:
             closure.value._set_error(error)
             queue.finished(error)
             return
-        self.coordinator.strategy.placement.stale()  # the ps values moved: re-read on next access
-        closure.value._set_value(result)
+        placement = self.coordinator.strategy.placement
+        placement.stale()  # the ps values moved: re-read on next access
+        if result["buffers_written"]:   # they stay on the worker: reading them here warns
+            placement.buffers_written_on_workers(result["buffers_written"])
+        closure.value._set_value(result["result"])
         queue.finished()
 
     def _misconfigured(self, error: BaseException) -> bool:

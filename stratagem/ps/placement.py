@@ -23,6 +23,7 @@ optimizer states (the state dicts).
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -65,6 +66,8 @@ class _VariableDict(dict):
         return (dict, ({k: (None if v is None else v.detach().clone()) for k, v in self.items()},))
 
     def _refresh(self) -> None:
+        if self._placement.written_buffers:
+            self._placement.warn_written_buffers(dict.values(self))
         if self._pulled_at != self._placement.version and not self._placement.loading:
             self._pulled_at = self._placement.version
             self._placement.pull_into([t for t in dict.values(self) if t is not None])
@@ -111,8 +114,28 @@ class ParameterServerPlacement(Placement):
         self._sent_hyper: dict[int, list[dict]] = {}
         self._optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
         self.loading = False
+        self.written_buffers: set[str] = set()    # var ids of buffers steps wrote on workers
+        self._warned_buffers: set[str] = set()
 
     # ------------------------------------------------------------ modules
+
+    def buffers_written_on_workers(self, var_ids: Sequence[str]) -> None:
+        """Steps on a worker wrote these buffers in place; the writes stay on the worker."""
+        self.written_buffers.update(var_ids)
+
+    def warn_written_buffers(self, tensors: Any) -> None:
+        """Once per buffer: reading a buffer the workers wrote shows only the coordinator's copy."""
+        for t in tensors:
+            remote = None if t is None or isinstance(t, nn.Parameter) else remote_of(t)
+            if remote is None or remote.var_id not in self.written_buffers or remote.var_id in self._warned_buffers:
+                continue
+            self._warned_buffers.add(remote.var_id)
+            name = remote.var_id.split("/", 1)[-1]
+            warnings.warn(
+                f"buffer {name} was changed by steps on the workers; worker-side buffers are not sent "
+                f"back to the coordinator or the parameter servers, so reading it here shows the "
+                f"coordinator's copy (its last known value) -- compute metrics from values the step "
+                f"returns, e.g. return (correct, total) and sum the RemoteValues", UserWarning, stacklevel=4)
 
     def on_module_registered(self, module: nn.Module) -> None:
         if not self._pending or self._pending[-1] is not module:

@@ -79,6 +79,17 @@ class WorkerRuntime:
                     for shard in remote.shards:
                         shard.of(local.data).copy_(values[shard.shard_id].reshape(shard.of(local.data).shape))
 
+    def buffer_versions(self, var_ids: Iterable[str]) -> dict[str, int]:
+        """The version counters of the local copies of the buffers among ``var_ids`` (an
+        in-place write bumps one; see :meth:`buffers_written`)."""
+        return {v: self.params[v]._version for v in dict.fromkeys(var_ids)
+                if not isinstance(self.params[v], nn.Parameter) and not self.remotes[v].row_sparse}
+
+    def buffers_written(self, versions: dict[str, int]) -> list[str]:
+        """The buffers of ``versions`` written in place since: they stay on this worker
+        (nothing sends a buffer back), which the coordinator tells its user about."""
+        return [v for v, version in versions.items() if self.params[v]._version != version]
+
     def pull_rows(self, remote: RemoteVariable, rows: torch.Tensor) -> torch.Tensor:
         out = torch.empty((rows.numel(), *remote.shape[1:]), dtype=remote.dtype)
         pieces = remote.shard_of_rows(rows)

@@ -10,7 +10,9 @@ whatever needs it: each request is read by a
 2. calls the user's function; inside it an embedding reads only the rows its batch
    uses (``pull_rows``) and ``optimizer.step()`` pushes the gradients (dense ones per
    shard, an embedding's only for the rows used) to the parameter servers;
-3. returns the function's result, detached.
+3. returns the function's result, detached, with the buffers the function wrote in place
+   (``{"result": ..., "buffers_written": [var_id, ...]}``): a worker's buffers stay on the
+   worker, and the coordinator warns when its copy of one of these is read.
 
 The closure cache is bounded: an LRU of ``closure_cache_size`` functions (default 256, or
 the ``STRATAGEM_WORKER_CLOSURE_CACHE`` environment variable). A ``run`` of a key this
@@ -106,8 +108,12 @@ class WorkerService:
         fn, closure_vars = entry
         args, kwargs = request["args"], request["kwargs"]
         with self._lock, label("stratagem.ps.closure"):
-            self.runtime.pull_dense(closure_vars + unpickler.var_ids)
+            var_ids = closure_vars + unpickler.var_ids
+            self.runtime.pull_dense(var_ids)
             self.runtime.sparse = []
+            versions = self.runtime.buffer_versions(var_ids)
             with torch.enable_grad():
                 result = fn(*args, **kwargs)
-        return map_structure(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, result)
+            written = self.runtime.buffers_written(versions)
+        return {"result": map_structure(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, result),
+                "buffers_written": written}

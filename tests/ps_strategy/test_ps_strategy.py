@@ -103,3 +103,14 @@ def test_distribute_datasets_from_function_inside_a_per_worker_dataset_fn(tmp_pa
     assert report["plain_first"] == [7.0]
     assert "strategy.scope is not available" in report["misuse_error"]
     assert "AttributeError" not in report["misuse_error"]
+
+
+def test_reading_a_buffer_written_on_workers_warns_once_and_is_not_nan(tmp_path: Path) -> None:
+    # buffers written inside steps stay on the worker; reading one on the coordinator used to be
+    # silent (the value shown is only the coordinator's copy)
+    report = launch(tmp_path, "buffer_metric_ps.py", workers=1, ps=1)
+    assert report["warnings_before"] == []       # steps that write no buffer: no warning
+    assert len(report["buffer_warnings"]) == 1, report
+    assert "buffer Counter.correct was changed by steps on the workers" in report["buffer_warnings"][0]
+    assert report["first"] == report["second"] == report["state_correct"] == 0.0   # last known, not NaN
+    assert report["worker_values"] == [1.0] * 8
