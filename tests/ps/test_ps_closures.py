@@ -48,7 +48,7 @@ def test_references_resolve_against_the_runtime_given_to_the_unpickler() -> None
 
 def test_pickled_otherwise_a_placed_dict_is_a_dict_of_its_values() -> None:
     variables = _placed("w", torch.full((2,), 3.0))
-    variables._placement = SimpleNamespace(version=-1, loading=False)   # values are current
+    variables._placement = SimpleNamespace(version=-1, loading=False, written_buffers=set())  # values are current
     plain = decode(encode({"v": variables}))["v"]
     assert type(plain) is dict and plain["bias"] is None
     assert torch.equal(plain["weight"], torch.full((2,), 3.0)) and not hasattr(plain["weight"], "_sg_remote")
