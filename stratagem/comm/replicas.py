@@ -49,7 +49,12 @@ def check_mean(tensors: Sequence[torch.Tensor], op: ReduceOp) -> None:
 
 
 class ReplicaCollective(Collective):
-    """Replica threads of one process; subclasses hold one cross-device op's arithmetic."""
+    """Replica threads of one process; subclasses hold one cross-device op's arithmetic.
+
+    Each subclass's ``sum_exchanged`` repeats the same frame (shape check, then the sum inside
+    ``try``/``finally`` around the closing exchange) instead of sharing a wrapper: the sum must
+    stay the third frame under ``optimizer.step()`` (``tests/test_frames.py``).
+    """
 
     def __init__(self, devices: Sequence[Device], options: CrossDeviceOps):
         super().__init__(devices)

@@ -101,11 +101,6 @@ class ParameterServerStrategy(Strategy):
     def cluster_resolver(self) -> Any:
         return self._resolver
 
-    @property
-    def placement(self) -> ParameterServerPlacement:
-        """Where the scoped variables live (the coordinator refreshes and restores through it)."""
-        return self._placement
-
     def attach_coordinator(self, coordinator: Any) -> None:
         """Called by :class:`~stratagem.ClusterCoordinator`: one coordinator per strategy."""
         if self._coordinator is not None:
