@@ -9,12 +9,18 @@ closure goes back to the *front* of the queue for another worker, and the
 dispatcher keeps probing the lost address until a (restarted) worker answers, then
 re-creates its datasets and gives it work again.
 
+A closure may *execute* more than once (its worker was lost while it ran), but each
+parameter server applies its updates at most once, and exactly once for every closure
+that completes: pushes carry a fence (:mod:`stratagem.ps.fencing`), and the gRPC call of
+an abandoned execution is cancelled.
+
 An exception in the user's function fails that closure only: ``join()`` and
 ``fetch()`` re-raise it with the remote traceback; the other closures still run.
-A parameter server that stops answering (a watchdog pings each every second, and
-workers report failed pulls and pushes) makes ``schedule``, ``join`` and ``fetch``
-raise :class:`~stratagem.errors.UnavailableError` naming it until the user restores
-the variables (``model.load_state_dict`` / ``optimizer.load_state_dict``).
+A parameter server that stops answering for ``ps_timeout`` seconds, or comes back as a
+new process, is declared lost (:mod:`stratagem.coordinator.ps_health`; a stall of a few
+seconds is not a loss): from then on nothing more is applied, and ``schedule``, ``join``
+and ``fetch`` raise :class:`~stratagem.errors.UnavailableError` naming it until the user
+restores the variables (``model.load_state_dict`` / ``optimizer.load_state_dict``).
 
 Back-pressure: at most ``max_queued`` closures are scheduled and unfinished at once;
 ``schedule`` blocks while that many are, and goes on as they finish. A blocked
@@ -39,6 +45,7 @@ Nothing waits silently forever:
 from __future__ import annotations
 
 import atexit
+import itertools
 import threading
 import time
 import uuid
@@ -46,15 +53,18 @@ import weakref
 from typing import Any, Callable
 
 from stratagem._profiling import label
-from stratagem.coordinator.dispatcher import PING_SECONDS, _Closure, _Queue, _Worker
+from stratagem.coordinator.dispatcher import _Closure, _Queue, _Worker
+from stratagem.coordinator.ps_health import PsWatchdog
 from stratagem.coordinator.values import RemoteValue, check_timeout, remaining
 from stratagem.errors import InvalidArgumentError, UnavailableError
+from stratagem.ps.fencing import LeaseExpiredError
 from stratagem.ps.closures import PerWorkerDataset, PerWorkerIterator
 from stratagem.ps.strategy import ParameterServerStrategy
-from stratagem.rpc import RemoteError
 from stratagem.values import map_structure
 
 DEFAULT_WORKER_TIMEOUT_SECONDS = 60.0
+DEFAULT_PS_TIMEOUT_SECONDS = 10.0
+MAX_PS_RETRIES = 5     # runs of one closure that failed because a ps stalled
 DEFAULT_MAX_QUEUED_PER_WORKER = 64
 MIN_DEFAULT_MAX_QUEUED = 256
 
@@ -98,10 +108,15 @@ class ClusterCoordinator:
     ``max_queued``: how many scheduled functions may be unfinished (queued or running) at
     once before ``schedule`` blocks; default ``max(256, 64 * num_workers)``. It bounds the
     coordinator's memory: each queued function holds its arguments.
+
+    ``ps_timeout``: seconds a parameter server may go without answering the coordinator's
+    heartbeats (one a second) before it is declared lost, provided a fresh connection to
+    it fails too; shorter stalls only delay the steps.
     """
 
     def __init__(self, strategy: ParameterServerStrategy, *,
-                 worker_timeout: float = DEFAULT_WORKER_TIMEOUT_SECONDS, max_queued: int | None = None):
+                 worker_timeout: float = DEFAULT_WORKER_TIMEOUT_SECONDS, max_queued: int | None = None,
+                 ps_timeout: float = DEFAULT_PS_TIMEOUT_SECONDS):
         if not isinstance(strategy, ParameterServerStrategy):
             raise InvalidArgumentError(
                 f"ClusterCoordinator needs a sg.ParameterServerStrategy, got {type(strategy).__name__}")
@@ -113,6 +128,12 @@ class ClusterCoordinator:
                 f"max_queued must be a positive int (how many scheduled functions may wait or run "
                 f"at once), got {max_queued!r}")
         self._worker_timeout = check_timeout(worker_timeout, "worker_timeout")
+        ps_timeout = check_timeout(ps_timeout, "ps_timeout")
+        if ps_timeout < 4:
+            raise InvalidArgumentError(
+                f"ps_timeout must be at least 4 seconds (several heartbeats, one a second), got {ps_timeout:g}")
+        self.id = uuid.uuid4().hex[:16]   # names this coordinator's closures on the ps (fences)
+        self._seq = itertools.count()
         self._fatal: BaseException | None = None
         strategy.attach_coordinator(self)
         self.strategy = strategy
@@ -121,11 +142,9 @@ class ClusterCoordinator:
         self._stopping = threading.Event()
         self._datasets: dict[str, Callable] = {}
         self._keys: "weakref.WeakKeyDictionary[Callable, str]" = weakref.WeakKeyDictionary()
-        self._ps_failure: UnavailableError | None = None
+        self._ps_watch = PsWatchdog(self, ps_timeout)
         self._workers = [_Worker(self, i, address, strategy.cluster.token)
                          for i, address in enumerate(strategy.cluster.worker_addresses)]
-        self._watchdog = threading.Thread(target=self._watch_ps, daemon=True, name="stratagem-ps-watchdog")
-        self._watchdog.start()
         atexit.register(self.shutdown)  # threads inside gRPC calls at interpreter exit abort it
 
     # ------------------------------------------------------------------ API
@@ -144,7 +163,8 @@ class ClusterCoordinator:
             placement.finalize()
             placement.sync_hyperparameters()
             value = RemoteValue(self)
-            self._queue.put(_Closure(fn, tuple(args), dict(kwargs or {}), value), check=self._raise_if_failed)
+            closure = _Closure(fn, tuple(args), dict(kwargs or {}), value, seq=next(self._seq))
+            self._queue.put(closure, check=self._raise_if_failed)
             return value
 
     def join(self, timeout: float | None = None) -> None:
@@ -196,12 +216,15 @@ class ClusterCoordinator:
         Calls in flight have deadlines, so this takes seconds even with dead peers. A
         ``schedule`` blocked on a full queue raises; so does any later ``schedule``.
         """
+        if self._stopping.is_set():
+            return
         self._stopping.set()
-        for thread in [w.thread for w in self._workers] + [self._watchdog]:
+        for thread in [w.thread for w in self._workers] + [self._ps_watch.thread]:
             if thread is not threading.current_thread():
                 thread.join(timeout=5.0)
         for worker in self._workers:
             worker.client.close()
+        self._ps_watch.release()   # closures still running on workers apply nothing more
 
     # ------------------------------------------------------------- internals
 
@@ -250,36 +273,59 @@ class ClusterCoordinator:
             self._fatal = error
         self._queue.close(self._fatal)
 
-    def _classify(self, error: BaseException) -> BaseException:
-        """A closure's error; one that says a parameter server is unavailable (a worker's
-        pull or push failed) also fails everything after it."""
-        remote = error.remote_exception if isinstance(error, RemoteError) else None
-        ps_tasks = {client.task for client in self.strategy.cluster.ps_clients}
-        if isinstance(remote, UnavailableError) and remote.task in ps_tasks:
-            failure = UnavailableError(
-                f"parameter server {remote.task} is unavailable: {error.remote_message}. Restart it "
-                f"(stratagem launch --max-restarts restarts it) and restore the variables from the last "
-                f"checkpoint with model.load_state_dict / optimizer.load_state_dict", task=remote.task)
-            self._ps_failure = failure
-            return failure
-        return error
+    @property
+    def _ps_failure(self) -> UnavailableError | None:
+        return self._ps_watch.failure
 
-    def _watch_ps(self) -> None:
-        clients = self.strategy.cluster.ps_clients
-        while not self._stopping.wait(PING_SECONDS):
-            if self._ps_failure is not None:
-                continue
-            for i, client in enumerate(clients):
-                try:
-                    client.call("ping", timeout=2 * PING_SECONDS)
-                except Exception as error:  # noqa: BLE001 - unreachable means unavailable
-                    self._ps_failure = UnavailableError(
-                        f"parameter server ps {i} stopped answering ({error}). Restart it (stratagem "
-                        f"launch --max-restarts restarts it) and restore the variables from the last "
-                        f"checkpoint with model.load_state_dict / optimizer.load_state_dict", task=f"ps {i}")
-                    break
+    def _wait_leased(self) -> None:
+        """Wait until every ps has granted this coordinator a lease (before the first step)."""
+        while not self._ps_watch.leased.wait(0.2):
+            self._raise_if_failed()
+
+    def _ps_lost(self, failure: UnavailableError) -> None:
+        """The watchdog declared a ps lost: the waiting closures fail (running ones are
+        cancelled by their dispatchers)."""
+        self._queue.drain(failure)
+
+    def _retry_for_ps(self, closure: _Closure, error: BaseException) -> bool:
+        """Whether a closure that failed because a ps did not answer in time, or refused its
+        pushes for a lapsed lease, should run again: yes, a few times, unless the ps has been
+        declared lost (each update still applies at most once: the pushes are fenced)."""
+        if not self._ps_in_chain(error) or closure.ps_retries >= MAX_PS_RETRIES:
+            return False
+        self._ps_watch.heartbeat()    # a ps involved: is it lost (or restarted) by now?
+        if self._ps_failure is not None:
+            return False
+        cause: BaseException | None = error
+        while cause is not None:
+            if isinstance(cause, LeaseExpiredError) or (
+                    isinstance(cause, UnavailableError) and self._is_ps(cause)):
+                closure.ps_retries += 1
+                self._stopping.wait(1.0)   # the next heartbeat renews the lease
+                return True
+            cause = getattr(cause, "remote_exception", None)
+        return False
+
+    def _is_ps(self, error: BaseException) -> bool:
+        return getattr(error, "task", None) in {c.task for c in self.strategy.cluster.ps_clients}
+
+    def _ps_in_chain(self, error: BaseException) -> bool:
+        """Whether a ps raised or failed somewhere in ``error``'s chain of remote errors."""
+        cause: BaseException | None = error
+        while cause is not None:
+            if self._is_ps(cause):
+                return True
+            cause = getattr(cause, "remote_exception", None)
+        return False
+
+    def _classify(self, error: BaseException) -> BaseException:
+        """A closure's error; the lost ps's error once one is declared lost (a step that
+        failed on a ps -- one restarted empty, say -- first makes the watchdog look)."""
+        if self._ps_failure is None and self._ps_in_chain(error):
+            self._ps_watch.heartbeat()
+        return self._ps_failure or error
 
     def _variables_restored(self) -> None:
         """The user restored the variables after a ps failure: scheduling may go on."""
-        self._ps_failure = None
+        self._ps_watch.restored()
         self._queue.errors = [e for e in self._queue.errors if not isinstance(e, UnavailableError)]

@@ -11,17 +11,26 @@ running); a closure put back after a lost worker never waits. A waiting ``put`` 
 A dispatcher's states::
 
     probing --(ping answered by a worker)--------------> serving
-    serving --(broken connection, 3 missed pings)-------> probing   (closure re-queued at the front)
+    serving --(broken connection, 3 missed pings)-------> probing   (closure re-queued at the front,
+                                                                      its gRPC call cancelled)
     probing/serving --(refused token, not a worker,
                        any unexpected error)------------> dead      (the coordinator fails with it)
 
 The dead state is never silent: the closure the dispatcher held fails with the error,
 ``coordinator._fail`` closes the queue with it, and ``join()``/``fetch()`` raise it.
+
+Each dispatch of a closure is a new *attempt*; its run request carries the fence that the
+worker attaches to its pushes (:mod:`stratagem.ps.fencing`), so a closure re-queued while
+its first execution still runs (a stopped worker resumes) applies each update at most once.
+A closure that failed because a ps did not answer, or refused its pushes for a lapsed
+lease, runs again (a few times at most) unless the coordinator has declared that ps lost;
+once it has, no closure is run and the ones in flight fail.
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -42,10 +51,14 @@ MAX_CACHED_HINTS = 4096   # keys a dispatcher remembers having sent; only saves 
 
 
 class _Closure:
-    __slots__ = ("fn", "args", "kwargs", "value")
+    """A scheduled function: ``seq`` numbers it at its coordinator, ``attempt`` counts its
+    executions (each one's pushes are fenced, see :mod:`stratagem.ps.fencing`)."""
 
-    def __init__(self, fn: Callable, args: tuple, kwargs: dict, value: RemoteValue):
+    __slots__ = ("fn", "args", "kwargs", "value", "seq", "attempt", "ps_retries")
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, value: RemoteValue, seq: int = 0):
         self.fn, self.args, self.kwargs, self.value = fn, args, kwargs, value
+        self.seq, self.attempt, self.ps_retries = seq, 0, 0
 
 
 class _Queue:
@@ -56,6 +69,8 @@ class _Queue:
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Closure] = collections.deque()
         self._unfinished = 0
+        self._seqs: list[int] = []         # heap of the unfinished closures' seqs (lazily pruned)
+        self._done: set[int] = set()
         self._closed: BaseException | None = None
         self.errors: list[BaseException] = []
 
@@ -72,6 +87,7 @@ class _Queue:
                 check()
             if new:
                 self._unfinished += 1
+                heapq.heappush(self._seqs, closure.seq)
             if self._closed is not None:
                 self._fail(closure, self._closed)
                 return
@@ -84,9 +100,10 @@ class _Queue:
                 self._cond.wait(timeout)
             return self._waiting.popleft() if self._waiting else None
 
-    def finished(self, error: BaseException | None = None) -> None:
+    def finished(self, closure: _Closure, error: BaseException | None = None) -> None:
         with self._cond:
             self._unfinished -= 1
+            self._done.add(closure.seq)
             if error is not None:
                 self.errors.append(error)
             self._cond.notify_all()
@@ -104,7 +121,22 @@ class _Queue:
     def _fail(self, closure: _Closure, error: BaseException) -> None:   # holding the lock
         closure.value._set_error(error)
         self._unfinished -= 1
+        self._done.add(closure.seq)
         self._cond.notify_all()
+
+    def drain(self, error: BaseException) -> None:
+        """Fail every waiting closure with ``error`` (the queue stays open)."""
+        with self._cond:
+            while self._waiting:
+                self._fail(self._waiting.popleft(), error)
+
+    @property
+    def floor(self) -> int:
+        """The smallest seq of an unfinished closure (every older one has finished)."""
+        with self._cond:
+            while self._seqs and self._seqs[0] in self._done:
+                self._done.discard(heapq.heappop(self._seqs))
+            return self._seqs[0] if self._seqs else 0
 
     def wait_idle(self, check: Callable[[], None], deadline: float | None = None) -> bool:
         """Wait until nothing is unfinished (True) or ``deadline`` (monotonic) passes (False)."""
@@ -161,7 +193,7 @@ class _Worker:
             raise self._token_error(error) from error
         except Exception:  # noqa: BLE001 - any other failure means: not available now
             return False
-        if not isinstance(answer, dict) or "incarnation" not in answer:
+        if not isinstance(answer, dict) or answer.get("kind") != "worker":
             said = f", and calls itself {answer['name']!r}" if isinstance(answer, dict) and "name" in answer else ""
             raise ClusterConfigError(
                 f"{self.who} is not a worker task: it answered the coordinator's ping with "
@@ -199,14 +231,22 @@ class _Worker:
             error = self._explain(error)
             if closure is not None:
                 closure.value._set_error(error)
-                coordinator._queue.finished(error)
+                coordinator._queue.finished(closure, error)
             coordinator._fail(error)
 
     def _serve(self, closure: _Closure) -> None:
         """Run one closure; a fatal error (refused token, not a worker) propagates."""
-        queue = self.coordinator._queue
+        coordinator = self.coordinator
+        queue = coordinator._queue
+        lost = coordinator._ps_failure
+        if lost is not None:   # a ps declared lost applies nothing more: run nothing
+            closure.value._set_error(lost)
+            queue.finished(closure, lost)
+            return
         try:
+            coordinator._wait_leased()
             self._prepare()
+            closure.attempt += 1
             result = self._run(closure)
         except _WorkerLost:
             self.incarnation = None
@@ -217,16 +257,19 @@ class _Worker:
         except BaseException as error:  # noqa: BLE001 - belongs to this closure only
             if self._misconfigured(error):
                 raise
-            error = self.coordinator._classify(error)
+            if coordinator._retry_for_ps(closure, error):   # a ps stalled: run it again
+                queue.put(closure, front=True, new=False)
+                return
+            error = coordinator._classify(error)
             closure.value._set_error(error)
-            queue.finished(error)
+            queue.finished(closure, error)
             return
-        placement = self.coordinator.strategy.placement
+        placement = coordinator.strategy.placement
         placement.stale()  # the ps values moved: re-read on next access
         if result["buffers_written"]:   # they stay on the worker: reading them here warns
             placement.buffers_written_on_workers(result["buffers_written"])
         closure.value._set_value(result["result"])
-        queue.finished()
+        queue.finished(closure)
 
     def _misconfigured(self, error: BaseException) -> bool:
         """The task has no handler for a worker's methods (told by status code, not text)."""
@@ -279,7 +322,10 @@ class _Worker:
         releases = []
         while self.releases:
             releases.append(self.releases.popleft())
-        request = {"key": key, "fn": closure.fn if send else None,
+        coordinator = self.coordinator
+        fence = {"coordinator": coordinator.id, "closure": closure.seq, "attempt": closure.attempt,
+                 "floor": coordinator._queue.floor}
+        request = {"key": key, "fn": closure.fn if send else None, "fence": fence,
                    "args": closure.args, "kwargs": closure.kwargs, "release": releases}
         future = self.client.call_async("run", request, timeout=RUN_TIMEOUT_SECONDS)
         if len(self.cached) >= MAX_CACHED_HINTS:
@@ -303,9 +349,12 @@ class _Worker:
                         raise
                     raise _NotCached() from error
                 raise
-            if self.coordinator._stopping.is_set():
+            if coordinator._stopping.is_set():
                 future.cancel()
                 raise _WorkerLost()
+            if coordinator._ps_failure is not None:   # its pushes would be refused anyway
+                future.cancel()
+                raise coordinator._ps_failure
             missed = 0 if self._ping(PING_SECONDS) else missed + 1
             if missed >= MISSED_PINGS:
                 future.cancel()

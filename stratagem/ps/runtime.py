@@ -40,6 +40,15 @@ class WorkerRuntime:
         self.sparse: list[tuple[RemoteVariable, torch.Tensor, torch.Tensor]] = []
         self.datasets: dict[str, Any] = {}
         self.iterators: dict[tuple[str, str], Any] = {}
+        self.fence: dict[str, Any] | None = None   # of the closure running now (see begin_closure)
+        self._pushes = 0
+
+    def begin_closure(self, fence: dict[str, Any] | None) -> None:
+        """A closure starts: its pushes carry ``fence`` (coordinator, closure, attempt, floor;
+        see :mod:`stratagem.ps.fencing`), numbered from 0, so that each of its updates is
+        applied at most once whichever execution of it sends it."""
+        self.fence, self._pushes = fence, 0
+        self.sparse = []
 
     # ------------------------------------------------------------ variables
 
@@ -107,6 +116,11 @@ class WorkerRuntime:
             ps: {"grads": grads, "rows": []} for ps, grads in gradients_by_ps(params).items()}
         for ps, update in self._row_updates(var_ids):
             requests.setdefault(ps, {"grads": {}, "rows": []})["rows"].append(update)
+        if self.fence is not None:
+            fence = {**self.fence, "index": self._pushes}
+            self._pushes += 1
+            for request in requests.values():
+                request["fence"] = fence
         call_each([(self.ps[ps], "push", request) for ps, request in requests.items()])
 
     def _row_updates(self, var_ids: Iterable[str] | None = None

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from stratagem.errors import InvalidArgumentError
+from stratagem.ps.fencing import Fence, Fences
 from stratagem.ps.shards import (OptimizerSpec, Rows, Shard, check_rows, check_spec, check_value,
                                  clone_tree, make_optimizer, nbytes)
 from stratagem.ps.sparse_update import after_load_state_dict, apply_row_update, note_dense_step
@@ -61,6 +63,8 @@ class ParameterServer:
         self._stats_lock = threading.Lock()
         self._ops: dict[str, dict[str, int]] = {}
         self._started = time.time()
+        self.incarnation = uuid.uuid4().hex   # a restarted ps is a new one: its variables are gone
+        self.fences = Fences()
 
     # ------------------------------------------------------------------ variables
 
@@ -154,24 +158,34 @@ class ParameterServer:
     # ---------------------------------------------------------------------- updates
 
     def push(self, grads: Mapping[str, torch.Tensor] | None = None,
-             rows: Sequence[tuple[str, Rows, torch.Tensor]] = ()) -> None:
+             rows: Sequence[tuple[str, Rows, torch.Tensor]] = (), fence: Any = None) -> None:
         """Applies one optimizer step per variable with its gradient in ``grads``, and the
         row-sparse steps ``rows``: ``(var_id, row_ids, row_grads)`` each, as :meth:`push_rows`
         -- so one request carries all that a training step sends to this ps.
 
         Everything is checked before anything is applied; a variable without optimizer is
-        an error. A dense gradient is cast to the variable's dtype.
+        an error. A dense gradient is cast to the variable's dtype. ``fence`` (sent by
+        workers running a coordinator's closures, see :mod:`stratagem.ps.fencing`) makes the
+        update apply at most once per scheduled closure: updates another execution of the
+        same closure already applied are skipped.
         """
         checked = []
         for var_id, grad in (grads or {}).items():
             var = self._get(var_id)
             self._check_optimizer(var_id, var)
-            checked.append((var, check_value(var_id, var, grad, "gradient")))
+            checked.append((var_id, var, check_value(var_id, var, grad, "gradient")))
         if not isinstance(rows, Sequence) or not all(isinstance(r, Sequence) and len(r) == 3 for r in rows):
             raise InvalidArgumentError(
                 "push(rows=...) takes a list of (var_id, row_ids, row_grads) triples, as push_rows.")
-        row_updates = [self._checked_rows(*update) for update in rows]
-        for var, grad in checked:
+        row_updates = [(update[0], self._checked_rows(*update)) for update in rows]
+        if fence is not None:
+            ids = list(dict.fromkeys([var_id for var_id, *_ in checked] + [var_id for var_id, _ in row_updates]))
+            admitted = set(self.fences.admit(Fence.from_request(fence), ids))
+            if len(admitted) < len(ids):
+                self._count("push_skipped", 0, 0)
+            checked = [entry for entry in checked if entry[0] in admitted]
+            row_updates = [entry for entry in row_updates if entry[0] in admitted]
+        for _, var, grad in checked:
             with var.lock:
                 var.param.grad = grad
                 try:
@@ -181,15 +195,15 @@ class ParameterServer:
                 note_dense_step(var.optimizer, var.param)  # type: ignore[arg-type]
                 var.updates += 1
         if checked:
-            self._count("push", sum(nbytes(grad) for _, grad in checked), 0)
-        for update in row_updates:
+            self._count("push", sum(nbytes(grad) for *_, grad in checked), 0)
+        for _, update in row_updates:
             self._apply_rows(*update)
 
-    def push_rows(self, var_id: str, row_ids: Rows, row_grads: torch.Tensor) -> None:
+    def push_rows(self, var_id: str, row_ids: Rows, row_grads: torch.Tensor, fence: Any = None) -> None:
         """A row-sparse step: only rows ``row_ids`` of ``var_id`` and their optimizer state
         change (see :mod:`stratagem.ps.sparse_update`); repeated rows' gradients are summed.
-        ``row_grads`` has shape ``(len(row_ids), *shape[1:])``."""
-        self._apply_rows(*self._checked_rows(var_id, row_ids, row_grads))
+        ``row_grads`` has shape ``(len(row_ids), *shape[1:])``; ``fence`` as in :meth:`push`."""
+        self.push(rows=[(var_id, row_ids, row_grads)], fence=fence)
 
     def _checked_rows(self, var_id: str, row_ids: Rows,
                       row_grads: torch.Tensor) -> tuple[Shard, torch.Tensor, torch.Tensor]:
@@ -295,9 +309,19 @@ class ParameterServer:
     # ------------------------------------------------------------------- monitoring
 
     def ping(self) -> dict[str, Any]:
-        """A cheap liveness answer: name, wall time, number of variables, uptime."""
-        return {"name": self.name, "time": time.time(), "num_variables": len(self._variables),
-                "uptime_s": time.time() - self._started}
+        """A cheap liveness answer: name, incarnation, wall time, number of variables, uptime."""
+        return {"name": self.name, "incarnation": self.incarnation, "time": time.time(),
+                "num_variables": len(self._variables), "uptime_s": time.time() - self._started}
+
+    def renew_lease(self, coordinator: str, lease_s: float, sent_at: float) -> dict[str, Any]:
+        """A coordinator's heartbeat: its closures' pushes are applied for ``lease_s`` more
+        seconds (see :mod:`stratagem.ps.fencing`). Answers as :meth:`ping`, plus whether
+        the lease was extended (not when the renewal arrived late)."""
+        return {**self.ping(), "renewed": self.fences.renew(coordinator, lease_s=lease_s, sent_at=sent_at)}
+
+    def expire_lease(self, coordinator: str) -> None:
+        """Ends a coordinator's lease at once (it shuts down): its closures apply nothing more."""
+        self.fences.expire(coordinator)
 
     def stats(self) -> dict[str, Any]:
         """Tensor bytes received and sent, per operation (to check, for instance, that
@@ -306,7 +330,7 @@ class ParameterServer:
             ops = {op: dict(counts) for op, counts in self._ops.items()}
         return {"name": self.name, "num_variables": len(self._variables),
                 "variable_bytes": sum(nbytes(var.param) for var in list(self._variables.values())),
-                "ops": ops,
+                "ops": ops, "fences": self.fences.stats(),
                 "bytes_in": sum(counts["bytes_in"] for counts in ops.values()),
                 "bytes_out": sum(counts["bytes_out"] for counts in ops.values())}
 
@@ -319,6 +343,7 @@ class ParameterServer:
             "push_rows": self.push_rows, "assign": self.assign,
             "set_hyperparameters": self.set_hyperparameters, "get_state": self.get_state,
             "set_state": self.set_state, "ping": self.ping, "stats": self.stats,
+            "renew_lease": self.renew_lease, "expire_lease": self.expire_lease,
         }
         handlers = {name: _keyword_handler(name, method) for name, method in methods.items()}
         # These copy the request's tensors into variables or read them as gradients: the

@@ -81,7 +81,7 @@ class WorkerService:
 
     def ping(self, request: Any = None) -> dict:
         """Who this is (a new process has a new incarnation), and the sizes of its caches."""
-        return {"incarnation": self.incarnation, "closures": len(self._closures),
+        return {"kind": "worker", "incarnation": self.incarnation, "closures": len(self._closures),
                 "datasets": len(self.runtime.datasets), "iterators": len(self.runtime.iterators)}
 
     def create_dataset(self, message: bytes) -> None:
@@ -110,7 +110,7 @@ class WorkerService:
         with self._lock, label("stratagem.ps.closure"):
             var_ids = closure_vars + unpickler.var_ids
             self.runtime.pull_dense(var_ids)
-            self.runtime.sparse = []
+            self.runtime.begin_closure(request.get("fence"))
             versions = self.runtime.buffer_versions(var_ids)
             with torch.enable_grad():
                 result = fn(*args, **kwargs)

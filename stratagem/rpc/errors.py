@@ -53,3 +53,15 @@ class RemoteError(StratagemError, RuntimeError):
         self.method = method
         self.task = task
         self.remote_exception = remote_exception
+
+    def __reduce__(self) -> tuple:
+        # pickled when a handler's error is itself a RemoteError (a worker's call to a ps
+        # failed inside a step): keep the whole chain
+        return _rebuild_remote_error, (type(self), str(self), dict(self.__dict__))
+
+
+def _rebuild_remote_error(cls: type, message: str, state: dict) -> RemoteError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error

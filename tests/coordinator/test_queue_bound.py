@@ -3,6 +3,7 @@ closures finish, and a blocked ``put`` gives up when the queue closes or its che
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -14,8 +15,11 @@ from stratagem.coordinator.values import RemoteValue
 pytestmark = pytest.mark.timeout(20)
 
 
+_seqs = itertools.count()
+
+
 def closure() -> _Closure:
-    return _Closure(print, (), {}, RemoteValue(None))
+    return _Closure(print, (), {}, RemoteValue(None), seq=next(_seqs))
 
 
 def put_in_thread(queue: _Queue, check=None) -> tuple[threading.Thread, dict]:
@@ -40,10 +44,11 @@ def test_put_blocks_while_full_and_proceeds_as_closures_finish() -> None:
     thread, outcome = put_in_thread(queue)
     thread.join(0.3)
     assert thread.is_alive() and outcome == {} and queue.unfinished == 3
-    assert queue.get(timeout=0) is not None          # handed to a worker: still unfinished
+    taken = queue.get(timeout=0)                     # handed to a worker: still unfinished
+    assert taken is not None
     thread.join(0.3)
     assert thread.is_alive() and queue.unfinished == 3
-    queue.finished()                                 # one finished: room for the blocked one
+    queue.finished(taken)                            # one finished: room for the blocked one
     thread.join(5)
     assert outcome == {"put": True} and queue.unfinished == 3
 
@@ -62,8 +67,9 @@ def test_bound_holds_with_many_producers() -> None:
     done = 0
     while done < 20:
         seen.append(queue.unfinished)
-        if queue.get(timeout=0.05) is not None:
-            queue.finished()
+        taken = queue.get(timeout=0.05)
+        if taken is not None:
+            queue.finished(taken)
             done += 1
     for thread in producers:
         thread.join(5)
@@ -105,3 +111,22 @@ def test_blocked_put_raises_when_its_check_does() -> None:
     state["stop"] = True
     thread.join(5)
     assert isinstance(outcome.get("error"), LookupError) and time.monotonic() - started < 1.0
+
+
+def test_floor_is_the_oldest_unfinished_closure() -> None:
+    # the fence floor: every closure older than it has finished, so the ps may refuse its pushes
+    queue = _Queue(max_queued=10)
+    closures = [_Closure(print, (), {}, RemoteValue(None), seq=seq) for seq in range(4)]
+    for item in closures:
+        queue.put(item)
+    assert queue.floor == 0
+    queue.finished(queue.get(timeout=0))           # 0 done
+    second = queue.get(timeout=0)                  # 1 runs ...
+    queue.put(second, front=True, new=False)       # ... its worker is lost: back to the front
+    queue.finished(queue.get(timeout=0))           # 1 done on another worker
+    assert queue.floor == 2
+    queue.get(timeout=0)
+    queue.finished(queue.get(timeout=0))           # 3 done before 2
+    assert queue.floor == 2
+    queue.finished(closures[2])
+    assert queue.floor == 0 and queue.unfinished == 0

@@ -1,0 +1,172 @@
+"""When a parameter server counts as lost, and the leases that make a lost ps apply nothing.
+
+The coordinator's watchdog thread renews a lease on every ps once a second
+(``renew_lease``, see :mod:`stratagem.ps.fencing`): the ps applies the pushes of this
+coordinator's closures only while the lease runs, ``ps_timeout / 2`` seconds from the
+last renewal. A ps is declared **lost** when
+
+- it has not renewed a lease for ``ps_timeout`` seconds (several missed heartbeats) and a
+  call over a fresh connection fails too -- a ps stopped for a few seconds, or briefly
+  overloaded, is not lost, and the steps waiting on it go on when it answers; or
+- it answers as a new process (another incarnation): it was restarted, and the variables
+  it held are gone.
+
+By the time the first happens the lease has run out on the ps for at least
+``ps_timeout / 2`` seconds, so a ps that was only stopped and resumes applies nothing
+more: its queued pushes are refused. Once a ps is declared lost the coordinator runs no
+closure, fails the waiting ones and the running ones with :class:`UnavailableError`
+naming the ps, and ``schedule``/``join``/``fetch`` raise it until the user restores the
+variables (``model.load_state_dict`` / ``optimizer.load_state_dict``), which renews the
+leases.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from stratagem.errors import UnavailableError
+from stratagem.ps.client import ParameterServerClient
+
+if TYPE_CHECKING:
+    from stratagem.coordinator.coordinator import ClusterCoordinator
+
+__all__ = ["PsWatchdog"]
+
+HEARTBEAT_SECONDS = 1.0
+RECONNECT_TIMEOUT_SECONDS = 2.0
+_RESTORE = ("Restart it (stratagem launch --max-restarts restarts it) and restore the variables from "
+            "the last checkpoint with model.load_state_dict / optimizer.load_state_dict")
+
+
+class PsWatchdog:
+    """Renews this coordinator's leases on the parameter servers and judges them lost.
+
+    ``failure`` is the :class:`UnavailableError` of the first ps declared lost (None while
+    all count as alive); ``leased`` is set once every ps has granted a first lease.
+    """
+
+    def __init__(self, coordinator: ClusterCoordinator, ps_timeout: float) -> None:
+        self.coordinator = coordinator
+        self.ps_timeout = ps_timeout
+        self.lease_s = ps_timeout / 2
+        self.clients = coordinator.strategy.cluster.ps_clients
+        self.failure: UnavailableError | None = None
+        self.leased = threading.Event()
+        now = time.monotonic()
+        self._last_renewed = [now] * len(self.clients)
+        self._incarnations: list[str | None] = [None] * len(self.clients)
+        self._granted = [False] * len(self.clients)
+        self._expired: set[int] = set()
+        self._lock = threading.Lock()   # the watchdog thread and restored() both run rounds
+        if not self.clients:
+            self.leased.set()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="stratagem-ps-watchdog")
+        self.thread.start()
+
+    def _loop(self) -> None:
+        stopping = self.coordinator._stopping
+        while not stopping.is_set():
+            try:
+                self.heartbeat()
+            except Exception as error:  # noqa: BLE001 - the watchdog never dies silently
+                self.coordinator._fail(error)
+                return
+            stopping.wait(HEARTBEAT_SECONDS)
+
+    def heartbeat(self) -> None:
+        """One round: renew every lease at once; declare lost what has been silent too long."""
+        with self._lock:
+            self._round()
+
+    def _round(self) -> None:
+        if self.failure is not None:
+            self._expire_lost()
+            return
+        sent = time.monotonic()
+        request = {"coordinator": self.coordinator.id, "lease_s": self.lease_s, "sent_at": time.time()}
+        calls = [client.rpc.call_async("renew_lease", request, timeout=HEARTBEAT_SECONDS)
+                 for client in self.clients]
+        for i, call in enumerate(calls):
+            try:
+                answer = call.result()
+            except Exception:  # noqa: BLE001 - not answering in time is what is judged below
+                answer = None
+            if answer is not None and self._check_incarnation(i, answer):
+                if answer.get("renewed"):
+                    self._last_renewed[i] = sent
+                    self._granted[i] = True
+            elif answer is None and time.monotonic() - self._last_renewed[i] > self.ps_timeout:
+                if not self._reconnects(i):
+                    self._declare_lost(i, f"it has not answered for {time.monotonic() - self._last_renewed[i]:.0f} s "
+                                          f"(ps_timeout={self.ps_timeout:g} s), nor over a fresh connection")
+            if self.failure is not None:
+                return
+        if all(self._granted):
+            self.leased.set()
+
+    def _check_incarnation(self, i: int, answer: Any) -> bool:
+        incarnation = answer.get("incarnation") if isinstance(answer, dict) else None
+        known = self._incarnations[i]
+        if known is not None and incarnation != known:
+            self._declare_lost(i, "it was restarted (it answers as a new process), so the variables "
+                                  "it held are gone")
+            return False
+        self._incarnations[i] = incarnation
+        return True
+
+    def _reconnects(self, i: int) -> bool:
+        """Whether ps ``i`` answers a ping over a new connection (the old one may be wedged)."""
+        old = self.clients[i]
+        with ParameterServerClient(old.rpc.address, self.coordinator.strategy.cluster.token,
+                                   task=old.task) as fresh:
+            try:
+                fresh.call("ping", timeout=RECONNECT_TIMEOUT_SECONDS)
+            except Exception:  # noqa: BLE001
+                return False
+        self._last_renewed[i] = time.monotonic() - self.lease_s   # alive: wait some more
+        return True
+
+    def _declare_lost(self, i: int, why: str) -> None:
+        task = self.clients[i].task
+        self.failure = UnavailableError(
+            f"parameter server {task} is lost: {why}. Nothing more is applied to it: the steps "
+            f"waiting or running fail with this error. {_RESTORE}.", task=task)
+        self._expired.clear()
+        self.coordinator._ps_lost(self.failure)
+
+    def _expire_lost(self) -> None:
+        """While a ps counts as lost, end this coordinator's lease on every ps that answers
+        (belt and braces: a stopped ps's lease has run out already)."""
+        for i, client in enumerate(self.clients):
+            if i in self._expired:
+                continue
+            try:
+                client.call("expire_lease", coordinator=self.coordinator.id, timeout=HEARTBEAT_SECONDS)
+                self._expired.add(i)
+            except Exception:  # noqa: BLE001 - still unreachable: try again next round
+                pass
+
+    def restored(self) -> None:
+        """The user restored the variables: count every ps as alive and renew the leases now."""
+        self.failure = None
+        now = time.monotonic()
+        self._last_renewed = [now] * len(self.clients)
+        self._incarnations = [None] * len(self.clients)
+        self.heartbeat()
+
+    def release(self) -> None:
+        """The coordinator shuts down: end its leases (best effort, bounded)."""
+        calls = []
+        for client in self.clients:
+            try:
+                calls.append(client.rpc.call_async("expire_lease", {"coordinator": self.coordinator.id},
+                                                   timeout=HEARTBEAT_SECONDS))
+            except Exception:  # noqa: BLE001
+                pass
+        for call in calls:
+            try:
+                call.result()
+            except Exception:  # noqa: BLE001 - a dead ps holds no lease worth ending
+                pass
