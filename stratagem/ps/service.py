@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.errors import InvalidArgumentError
+from stratagem.errors import InvalidArgumentError, UnavailableError
 from stratagem.ps.fencing import Fence, Fences
 from stratagem.ps.shards import (OptimizerSpec, Rows, Shard, check_rows, check_spec, check_value,
                                  clone_tree, make_optimizer, nbytes)
@@ -180,7 +180,11 @@ class ParameterServer:
         row_updates = [(update[0], self._checked_rows(*update)) for update in rows]
         if fence is not None:
             ids = list(dict.fromkeys([var_id for var_id, *_ in checked] + [var_id for var_id, _ in row_updates]))
-            admitted = set(self.fences.admit(Fence.from_request(fence), ids))
+            try:
+                admitted = set(self.fences.admit(Fence.from_request(fence), ids))
+            except UnavailableError:   # superseded, or the lease ran out: applies nothing
+                self._count("push_refused", 0, 0)
+                raise
             if len(admitted) < len(ids):
                 self._count("push_skipped", 0, 0)
             checked = [entry for entry in checked if entry[0] in admitted]
