@@ -42,7 +42,8 @@ from torch import nn
 from stratagem.errors import InvalidArgumentError
 from stratagem.ps.shards import (OptimizerSpec, Rows, Shard, check_rows, check_spec, check_value,
                                  clone_tree, make_optimizer, nbytes)
-from stratagem.ps.sparse_update import after_load_state_dict, apply_row_update, note_dense_step
+from stratagem.ps.sparse_update import (after_load_state_dict, apply_row_update, note_dense_step,
+                                        updates_rows_only, warn_dense_updates)
 from stratagem.rpc.server import EncodedReply, Handler, reads_only
 
 __all__ = ["OptimizerSpec", "ParameterServer", "ps_service"]
@@ -61,6 +62,7 @@ class ParameterServer:
         self._stats_lock = threading.Lock()
         self._ops: dict[str, dict[str, int]] = {}
         self._started = time.time()
+        self._warned_dense: set[str] = set()   # variables told to take dense row updates
 
     # ------------------------------------------------------------------ variables
 
@@ -188,11 +190,12 @@ class ParameterServer:
     def push_rows(self, var_id: str, row_ids: Rows, row_grads: torch.Tensor) -> None:
         """A row-sparse step: only rows ``row_ids`` of ``var_id`` and their optimizer state
         change (see :mod:`stratagem.ps.sparse_update`); repeated rows' gradients are summed.
-        ``row_grads`` has shape ``(len(row_ids), *shape[1:])``."""
+        ``row_grads`` has shape ``(len(row_ids), *shape[1:])``. An optimizer without a
+        row-sparse rule (RMSprop...) takes a dense step instead, with a warning the first time."""
         self._apply_rows(*self._checked_rows(var_id, row_ids, row_grads))
 
     def _checked_rows(self, var_id: str, row_ids: Rows,
-                      row_grads: torch.Tensor) -> tuple[Shard, torch.Tensor, torch.Tensor]:
+                      row_grads: torch.Tensor) -> tuple[str, Shard, torch.Tensor, torch.Tensor]:
         var = self._get(var_id)
         rows = check_rows(var_id, var, row_ids)
         self._check_optimizer(var_id, var)
@@ -202,10 +205,15 @@ class ParameterServer:
             raise InvalidArgumentError(
                 f"push_rows({var_id!r}): row_grads must have shape {expected} (one row per row "
                 f"id), got {got}.")
-        return var, rows, row_grads
+        return var_id, var, rows, row_grads
 
-    def _apply_rows(self, var: Shard, rows: torch.Tensor, row_grads: torch.Tensor) -> None:
+    def _apply_rows(self, var_id: str, var: Shard, rows: torch.Tensor, row_grads: torch.Tensor) -> None:
         with var.lock:
+            optimizer_class = type(var.optimizer)
+            if (var_id not in self._warned_dense and rows.numel()
+                    and not updates_rows_only(optimizer_class, var.param.dtype)):
+                self._warned_dense.add(var_id)   # (logged by `stratagem server`)
+                warn_dense_updates(optimizer_class.__name__, f"{var_id!r} on {self.name}", tuple(var.param.shape))
             apply_row_update(var.optimizer, var.param, rows, row_grads)
             var.updates += 1
         self._count("push_rows", nbytes(rows) + nbytes(row_grads), 0)
