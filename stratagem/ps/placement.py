@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from stratagem._frames import warn_at_users_line
 from stratagem._profiling import label
 from stratagem.data.sharding import split_sizes
 from stratagem.errors import InvalidArgumentError
@@ -39,7 +40,7 @@ from stratagem.placement.base import Placement
 from stratagem.placement.hooks import adopt
 from stratagem.ps.client import ParameterServerClient, call_each
 from stratagem.ps.embedding import PSEmbedding
-from stratagem.ps.sparse_update import updates_rows_only, warn_dense_updates
+from stratagem.ps.sparse_update import dense_updates_warning, updates_rows_only
 from stratagem.ps.variables import RemoteVariable, Shard, ShardedVariable, gradients_by_ps, remote_of
 
 __all__ = ["ParameterServerPlacement", "STARTUP_TIMEOUT_SECONDS"]
@@ -280,7 +281,8 @@ class ParameterServerPlacement(Placement):
                 if remote.row_sparse and not updates_rows_only(base, remote.dtype) \
                         and remote.var_id not in self._warned_dense:
                     self._warned_dense.add(remote.var_id)
-                    warn_dense_updates(base.__name__, remote.var_id.split("/", 1)[-1], remote.shape)
+                    name = remote.var_id.split("/", 1)[-1]
+                    warn_at_users_line(dense_updates_warning(base.__name__, name, remote.shape))
                 for shard in remote.shards:
                     per_ps.setdefault(shard.ps, []).append(shard.shard_id)
             calls += [(clients[ps], "set_optimizer", {"var_ids": ids, "optimizer_spec": (base, hyper)})

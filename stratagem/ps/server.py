@@ -154,7 +154,6 @@ def _keep_large_buffers() -> None:
 
 def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"{PREFIX} %(levelname)s %(name)s: %(message)s")
-    logging.captureWarnings(True)   # warnings (a table's dense updates...) become log lines
     task = resolve_task()
     token = cluster_token()
     if args.torch_threads < 1:

@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -42,11 +43,13 @@ from torch import nn
 from stratagem.errors import InvalidArgumentError
 from stratagem.ps.shards import (OptimizerSpec, Rows, Shard, check_rows, check_spec, check_value,
                                  clone_tree, make_optimizer, nbytes)
-from stratagem.ps.sparse_update import (after_load_state_dict, apply_row_update, note_dense_step,
-                                        updates_rows_only, warn_dense_updates)
+from stratagem.ps.sparse_update import (after_load_state_dict, apply_row_update, dense_updates_warning,
+                                        note_dense_step, updates_rows_only)
 from stratagem.rpc.server import EncodedReply, Handler, reads_only
 
 __all__ = ["OptimizerSpec", "ParameterServer", "ps_service"]
+
+logger = logging.getLogger("stratagem.ps")
 
 
 class ParameterServer:
@@ -212,8 +215,9 @@ class ParameterServer:
             optimizer_class = type(var.optimizer)
             if (var_id not in self._warned_dense and rows.numel()
                     and not updates_rows_only(optimizer_class, var.param.dtype)):
-                self._warned_dense.add(var_id)   # (logged by `stratagem server`)
-                warn_dense_updates(optimizer_class.__name__, f"{var_id!r} on {self.name}", tuple(var.param.shape))
+                self._warned_dense.add(var_id)   # (the coordinator warned its user already)
+                logger.warning(dense_updates_warning(optimizer_class.__name__, f"{var_id!r} on {self.name}",
+                                                     tuple(var.param.shape)))
             apply_row_update(var.optimizer, var.param, rows, row_grads)
             var.updates += 1
         self._count("push_rows", nbytes(rows) + nbytes(row_grads), 0)

@@ -28,7 +28,7 @@ those rows), every other one -- RMSprop, Adadelta, NAdam, a subclass of Adam... 
 ``step()`` with a full-size gradient that is zero outside the rows (``sparse=False``). That
 dense step is exact but touches the whole table, every step: time and optimizer state
 proportional to the table, not to the rows used. :func:`updates_rows_only` says which
-optimizers are spared it, and :func:`warn_dense_updates` tells the user once per table.
+optimizers are spared it; :func:`dense_updates_warning` is what the user is told, once per table.
 
 Example::
 
@@ -46,23 +46,16 @@ Example::
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from typing import Any
 
 import torch
 
-from stratagem.errors import InvalidArgumentError
-
 __all__ = ["SUPPORTED_OPTIMIZERS", "after_load_state_dict", "apply_row_update", "coalesce_rows",
-           "note_dense_step", "updates_rows_only", "warn_dense_updates"]
+           "dense_updates_warning", "note_dense_step", "updates_rows_only"]
 
 #: The optimizers whose row updates touch only the rows (the others take dense steps).
 SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adam, torch.optim.AdamW, torch.optim.SparseAdam)
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def coalesce_rows(row_ids: torch.Tensor, row_grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,22 +202,17 @@ def updates_rows_only(optimizer_class: type, dtype: torch.dtype) -> bool:
     return optimizer_class in _RULES and not dtype.is_complex
 
 
-def warn_dense_updates(optimizer_name: str, table: str, shape: tuple[int, ...]) -> None:
-    """Warns that the row updates of the embedding ``table`` will be dense steps of its
-    ``optimizer_name``, naming the cost and the fix. The warning points at the first caller
-    outside stratagem (on the coordinator, the user's line that set training going)."""
-    stacklevel, frame = 2, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame, stacklevel = frame.f_back, stacklevel + 1
+def dense_updates_warning(optimizer_name: str, table: str, shape: tuple[int, ...]) -> str:
+    """What to tell the user when the row updates of the embedding ``table`` will be dense
+    steps of its ``optimizer_name``: the cost, and how to avoid it."""
     names = ", ".join(kind.__name__ for kind in SUPPORTED_OPTIMIZERS)
-    warnings.warn(
+    return (
         f"{optimizer_name} has no row-sparse update, so each step that looks up rows of the embedding "
         f"table {table} (shape {tuple(shape)}) applies a dense {optimizer_name} step to the whole table on "
         f"its parameter server (as plain PyTorch does with nn.Embedding(sparse=False)): every step costs "
         f"time proportional to the table's {shape[0]} rows, not to the rows the batch uses, and the "
         f"optimizer keeps state for every row. To update only the rows used, train embeddings with one of "
-        f"torch.optim.{{{names}}}, e.g. a separate optimizer over the embedding's parameters.",
-        UserWarning, stacklevel=stacklevel)
+        f"torch.optim.{{{names}}}, e.g. a separate optimizer over the embedding's parameters.")
 
 
 def apply_row_update(optimizer: torch.optim.Optimizer, param: torch.Tensor,
@@ -258,7 +246,7 @@ def _full_size_step(optimizer: torch.optim.Optimizer, param: torch.Tensor,
     """``optimizer.step()`` with the gradient an ``nn.Embedding`` lookup of ``rows`` gives
     ``param``: sparse for SparseAdam, else dense (zero outside the rows)."""
     if isinstance(optimizer, torch.optim.SparseAdam):
-        grad = torch.sparse_coo_tensor(rows[None], row_grads, param.shape)
+        grad = torch.sparse_coo_tensor(rows[None], row_grads, param.shape, check_invariants=False)  # rows checked
     else:
         grad = torch.zeros_like(param.detach()).index_add_(0, rows, row_grads)
     param.grad = grad

@@ -14,12 +14,16 @@ HERE = Path(__file__).parent
 
 
 def launch(tmp_path: Path, script: str, *args: str, workers: int = 2, ps: int = 1,
-           restarts: int = 0) -> dict:
+           restarts: int = 0, output: list[str] | None = None) -> dict:
+    """Runs ``script`` as the chief of a local cluster; its report. ``output`` (a list) gets
+    what the tasks printed."""
     proc = subprocess.run(
         [sys.executable, "-m", "stratagem", "launch", "--workers", str(workers), "--ps", str(ps),
          "--max-restarts", str(restarts), str(HERE / script), str(tmp_path), *args],
         capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    if output is not None:
+        output.append(proc.stdout + proc.stderr)
     return json.loads((tmp_path / "report.json").read_text())
 
 
@@ -114,3 +118,23 @@ def test_reading_a_buffer_written_on_workers_warns_once_and_is_not_nan(tmp_path:
     assert "buffer Counter.correct was changed by steps on the workers" in report["buffer_warnings"][0]
     assert report["first"] == report["second"] == report["state_correct"] == 0.0   # last known, not NaN
     assert report["worker_values"] == [1.0] * 8
+
+
+def test_an_embedding_trained_with_rmsprop_matches_plain_pytorch_and_warns_once(tmp_path: Path) -> None:
+    # RMSprop has no row-sparse rule: it used to be refused with a 90-line nested traceback
+    output: list[str] = []
+    report = launch(tmp_path, "embedding_dense_ps.py", workers=1, ps=2, output=output)
+    [warning] = report["warnings"]        # on the coordinator, once for the table (not the head)
+    assert "RMSprop has no row-sparse update" in warning and "PSEmbedding.weight (shape (12, 4))" in warning
+    assert report["warning_files"] == ["embedding_dense_ps.py"]   # points at the user's line
+    assert output[0].count("WARNING stratagem.ps: RMSprop has no row-sparse") == 2, output[0][-3000:]  # by each ps
+    import torch   # the other tests need no torch in this process
+
+    tensors = torch.load(tmp_path / "tensors.pt")
+    for name, plain in tensors["plain"].items():
+        torch.testing.assert_close(tensors["ps"][name], plain)
+    torch.testing.assert_close(tensors["ps_square_avg"], tensors["plain_square_avg"])
+    first, again = tensors["after_restore"]
+    for name, plain in tensors["plain_after"].items():
+        assert torch.equal(first[name], again[name]), name
+        torch.testing.assert_close(first[name], plain)
