@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 
+from stratagem.errors import InvalidArgumentError
 from stratagem.ps import ParameterServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -205,3 +206,9 @@ def test_a_complex_table_takes_dense_steps_with_any_optimizer(caplog: pytest.Log
     reference.grad = torch.zeros(5, 2, dtype=torch.complex64).index_add_(0, ids, grads)
     optimizer.step()
     torch.testing.assert_close(ps.pull(["table"])["table"], reference.detach())
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused_with_the_reason() -> None:
+    ps = ParameterServer(name="ps 0")
+    with pytest.raises(InvalidArgumentError, match="LBFGS.step needs a closure that recomputes the loss"):
+        ps.create("w", torch.zeros(3), (torch.optim.LBFGS, {"lr": 1.0}))
