@@ -252,8 +252,11 @@ class ClusterCoordinator:
 
     def _classify(self, error: BaseException) -> BaseException:
         """A closure's error; one that says a parameter server is unavailable (a worker's
-        pull or push failed) also fails everything after it."""
+        pull or push failed) also fails everything after it. A remote error loses the
+        dispatcher thread's frames (the RPC's): its message has the frames that matter."""
         remote = error.remote_exception if isinstance(error, RemoteError) else None
+        if isinstance(error, RemoteError):
+            error.with_traceback(None)
         ps_tasks = {client.task for client in self.strategy.cluster.ps_clients}
         if isinstance(remote, UnavailableError) and remote.task in ps_tasks:
             failure = UnavailableError(

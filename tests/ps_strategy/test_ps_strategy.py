@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,12 +50,30 @@ def test_stopped_worker_closure_moves_after_the_heartbeat_deadline(tmp_path: Pat
     assert report["join_seconds"] < 30
 
 
-def test_exception_in_a_step_reaches_the_coordinator_with_its_traceback(tmp_path: Path) -> None:
+def test_exception_in_a_step_reaches_the_coordinator_with_a_short_traceback(tmp_path: Path) -> None:
+    # the message used to carry every frame of every task, about 90 lines for a nested error
     report = launch(tmp_path, "failures_ps.py", "user-error")
+    script = str(HERE / "failures_ps.py")
     for key in ("raised", "fetch_raised"):
-        assert "ValueError: bad step on purpose" in report[key]
-        assert "Remote traceback" in report[key] and "bad_step" in report[key]
+        text, whole = report[key]["text"], report[key]["remote_traceback"]
+        assert re.match(r"RemoteError: 'run' on worker \d raised builtins.ValueError: bad step on purpose\n", text)
+        assert f'File "{script}"' in text and "in bad_step" in text and "in check_batch" in text
+        assert 'raise ValueError("bad step on purpose")' in text   # the source line, read on the worker
+        assert "stratagem/ps/" not in text and "stratagem/rpc/" not in text and "grpc" not in text, text
+        assert "error.remote_traceback" in text and len(text.splitlines()) < 10, text
+        assert "stratagem/ps/worker.py" in whole and "in bad_step" in whole   # every frame
     assert report["others_ran"]
+    # the ps refused the push of a step (a user's optimizer raised there): one error, its way in one line
+    text, whole = report["nested"]["text"], report["nested"]["remote_traceback"]
+    assert re.match(r"RemoteError: 'run' on worker \d -> 'push' on ps 0 raised builtins.ValueError: gradient "
+                    r"too large: lower the learning rate or clip the gradients\n", text), text
+    frames = [line for line in text.splitlines() if line.startswith("  File")]
+    assert len(frames) == 2 and all(f'File "{script}"' in line for line in frames), text
+    assert frames[0].endswith("in huge_step  [worker 0]") or frames[0].endswith("in huge_step  [worker 1]")
+    assert frames[1].endswith("in step  [ps 0]") and len(text.splitlines()) < 12, text
+    assert "grpc" not in text
+    on_worker, on_ps = whole.split("Remote traceback of 'push' on ps 0:")   # every frame of both
+    assert "stratagem/ps/worker.py" in on_worker and "stratagem/ps/service.py" in on_ps
 
 
 def test_killed_ps_raises_unavailable_then_restores_and_continues(tmp_path: Path) -> None:
