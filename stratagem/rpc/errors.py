@@ -87,7 +87,8 @@ class RemoteError(StratagemError, RuntimeError):
             shown.append(frames[-1])   # where it was raised, even inside a library
         if len(shown) > MAX_FRAMES_SHOWN:   # deep recursion: the first frames and the last
             shown = [*shown[:3], None, *shown[-(MAX_FRAMES_SHOWN - 3):]]
-        lines = [f"{' -> '.join(f'{m!r} on {t}' for m, t in chain)} raised {reply['type']}: {reply['message']}"]
+        said = f": {reply['message']}" if reply["message"] else ""
+        lines = [f"{' -> '.join(f'{m!r} on {t}' for m, t in chain)} raised {reply['type']}{said}"]
         if shown:
             lines.append(f"\nRemote traceback ({' -> '.join(str(t) for _, t in chain)}): your code, then the line "
                          "that raised (every frame: error.remote_traceback)")

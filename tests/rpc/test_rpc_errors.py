@@ -92,3 +92,10 @@ def test_a_reply_without_frames_shows_its_traceback_text() -> None:
     reply = {"type": "builtins.KeyError", "message": "'x'", "traceback": "Traceback ...\nKeyError: 'x'\n"}
     error = RemoteError.from_reply(reply, method="get", task="ps 0", remote_exception=None)
     assert str(error) == "'get' on ps 0 raised builtins.KeyError: 'x'\n\nRemote traceback (ps 0):\nTraceback ...\nKeyError: 'x'"
+
+
+def test_an_error_without_a_message_ends_its_first_line_with_its_type() -> None:
+    def fail() -> None:
+        raise StopIteration
+
+    assert str(_remote(fail, "run", "worker 2")).splitlines()[0] == "'run' on worker 2 raised builtins.StopIteration"
