@@ -278,8 +278,8 @@ class ParameterServerPlacement(Placement):
                         f"of shape {tuple(p.shape)} that was not created in that scope; create the "
                         f"model inside `with strategy.scope():` too")
                 self._specs[remote.var_id] = (base, hyper)
-                if remote.row_sparse and not updates_rows_only(base, remote.dtype) \
-                        and remote.var_id not in self._warned_dense:
+                if (remote.row_sparse and not updates_rows_only(base, remote.dtype)
+                        and remote.var_id not in self._warned_dense):
                     self._warned_dense.add(remote.var_id)
                     name = remote.var_id.split("/", 1)[-1]
                     warn_at_users_line(dense_updates_warning(base.__name__, name, remote.shape))
