@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -44,10 +45,13 @@ from stratagem.errors import InvalidArgumentError, UnavailableError
 from stratagem.ps.fencing import Fence, Fences
 from stratagem.ps.shards import (OptimizerSpec, Rows, Shard, check_rows, check_spec, check_value,
                                  clone_tree, make_optimizer, nbytes)
-from stratagem.ps.sparse_update import after_load_state_dict, apply_row_update, note_dense_step
+from stratagem.ps.sparse_update import (after_load_state_dict, apply_row_update, dense_updates_warning,
+                                        note_dense_step, updates_rows_only)
 from stratagem.rpc.server import EncodedReply, Handler, reads_only
 
 __all__ = ["OptimizerSpec", "ParameterServer", "ps_service"]
+
+logger = logging.getLogger("stratagem.ps")
 
 
 class ParameterServer:
@@ -65,6 +69,7 @@ class ParameterServer:
         self._started = time.time()
         self.incarnation = uuid.uuid4().hex   # a restarted ps is a new one: its variables are gone
         self.fences = Fences()
+        self._warned_dense: set[str] = set()   # variables told to take dense row updates
 
     # ------------------------------------------------------------------ variables
 
@@ -206,11 +211,12 @@ class ParameterServer:
     def push_rows(self, var_id: str, row_ids: Rows, row_grads: torch.Tensor, fence: Any = None) -> None:
         """A row-sparse step: only rows ``row_ids`` of ``var_id`` and their optimizer state
         change (see :mod:`stratagem.ps.sparse_update`); repeated rows' gradients are summed.
-        ``row_grads`` has shape ``(len(row_ids), *shape[1:])``; ``fence`` as in :meth:`push`."""
+        ``row_grads`` has shape ``(len(row_ids), *shape[1:])``; ``fence`` as in :meth:`push`. An optimizer without a
+        row-sparse rule (RMSprop...) takes a dense step instead, with a warning the first time."""
         self.push(rows=[(var_id, row_ids, row_grads)], fence=fence)
 
     def _checked_rows(self, var_id: str, row_ids: Rows,
-                      row_grads: torch.Tensor) -> tuple[Shard, torch.Tensor, torch.Tensor]:
+                      row_grads: torch.Tensor) -> tuple[str, Shard, torch.Tensor, torch.Tensor]:
         var = self._get(var_id)
         rows = check_rows(var_id, var, row_ids)
         self._check_optimizer(var_id, var)
@@ -220,10 +226,16 @@ class ParameterServer:
             raise InvalidArgumentError(
                 f"push_rows({var_id!r}): row_grads must have shape {expected} (one row per row "
                 f"id), got {got}.")
-        return var, rows, row_grads
+        return var_id, var, rows, row_grads
 
-    def _apply_rows(self, var: Shard, rows: torch.Tensor, row_grads: torch.Tensor) -> None:
+    def _apply_rows(self, var_id: str, var: Shard, rows: torch.Tensor, row_grads: torch.Tensor) -> None:
         with var.lock:
+            optimizer_class = type(var.optimizer)
+            if (var_id not in self._warned_dense and rows.numel()
+                    and not updates_rows_only(optimizer_class, var.param.dtype)):
+                self._warned_dense.add(var_id)   # (the coordinator warned its user already)
+                logger.warning(dense_updates_warning(optimizer_class.__name__, f"{var_id!r} on {self.name}",
+                                                     tuple(var.param.shape)))
             apply_row_update(var.optimizer, var.param, rows, row_grads)
             var.updates += 1
         self._count("push_rows", nbytes(rows) + nbytes(row_grads), 0)

@@ -169,11 +169,8 @@ class RpcClient:
                 remote_exception = decode(value["exception"])
             except Exception:   # its class is not importable here, or it cannot be rebuilt
                 remote_exception = None
-        error = RemoteError(
-            f"{method!r} on {self.task} raised {value['type']}: {value['message']}\n\n"
-            f"Remote traceback ({self.task}):\n{value['traceback'].rstrip()}",
-            remote_type=value["type"], remote_message=value["message"],
-            remote_traceback=value["traceback"], method=method, task=self.task,
+        error = RemoteError.from_reply(
+            value, method=method, task=self.task,
             remote_exception=remote_exception if isinstance(remote_exception, BaseException) else None)
         raise error from error.remote_exception
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import traceback
 from collections.abc import Callable, Mapping
 from concurrent import futures
 from typing import Any, NoReturn
@@ -33,7 +32,7 @@ from stratagem.cluster.spec import validate_address
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.rpc.auth import DEFAULT_MAX_SKEW_S, Authenticator
 from stratagem.rpc.codec import decode, encode
-from stratagem.rpc.errors import AuthenticationError, MessageTooLargeError, RpcError
+from stratagem.rpc.errors import AuthenticationError, MessageTooLargeError, RpcError, describe_exception
 from stratagem.rpc.transport import (DEFAULT_MAX_MESSAGE_BYTES, REPLY_ERROR, REPLY_OK, SERVICE,
                                      STATS_METHOD, check_max_bytes, size_options)
 
@@ -80,14 +79,13 @@ class EncodedReply:
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:
-    """What the caller learns of an exception raised by a handler."""
+    """What the caller learns of an exception raised by a handler (see describe_exception)."""
+    described, original = describe_exception(exc)
     try:
-        pickled: bytes | None = encode(exc)
+        pickled: bytes | None = None if original is None else encode(original)
     except Exception:   # an exception holding an unpicklable object: send its text only
         pickled = None
-    kind = type(exc)
-    return {"type": f"{kind.__module__}.{kind.__qualname__}", "message": str(exc),
-            "traceback": "".join(traceback.format_exception(exc)), "exception": pickled}
+    return {**described, "exception": pickled}
 
 
 class _Service(grpc.GenericRpcHandler):
