@@ -44,9 +44,10 @@ from torch import nn
 from stratagem.errors import InvalidArgumentError, UnavailableError
 from stratagem.ps.fencing import Fence, Fences
 from stratagem.ps.shards import (OptimizerSpec, Rows, Shard, check_rows, check_spec, check_value,
-                                 clone_tree, make_optimizer, nbytes)
-from stratagem.ps.sparse_update import (after_load_state_dict, apply_row_update, dense_updates_warning,
+                                 make_optimizer, nbytes)
+from stratagem.ps.sparse_update import (apply_row_update, dense_updates_warning,
                                         note_dense_step, updates_rows_only)
+from stratagem.ps.state import ShardStates
 from stratagem.rpc.server import EncodedReply, Handler, reads_only
 
 __all__ = ["OptimizerSpec", "ParameterServer", "ps_service"]
@@ -54,7 +55,7 @@ __all__ = ["OptimizerSpec", "ParameterServer", "ps_service"]
 logger = logging.getLogger("stratagem.ps")
 
 
-class ParameterServer:
+class ParameterServer(ShardStates):
     """The variables of one parameter-server task, by id, each with its own optimizer.
 
     ``name`` ("ps 0") appears in error messages. Thread-safe.
@@ -272,55 +273,6 @@ class ParameterServer:
         for _, var in targets:
             with var.lock:
                 var.optimizer.param_groups[0].update(values)  # type: ignore[union-attr]
-
-    # ----------------------------------------------------------------- checkpoints
-
-    def get_state(self, var_ids: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
-        """Per variable: ``{"value", "optimizer_spec", "optimizer_state"}`` (copies), what
-        :meth:`set_state` needs to restore it -- here or on a fresh parameter server."""
-        ids = list(self._variables) if var_ids is None else list(var_ids)
-        state = {}
-        for var_id in ids:
-            var = self._get(var_id)
-            with var.lock:
-                state[var_id] = {
-                    "value": var.param.detach().clone(),
-                    "optimizer_spec": var.optimizer_spec,
-                    "optimizer_state": None if var.optimizer is None else clone_tree(var.optimizer.state_dict()),
-                }
-        self._count("get_state", 0, sum(nbytes(entry["value"]) for entry in state.values()))
-        return state
-
-    def set_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
-        """Restores what :meth:`get_state` returned: values and optimizer states (including
-        hyperparameters). Variables missing here are created from the entry's
-        ``optimizer_spec``."""
-        for var_id, entry in state.items():
-            if not isinstance(entry, Mapping) or "value" not in entry:
-                raise InvalidArgumentError(
-                    f"set_state: the entry of {var_id!r} must be a dict with 'value' (and "
-                    "'optimizer_spec', 'optimizer_state'), as get_state() returns.")
-            if var_id not in self._variables:
-                self.create(var_id, entry["value"], entry.get("optimizer_spec"))
-            var = self._get(var_id)
-            value = check_value(var_id, var, entry["value"], "value")
-            optimizer_state = entry.get("optimizer_state")
-            with var.lock:
-                with torch.no_grad():
-                    var.param.copy_(value)
-                if optimizer_state is not None:
-                    if var.optimizer is None:
-                        raise InvalidArgumentError(
-                            f"set_state: {var_id!r} has optimizer state but no optimizer on {self.name}.")
-                    try:
-                        # A copy: load_state_dict keeps the given tensors, which belong to
-                        # the caller (or to the request's buffer).
-                        var.optimizer.load_state_dict(clone_tree(optimizer_state))
-                        after_load_state_dict(var.optimizer, var.param)
-                    except (KeyError, ValueError, TypeError) as err:
-                        raise InvalidArgumentError(
-                            f"set_state: the optimizer state of {var_id!r} does not fit its "
-                            f"{type(var.optimizer).__name__}: {err}") from err
 
     # ------------------------------------------------------------------- monitoring
 
