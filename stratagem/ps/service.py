@@ -43,7 +43,7 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.ps.shards import (OptimizerSpec, Rows, Shard, check_rows, check_spec, check_value,
                                  clone_tree, make_optimizer, nbytes)
 from stratagem.ps.sparse_update import after_load_state_dict, apply_row_update, note_dense_step
-from stratagem.rpc.server import EncodedReply, Handler, reads_only
+from stratagem.rpc.server import EncodedReply, Handler, large_requests, reads_only
 
 __all__ = ["OptimizerSpec", "ParameterServer", "ps_service"]
 
@@ -325,6 +325,9 @@ class ParameterServer:
         # transport may hand them over as views of the received bytes, without a copy.
         for name in ("create", "push", "push_rows", "assign", "set_state"):
             reads_only(handlers[name])
+        # These take tensors (or row ids) as large as a variable; the others, small requests.
+        for name in ("create", "push", "push_rows", "assign", "set_state", "pull_rows"):
+            large_requests(handlers[name])
         return handlers
 
     # ------------------------------------------------------------------- internals
