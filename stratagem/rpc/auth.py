@@ -156,11 +156,14 @@ def _field(value: str) -> bytes:
 
 
 def _is_hex(text: str, length: int) -> bool:
-    return len(text) == length and all(char in "0123456789abcdef" for char in text)
+    return len(text) == length and text.isascii() and not text.strip("0123456789abcdef")
 
 
 def _is_count(text: str) -> bool:
     return text.isascii() and text.isdigit() and len(text) < 20
+
+
+_KIND_FIELDS = {kind: _field(kind.decode()) for kind in (_REQUEST, _REPLY)}
 
 
 class _NonceCache:
@@ -235,7 +238,7 @@ class Authenticator:
     def _code(self, kind: bytes, *fields: str) -> str:
         """HMAC-SHA256 over the message kind and ``fields``, each prefixed by its length."""
         mac = self._mac.copy()
-        mac.update(_field(kind.decode()) + b"".join(_field(value) for value in fields))
+        mac.update(b"".join([_KIND_FIELDS[kind], *map(_field, fields)]))
         return mac.hexdigest()
 
     # --------------------------------------------------------------------- requests
