@@ -204,7 +204,9 @@ class RpcClient:
 
     def _send(self, method: str, body: bytes, deadline: float, seconds: float, writable: bool,
               retry: bool) -> Any:
-        """Sends a call, bound to the server's current incarnation; once more if it restarted."""
+        """Sends a call addressed to the server's name and incarnation; once more, addressed
+        anew, if the server refused it as meant for another (it restarted, or another server
+        now listens at the address)."""
         try:
             binding = self._bound or self._binding().result(timeout=_left(deadline))
         except futures.TimeoutError:
@@ -255,18 +257,12 @@ class RpcClient:
             except BaseException as err:
                 result._settle(error=err)
 
-        known = self._bound
-        if known is not None:
-            resolved: futures.Future[tuple[str, str]] = futures.Future()
-            resolved.set_result(known)
-            bound(resolved)
-        else:
-            self._binding().add_done_callback(bound)
+        self._binding().add_done_callback(bound)   # at once when the binding is known
 
     def _binding(self) -> futures.Future[tuple[str, str]]:
         """The server's (name, incarnation): asked with one hello shared by all callers."""
         with self._bind_lock:
-            hello = futures.Future()
+            hello: futures.Future[tuple[str, str]] = futures.Future()
             if self._bound is not None:
                 hello.set_result(self._bound)
                 return hello

@@ -239,9 +239,9 @@ class RpcServer:
                 f"cannot listen on {self._requested}: the port is taken or the host is not an "
                 "address of this machine; free the port or fix this task's address in the "
                 "cluster spec.")
-        self._incarnation = uuid.uuid4().hex
+        self._incarnation, self._port = uuid.uuid4().hex, port   # before the first request
         server.start()
-        self._server, self._port = server, port
+        self._server = server
         logger.info("%s listening on %s", self.name, self.address)
         return self
 
