@@ -33,10 +33,13 @@ def servers(tmp_path: Path):
         server.stop(signal.SIGKILL)
 
 
-def _restart(server: ServerProcess) -> ServerProcess:
-    """Kills ``server`` and starts a new process with the same name at the same address."""
-    server.stop(signal.SIGKILL)
-    return wait_ready(launch_server(server.address, server.marker_dir, server.name))
+def _restart(servers: list[ServerProcess], index: int) -> ServerProcess:
+    """Kills ``servers[index]`` and puts in its place (for the fixture to stop) a new
+    process with the same name at the same address."""
+    old = servers[index]
+    old.stop(signal.SIGKILL)
+    servers[index] = wait_ready(launch_server(old.address, old.marker_dir, old.name))
+    return servers[index]
 
 
 def _send(address: str, body: bytes, metadata: tuple[tuple[str, str], ...]) -> bytes:
@@ -64,7 +67,7 @@ def test_a_captured_request_is_refused_by_another_server_and_after_a_restart(
     assert second.handler_calls("echo") == 0
 
     echoes = first.handler_calls("echo")
-    restarted = _restart(first)                      # a new run forgets the nonces it saw
+    restarted = _restart(servers, 0)                 # a new run forgets the nonces it saw
     assert restarted.incarnation != first.incarnation
     err = _refused(restarted.address, body, captured)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -73,12 +76,10 @@ def test_a_captured_request_is_refused_by_another_server_and_after_a_restart(
 
 
 def test_a_client_carries_on_across_restarts_of_its_server(servers: list[ServerProcess]) -> None:
-    server = servers[0]
-    client = RpcClient(server.address, TOKEN, task="ps 0", default_timeout=20)
+    client = RpcClient(servers[0].address, TOKEN, task="ps 0", default_timeout=20)
     assert client.call("echo", 1) == 1
     for round_ in range(2):
-        server = _restart(server)
-        servers[0] = server
+        server = _restart(servers, 0)
         deadline = time.monotonic() + 10
         while True:   # the channel reconnects within about a second
             try:
@@ -90,7 +91,7 @@ def test_a_client_carries_on_across_restarts_of_its_server(servers: list[ServerP
             except UnavailableError:
                 assert time.monotonic() < deadline, "not reconnected within 10 s"
                 time.sleep(0.05)
-        log = (server.marker_dir / "server.log").read_text()
+        log = (server.marker_dir / "server.log").read_text()   # (every run appends to it)
         assert log.count("stale incarnation") == round_ + 1   # refused once, then re-sent
     client.close()
 
