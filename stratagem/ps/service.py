@@ -48,7 +48,7 @@ from stratagem.ps.shards import (OptimizerSpec, Rows, Shard, check_rows, check_s
 from stratagem.ps.sparse_update import (apply_row_update, dense_updates_warning,
                                         note_dense_step, updates_rows_only)
 from stratagem.ps.state import ShardStates
-from stratagem.rpc.server import EncodedReply, Handler, reads_only
+from stratagem.rpc.server import EncodedReply, Handler, large_requests, reads_only
 
 __all__ = ["OptimizerSpec", "ParameterServer", "ps_service"]
 
@@ -318,6 +318,9 @@ class ParameterServer(ShardStates):
         # transport may hand them over as views of the received bytes, without a copy.
         for name in ("create", "push", "push_rows", "assign", "set_state"):
             reads_only(handlers[name])
+        # These take tensors (or row ids) as large as a variable; the others, small requests.
+        for name in ("create", "push", "push_rows", "assign", "set_state", "pull_rows"):
+            large_requests(handlers[name])
         return handlers
 
     # ------------------------------------------------------------------- internals

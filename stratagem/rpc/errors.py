@@ -15,7 +15,7 @@ from stratagem._frames import is_users
 from stratagem.errors import StratagemError
 
 __all__ = ["AuthenticationError", "CodecError", "MessageTooLargeError", "RemoteError", "RpcError",
-           "describe_exception"]
+           "WrongServerError", "describe_exception"]
 
 
 class RpcError(StratagemError, RuntimeError):
@@ -31,6 +31,16 @@ class AuthenticationError(StratagemError, RuntimeError):
 
     Raised on the caller when a server refused its request, and when a reply fails the
     client's check; servers raise it internally and answer ``UNAUTHENTICATED``.
+    """
+
+
+class WrongServerError(AuthenticationError):
+    """A request, signed with the right token, was addressed to another server: one of
+    another name, or an earlier incarnation of this one (it has restarted since).
+
+    Servers raise it internally and answer ``FAILED_PRECONDITION``; the client then learns
+    the server's name and incarnation again and signs the call anew, once (the refused
+    request was never read). A replayed request stays refused.
     """
 
 
