@@ -1,6 +1,8 @@
 """In one process, every misuse fails early with an error that names the problem and the fix."""
 
 import inspect
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -225,6 +227,52 @@ def test_module_created_outside_the_scope_used_in_a_multi_replica_run():
     relu = torch.nn.ReLU()
     assert strategy.experimental_local_results(strategy.run(lambda: relu(torch.ones(1)).item())) == (1.0, 1.0)
     assert sg.OneDeviceStrategy("cpu").run(lambda: model(torch.ones(1, 3)).shape) == (1, 1)
+
+
+OPTIMIZER_OUTSIDE = """
+import sys, torch, torch.nn.functional as F
+from torch import nn
+import stratagem as sg
+strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+with strategy.scope():
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)     # outside the scope
+data = [(torch.randn(64, 8), torch.randint(0, 2, (64,)))] * 4
+def step(batch, zero_first):
+    x, y = batch
+    if zero_first:   # the usual order: its zero_grad would race the other replica's backward
+        optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+for zero_first in (True, False):
+    for _ in range(3):
+        try:
+            for batch in strategy.experimental_distribute_dataset(data):
+                strategy.run(step, args=(batch, zero_first))
+            print("TRAINED")
+        except sg.errors.ContextError as error:
+            print("REFUSED", str(error).replace("\\n", " "))
+# outside run, and for an optimizer in scope, nothing changes
+optimizer.zero_grad()
+with strategy.scope():
+    scoped = torch.optim.SGD(model.parameters(), lr=0.1)
+for batch in strategy.experimental_distribute_dataset(data):
+    strategy.run(lambda b: (scoped.zero_grad(), F.cross_entropy(model(b[0]), b[1]).backward(), scoped.step()), args=(batch,))
+print("SCOPED OK")
+"""
+
+
+def test_optimizer_created_outside_the_scope_is_refused_in_a_multi_replica_run():
+    # it used to train silently wrong (the replicas drifted apart), and its zero_grad on one
+    # replica's thread could crash the interpreter inside another's backward: a subprocess
+    proc = subprocess.run([sys.executable, "-c", OPTIMIZER_OUTSIDE], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    refused = [line for line in lines if line.startswith("REFUSED")]
+    assert len(refused) == 6, proc.stdout
+    assert all("SGD was created outside strategy.scope()" in line and "Create the optimizer inside" in line
+               for line in refused), refused[0]
+    assert lines[-1] == "SCOPED OK"
 
 
 def test_module_created_outside_the_scope_inside_a_scoped_container():

@@ -22,12 +22,14 @@ With one device this placement only moves tensors to that device.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from stratagem import _context
 from stratagem.comm.collective import Collective
@@ -176,33 +178,50 @@ class MirroredPlacement(MirroredOptimizers, Placement):
 
 
 class _UnscopedModuleCheck:
-    """While multi-replica runs are active, refuse modules whose parameters are not mirrored.
+    """While multi-replica runs are active, refuse modules whose parameters are not mirrored,
+    and optimizers created outside the scope over mirrored parameters.
 
-    Such a module (created outside the scope) would be shared by every replica thread:
-    the replicas would silently diverge, or race inside autograd.
+    Such a module (created outside the scope) would be shared by every replica thread: the
+    replicas would silently diverge, or race inside autograd. Such an optimizer would be
+    stepped by every replica on the primary copy, and its ``zero_grad`` on one replica's
+    thread would clear gradients another replica's backward is writing (a crash, not just a
+    wrong result). Both are refused at their first use inside ``run``: the forward pre-hook,
+    torch's global optimizer step pre-hook, and ``Optimizer.zero_grad`` wrapped while such
+    runs are active (torch has no zero_grad hook).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._users = 0
-        self._handle: Any = None
+        self._handles: list[Any] = []
 
     def acquire(self) -> None:
         with self._lock:
             if self._users == 0:
-                self._handle = nn.modules.module.register_module_forward_pre_hook(_forbid_unscoped)
+                self._handles = [nn.modules.module.register_module_forward_pre_hook(_forbid_unscoped),
+                                 register_optimizer_step_pre_hook(_forbid_unscoped_optimizer)]
+                torch.optim.Optimizer.zero_grad = _checked_zero_grad
             self._users += 1
 
     def release(self) -> None:
         with self._lock:
             self._users -= 1
             if self._users == 0:
-                self._handle.remove()
+                torch.optim.Optimizer.zero_grad = _original_zero_grad
+                for handle in self._handles:
+                    handle.remove()
+
+
+def _multi_replica_frame() -> Any:
+    frame = _context.current_frame()
+    if frame is None or frame.replica_context is None or frame.strategy.topology.num_local_replicas < 2:
+        return None
+    return frame
 
 
 def _forbid_unscoped(module: nn.Module, args: Any) -> None:
-    frame = _context.current_frame()
-    if frame is None or frame.replica_context is None or frame.strategy.topology.num_local_replicas < 2:
+    frame = _multi_replica_frame()
+    if frame is None:
         return
     params = module.__dict__.get("_parameters")
     if params and not isinstance(params, MirroredDict):
@@ -210,6 +229,29 @@ def _forbid_unscoped(module: nn.Module, args: Any) -> None:
             f"module {type(module).__name__} has parameters but was created outside "
             f"strategy.scope(), so every replica of {frame.strategy!r} would share one copy and "
             f"the replicas would silently diverge. Create it inside `with strategy.scope():`")
+
+
+def _forbid_unscoped_optimizer(optimizer: torch.optim.Optimizer, *args: Any) -> None:
+    frame = _multi_replica_frame()
+    if frame is None or "_sg_twins" in optimizer.__dict__:   # ours: a scoped optimizer or a twin
+        return
+    placement = frame.strategy.placement
+    if any(placement.all_copies(p) is not None for group in optimizer.param_groups for p in group["params"]):
+        raise ContextError(
+            f"{type(optimizer).__name__} was created outside strategy.scope() but updates the "
+            f"parameters of a model created in the scope of {frame.strategy!r}: every replica would "
+            f"step it (and clear its gradients) on its own thread, so the replicas would diverge or "
+            f"race. Create the optimizer inside `with strategy.scope():` too; its step then sums the "
+            f"replicas' gradients and applies the update once")
+
+
+_original_zero_grad = torch.optim.Optimizer.zero_grad
+
+
+@functools.wraps(_original_zero_grad)
+def _checked_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    _forbid_unscoped_optimizer(self)
+    _original_zero_grad(self, set_to_none)
 
 
 _unscoped_check = _UnscopedModuleCheck()
