@@ -94,6 +94,18 @@ def _demo(*flags: str, timeout: float = 150) -> subprocess.CompletedProcess[str]
                           timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+@pytest.mark.parametrize("strategy", ["mirrored", "multi_worker"])
+def test_progress_without_a_terminal_is_plain_lines(strategy: str) -> None:
+    # a bar redrawn with carriage returns makes CI logs and the launcher's prefixed output unreadable
+    completed = _demo("--strategy", strategy, "--epochs", "2")
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    output = completed.stdout + completed.stderr
+    assert "\r" not in output, output
+    lines = [line for line in output.splitlines() if "train " in line and " steps (" in line]
+    assert 2 <= len(lines) <= 12, output
+    assert "train 46/46 steps (100%) epoch 2/2 loss" in lines[-1], lines
+
+
 def test_command_line_multi_worker_starts_its_workers_and_matches_plain_pytorch() -> None:
     completed = _demo("--strategy", "multi_worker", "--epochs", "1", "--quiet")
     assert completed.returncode == 0, completed.stdout + completed.stderr

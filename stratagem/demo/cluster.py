@@ -157,7 +157,10 @@ class _TaskOutput(io.TextIOBase):
 def _launch(mode: str, replicas: int, config: TrainConfig, data: Digits, *,
             progress: bool) -> dict[str, Any]:
     """Run the cluster for ``mode`` and return what its chief saved; raise ClusterDemoError if it fails."""
-    ncols = max(40, shutil.get_terminal_size((100, 24)).columns - _PREFIX_WIDTH - 1) if progress else 0
+    # the tasks' bar passes through the launcher to this process's stdout: a bar on a terminal,
+    # plain lines (-1) elsewhere
+    width = max(40, shutil.get_terminal_size((100, 24)).columns - _PREFIX_WIDTH - 1)
+    ncols = 0 if not progress else width if sys.stdout.isatty() else -1
     log = _TaskOutput(sys.stderr if progress else None)
     with tempfile.TemporaryDirectory(prefix="stratagem-demo-") as tmp:
         entry = os.path.join(tmp, "demo_task.py")

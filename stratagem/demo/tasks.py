@@ -47,7 +47,8 @@ def task_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, required=True)
     parser.add_argument("--optimizer", required=True)
     parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--ncols", type=int, default=0, help="progress bar width; 0: no bar")
+    parser.add_argument("--ncols", type=int, default=0,
+                        help="progress bar width; 0: no progress; -1: plain lines (output is no terminal)")
     args = parser.parse_args(argv)
     config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                          optimizer=args.optimizer, seed=args.seed)
@@ -66,8 +67,9 @@ def task_main(argv: Sequence[str] | None = None) -> int:
 
 def _multi_worker_task(data: Digits, config: TrainConfig, replicas: int, ncols: int) -> dict[str, Any] | None:
     strategy = sg.MultiWorkerMirroredStrategy(devices=[f"cpu:{i}" for i in range(replicas)])
-    show = ncols > 0 and strategy.is_chief
-    trained = train_with_strategy(strategy, data, config, progress=show, ncols=ncols or None)
+    show = ncols != 0 and strategy.is_chief
+    trained = train_with_strategy(strategy, data, config, progress=show, ncols=max(ncols, 0) or None,
+                                  lines=ncols < 0)
     if not strategy.is_chief:
         return None
     return {"initial": trained.initial_state, "final": trained.final_state, "accuracy": trained.accuracy,
@@ -117,7 +119,7 @@ def _coordinator_task(data: Digits, config: TrainConfig, ncols: int) -> dict[str
 
     steps_per_epoch = config.steps_per_epoch(data)
     steps = config.epochs * steps_per_epoch
-    bar = progress_bar(steps, enabled=ncols > 0, ncols=ncols or None)
+    bar = progress_bar(steps, enabled=ncols != 0, ncols=max(ncols, 0) or None, lines=ncols < 0)
     started = time.perf_counter()
     values = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
     for index, value in enumerate(values):   # roughly in the order they finish

@@ -86,8 +86,45 @@ def one_intra_op_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def progress_bar(total: int, enabled: bool, ncols: int | None = None) -> Any:
-    """The demo's tqdm bar on stderr; ``ncols`` fixes its width (a cluster task's stderr is a pipe)."""
+class LineProgress:
+    """Progress for output that is not a terminal (CI logs, a launcher's prefixed output): one
+    plain line every tenth of the work and at the end, where a bar would write a carriage-return
+    frame per redraw. The same calls as the tqdm bar: ``set_postfix_str``, ``update``, ``close``."""
+
+    def __init__(self, total: int, file: Any, parts: int = 10) -> None:
+        self.total, self.file, self.done, self.postfix = total, file, 0, ""
+        self._every = max(1, total // parts)
+        self._started = time.perf_counter()
+        self._closed = False
+
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+        self.postfix = text
+
+    def update(self, count: int = 1) -> None:
+        self.done += count
+        if self.done % self._every == 0 and self.done < self.total:
+            self._line()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._line()
+
+    def _line(self) -> None:
+        seconds = time.perf_counter() - self._started
+        percent = 100 * self.done // max(self.total, 1)
+        print(f"train {self.done}/{self.total} steps ({percent}%) {self.postfix} [{seconds:.1f} s]".rstrip(),
+              file=self.file, flush=True)
+
+
+def progress_bar(total: int, enabled: bool, ncols: int | None = None, *, lines: bool | None = None) -> Any:
+    """The demo's progress on stderr: a tqdm bar on a terminal, else (or when ``lines``) one
+    plain line per tenth of the work. ``ncols`` fixes the bar's width (a cluster task's stderr
+    is a pipe to the launcher, whose own output may be a terminal)."""
+    if lines is None:
+        lines = ncols is None and not sys.stderr.isatty()
+    if enabled and lines:
+        return LineProgress(total, sys.stderr)
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="train", unit="step", file=sys.stderr, disable=not enabled,
@@ -95,7 +132,7 @@ def progress_bar(total: int, enabled: bool, ncols: int | None = None) -> Any:
 
 
 def train_with_strategy(dist_strategy: sg.Strategy, data: Digits, config: TrainConfig, *,
-                        progress: bool, ncols: int | None = None) -> Trained:
+                        progress: bool, ncols: int | None = None, lines: bool | None = None) -> Trained:
     """The README's custom training loop under ``dist_strategy``, then its test accuracy.
 
     Every worker of a multi-worker strategy runs this same function.
@@ -120,7 +157,7 @@ def train_with_strategy(dist_strategy: sg.Strategy, data: Digits, config: TrainC
         return loss.detach()
 
     epochs = config.epochs
-    bar = progress_bar(epochs * len(train), enabled=progress, ncols=ncols)
+    bar = progress_bar(epochs * len(train), enabled=progress, ncols=ncols, lines=lines)
     started = time.perf_counter()
     for epoch in range(epochs):
         train.set_epoch(epoch)
