@@ -231,7 +231,7 @@ class ReplicaContext:
 
 
 class CrossReplicaCollectives:
-    """The §12 collectives on PerReplica values, from cross-replica context.
+    """The collectives (all_reduce, all_gather, broadcast, ...) on PerReplica values, from cross-replica context.
 
     Each method runs the replica-side collective through ``strategy.run``, so results
     are identical to calling it inside a replica function.
