@@ -1,16 +1,22 @@
 """Train a digits classifier with any strategy; the same file runs on one process or many.
 
 One process, two logical CPU replicas:
-    python examples/train.py --strategy mirrored
+    python examples/train.py
 Two worker processes on this host (loopback), via stratagem's launcher or torchrun:
-    stratagem launch --workers 2 examples/train.py --strategy multi_worker
-    torchrun --nproc-per-node 2 examples/train.py --strategy multi_worker
+    stratagem launch --workers 2 examples/train.py
+    torchrun --nproc-per-node 2 examples/train.py
 Two hosts, one process each (run on each host with its own task index):
     TF_CONFIG='{"cluster": {"worker": ["hostA:2222", "hostB:2222"]},
-                "task": {"type": "worker", "index": 0}}' python examples/train.py --strategy multi_worker
+                "task": {"type": "worker", "index": 0}}' python examples/train.py
+
+The default strategy, "auto", is MultiWorkerMirroredStrategy when the process is one task of a
+cluster (TF_CONFIG names several tasks, or torchrun started it) and MirroredStrategy on two
+logical CPU replicas otherwise; --strategy picks one explicitly.
 """
 
 import argparse
+import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +26,16 @@ from torch import nn
 import stratagem as sg
 
 
+def in_a_cluster() -> bool:
+    """Whether this process is one task of a multi-process cluster (TF_CONFIG or torchrun)."""
+    config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    tasks = sum(len(addresses) for addresses in config.get("cluster", {}).values())
+    return tasks > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def make_strategy(name: str) -> sg.Strategy:
+    if name == "auto":
+        name = "multi_worker" if in_a_cluster() else "mirrored"
     if name == "mirrored":
         return sg.MirroredStrategy(["cpu:0", "cpu:1"])
     if name == "one_device":
@@ -30,7 +45,8 @@ def make_strategy(name: str) -> sg.Strategy:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", choices=["mirrored", "one_device", "multi_worker"], default="mirrored")
+    parser.add_argument("--strategy", choices=["auto", "mirrored", "one_device", "multi_worker"],
+                        default="auto")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
