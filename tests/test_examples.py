@@ -68,3 +68,14 @@ def test_parameter_server_example_trains() -> None:
 def test_every_example_is_tested_here() -> None:
     tested = {"train.py", "train_ps.py"}
     assert {path.name for path in EXAMPLES.glob("*.py")} == tested
+
+
+def test_documentation_cites_nothing_outside_the_repository() -> None:
+    # users have the repository only: no "SPEC §7", no NOTES.md, no "../shared"
+    outside = re.compile(r"SPEC\.md|NOTES\.md|SPEC §|§ ?\d|\.\./shared|seeds/")
+    files = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("stratagem/**/*.py"),
+             *EXAMPLES.glob("*.py"), *ROOT.glob("benchmarks/*.py"), ROOT / "benchmarks" / "README.md"]
+    cited = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for path in files for number, line in enumerate(path.read_text().splitlines(), 1)
+             if outside.search(line)]
+    assert not cited, "\n".join(cited)
