@@ -170,9 +170,9 @@ class Supervisor:
         count = len(self._slots)
         if code == PREEMPTED_EXIT_CODE:
             self._output.say(
-                f"{slot.task.name} stopped for preemption (exit code {code}: the group agreed "
-                f"on a step and saved); restarting all {count} tasks (not counted against "
-                f"--max-restarts)")
+                f"the tasks stopped for preemption ({slot.task.name} exited with code {code}: "
+                f"the group agreed on a step and saved); restarting all {count} tasks (a "
+                f"preemption does not count against --max-restarts)")
         elif self._restarts < self._max_restarts:
             self._restarts += 1
             self._output.say(f"{slot.task.name} {describe_exit(code)}; restarting all {count} "
