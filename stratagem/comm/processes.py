@@ -92,6 +92,7 @@ class WorkerGroup:
         # (time.monotonic(), every rank's counter) as the heartbeat last read them, newest last
         self._snapshots: collections.deque[tuple[float, list[bytes]]] = collections.deque(maxlen=8)
         self._lost_chief = False  # a collective failed and the store stopped answering
+        self._store_failed_at = 0.0  # time.monotonic() of the heartbeat's last failed read
         # NCCL moves CUDA tensors only: small host-side values travel through this device
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
             else torch.device("cpu")
@@ -159,8 +160,8 @@ class WorkerGroup:
                 return
             try:
                 self._snapshots.append((time.monotonic(), self._store.multi_get(keys)))
-            except Exception:  # noqa: BLE001 - a round without a reading: _lost_tasks sees the gap
-                pass
+            except Exception:  # noqa: BLE001 - the store refused a read: _lost_tasks sees it
+                self._store_failed_at = time.monotonic()
 
     def _lost_tasks(self) -> list[str]:
         """Tasks whose heartbeat stopped moving; the chief if the store stopped answering.
@@ -174,7 +175,10 @@ class WorkerGroup:
             since = [snapshot for snapshot in list(self._snapshots) if snapshot[0] > failed_at]
             if len(since) >= 2 and since[-1][0] - since[0][0] >= 1.5 * HEARTBEAT_SECONDS:
                 break
-            if time.monotonic() > deadline:  # the store lives on the chief: it is gone or hung
+            # The store lives on the chief: it is gone (a read failed, or the heartbeat
+            # stopped) or hung (no read came back in time).
+            if (self._store_failed_at > failed_at or self.heartbeat_failure is not None
+                    or time.monotonic() > deadline):
                 self._lost_chief = True
                 return [self.names[0]]
             time.sleep(HEARTBEAT_SECONDS / 10)
