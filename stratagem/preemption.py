@@ -84,7 +84,8 @@ class PreemptionWatcher:
                 f"step), got {check_every!r}.")
         signals = tuple(signal.Signals(s) for s in signals)
         if not signals:
-            raise InvalidArgumentError("signals must name at least one signal, like signal.SIGTERM.")
+            raise InvalidArgumentError(
+                "signals must name at least one signal, like signal.SIGTERM.")
         if threading.current_thread() is not threading.main_thread():
             raise ContextError(
                 "PreemptionWatcher must be created on the main thread, where Python runs signal "

@@ -35,8 +35,8 @@ _DESCRIPTION = (
     "prefixed with its task, a failure restarts the job up to --max-restarts times (every "
     "task together, with a new rendezvous; with --ps the failed server alone), a task that "
     "exits with 75 (preempted, after its group saved) restarts the group without spending a "
-    "restart, and the exit status is non-zero, naming the task, when the job fails. Without --ps every worker "
-    "(and the chief) runs SCRIPT; with --ps, SCRIPT is the coordinator (the chief) and the "
+    "restart, and the exit status is non-zero, naming the task, when the job fails. "
+    "Without --ps every worker (and the chief) runs SCRIPT; with --ps, SCRIPT is the coordinator (the chief) and the "
     "workers and parameter servers run `stratagem server`.")
 _DESCRIPTION = textwrap.fill(_DESCRIPTION, width=88)  # the epilog's layout is kept as written
 

@@ -138,9 +138,9 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     workers and ``num_ps`` parameter servers, each one process with its TF_CONFIG and its
     own port (consecutive from ``port_base``, else free ones). A failure restarts the
     group (collective training) or the failed server (parameter-server training) up to
-    ``max_restarts`` times; a preempted group restarts without spending one. The status is 0 when the job succeeded, the
-    failed task's exit code (1 if it was killed by a signal) when it failed, 130/143 when
-    the launcher got SIGINT/SIGTERM. Task output goes to ``stdout`` (default
+    ``max_restarts`` times; a preempted group restarts without spending one. The status
+    is 0 when the job succeeded, the failed task's exit code (1 if it was killed by a
+    signal) when it failed, 130/143 when the launcher got SIGINT/SIGTERM. Task output goes to ``stdout`` (default
     ``sys.stdout``) and the launcher's messages to ``stderr``, each line prefixed with
     its task. ``server_command`` replaces ``stratagem server`` for the workers and
     parameter servers of parameter-server training.
@@ -169,7 +169,8 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     validate_address(format_address(host, 1), where=f"--host {host!r}")
     if isinstance(grace_period, bool) or not isinstance(grace_period, (int, float)) \
             or not grace_period >= 0:
-        raise InvalidArgumentError(f"grace_period must be a number of seconds >= 0, got {grace_period!r}.")
+        raise InvalidArgumentError(
+            f"--grace-period (grace_period) must be a number of seconds >= 0, got {grace_period!r}.")
 
     num_tasks = int(chief or num_ps > 0) + num_workers + num_ps
     if port_base is not None:

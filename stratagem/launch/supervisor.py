@@ -139,7 +139,8 @@ class Supervisor:
                          if not slot.finished and (code := slot.process.poll()) is not None]
                 for slot, _ in exits:
                     slot.reader.join(_READER_JOIN_SECONDS)  # its last lines come before our message
-                status = self._on_task_exits(exits) if self._ps_mode else self._on_group_exits(exits)
+                on_exits = self._on_task_exits if self._ps_mode else self._on_group_exits
+                status = on_exits(exits)
                 if status is not None:
                     return status
                 if all(slot.finished for slot in self._slots if slot.task.runs_script):

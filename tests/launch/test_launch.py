@@ -472,7 +472,8 @@ def test_python_api_rejects_bad_arguments(tmp_path: Path) -> None:
 def test_add_launch_parser_registers_the_subcommand() -> None:
     parser = argparse.ArgumentParser(prog="stratagem")
     add_launch_parser(parser.add_subparsers())
-    args = parser.parse_args(["launch", "--workers", "3", "--chief", "train.py", "--workers", "9"])
+    args = parser.parse_args(["launch", "--workers", "3", "--chief", "--grace-period", "30",
+                              "train.py", "--workers", "9"])
     assert args.func is run_launch and args.handler is run_launch
-    assert (args.workers, args.chief, args.script, args.args) == (3, True, "train.py",
-                                                                  ["--workers", "9"])
+    assert (args.workers, args.chief, args.grace_period, args.script, args.args) == (
+        3, True, 30.0, "train.py", ["--workers", "9"])

@@ -181,3 +181,14 @@ def test_sigterm_to_the_launcher_lets_the_workers_save_and_a_new_launch_resumes(
     assert status == 0, out + err
     assert f"restart 0 rank 0 resumes at step {step + 1}" in out
     _assert_same_parameters(tmp_path, reference)
+
+
+def test_the_preemptible_example_runs_and_a_second_launch_finds_its_work_done(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "preemptible.py"
+    for expected in ("restart 0: starting at step 0 of 60", "restart 0: starting at step 60 of 60"):
+        stdout, stderr = io.StringIO(), io.StringIO()
+        status = launch_local(example, ["--dir", str(tmp_path), "--steps", "60", "--save-every", "20"],
+                              num_workers=2, stdout=stdout, stderr=stderr)
+        assert status == 0, stdout.getvalue() + stderr.getvalue()
+        assert f"[worker 0] {expected}" in stdout.getvalue()
+        assert "[worker 0] done: 60 steps" in stdout.getvalue()
