@@ -46,6 +46,7 @@ from stratagem.strategies.replica_context import ReplicaContext
 from stratagem.values import DistributedValues, PerReplica, ReduceOp
 from stratagem.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
 from stratagem.ps.variables import ShardedVariable
+from stratagem.preemption import PreemptionWatcher
 from stratagem import cluster, nn
 
 __version__ = "0.1.0"
@@ -55,7 +56,8 @@ __all__ = [
     "CrossDeviceOps", "DistributedValues", "FixedShardsPartitioner", "HierarchicalCopyAllReduce",
     "InputContext", "InputOptions", "MaxSizePartitioner", "MinSizePartitioner", "MirroredStrategy",
     "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "ParameterServerStrategy",
-    "PerReplica", "ReduceOp", "ReductionToOneDevice", "RemoteValue", "ReplicaContext", "ShardedVariable",
+    "PerReplica", "PreemptionWatcher", "ReduceOp", "ReductionToOneDevice", "RemoteValue",
+    "ReplicaContext", "ShardedVariable",
     "Strategy", "ValueContext", "cluster", "errors", "get_replica_context", "get_strategy",
     "has_strategy", "in_cross_replica_context", "nn",
 ]

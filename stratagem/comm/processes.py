@@ -7,11 +7,15 @@ timeout so that a peer that stops answering is noticed (gloo's default is 30 min
 
 Every collective runs inside :meth:`WorkerGroup.guard`, which turns the backend's
 failure into :class:`~stratagem.errors.UnavailableError` naming the lost task. The
-lost task is found through heartbeats: each worker stamps a counter in the
-rendezvous store every second; after a failure, the task whose counter stopped
-moving is the one that died or hung (if the store itself is gone, the chief is).
-A heartbeat that cannot reach the store logs one warning with the reason and stops;
-the next failed collective's error repeats it.
+lost task is found through heartbeats: each worker's heartbeat thread stamps a
+counter in the rendezvous store every second and reads everyone's counters back;
+after a failure, the task whose counter stopped moving is the one that died or hung,
+and if the heartbeat's reads stopped coming back, the store -- the chief -- is the
+lost one. Only the heartbeat thread waits on the store: a store whose process is
+stopped (SIGSTOP) never answers, and torch's TCPStore then blocks past its timeout, so
+the caller of the failed collective never asks it anything and raises within the
+timeout plus ~2.5 heartbeats. A heartbeat that cannot reach the store logs one
+warning with the reason and stops; the next failed collective's error repeats it.
 
 **Where the store listens.** With a cluster spec (TF_CONFIG), the chief builds the
 rendezvous ``TCPStore`` itself, on a socket bound to the chief's address from the
@@ -34,6 +38,7 @@ name resolves to (``GLOO_SOCKET_IFNAME`` picks an interface).
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import datetime
 import logging
@@ -84,6 +89,10 @@ class WorkerGroup:
         self.backend = _backend(options.implementation, uses_cuda)
         self._stop = threading.Event()
         self.heartbeat_failure: str | None = None  # why this task's heartbeat stopped, if it did
+        # (time.monotonic(), every rank's counter) as the heartbeat last read them, newest last
+        self._snapshots: collections.deque[tuple[float, list[bytes]]] = collections.deque(maxlen=8)
+        self._lost_chief = False  # a collective failed and the store stopped answering
+        self._store_failed_at = 0.0  # time.monotonic() of the heartbeat's last failed read
         # NCCL moves CUDA tensors only: small host-side values travel through this device
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
             else torch.device("cpu")
@@ -133,6 +142,7 @@ class WorkerGroup:
         self._store.set(f"stratagem/heartbeat/{self.rank}", str(self._beats))
 
     def _heartbeat(self) -> None:
+        keys = [f"stratagem/heartbeat/{r}" for r in range(self.world_size)]
         while not self._stop.wait(HEARTBEAT_SECONDS):
             try:
                 self._beat()
@@ -148,17 +158,32 @@ class WorkerGroup:
                     "will take %s for lost at their next failed collective",
                     self.heartbeat_failure, self.names[0], self.names[self.rank])
                 return
+            try:
+                self._snapshots.append((time.monotonic(), self._store.multi_get(keys)))
+            except Exception:  # noqa: BLE001 - the store refused a read: _lost_tasks sees it
+                self._store_failed_at = time.monotonic()
 
     def _lost_tasks(self) -> list[str]:
-        """Tasks whose heartbeat stopped moving (waits ~2.5 heartbeats to see)."""
-        keys = [f"stratagem/heartbeat/{r}" for r in range(self.world_size)]
-        try:
-            before = [self._store.get(k) for k in keys]
-            time.sleep(2.5 * HEARTBEAT_SECONDS)
-            after = [self._store.get(k) for k in keys]
-        except Exception:  # noqa: BLE001 - the store lives on the chief: it is gone
-            return [self.names[0]]
-        return [self.names[r] for r in range(self.world_size) if r != self.rank and before[r] == after[r]]
+        """Tasks whose heartbeat stopped moving; the chief if the store stopped answering.
+
+        Waits until the heartbeat has read everyone's counters twice, at least 1.5
+        heartbeats apart, since the failure (at most 3.5 heartbeats).
+        """
+        failed_at = time.monotonic()
+        deadline = failed_at + 3.5 * HEARTBEAT_SECONDS
+        while True:
+            since = [snapshot for snapshot in list(self._snapshots) if snapshot[0] > failed_at]
+            if len(since) >= 2 and since[-1][0] - since[0][0] >= 1.5 * HEARTBEAT_SECONDS:
+                break
+            # The store lives on the chief: it is gone (a read failed, or the heartbeat
+            # stopped) or hung (no read came back in time).
+            if (self._store_failed_at > failed_at or self.heartbeat_failure is not None
+                    or time.monotonic() > deadline):
+                self._lost_chief = True
+                return [self.names[0]]
+            time.sleep(HEARTBEAT_SECONDS / 10)
+        first, last = since[0][1], since[-1][1]
+        return [self.names[r] for r in range(self.world_size) if r != self.rank and first[r] == last[r]]
 
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
@@ -225,9 +250,11 @@ class WorkerGroup:
         self._stop.set()
         # A daemon thread still inside the store's C++ code when the interpreter shuts down
         # aborts the process ("terminate called without an active exception"): join it.
+        # If the chief's store stopped answering, the thread may be blocked in it for good
+        # (torch's TCPStore waits past its timeout for a stopped server): a short wait then.
         thread = getattr(self, "_heartbeat_thread", None)
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5.0)
+            thread.join(timeout=HEARTBEAT_SECONDS if getattr(self, "_lost_chief", False) else 5.0)
         if self.group is None and not self.solo and dist.is_initialized():
             try:
                 dist.destroy_process_group()

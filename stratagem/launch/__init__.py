@@ -6,7 +6,10 @@ for its task and a cluster token shared by the job, so that the script finds its
 ``sg.cluster.TFConfigClusterResolver()`` exactly as it would on a real cluster.
 
 - :func:`launch_local` -- the launcher as a Python function returning the exit status
-  (``local.py``, with the process supervisor);
+  (``local.py``);
+- ``supervisor.py`` -- starts, watches, restarts (a collective group together, servers
+  one by one) and stops the processes;
+- ``output.py`` -- every task's output lines, prefixed with the task;
 - :func:`add_launch_parser` -- the ``launch`` subcommand for the ``stratagem`` command
   (``command.py``; ``python -m stratagem.launch`` runs it alone);
 - ``tasks.py`` -- which tasks a launch has, what each runs, its TF_CONFIG;
@@ -15,6 +18,7 @@ for its task and a cluster token shared by the job, so that the script finds its
 Commands::
 
     stratagem launch --workers 2 train.py --epochs 3
+    stratagem launch --workers 2 --max-restarts 3 --grace-period 30 train.py
     stratagem launch --ps 1 --workers 2 --max-restarts 3 train_ps.py
     python -m stratagem.launch --chief --workers 2 train.py
 """

@@ -11,7 +11,9 @@ Commands::
     stratagem launch --chief --workers 2 train.py         # a chief and 2 workers run it
     stratagem launch --ps 2 --workers 2 train.py          # train.py is the coordinator;
                                                           # 2 workers, 2 ps run `stratagem server`
-    stratagem launch --max-restarts 3 train.py            # restart a failed task up to 3 times
+    stratagem launch --max-restarts 3 train.py            # after a failure, restart every task
+                                                          # together, up to 3 times
+    stratagem launch --grace-period 30 train.py           # tasks get 30 s to save when stopped
     python -m stratagem.launch --workers 2 train.py       # the same, without the stratagem command
 """
 
@@ -30,9 +32,11 @@ __all__ = ["add_launch_parser", "add_subcommand", "build_parser", "main", "run_l
 _DESCRIPTION = (
     "Start a local cluster on loopback and run SCRIPT in it: every task gets TensorFlow's "
     "TF_CONFIG and a fresh cluster token (STRATAGEM_CLUSTER_TOKEN), each output line is "
-    "prefixed with its task, failed tasks are restarted up to --max-restarts times, and the "
-    "exit status is non-zero, naming the task, when the job fails. Without --ps every worker "
-    "(and the chief) runs SCRIPT; with --ps, SCRIPT is the coordinator (the chief) and the "
+    "prefixed with its task, a failure restarts the job up to --max-restarts times (every "
+    "task together, with a new rendezvous; with --ps the failed server alone), a task that "
+    "exits with 75 (preempted, after its group saved) restarts the group without spending a "
+    "restart, and the exit status is non-zero, naming the task, when the job fails. "
+    "Without --ps every worker (and the chief) runs SCRIPT; with --ps, SCRIPT is the coordinator (the chief) and the "
     "workers and parameter servers run `stratagem server`.")
 _DESCRIPTION = textwrap.fill(_DESCRIPTION, width=88)  # the epilog's layout is kept as written
 
@@ -52,8 +56,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chief", action="store_true",
                         help="add a chief task (index 0) that runs SCRIPT too; implied by --ps")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                        help="restart a failed task up to K times, with the same TF_CONFIG and "
-                             "port (default: 0)")
+                        help="after a failure, restart up to K times: every task together on "
+                             "fresh ports (STRATAGEM_RESTART=1, 2, ... tells the script), or with "
+                             "--ps the failed server alone, same TF_CONFIG and port (default: 0)")
+    parser.add_argument("--grace-period", type=float, default=5.0, metavar="S",
+                        help="seconds the tasks get to exit after SIGTERM (to save a checkpoint) "
+                             "before SIGKILL, when the job is stopped or restarted (default: 5)")
     parser.add_argument("--port-base", type=int, default=None, metavar="P",
                         help="give the tasks the ports P, P+1, ... (chief, workers, ps) "
                              "(default: free ports)")
@@ -69,7 +77,8 @@ def run_launch(args: argparse.Namespace) -> int:
     try:
         return launch_local(args.script, args.args, num_workers=args.workers, num_ps=args.ps,
                             chief=args.chief, max_restarts=args.max_restarts,
-                            port_base=args.port_base, host=args.host)
+                            port_base=args.port_base, host=args.host,
+                            grace_period=args.grace_period)
     except StratagemError as err:
         print(f"stratagem launch: error: {err}", file=sys.stderr)
         return 2

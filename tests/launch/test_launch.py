@@ -246,10 +246,10 @@ def test_tasks_that_ignore_sigterm_are_killed_after_the_grace_period(tmp_path: P
     _assert_gone(_pids(tmp_path), timeout=1)
 
 
-def test_a_task_that_fails_once_is_restarted_with_the_same_tf_config(tmp_path: Path) -> None:
+def test_a_failed_task_restarts_the_whole_group_on_fresh_ports(tmp_path: Path) -> None:
     script = _script(tmp_path, '''
         with open(os.path.join(OUT, NAME + ".log"), "a") as f:
-            f.write(os.environ["TF_CONFIG"] + "\\n")
+            f.write(json.dumps([os.environ["TF_CONFIG"], os.environ["STRATAGEM_RESTART"]]) + "\\n")
         if NAME == "worker-1" and not os.path.exists(os.path.join(OUT, "failed-once")):
             write("failed-once", "")
             sys.exit(1)
@@ -257,18 +257,39 @@ def test_a_task_that_fails_once_is_restarted_with_the_same_tf_config(tmp_path: P
     ''')
     status, out, err = _launch(script, str(tmp_path), num_workers=2, max_restarts=2)
     assert status == 0, err
-    assert err == "[launch] worker 1 exited with code 1; restarting (1/2)\n"
-    attempts = (tmp_path / "worker-1.log").read_text().splitlines()
-    assert len(attempts) == 2 and attempts[0] == attempts[1]
-    assert len((tmp_path / "worker-0.log").read_text().splitlines()) == 1
-    assert out.count("done") == 2
+    lines = err.splitlines()
+    assert lines[0] == "[launch] worker 1 exited with code 1; restarting all 2 tasks (restart 1/2)"
+    assert lines[1].startswith("[launch] started all 2 tasks again with a new rendezvous "
+                               "(STRATAGEM_RESTART=1)") and len(lines) == 2
+    runs = {name: [json.loads(line) for line in (tmp_path / f"{name}.log").read_text().splitlines()]
+            for name in ("worker-0", "worker-1")}
+    for name, attempts in runs.items():   # worker 0 had finished: it runs again with the group
+        assert [restart for _, restart in attempts] == ["0", "1"], name
+        before, after = (json.loads(config) for config, _ in attempts)
+        assert before["task"] == after["task"]
+        assert before["cluster"] != after["cluster"]           # a new rendezvous: new ports
+        assert len(set(before["cluster"]["worker"] + after["cluster"]["worker"])) == 4
+    assert runs["worker-0"][1][0] == runs["worker-1"][1][0].replace('"index": 1', '"index": 0')
+    assert out.count("done") == 3
+
+
+def test_with_port_base_a_restarted_group_gets_the_same_ports(tmp_path: Path) -> None:
+    base = next(port for port in range(30000, 60000, 89) if _block_is_free(port, 2))
+    script = _script(tmp_path, '''
+        print(os.environ["STRATAGEM_RESTART"], json.loads(os.environ["TF_CONFIG"])["cluster"])
+        sys.exit(1 if NAME == "worker-0" and os.environ["STRATAGEM_RESTART"] == "0" else 0)
+    ''')
+    status, out, err = _launch(script, str(tmp_path), num_workers=2, max_restarts=1, port_base=base)
+    assert status == 0, err
+    cluster = f"{{'worker': ['127.0.0.1:{base}', '127.0.0.1:{base + 1}']}}"
+    assert f"[worker 0] 0 {cluster}" in out and f"[worker 0] 1 {cluster}" in out
 
 
 def test_restarts_run_out(tmp_path: Path) -> None:
     script = _script(tmp_path, 'sys.exit(5 if NAME == "worker-0" else 0)')
     status, _, err = _launch(script, str(tmp_path), num_workers=2, max_restarts=1)
     assert status == 5
-    assert "[launch] worker 0 exited with code 5; restarting (1/1)" in err
+    assert "[launch] worker 0 exited with code 5; restarting all 2 tasks (restart 1/1)" in err
     assert "[launch] worker 0 failed with exit code 5 (after 1 restart(s))" in err
 
 
@@ -365,6 +386,29 @@ def test_ps_mode_a_lost_server_is_reported_and_the_chief_decides(tmp_path: Path)
     assert "[launch] ps 0 failed with exit code 1; the job goes on" in err
 
 
+def test_ps_mode_a_failed_server_restarts_alone_with_the_same_tf_config(tmp_path: Path) -> None:
+    server = _script(tmp_path, '''
+        with open(os.path.join(OUT, NAME + ".log"), "a") as f:
+            f.write(json.dumps([os.environ["TF_CONFIG"], os.environ["STRATAGEM_RESTART"]]) + "\\n")
+        if NAME == "ps-0" and os.environ["STRATAGEM_RESTART"] == "0":
+            sys.exit(1)
+        write(NAME + ".up", "")
+        time.sleep(60)
+    ''', name="server.py")
+    script = _script(tmp_path, '''
+        wait_for("worker-0.up", "ps-0.up")
+        print("coordinated")
+    ''')
+    status, out, err = _launch(script, str(tmp_path), num_workers=1, num_ps=1, max_restarts=1,
+                               server_command=[sys.executable, str(server), str(tmp_path)])
+    assert status == 0, err
+    assert err == "[launch] ps 0 exited with code 1; restarting (1/1)\n"
+    ps = [json.loads(line) for line in (tmp_path / "ps-0.log").read_text().splitlines()]
+    assert [restart for _, restart in ps] == ["0", "1"] and ps[0][0] == ps[1][0]
+    assert len((tmp_path / "worker-0.log").read_text().splitlines()) == 1
+    assert "[chief]    coordinated" in out
+
+
 def test_servers_run_stratagem_server_by_default() -> None:
     _, tasks = plan_cluster(["train.py"], num_workers=2, num_ps=1, chief=False,
                             ports=[1001, 1002, 1003, 1004])
@@ -428,7 +472,8 @@ def test_python_api_rejects_bad_arguments(tmp_path: Path) -> None:
 def test_add_launch_parser_registers_the_subcommand() -> None:
     parser = argparse.ArgumentParser(prog="stratagem")
     add_launch_parser(parser.add_subparsers())
-    args = parser.parse_args(["launch", "--workers", "3", "--chief", "train.py", "--workers", "9"])
+    args = parser.parse_args(["launch", "--workers", "3", "--chief", "--grace-period", "30",
+                              "train.py", "--workers", "9"])
     assert args.func is run_launch and args.handler is run_launch
-    assert (args.workers, args.chief, args.script, args.args) == (3, True, "train.py",
-                                                                  ["--workers", "9"])
+    assert (args.workers, args.chief, args.grace_period, args.script, args.args) == (
+        3, True, 30.0, "train.py", ["--workers", "9"])

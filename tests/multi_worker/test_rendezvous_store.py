@@ -5,6 +5,7 @@ Tests send traffic only to loopback or to a network namespace they create themse
 
 from __future__ import annotations
 
+import collections
 import ipaddress
 import json
 import logging
@@ -158,6 +159,7 @@ def _group(store: _Store) -> WorkerGroup:
     group.rank, group.world_size, group.names = 1, 2, ["worker 0", "worker 1"]
     group.timeout, group._beats, group._store = 5.0, 0, store
     group._stop, group.heartbeat_failure = threading.Event(), None
+    group._snapshots = collections.deque(maxlen=8)
     return group
 
 

@@ -1,0 +1,276 @@
+"""The supervisor of a local launch: start every task, watch them, restart, stop.
+
+:class:`Supervisor` runs one job's processes until the job ends and returns its exit
+status. How a failure is answered depends on the kind of training.
+
+**Collective training** (no parameter servers: every task runs the script and they form
+one torch.distributed group). A group cannot lose a member and go on, and a new process
+must never meet the old group's store or peers, so restarts are group-wide::
+
+    running --every task exited 0--> done
+    running --a task fails, restarts left--> stop every task --> start every task again
+            (restart n: fresh ports, STRATAGEM_RESTART=n) --> running
+    running --a task exits 75 (preempted: the group agreed to stop and saved)-->
+            stop every task --> start every task again, without spending a restart
+    running --a task fails, no restarts left--> failed: every task is stopped
+
+The first task seen failing is blamed (one killed by a signal before one that exited
+with an error, which may just be a survivor that lost its peer); the others' exits
+belong to the stopped group and spend nothing. Tasks that had already finished run
+again too: a script that resumes from its checkpoint finds its work done.
+
+**Parameter-server training** (only the chief, the coordinator, runs the script): each
+server restarts on its own with the same TF_CONFIG and port, since the coordinator
+copes with a lost server; the job ends when the coordinator ends. A server that fails
+beyond its restarts is reported and the coordinator decides.
+
+**Stopping** means SIGTERM to each task's process group (a task's own children go too),
+up to ``grace_period`` seconds for the tasks to exit, then SIGKILL to the groups. A
+task that is stopped (SIGSTOP, or a debugger) cannot act on SIGTERM and is killed at
+once. SIGINT or SIGTERM sent to the launcher (:meth:`Supervisor.interrupt`) stop the
+job the same way, with status 130 or 143; a signal that comes while the tasks are being
+stopped skips the rest of the grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from stratagem.errors import ClusterConfigError
+from stratagem.launch.output import TaskOutput
+from stratagem.launch.tasks import Task
+from stratagem.preemption import PREEMPTED_EXIT_CODE
+
+__all__ = ["EXIT_STATUS_ON_SIGNAL", "Supervisor", "describe_exit"]
+
+_POLL_SECONDS = 0.05
+_READER_JOIN_SECONDS = 1.0
+EXIT_STATUS_ON_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+#: ``environments(n)``: every task's environment for the group's ``n``-th start (0 first).
+Environments = Callable[[int], list[dict[str, str]]]
+
+
+def describe_exit(code: int) -> str:
+    """``"exited with code 3"``, or ``"was killed by SIGKILL"`` for a negative ``code``."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
+def _exit_status(code: int) -> int:
+    """The launcher's status for a task's failure: its exit code if 1..255, else 1."""
+    return code if 1 <= code <= 255 else 1
+
+
+def _blame_order(code: int) -> int:
+    """Which of several exits seen at once caused the others: lower comes first."""
+    return 0 if code < 0 else 2 if code == PREEMPTED_EXIT_CODE else 1
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signum)  # start_new_session=True: the task's pid is its group's id
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, SIGTSTP, a debugger): state T or t on Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+@dataclass
+class _Slot:
+    """A task and its current process."""
+
+    task: Task
+    env: dict[str, str]
+    prefix: str
+    process: subprocess.Popen[bytes] | None = None
+    reader: threading.Thread | None = None
+    restarts: int = 0       # parameter-server training: this task's own restarts
+    finished: bool = False  # exited and not to be restarted
+
+
+class Supervisor:
+    """Supervises the processes of one job; :meth:`run` returns the job's exit status."""
+
+    def __init__(self, tasks: Sequence[Task], environments: Environments, *, max_restarts: int,
+                 output: TaskOutput, grace_period: float) -> None:
+        width = max(len(f"[{task.name}]") for task in tasks)
+        self._slots = [_Slot(task, env, f"[{task.name}]".ljust(width) + " ")
+                       for task, env in zip(tasks, environments(0))]
+        self._environments = environments
+        self._ps_mode = not all(task.runs_script for task in tasks)
+        self._max_restarts = max_restarts
+        self._restarts = 0     # collective training: the group's restarts after failures
+        self._starts = 1       # collective training: the group's starts, preemptions included
+        self._output = output
+        self._grace_period = grace_period
+        self._signals: list[int] = []  # signals received by the launcher, in order
+
+    def interrupt(self, signum: int) -> None:
+        """Called by a signal handler: stop the job; while stopping, skip the grace period."""
+        self._signals.append(signum)
+
+    def run(self) -> int:
+        try:
+            for slot in self._slots:
+                self._start(slot)
+            while True:
+                if self._signals:
+                    name = signal.Signals(self._signals[0]).name
+                    self._output.say(f"received {name}; stopping {self._count_running()} task(s)")
+                    return EXIT_STATUS_ON_SIGNAL.get(self._signals[0], 128 + self._signals[0])
+                exits = [(slot, code) for slot in self._slots
+                         if not slot.finished and (code := slot.process.poll()) is not None]
+                for slot, _ in exits:
+                    slot.reader.join(_READER_JOIN_SECONDS)  # its last lines come before our message
+                on_exits = self._on_task_exits if self._ps_mode else self._on_group_exits
+                status = on_exits(exits)
+                if status is not None:
+                    return status
+                if all(slot.finished for slot in self._slots if slot.task.runs_script):
+                    return 0
+                time.sleep(_POLL_SECONDS)
+        finally:
+            self._stop_all()
+
+    def _start(self, slot: _Slot) -> None:
+        process = subprocess.Popen(
+            slot.task.command, env=slot.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True, bufsize=0)
+        reader = threading.Thread(target=self._output.pump, args=(process.stdout, slot.prefix),
+                                  name=f"stratagem-launch {slot.task.name}", daemon=True)
+        reader.start()
+        slot.process, slot.reader, slot.finished = process, reader, False
+
+    # -- collective training: the group restarts together ----------------------------------
+
+    def _on_group_exits(self, exits: list[tuple[_Slot, int]]) -> int | None:
+        """Handles the exits seen in one poll; returns the job's exit status if it ends."""
+        for slot, code in exits:
+            slot.finished = code == 0
+        failures = [(slot, code) for slot, code in exits if code != 0]
+        if not failures:
+            return None
+        slot, code = min(failures, key=lambda failure: _blame_order(failure[1]))
+        count = len(self._slots)
+        if code == PREEMPTED_EXIT_CODE:
+            self._output.say(
+                f"the tasks stopped for preemption ({slot.task.name} exited with code {code}: "
+                f"the group agreed on a step and saved); restarting all {count} tasks (a "
+                f"preemption does not count against --max-restarts)")
+        elif self._restarts < self._max_restarts:
+            self._restarts += 1
+            self._output.say(f"{slot.task.name} {describe_exit(code)}; restarting all {count} "
+                             f"tasks (restart {self._restarts}/{self._max_restarts})")
+        else:
+            return self._fail(slot, code, self._restarts)
+        started = time.monotonic()
+        self._stop_all()
+        if self._signals:
+            return None  # the launcher itself is being stopped: run() reports it
+        try:
+            environments = self._environments(self._starts)
+        except ClusterConfigError as error:
+            self._output.say(f"cannot start the tasks again: {error}")
+            return _exit_status(code)
+        for slot, env in zip(self._slots, environments):
+            slot.env = env
+            self._start(slot)
+        self._output.say(f"started all {count} tasks again with a new rendezvous "
+                         f"(STRATAGEM_RESTART={self._starts}) "
+                         f"{time.monotonic() - started:.1f} s after the exit was seen")
+        self._starts += 1
+        return None
+
+    # -- parameter-server training: each server restarts alone -----------------------------
+
+    def _on_task_exits(self, exits: list[tuple[_Slot, int]]) -> int | None:
+        for slot, code in exits:
+            status = self._on_task_exit(slot, code)
+            if status is not None:
+                return status
+        return None
+
+    def _on_task_exit(self, slot: _Slot, code: int) -> int | None:
+        name = slot.task.name
+        if code == 0:
+            slot.finished = True
+            if slot.task.runs_script:
+                return 0  # the coordinator is done: so is the job
+            self._output.say(f"{name} exited with code 0 before the job ended")
+            return None
+        if slot.restarts < self._max_restarts:
+            slot.restarts += 1
+            self._output.say(f"{name} {describe_exit(code)}; "
+                             f"restarting ({slot.restarts}/{self._max_restarts})")
+            _signal_group(slot.process.pid, signal.SIGKILL)  # leftovers may hold its port
+            slot.env = {**slot.env, "STRATAGEM_RESTART": str(slot.restarts)}
+            self._start(slot)
+            return None
+        if not slot.task.runs_script:
+            slot.finished = True
+            self._output.say(f"{self._failed(name, code, slot.restarts)}; the job goes on while "
+                             "the chief (the coordinator) runs")
+            return None
+        return self._fail(slot, code, slot.restarts)
+
+    # -- the end ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _failed(name: str, code: int, restarts: int) -> str:
+        after = f" (after {restarts} restart(s))" if restarts else ""
+        if code > 0:
+            return f"{name} failed with exit code {code}{after}"
+        return f"{name} failed: {describe_exit(code).removeprefix('was ')}{after}"
+
+    def _fail(self, slot: _Slot, code: int, restarts: int) -> int:
+        slot.finished = True
+        failed = self._failed(slot.task.name, code, restarts)
+        others = self._count_running()
+        self._output.say(f"{failed}; stopping {others} other task(s)" if others else failed)
+        return _exit_status(code)
+
+    def _count_running(self) -> int:
+        return sum(1 for slot in self._slots if slot.process and slot.process.poll() is None)
+
+    def _stop_all(self) -> None:
+        started = [slot for slot in self._slots if slot.process is not None]
+        for slot in started:
+            if slot.process.poll() is None and _is_stopped(slot.process.pid):
+                self._output.say(f"{slot.task.name} is stopped (SIGSTOP or a debugger) and cannot "
+                                 "act on SIGTERM; killing it")
+                _signal_group(slot.process.pid, signal.SIGKILL)
+            else:
+                _signal_group(slot.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self._grace_period
+        signals_so_far = len(self._signals)  # a signal from now on means: don't wait
+        while (time.monotonic() < deadline and len(self._signals) == signals_so_far
+               and any(slot.process.poll() is None for slot in started)):
+            time.sleep(_POLL_SECONDS)
+        late = [slot.task.name for slot in started if slot.process.poll() is None]
+        if late and len(self._signals) == signals_so_far:
+            self._output.say(f"{', '.join(late)} still running {self._grace_period:g} s after "
+                             "SIGTERM (the grace period); killing")
+        # Whatever is left of each group now (the task, or children it left behind) is killed.
+        for slot in started:
+            _signal_group(slot.process.pid, signal.SIGKILL)
+        for slot in started:
+            slot.process.wait()
+        for slot in started:
+            slot.reader.join(_READER_JOIN_SECONDS)
