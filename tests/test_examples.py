@@ -65,8 +65,9 @@ def test_parameter_server_example_trains() -> None:
     assert accuracy > 0.9, output
 
 
-def test_every_example_is_tested_here() -> None:
-    tested = {"train.py", "train_ps.py"}
+def test_every_example_is_tested() -> None:
+    tested = {"train.py", "train_ps.py",
+              "preemptible.py"}   # tests/launch/test_restarts.py
     assert {path.name for path in EXAMPLES.glob("*.py")} == tested
 
 
