@@ -50,6 +50,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from stratagem.cluster.joined import mark_joined
 from stratagem.comm.options import CommunicationImplementation, CommunicationOptions
 from stratagem.errors import InvalidArgumentError, UnavailableError
 
@@ -126,6 +127,7 @@ class WorkerGroup:
             self.group = None  # the default group
             atexit.register(self.close)  # leave gloo cleanly, or its threads abort the process at exit
         self._store = dist.distributed_c10d._get_default_store()
+        mark_joined(self.names[rank])
         self._beats = 0
         self._beat()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat, daemon=True, name="stratagem-heartbeat")

@@ -334,4 +334,6 @@ class ClusterCoordinator:
     def _variables_restored(self) -> None:
         """The user restored the variables after a ps failure: scheduling may go on."""
         self._ps_watch.restored()
-        self._queue.errors = [e for e in self._queue.errors if not isinstance(e, UnavailableError)]
+        # the loss was raised to the user, who restored: the errors of steps that failed
+        # before (on the lost ps, or on its empty restart) are not raised again by join()
+        self._queue.errors = []

@@ -246,11 +246,14 @@ class _Worker:
             closure.value._set_error(lost)
             queue.finished(closure, lost)
             return
+        generation = coordinator._ps_watch.generation
         try:
             coordinator._wait_leased()
             self._prepare()
             closure.attempt += 1
             result = self._run(closure)
+            if coordinator._ps_watch.generation != generation:   # a ps was lost meanwhile
+                raise coordinator._ps_watch.last_failure  # type: ignore[misc]
         except _WorkerLost:
             self.incarnation = None
             queue.put(closure, front=True, new=False)
@@ -260,7 +263,9 @@ class _Worker:
         except BaseException as error:  # noqa: BLE001 - belongs to this closure only
             if self._misconfigured(error):
                 raise
-            if coordinator._retry_for_ps(closure, error):   # a ps stalled: run it again
+            if coordinator._ps_watch.generation != generation:   # it ran into a lost ps
+                error = coordinator._ps_watch.last_failure  # type: ignore[assignment]
+            elif coordinator._retry_for_ps(closure, error):   # a ps stalled: run it again
                 queue.put(closure, front=True, new=False)
                 return
             error = coordinator._classify(error)

@@ -45,6 +45,8 @@ class PsWatchdog:
 
     ``failure`` is the :class:`UnavailableError` of the first ps declared lost (None while
     all count as alive); ``leased`` is set once every ps has granted a first lease.
+    ``generation`` counts the losses declared, ``last_failure`` is the latest one's error:
+    a step dispatched before a loss fails with it, even if it ends after the restore.
     """
 
     def __init__(self, coordinator: ClusterCoordinator, ps_timeout: float) -> None:
@@ -53,6 +55,8 @@ class PsWatchdog:
         self.lease_s = ps_timeout / 2
         self.clients = coordinator.strategy.cluster.ps_clients
         self.failure: UnavailableError | None = None
+        self.generation = 0
+        self.last_failure: UnavailableError | None = None
         self.leased = threading.Event()
         now = time.monotonic()
         self._last_renewed = [now] * len(self.clients)
@@ -86,8 +90,8 @@ class PsWatchdog:
             return
         sent = time.monotonic()
         request = {"coordinator": self.coordinator.id, "lease_s": self.lease_s, "sent_at": time.time()}
-        calls = [client.rpc.call_async("renew_lease", request, timeout=HEARTBEAT_SECONDS)
-                 for client in self.clients]
+        calls = [client.rpc.call_async("renew_lease", request, timeout=2 * HEARTBEAT_SECONDS)
+                 for client in self.clients]   # (a restarted ps: a hello and the call again)
         for i, call in enumerate(calls):
             try:
                 answer = call.result()

@@ -44,14 +44,17 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TextIO
 
 from stratagem.cluster import ClusterSpec
+from stratagem.cluster.joined import JOINED_VARIABLE, joined_tasks
 from stratagem.cluster.spec import validate_address
 from stratagem.cluster.torchrun import TORCHRUN_VARIABLES
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
@@ -190,11 +193,54 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
                                    chief=chief, ports=ports, host=host, server=server_command)
         return tasks, [_task_env(os.environ, spec, task, token, restart) for task in tasks]
 
+    joined = tempfile.mkdtemp(prefix="stratagem-joined-")   # where tasks say they took part
+
+    def environments(restart: int) -> list[dict[str, str]]:
+        return [{**env, JOINED_VARIABLE: joined} for env in (plan(restart)[1] if restart else first)]
+
     tasks, first = plan(0)
-    output = TaskOutput(sys.stdout if stdout is None else stdout,
-                        sys.stderr if stderr is None else stderr)
-    launcher = Supervisor(tasks, lambda restart: plan(restart)[1] if restart else first,
-                          max_restarts=max_restarts, output=output,
+    errors = sys.stderr if stderr is None else stderr
+    output = TaskOutput(sys.stdout if stdout is None else stdout, errors)
+    launcher = Supervisor(tasks, environments, max_restarts=max_restarts, output=output,
                           grace_period=float(grace_period))
-    with _signals_to(launcher):
-        return launcher.run()
+    try:
+        with _signals_to(launcher):
+            status = launcher.run()
+        if status == 0 and server_command is None:
+            status = _check_joined(tasks, joined_tasks(joined), os.path.basename(path), errors)
+        return status
+    finally:
+        shutil.rmtree(joined, ignore_errors=True)
+
+
+def _check_joined(tasks: Sequence[Task], joined: set[str], script: str, errors: TextIO) -> int:
+    """After a successful job: say so when its tasks did not train as one cluster.
+
+    Collective training whose tasks never formed a process group ran independent
+    trainings (a warning: the script may mean it); parameter-server training whose
+    servers never received a variable, nor a worker a step, certainly did not use them
+    (an error: status 1). Returns the job's status.
+    """
+    names = [task.name for task in tasks]
+    servers = [task.name for task in tasks if not task.runs_script]
+    if not servers:
+        if len(names) > 1 and not joined & set(names):
+            print(f"[launch] warning: the {len(names)} tasks never formed a cluster: each ran {script} "
+                  f"on its own, so this was {len(names)} independent trainings, not one distributed "
+                  "training. Create the strategy with sg.MultiWorkerMirroredStrategy() in the script "
+                  "(it reads the TF_CONFIG the launcher sets).", file=errors, flush=True)
+        return 0
+    unused = [name for name in servers if name not in joined]
+    if len(unused) == len(servers):
+        print(f"[launch] error: the parameter servers never received a variable and no worker ran a "
+              f"step: {script} did not train with them. In the script, create "
+              "sg.ParameterServerStrategy(sg.cluster.TFConfigClusterResolver()), the model and "
+              "optimizer in its scope, and schedule steps with sg.ClusterCoordinator "
+              "(see examples/train_ps.py).", file=errors, flush=True)
+        return 1
+    for name in unused:
+        what = ("never received a variable (a partitioner such as sg.MinSizePartitioner spreads "
+                "large variables over the parameter servers)" if name.startswith("ps")
+                else "never ran a step")
+        print(f"[launch] warning: {name} {what}.", file=errors, flush=True)
+    return 0

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratagem.cluster.joined import mark_joined
 from stratagem.errors import InvalidArgumentError, UnavailableError
 from stratagem.ps.fencing import Fence, Fences
 from stratagem.ps.shards import (OptimizerSpec, Rows, Shard, check_rows, check_spec, check_value,
@@ -95,6 +96,7 @@ class ParameterServer(ShardStates):
                     f"{self.name} already has a variable {var_id!r}; ids must be unique (delete "
                     "it first to recreate it).")
             self._variables[var_id] = Shard(param, optimizer, spec)
+        mark_joined(self.name)   # (for stratagem launch's check that the ps was used)
         self._count("create", nbytes(data), 0)
 
     def delete(self, var_ids: Iterable[str]) -> None:

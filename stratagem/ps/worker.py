@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from stratagem._profiling import label
+from stratagem.cluster.joined import mark_joined
 from stratagem.ps.closures import ClosureNotCachedError, ClosureUnpickler
 from stratagem.ps.runtime import WorkerRuntime
 from stratagem.rpc.auth import cluster_token
@@ -66,6 +67,7 @@ class WorkerService:
         if closure_cache_size < 1:
             raise ValueError(f"closure_cache_size must be positive, got {closure_cache_size}")
         self.closure_cache_size = closure_cache_size
+        self.name = getattr(task, "name", "worker")
         spec = task.cluster_spec
         ps = list(spec.job_tasks("ps")) if "ps" in spec.jobs else []
         workers = spec.num_tasks("worker") if "worker" in spec.jobs else 1
@@ -107,6 +109,7 @@ class WorkerService:
             while len(self._closures) > self.closure_cache_size:
                 self._closures.popitem(last=False)
         fn, closure_vars = entry
+        mark_joined(self.name)   # (for stratagem launch's check that the worker was used)
         args, kwargs = request["args"], request["kwargs"]
         with self._lock, label("stratagem.ps.closure"):
             var_ids = closure_vars + unpickler.var_ids
