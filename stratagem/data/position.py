@@ -165,19 +165,26 @@ class Position:
                 "epoch_rng": list(self._epoch_states) if self.in_progress else [],
                 "rng": capture(self._generators)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def problem(self, state: Any) -> str | None:
+        """Why ``state`` is not a position this dataset can resume, or None."""
         try:
-            epoch, step, in_progress = int(state["epoch"]), int(state["step"]), bool(state["in_progress"])
+            int(state["epoch"]), int(state["step"]), bool(state["in_progress"])
             rng, epoch_rng = list(state["rng"]), list(state["epoch_rng"])
         except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"a dataset position needs epoch, step, in_progress, rng and epoch_rng; "
-                                  f"this one has {sorted(state) if isinstance(state, dict) else state!r} "
-                                  f"({err})") from None
-        if len(rng) != 1 + len(self._generators):
-            raise CheckpointError(
-                f"the saved dataset position holds {len(rng) - 1} DataLoader generator(s), but this dataset "
-                f"has {len(self._generators)}; build the DataLoader as the saved job did (same shuffle and "
-                f"generator arguments)")
+            return (f"a dataset position needs epoch, step, in_progress, rng and epoch_rng; this one has "
+                    f"{sorted(state) if isinstance(state, dict) else type(state).__name__} ({err!r})")
+        if len(rng) != 1 + len(self._generators) or len(epoch_rng) not in (0, len(rng)):
+            return (f"the saved dataset position holds {len(rng) - 1} DataLoader generator(s), but this dataset "
+                    f"has {len(self._generators)}; build the DataLoader as the saved job did (same shuffle and "
+                    f"generator arguments)")
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        problem = self.problem(state)
+        if problem is not None:
+            raise CheckpointError(problem)
+        epoch, step, in_progress = int(state["epoch"]), int(state["step"]), bool(state["in_progress"])
+        rng, epoch_rng = list(state["rng"]), list(state["epoch_rng"])
         apply(rng, self._generators)
         self._generation += 1   # iterators begun before the restore no longer count
         self.epoch, self.step, self.in_progress = epoch, step, False
@@ -195,6 +202,12 @@ class PositionedDataset:
 
     position: Position
     per_worker_position = False
+    _strategy: Any
+
+    @property
+    def strategy(self) -> Any:
+        """The strategy this dataset distributes for."""
+        return self._strategy
 
     @property
     def epoch(self) -> int:
@@ -241,6 +254,14 @@ class TrackedIterator:
     @property
     def per_worker_position(self) -> bool:
         return self._owner.per_worker_position
+
+    @property
+    def strategy(self) -> Any:
+        return self._owner.strategy
+
+    @property
+    def position(self) -> Position:
+        return self._owner.position
 
     def state_dict(self) -> dict:
         return self._owner.state_dict()
