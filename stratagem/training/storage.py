@@ -144,11 +144,12 @@ class CheckpointReader:
         return CheckpointError(f"checkpoint {self.path}: {name}: {problem}")
 
     def _read_manifest(self) -> dict:
+        if _TEMP_MARK in self.path.name:
+            raise CheckpointError(f"{self.path} is an unfinished write (a name with {_TEMP_MARK!r}) and is never "
+                                  f"restored; restore a path that save() returned")
         if not self.path.is_dir():
-            hint = (" (a name ending in .tmp-* is an unfinished write and is never restored)"
-                    if _TEMP_MARK in self.path.name else "")
             raise CheckpointError(
-                f"checkpoint {self.path} does not exist or is not a directory{hint}; pass the path "
+                f"checkpoint {self.path} does not exist or is not a directory; pass the path "
                 f"that save() returned (in multi-worker training the directory must be on a file system "
                 f"every worker can read)")
         file = self.path / MANIFEST
