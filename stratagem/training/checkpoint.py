@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from stratagem import _context
@@ -128,7 +129,13 @@ class Checkpoint:
                 return placement.strategy
             if isinstance(obj, (PositionedDataset, TrackedIterator)):
                 return obj.strategy
-        return self._scope_strategy or _context.get_strategy()
+        strategy = self._scope_strategy or _context.get_strategy()
+        if strategy.is_default and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ContextError(
+                f"this Checkpoint tracks nothing that names its strategy, and this process is one of "
+                f"{dist.get_world_size()}: create the Checkpoint inside `with strategy.scope():` (or track an "
+                f"optimizer or distributed dataset made under it) so that only the chief writes")
+        return strategy
 
     @property
     def is_writer(self) -> bool:
@@ -157,15 +164,16 @@ class Checkpoint:
         else:
             positions = {name: [state] for name, state in positions.items()}
         outcome: tuple[str, str] | None = None
+        failure = None
         if topology.worker_index == 0:
             try:
                 outcome = ("ok", str(self._write(Path(path), positions, strategy)))
             except Exception as err:   # told to every worker, then raised everywhere
-                outcome = ("error", f"{type(err).__name__}: {err}")
-                if topology.num_workers == 1:
-                    raise
+                outcome, failure = ("error", f"{type(err).__name__}: {err}"), err
         if topology.num_workers > 1:
             outcome = collective.broadcast_object(outcome)
+        if failure is not None:
+            raise failure
         status, detail = outcome
         if status != "ok":
             raise CheckpointError(f"the chief could not write the checkpoint {path}: {detail}")
