@@ -35,6 +35,7 @@ from stratagem.data.sharding import split_sizes
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.base import Placement
 from stratagem.placement.hooks import adopt
+from stratagem.ps.checkpointing import write_state
 from stratagem.ps.client import ParameterServerClient, call_each
 from stratagem.ps.embedding import PSEmbedding
 from stratagem.ps.variables import RemoteVariable, Shard, ShardedVariable, gradients_by_ps, remote_of
@@ -238,6 +239,10 @@ class ParameterServerPlacement(Placement):
         self.stale()
         if self.on_restored is not None:
             self.on_restored()
+
+    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
+        """Every ps writes its shards of ``obj`` into the checkpoint, in parallel (:mod:`.checkpointing`)."""
+        return write_state(self, obj, directory, name)
 
     # --------------------------------------------------------- optimizers
 

@@ -31,7 +31,8 @@ from stratagem import _context
 from stratagem.data.position import PositionedDataset, TrackedIterator
 from stratagem.errors import CheckpointError, ContextError, InvalidArgumentError
 from stratagem.placement.hooks import placement_of
-from stratagem.training.storage import CheckpointReader, check_loadable, serialize, write_directory
+from stratagem.training.pieces import assemble
+from stratagem.training.storage import CheckpointReader, DirectoryWriter, check_loadable, serialize
 from stratagem.training.validate import problems_with
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
@@ -180,27 +181,43 @@ class Checkpoint:
         return detail
 
     def _write(self, path: Path, positions: dict[str, list], strategy: Any) -> Path:
-        files, objects = {}, {}
-        for name, obj in self._objects.items():
-            kind = self._kinds[name]
-            entry: dict[str, Any] = {"kind": kind, "type": type(obj).__name__}
-            if kind == "int":
-                entry["value"] = int(obj)
-            else:
-                if kind == "tensor":
-                    state: Any = obj.detach().cpu()
-                elif kind == "dataset":
-                    state = {"workers": positions[name]}
-                else:
-                    state = obj.state_dict()
-                check_loadable(state, f"{name}.state_dict()" if kind != "tensor" else name)
-                files[f"{name}.pt"] = serialize(state)
-                entry["file"] = f"{name}.pt"
-            objects[name] = entry
-        info = {"strategy": type(strategy).__name__, "num_replicas_in_sync": strategy.num_replicas_in_sync,
-                "num_workers": strategy.topology.num_workers, "torch": torch.__version__,
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        return write_directory(path, files, objects, info)
+        writer = DirectoryWriter(path)
+        try:
+            objects = {name: self._write_object(writer, name, obj, positions, strategy)
+                       for name, obj in self._objects.items()}
+            info = {"strategy": type(strategy).__name__, "num_replicas_in_sync": strategy.num_replicas_in_sync,
+                    "num_workers": strategy.topology.num_workers, "torch": torch.__version__,
+                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            return writer.commit(objects, info)
+        except BaseException:
+            writer.abort()
+            raise
+
+    def _write_object(self, writer: DirectoryWriter, name: str, obj: Any, positions: dict[str, list],
+                      strategy: Any) -> dict[str, Any]:
+        kind = self._kinds[name]
+        entry: dict[str, Any] = {"kind": kind, "type": type(obj).__name__}
+        if kind == "int":
+            entry["value"] = int(obj)
+            return entry
+        written = None
+        if kind in ("module", "optimizer"):   # where the state lives may write it there (ps shards)
+            written = strategy.placement.write_checkpoint_state(obj, writer.temporary, name)
+        if written is not None:
+            state, others = written
+            for file, file_entry in others.items():
+                writer.adopt(file, file_entry)
+            entry["pieces"] = sorted(others)
+        elif kind == "tensor":
+            state = obj.detach().cpu()
+        elif kind == "dataset":
+            state = {"workers": positions[name]}
+        else:
+            state = obj.state_dict()
+        check_loadable(state, f"{name}.state_dict()" if kind != "tensor" else name)
+        writer.add(f"{name}.pt", serialize(state))
+        entry["file"] = f"{name}.pt"
+        return entry
 
     # --------------------------------------------------------------- restore
 
@@ -246,7 +263,7 @@ class Checkpoint:
             if kind == "int":
                 loaded[name] = int(entry["value"])
                 continue
-            value = reader.load(entry["file"])
+            value = assemble(reader.load(entry["file"]), reader.load)
             if kind == "dataset":
                 workers = value.get("workers") if isinstance(value, dict) else None
                 if not workers:

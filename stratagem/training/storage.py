@@ -82,6 +82,58 @@ def serialize(value: Any) -> bytes:
     return buffer.getvalue()
 
 
+def write_file(path: Path, data: bytes) -> dict:
+    """Write and fsync one file of a checkpoint; return its manifest entry (size, sha256)."""
+    _write_file(path, data)
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+class DirectoryWriter:
+    """One atomic checkpoint write: files go into ``temporary``, ``commit`` makes them ``path``.
+
+    ``add(name, data)`` writes a file here; ``adopt(name, entry)`` lists a file that another
+    process (a parameter server) wrote into ``temporary`` itself. ``commit`` writes the
+    manifest, fsyncs, renames; ``abort`` removes the temporary directory.
+    """
+
+    def __init__(self, path: "str | os.PathLike"):
+        self.given = Path(path)
+        self.path = self.given.absolute()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.temporary = self.path.with_name(f"{self.path.name}{_TEMP_MARK}{secrets.token_hex(4)}")
+        self.temporary.mkdir()
+        self._entries: dict[str, dict] = {}
+
+    def add(self, name: str, data: bytes) -> None:
+        self._entries[name] = write_file(self.temporary / name, data)
+
+    def adopt(self, name: str, entry: dict) -> None:
+        size = (self.temporary / name).stat().st_size if (self.temporary / name).is_file() else None
+        if size != entry.get("bytes"):
+            raise CheckpointError(f"{name} should have been written into {self.temporary} with "
+                                  f"{entry.get('bytes')} bytes, but {'it is missing' if size is None else size}; "
+                                  f"the directory must be on a file system the parameter servers share")
+        self._entries[name] = {"bytes": entry["bytes"], "sha256": entry["sha256"]}
+
+    def commit(self, objects: dict[str, dict], info: dict) -> Path:
+        manifest = {"format": FORMAT, "version": VERSION, "files": self._entries, "objects": objects, "info": info}
+        manifest["manifest_sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
+        _write_file(self.temporary / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        _fsync_directory(self.temporary)
+        old = None
+        if self.path.exists():
+            old = self.path.with_name(f"{self.path.name}.old-{secrets.token_hex(4)}")
+            os.rename(self.path, old)
+        os.rename(self.temporary, self.path)
+        _fsync_directory(self.path.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return self.given
+
+    def abort(self) -> None:
+        shutil.rmtree(self.temporary, ignore_errors=True)
+
+
 def write_directory(path: Path, files: dict[str, bytes], objects: dict[str, dict], info: dict) -> Path:
     """Write a checkpoint directory at ``path`` atomically; return ``path``.
 
@@ -90,31 +142,14 @@ def write_directory(path: Path, files: dict[str, bytes], objects: dict[str, dict
     An existing ``path`` is replaced: the new directory is renamed into place and the old
     one removed afterwards (a crash in between leaves the old one under ``<path>.old-*``).
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f"{path.name}{_TEMP_MARK}{secrets.token_hex(4)}")
-    temporary.mkdir()
+    writer = DirectoryWriter(path)
     try:
-        entries = {}
         for name, data in files.items():
-            _write_file(temporary / name, data)
-            entries[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        manifest = {"format": FORMAT, "version": VERSION, "files": entries, "objects": objects, "info": info}
-        manifest["manifest_sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
-        _write_file(temporary / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-        _fsync_directory(temporary)
-        old = None
-        if path.exists():
-            old = path.with_name(f"{path.name}.old-{secrets.token_hex(4)}")
-            os.rename(path, old)
-        os.rename(temporary, path)
-        _fsync_directory(path.parent)
+            writer.add(name, data)
+        return writer.commit(objects, info)
     except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
+        writer.abort()
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return path
 
 
 def remove_stale_temporaries(directory: Path, prefix: str = "") -> list[Path]:

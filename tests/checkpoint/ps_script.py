@@ -1,9 +1,9 @@
-"""Coordinator of `stratagem launch --workers 1 --ps 2 ps_script.py OUT FROM_CKPT`.
+"""Coordinator of `stratagem launch --workers 1 --ps N ps_script.py OUT FROM_CKPT NAME`.
 
-Under ParameterServerStrategy (each variable split in 2 shards over the 2 ps): restores the
-checkpoint FROM_CKPT (saved under another strategy), records the restored state, trains one
-step on a worker, records the state again, and saves its own checkpoint to OUT/ps-ckpt. Writes
-OUT/ps.json.
+Under ParameterServerStrategy (each variable split in N shards over the N ps): restores the
+checkpoint FROM_CKPT (saved under another strategy or layout), records the restored state,
+trains one step on a worker, records the state again, and saves its own checkpoint to
+OUT/NAME (every ps writes its shards). Writes OUT/NAME.json.
 """
 
 import json
@@ -25,9 +25,10 @@ def as_lists(state: dict) -> dict:
 
 
 def main() -> None:
-    out, source = Path(sys.argv[1]), sys.argv[2]
+    out, source, name = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    num_ps = len(sg.cluster.TFConfigClusterResolver().cluster_spec().as_dict()["ps"])
     strategy = sg.ParameterServerStrategy(sg.cluster.TFConfigClusterResolver(),
-                                          variable_partitioner=sg.FixedShardsPartitioner(2))
+                                          variable_partitioner=sg.FixedShardsPartitioner(num_ps))
     coordinator = sg.ClusterCoordinator(strategy)
     torch.manual_seed(21)
     with strategy.scope():
@@ -35,7 +36,8 @@ def main() -> None:
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     ckpt = sg.Checkpoint(model=model, optimizer=optimizer, step=0)
     ckpt.restore(source)
-    report = {"sharded": isinstance(model.fc1.weight, sg.ShardedVariable), "step": ckpt.step,
+    report = {"shards": model.fc1.weight.num_shards if isinstance(model.fc1.weight, sg.ShardedVariable) else 1,
+              "step": ckpt.step,
               "restored": {"model": as_lists(model.state_dict()),
                            "optimizer": as_lists(optimizer.state_dict()["state"])}}
     x, y = batches(3)[2]
@@ -49,8 +51,8 @@ def main() -> None:
     coordinator.join()
     ckpt.step += 1
     report["trained"] = {"model": as_lists(model.state_dict()), "optimizer": as_lists(optimizer.state_dict()["state"])}
-    report["saved"] = ckpt.save(out / "ps-ckpt")
-    (out / "ps.json").write_text(json.dumps(report))
+    report["saved"] = ckpt.save(out / name)
+    (out / f"{name}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -40,12 +40,12 @@ def main() -> None:
     args = parser.parse_args()
 
     writes = []
-    original = checkpoint_module.write_directory
 
-    def counting_write(*a, **k):
-        writes.append(str(a[0]))
-        return original(*a, **k)
-    checkpoint_module.write_directory = counting_write
+    class CountingWriter(checkpoint_module.DirectoryWriter):
+        def __init__(self, path):
+            writes.append(str(path))
+            super().__init__(path)
+    checkpoint_module.DirectoryWriter = CountingWriter
 
     strategy = sg.MultiWorkerMirroredStrategy()
     rank = strategy.cluster_resolver.worker_rank
