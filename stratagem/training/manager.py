@@ -106,7 +106,11 @@ class CheckpointManager:
         (rather than silently starting over).
         """
         failures = []
-        for path in reversed(self.checkpoints):
+        paths = self.checkpoints
+        strategy = self.checkpoint.strategy
+        if strategy.topology.num_workers > 1:   # every worker tries the chief's list, in the same order
+            paths = strategy.collective.broadcast_object(paths)
+        for path in reversed(paths):
             try:
                 return self.checkpoint.restore(path)
             except CheckpointError as err:
