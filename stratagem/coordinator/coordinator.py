@@ -57,9 +57,10 @@ from stratagem.coordinator.dispatcher import _Closure, _Queue, _Worker
 from stratagem.coordinator.ps_health import PsWatchdog
 from stratagem.coordinator.values import RemoteValue, check_timeout, remaining
 from stratagem.errors import InvalidArgumentError, UnavailableError
-from stratagem.ps.fencing import LeaseExpiredError
 from stratagem.ps.closures import PerWorkerDataset, PerWorkerIterator
+from stratagem.ps.fencing import LeaseExpiredError
 from stratagem.ps.strategy import ParameterServerStrategy
+from stratagem.rpc import RemoteError
 from stratagem.values import map_structure
 
 DEFAULT_WORKER_TIMEOUT_SECONDS = 60.0
@@ -310,17 +311,22 @@ class ClusterCoordinator:
         return getattr(error, "task", None) in {c.task for c in self.strategy.cluster.ps_clients}
 
     def _ps_in_chain(self, error: BaseException) -> bool:
-        """Whether a ps raised or failed somewhere in ``error``'s chain of remote errors."""
+        """Whether a ps raised or failed somewhere in ``error``'s chain of remote calls."""
+        ps_tasks = {c.task for c in self.strategy.cluster.ps_clients}
         cause: BaseException | None = error
         while cause is not None:
-            if self._is_ps(cause):
+            if self._is_ps(cause) or any(task in ps_tasks for _, task in getattr(cause, "chain", ())):
                 return True
             cause = getattr(cause, "remote_exception", None)
         return False
 
     def _classify(self, error: BaseException) -> BaseException:
         """A closure's error; the lost ps's error once one is declared lost (a step that
-        failed on a ps -- one restarted empty, say -- first makes the watchdog look)."""
+        failed on a ps -- one restarted empty, say -- first makes the watchdog look). A
+        remote error loses the dispatcher thread's frames (the RPC's): its message has the
+        frames that matter."""
+        if isinstance(error, RemoteError):
+            error.with_traceback(None)
         if self._ps_failure is None and self._ps_in_chain(error):
             self._ps_watch.heartbeat()
         return self._ps_failure or error

@@ -191,6 +191,9 @@ class _Worker:
             answer = self.client.call("ping", None, timeout=timeout)
         except AuthenticationError as error:
             raise self._token_error(error) from error
+        except ClusterConfigError as error:   # the address serves a task of another name
+            raise ClusterConfigError(f"{self.who} is not a worker task, or not the one listed "
+                                     f"there: {error}") from None
         except Exception:  # noqa: BLE001 - any other failure means: not available now
             return False
         if not isinstance(answer, dict) or answer.get("kind") != "worker":

@@ -37,9 +37,13 @@ __all__ = ["ParameterServerClient", "call_each"]
 
 
 class ParameterServerClient:
-    """Calls the :class:`~stratagem.ps.ParameterServer` of the ps task at ``address``."""
+    """Calls the :class:`~stratagem.ps.ParameterServer` of the ps task at ``address``.
 
-    def __init__(self, address: str, token: str, *, task: str = "ps",
+    ``task`` ("ps 0") names it in errors, and the server there must go by that name (see
+    :class:`~stratagem.rpc.client.RpcClient`); without it, any server is accepted.
+    """
+
+    def __init__(self, address: str, token: str, *, task: str | None = None,
                  default_timeout: float = DEFAULT_TIMEOUT_S,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.rpc = RpcClient(address, token, task=task, default_timeout=default_timeout,

@@ -13,7 +13,9 @@ The coordinator copies are refreshed from the ps when read after steps ran
 (:meth:`ParameterServerPlacement.stale` marks them old), and ``load_state_dict`` writes them back.
 Optimizers created in scope get, per variable shard, an optimizer of the same class on the
 shard's ps (:meth:`ParameterServerPlacement.attach_optimizer`); their hyperparameters follow the
-coordinator's before each schedule, and their state dicts are assembled from the shards.
+coordinator's before each schedule, and their state dicts are assembled from the shards. An
+embedding table's optimizer without a row-sparse rule (RMSprop...) warns here, once: the ps
+will update the whole table each step (:func:`~stratagem.ps.sparse_update.updates_rows_only`).
 
 It implements the declared :class:`~stratagem.placement.base.Placement` interface; the
 optimizer operations push gradients (``optimizer_step``) and read or write the shards'
@@ -30,6 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from stratagem._frames import warn_at_users_line
 from stratagem._profiling import label
 from stratagem.data.sharding import split_sizes
 from stratagem.errors import InvalidArgumentError
@@ -38,6 +41,7 @@ from stratagem.placement.hooks import adopt
 from stratagem.ps.checkpointing import write_state
 from stratagem.ps.client import ParameterServerClient, call_each
 from stratagem.ps.embedding import PSEmbedding
+from stratagem.ps.sparse_update import dense_updates_warning, updates_rows_only
 from stratagem.ps.variables import RemoteVariable, Shard, ShardedVariable, gradients_by_ps, remote_of
 
 __all__ = ["ParameterServerPlacement", "STARTUP_TIMEOUT_SECONDS"]
@@ -117,6 +121,7 @@ class ParameterServerPlacement(Placement):
         self.loading = False
         self.written_buffers: set[str] = set()    # var ids of buffers steps wrote on workers
         self._warned_buffers: set[str] = set()
+        self._warned_dense: set[str] = set()    # var ids of tables whose optimizer has no row rule
 
     # ------------------------------------------------------------ modules
 
@@ -278,6 +283,11 @@ class ParameterServerPlacement(Placement):
                         f"of shape {tuple(p.shape)} that was not created in that scope; create the "
                         f"model inside `with strategy.scope():` too")
                 self._specs[remote.var_id] = (base, hyper)
+                if (remote.row_sparse and not updates_rows_only(base, remote.dtype)
+                        and remote.var_id not in self._warned_dense):
+                    self._warned_dense.add(remote.var_id)
+                    name = remote.var_id.split("/", 1)[-1]
+                    warn_at_users_line(dense_updates_warning(base.__name__, name, remote.shape))
                 for shard in remote.shards:
                     per_ps.setdefault(shard.ps, []).append(shard.shard_id)
             calls += [(clients[ps], "set_optimizer", {"var_ids": ids, "optimizer_spec": (base, hyper)})

@@ -161,7 +161,12 @@ class WorkerRuntime:
     def lookup(self, remote: RemoteVariable, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows ``ids`` use, as a small leaf whose gradient becomes a row update; and the
         positions of ``ids`` in it."""
-        rows, inverse = ids.reshape(-1).unique(return_inverse=True)
+        rows, inverse = ids.reshape(-1).unique(return_inverse=True)   # sorted
+        if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= remote.shape[0]):
+            bad = int(rows[0]) if int(rows[0]) < 0 else int(rows[-1])
+            raise InvalidArgumentError(   # no shard holds it: its row would be left unset
+                f"embedding id {bad} is out of range for {remote.var_id.split('/', 1)[-1]}, which has "
+                f"{remote.shape[0]} rows: ids must be in [0, {remote.shape[0]}).")
         small = self.pull_rows(remote, rows).requires_grad_(remote.trainable)
         self.sparse.append((remote, rows, small))
         return small, inverse.reshape(ids.shape)

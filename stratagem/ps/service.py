@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -44,14 +45,18 @@ from stratagem.errors import InvalidArgumentError, UnavailableError
 from stratagem.ps.checkpointing import checkpoint_handlers
 from stratagem.ps.fencing import Fence, Fences
 from stratagem.ps.shards import (OptimizerSpec, Rows, Shard, check_rows, check_spec, check_value,
-                                 clone_tree, make_optimizer, nbytes)
-from stratagem.ps.sparse_update import after_load_state_dict, apply_row_update, note_dense_step
-from stratagem.rpc.server import EncodedReply, Handler, reads_only
+                                 make_optimizer, nbytes)
+from stratagem.ps.sparse_update import (apply_row_update, dense_updates_warning,
+                                        note_dense_step, updates_rows_only)
+from stratagem.ps.state import ShardStates
+from stratagem.rpc.server import EncodedReply, Handler, large_requests, reads_only
 
 __all__ = ["OptimizerSpec", "ParameterServer", "ps_service"]
 
+logger = logging.getLogger("stratagem.ps")
 
-class ParameterServer:
+
+class ParameterServer(ShardStates):
     """The variables of one parameter-server task, by id, each with its own optimizer.
 
     ``name`` ("ps 0") appears in error messages. Thread-safe.
@@ -66,6 +71,7 @@ class ParameterServer:
         self._started = time.time()
         self.incarnation = uuid.uuid4().hex   # a restarted ps is a new one: its variables are gone
         self.fences = Fences()
+        self._warned_dense: set[str] = set()   # variables told to take dense row updates
 
     # ------------------------------------------------------------------ variables
 
@@ -207,11 +213,12 @@ class ParameterServer:
     def push_rows(self, var_id: str, row_ids: Rows, row_grads: torch.Tensor, fence: Any = None) -> None:
         """A row-sparse step: only rows ``row_ids`` of ``var_id`` and their optimizer state
         change (see :mod:`stratagem.ps.sparse_update`); repeated rows' gradients are summed.
-        ``row_grads`` has shape ``(len(row_ids), *shape[1:])``; ``fence`` as in :meth:`push`."""
+        ``row_grads`` has shape ``(len(row_ids), *shape[1:])``; ``fence`` as in :meth:`push`. An optimizer without a
+        row-sparse rule (RMSprop...) takes a dense step instead, with a warning the first time."""
         self.push(rows=[(var_id, row_ids, row_grads)], fence=fence)
 
     def _checked_rows(self, var_id: str, row_ids: Rows,
-                      row_grads: torch.Tensor) -> tuple[Shard, torch.Tensor, torch.Tensor]:
+                      row_grads: torch.Tensor) -> tuple[str, Shard, torch.Tensor, torch.Tensor]:
         var = self._get(var_id)
         rows = check_rows(var_id, var, row_ids)
         self._check_optimizer(var_id, var)
@@ -221,10 +228,16 @@ class ParameterServer:
             raise InvalidArgumentError(
                 f"push_rows({var_id!r}): row_grads must have shape {expected} (one row per row "
                 f"id), got {got}.")
-        return var, rows, row_grads
+        return var_id, var, rows, row_grads
 
-    def _apply_rows(self, var: Shard, rows: torch.Tensor, row_grads: torch.Tensor) -> None:
+    def _apply_rows(self, var_id: str, var: Shard, rows: torch.Tensor, row_grads: torch.Tensor) -> None:
         with var.lock:
+            optimizer_class = type(var.optimizer)
+            if (var_id not in self._warned_dense and rows.numel()
+                    and not updates_rows_only(optimizer_class, var.param.dtype)):
+                self._warned_dense.add(var_id)   # (the coordinator warned its user already)
+                logger.warning(dense_updates_warning(optimizer_class.__name__, f"{var_id!r} on {self.name}",
+                                                     tuple(var.param.shape)))
             apply_row_update(var.optimizer, var.param, rows, row_grads)
             var.updates += 1
         self._count("push_rows", nbytes(rows) + nbytes(row_grads), 0)
@@ -261,55 +274,6 @@ class ParameterServer:
         for _, var in targets:
             with var.lock:
                 var.optimizer.param_groups[0].update(values)  # type: ignore[union-attr]
-
-    # ----------------------------------------------------------------- checkpoints
-
-    def get_state(self, var_ids: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
-        """Per variable: ``{"value", "optimizer_spec", "optimizer_state"}`` (copies), what
-        :meth:`set_state` needs to restore it -- here or on a fresh parameter server."""
-        ids = list(self._variables) if var_ids is None else list(var_ids)
-        state = {}
-        for var_id in ids:
-            var = self._get(var_id)
-            with var.lock:
-                state[var_id] = {
-                    "value": var.param.detach().clone(),
-                    "optimizer_spec": var.optimizer_spec,
-                    "optimizer_state": None if var.optimizer is None else clone_tree(var.optimizer.state_dict()),
-                }
-        self._count("get_state", 0, sum(nbytes(entry["value"]) for entry in state.values()))
-        return state
-
-    def set_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
-        """Restores what :meth:`get_state` returned: values and optimizer states (including
-        hyperparameters). Variables missing here are created from the entry's
-        ``optimizer_spec``."""
-        for var_id, entry in state.items():
-            if not isinstance(entry, Mapping) or "value" not in entry:
-                raise InvalidArgumentError(
-                    f"set_state: the entry of {var_id!r} must be a dict with 'value' (and "
-                    "'optimizer_spec', 'optimizer_state'), as get_state() returns.")
-            if var_id not in self._variables:
-                self.create(var_id, entry["value"], entry.get("optimizer_spec"))
-            var = self._get(var_id)
-            value = check_value(var_id, var, entry["value"], "value")
-            optimizer_state = entry.get("optimizer_state")
-            with var.lock:
-                with torch.no_grad():
-                    var.param.copy_(value)
-                if optimizer_state is not None:
-                    if var.optimizer is None:
-                        raise InvalidArgumentError(
-                            f"set_state: {var_id!r} has optimizer state but no optimizer on {self.name}.")
-                    try:
-                        # A copy: load_state_dict keeps the given tensors, which belong to
-                        # the caller (or to the request's buffer).
-                        var.optimizer.load_state_dict(clone_tree(optimizer_state))
-                        after_load_state_dict(var.optimizer, var.param)
-                    except (KeyError, ValueError, TypeError) as err:
-                        raise InvalidArgumentError(
-                            f"set_state: the optimizer state of {var_id!r} does not fit its "
-                            f"{type(var.optimizer).__name__}: {err}") from err
 
     # ------------------------------------------------------------------- monitoring
 
@@ -356,6 +320,9 @@ class ParameterServer:
         # transport may hand them over as views of the received bytes, without a copy.
         for name in ("create", "push", "push_rows", "assign", "set_state"):
             reads_only(handlers[name])
+        # These take tensors (or row ids) as large as a variable; the others, small requests.
+        for name in ("create", "push", "push_rows", "assign", "set_state", "pull_rows"):
+            large_requests(handlers[name])
         return handlers
 
     # ------------------------------------------------------------------- internals

@@ -9,6 +9,7 @@ and serves them.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,6 +80,12 @@ def check_spec(spec: Any, var_id: str) -> OptimizerSpec | None:
         return None
     if (isinstance(spec, (tuple, list)) and len(spec) == 2 and isinstance(spec[0], type)
             and issubclass(spec[0], torch.optim.Optimizer) and isinstance(spec[1], Mapping)):
+        closure = inspect.signature(spec[0].step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise InvalidArgumentError(
+                f"variable {var_id!r}: {spec[0].__name__}.step needs a closure that recomputes the "
+                "loss, but a parameter server only receives gradients and applies each once; use an "
+                "optimizer that steps on a gradient alone (SGD, Adam, RMSprop, ...).")
         return spec[0], dict(spec[1])
     raise InvalidArgumentError(
         f"variable {var_id!r}: optimizer_spec must be (optimizer class, hyperparameter dict), "

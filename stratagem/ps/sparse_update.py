@@ -22,6 +22,14 @@ parameter's dtype), and a dense ``step()`` can follow sparse ones (call
 arithmetic is torch.optim's, operation for operation; otherwise the per-row bias
 corrections are applied as tensors (equal up to float rounding).
 
+Other optimizers get what plain PyTorch gives them for an ``nn.Embedding``:
+``torch.optim.SparseAdam`` a sparse gradient of the rows (``sparse=True``; it updates only
+those rows), every other one -- RMSprop, Adadelta, NAdam, a subclass of Adam... -- a dense
+``step()`` with a full-size gradient that is zero outside the rows (``sparse=False``). That
+dense step is exact but touches the whole table, every step: time and optimizer state
+proportional to the table, not to the rows used. :func:`updates_rows_only` says which
+optimizers are spared it; :func:`dense_updates_warning` is what the user is told, once per table.
+
 Example::
 
     >>> import torch
@@ -42,13 +50,12 @@ from typing import Any
 
 import torch
 
-from stratagem.errors import InvalidArgumentError
-
 __all__ = ["SUPPORTED_OPTIMIZERS", "after_load_state_dict", "apply_row_update", "coalesce_rows",
-           "note_dense_step"]
+           "dense_updates_warning", "note_dense_step", "updates_rows_only"]
 
+#: The optimizers whose row updates touch only the rows (the others take dense steps).
 SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adam, torch.optim.AdamW)
+    torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adam, torch.optim.AdamW, torch.optim.SparseAdam)
 
 
 def coalesce_rows(row_ids: torch.Tensor, row_grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,24 +194,42 @@ _RULES = {torch.optim.SGD: _sgd, torch.optim.Adagrad: _adagrad,
           torch.optim.Adam: _adam, torch.optim.AdamW: _adam}
 
 
+def updates_rows_only(optimizer_class: type, dtype: torch.dtype) -> bool:
+    """Whether :func:`apply_row_update` touches only the given rows for this optimizer class
+    and parameter dtype; if not, it takes a dense step over the whole parameter."""
+    if issubclass(optimizer_class, torch.optim.SparseAdam):
+        return True
+    return optimizer_class in _RULES and not dtype.is_complex
+
+
+def dense_updates_warning(optimizer_name: str, table: str, shape: tuple[int, ...]) -> str:
+    """What to tell the user when the row updates of the embedding ``table`` will be dense
+    steps of its ``optimizer_name``: the cost, and how to avoid it."""
+    names = ", ".join(kind.__name__ for kind in SUPPORTED_OPTIMIZERS)
+    return (
+        f"{optimizer_name} has no row-sparse update, so each step that looks up rows of the embedding "
+        f"table {table} (shape {tuple(shape)}) applies a dense {optimizer_name} step to the whole table on "
+        f"its parameter server (as plain PyTorch does with nn.Embedding(sparse=False)): every step costs "
+        f"time proportional to the table's {shape[0]} rows, not to the rows the batch uses, and the "
+        f"optimizer keeps state for every row. To update only the rows used, train embeddings with one of "
+        f"torch.optim.{{{names}}}, e.g. a separate optimizer over the embedding's parameters.")
+
+
 def apply_row_update(optimizer: torch.optim.Optimizer, param: torch.Tensor,
                      row_ids: torch.Tensor, row_grads: torch.Tensor) -> None:
     """Updates rows ``row_ids`` of ``param`` (the optimizer's only parameter) with ``row_grads``.
 
     ``row_ids`` is a 1-D integer tensor of rows of ``param`` (repeats are summed);
     ``row_grads`` has shape ``(len(row_ids), *param.shape[1:])``. Untouched rows and their
-    optimizer state do not change. The caller serialises calls on one parameter.
+    optimizer state do not change -- except under an optimizer without a row rule (see
+    :func:`updates_rows_only`), which takes a dense step as plain PyTorch would. The caller
+    serialises calls on one parameter.
     """
-    rule = _RULES.get(type(optimizer))
-    if rule is None:
-        names = ", ".join(f"torch.optim.{kind.__name__}" for kind in SUPPORTED_OPTIMIZERS)
-        raise InvalidArgumentError(
-            f"row-sparse updates support {names}; this variable's optimizer is "
-            f"{type(optimizer).__qualname__}. Use one of those, or push dense gradients.")
-    if param.is_complex():
-        raise InvalidArgumentError("row-sparse updates of complex parameters are not supported; "
-                                   "push dense gradients.")
     if row_ids.numel() == 0:
+        return
+    rule = _RULES.get(type(optimizer))
+    if rule is None or param.is_complex():
+        _full_size_step(optimizer, param, row_ids.to(torch.int64), row_grads.to(param.dtype))
         return
     group = optimizer.param_groups[0]
     rows, grads = coalesce_rows(row_ids.to(torch.int64), row_grads.to(param.dtype))
@@ -214,3 +239,19 @@ def apply_row_update(optimizer: torch.optim.Optimizer, param: torch.Tensor,
         p = param.index_select(0, rows)
         rule(group, optimizer.state[param], optimizer, param, rows, p, grads)
         param.index_copy_(0, rows, p)
+
+
+def _full_size_step(optimizer: torch.optim.Optimizer, param: torch.Tensor,
+                    rows: torch.Tensor, row_grads: torch.Tensor) -> None:
+    """``optimizer.step()`` with the gradient an ``nn.Embedding`` lookup of ``rows`` gives
+    ``param``: sparse for SparseAdam, else dense (zero outside the rows)."""
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        grad = torch.sparse_coo_tensor(rows[None], row_grads, param.shape, check_invariants=False)  # rows checked
+    else:
+        grad = torch.zeros_like(param.detach()).index_add_(0, rows, row_grads)
+    param.grad = grad
+    try:
+        optimizer.step()
+    finally:
+        param.grad = None
+    note_dense_step(optimizer, param)

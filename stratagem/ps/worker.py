@@ -36,7 +36,7 @@ from stratagem._profiling import label
 from stratagem.ps.closures import ClosureNotCachedError, ClosureUnpickler
 from stratagem.ps.runtime import WorkerRuntime
 from stratagem.rpc.auth import cluster_token
-from stratagem.rpc.server import decodes_request
+from stratagem.rpc.server import decodes_request, large_requests
 from stratagem.values import map_structure
 
 __all__ = ["WorkerService"]
@@ -76,8 +76,9 @@ class WorkerService:
         self._lock = threading.Lock()
 
     def handlers(self) -> dict[str, Callable[[Any], Any]]:
-        return {"ping": self.ping, "run": decodes_request(self.run),
-                "create_dataset": decodes_request(self.create_dataset)}
+        # A closure and its arguments, or a dataset function, may be large (captured tensors).
+        return {"ping": self.ping, "run": large_requests(decodes_request(self.run)),
+                "create_dataset": large_requests(decodes_request(self.create_dataset))}
 
     def ping(self, request: Any = None) -> dict:
         """Who this is (a new process has a new incarnation), and the sizes of its caches."""

@@ -3,8 +3,9 @@
 - :mod:`~stratagem.rpc.codec` -- ``encode``/``decode``: any picklable object (functions too,
   via cloudpickle), with its tensors framed as raw bytes beside the pickle;
 - :mod:`~stratagem.rpc.auth` -- the cluster token (``STRATAGEM_CLUSTER_TOKEN``) and the
-  message authentication code (GMAC + HMAC) that every request and reply carries, checked
-  before anything is unpickled;
+  message authentication code (GMAC + HMAC) that every request and reply carries; a
+  request's covers its destination server and that server's incarnation, and is checked
+  from the metadata before the body is read, and the body before anything is unpickled;
 - :mod:`~stratagem.rpc.transport` -- what both ends agree on: the wire protocol, the
   message size limit and the default deadline;
 - :mod:`~stratagem.rpc.server` -- :class:`RpcServer` (named handlers at one address, with

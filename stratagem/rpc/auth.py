@@ -1,34 +1,57 @@
-"""Proof of the cluster token on every message, checked before anything is unpickled.
+"""Proof of the cluster token on every message, checked before a request's body is read.
 
 Cluster processes accept work only from members of their own cluster, which
 share a secret, ``STRATAGEM_CLUSTER_TOKEN`` (the launcher makes one per job; one read from
 the environment must be random and at least 32 characters long, see
-:func:`check_token_strength`). The token itself never travels. Every request carries, in gRPC metadata:
+:func:`check_token_strength`). The token itself never travels. Every request carries, in
+gRPC metadata:
 
 - ``sg-ts``: the sender's wall-clock time in milliseconds;
 - ``sg-nonce``: 96 random bits, hex;
-- ``sg-mac``: the message's authentication code (below).
+- ``sg-to``: the name of the server the request is meant for ("ps 0");
+- ``sg-inc``: that server's incarnation, a random id it draws each time it starts (clients
+  learn name and incarnation with the server's ``_rpc_hello`` method, the one request that
+  may leave both empty);
+- ``sg-len``: the body's length in bytes;
+- ``sg-tag``: the body's authentication tag (below), hex;
+- ``sg-mac``: the header's authentication code (below), hex.
 
-The code is two keyed functions, both derived from the token. The body -- megabytes of
+The codes are two keyed functions, both derived from the token. The body -- megabytes of
 tensors, often -- is authenticated by GMAC (AES-256-GCM with the body as associated data
 and nothing encrypted; the nonce is the GCM IV): OpenSSL runs it at 10-20 GB/s with AES-NI
 and carry-less multiplication, against about 1.5 GB/s for HMAC-SHA256, which made the MAC
-the largest cost of a parameter server moving 7 MB per step. The 16-byte GMAC tag and the
-small fields (message kind, method, timestamp, nonce, body length) then go through
-HMAC-SHA256, whose hex digest is ``sg-mac``. Requests and replies use different GMAC keys,
-so an IV is never reused between the two directions.
+the largest cost of a parameter server moving 7 MB per step. Its 16-byte tag is
+``sg-tag``. The small fields -- message kind ("request"), method, timestamp, nonce,
+destination, incarnation, body length and body tag -- then go through HMAC-SHA256, whose
+hex digest is ``sg-mac``. Requests and replies use different GMAC keys, so an IV is never
+reused between the two directions.
 
-The server recomputes the code over the raw bytes it received and compares in constant
-time; only then does the transport decode (unpickle) the body. It refuses a timestamp more
-than ``max_skew_s`` (default 5 minutes) from its own clock -- cluster hosts need roughly
-synchronised clocks -- and a nonce it has already accepted with the same timestamp (a
-replayed request); nonces are forgotten once their timestamp leaves the window, when a
-replay would be refused as stale anyway.
+The server checks a request in two steps, the first from its metadata alone, before it
+reads a byte of the body (:meth:`Authenticator.verify_header`):
+
+1. every field is present and well formed;
+2. the timestamp is within ``max_skew_s`` (default 5 minutes) of the server's clock --
+   cluster hosts need roughly synchronised clocks;
+3. ``sg-mac`` matches (compared in constant time): the fields come from a token holder;
+4. ``sg-to`` is this server's name: a request captured on its way to another server of the
+   cluster is refused;
+5. ``sg-inc`` is this server's current incarnation: a request signed before the server
+   restarted is refused. (Both refusals are
+   :class:`~stratagem.rpc.errors.WrongServerError`, which a client answers by learning the
+   server's name and incarnation again and signing the call anew, once.)
+6. the nonce was not accepted before with the same timestamp (a replay); nonces are
+   forgotten once their timestamp leaves the skew window, when a replay would be refused
+   as stale anyway.
+
+Then (:meth:`Authenticator.verify_body`) the server reads the body -- the transport first
+compares ``sg-len`` with the method's size limit -- checks that its length is ``sg-len`` and
+that its GMAC tag is ``sg-tag`` (constant time); only then does the transport decode
+(unpickle) it. A caller without the token thus never makes a server receive a body.
 
 Replies are authenticated the same way, with a fresh random IV of their own (``sg-iv``):
-the code covers ("reply", method, the request's nonce, the IV, body), so a reply cannot be
-forged, altered, or replayed for another request; the client checks it before it decodes
-the reply.
+the code covers ("reply", method, the request's nonce, the IV, body length, body tag), so a
+reply cannot be forged, altered, or replayed for another request; the client checks it
+before it decodes the reply.
 
 Random 96-bit IVs keep GCM within its bounds for 2**32 messages per token; the launcher
 makes a new token per job. This is authentication and integrity, not secrecy: the bytes
@@ -38,9 +61,14 @@ Example::
 
     >>> from stratagem.rpc.auth import Authenticator
     >>> sender, receiver = Authenticator("s3cret"), Authenticator("s3cret")
-    >>> metadata = sender.sign_request("pull", b"body")
-    >>> nonce = receiver.verify_request("pull", dict(metadata), b"body")
-    >>> receiver.verify_request("pull", dict(metadata), b"body")
+    >>> metadata = dict(sender.sign_request("pull", b"body", to="ps 0", incarnation="1a2b"))
+    >>> receiver.verify_header("pull", metadata, to="ps 1", incarnation="1a2b")
+    Traceback (most recent call last):
+    ...
+    stratagem.rpc.errors.WrongServerError: the request is meant for 'ps 0', not for 'ps 1'
+    >>> header = receiver.verify_header("pull", metadata, to="ps 0", incarnation="1a2b")
+    >>> receiver.verify_body(header, b"body")
+    >>> receiver.verify_header("pull", metadata, to="ps 0", incarnation="1a2b")
     Traceback (most recent call last):
     ...
     stratagem.rpc.errors.AuthenticationError: replayed request (nonce already used)
@@ -56,18 +84,23 @@ import struct
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
-from stratagem.rpc.errors import AuthenticationError
+from stratagem.rpc.errors import AuthenticationError, WrongServerError
 
-__all__ = ["Authenticator", "MIN_TOKEN_CHARS", "TOKEN_VARIABLE", "check_token_strength", "cluster_token"]
+__all__ = ["Authenticator", "MIN_TOKEN_CHARS", "RequestHeader", "TOKEN_VARIABLE",
+           "check_token_strength", "cluster_token"]
 
 TOKEN_VARIABLE = "STRATAGEM_CLUSTER_TOKEN"
 TIMESTAMP_KEY, NONCE_KEY, MAC_KEY, IV_KEY = "sg-ts", "sg-nonce", "sg-mac", "sg-iv"
+TO_KEY, INCARNATION_KEY, LENGTH_KEY, TAG_KEY = "sg-to", "sg-inc", "sg-len", "sg-tag"
+_REQUEST_KEYS = (TIMESTAMP_KEY, NONCE_KEY, TO_KEY, INCARNATION_KEY, LENGTH_KEY, TAG_KEY, MAC_KEY)
 DEFAULT_MAX_SKEW_S = 300.0
 _NONCE_HEX = 24      # 96 bits: the GCM IV
+_TAG_HEX = 32        # the 128-bit GMAC tag
 _REQUEST, _REPLY = b"request", b"reply"
 
 
@@ -117,8 +150,20 @@ def check_token_strength(token: str) -> None:
         "(`stratagem launch` makes one per job).")
 
 
-def _field(value: bytes) -> bytes:
-    return struct.pack("<Q", len(value)) + value
+def _field(value: str) -> bytes:
+    encoded = value.encode()
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def _is_hex(text: str, length: int) -> bool:
+    return len(text) == length and text.isascii() and not text.strip("0123456789abcdef")
+
+
+def _is_count(text: str) -> bool:
+    return text.isascii() and text.isdigit() and len(text) < 20
+
+
+_KIND_FIELDS = {kind: _field(kind.decode()) for kind in (_REQUEST, _REPLY)}
 
 
 class _NonceCache:
@@ -150,6 +195,18 @@ class _NonceCache:
             return True
 
 
+@dataclass(frozen=True)
+class RequestHeader:
+    """A request's metadata once :meth:`Authenticator.verify_header` accepted it: what the
+    body must then be (``length`` bytes with GMAC tag ``tag``) and the nonce its reply
+    answers."""
+
+    method: str
+    nonce: str
+    length: int
+    tag: str
+
+
 class Authenticator:
     """Signs and checks messages with the cluster token (GMAC over bodies, HMAC-SHA256 over the rest).
 
@@ -174,52 +231,89 @@ class Authenticator:
     def __repr__(self) -> str:   # never show the token
         return "Authenticator(token=<hidden>)"
 
-    def _digest(self, kind: bytes, method: str, bound: str, iv_hex: str,
-                body: bytes | memoryview) -> str:
-        """The code of a message: GMAC of ``body`` with IV ``iv_hex`` (already checked as hex),
-        then HMAC over the fields and that tag. ``bound`` ties the message to its context:
-        a request's timestamp, or the nonce of the request that a reply answers."""
-        body_tag = self._body_keys[kind].encrypt(bytes.fromhex(iv_hex), b"", body)
+    def _tag(self, kind: bytes, iv_hex: str, body: bytes | memoryview) -> str:
+        """The GMAC tag of ``body`` with IV ``iv_hex`` (already checked as hex), hex."""
+        return self._body_keys[kind].encrypt(bytes.fromhex(iv_hex), b"", body).hex()
+
+    def _code(self, kind: bytes, *fields: str) -> str:
+        """HMAC-SHA256 over the message kind and ``fields``, each prefixed by its length."""
         mac = self._mac.copy()
-        mac.update(_field(kind) + _field(method.encode()) + _field(bound.encode())
-                   + _field(iv_hex.encode()) + struct.pack("<Q", len(body)) + body_tag)
+        mac.update(b"".join([_KIND_FIELDS[kind], *map(_field, fields)]))
         return mac.hexdigest()
 
     # --------------------------------------------------------------------- requests
 
-    def sign_request(self, method: str, body: bytes, *,
+    def sign_request(self, method: str, body: bytes, *, to: str, incarnation: str,
                      timestamp_ms: int | None = None) -> tuple[tuple[str, str], ...]:
-        """gRPC metadata proving that this request comes from a holder of the token."""
+        """gRPC metadata proving that this request comes from a holder of the token and is
+        meant for server ``to`` in its incarnation ``incarnation``."""
         stamp = str(int(time.time() * 1000) if timestamp_ms is None else timestamp_ms)
         nonce = secrets.token_hex(_NONCE_HEX // 2)
-        return ((TIMESTAMP_KEY, stamp), (NONCE_KEY, nonce),
-                (MAC_KEY, self._digest(_REQUEST, method, stamp, nonce, body)))
+        length, tag = str(len(body)), self._tag(_REQUEST, nonce, body)
+        mac = self._code(_REQUEST, method, stamp, nonce, to, incarnation, length, tag)
+        return ((TIMESTAMP_KEY, stamp), (NONCE_KEY, nonce), (TO_KEY, to),
+                (INCARNATION_KEY, incarnation), (LENGTH_KEY, length), (TAG_KEY, tag), (MAC_KEY, mac))
 
-    def verify_request(self, method: str, metadata: Mapping[str, str],
-                       body: bytes | memoryview) -> str:
-        """Returns the request's nonce; raises AuthenticationError saying why it is refused."""
-        stamp, nonce, mac = (metadata.get(key) for key in (TIMESTAMP_KEY, NONCE_KEY, MAC_KEY))
-        if not (isinstance(stamp, str) and isinstance(nonce, str) and isinstance(mac, str)):
+    def verify_header(self, method: str, metadata: Mapping[str, str], *, to: str,
+                      incarnation: str, unbound_ok: bool = False) -> RequestHeader:
+        """Checks a request's metadata, before its body is read, on server ``to`` in its
+        incarnation ``incarnation`` (``unbound_ok``: the request may also leave both empty).
+
+        Returns what the body must then be; raises AuthenticationError saying why the
+        request is refused (WrongServerError when it is addressed to another server or to
+        an earlier incarnation of this one). The nonce counts as used once this returns.
+        """
+        fields = [metadata.get(key) for key in _REQUEST_KEYS]
+        if not all(isinstance(value, str) for value in fields):
             raise AuthenticationError("no cluster-token proof in the request (is the caller a "
                                       "stratagem client of this cluster?)")
-        if not (stamp.isascii() and stamp.isdigit() and len(stamp) < 20):
+        stamp, nonce, sent_to, sent_incarnation, length, tag, mac = fields
+        if not _is_count(stamp):
             raise AuthenticationError("malformed timestamp")
         if not _is_hex(nonce, _NONCE_HEX):
             raise AuthenticationError(f"malformed nonce (expected {_NONCE_HEX} hex digits)")
+        if not (_is_count(length) and _is_hex(tag, _TAG_HEX)):
+            raise AuthenticationError("malformed body length or tag")
         now = time.time()
         skew_ms = abs(int(now * 1000) - int(stamp))
         if skew_ms > self._max_skew_ms:
             raise AuthenticationError(
                 f"stale or future timestamp ({skew_ms / 1000:.0f} s from this host's clock, "
                 f"more than {self._max_skew_ms / 1000:.0f} s): synchronise the hosts' clocks")
-        expected = self._digest(_REQUEST, method, stamp, nonce, body)
+        expected = self._code(_REQUEST, method, stamp, nonce, sent_to, sent_incarnation, length, tag)
         if not hmac.compare_digest(expected, mac):
             raise AuthenticationError(
                 f"wrong cluster token: the request's authentication code does not match; give "
                 f"every task the same {TOKEN_VARIABLE}")
+        if not (unbound_ok and sent_to == sent_incarnation == ""):
+            if not (sent_to and sent_incarnation):
+                raise AuthenticationError("the request is not addressed to a server and its incarnation")
+            if sent_to != to:
+                raise WrongServerError(f"the request is meant for {sent_to!r}, not for {to!r}")
+            if sent_incarnation != incarnation:
+                raise WrongServerError(
+                    f"stale incarnation: the request was signed for an earlier run of {to!r}, "
+                    "which has restarted since")
         if not self._nonces.add(int(stamp), nonce, now):
             raise AuthenticationError("replayed request (nonce already used)")
-        return nonce
+        return RequestHeader(method, nonce, int(length), tag)
+
+    def verify_body(self, header: RequestHeader, body: bytes | memoryview) -> None:
+        """Raises AuthenticationError unless ``body`` is the one ``header`` was signed with."""
+        if len(body) != header.length:
+            raise AuthenticationError(
+                f"the body is {len(body)} bytes where the signed header says {header.length}")
+        if not hmac.compare_digest(self._tag(_REQUEST, header.nonce, body), header.tag):
+            raise AuthenticationError(
+                "wrong cluster token: the body's authentication tag does not match (the body "
+                f"was altered, or the sender's {TOKEN_VARIABLE} differs)")
+
+    def verify_request(self, method: str, metadata: Mapping[str, str], body: bytes | memoryview,
+                       *, to: str, incarnation: str) -> str:
+        """:meth:`verify_header` then :meth:`verify_body`, for a body at hand; returns the nonce."""
+        header = self.verify_header(method, metadata, to=to, incarnation=incarnation)
+        self.verify_body(header, body)
+        return header.nonce
 
     # ----------------------------------------------------------------------- replies
 
@@ -227,19 +321,16 @@ class Authenticator:
                    body: bytes) -> tuple[tuple[str, str], ...]:
         """gRPC (trailing) metadata authenticating a reply to the request with that nonce."""
         iv = secrets.token_hex(_NONCE_HEX // 2)
-        return ((IV_KEY, iv), (MAC_KEY, self._digest(_REPLY, method, request_nonce, iv, body)))
+        mac = self._code(_REPLY, method, request_nonce, iv, str(len(body)), self._tag(_REPLY, iv, body))
+        return ((IV_KEY, iv), (MAC_KEY, mac))
 
     def verify_reply(self, method: str, request_nonce: str, metadata: Mapping[str, str],
                      body: bytes | memoryview) -> None:
         """Raises AuthenticationError unless the reply was made by a holder of the token."""
         iv, mac = metadata.get(IV_KEY), metadata.get(MAC_KEY)
         if (not isinstance(mac, str) or not isinstance(iv, str) or not _is_hex(iv, _NONCE_HEX)
-                or not hmac.compare_digest(
-                    self._digest(_REPLY, method, request_nonce, iv, body), mac)):
+                or not hmac.compare_digest(self._code(
+                    _REPLY, method, request_nonce, iv, str(len(body)), self._tag(_REPLY, iv, body)), mac)):
             raise AuthenticationError(
                 "the reply is not signed with this cluster's token: the server at this "
                 f"address does not share {TOKEN_VARIABLE} (or is not a stratagem server)")
-
-
-def _is_hex(text: str, length: int) -> bool:
-    return len(text) == length and all(char in "0123456789abcdef" for char in text)

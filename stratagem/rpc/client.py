@@ -5,6 +5,7 @@
     client = RpcClient("127.0.0.1:2222", token, task="ps 0")
     client.call("add", (torch.ones(3), 2))            # tensor([3., 3., 3.])
     future = client.call_async("add", (1, 2))         # concurrent.futures.Future
+    future.cancel()                                   # cancels the gRPC call too
 
 Failures on the caller: a dead, unreachable or silent peer raises
 :class:`stratagem.errors.UnavailableError` naming the task (gRPC ``UNAVAILABLE`` -- a killed
@@ -14,12 +15,22 @@ token :class:`~stratagem.rpc.errors.AuthenticationError`; an oversize message
 :class:`~stratagem.rpc.errors.MessageTooLargeError`; an exception in the handler
 :class:`~stratagem.rpc.errors.RemoteError`, with the remote traceback.
 
+Binding: before its first call the client asks the server for its name and incarnation
+(the built-in ``_rpc_hello``, once per server run) and signs every request for them, so that
+no other server, nor this one after a restart, accepts it (see
+:mod:`~stratagem.rpc.transport`). A client given ``task`` refuses a server that calls
+itself otherwise (:class:`stratagem.errors.ClusterConfigError`); a server given no name
+goes by its address and any client accepts it. When the server has restarted, its refusal
+of the old incarnation makes the client learn the new one and send the call again, once.
+
 Connections: one gRPC channel per client, reconnecting with 100 ms initial / 1 s maximum
 backoff, so a restarted server is reachable again within about a second.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent import futures
 from typing import Any
 
@@ -27,12 +38,12 @@ import grpc
 
 from stratagem._profiling import label
 from stratagem.cluster.spec import validate_address
-from stratagem.errors import InvalidArgumentError, UnavailableError
+from stratagem.errors import ClusterConfigError, InvalidArgumentError, UnavailableError
 from stratagem.rpc.auth import DEFAULT_MAX_SKEW_S, Authenticator
 from stratagem.rpc.codec import Pickler, decode, encode
 from stratagem.rpc.errors import AuthenticationError, MessageTooLargeError, RemoteError, RpcError
-from stratagem.rpc.transport import (DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, REPLY_OK,
-                                     SERVICE, check_max_bytes, size_options)
+from stratagem.rpc.transport import (DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HELLO_METHOD,
+                                     REPLY_OK, SERVICE, check_max_bytes, size_options)
 
 __all__ = ["RpcClient"]
 
@@ -43,10 +54,57 @@ def _check_timeout(timeout: float, name: str) -> float:
     return float(timeout)
 
 
+def _left(deadline: float) -> float:
+    """Seconds from now to ``deadline`` (monotonic); a millisecond at least, for gRPC."""
+    return max(deadline - time.monotonic(), 1e-3)
+
+
+def _is_stale(err: grpc.RpcError) -> bool:
+    """Whether the server refused the call as signed for another server or an earlier run."""
+    return hasattr(err, "code") and err.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+class _CallFuture(futures.Future):
+    """The Future that :meth:`RpcClient.call_async` returns: its ``cancel()`` also cancels
+    the gRPC call in flight, which the server's handler sees
+    (:func:`~stratagem.rpc.server.caller_gone`). It stays pending, never running, until
+    the reply comes, so that it can be cancelled until then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._grpc_call: grpc.Future | None = None
+        self._call_lock = threading.Lock()
+
+    def cancel(self) -> bool:
+        if not super().cancel():
+            return False
+        with self._call_lock:
+            call = self._grpc_call
+        if call is not None:
+            call.cancel()
+        return True
+
+    def _attach(self, call: grpc.Future) -> None:
+        with self._call_lock:
+            self._grpc_call = call
+        if self.cancelled():   # cancelled before the call existed
+            call.cancel()
+
+    def _settle(self, value: Any = None, error: BaseException | None = None) -> None:
+        try:
+            if error is None:
+                self.set_result(value)
+            else:
+                self.set_exception(error)
+        except futures.InvalidStateError:   # cancelled meanwhile: nobody waits for it
+            pass
+
+
 class RpcClient:
     """Calls the handlers of the :class:`~stratagem.rpc.server.RpcServer` at ``address``.
 
-    ``task`` names the peer in errors ("ps 0"; the address when not given). Every call has
+    ``task`` names the peer in errors ("ps 0"; the address when not given); when given, the
+    server there must go by that name, if it has one (see "Binding" above). Every call has
     a deadline: its ``timeout`` or ``default_timeout`` seconds. Thread-safe: threads may
     share one client (calls are multiplexed over one HTTP/2 connection). Requests are
     pickled by ``pickler`` (a :class:`~stratagem.rpc.codec.Pickler` subclass may send some
@@ -60,6 +118,10 @@ class RpcClient:
         self.address = validate_address(address, where="RpcClient address")
         self._pickler = pickler
         self.task = task or address
+        self._expected_name = task
+        self._bound: tuple[str, str] | None = None   # the server's (name, incarnation)
+        self._hello: futures.Future[tuple[str, str]] | None = None   # asking for them
+        self._bind_lock = threading.Lock()
         self.default_timeout = _check_timeout(default_timeout, "default_timeout")
         self._max_bytes = check_max_bytes(max_message_bytes)
         self._auth = Authenticator(token, max_skew_s=max_skew_s)
@@ -86,31 +148,19 @@ class RpcClient:
         (copies them elsewhere): they are then views of the received bytes, not copies.
         """
         with label("stratagem.rpc.call"):
-            body, metadata, nonce, seconds = self._prepare(method, request, timeout)
-            try:
-                reply, call = self._callable(method).with_call(body, timeout=seconds, metadata=metadata)
-            except grpc.RpcError as err:
-                raise self._translate(err, method, seconds) from None
-            return self._finish(method, nonce, reply, call.trailing_metadata(), writable_reply)
+            body, seconds = self._prepare(method, request, timeout)
+            return self._send(method, body, time.monotonic() + seconds, seconds, writable_reply, True)
 
     def call_async(self, method: str, request: Any = None, *, timeout: float | None = None,
                    writable_reply: bool = True) -> futures.Future[Any]:
-        """Like :meth:`call`, but returns at once a Future of the reply (or of the error)."""
-        body, metadata, nonce, seconds = self._prepare(method, request, timeout)
-        result: futures.Future[Any] = futures.Future()
-        result.set_running_or_notify_cancel()
+        """Like :meth:`call`, but returns at once a Future of the reply (or of the error).
 
-        def done(call: Any) -> None:   # on a gRPC thread: decode, never block
-            try:
-                reply = call.result()
-                result.set_result(self._finish(method, nonce, reply, call.trailing_metadata(),
-                                               writable_reply))
-            except grpc.RpcError as err:
-                result.set_exception(self._translate(err, method, seconds))
-            except BaseException as err:
-                result.set_exception(err)
-
-        self._callable(method).future(body, timeout=seconds, metadata=metadata).add_done_callback(done)
+        Its ``cancel()`` cancels the call on the server too (the handler's
+        :func:`~stratagem.rpc.server.caller_gone` turns True) and marks the Future cancelled.
+        """
+        body, seconds = self._prepare(method, request, timeout)
+        result = _CallFuture()
+        self._send_async(result, method, body, time.monotonic() + seconds, seconds, writable_reply, True)
         return result
 
     def wait_ready(self, timeout: float = 10.0) -> None:
@@ -140,8 +190,7 @@ class RpcClient:
             callable_ = self._callables[method] = self._channel.unary_unary(f"/{SERVICE}/{method}")
         return callable_
 
-    def _prepare(self, method: str, request: Any,
-                 timeout: float | None) -> tuple[bytes, Any, str, float]:
+    def _prepare(self, method: str, request: Any, timeout: float | None) -> tuple[bytes, float]:
         if not isinstance(method, str) or not method or "/" in method:
             raise InvalidArgumentError(f"method must be a handler name (non-empty, no '/'), got {method!r}.")
         seconds = self.default_timeout if timeout is None else _check_timeout(timeout, "timeout")
@@ -151,8 +200,125 @@ class RpcClient:
                 f"the request to {method!r} on {self.task} is {len(body)} bytes, more than "
                 f"max_message_bytes={self._max_bytes}; send it in parts or raise the limit "
                 "on both sides.")
-        metadata = self._auth.sign_request(method, body)
-        return body, metadata, metadata[1][1], seconds
+        return body, seconds
+
+    def _send(self, method: str, body: bytes, deadline: float, seconds: float, writable: bool,
+              retry: bool) -> Any:
+        """Sends a call addressed to the server's name and incarnation; once more, addressed
+        anew, if the server refused it as meant for another (it restarted, or another server
+        now listens at the address)."""
+        try:
+            binding = self._bound or self._binding().result(timeout=_left(deadline))
+        except futures.TimeoutError:
+            raise UnavailableError(
+                f"{self._who()} did not answer {method!r} within {seconds:g} s (waiting for its "
+                "name and incarnation): the task is hung, overloaded or dead.", task=self.task) from None
+        except grpc.RpcError as err:
+            raise self._translate(err, method, seconds) from None
+        metadata = self._auth.sign_request(method, body, to=binding[0], incarnation=binding[1])
+        try:
+            reply, call = self._callable(method).with_call(body, timeout=_left(deadline), metadata=metadata)
+        except grpc.RpcError as err:
+            if retry and _is_stale(err):   # refused unread: safe to send again
+                self._forget(binding)
+                return self._send(method, body, deadline, seconds, writable, False)
+            raise self._translate(err, method, seconds) from None
+        return self._finish(method, metadata[1][1], reply, call.trailing_metadata(), writable)
+
+    def _send_async(self, result: _CallFuture, method: str, body: bytes, deadline: float,
+                    seconds: float, writable: bool, retry: bool) -> None:
+        """:meth:`_send` without blocking: each step runs when the previous one is done."""
+        def bound(hello: futures.Future[tuple[str, str]]) -> None:
+            if result.cancelled():
+                return
+            try:
+                binding = hello.result()
+                metadata = self._auth.sign_request(method, body, to=binding[0], incarnation=binding[1])
+                call = self._callable(method).future(body, timeout=_left(deadline), metadata=metadata)
+            except BaseException as err:
+                failed = self._translate(err, method, seconds) if isinstance(err, grpc.RpcError) else err
+                result._settle(error=failed)
+                return
+            result._attach(call)
+            call.add_done_callback(lambda call: done(call, binding, metadata[1][1]))
+
+        def done(call: Any, binding: tuple[str, str], nonce: str) -> None:   # on a gRPC thread: never block
+            try:
+                reply = call.result()
+                result._settle(self._finish(method, nonce, reply, call.trailing_metadata(), writable))
+            except grpc.FutureCancelledError:
+                result.cancel()
+            except grpc.RpcError as err:
+                if retry and _is_stale(err):   # refused unread: safe to send again
+                    self._forget(binding)
+                    self._send_async(result, method, body, deadline, seconds, writable, False)
+                else:
+                    result._settle(error=self._translate(err, method, seconds))
+            except BaseException as err:
+                result._settle(error=err)
+
+        self._binding().add_done_callback(bound)   # at once when the binding is known
+
+    def _binding(self) -> futures.Future[tuple[str, str]]:
+        """The server's (name, incarnation): asked with one hello shared by all callers."""
+        with self._bind_lock:
+            hello: futures.Future[tuple[str, str]] = futures.Future()
+            if self._bound is not None:
+                hello.set_result(self._bound)
+                return hello
+            if self._hello is not None:
+                return self._hello
+            self._hello = hello
+        body = encode(None)
+        metadata = self._auth.sign_request(HELLO_METHOD, body, to="", incarnation="")
+        try:
+            call = self._callable(HELLO_METHOD).future(body, timeout=self.default_timeout, metadata=metadata)
+        except BaseException as err:   # a closed channel: the callers get the error
+            self._hello_done(hello, error=err)
+            return hello
+        call.add_done_callback(lambda call: self._answered(hello, call, metadata[1][1]))
+        return hello
+
+    def _answered(self, hello: futures.Future[tuple[str, str]], call: Any, nonce: str) -> None:
+        """Checks the hello's signed answer (on a gRPC thread) and settles ``hello``."""
+        try:
+            answer = self._finish(HELLO_METHOD, nonce, call.result(), call.trailing_metadata())
+            self._hello_done(hello, binding=self._check_hello(answer))
+        except BaseException as err:   # a grpc.RpcError is translated by each caller
+            self._hello_done(hello, error=err)
+
+    def _check_hello(self, answer: Any) -> tuple[str, str]:
+        if not (isinstance(answer, dict) and isinstance(answer.get("name"), str)
+                and isinstance(answer.get("incarnation"), str)):
+            raise RpcError(f"{self._who()} answered {HELLO_METHOD!r} with {answer!r}; it is not a "
+                           "stratagem RPC server of this version.", code="UNIMPLEMENTED")
+        name = answer["name"]
+        if answer.get("named") and self._expected_name is not None and name != self._expected_name:
+            raise ClusterConfigError(
+                f"{self.address} serves {name!r}, not {self._expected_name!r}: the cluster "
+                f"description (TF_CONFIG) gives {self._expected_name}'s address to another "
+                "task. Fix it so that each task is listed at the address it listens on.")
+        return name, answer["incarnation"]
+
+    def _hello_done(self, hello: futures.Future[tuple[str, str]],
+                    binding: tuple[str, str] | None = None, error: BaseException | None = None) -> None:
+        with self._bind_lock:
+            self._hello = None   # a failed hello is asked again by the next call
+            if binding is not None:
+                self._bound = binding
+        if error is None:
+            hello.set_result(binding)
+        else:
+            hello.set_exception(error)
+
+    def _forget(self, binding: tuple[str, str]) -> None:
+        """Drops ``binding``, refused as stale, unless another thread already replaced it."""
+        with self._bind_lock:
+            if self._bound == binding:
+                self._bound = None
+
+    def _who(self) -> str:
+        return f"{self.task} ({self.address})" if self.task != self.address else self.address
 
     def _finish(self, method: str, nonce: str, reply: bytes, trailing: Any,
                 writable: bool = True) -> Any:
@@ -169,18 +335,15 @@ class RpcClient:
                 remote_exception = decode(value["exception"])
             except Exception:   # its class is not importable here, or it cannot be rebuilt
                 remote_exception = None
-        error = RemoteError(
-            f"{method!r} on {self.task} raised {value['type']}: {value['message']}\n\n"
-            f"Remote traceback ({self.task}):\n{value['traceback'].rstrip()}",
-            remote_type=value["type"], remote_message=value["message"],
-            remote_traceback=value["traceback"], method=method, task=self.task,
+        error = RemoteError.from_reply(
+            value, method=method, task=self.task,
             remote_exception=remote_exception if isinstance(remote_exception, BaseException) else None)
         raise error from error.remote_exception
 
     def _translate(self, err: grpc.RpcError, method: str, timeout: float) -> Exception:
         code = err.code() if hasattr(err, "code") else None
         details = (err.details() if hasattr(err, "details") else None) or str(err)
-        who = f"{self.task} ({self.address})" if self.task != self.address else self.address
+        who = self._who()
         if code == grpc.StatusCode.UNAVAILABLE:
             return UnavailableError(
                 f"{who} is unavailable: {method!r} failed ({details}); the task has died, "
@@ -190,8 +353,14 @@ class RpcClient:
                 f"{who} did not answer {method!r} within {timeout:g} s: the task is hung, "
                 "overloaded or dead (pass a larger timeout if the call is legitimately slow).",
                 task=self.task)
+        if code == grpc.StatusCode.FAILED_PRECONDITION:   # misaddressed, after one retry
+            return UnavailableError(
+                f"{who} refused {method!r} twice as addressed to another server or to an "
+                f"earlier run of it ({details}): it is restarting repeatedly.", task=self.task)
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             return AuthenticationError(f"{who} refused {method!r}: {details}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "takes requests of at most" in details:
+            return MessageTooLargeError(f"{method!r} on {who}: {details}.")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
             return MessageTooLargeError(
                 f"{method!r} on {who}: {details}; the two sides' max_message_bytes differ, or "

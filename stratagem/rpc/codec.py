@@ -34,6 +34,10 @@ What a decoded tensor is:
 
 Sparse, quantized and nested tensors cannot be framed and raise :class:`CodecError`.
 
+Functions sent by value keep the name of the file they were written in (cloudpickle
+renames it ``<dynamic-code>``): an error in one, on the receiving side, then shows the
+user's file and line -- and its source, when that side can read the file.
+
 Decoding unpickles, and unpickling runs code: only decode bytes whose sender was
 authenticated (the transport checks the MAC of every message before it calls
 :func:`decode`).
@@ -62,7 +66,9 @@ import pickle
 import struct
 import sys
 import threading
+import types
 import warnings
+from collections import ChainMap
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -89,8 +95,21 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def _code_in_file(rebuild: Any, args: tuple, filename: str) -> types.CodeType:
+    return rebuild(*args).replace(co_filename=filename)
+
+
+def _reduce_code(code: types.CodeType) -> tuple:
+    """cloudpickle's reduction of a code object, keeping its file name."""
+    rebuild, args = cloudpickle.Pickler.dispatch_table[types.CodeType](code)
+    return _code_in_file, (rebuild, args, code.co_filename)
+
+
 class Pickler(cloudpickle.Pickler):
-    """cloudpickle, except that tensors become persistent ids (indices into ``tensors``)."""
+    """cloudpickle, except that tensors become persistent ids (indices into ``tensors``),
+    and code keeps its file name."""
+
+    dispatch_table = ChainMap({types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table)
 
     def __init__(self, file: io.BytesIO, tensor_type: type) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)

@@ -8,12 +8,15 @@ gets the reply back::
     ...
     server.stop()
 
-Each request is authenticated on its raw bytes before anything is decoded (the protocol is
-in :mod:`~stratagem.rpc.transport`); a handler's exception travels to the caller with its
-traceback. Handlers may be marked to save copies: :func:`reads_only` (decode the request's
-tensors as views of the received bytes), :func:`decodes_request` (take the bytes and decode
-them itself), and a reply framed at once, under the handler's locks, with
-:class:`EncodedReply`.
+Each request's signed header is checked from its metadata before its body is read, and its
+body before anything is decoded (the protocol is in :mod:`~stratagem.rpc.transport`); a
+handler's exception travels to the caller with its traceback. Requests are limited to
+:data:`~stratagem.rpc.transport.SMALL_REQUEST_BYTES` unless the handler is marked with
+:func:`large_requests`. Handlers may be marked to save copies: :func:`reads_only` (decode
+the request's tensors as views of the received bytes), :func:`decodes_request` (take the
+bytes and decode them itself), and a reply framed at once, under the handler's locks, with
+:class:`EncodedReply`. A long-running handler may poll :func:`caller_gone` to stop early
+when its caller cancelled or gave up.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import traceback
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent import futures
 from typing import Any, NoReturn
@@ -33,17 +36,35 @@ from stratagem.cluster.spec import validate_address
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.rpc.auth import DEFAULT_MAX_SKEW_S, Authenticator
 from stratagem.rpc.codec import decode, encode
-from stratagem.rpc.errors import AuthenticationError, MessageTooLargeError, RpcError
-from stratagem.rpc.transport import (DEFAULT_MAX_MESSAGE_BYTES, REPLY_ERROR, REPLY_OK, SERVICE,
-                                     STATS_METHOD, check_max_bytes, size_options)
+from stratagem.rpc.errors import (AuthenticationError, MessageTooLargeError, RpcError, WrongServerError,
+                                   describe_exception)
+from stratagem.rpc.transport import (DEFAULT_MAX_MESSAGE_BYTES, HELLO_METHOD, REPLY_ERROR, REPLY_OK,
+                                     SERVICE, SMALL_REQUEST_BYTES, STATS_METHOD, check_max_bytes,
+                                     server_options)
 
-__all__ = ["EncodedReply", "Handler", "RpcServer", "decodes_request", "reads_only"]
+__all__ = ["EncodedReply", "Handler", "RpcServer", "caller_gone", "decodes_request",
+           "large_requests", "reads_only"]
 
 logger = logging.getLogger("stratagem.rpc")
 
 Handler = Callable[[Any], Any]
 
 _WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", "*", ""}
+_current = threading.local()   # .context: the gRPC context of the call this thread serves
+
+
+def caller_gone() -> bool:
+    """Whether the caller of the request this thread is handling has cancelled it or passed
+    its deadline; False outside a handler.
+
+    A handler that runs for long (a loop of steps, a wait) may poll it and stop early: its
+    reply would be thrown away.
+    """
+    context = getattr(_current, "context", None)
+    if context is None:
+        return False
+    remaining = context.time_remaining()
+    return not context.is_active() or (remaining is not None and remaining <= 0)
 
 
 def reads_only(handler: Handler) -> Handler:
@@ -52,6 +73,16 @@ def reads_only(handler: Handler) -> Handler:
     then decodes its requests without copying their tensors out of gRPC's read-only buffer
     (see :func:`~stratagem.rpc.codec.decode`). Returns ``handler``."""
     handler._sg_reads_only = True   # type: ignore[attr-defined]
+    return handler
+
+
+def large_requests(handler: Handler) -> Handler:
+    """Marks ``handler`` as one whose requests may be large (tensors to store, closures with
+    their arguments): it accepts requests up to the server's ``max_message_bytes``, where
+    other handlers accept :data:`~stratagem.rpc.transport.SMALL_REQUEST_BYTES`. Keeping the
+    large limit to the methods that need it bounds what one request can make a server hold.
+    Returns ``handler``."""
+    handler._sg_large_requests = True   # type: ignore[attr-defined]
     return handler
 
 
@@ -80,18 +111,23 @@ class EncodedReply:
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:
-    """What the caller learns of an exception raised by a handler."""
+    """What the caller learns of an exception raised by a handler (see describe_exception)."""
+    described, original = describe_exception(exc)
     try:
-        pickled: bytes | None = encode(exc)
+        pickled: bytes | None = None if original is None else encode(original)
     except Exception:   # an exception holding an unpicklable object: send its text only
         pickled = None
-    kind = type(exc)
-    return {"type": f"{kind.__module__}.{kind.__qualname__}", "message": str(exc),
-            "traceback": "".join(traceback.format_exception(exc)), "exception": pickled}
+    return {**described, "exception": pickled}
 
 
 class _Service(grpc.GenericRpcHandler):
-    """Routes every method of the service to the server, which authenticates first."""
+    """Routes every method of the service to the server, which authenticates first.
+
+    Methods are served as stream-unary, though clients call them as unary (the wire format
+    is the same): gRPC receives a unary handler's request before calling it, where a
+    stream handler is given an iterator read only when asked, so the server checks the
+    metadata before it receives the body.
+    """
 
     def __init__(self, server: RpcServer) -> None:
         self._server = server
@@ -105,8 +141,8 @@ class _Service(grpc.GenericRpcHandler):
         handler = self._cache.get(path)
         if handler is None:
             method = path[len(self._prefix):]
-            handler = grpc.unary_unary_rpc_method_handler(
-                lambda request, context: self._server._handle(method, request, context))
+            handler = grpc.stream_unary_rpc_method_handler(
+                lambda requests, context: self._server._handle(method, requests, context))
             if method in self._server._handlers:   # unknown names are not cached
                 self._cache[path] = handler
         return handler
@@ -120,7 +156,8 @@ class RpcServer:
     picks a free port (see :attr:`address` after :meth:`start`). Each handler receives the
     decoded request and returns the reply; its exceptions travel to the caller. Handlers
     run on ``max_workers`` threads, so they must be thread-safe. ``name`` (e.g. "ps 0")
-    appears in logs and in errors the callers see.
+    appears in logs and in errors the callers see; requests must be addressed to it (the
+    address when not given), and to the server's :attr:`incarnation`.
     """
 
     def __init__(self, address: str, handlers: Mapping[str, Handler], token: str, *,
@@ -139,16 +176,22 @@ class RpcServer:
                 raise InvalidArgumentError(
                     f"handlers must map method names (non-empty, no '/') to callables; got "
                     f"{method!r} -> {handler!r}.")
-        if STATS_METHOD in handlers:
-            raise InvalidArgumentError(f"{STATS_METHOD!r} is reserved for the server's own counters.")
+        for reserved in (STATS_METHOD, HELLO_METHOD):
+            if reserved in handlers:
+                raise InvalidArgumentError(f"{reserved!r} is reserved for the server's own use.")
+        if name is not None and not (isinstance(name, str) and name and name.isascii()
+                                     and name.isprintable()):
+            raise InvalidArgumentError(f"name must be a non-empty printable ASCII str, got {name!r}.")
         if not isinstance(max_workers, int) or max_workers < 1:
             raise InvalidArgumentError(f"max_workers must be an int >= 1, got {max_workers!r}.")
         self._requested = address
-        self._handlers: dict[str, Handler] = {**handlers, STATS_METHOD: lambda _: self.stats()}
+        self._handlers: dict[str, Handler] = {**handlers, STATS_METHOD: lambda _: self.stats(),
+                                              HELLO_METHOD: lambda _: self._hello()}
         self._auth = Authenticator(token, max_skew_s=max_skew_s)
         self._max_bytes = check_max_bytes(max_message_bytes)
         self._max_workers = max_workers
         self._name = name
+        self._incarnation: str | None = None
         self._server: grpc.Server | None = None
         self._port: int | None = None
         self._lock = threading.Lock()
@@ -167,6 +210,16 @@ class RpcServer:
             return self._requested
         return f"{self._requested.rpartition(':')[0]}:{self._port}"
 
+    @property
+    def incarnation(self) -> str | None:
+        """A random id drawn each time the server starts (None before): requests signed for
+        an earlier run are refused, so one captured before a restart cannot be replayed."""
+        return self._incarnation
+
+    def _hello(self) -> dict[str, Any]:
+        """What a client learns before its first call: where to address its requests."""
+        return {"name": self.name, "named": self._name is not None, "incarnation": self._incarnation}
+
     def start(self) -> RpcServer:
         """Binds the address and starts serving; returns ``self``."""
         if self._server is not None:
@@ -174,12 +227,7 @@ class RpcServer:
         server = grpc.server(
             futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="stratagem-rpc"),
             handlers=[_Service(self)],
-            options=size_options(self._max_bytes) + [
-                ("grpc.so_reuseport", 0),   # a second server on a taken port must fail
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
-                ("grpc.http2.max_ping_strikes", 0),
-            ])
+            options=server_options(self._max_bytes))
         try:
             port = server.add_insecure_port(self._requested)
         except RuntimeError:
@@ -190,8 +238,9 @@ class RpcServer:
                 f"cannot listen on {self._requested}: the port is taken or the host is not an "
                 "address of this machine; free the port or fix this task's address in the "
                 "cluster spec.")
+        self._incarnation, self._port = uuid.uuid4().hex, port   # before the first request
         server.start()
-        self._server, self._port = server, port
+        self._server = server
         logger.info("%s listening on %s", self.name, self.address)
         return self
 
@@ -222,29 +271,62 @@ class RpcServer:
             counts["bytes_in"] += bytes_in
             counts["bytes_out"] += bytes_out
 
-    def _refuse(self, method: str, context: grpc.ServicerContext, err: AuthenticationError) -> NoReturn:
+    def _refuse(self, method: str, context: grpc.ServicerContext, err: Exception,
+                code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED) -> NoReturn:
         with self._lock:
             self._refused += 1
-        logger.warning("%s refused a %r request from %s: %s", self.name, method[:100],
-                       context.peer(), err)
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{self.name} refused the request: {err}")
+        log = logger.info if isinstance(err, WrongServerError) else logger.warning
+        log("%s refused a %r request from %s: %s", self.name, method[:100], context.peer(), err)
+        context.abort(code, f"{self.name} refused the request: {err}")
         raise AssertionError("context.abort returns only by raising")
 
-    def _handle(self, method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
-        with label("stratagem.rpc.handle"):
-            return self._handle_authenticated(method, request, context)
+    def _handle(self, method: str, requests: Any, context: grpc.ServicerContext) -> bytes:
+        _current.context = context
+        try:
+            with label("stratagem.rpc.handle"):
+                return self._handle_authenticated(method, requests, context)
+        finally:
+            _current.context = None
 
-    def _handle_authenticated(self, method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
+    def _receive(self, method: str, handler: Handler | None, requests: Any,
+                 context: grpc.ServicerContext) -> tuple[str, bytes]:
+        """The request's nonce and body: the header checked from the metadata alone, then
+        the body read and checked. Refuses (aborts) the call when either fails."""
         metadata: dict[str, str] = {}
         for key, value in context.invocation_metadata():
             metadata.setdefault(key, value)
-        try:   # on the raw bytes: nothing is decoded before this passes
-            nonce = self._auth.verify_request(method, metadata, request)
+        try:
+            header = self._auth.verify_header(method, metadata, to=self.name,
+                                              incarnation=self._incarnation or "",
+                                              unbound_ok=method == HELLO_METHOD)
+        except WrongServerError as err:   # the client learns who this is and signs again
+            self._refuse(method, context, err, grpc.StatusCode.FAILED_PRECONDITION)
         except AuthenticationError as err:
             self._refuse(method, context, err)
+        limit = self._max_bytes
+        if not getattr(handler, "_sg_large_requests", False):
+            limit = min(limit, SMALL_REQUEST_BYTES)
+        if header.length > limit:   # refused before its body is received
+            advice = ("raise max_message_bytes on both sides" if limit == self._max_bytes else
+                      "mark its handler with stratagem.rpc.server.large_requests if it needs more")
+            self._refuse(method, context, MessageTooLargeError(
+                f"{method!r} takes requests of at most {limit} bytes and this one is "
+                f"{header.length} bytes (larger than max); send less per call, or {advice}"),
+                grpc.StatusCode.RESOURCE_EXHAUSTED)
+        body = next(requests, None)
+        try:
+            if body is None:
+                raise AuthenticationError("the request has no body")
+            self._auth.verify_body(header, body)
+        except AuthenticationError as err:
+            self._refuse(method, context, err)
+        return header.nonce, body
+
+    def _handle_authenticated(self, method: str, requests: Any, context: grpc.ServicerContext) -> bytes:
+        handler = self._handlers.get(method)
+        nonce, request = self._receive(method, handler, requests, context)
         error = False
         try:
-            handler = self._handlers.get(method)
             if handler is None:
                 raise RpcError(f"{self.name} has no method {method!r}; it serves "
                                f"{sorted(self._handlers)}.", code="UNIMPLEMENTED")

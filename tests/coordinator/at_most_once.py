@@ -138,6 +138,8 @@ def main():
         wait_until(lambda: refused() >= 2, 60, "the ps to refuse the pushes it held")
         report["refused"] = refused()
         report["updates_after"] = updates()
+        # the running steps' dispatchers notice the loss within a heartbeat or two
+        wait_until(lambda: all(v.status.value != "PENDING" for v in values), 30, "every step to settle")
         report["statuses"] = sorted({v.status.value for v in values})
     say("RESULT " + json.dumps(report))
     coordinator.shutdown()

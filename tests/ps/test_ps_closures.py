@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from stratagem.errors import InvalidArgumentError
 from stratagem.ps.closures import ClosurePickler, ClosureUnpickler, PerWorkerIterator
 from stratagem.ps.placement import _VariableDict
 from stratagem.ps.runtime import WorkerRuntime
@@ -52,3 +53,15 @@ def test_pickled_otherwise_a_placed_dict_is_a_dict_of_its_values() -> None:
     plain = decode(encode({"v": variables}))["v"]
     assert type(plain) is dict and plain["bias"] is None
     assert torch.equal(plain["weight"], torch.full((2,), 3.0)) and not hasattr(plain["weight"], "_sg_remote")
+
+
+def test_an_embedding_id_out_of_range_raises_on_the_worker() -> None:
+    # no shard holds such a row: the lookup used to return the unset memory of its row
+    runtime = WorkerRuntime([], "token", num_workers=1, worker_index=0)
+    remote = RemoteVariable("0/PSEmbedding.weight", (10, 3), torch.float32,
+                            (Shard("0/PSEmbedding.weight/part_0", 0, 0, 10),), row_sparse=True)
+    for bad in (10, -1):
+        with pytest.raises(InvalidArgumentError, match=rf"embedding id {bad} is out of range for "
+                           r"PSEmbedding.weight, which has 10 rows: ids must be in \[0, 10\)"):
+            runtime.lookup(remote, torch.tensor([[1, bad], [2, 3]]))
+    assert runtime.sparse == []

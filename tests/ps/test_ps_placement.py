@@ -4,6 +4,7 @@ process: the parameter servers are RpcServers in this process, and no worker is 
 from __future__ import annotations
 
 import secrets
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -103,3 +104,26 @@ def test_optimizer_restore_raises_when_the_pull_fails(cluster: _Cluster) -> None
     cluster.broken_pull = True   # the variables are there, but reading them fails
     with pytest.raises(RemoteError, match=r"'pull' on ps \d raised builtins.OSError: ps \d cannot read"):
         optimizer.load_state_dict(state)
+
+
+def test_an_embedding_optimizer_without_a_row_rule_warns_once_at_the_users_line(cluster: _Cluster) -> None:
+    strategy = cluster.strategy()
+    with pytest.warns(UserWarning) as caught:
+        with strategy.scope():
+            model = nn.Sequential(nn.Embedding(20, 4), nn.Linear(4, 1))
+            optimizer = torch.optim.RMSprop(model.parameters(), lr=0.01)
+        optimizer.add_param_group({"params": [], "lr": 0.1})   # attached again: no second warning
+    [warning] = [w for w in caught if "row-sparse" in str(w.message)]
+    assert str(warning.message).startswith(
+        "RMSprop has no row-sparse update, so each step that looks up rows of the embedding table "
+        "PSEmbedding.weight (shape (20, 4)) applies a dense RMSprop step to the whole table")
+    assert warning.filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with strategy.scope():   # row rules: nothing to say
+            other = nn.Embedding(20, 4)
+            torch.optim.Adam(other.parameters(), lr=0.01)
+            torch.optim.SparseAdam(nn.Embedding(5, 2).parameters())
+        strategy.placement.finalize()
+    optimizers = {v["optimizer"] for ps in cluster.services for v in ps.variables().values()}
+    assert optimizers == {"RMSprop", "Adam", "SparseAdam"}

@@ -108,11 +108,107 @@ def test_a_dense_step_then_a_sparse_step_share_the_optimizer_state() -> None:
     torch.testing.assert_close(ps.pull(["table"])["table"][rows], reference.detach(), rtol=0, atol=0)
 
 
-def test_unsupported_optimizers_and_empty_pushes() -> None:
-    ps = _table_ps(torch.optim.RMSprop, {"lr": 0.1}, torch.zeros(4, 2))
-    with pytest.raises(InvalidArgumentError, match="support torch.optim.SGD, torch.optim.Adagrad.*RMSprop"):
-        ps.push_rows("table", [0], torch.ones(1, 2))
-    ps.push({"table": torch.ones(4, 2)})                    # dense pushes still work
-    sgd = _table_ps(torch.optim.SGD, {"lr": 1.0}, torch.zeros(4, 2))
-    sgd.push_rows("table", torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2))
-    assert torch.equal(sgd.pull(["table"])["table"], torch.zeros(4, 2))
+class _MyAdam(torch.optim.Adam):
+    """A user's subclass: its step() may differ from Adam's, so it gets no row rule."""
+
+
+DENSE_OPTIMIZERS: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
+    (torch.optim.RMSprop, {"lr": 0.01}),
+    (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.9, "centered": True, "weight_decay": 0.1}),
+    (torch.optim.Adadelta, {"lr": 0.5}),
+    (torch.optim.NAdam, {"lr": 0.01}),
+    (_MyAdam, {"lr": 0.01}),
+]
+DENSE_IDS = [f"{cls.__name__}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for cls, kw in DENSE_OPTIMIZERS]
+
+
+def _dense_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "stratagem.ps" and "has no row-sparse update" in r.getMessage()]
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), DENSE_OPTIMIZERS, ids=DENSE_IDS)
+def test_an_optimizer_without_a_row_rule_takes_the_dense_step_and_warns_once(
+        cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(3)
+    init = torch.randn(10, 3)
+    ps = _table_ps(cls, kwargs, init)
+    reference = torch.nn.Parameter(init.clone())   # plain PyTorch: nn.Embedding(sparse=False)
+    optimizer = cls([reference], **kwargs)
+    schedule = [[2, 5, 2], [7], [5, 5, 0], [2, 9], [1, 2, 1, 2]]   # repeated rows, rows left alone
+    for rows in schedule:
+        ids = torch.tensor(rows)
+        grads = torch.randn(len(rows), 3)
+        ps.push(rows=[("table", ids, grads)])
+        reference.grad = torch.zeros(10, 3).index_add_(0, ids, grads)
+        optimizer.step()
+    torch.testing.assert_close(ps.pull(["table"])["table"], reference.detach())
+    [message] = _dense_warnings(caplog)   # logged once, on the ps
+    assert f"{cls.__name__} has no row-sparse update" in message
+    assert "'table' on ps" in message and "(10, 3)" in message and "whole table" in message
+    assert "proportional to the table's 10 rows" in message and "SGD, Adagrad, Adam, AdamW" in message
+    assert "separate optimizer" in message
+
+
+def test_dense_row_updates_restore_from_a_checkpoint() -> None:
+    torch.manual_seed(4)
+    spec = (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5})
+    ps = ParameterServer(name="ps 0")
+    ps.create("table", torch.randn(6, 2), spec)
+    pushes = [(torch.tensor(rows), torch.randn(len(rows), 2)) for rows in ([1, 4], [4], [0, 1, 1], [5])]
+    for ids, grads in pushes[:2]:
+        ps.push_rows("table", ids, grads)
+    saved = ps.get_state()
+    restored = ParameterServer(name="ps 1")
+    restored.set_state(saved)
+    for server in (ps, restored):
+        for ids, grads in pushes[2:]:
+            server.push_rows("table", ids, grads)
+    assert torch.equal(ps.pull(["table"])["table"], restored.pull(["table"])["table"])
+    state = saved["table"]["optimizer_state"]["state"][0]
+    assert state["square_avg"].shape == (6, 2) and "row_step" not in state
+
+
+def test_sparse_adam_gets_the_sparse_gradient_of_nn_embedding_sparse_true(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(5)
+    init = torch.randn(8, 4)
+    ps = _table_ps(torch.optim.SparseAdam, {"lr": 0.05}, init)
+    plain = torch.nn.Embedding(8, 4, sparse=True, _weight=init.clone())
+    optimizer = torch.optim.SparseAdam(plain.parameters(), lr=0.05)
+    for rows in ([1, 3, 1], [6], [3, 0]):
+        ids = torch.tensor(rows)
+        grads = torch.randn(len(rows), 4)
+        ps.push_rows("table", ids, grads)
+        optimizer.zero_grad()
+        plain(ids).backward(grads)
+        optimizer.step()
+    assert not _dense_warnings(caplog)
+    table = ps.pull(["table"])["table"]
+    torch.testing.assert_close(table, plain.weight.detach())
+    assert torch.equal(table[[2, 4, 5, 7]], init[[2, 4, 5, 7]])
+
+
+def test_empty_pushes_change_nothing() -> None:
+    for cls in (torch.optim.SGD, torch.optim.RMSprop):
+        ps = _table_ps(cls, {"lr": 1.0}, torch.zeros(4, 2))
+        ps.push_rows("table", torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2))
+        assert torch.equal(ps.pull(["table"])["table"], torch.zeros(4, 2))
+
+
+def test_a_complex_table_takes_dense_steps_with_any_optimizer(caplog: pytest.LogCaptureFixture) -> None:
+    init = torch.randn(5, 2, dtype=torch.complex64)
+    ps = _table_ps(torch.optim.Adam, {"lr": 0.1}, init)
+    reference = torch.nn.Parameter(init.clone())
+    optimizer = torch.optim.Adam([reference], lr=0.1)
+    ids, grads = torch.tensor([3, 1, 3]), torch.randn(3, 2, dtype=torch.complex64)
+    ps.push_rows("table", ids, grads)
+    assert "Adam has no row-sparse update" in _dense_warnings(caplog)[0]
+    reference.grad = torch.zeros(5, 2, dtype=torch.complex64).index_add_(0, ids, grads)
+    optimizer.step()
+    torch.testing.assert_close(ps.pull(["table"])["table"], reference.detach())
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused_with_the_reason() -> None:
+    ps = ParameterServer(name="ps 0")
+    with pytest.raises(InvalidArgumentError, match="LBFGS.step needs a closure that recomputes the loss"):
+        ps.create("w", torch.zeros(3), (torch.optim.LBFGS, {"lr": 1.0}))

@@ -3,7 +3,8 @@
 Modes:
   kill-worker    SIGKILL worker 1 while closures run: join() still completes every step
   stop-worker    SIGSTOP worker 1 while a closure runs on it: the closure moves elsewhere
-  user-error     a step raises: join() re-raises it with the remote traceback, others run
+  user-error     a step raises: join() re-raises it with a short remote traceback, others run;
+                 then a ps refuses a step's push (a user's optimizer raises): the same, nested
   kill-ps        SIGKILL ps 0: UnavailableError naming it; restore from saved state dicts, continue
 Writes OUT/report.json.
 """
@@ -40,6 +41,23 @@ def task_pid(task_type, index):
     raise LookupError(f"no {task_type} {index} process found")
 
 
+class GuardedSGD(torch.optim.SGD):
+    """A user's optimizer, run on the ps: it refuses a gradient that is too large."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.abs().max() > 1e3:
+                    raise ValueError("gradient too large: lower the learning rate or clip the gradients")
+        return super().step(closure)
+
+
+def failure(error):
+    """What the test checks of an error: its text, and the whole remote traceback."""
+    return {"text": f"{type(error).__name__}: {error}",
+            "remote_traceback": getattr(error, "remote_traceback", None)}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -66,8 +84,12 @@ def main():
         optimizer.step()
         return loss.detach(), json.loads(ran_on)["task"]["index"], os.getpid()
 
+    def check_batch(x):
+        if x.shape[0] != 16:
+            raise ValueError("bad step on purpose")
+
     def bad_step():
-        raise ValueError("bad step on purpose")
+        check_batch(torch.ones(3, 4))
 
     pids = {}
     first = [coordinator.schedule(step, args=(0.0,)) for _ in range(4)]
@@ -100,12 +122,27 @@ def main():
             coordinator.join()
             report["raised"] = None
         except Exception as error:  # noqa: BLE001
-            report["raised"] = f"{type(error).__name__}: {error}"
+            report["raised"] = failure(error)
         try:
             bad.fetch()
         except Exception as error:  # noqa: BLE001
-            report["fetch_raised"] = f"{type(error).__name__}: {error}"
+            report["fetch_raised"] = failure(error)
         report["others_ran"] = all(v.fetch() is not None for v in good + more)
+        with strategy.scope():
+            guarded = nn.Linear(4, 1)
+            guarded_optimizer = GuardedSGD(guarded.parameters(), lr=0.05)
+
+        def huge_step():
+            guarded_optimizer.zero_grad()
+            (guarded(torch.ones(2, 4)).sum() * 1e6).backward()
+            guarded_optimizer.step()
+
+        coordinator.schedule(huge_step)
+        try:
+            coordinator.join()
+            report["nested"] = None
+        except Exception as error:  # noqa: BLE001
+            report["nested"] = failure(error)
     elif args.mode == "kill-ps":
         saved_model = {k: v.clone() for k, v in model.state_dict().items()}
         saved_opt = optimizer.state_dict()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,12 +15,16 @@ HERE = Path(__file__).parent
 
 
 def launch(tmp_path: Path, script: str, *args: str, workers: int = 2, ps: int = 1,
-           restarts: int = 0) -> dict:
+           restarts: int = 0, output: list[str] | None = None) -> dict:
+    """Runs ``script`` as the chief of a local cluster; its report. ``output`` (a list) gets
+    what the tasks printed."""
     proc = subprocess.run(
         [sys.executable, "-m", "stratagem", "launch", "--workers", str(workers), "--ps", str(ps),
          "--max-restarts", str(restarts), str(HERE / script), str(tmp_path), *args],
         capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    if output is not None:
+        output.append(proc.stdout + proc.stderr)
     return json.loads((tmp_path / "report.json").read_text())
 
 
@@ -45,12 +50,30 @@ def test_stopped_worker_closure_moves_after_the_heartbeat_deadline(tmp_path: Pat
     assert report["join_seconds"] < 30
 
 
-def test_exception_in_a_step_reaches_the_coordinator_with_its_traceback(tmp_path: Path) -> None:
+def test_exception_in_a_step_reaches_the_coordinator_with_a_short_traceback(tmp_path: Path) -> None:
+    # the message used to carry every frame of every task, about 90 lines for a nested error
     report = launch(tmp_path, "failures_ps.py", "user-error")
+    script = str(HERE / "failures_ps.py")
     for key in ("raised", "fetch_raised"):
-        assert "ValueError: bad step on purpose" in report[key]
-        assert "Remote traceback" in report[key] and "bad_step" in report[key]
+        text, whole = report[key]["text"], report[key]["remote_traceback"]
+        assert re.match(r"RemoteError: 'run' on worker \d raised builtins.ValueError: bad step on purpose\n", text)
+        assert f'File "{script}"' in text and "in bad_step" in text and "in check_batch" in text
+        assert 'raise ValueError("bad step on purpose")' in text   # the source line, read on the worker
+        assert "stratagem/ps/" not in text and "stratagem/rpc/" not in text and "grpc" not in text, text
+        assert "error.remote_traceback" in text and len(text.splitlines()) < 10, text
+        assert "stratagem/ps/worker.py" in whole and "in bad_step" in whole   # every frame
     assert report["others_ran"]
+    # the ps refused the push of a step (a user's optimizer raised there): one error, its way in one line
+    text, whole = report["nested"]["text"], report["nested"]["remote_traceback"]
+    assert re.match(r"RemoteError: 'run' on worker \d -> 'push' on ps 0 raised builtins.ValueError: gradient "
+                    r"too large: lower the learning rate or clip the gradients\n", text), text
+    frames = [line for line in text.splitlines() if line.startswith("  File")]
+    assert len(frames) == 2 and all(f'File "{script}"' in line for line in frames), text
+    assert frames[0].endswith("in huge_step  [worker 0]") or frames[0].endswith("in huge_step  [worker 1]")
+    assert frames[1].endswith("in step  [ps 0]") and len(text.splitlines()) < 12, text
+    assert "grpc" not in text
+    on_worker, on_ps = whole.split("Remote traceback of 'push' on ps 0:")   # every frame of both
+    assert "stratagem/ps/worker.py" in on_worker and "stratagem/ps/service.py" in on_ps
 
 
 def test_killed_ps_raises_unavailable_then_restores_and_continues(tmp_path: Path) -> None:
@@ -114,3 +137,23 @@ def test_reading_a_buffer_written_on_workers_warns_once_and_is_not_nan(tmp_path:
     assert "buffer Counter.correct was changed by steps on the workers" in report["buffer_warnings"][0]
     assert report["first"] == report["second"] == report["state_correct"] == 0.0   # last known, not NaN
     assert report["worker_values"] == [1.0] * 8
+
+
+def test_an_embedding_trained_with_rmsprop_matches_plain_pytorch_and_warns_once(tmp_path: Path) -> None:
+    # RMSprop has no row-sparse rule: it used to be refused with a 90-line nested traceback
+    output: list[str] = []
+    report = launch(tmp_path, "embedding_dense_ps.py", workers=1, ps=2, output=output)
+    [warning] = report["warnings"]        # on the coordinator, once for the table (not the head)
+    assert "RMSprop has no row-sparse update" in warning and "PSEmbedding.weight (shape (12, 4))" in warning
+    assert report["warning_files"] == ["embedding_dense_ps.py"]   # points at the user's line
+    assert output[0].count("WARNING stratagem.ps: RMSprop has no row-sparse") == 2, output[0][-3000:]  # by each ps
+    import torch   # the other tests need no torch in this process
+
+    tensors = torch.load(tmp_path / "tensors.pt")
+    for name, plain in tensors["plain"].items():
+        torch.testing.assert_close(tensors["ps"][name], plain)
+    torch.testing.assert_close(tensors["ps_square_avg"], tensors["plain_square_avg"])
+    first, again = tensors["after_restore"]
+    for name, plain in tensors["plain_after"].items():
+        assert torch.equal(first[name], again[name]), name
+        torch.testing.assert_close(first[name], plain)

@@ -69,7 +69,7 @@ def main():
     with torch.no_grad():
         accuracy = (model(x).argmax(1) == y).float().mean().item()
     weight = model[0].weight
-    report = {"accuracy": accuracy, "first_loss": losses[0], "last_loss": sum(losses[-20:]) / 20,
+    report = {"accuracy": accuracy, "first_loss": sum(losses[:10]) / 10, "last_loss": sum(losses[-20:]) / 20,
               "steps_per_s": args.steps / elapsed, "sharded": isinstance(weight, sg.ShardedVariable),
               "shard_shapes": weight.shard_shapes if isinstance(weight, sg.ShardedVariable) else None,
               "shards_equal_logical": bool(torch.equal(torch.cat(weight.variables), weight.detach()))

@@ -1,4 +1,4 @@
-"""Helpers for the RPC tests: free loopback ports, child environments, server processes."""
+"""Helpers for the RPC tests: free loopback ports, child environments, server processes, memory."""
 
 from __future__ import annotations
 
@@ -58,6 +58,8 @@ class ServerProcess:
     process: subprocess.Popen[str]
     address: str
     marker_dir: Path
+    name: str
+    incarnation: str = ""
 
     def handler_calls(self, name: str) -> int:
         return len(list(self.marker_dir.glob(f"handler-{name}-*")))
@@ -74,19 +76,38 @@ class ServerProcess:
         return err or ""
 
 
+def launch_server(address: str, marker_dir: Path, name: str,
+                  max_bytes: int | None = None) -> ServerProcess:
+    """A server_script.py process serving ``name`` at ``address``; see :func:`wait_ready`."""
+    marker_dir.mkdir(exist_ok=True)
+    args = [sys.executable, str(SERVER_SCRIPT), address, str(marker_dir), name]
+    if max_bytes is not None:
+        args.append(str(max_bytes))
+    process = subprocess.Popen(args, env=child_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    return ServerProcess(process, address, marker_dir, name)
+
+
+def wait_ready(server: ServerProcess, timeout: float = 60) -> ServerProcess:
+    """Waits for the server's READY line; records its incarnation."""
+    server.incarnation = read_line(server.process, "READY", timeout).split()[2]
+    return server
+
+
 def start_server_processes(count: int, tmp: Path, max_bytes: int | None = None) -> list[ServerProcess]:
-    """``count`` server_script.py processes, started at once (torch imports overlap)."""
-    started = []
-    for index in range(count):
-        marker_dir = tmp / f"server{index}"
-        marker_dir.mkdir()
-        address = f"127.0.0.1:{free_port()}"
-        args = [sys.executable, str(SERVER_SCRIPT), address, str(marker_dir)]
-        if max_bytes is not None:
-            args.append(str(max_bytes))
-        process = subprocess.Popen(args, env=child_env(), stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True)
-        started.append(ServerProcess(process, address, marker_dir))
-    for server in started:
-        read_line(server.process, "READY", timeout=60)
-    return started
+    """``count`` server_script.py processes named "ps 0", "ps 1"..., started at once (torch
+    imports overlap)."""
+    started = [launch_server(f"127.0.0.1:{free_port()}", tmp / f"server{index}", f"ps {index}",
+                             max_bytes) for index in range(count)]
+    return [wait_ready(server) for server in started]
+
+
+def memory_mb(pid: int) -> dict[str, int]:
+    """The process's resident memory now (VmRSS) and at its peak (VmHWM), in MB."""
+    sizes = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                sizes[key] = int(value.split()[0]) // 1024
+    return sizes

@@ -1,10 +1,11 @@
 """An RpcServer in a process of its own, for the transport tests.
 
-    python server_script.py ADDRESS MARKER_DIR [MAX_MESSAGE_BYTES]
+    python server_script.py ADDRESS MARKER_DIR NAME [MAX_MESSAGE_BYTES]
 
-Prints ``READY <address>`` once it serves, and stops on SIGTERM. Every handler that runs
-first creates a file ``handler-<name>-<n>`` in MARKER_DIR, so a test can prove that a
-refused request never reached one; the log goes to MARKER_DIR/server.log. The token is STRATAGEM_CLUSTER_TOKEN.
+Serves as server NAME ("ps 0"). Prints ``READY <address> <incarnation>`` once it serves, and
+stops on SIGTERM. Every handler that runs first creates a file ``handler-<name>-<n>`` in
+MARKER_DIR, so a test can prove that a refused request never reached one; the log goes to
+MARKER_DIR/server.log. The token is STRATAGEM_CLUSTER_TOKEN.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import threading
 import time
 
 from stratagem.rpc import DEFAULT_MAX_MESSAGE_BYTES, RpcServer, cluster_token
+from stratagem.rpc.server import caller_gone, large_requests
 
-ADDRESS, MARKER_DIR = sys.argv[1], sys.argv[2]
-MAX_BYTES = int(sys.argv[3]) if len(sys.argv) > 3 else DEFAULT_MAX_MESSAGE_BYTES
+ADDRESS, MARKER_DIR, NAME = sys.argv[1], sys.argv[2], sys.argv[3]
+MAX_BYTES = int(sys.argv[4]) if len(sys.argv) > 4 else DEFAULT_MAX_MESSAGE_BYTES
 _counter = itertools.count()
 
 
@@ -52,13 +54,26 @@ def ping(_: object) -> str:
     return "pong"
 
 
+def wait_until_gone(limit_s: float) -> str:
+    """Runs until the caller cancels (or ``limit_s`` passes); marks ``handler-gone-*`` if it saw that."""
+    _invoked("wait")
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if caller_gone():
+            _invoked("gone")
+            return "gone"
+        time.sleep(0.01)
+    return "still there"
+
+
 def main() -> None:
     logging.basicConfig(filename=os.path.join(MARKER_DIR, "server.log"), level=logging.INFO)
-    server = RpcServer(ADDRESS, {"echo": echo, "fail": fail, "sleep": sleep, "ping": ping},
-                       cluster_token(), max_message_bytes=MAX_BYTES, name="ps 0").start()
+    handlers = {"echo": large_requests(echo), "fail": fail, "sleep": sleep, "ping": ping,
+                "wait_until_gone": wait_until_gone}
+    server = RpcServer(ADDRESS, handlers, cluster_token(), max_message_bytes=MAX_BYTES, name=NAME).start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print(f"READY {server.address}", flush=True)
+    print(f"READY {server.address} {server.incarnation}", flush=True)
     while not stop.wait(0.2):
         pass
     server.stop(grace=0.5)

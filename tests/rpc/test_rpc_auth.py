@@ -10,25 +10,29 @@ import pytest
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.rpc import AuthenticationError, Authenticator, cluster_token
 from stratagem.rpc.auth import MIN_TOKEN_CHARS, check_token_strength
+from stratagem.rpc.errors import WrongServerError
 
 pytestmark = pytest.mark.timeout(30)
 
 BODY = b"\x00payload\xff" * 10
+TO, INC = "ps 0", "7" * 32   # the destination and its incarnation
+BOUND = {"to": TO, "incarnation": INC}
 
 
-def _signed(token: str = "token", method: str = "push", body: bytes = BODY, **kwargs: int) -> dict[str, str]:
-    return dict(Authenticator(token).sign_request(method, body, **kwargs))
+def _signed(token: str = "token", method: str = "push", body: bytes = BODY, **kwargs: object) -> dict[str, str]:
+    return dict(Authenticator(token).sign_request(method, body, **{**BOUND, **kwargs}))
 
 
 def test_a_signed_request_is_accepted_once() -> None:
     server = Authenticator("token")
     metadata = _signed()
-    assert len(server.verify_request("push", metadata, BODY)) == 24
+    assert len(server.verify_request("push", metadata, BODY, **BOUND)) == 24
     with pytest.raises(AuthenticationError, match="replayed"):
-        server.verify_request("push", metadata, BODY)
+        server.verify_request("push", metadata, BODY, **BOUND)
 
 
-@pytest.mark.parametrize("change", ["token", "method", "body", "timestamp", "nonce", "mac"])
+@pytest.mark.parametrize("change", ["token", "method", "body", "timestamp", "nonce", "mac",
+                                    "to", "inc", "len", "tag"])
 def test_any_change_is_refused(change: str) -> None:
     server = Authenticator("token")
     metadata = _signed("other-token" if change == "token" else "token")
@@ -37,29 +41,59 @@ def test_any_change_is_refused(change: str) -> None:
         method = "pull"
     elif change == "body":
         body = BODY[:-1] + b"\x00"
-    elif change in ("timestamp", "nonce", "mac"):
-        key = {"timestamp": "sg-ts", "nonce": "sg-nonce", "mac": "sg-mac"}[change]
+    elif change in ("timestamp", "nonce", "mac", "to", "inc", "len", "tag"):
+        key = {"timestamp": "sg-ts", "nonce": "sg-nonce", "mac": "sg-mac"}.get(change, f"sg-{change}")
         value = metadata[key]
         metadata[key] = value[:-1] + ("0" if value[-1] != "0" else "1")
     with pytest.raises(AuthenticationError, match="wrong cluster token"):
-        server.verify_request(method, metadata, body)
+        server.verify_request(method, metadata, body, **BOUND)
+
+
+def test_the_header_is_checked_without_the_body_and_the_body_against_it() -> None:
+    server = Authenticator("token")
+    metadata = _signed()
+    assert metadata["sg-len"] == str(len(BODY)) and len(metadata["sg-tag"]) == 32
+    header = server.verify_header("push", metadata, **BOUND)   # no body needed
+    assert (header.length, header.nonce) == (len(BODY), metadata["sg-nonce"])
+    with pytest.raises(AuthenticationError, match="the body is 89 bytes where the signed header says 90"):
+        server.verify_body(header, BODY[:-1])
+    with pytest.raises(AuthenticationError, match="body's authentication tag does not match"):
+        server.verify_body(header, BODY[:-1] + b"\x01")
+    server.verify_body(header, BODY)
+
+
+def test_requests_are_bound_to_their_server_and_its_incarnation() -> None:
+    server = Authenticator("token")
+    with pytest.raises(WrongServerError, match="meant for 'ps 0', not for 'ps 1'"):
+        server.verify_header("push", _signed(), to="ps 1", incarnation=INC)
+    with pytest.raises(WrongServerError, match="earlier run of 'ps 0'"):
+        server.verify_header("push", _signed(), to=TO, incarnation="8" * 32)
+    for unbound in (_signed(to="", incarnation=""), _signed(incarnation="")):
+        with pytest.raises(AuthenticationError, match="not addressed to a server") as info:
+            server.verify_header("push", unbound, **BOUND)
+        assert not isinstance(info.value, WrongServerError)
+    server.verify_header("_rpc_hello", _signed(method="_rpc_hello", to="", incarnation=""),
+                         unbound_ok=True, **BOUND)   # only where the server allows it
 
 
 def test_missing_proof_is_refused() -> None:
     with pytest.raises(AuthenticationError, match="no cluster-token proof"):
-        Authenticator("token").verify_request("push", {}, BODY)
+        Authenticator("token").verify_request("push", {}, BODY, **BOUND)
+    partial = {key: value for key, value in _signed().items() if key != "sg-tag"}
+    with pytest.raises(AuthenticationError, match="no cluster-token proof"):
+        Authenticator("token").verify_header("push", partial, **BOUND)
 
 
 @pytest.mark.parametrize("offset_s", [-600, 600])
 def test_stale_and_future_timestamps_are_refused(offset_s: int) -> None:
     metadata = _signed(timestamp_ms=int((time.time() + offset_s) * 1000))
     with pytest.raises(AuthenticationError, match="synchronise"):
-        Authenticator("token").verify_request("push", metadata, BODY)
+        Authenticator("token").verify_request("push", metadata, BODY, **BOUND)
 
 
 def test_skew_within_the_window_is_accepted() -> None:
     metadata = _signed(timestamp_ms=int((time.time() - 60) * 1000))
-    Authenticator("token").verify_request("push", metadata, BODY)
+    Authenticator("token").verify_request("push", metadata, BODY, **BOUND)
 
 
 def test_replies_are_bound_to_their_request() -> None:
@@ -85,7 +119,7 @@ def test_a_malformed_nonce_is_refused_before_any_work() -> None:
     metadata = _signed()
     metadata["sg-nonce"] = "zz" + metadata["sg-nonce"][2:]
     with pytest.raises(AuthenticationError, match="malformed nonce"):
-        Authenticator("token").verify_request("push", metadata, BODY)
+        Authenticator("token").verify_request("push", metadata, BODY, **BOUND)
 
 
 def test_large_bodies_are_covered_whole() -> None:
@@ -94,8 +128,8 @@ def test_large_bodies_are_covered_whole() -> None:
     tampered = bytearray(body)
     tampered[len(body) // 2] ^= 1
     with pytest.raises(AuthenticationError, match="wrong cluster token"):
-        Authenticator("token").verify_request("push", metadata, bytes(tampered))
-    Authenticator("token").verify_request("push", metadata, memoryview(body))
+        Authenticator("token").verify_request("push", metadata, bytes(tampered), **BOUND)
+    Authenticator("token").verify_request("push", metadata, memoryview(body), **BOUND)
 
 
 def test_the_token_is_never_shown() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import traceback
 from collections import namedtuple
 from dataclasses import dataclass
 
@@ -96,6 +97,20 @@ def test_functions_and_closures_travel() -> None:
     out = decode(encode({"step": step, "lambda": lambda n: n + 1}))
     assert torch.equal(out["step"](torch.ones(2)), torch.full((2,), 4.0))
     assert out["lambda"](1) == 2
+
+
+def test_functions_sent_by_value_keep_their_file_name_and_lines() -> None:
+    # cloudpickle renames the file <dynamic-code>: errors on the receiving side lost the user's file
+    source = "def f(value):\n    def scale(v):\n        return 1 / v\n    return scale(value)\n"
+    namespace = {"__name__": "__main__"}   # what a training script defines: sent by value
+    exec(compile(source, "/home/me/train.py", "exec"), namespace)
+    sent = decode(encode(namespace["f"]))
+    assert sent(4) == 0.25
+    with pytest.raises(ZeroDivisionError) as info:
+        sent(0)
+    frames = traceback.extract_tb(info.value.__traceback__)[1:]
+    assert [(frame.filename, frame.lineno, frame.name) for frame in frames] == [
+        ("/home/me/train.py", 4, "f"), ("/home/me/train.py", 3, "scale")]
 
 
 def test_decode_is_zero_copy_on_a_writable_buffer() -> None:

@@ -53,6 +53,11 @@ def _raw_call(address: str, method: str, body: bytes, metadata: tuple[tuple[str,
         return channel.unary_unary(f"/stratagem.Rpc/{method}")(body, metadata=metadata, timeout=10)
 
 
+def _bound_to(server: ServerProcess) -> dict[str, str]:
+    """The keyword arguments that address a request to ``server`` (its name, incarnation)."""
+    return {"to": server.name, "incarnation": server.incarnation}
+
+
 # ---------------------------------------------------------------------------- calls
 
 
@@ -117,14 +122,19 @@ def test_wrong_token_is_refused_logged_and_never_unpickled(server: ServerProcess
     assert (tmp_path / "control").exists()
     echoes = server.handler_calls("echo")
     with RpcClient(server.address, "wrong-token-value", task="ps 0") as intruder:
-        with pytest.raises(AuthenticationError, match="wrong cluster token"):
+        with pytest.raises(AuthenticationError, match="wrong cluster token"):   # at its hello
             intruder.call("echo", CreatesFile(marker))
+    body = encode(CreatesFile(marker))   # and a request addressed right, with the wrong token
+    metadata = Authenticator("wrong-token-value").sign_request("echo", body, **_bound_to(server))
+    with pytest.raises(grpc.RpcError, match="wrong cluster token"):
+        _raw_call(server.address, "echo", body, metadata)
     assert not marker.exists()
     assert server.handler_calls("echo") == echoes
     with RpcClient(server.address, TOKEN) as member:
-        assert member.call("_rpc_stats")["refused"] >= 1
+        assert member.call("_rpc_stats")["refused"] >= 2
     log = (server.marker_dir / "server.log").read_text()
-    assert "refused a 'echo' request" in log and "wrong cluster token" in log
+    assert "refused a '_rpc_hello' request" in log and "refused a 'echo' request" in log
+    assert "wrong cluster token" in log
     assert TOKEN not in log and "wrong-token-value" not in log
 
 
@@ -140,13 +150,13 @@ def test_request_without_proof_is_refused(server: ServerProcess, tmp_path: Path)
 def test_replayed_and_stale_requests_are_refused(server: ServerProcess) -> None:
     auth = Authenticator(TOKEN)
     body = encode("hello")
-    metadata = auth.sign_request("echo", body)
+    metadata = auth.sign_request("echo", body, **_bound_to(server))
     reply = _raw_call(server.address, "echo", body, metadata)
     assert decode(reply) == ("ok", "hello")
     with pytest.raises(grpc.RpcError) as info:
         _raw_call(server.address, "echo", body, metadata)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "replayed" in info.value.details()
-    stale = auth.sign_request("echo", body, timestamp_ms=int((time.time() - 600) * 1000))
+    stale = auth.sign_request("echo", body, timestamp_ms=int((time.time() - 600) * 1000), **_bound_to(server))
     with pytest.raises(grpc.RpcError) as info:
         _raw_call(server.address, "echo", body, stale)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "stale" in info.value.details()
@@ -159,8 +169,9 @@ def test_client_refuses_an_unsigned_reply_before_unpickling_it(tmp_path: Path) -
         context.set_trailing_metadata((("sg-mac", "0" * 64),))
         return encode(("ok", CreatesFile(marker)))
 
-    handler = grpc.method_handlers_generic_handler(
-        "stratagem.Rpc", {"echo": grpc.unary_unary_rpc_method_handler(impostor)})
+    handler = grpc.method_handlers_generic_handler(   # its hello is answered unsigned too
+        "stratagem.Rpc", {name: grpc.unary_unary_rpc_method_handler(impostor)
+                          for name in ("echo", "_rpc_hello")})
     fake = grpc.server(futures.ThreadPoolExecutor(2), handlers=[handler])
     port = fake.add_insecure_port("127.0.0.1:0")
     fake.start()
