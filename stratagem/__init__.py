@@ -47,18 +47,19 @@ from stratagem.values import DistributedValues, PerReplica, ReduceOp
 from stratagem.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
 from stratagem.ps.variables import ShardedVariable
 from stratagem.preemption import PreemptionWatcher
-from stratagem import cluster, nn
+from stratagem.training import Checkpoint, CheckpointManager
+from stratagem import callbacks, cluster, nn
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AutoShardPolicy", "ClusterCoordinator", "CommunicationImplementation", "CommunicationOptions",
-    "CrossDeviceOps", "DistributedValues", "FixedShardsPartitioner", "HierarchicalCopyAllReduce",
+    "AutoShardPolicy", "Checkpoint", "CheckpointManager", "ClusterCoordinator", "CommunicationImplementation",
+    "CommunicationOptions", "CrossDeviceOps", "DistributedValues", "FixedShardsPartitioner", "HierarchicalCopyAllReduce",
     "InputContext", "InputOptions", "MaxSizePartitioner", "MinSizePartitioner", "MirroredStrategy",
     "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "ParameterServerStrategy",
     "PerReplica", "PreemptionWatcher", "ReduceOp", "ReductionToOneDevice", "RemoteValue",
     "ReplicaContext", "ShardedVariable",
-    "Strategy", "ValueContext", "cluster", "errors", "get_replica_context", "get_strategy",
+    "Strategy", "ValueContext", "callbacks", "cluster", "errors", "get_replica_context", "get_strategy",
     "has_strategy", "in_cross_replica_context", "nn",
 ]
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
+from stratagem.data.position import Position, PositionedDataset, TrackedIterator, primed
 from stratagem.data.sharding import AgreedEnd, WorkerBatchSampler, shard_dataloader, split_sizes
 from stratagem.errors import InvalidArgumentError
 from stratagem.values import PerReplica, flatten, pack_as
@@ -90,7 +91,7 @@ class ValueContext:
     num_replicas_in_sync: int = 1
 
 
-def _batch_size_of(leaves: list[Any]) -> int:
+def batch_size_of(leaves: list[Any]) -> int:
     sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
     if len(sizes) > 1:
         raise InvalidArgumentError(
@@ -102,7 +103,7 @@ def _batch_size_of(leaves: list[Any]) -> int:
     return sizes.pop()
 
 
-def _as_tensor(leaf: Any) -> Any:
+def as_tensor(leaf: Any) -> Any:
     if isinstance(leaf, np.ndarray):
         return torch.from_numpy(leaf)
     return leaf
@@ -114,8 +115,8 @@ def split_batch(batch: Any, num_replicas: int, first: int, count: int) -> tuple[
     Leaves without a batch dimension (numbers, strings, 0-d tensors) go to every
     replica unchanged. Returns the slices and the global batch size.
     """
-    leaves = [_as_tensor(leaf) for leaf in flatten(batch)]
-    total = _batch_size_of(leaves)
+    leaves = [as_tensor(leaf) for leaf in flatten(batch)]
+    total = batch_size_of(leaves)
     sizes = split_sizes(total, num_replicas)
     starts = [sum(sizes[:r]) for r in range(num_replicas)]
     slices = []
@@ -126,7 +127,7 @@ def split_batch(batch: Any, num_replicas: int, first: int, count: int) -> tuple[
     return slices, total
 
 
-def _to_device(leaves: list[Any], device: torch.device) -> list[Any]:
+def to_device(leaves: list[Any], device: torch.device) -> list[Any]:
     non_blocking = device.type == "cuda"
     return [leaf.to(device, non_blocking=non_blocking) if isinstance(leaf, torch.Tensor) else leaf
             for leaf in leaves]
@@ -137,7 +138,7 @@ def _pin(leaves: list[Any]) -> list[Any]:
             for leaf in leaves]
 
 
-class _PrefetchingIterator:
+class PrefetchingIterator:
     """Yields distributed batches; with CUDA devices, the next batch is copied ahead."""
 
     def __init__(self, strategy: Any, source: Iterator, make: Callable[[Any], Any], prefetch: bool):
@@ -147,7 +148,7 @@ class _PrefetchingIterator:
         self._prefetch = prefetch
         self._ahead: list[Any] = []
 
-    def __iter__(self) -> "_PrefetchingIterator":
+    def __iter__(self) -> "PrefetchingIterator":
         return self
 
     def __next__(self) -> Any:
@@ -167,7 +168,7 @@ class _PrefetchingIterator:
         return next(self)
 
 
-class DistributedDataset:
+class DistributedDataset(PositionedDataset):
     """An iterable of global batches, split across replicas (from ``experimental_distribute_dataset``).
 
     Example::
@@ -188,8 +189,13 @@ class DistributedDataset:
         self._strategy = strategy
         self._dataset = dataset
         self._options = options or InputOptions()
+        self.position = Position(dataset)
 
-    def __iter__(self) -> _PrefetchingIterator:
+    def __iter__(self) -> TrackedIterator:
+        source, settle, token = self.position.begin(self._dataset)
+        return TrackedIterator(self, primed(self._iterate(source), settle), token)
+
+    def _iterate(self, source: Iterable) -> PrefetchingIterator:
         strategy = self._strategy
         devices = list(strategy.topology.torch_devices)
         cuda = any(d.type == "cuda" for d in devices) and self._options.experimental_fetch_to_device
@@ -206,7 +212,7 @@ class DistributedDataset:
             if self._options.experimental_fetch_to_device:
                 if cuda:
                     slices = [_pin(s) for s in slices]
-                slices = [_to_device(s, device) for s, device in zip(slices, devices)]
+                slices = [to_device(s, device) for s, device in zip(slices, devices)]
             if one_replica:
                 return pack_as(batch, slices[0])
             columns = [PerReplica([s[i] for s in slices], strategy, total) for i in range(len(slices[0]))]
@@ -214,107 +220,31 @@ class DistributedDataset:
 
         sharded = None
         if strategy.topology.num_workers > 1 and not shard_off:
-            sharded = shard_dataloader(self._dataset, num_replicas, first, count, strategy.collective.broadcast_object)
+            sharded = shard_dataloader(source, num_replicas, first, count, strategy.collective.broadcast_object)
         if sharded is not None:
             items = _sharded_items(*sharded, num_replicas, first, count)
         else:
-            items = _split_items(self._worker_batches(), num_replicas, first, count)
-        return _PrefetchingIterator(strategy, items, make, cuda and self._options.experimental_prefetch)
+            items = _split_items(self._worker_batches(source), num_replicas, first, count)
+        return PrefetchingIterator(strategy, items, make, cuda and self._options.experimental_prefetch)
 
-    def _worker_batches(self) -> Iterator[tuple[Any, int | None]]:
+    def _worker_batches(self, source: Iterable) -> Iterator[tuple[Any, int | None]]:
         """Global batches, agreed across workers: ``(batch, None)``, or ``(template, total)``
         while this worker has run out and others have not."""
         strategy = self._strategy
-        if strategy.topology.num_workers == 1 or _same_length_everywhere(strategy, self._dataset):
-            return ((batch, None) for batch in self._dataset)
-        return _agreed_batches(strategy, iter(self._dataset), global_batches=True)
-
-class DistributedDatasetsFromFunction:
-    """Per-replica batches from ``dataset_fn(InputContext)`` (``distribute_datasets_from_function``).
-
-    Each local replica takes the next element of this worker's dataset in turn.
-    When the dataset runs out part-way through a step, the replicas left without an
-    element get an empty slice of the same structure, so the step still completes.
-
-    Example::
-
-        import torch, stratagem as sg
-        s = sg.MirroredStrategy(["cpu:0", "cpu:1"])
-
-        def dataset_fn(ctx):
-            n = ctx.get_per_replica_batch_size(8)
-            return [torch.ones(n, 3) for _ in range(4)]
-
-        for batch in s.distribute_datasets_from_function(dataset_fn):
-            pass
-    """
-
-    def __init__(self, strategy: Any, dataset_fn: Callable, options: InputOptions | None = None):
-        if not callable(dataset_fn):
-            raise InvalidArgumentError("dataset_fn must be callable: dataset_fn(input_context) -> iterable")
-        if options is not None and not isinstance(options, InputOptions):
-            raise InvalidArgumentError(f"options must be sg.InputOptions, got {options!r}")
-        self._strategy = strategy
-        self._options = options or InputOptions()
-        context = InputContext(strategy.topology.num_workers, strategy.topology.worker_index, strategy.num_replicas_in_sync)
-        self._dataset = dataset_fn(context)
-        if not isinstance(self._dataset, Iterable):
-            raise InvalidArgumentError(
-                f"dataset_fn must return an iterable of per-replica batches, got {type(self._dataset).__name__}")
-
-    def __iter__(self) -> _PrefetchingIterator:
-        strategy = self._strategy
-        devices = list(strategy.topology.torch_devices)
-        count = strategy.topology.num_local_replicas
-        cuda = any(d.type == "cuda" for d in devices)
-        source = iter(self._dataset)
-        exact = strategy.topology.num_workers == 1
-
-        def groups() -> Iterator[list[Any]]:
-            while True:
-                group = []
-                for _ in range(count):
-                    try:
-                        group.append(next(source))
-                    except StopIteration:
-                        break
-                if not group:
-                    return
-                while len(group) < count:
-                    group.append(_empty_like(group[0]))
-                yield group
-
-        if not exact:
-            agreed = _agreed_batches(strategy, groups(), global_batches=False)
-        else:
-            agreed = ((group, None) for group in groups())
-
-        def make(item: tuple[Any, int | None]) -> Any:
-            group, total = item
-            if isinstance(group, _Template):
-                group = [_empty_like(group.batch[0])] * count
-            flat = [[_as_tensor(leaf) for leaf in flatten(element)] for element in group]
-            if self._options.experimental_fetch_to_device:
-                flat = [_to_device(f, device) for f, device in zip(flat, devices)]
-            if exact:
-                total = sum(_batch_size_of(f) for f in flat)
-            if strategy.num_replicas_in_sync == 1:
-                return pack_as(group[0], flat[0])
-            columns = [PerReplica([f[i] for f in flat], strategy, total) for i in range(len(flat[0]))]
-            return pack_as(group[0], columns)
-
-        return _PrefetchingIterator(strategy, agreed, make, cuda and self._options.experimental_prefetch)
+        if strategy.topology.num_workers == 1 or _same_length_everywhere(strategy, source):
+            return ((batch, None) for batch in source)
+        return agreed_batches(strategy, iter(source), global_batches=True)
 
 
-def _empty_like(element: Any) -> Any:
-    leaves = [_as_tensor(leaf) for leaf in flatten(element)]
+def empty_like(element: Any) -> Any:
+    leaves = [as_tensor(leaf) for leaf in flatten(element)]
     return pack_as(element, [leaf[:0] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
                              for leaf in leaves])
 
 
 # ------------------------------------------------------------------ workers
 
-class _Template:
+class Template:
     """Stands for a batch this worker no longer has, while other workers still do."""
 
     def __init__(self, batch: Any):
@@ -324,8 +254,8 @@ class _Template:
 def _split_items(batches: Iterator[tuple[Any, int | None]], num_replicas: int, first: int,
                  count: int) -> Iterator[tuple[Any, list[list[Any]], int]]:
     for batch, agreed_total in batches:
-        if isinstance(batch, _Template):
-            slices, _ = split_batch(_empty_like(batch.batch), count, 0, count)
+        if isinstance(batch, Template):
+            slices, _ = split_batch(empty_like(batch.batch), count, 0, count)
             yield batch.batch, slices, agreed_total
         else:
             slices, total = split_batch(batch, num_replicas, first, count)
@@ -338,7 +268,7 @@ def _sharded_items(loader: Any, sampler: WorkerBatchSampler, num_replicas: int, 
     for local in loader:
         total = sampler.global_sizes.popleft()
         sizes = split_sizes(total, num_replicas)[first:first + count]  # all 0: the loaded row is dropped
-        leaves = [_as_tensor(leaf) for leaf in flatten(local)]
+        leaves = [as_tensor(leaf) for leaf in flatten(local)]
         slices, start = [], 0
         for size in sizes:
             slices.append([leaf[start:start + size] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
@@ -359,7 +289,7 @@ def _same_length_everywhere(strategy: Any, dataset: Any) -> bool:
     return length >= 0 and totals[0].item() == n * length and totals[1].item() == n * length * length
 
 
-def _agreed_batches(strategy: Any, source: Iterator, *, global_batches: bool) -> Iterator[tuple[Any, int | None]]:
+def agreed_batches(strategy: Any, source: Iterator, *, global_batches: bool) -> Iterator[tuple[Any, int | None]]:
     """Read ``source`` step by step while any worker still has data (see :mod:`.sharding`)."""
     agreement = AgreedEnd(strategy.collective.worker_sum)
     template = None
@@ -371,9 +301,9 @@ def _agreed_batches(strategy: Any, source: Iterator, *, global_batches: bool) ->
         if batch is None:
             rows = 0
         elif global_batches:
-            rows = _batch_size_of([_as_tensor(leaf) for leaf in flatten(batch)])
+            rows = batch_size_of([as_tensor(leaf) for leaf in flatten(batch)])
         else:
-            rows = sum(_batch_size_of([_as_tensor(leaf) for leaf in flatten(e)]) for e in batch)
+            rows = sum(batch_size_of([as_tensor(leaf) for leaf in flatten(e)]) for e in batch)
         holders, total = agreement.step(batch is not None, rows)
         if not holders:
             return
@@ -387,4 +317,4 @@ def _agreed_batches(strategy: Any, source: Iterator, *, global_batches: bool) ->
                 f"give every worker at least one batch (or read one shared dataset)")
         # Global batches: every worker that still has data read the same batch, so the
         # rows summed over them divided by their number is its size.
-        yield _Template(template), (total // holders if global_batches else total)
+        yield Template(template), (total // holders if global_batches else total)

@@ -59,6 +59,16 @@ class Placement(abc.ABC):
         """Every local replica's copy of a placed tensor, else None."""
         return None
 
+    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> tuple[Any, dict[str, dict]] | None:
+        """Save a module's or optimizer's state where it lives, for ``sg.Checkpoint``.
+
+        ``directory`` is the checkpoint being written; files written into it are named
+        ``<name>.*``. Returns the state for ``<name>.pt`` (pieces replaced by descriptors, see
+        :mod:`stratagem.training.pieces`) and the manifest entries of the files written, or
+        None: the checkpoint saves ``obj.state_dict()``, one logical copy (the default).
+        """
+        return None
+
     # ----------------------------------------------------------- optimizers
 
     @abc.abstractmethod

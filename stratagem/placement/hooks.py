@@ -161,6 +161,11 @@ def adopt(optimizer: torch.optim.Optimizer, placement: Any) -> None:
     optimizer._sg_placement = placement
 
 
+def placement_of(optimizer: torch.optim.Optimizer) -> Any:
+    """The placement of an optimizer created in a strategy's scope, else None."""
+    return optimizer.__dict__.get("_sg_placement")
+
+
 def unhooked_step(base: type) -> Callable[..., Any]:
     """``base.step`` without torch's hook-running wrapper (we fire the hooks once ourselves)."""
     step = base.step

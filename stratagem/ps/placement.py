@@ -38,6 +38,7 @@ from stratagem.data.sharding import split_sizes
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.base import Placement
 from stratagem.placement.hooks import adopt
+from stratagem.ps.checkpointing import write_state
 from stratagem.ps.client import ParameterServerClient, call_each
 from stratagem.ps.embedding import PSEmbedding
 from stratagem.ps.sparse_update import dense_updates_warning, updates_rows_only
@@ -243,6 +244,10 @@ class ParameterServerPlacement(Placement):
         self.stale()
         if self.on_restored is not None:
             self.on_restored()
+
+    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
+        """Every ps writes its shards of ``obj`` into the checkpoint, in parallel (:mod:`.checkpointing`)."""
+        return write_state(self, obj, directory, name)
 
     # --------------------------------------------------------- optimizers
 

@@ -43,6 +43,7 @@ from torch import nn
 
 from stratagem.cluster.joined import mark_joined
 from stratagem.errors import InvalidArgumentError, UnavailableError
+from stratagem.ps.checkpointing import checkpoint_handlers
 from stratagem.ps.fencing import Fence, Fences
 from stratagem.ps.shards import (OptimizerSpec, Rows, Shard, check_rows, check_spec, check_value,
                                  make_optimizer, nbytes)
@@ -316,6 +317,7 @@ class ParameterServer(ShardStates):
             "renew_lease": self.renew_lease, "expire_lease": self.expire_lease,
         }
         handlers = {name: _keyword_handler(name, method) for name, method in methods.items()}
+        handlers.update(checkpoint_handlers(self))   # write_shards
         # These copy the request's tensors into variables or read them as gradients: the
         # transport may hand them over as views of the received bytes, without a copy.
         for name in ("create", "push", "push_rows", "assign", "set_state"):

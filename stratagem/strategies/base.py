@@ -25,7 +25,8 @@ import torch
 from stratagem import _context
 from stratagem._profiling import label
 from stratagem.comm.collective import Collective
-from stratagem.data.input import DistributedDataset, DistributedDatasetsFromFunction, ValueContext
+from stratagem.data.from_function import DistributedDatasetsFromFunction
+from stratagem.data.input import DistributedDataset, ValueContext
 from stratagem.devices import Topology
 from stratagem.errors import ContextError, InvalidArgumentError
 from stratagem.placement import hooks

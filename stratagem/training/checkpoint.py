@@ -1,0 +1,302 @@
+"""``sg.Checkpoint``: one logical copy of the training state, saved atomically, restored anywhere.
+
+What each strategy contributes is what it already promises outside ``run``: a module's
+``state_dict()`` and a scoped optimizer's ``state_dict()`` are one logical copy under
+every strategy (Mirrored: replica 0's; parameter server: pulled from the shards), and
+``load_state_dict`` reaches every copy (every replica, every ps). So a checkpoint holds
+plain tensors, whatever wrote it, and restores under any other strategy or replica count.
+
+Across workers (the strategy's topology says how many, and which one this is): every
+worker calls ``save`` and ``restore``. In ``save`` the workers first gather their dataset
+positions (each reads its own input), then the chief (worker 0) writes while the others
+wait for its answer, so that when ``save`` returns on any worker the checkpoint is
+complete -- or every worker raises. In ``restore`` every worker reads and verifies the
+files itself (the directory must be on a file system all workers share), the workers
+agree that all of them succeeded, and only then does anything change.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stratagem import _context
+from stratagem.data.position import PositionedDataset, TrackedIterator
+from stratagem.errors import CheckpointError, ContextError, InvalidArgumentError
+from stratagem.placement.hooks import placement_of
+from stratagem.training.pieces import assemble
+from stratagem.training.storage import CheckpointReader, DirectoryWriter, check_loadable, serialize
+from stratagem.training.validate import problems_with
+
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def kind_of(name: str, obj: Any) -> str:
+    """What a trackable is: module, optimizer, scheduler, tensor, int, dataset or stateful."""
+    if isinstance(obj, bool):
+        raise InvalidArgumentError(f"Checkpoint({name}=...) got a bool; track an int (0 or 1) instead")
+    for kind, types in (("int", int), ("module", nn.Module), ("optimizer", torch.optim.Optimizer),
+                        ("scheduler", _SCHEDULERS), ("tensor", torch.Tensor),
+                        ("dataset", (PositionedDataset, TrackedIterator))):
+        if isinstance(obj, types):
+            return kind
+    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+        return "stateful"
+    raise InvalidArgumentError(
+        f"Checkpoint cannot track {name}={type(obj).__name__}: it tracks modules, optimizers, LR schedulers, "
+        f"tensors, ints, distributed datasets or their iterators, and objects with state_dict() and "
+        f"load_state_dict(); wrap other values in a tensor")
+
+
+class Checkpoint:
+    """Training state to save and restore: ``sg.Checkpoint(model=..., optimizer=..., step=0)``.
+
+    Tracks modules, optimizers, LR schedulers, tensors (restored in place), ints (read
+    and set as attributes: ``ckpt.step``), distributed datasets or their iterators (the
+    input position: epoch, step in it, shuffle state; see ``docs/checkpoints.md``), and
+    any object with ``state_dict()`` / ``load_state_dict()``. ``save(path)`` writes one
+    logical copy atomically and returns the path; ``restore(path)`` verifies everything
+    (checksums, names, shapes) before it changes anything, and raises
+    :class:`~stratagem.errors.CheckpointError` naming the file and the problem.
+
+    Example::
+
+        import tempfile, torch, stratagem as sg
+        strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+        with strategy.scope():
+            model = torch.nn.Linear(4, 2)
+            optimizer = torch.optim.Adam(model.parameters())
+        ckpt = sg.Checkpoint(model=model, optimizer=optimizer, step=0)
+        ckpt.step = 10
+        path = ckpt.save(tempfile.mkdtemp() + "/ckpt-1")
+        ckpt.step = 0
+        ckpt.restore(path)
+        assert ckpt.step == 10
+    """
+
+    def __init__(self, **trackables: Any):
+        if not trackables:
+            raise InvalidArgumentError("Checkpoint needs something to track: sg.Checkpoint(model=model, ...)")
+        kinds = {}
+        for name, obj in trackables.items():
+            if not _NAME.match(name) or name == "manifest":
+                raise InvalidArgumentError(
+                    f"Checkpoint cannot track a name {name!r}: names start with a letter and use letters, "
+                    f"digits and underscores (and 'manifest' is taken)")
+            kinds[name] = kind_of(name, obj)
+        object.__setattr__(self, "_objects", dict(trackables))
+        object.__setattr__(self, "_kinds", kinds)
+        object.__setattr__(self, "_scope_strategy", _context.get_strategy() if _context.has_strategy() else None)
+
+    # ------------------------------------------------------------- attributes
+
+    def __getattr__(self, name: str) -> Any:
+        objects = self.__dict__.get("_objects", {})
+        if name in objects:
+            return objects[name]
+        raise AttributeError(f"Checkpoint tracks no {name!r} (it tracks {', '.join(objects)})")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self._objects:
+            raise AttributeError(f"Checkpoint tracks no {name!r}; name it when creating the checkpoint: "
+                                 f"sg.Checkpoint({name}=...)")
+        if kind_of(name, value) != self._kinds[name]:
+            raise InvalidArgumentError(f"{name} is tracked as a {self._kinds[name]}; cannot replace it with a "
+                                       f"{type(value).__name__}")
+        self._objects[name] = value
+
+    @property
+    def trackables(self) -> dict[str, Any]:
+        """The tracked objects by name (a copy: change ints through attributes)."""
+        return dict(self._objects)
+
+    # -------------------------------------------------------------- strategy
+
+    @property
+    def strategy(self) -> Any:
+        """Whose workers save together: that of a tracked scoped optimizer or distributed dataset,
+        else the strategy whose scope was open when the checkpoint was made, else the current one."""
+        for obj in self._objects.values():
+            placement = placement_of(obj) if isinstance(obj, torch.optim.Optimizer) else None
+            if placement is not None:
+                return placement.strategy
+            if isinstance(obj, (PositionedDataset, TrackedIterator)):
+                return obj.strategy
+        strategy = self._scope_strategy or _context.get_strategy()
+        if strategy.is_default and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ContextError(
+                f"this Checkpoint tracks nothing that names its strategy, and this process is one of "
+                f"{dist.get_world_size()}: create the Checkpoint inside `with strategy.scope():` (or track an "
+                f"optimizer or distributed dataset made under it) so that only the chief writes")
+        return strategy
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process writes checkpoints: the chief (worker 0); every other worker only waits."""
+        return self.strategy.topology.worker_index == 0
+
+    def _check_context(self, method: str) -> None:
+        if _context.has_strategy() and _context.get_replica_context() is not None:
+            raise ContextError(f"Checkpoint.{method} was called inside strategy.run; call it between steps, "
+                               f"outside run (in cross-replica context)")
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, path: "str | os.PathLike") -> str:
+        """Write the tracked state to the directory ``path`` atomically; return the path written.
+
+        Every worker of a multi-worker strategy must call it; only the chief writes.
+        """
+        self._check_context("save")
+        strategy = self.strategy
+        collective, topology = strategy.collective, strategy.topology
+        positions = {name: obj.state_dict() for name, obj in self._objects.items() if self._kinds[name] == "dataset"}
+        if topology.num_workers > 1:
+            everyone = collective.all_gather_object(positions, "Checkpoint.save (dataset positions)")
+            positions = {name: [worker[name] for worker in everyone] for name in positions}
+        else:
+            positions = {name: [state] for name, state in positions.items()}
+        outcome: tuple[str, str] | None = None
+        failure = None
+        if topology.worker_index == 0:
+            try:
+                outcome = ("ok", str(self._write(Path(path), positions, strategy)))
+            except Exception as err:   # told to every worker, then raised everywhere
+                outcome, failure = ("error", f"{type(err).__name__}: {err}"), err
+        if topology.num_workers > 1:
+            outcome = collective.broadcast_object(outcome)
+        if failure is not None:
+            raise failure
+        status, detail = outcome
+        if status != "ok":
+            raise CheckpointError(f"the chief could not write the checkpoint {path}: {detail}")
+        return detail
+
+    def _write(self, path: Path, positions: dict[str, list], strategy: Any) -> Path:
+        writer = DirectoryWriter(path)
+        try:
+            objects = {name: self._write_object(writer, name, obj, positions, strategy)
+                       for name, obj in self._objects.items()}
+            info = {"strategy": type(strategy).__name__, "num_replicas_in_sync": strategy.num_replicas_in_sync,
+                    "num_workers": strategy.topology.num_workers, "torch": torch.__version__,
+                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            return writer.commit(objects, info)
+        except BaseException:
+            writer.abort()
+            raise
+
+    def _write_object(self, writer: DirectoryWriter, name: str, obj: Any, positions: dict[str, list],
+                      strategy: Any) -> dict[str, Any]:
+        kind = self._kinds[name]
+        entry: dict[str, Any] = {"kind": kind, "type": type(obj).__name__}
+        if kind == "int":
+            entry["value"] = int(obj)
+            return entry
+        written = None
+        if kind in ("module", "optimizer"):   # where the state lives may write it there (ps shards)
+            written = strategy.placement.write_checkpoint_state(obj, writer.temporary, name)
+        if written is not None:
+            state, others = written
+            for file, file_entry in others.items():
+                writer.adopt(file, file_entry)
+            entry["pieces"] = sorted(others)
+        elif kind == "tensor":
+            state = obj.detach().cpu()
+        elif kind == "dataset":
+            state = {"workers": positions[name]}
+        else:
+            state = obj.state_dict()
+        check_loadable(state, f"{name}.state_dict()" if kind != "tensor" else name)
+        writer.add(f"{name}.pt", serialize(state))
+        entry["file"] = f"{name}.pt"
+        return entry
+
+    # --------------------------------------------------------------- restore
+
+    def restore(self, path: "str | os.PathLike") -> str:
+        """Restore every tracked object from ``path``; return the path.
+
+        Verifies first (manifest, sizes, checksums, names, kinds, shapes) and changes
+        nothing unless everything matches -- on every worker. Every worker must call it.
+        """
+        self._check_context("restore")
+        strategy = self.strategy
+        topology = strategy.topology
+        loaded: dict[str, Any] = {}
+        problem = None
+        try:
+            loaded = self._read(CheckpointReader(path), topology)
+        except CheckpointError as err:
+            problem = str(err)
+        if topology.num_workers > 1:
+            problems = strategy.collective.all_gather_object(problem, "Checkpoint.restore (verification)")
+            failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+            if failed:
+                raise CheckpointError("; ".join(f"worker {rank}: {p}" for rank, p in failed))
+        elif problem is not None:
+            raise CheckpointError(problem)
+        self._apply(loaded)
+        return str(path)
+
+    def _read(self, reader: CheckpointReader, topology: Any) -> dict[str, Any]:
+        saved = reader.manifest["objects"]
+        missing = [name for name in self._objects if name not in saved]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {reader.path} holds no {', '.join(map(repr, missing))} (it holds "
+                f"{', '.join(map(repr, saved))}); track the same names as the job that saved it")
+        names = _parameter_names(self._objects, self._kinds)
+        loaded = {}
+        for name, obj in self._objects.items():
+            entry, kind = saved[name], self._kinds[name]
+            if entry.get("kind") != kind:
+                raise CheckpointError(f"checkpoint {reader.path}: {name!r} was saved as a {entry.get('kind')}, "
+                                      f"but here it is a {kind} ({type(obj).__name__})")
+            if kind == "int":
+                loaded[name] = int(entry["value"])
+                continue
+            value = assemble(reader.load(entry["file"]), reader.load)
+            if kind == "dataset":
+                workers = value.get("workers") if isinstance(value, dict) else None
+                if not workers:
+                    raise CheckpointError(f"checkpoint {reader.path}: {entry['file']}: no dataset position in it")
+                same = len(workers) == topology.num_workers and obj.per_worker_position
+                value = workers[topology.worker_index if same else 0]
+            problem = problems_with(kind, obj, value, names)
+            if problem:
+                raise CheckpointError(f"checkpoint {reader.path}: {entry['file']}: {problem}")
+            loaded[name] = value
+        return loaded
+
+    def _apply(self, loaded: dict[str, Any]) -> None:
+        order = ("module", "tensor", "optimizer", "scheduler", "stateful", "int", "dataset")
+        for name in sorted(loaded, key=lambda n: order.index(self._kinds[n])):
+            kind, obj, value = self._kinds[name], self._objects[name], loaded[name]
+            if kind == "int":
+                self._objects[name] = value
+            elif kind == "tensor":
+                with torch.no_grad():
+                    obj.copy_(value)
+            else:
+                obj.load_state_dict(value)
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({', '.join(f'{n}=<{k}>' for n, k in self._kinds.items())})"
+
+
+def _parameter_names(objects: dict[str, Any], kinds: dict[str, str]) -> dict[int, str]:
+    """``id(parameter) -> "model.fc1.weight"`` over the tracked modules: errors name parameters."""
+    names: dict[int, str] = {}
+    for name, obj in objects.items():
+        if kinds[name] == "module":
+            for pname, param in obj.named_parameters():
+                names.setdefault(id(param), f"{name}.{pname}")
+    return names

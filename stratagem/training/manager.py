@@ -1,0 +1,136 @@
+"""``sg.CheckpointManager``: numbered checkpoints in one directory, the newest few kept.
+
+The directory holds ``ckpt-1``, ``ckpt-2``, ... (each a complete checkpoint, see
+:mod:`stratagem.training.storage`); the directory listing is the index, so nothing can
+disagree with it after a crash. ``save()`` writes ``ckpt-<latest + 1>``, then the chief
+deletes the oldest beyond ``max_to_keep`` (each is first renamed to a temporary name, so a
+half-deleted checkpoint never looks like one) and any unfinished writes a crash left.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import warnings
+from pathlib import Path
+
+from stratagem.errors import CheckpointError, InvalidArgumentError
+from stratagem.training.checkpoint import Checkpoint
+from stratagem.training.storage import remove_stale_temporaries
+
+
+class CheckpointManager:
+    """Saves ``checkpoint`` as ``directory/ckpt-<n>``, keeps the newest ``max_to_keep``.
+
+    ``restore_or_initialize()`` restores the newest checkpoint that verifies, warning about
+    each newer one that does not, and returns its path; with no checkpoint it returns None
+    (the objects keep their fresh values).
+
+    Example::
+
+        import os, tempfile, torch, stratagem as sg
+        model = torch.nn.Linear(4, 2)
+        ckpt = sg.Checkpoint(model=model, step=0)
+        manager = sg.CheckpointManager(ckpt, tempfile.mkdtemp(), max_to_keep=2)
+        assert manager.restore_or_initialize() is None      # nothing saved yet
+        for step in range(1, 4):
+            ckpt.step = step
+            manager.save()
+        assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-2", "ckpt-3"]
+        assert manager.restore_or_initialize().endswith("ckpt-3") and ckpt.step == 3
+    """
+
+    def __init__(self, checkpoint: Checkpoint, directory: "str | os.PathLike", max_to_keep: int | None = 5,
+                 *, checkpoint_name: str = "ckpt"):
+        if not isinstance(checkpoint, Checkpoint):
+            raise InvalidArgumentError(f"CheckpointManager manages an sg.Checkpoint, got {type(checkpoint).__name__}")
+        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+            raise InvalidArgumentError(f"max_to_keep must be a positive int or None (keep all), got {max_to_keep!r}")
+        if not re.match(r"^[A-Za-z0-9_.]+$", checkpoint_name) or "-" in checkpoint_name:
+            raise InvalidArgumentError(f"checkpoint_name must use letters, digits, '_' or '.', got {checkpoint_name!r}")
+        self.checkpoint = checkpoint
+        self.directory = Path(directory)
+        self.max_to_keep = max_to_keep
+        self._pattern = re.compile(rf"^{re.escape(checkpoint_name)}-(\d+)$")
+        self._name = checkpoint_name
+
+    def _numbered(self) -> list[tuple[int, Path]]:
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for entry in self.directory.iterdir():
+            match = self._pattern.match(entry.name)
+            if match and entry.is_dir():
+                found.append((int(match.group(1)), entry))
+        return sorted(found)
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """The paths of the checkpoints in the directory, oldest first."""
+        return [str(path) for _, path in self._numbered()]
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The path of the newest checkpoint, or None."""
+        numbered = self._numbered()
+        return str(numbered[-1][1]) if numbered else None
+
+    def save(self, checkpoint_number: int | None = None) -> str:
+        """Save as ``ckpt-<checkpoint_number>`` (default: one more than the newest); return its path.
+
+        Every worker must call it; the chief writes, then deletes the oldest beyond ``max_to_keep``.
+        """
+        numbered = self._numbered()
+        if checkpoint_number is None:
+            checkpoint_number = numbered[-1][0] + 1 if numbered else 1
+        if not isinstance(checkpoint_number, int) or checkpoint_number < 0:
+            raise InvalidArgumentError(f"checkpoint_number must be a non-negative int, got {checkpoint_number!r}")
+        strategy = self.checkpoint.strategy
+        if strategy.topology.num_workers > 1:   # the chief's listing decides the name
+            checkpoint_number = strategy.collective.broadcast_object(checkpoint_number)
+        path = self.checkpoint.save(self.directory / f"{self._name}-{checkpoint_number}")
+        if self.checkpoint.is_writer:
+            remove_stale_temporaries(self.directory, f"{self._name}-")
+            if self.max_to_keep is not None:
+                for _, old in self._numbered()[:-self.max_to_keep]:
+                    _remove(old)
+        return path
+
+    def restore_or_initialize(self) -> str | None:
+        """Restore the newest good checkpoint and return its path; None when there is none.
+
+        A checkpoint that fails verification is skipped with a warning that names it and
+        the problem; when every checkpoint fails, raises the newest one's CheckpointError
+        (rather than silently starting over).
+        """
+        failures = []
+        paths = self.checkpoints
+        strategy = self.checkpoint.strategy
+        if strategy.topology.num_workers > 1:   # every worker tries the chief's list, in the same order
+            paths = strategy.collective.broadcast_object(paths)
+        for path in reversed(paths):
+            try:
+                return self.checkpoint.restore(path)
+            except CheckpointError as err:
+                failures.append(err)
+                warnings.warn(f"checkpoint {path} cannot be restored ({err}); falling back to the previous "
+                              f"checkpoint", RuntimeWarning, stacklevel=2)
+        if failures:
+            raise CheckpointError(f"none of the {len(failures)} checkpoints in {self.directory} can be restored; "
+                                  f"the newest: {failures[0]}")
+        return None
+
+    def delete_all(self) -> None:
+        """Remove every checkpoint of this manager (the chief does; other workers do nothing)."""
+        if self.checkpoint.is_writer:
+            for _, path in self._numbered():
+                _remove(path)
+            remove_stale_temporaries(self.directory, f"{self._name}-")
+
+
+def _remove(path: Path) -> None:
+    doomed = path.with_name(f"{path.name}.tmp-deleting-{secrets.token_hex(4)}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)

@@ -1,0 +1,223 @@
+"""How a checkpoint lies on disk: a directory, a manifest, checksums, written atomically.
+
+A checkpoint is a directory::
+
+    ckpt-3/
+      manifest.json     format and version, what each object is, each file's size and sha256
+      model.pt          one torch.save file per tensor-holding object, named after it
+      optimizer.pt
+
+``manifest.json`` carries a sha256 of its own canonical content, so a flipped byte in it
+is caught like one in a data file. Every ``.pt`` file holds only what
+``torch.load(weights_only=True)`` reads back (tensors, numbers, strings, lists, dicts):
+restoring never unpickles arbitrary objects, and saving refuses anything else up front.
+
+Atomic write (:func:`write_directory`): the files go into ``<path>.tmp-<random>``, each is
+fsynced, then the manifest, then the directory; the directory is renamed to ``<path>`` and
+the parent is fsynced. A crash at any moment leaves either no ``<path>`` or a complete one;
+leftover ``*.tmp-*`` directories are never read and are removed by the next writer
+(:func:`remove_stale_temporaries`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stratagem.errors import CheckpointError, InvalidArgumentError
+
+FORMAT = "stratagem-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+_TEMP_MARK = ".tmp-"
+_SAFE_LEAVES = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.Size, torch.device)
+
+
+def check_loadable(value: Any, where: str) -> None:
+    """Raise when ``value`` holds something ``torch.load(weights_only=True)`` would refuse."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_loadable(key, f"{where} (a key)")
+            check_loadable(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_loadable(item, f"{where}[{i}]")
+    elif not isinstance(value, _SAFE_LEAVES):
+        raise InvalidArgumentError(
+            f"cannot checkpoint {where}: it is a {type(value).__name__}, and checkpoints hold only "
+            f"tensors, numbers, strings, lists and dicts (so that restoring never unpickles code); "
+            f"keep such objects out of the state_dict, or rebuild them from plain values")
+
+
+def _canonical(document: dict) -> bytes:
+    return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def serialize(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def write_file(path: Path, data: bytes) -> dict:
+    """Write and fsync one file of a checkpoint; return its manifest entry (size, sha256)."""
+    _write_file(path, data)
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+class DirectoryWriter:
+    """One atomic checkpoint write: files go into ``temporary``, ``commit`` makes them ``path``.
+
+    ``add(name, data)`` writes a file here; ``adopt(name, entry)`` lists a file that another
+    process (a parameter server) wrote into ``temporary`` itself. ``commit`` writes the
+    manifest, fsyncs, renames; ``abort`` removes the temporary directory.
+    """
+
+    def __init__(self, path: "str | os.PathLike"):
+        self.given = Path(path)
+        self.path = self.given.absolute()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.temporary = self.path.with_name(f"{self.path.name}{_TEMP_MARK}{secrets.token_hex(4)}")
+        self.temporary.mkdir()
+        self._entries: dict[str, dict] = {}
+
+    def add(self, name: str, data: bytes) -> None:
+        self._entries[name] = write_file(self.temporary / name, data)
+
+    def adopt(self, name: str, entry: dict) -> None:
+        size = (self.temporary / name).stat().st_size if (self.temporary / name).is_file() else None
+        if size != entry.get("bytes"):
+            raise CheckpointError(f"{name} should have been written into {self.temporary} with "
+                                  f"{entry.get('bytes')} bytes, but {'it is missing' if size is None else size}; "
+                                  f"the directory must be on a file system the parameter servers share")
+        self._entries[name] = {"bytes": entry["bytes"], "sha256": entry["sha256"]}
+
+    def commit(self, objects: dict[str, dict], info: dict) -> Path:
+        manifest = {"format": FORMAT, "version": VERSION, "files": self._entries, "objects": objects, "info": info}
+        manifest["manifest_sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
+        _write_file(self.temporary / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        _fsync_directory(self.temporary)
+        old = None
+        if self.path.exists():
+            old = self.path.with_name(f"{self.path.name}.old-{secrets.token_hex(4)}")
+            os.rename(self.path, old)
+        os.rename(self.temporary, self.path)
+        _fsync_directory(self.path.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return self.given
+
+    def abort(self) -> None:
+        shutil.rmtree(self.temporary, ignore_errors=True)
+
+
+def write_directory(path: Path, files: dict[str, bytes], objects: dict[str, dict], info: dict) -> Path:
+    """Write a checkpoint directory at ``path`` atomically; return ``path``.
+
+    ``files`` maps file names to their bytes; ``objects`` describes each saved object
+    (the manifest's ``objects``); ``info`` is free-form (strategy, replicas) for humans.
+    An existing ``path`` is replaced: the new directory is renamed into place and the old
+    one removed afterwards (a crash in between leaves the old one under ``<path>.old-*``).
+    """
+    writer = DirectoryWriter(path)
+    try:
+        for name, data in files.items():
+            writer.add(name, data)
+        return writer.commit(objects, info)
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def remove_stale_temporaries(directory: Path, prefix: str = "") -> list[Path]:
+    """Remove ``<prefix>*.tmp-*`` directories that a crashed writer left in ``directory``."""
+    removed = []
+    if directory.is_dir():
+        for entry in directory.iterdir():
+            if entry.name.startswith(prefix) and _TEMP_MARK in entry.name and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+    return removed
+
+
+class CheckpointReader:
+    """A checkpoint directory, verified before anything in it is used.
+
+    ``read_manifest()`` checks the format, version and the manifest's own checksum;
+    ``load(name)`` checks a file's size and sha256, then ``torch.load(weights_only=True)``.
+    Every problem raises :class:`~stratagem.errors.CheckpointError` naming the file.
+    """
+
+    def __init__(self, path: "str | os.PathLike"):
+        self.path = Path(path)
+        self.manifest = self._read_manifest()
+
+    def _fail(self, name: str, problem: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {self.path}: {name}: {problem}")
+
+    def _read_manifest(self) -> dict:
+        if _TEMP_MARK in self.path.name:
+            raise CheckpointError(f"{self.path} is an unfinished write (a name with {_TEMP_MARK!r}) and is never "
+                                  f"restored; restore a path that save() returned")
+        if not self.path.is_dir():
+            raise CheckpointError(
+                f"checkpoint {self.path} does not exist or is not a directory; pass the path "
+                f"that save() returned (in multi-worker training the directory must be on a file system "
+                f"every worker can read)")
+        file = self.path / MANIFEST
+        try:
+            manifest = json.loads(file.read_bytes())
+        except FileNotFoundError:
+            raise self._fail(MANIFEST, "missing: this is not a complete checkpoint") from None
+        except (ValueError, UnicodeDecodeError) as err:
+            raise self._fail(MANIFEST, f"not valid JSON ({err}): the file is truncated or corrupt") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise self._fail(MANIFEST, f"not a stratagem checkpoint manifest (format {FORMAT!r} expected)")
+        claimed = manifest.pop("manifest_sha256", None)
+        if claimed != hashlib.sha256(_canonical(manifest)).hexdigest():
+            raise self._fail(MANIFEST, "its checksum does not match its content: the file is corrupt")
+        if manifest.get("version") != VERSION:
+            raise self._fail(MANIFEST, f"format version {manifest.get('version')!r}, but this stratagem "
+                                       f"reads version {VERSION}; restore it with the stratagem that wrote it")
+        return manifest
+
+    def load(self, name: str) -> Any:
+        entry = self.manifest["files"].get(name)
+        if entry is None:
+            raise self._fail(name, "not listed in the manifest")
+        try:
+            data = (self.path / name).read_bytes()
+        except FileNotFoundError:
+            raise self._fail(name, "missing (listed in the manifest)") from None
+        if len(data) != entry["bytes"]:
+            raise self._fail(name, f"{len(data)} bytes where the manifest says {entry['bytes']}: "
+                                   f"the file is truncated or was changed")
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise self._fail(name, "its sha256 does not match the manifest: the file is corrupt")
+        try:
+            return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except Exception as err:   # checksum passed, content not loadable: written by something else
+            raise self._fail(name, f"cannot be read safely ({type(err).__name__}: {err})") from None

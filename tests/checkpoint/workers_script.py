@@ -1,0 +1,90 @@
+"""A multi-worker job that saves a checkpoint (mode save) or resumes from one (mode restore).
+
+Run with `python -m stratagem launch --workers N workers_script.py OUT CKPT_DIR --mode save|restore`.
+Trains a small model with Adam over 2 epochs of a shuffled DataLoader (40 samples, global batch 8)
+under MultiWorkerMirroredStrategy; mode save stops after --steps steps and saves with a
+CheckpointManager, mode restore restores the newest checkpoint and trains to the end. Each worker
+writes OUT/<mode>-rank<r>.json: the sample ids of its slice at every step, how often it wrote a
+checkpoint, whether the checkpoint was complete when save returned, and the final parameters.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import stratagem as sg
+from stratagem.training import checkpoint as checkpoint_module
+
+EPOCHS = 2
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(5)
+    return TensorDataset(torch.randn(40, 5, generator=g), torch.randint(0, 3, (40,), generator=g), torch.arange(40))
+
+
+def make_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("ckpt_dir")
+    parser.add_argument("--mode", choices=["save", "restore"], required=True)
+    parser.add_argument("--steps", type=int, default=7)
+    args = parser.parse_args()
+
+    writes = []
+
+    class CountingWriter(checkpoint_module.DirectoryWriter):
+        def __init__(self, path):
+            writes.append(str(path))
+            super().__init__(path)
+    checkpoint_module.DirectoryWriter = CountingWriter
+
+    strategy = sg.MultiWorkerMirroredStrategy()
+    rank = strategy.cluster_resolver.worker_rank
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = make_model()
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    torch.manual_seed(42)
+    data = strategy.experimental_distribute_dataset(DataLoader(dataset(), batch_size=8, shuffle=True))
+    ckpt = sg.Checkpoint(model=model, optimizer=optimizer, data=data, steps=0)
+    manager = sg.CheckpointManager(ckpt, args.ckpt_dir)
+    report = {"rank": rank, "ids": []}
+    if args.mode == "restore":
+        report["restored"] = manager.restore_or_initialize()
+
+    def step(x, y):
+        loss = sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    for _ in range(data.epoch, EPOCHS):
+        for x, y, ids in data:
+            strategy.run(step, args=(x, y))
+            ckpt.steps += 1
+            report["ids"].append(torch.cat(strategy.experimental_local_results(ids)).tolist())
+            if args.mode == "save" and ckpt.steps == args.steps:
+                path = manager.save()
+                report["saved"] = path
+                report["complete_on_return"] = (Path(path) / "manifest.json").is_file()
+                break
+        else:
+            continue
+        break
+    report["writes"] = writes
+    report["steps"] = ckpt.steps
+    report["final"] = {k: v.tolist() for k, v in model.state_dict().items()}
+    Path(args.out, f"{args.mode}-rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
