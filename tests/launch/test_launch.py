@@ -257,7 +257,8 @@ def test_a_failed_task_restarts_the_whole_group_on_fresh_ports(tmp_path: Path) -
     ''')
     status, out, err = _launch(script, str(tmp_path), num_workers=2, max_restarts=2)
     assert status == 0, err
-    lines = err.splitlines()
+    # (the stand-in tasks never form a cluster, which the launcher warns about at the end)
+    lines = [line for line in err.splitlines() if not line.startswith("[launch] warning: the 2 tasks never")]
     assert lines[0] == "[launch] worker 1 exited with code 1; restarting all 2 tasks (restart 1/2)"
     assert lines[1].startswith("[launch] started all 2 tasks again with a new rendezvous "
                                "(STRATAGEM_RESTART=1)") and len(lines) == 2
