@@ -50,7 +50,7 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from stratagem._profiling import label
 from stratagem.coordinator.dispatcher import _Closure, _Queue, _Worker
@@ -291,20 +291,15 @@ class ClusterCoordinator:
     def _retry_for_ps(self, closure: _Closure, error: BaseException) -> bool:
         """Whether a closure that failed because a ps did not answer in time, or refused its
         pushes for a lapsed lease, should run again: yes, a few times, unless the ps has been
-        declared lost (each update still applies at most once: the pushes are fenced)."""
-        if not self._ps_in_chain(error) or closure.ps_retries >= MAX_PS_RETRIES:
+        declared lost (each update still applies at most once: the pushes are fenced).
+        ``error`` is what :meth:`_classify` made of the closure's error."""
+        if self._ps_failure is not None or closure.ps_retries >= MAX_PS_RETRIES:
             return False
-        self._ps_watch.heartbeat()    # a ps involved: is it lost (or restarted) by now?
-        if self._ps_failure is not None:
-            return False
-        cause: BaseException | None = error
-        while cause is not None:
-            if isinstance(cause, LeaseExpiredError) or (
-                    isinstance(cause, UnavailableError) and self._is_ps(cause)):
-                closure.ps_retries += 1
-                self._stopping.wait(1.0)   # the next heartbeat renews the lease
-                return True
-            cause = getattr(cause, "remote_exception", None)
+        if any(isinstance(cause, LeaseExpiredError) or (isinstance(cause, UnavailableError) and self._is_ps(cause))
+               for cause in _causes(error)):
+            closure.ps_retries += 1
+            self._stopping.wait(1.0)   # the next heartbeat renews the lease
+            return True
         return False
 
     def _is_ps(self, error: BaseException) -> bool:
@@ -313,18 +308,14 @@ class ClusterCoordinator:
     def _ps_in_chain(self, error: BaseException) -> bool:
         """Whether a ps raised or failed somewhere in ``error``'s chain of remote calls."""
         ps_tasks = {c.task for c in self.strategy.cluster.ps_clients}
-        cause: BaseException | None = error
-        while cause is not None:
-            if self._is_ps(cause) or any(task in ps_tasks for _, task in getattr(cause, "chain", ())):
-                return True
-            cause = getattr(cause, "remote_exception", None)
-        return False
+        return any(self._is_ps(cause) or any(task in ps_tasks for _, task in getattr(cause, "chain", ()))
+                   for cause in _causes(error))
 
     def _classify(self, error: BaseException) -> BaseException:
         """A closure's error; the lost ps's error once one is declared lost (a step that
-        failed on a ps -- one restarted empty, say -- first makes the watchdog look). A
-        remote error loses the dispatcher thread's frames (the RPC's): its message has the
-        frames that matter."""
+        failed on a ps -- one restarted empty, say -- first makes the watchdog look, once).
+        A remote error loses the dispatcher thread's frames (the RPC's): its message has
+        the frames that matter."""
         if isinstance(error, RemoteError):
             error.with_traceback(None)
         if self._ps_failure is None and self._ps_in_chain(error):
@@ -337,3 +328,11 @@ class ClusterCoordinator:
         # the loss was raised to the user, who restored: the errors of steps that failed
         # before (on the lost ps, or on its empty restart) are not raised again by join()
         self._queue.errors = []
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and the remote exceptions it carries, outermost first."""
+    cause: BaseException | None = error
+    while cause is not None:
+        yield cause
+        cause = getattr(cause, "remote_exception", None)

@@ -265,10 +265,11 @@ class _Worker:
                 raise
             if coordinator._ps_watch.generation != generation:   # it ran into a lost ps
                 error = coordinator._ps_watch.last_failure  # type: ignore[assignment]
-            elif coordinator._retry_for_ps(closure, error):   # a ps stalled: run it again
-                queue.put(closure, front=True, new=False)
-                return
-            error = coordinator._classify(error)
+            else:
+                error = coordinator._classify(error)
+                if coordinator._retry_for_ps(closure, error):   # a ps stalled: run it again
+                    queue.put(closure, front=True, new=False)
+                    return
             closure.value._set_error(error)
             queue.finished(closure, error)
             return

@@ -23,14 +23,9 @@ __all__ = ["ShardStates"]
 class ShardStates:
     """``get_state`` / ``set_state`` of a parameter server's variables (see the module doc)."""
 
+    # provided by the ParameterServer: create(), _get() and _count(), and these
     name: str
     _variables: dict[str, Shard]
-
-    def _get(self, var_id: str) -> Shard: ...   # provided by the ParameterServer
-
-    def _count(self, op: str, bytes_in: int, bytes_out: int) -> None: ...
-
-    def create(self, var_id: str, value: torch.Tensor, optimizer_spec: Any = None) -> None: ...
 
     def get_state(self, var_ids: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
         """Per variable: ``{"value", "optimizer_spec", "optimizer_state"}`` (copies), what
