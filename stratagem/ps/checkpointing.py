@@ -5,7 +5,7 @@ state where it lives (:meth:`~stratagem.placement.base.Placement.write_checkpoin
 Here that means: the coordinator sends each parameter server one ``write_shards`` call
 (in parallel, :func:`~stratagem.ps.client.call_each`); each ps writes the values and optimizer
 states of its shards into ``<name>.ps<k>.pt`` inside the checkpoint's temporary directory and
-answers with the file's size and sha256; the coordinator writes ``<name>.pt``, the state dict
+answers with the file's size and CRC-32; the coordinator writes ``<name>.pt``, the state dict
 with each variable replaced by a descriptor of its pieces (:mod:`stratagem.training.pieces`),
 and the manifest. No value travels through the coordinator, and the directory must be on a
 file system that the coordinator and every ps share.
@@ -31,7 +31,7 @@ from stratagem.placement.hooks import placement_of
 from stratagem.ps.client import call_each
 from stratagem.ps.variables import remote_of
 from stratagem.training.pieces import pieces_descriptor
-from stratagem.training.storage import check_loadable, serialize, write_file
+from stratagem.training.storage import check_loadable, write_file
 
 __all__ = ["checkpoint_handlers", "write_shards", "write_state"]
 
@@ -42,7 +42,7 @@ _FILE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*\.ps\d+\.pt$")
 
 def write_shards(ps: Any, directory: str, file_name: str, var_ids: list[str]) -> dict:
     """Write the values and optimizer states of ``var_ids`` (shards of ``ps``, a
-    ParameterServer) to ``directory/file_name``, fsynced; return its size and sha256."""
+    ParameterServer) to ``directory/file_name``, fsynced; return its size and CRC-32."""
     folder = Path(directory)
     if not _FILE.match(str(file_name)):
         raise InvalidArgumentError(f"write_shards: {file_name!r} is not a shard file name (<name>.ps<k>.pt)")
@@ -54,7 +54,7 @@ def write_shards(ps: Any, directory: str, file_name: str, var_ids: list[str]) ->
     payload = {var_id: {"value": entry["value"], "optimizer_state": entry["optimizer_state"]}
                for var_id, entry in state.items()}
     check_loadable(payload, file_name)
-    return write_file(folder / file_name, serialize(payload))
+    return write_file(folder / file_name, payload)
 
 
 def checkpoint_handlers(ps: Any) -> dict[str, Callable[[Any], Any]]:

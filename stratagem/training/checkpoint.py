@@ -32,7 +32,7 @@ from stratagem.data.position import PositionedDataset, TrackedIterator
 from stratagem.errors import CheckpointError, ContextError, InvalidArgumentError
 from stratagem.placement.hooks import placement_of
 from stratagem.training.pieces import assemble
-from stratagem.training.storage import CheckpointReader, DirectoryWriter, check_loadable, serialize
+from stratagem.training.storage import CheckpointReader, DirectoryWriter, check_loadable
 from stratagem.training.validate import problems_with
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
@@ -215,7 +215,7 @@ class Checkpoint:
         else:
             state = obj.state_dict()
         check_loadable(state, f"{name}.state_dict()" if kind != "tensor" else name)
-        writer.add(f"{name}.pt", serialize(state))
+        writer.add(f"{name}.pt", state)
         entry["file"] = f"{name}.pt"
         return entry
 
@@ -263,7 +263,8 @@ class Checkpoint:
             if kind == "int":
                 loaded[name] = int(entry["value"])
                 continue
-            value = assemble(reader.load(entry["file"]), reader.load)
+            mapped = kind in ("module", "tensor")   # copied into the live tensors: no copy of their own
+            value = assemble(reader.load(entry["file"], mapped=mapped), lambda f: reader.load(f, mapped=mapped))
             if kind == "dataset":
                 workers = value.get("workers") if isinstance(value, dict) else None
                 if not workers:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import stratagem as sg
 from stratagem.training.pieces import pieces_descriptor
-from stratagem.training.storage import serialize, write_directory
+from stratagem.training.storage import write_directory
 
 from .common import assert_same_state, batches, build, make_strategy
 
@@ -98,8 +98,8 @@ def test_a_corrupt_ps_shard_file_is_named(tmp_path: Path) -> None:
               "w/part_1": {"value": torch.zeros(1, 3), "optimizer_state": None}}
     skeleton = {"weight": pieces_descriptor([["model.ps0.pt", "w/part_0", 0, 2], ["model.ps1.pt", "w/part_1", 2, 3]],
                                             (3, 3)), "bias": torch.zeros(3)}
-    files = {"model.pt": serialize(skeleton), "model.ps0.pt": serialize({"w/part_0": pieces["w/part_0"]}),
-             "model.ps1.pt": serialize({"w/part_1": pieces["w/part_1"]})}
+    files = {"model.pt": skeleton, "model.ps0.pt": {"w/part_0": pieces["w/part_0"]},
+             "model.ps1.pt": {"w/part_1": pieces["w/part_1"]}}
     path = write_directory(tmp_path / "c", files, {"model": {"kind": "module", "type": "Linear", "file": "model.pt"}},
                            {})
     model = torch.nn.Linear(3, 3)
@@ -108,5 +108,5 @@ def test_a_corrupt_ps_shard_file_is_named(tmp_path: Path) -> None:
     data = bytearray((path / "model.ps1.pt").read_bytes())
     data[-5] ^= 0xFF
     (path / "model.ps1.pt").write_bytes(bytes(data))
-    with pytest.raises(sg.errors.CheckpointError, match=r"model\.ps1\.pt: its sha256 does not match"):
+    with pytest.raises(sg.errors.CheckpointError, match=r"model\.ps1\.pt: its CRC-32 does not match"):
         sg.Checkpoint(model=model).restore(path)
