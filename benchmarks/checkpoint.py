@@ -1,33 +1,43 @@
 """Checkpoint save and restore: sg.Checkpoint against torch.save of the same state, side by side.
 
-    python benchmarks/checkpoint.py                 # ~1-2 min on 2 cores
-    python benchmarks/checkpoint.py --rounds 5 --dir /some/disk
+    python benchmarks/checkpoint.py                 # ~3-5 min on 2 shared cores
+    python benchmarks/checkpoint.py --rounds 9 --dir /some/disk --cases OneDevice "2 workers"
 
 The state is a 24 M-parameter MLP (784-4096-4096-1024-10) with Adam's moments after one step:
-about 290 MB in float32. For each strategy (OneDeviceStrategy, MirroredStrategy on 2 logical
-CPU devices) and each round, in an order rotated from round to round:
+about 290 MB in float32. Cases: OneDeviceStrategy, MirroredStrategy on 2 logical CPU devices,
+and MultiWorkerMirroredStrategy with 2 worker processes (gloo over loopback, one intra-op
+thread each). Every case runs, in the same process(es) and on the same disk, once per round
+and in an order rotated from round to round:
 
-- baseline: ``torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()})``
-  to one file, then ``os.fsync`` (a checkpoint that is not on disk is not a checkpoint), and
-  ``torch.load`` + ``load_state_dict`` back;
-- ours: ``sg.Checkpoint(model=model, optimizer=optimizer).save(path)`` (atomic: temporary
-  directory, sha256 of every file, fsync, rename) and ``restore(path)`` (every checksum
-  verified before anything changes).
+- ``torch.save+fsync``: ``torch.save({"model": model.state_dict(), "optimizer":
+  optimizer.state_dict()})`` to one file, then ``os.fsync`` (a checkpoint that is not on disk
+  is not a checkpoint); with 2 workers, worker 0 saves and both meet at ``dist.barrier()``
+  -- what a DDP script does. Also ``torch.save`` without the fsync, for reference.
+- ``torch.load``: ``torch.load(weights_only=True)`` + ``load_state_dict`` of both (with 2
+  workers, both workers read the file, then ``dist.barrier()``). Also the same with
+  ``mmap=True``, for reference: ``sg.Checkpoint`` reads through a memory map.
+- ``sg.Checkpoint``: ``sg.Checkpoint(model=model, optimizer=optimizer).save(path)`` (atomic:
+  temporary directory, a CRC-32 of every file, fsync, rename, manifest) and ``restore(path)``
+  (sizes and checksums verified before anything changes).
 
-Prints the median seconds per round, ours/baseline (the median over rounds of the paired
-ratio, with its range) and the bytes each wrote (target: ours <= 1.2x the baseline's time, no
-more bytes than one logical copy plus a small manifest).
+Times are seconds until the call returned (with 2 workers: on the slower worker, each
+operation started at a barrier). Prints the median over rounds, ours / baseline as the median
+of the ratios measured in the same round (with its range), and the bytes written (target:
+ours <= 1.2x torch.save+fsync and torch.load, no more bytes than one logical copy plus a small
+manifest).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,6 +48,14 @@ import stratagem as sg  # noqa: E402
 from benchmarks._harness import load_warning, mlp  # noqa: E402
 
 LAYERS = (784, 4096, 4096, 1024, 10)
+OPS = ("base_save", "base_save_nofsync", "ours_save", "base_restore", "base_restore_mmap", "ours_restore")
+COMPARED = (("save", "ours_save", "base_save", "torch.save+fsync"),
+            ("save", "ours_save", "base_save_nofsync", "torch.save, no fsync"),
+            ("restore", "ours_restore", "base_restore", "torch.load"),
+            ("restore", "ours_restore", "base_restore_mmap", "torch.load(mmap=True)"))
+CASES = {"OneDevice": lambda: sg.OneDeviceStrategy("cpu"),
+         "Mirrored(2)": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"]),
+         "2 workers": None}   # run in 2 processes (see workers_case)
 
 
 def make(strategy: sg.Strategy):
@@ -65,71 +83,127 @@ def size_of(path: str) -> int:
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
 
 
-def baseline_save(model, optimizer, path: str) -> None:
+def baseline_save(model, optimizer, path: str, fsync: bool = True) -> None:
     with open(path, "wb") as f:
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f)
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
 
 
-def baseline_restore(model, optimizer, path: str) -> None:
-    state = torch.load(path, weights_only=True)
+def baseline_restore(model, optimizer, path: str, mmap: bool = False) -> None:
+    state = torch.load(path, weights_only=True, mmap=mmap)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
 
 
-def timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
+def measure(strategy: sg.Strategy, root: str, rounds: int, *, chief: bool = True,
+            barrier: Callable[[], None] = lambda: None) -> tuple[dict[str, list[float]], dict[str, int], float]:
+    """Every operation once per round, each started at a barrier; this process's seconds."""
+    model, optimizer = make(strategy)
+    checkpoint = sg.Checkpoint(model=model, optimizer=optimizer)
+    times: dict[str, list[float]] = {op: [] for op in OPS}
+    sizes: dict[str, int] = {}
+    kinds = ["base", "nofsync", "ours"]
+    for round_ in range(rounds):
+        paths = {kind: os.path.join(root, f"{kind}-{round_}" + (".ckpt" if kind == "ours" else ".pt"))
+                 for kind in kinds}
+
+        def base_save(fsync: bool, path: str) -> None:
+            if chief:
+                baseline_save(model, optimizer, path, fsync)
+            barrier()
+
+        def base_restore(mmap: bool) -> None:
+            baseline_restore(model, optimizer, paths["base"], mmap)
+            barrier()
+
+        def ours_restore() -> None:
+            checkpoint.restore(paths["ours"])
+
+        steps = {"base": [("base_save", lambda: base_save(True, paths["base"])),
+                          ("base_restore", lambda: base_restore(False))],
+                 "nofsync": [("base_save_nofsync", lambda: base_save(False, paths["nofsync"])),
+                             ("base_restore_mmap", lambda: base_restore(True))],
+                 "ours": [("ours_save", lambda: checkpoint.save(paths["ours"])), ("ours_restore", ours_restore)]}
+        order = kinds[round_ % len(kinds):] + kinds[:round_ % len(kinds)]
+        for kind in order:
+            for op, fn in steps[kind]:
+                barrier()
+                started = time.perf_counter()
+                fn()
+                times[op].append(time.perf_counter() - started)
+        barrier()
+        if chief:
+            sizes = {"base": size_of(paths["base"]), "ours": size_of(paths["ours"])}
+            for kind, path in paths.items():
+                shutil.rmtree(path) if kind == "ours" else os.remove(path)
+    return times, sizes, sum(p.numel() for p in model.parameters()) / 1e6
+
+
+def workers_case(root: str, rounds: int) -> tuple[dict[str, list[float]], dict[str, int], float]:
+    """The 2-worker case: this script again, as 2 MultiWorkerMirroredStrategy processes."""
+    from stratagem.testing import run_local_cluster
+
+    results = run_local_cluster(os.path.abspath(__file__), 2, timeout=300 + 120 * rounds,
+                                args=["--child", "--rounds", str(rounds), "--dir", root])
+    for result in results:
+        if result.returncode != 0:
+            raise RuntimeError(f"{result.task} failed ({result.returncode}):\n{result.output}")
+    line = next(line for line in results[0].output.splitlines() if line.startswith("RESULT "))
+    report = json.loads(line[len("RESULT "):])
+    return report["times"], report["sizes"], report["params"]
+
+
+def child(root: str, rounds: int) -> None:
+    """One worker of the 2-worker case: prints the slower worker's times per round (worker 0)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    strategy = sg.MultiWorkerMirroredStrategy()
+    chief = strategy.cluster_resolver.worker_rank == 0
+    times, sizes, params = measure(strategy, root, rounds, chief=chief, barrier=dist.barrier)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, times)
+    slowest = {op: [max(worker[op][i] for worker in everyone) for i in range(rounds)] for op in OPS}
+    if chief:
+        print("RESULT " + json.dumps({"times": slowest, "sizes": sizes, "params": params}), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        return child(args.dir, args.rounds)
     torch.set_num_threads(2)
     root = tempfile.mkdtemp(prefix="stratagem-ckpt-bench-", dir=args.dir)
-    strategies = {"OneDevice": lambda: sg.OneDeviceStrategy("cpu"),
-                  "Mirrored(2)": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"])}
     rows = []
     try:
-        for name, build in strategies.items():
-            model, optimizer = make(build())
-            params = sum(p.numel() for p in model.parameters())
-            checkpoint = sg.Checkpoint(model=model, optimizer=optimizer)
-            times: dict[str, list[float]] = {key: [] for key in ("base_save", "ours_save", "base_restore", "ours_restore")}
-            sizes = {}
-            for round_ in range(args.rounds):
-                base_path = os.path.join(root, f"{name}-{round_}.pt")
-                ours_path = os.path.join(root, f"{name}-{round_}.ckpt")
-                order = ["base", "ours"] if round_ % 2 == 0 else ["ours", "base"]
-                for who in order:
-                    if who == "base":
-                        times["base_save"].append(timed(lambda: baseline_save(model, optimizer, base_path)))
-                        times["base_restore"].append(timed(lambda: baseline_restore(model, optimizer, base_path)))
-                    else:
-                        times["ours_save"].append(timed(lambda: checkpoint.save(ours_path)))
-                        times["ours_restore"].append(timed(lambda: checkpoint.restore(ours_path)))
-                sizes = {"base": size_of(base_path), "ours": size_of(ours_path)}
-                os.remove(base_path)
-                shutil.rmtree(ours_path)
-            for op in ("save", "restore"):
-                ratios = [o / b for o, b in zip(times[f"ours_{op}"], times[f"base_{op}"])]
-                rows.append((name, op, statistics.median(times[f"base_{op}"]), statistics.median(times[f"ours_{op}"]),
+        for name in args.cases:
+            if CASES[name] is None:
+                times, sizes, params = workers_case(root, args.rounds)
+            else:
+                times, sizes, params = measure(CASES[name](), root, args.rounds)
+            for op, ours, base, label in COMPARED:
+                ratios = [o / b for o, b in zip(times[ours], times[base])]
+                rows.append((name, op, label, statistics.median(times[base]), statistics.median(times[ours]),
                              statistics.median(ratios), min(ratios), max(ratios)))
-            rows.append((name, "bytes", sizes["base"], sizes["ours"], sizes["ours"] / sizes["base"], None, None))
-            print(f"{name}: {params / 1e6:.1f} M parameters + Adam", flush=True)
+            rows.append((name, "bytes", "torch.save", sizes["base"], sizes["ours"], sizes["ours"] / sizes["base"],
+                         None, None))
+            print(f"{name}: {params:.1f} M parameters + Adam, {args.rounds} rounds", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    print(f"\n{'strategy':<12} {'op':<8} {'torch.save':>12} {'sg.Checkpoint':>14} {'ours/base':>10}  range")
-    for name, op, base, ours, ratio, lo, hi in rows:
+    print(f"\n{'case':<12} {'op':<8} {'baseline':<22} {'baseline':>10} {'sg.Checkpoint':>14} {'ours/base':>10}  range")
+    for name, op, label, base, ours, ratio, lo, hi in rows:
         if op == "bytes":
-            print(f"{name:<12} {op:<8} {base / 2**20:>10.1f}MB {ours / 2**20:>12.1f}MB {ratio:>10.3f}")
+            print(f"{name:<12} {op:<8} {label:<22} {base / 2**20:>8.1f}MB {ours / 2**20:>12.1f}MB {ratio:>10.3f}")
         else:
-            print(f"{name:<12} {op:<8} {base:>11.3f}s {ours:>13.3f}s {ratio:>10.2f}  {lo:.2f}-{hi:.2f}")
+            print(f"{name:<12} {op:<8} {label:<22} {base:>9.3f}s {ours:>13.3f}s {ratio:>10.2f}  {lo:.2f}-{hi:.2f}")
     warning = load_warning()
     if warning:
         print(warning)
