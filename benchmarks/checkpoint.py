@@ -114,8 +114,8 @@ def measure(strategy: sg.Strategy, root: str, rounds: int, *, chief: bool = True
                 baseline_save(model, optimizer, path, fsync)
             barrier()
 
-        def base_restore(mmap: bool) -> None:
-            baseline_restore(model, optimizer, paths["base"], mmap)
+        def base_restore(mmap: bool) -> None:   # the file that the save just before wrote
+            baseline_restore(model, optimizer, paths["nofsync" if mmap else "base"], mmap)
             barrier()
 
         def ours_restore() -> None:

@@ -69,6 +69,12 @@ class Placement(abc.ABC):
         """
         return None
 
+    def read_checkpoint_state(self, obj: Any, skeleton: Any, directory: Any, name: str) -> Any:
+        """Restore ``obj`` where its state lives, from the files that ``write_checkpoint_state``
+        wrote: a :class:`~stratagem.training.pieces.PlacedRestore`, or None (the default): the
+        checkpoint assembles the logical state from ``skeleton`` and calls ``load_state_dict``."""
+        return None
+
     # ----------------------------------------------------------- optimizers
 
     @abc.abstractmethod

@@ -38,7 +38,7 @@ from stratagem.data.sharding import split_sizes
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.base import Placement
 from stratagem.placement.hooks import adopt
-from stratagem.ps.checkpointing import write_state
+from stratagem.ps.checkpointing import read_state, write_state
 from stratagem.ps.client import ParameterServerClient, call_each
 from stratagem.ps.embedding import PSEmbedding
 from stratagem.ps.sparse_update import dense_updates_warning, updates_rows_only
@@ -109,6 +109,7 @@ class ParameterServerPlacement(Placement):
         self.strategy = strategy
         self.ps_clients = list(ps_clients)
         self.partitioner = partitioner
+        self.startup_timeout = STARTUP_TIMEOUT_SECONDS
         self.on_restored: Callable[[], None] | None = None
         self.version = 0          # bumped whenever the ps values may have changed
         self._ids = itertools.count()
@@ -239,8 +240,12 @@ class ParameterServerPlacement(Placement):
     def _set_state(self, per_ps: dict[int, dict[str, dict]]) -> None:
         clients = self.ps_clients
         for ps in per_ps:  # after a failure the ps may still be restarting
-            clients[ps].wait_ready(timeout=STARTUP_TIMEOUT_SECONDS)
+            clients[ps].wait_ready(timeout=self.startup_timeout)
         call_each([(clients[ps], "set_state", {"state": s}) for ps, s in per_ps.items()])
+        self.restored()
+
+    def restored(self) -> None:
+        """Values were written to the ps: the coordinator's copies are old."""
         self.stale()
         if self.on_restored is not None:
             self.on_restored()
@@ -248,6 +253,14 @@ class ParameterServerPlacement(Placement):
     def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
         """Every ps writes its shards of ``obj`` into the checkpoint, in parallel (:mod:`.checkpointing`)."""
         return write_state(self, obj, directory, name)
+
+    def read_checkpoint_state(self, obj: Any, skeleton: Any, directory: Any, name: str) -> Any:
+        """Every ps restores its shards of ``obj`` from its own files, when they are this layout's."""
+        return read_state(self, obj, skeleton, directory, name)
+
+    def optimizer_spec(self, var_id: str) -> Any:
+        """How the ps makes the optimizer of ``var_id`` (None before an optimizer was attached)."""
+        return self._specs.get(var_id)
 
     # --------------------------------------------------------- optimizers
 
@@ -352,10 +365,32 @@ class ParameterServerPlacement(Placement):
         result["state"] = logical
         return result
 
+    def load_param_groups(self, optimizer: torch.optim.Optimizer, param_groups: list[dict], *,
+                          send: bool = False) -> None:
+        """The coordinator's part of loading an optimizer state: its groups' hyperparameters
+        (``send``: to the ps as well; else the caller sends them with the states)."""
+        base = optimizer._sg_base
+        base.load_state_dict(optimizer, {"state": {}, "param_groups": param_groups})
+        self.finalize()
+        calls = []
+        for group in optimizer.param_groups:
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            per_ps: dict[int, list[str]] = {}
+            for p in group["params"]:
+                remote = remote_of(p)
+                self._specs[remote.var_id] = (base, hyper)
+                for shard in remote.shards:
+                    per_ps.setdefault(shard.ps, []).append(shard.shard_id)
+            calls += [(self.ps_clients[ps], "set_hyperparameters", {"var_ids": ids, "values": hyper})
+                      for ps, ids in per_ps.items()]
+        if send:
+            call_each(calls)
+        self._sent_hyper[id(optimizer)] = [
+            {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
     def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         base = optimizer._sg_base
-        base.load_state_dict(optimizer, {"state": {}, "param_groups": state_dict["param_groups"]})
-        self.finalize()
+        self.load_param_groups(optimizer, state_dict["param_groups"])
         params = [p for g in optimizer.param_groups for p in g["params"]]
         # A fresh ps (restarted, or not yet restored) lacks the variables: those keep the
         # coordinator's values, which go to the ps below. Asked, not guessed from a failed
@@ -369,7 +404,6 @@ class ParameterServerPlacement(Placement):
             hyper = {k: v for k, v in group.items() if k != "params"}
             for p in group["params"]:
                 remote = remote_of(p)
-                self._specs[remote.var_id] = (base, hyper)
                 state = state_dict["state"].get(index, state_dict["state"].get(str(index)))
                 for shard in remote.shards:
                     piece = None
@@ -384,8 +418,6 @@ class ParameterServerPlacement(Placement):
                                                                       "param_groups": [group_state]}}
                 index += 1
         self._set_state(per_ps)
-        self._sent_hyper[id(optimizer)] = [
-            {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
     def _get_states(self, params: list[torch.Tensor]) -> dict[str, dict]:
         wanted: dict[int, list[str]] = {}

@@ -46,20 +46,22 @@ class ShardStates:
     def set_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
         """Restores what :meth:`get_state` returned: values and optimizer states (including
         hyperparameters). Variables missing here are created from the entry's
-        ``optimizer_spec``."""
+        ``optimizer_spec``. An entry without ``value`` restores the optimizer state of a
+        variable that exists."""
         for var_id, entry in state.items():
-            if not isinstance(entry, Mapping) or "value" not in entry:
+            if not isinstance(entry, Mapping) or ("value" not in entry and var_id not in self._variables):
                 raise InvalidArgumentError(
                     f"set_state: the entry of {var_id!r} must be a dict with 'value' (and "
                     "'optimizer_spec', 'optimizer_state'), as get_state() returns.")
             if var_id not in self._variables:
                 self.create(var_id, entry["value"], entry.get("optimizer_spec"))
             var = self._get(var_id)
-            value = check_value(var_id, var, entry["value"], "value")
+            value = check_value(var_id, var, entry["value"], "value") if "value" in entry else None
             optimizer_state = entry.get("optimizer_state")
             with var.lock:
-                with torch.no_grad():
-                    var.param.copy_(value)
+                if value is not None:
+                    with torch.no_grad():
+                        var.param.copy_(value)
                 if optimizer_state is not None:
                     if var.optimizer is None:
                         raise InvalidArgumentError(

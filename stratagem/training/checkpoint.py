@@ -31,7 +31,7 @@ from stratagem import _context
 from stratagem.data.position import PositionedDataset, TrackedIterator
 from stratagem.errors import CheckpointError, ContextError, InvalidArgumentError
 from stratagem.placement.hooks import placement_of
-from stratagem.training.pieces import assemble
+from stratagem.training.pieces import PlacedRestore, assemble
 from stratagem.training.storage import CheckpointReader, DirectoryWriter, check_loadable
 from stratagem.training.validate import problems_with
 
@@ -233,7 +233,7 @@ class Checkpoint:
         loaded: dict[str, Any] = {}
         problem = None
         try:
-            loaded = self._read(CheckpointReader(path), topology)
+            loaded = self._read(CheckpointReader(path), strategy)
         except CheckpointError as err:
             problem = str(err)
         if topology.num_workers > 1:
@@ -246,7 +246,8 @@ class Checkpoint:
         self._apply(loaded)
         return str(path)
 
-    def _read(self, reader: CheckpointReader, topology: Any) -> dict[str, Any]:
+    def _read(self, reader: CheckpointReader, strategy: Any) -> dict[str, Any]:
+        topology = strategy.topology
         saved = reader.manifest["objects"]
         missing = [name for name in self._objects if name not in saved]
         if missing:
@@ -264,7 +265,15 @@ class Checkpoint:
                 loaded[name] = int(entry["value"])
                 continue
             mapped = kind in ("module", "tensor")   # copied into the live tensors: no copy of their own
-            value = assemble(reader.load(entry["file"], mapped=mapped), lambda f: reader.load(f, mapped=mapped))
+            value = reader.load(entry["file"], mapped=mapped)
+            if entry.get("pieces"):   # written where the state lives; restored there if it can
+                placed = strategy.placement.read_checkpoint_state(obj, value, reader.path, name)
+                if placed is not None:
+                    if placed.problem is not None:
+                        raise CheckpointError(placed.problem)
+                    loaded[name] = placed
+                    continue
+            value = assemble(value, lambda f: reader.load(f, mapped=mapped))
             if kind == "dataset":
                 workers = value.get("workers") if isinstance(value, dict) else None
                 if not workers:
@@ -281,7 +290,9 @@ class Checkpoint:
         order = ("module", "tensor", "optimizer", "scheduler", "stateful", "int", "dataset")
         for name in sorted(loaded, key=lambda n: order.index(self._kinds[n])):
             kind, obj, value = self._kinds[name], self._objects[name], loaded[name]
-            if kind == "int":
+            if isinstance(value, PlacedRestore):
+                value.apply()
+            elif kind == "int":
                 self._objects[name] = value
             elif kind == "tensor":
                 with torch.no_grad():

@@ -11,6 +11,10 @@ id. Reading assembles the one logical state dict again, so it restores under any
   optimizer state, kept per piece (the ``"optimizer_state"`` of the piece: a one-parameter
   optimizer state dict); tensors with the parameter's rows are joined, the rest (``step``) are
   the first piece's.
+
+When the processes holding the pieces can also read them back in place (the same layout),
+the strategy's placement restores them itself (:class:`PlacedRestore`): the checkpoint then
+never assembles the logical tensors.
 """
 
 from __future__ import annotations
@@ -20,6 +24,20 @@ from typing import Any, Callable
 import torch
 
 from stratagem.errors import CheckpointError
+
+
+class PlacedRestore:
+    """A restore that the processes holding an object's state do from their own files.
+
+    Made while the checkpoint is verified: ``problem`` is the first problem those processes
+    found in their files (None: all good); :meth:`apply` loads them, after every object of
+    the checkpoint passed verification.
+    """
+
+    problem: str | None = None
+
+    def apply(self) -> None:
+        raise NotImplementedError
 
 
 def pieces_descriptor(pieces: list[list[Any]], shape: tuple[int, ...], *, state: bool = False) -> dict:

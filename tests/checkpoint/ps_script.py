@@ -3,10 +3,13 @@
 Under ParameterServerStrategy (each variable split in N shards over the N ps): restores the
 checkpoint FROM_CKPT (saved under another strategy or layout), records the restored state,
 trains one step on a worker, records the state again, and saves its own checkpoint to
-OUT/NAME (every ps writes its shards). Writes OUT/NAME.json.
+OUT/NAME (every ps writes its shards). Then trains one more step and restores OUT/NAME again:
+the same layout, so every ps loads its own files (counted in its stats); and a copy of it
+with one ps file corrupted, which must fail and change nothing. Writes OUT/NAME.json.
 """
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -52,6 +55,36 @@ def main() -> None:
     ckpt.step += 1
     report["trained"] = {"model": as_lists(model.state_dict()), "optimizer": as_lists(optimizer.state_dict()["state"])}
     report["saved"] = ckpt.save(out / name)
+
+    coordinator.schedule(step, args=(x, y))   # moves on, then back to the saved state
+    coordinator.join()
+    ckpt.step += 1
+    clients = strategy.cluster.ps_clients
+
+    def loads() -> list[int]:
+        return [c.call("stats")["ops"].get("load_shards", {}).get("calls", 0) for c in clients]
+
+    before = loads()
+    ckpt.restore(report["saved"])
+    report["ps_loads"] = [after - b for after, b in zip(loads(), before)]
+    report["step_again"] = ckpt.step
+    report["restored_again"] = {"model": as_lists(model.state_dict()),
+                                "optimizer": as_lists(optimizer.state_dict()["state"])}
+
+    broken = out / f"{name}-broken"
+    shutil.copytree(report["saved"], broken)
+    data = bytearray((broken / "optimizer.ps1.pt").read_bytes())
+    data[len(data) // 2] ^= 0x10
+    (broken / "optimizer.ps1.pt").write_bytes(bytes(data))
+    ckpt.step = 0
+    try:
+        ckpt.restore(broken)
+        report["broken"] = "restored without an error"
+    except sg.errors.CheckpointError as err:
+        report["broken"] = str(err)
+    report["step_after_broken"] = ckpt.step
+    report["after_broken"] = {"model": as_lists(model.state_dict()),
+                              "optimizer": as_lists(optimizer.state_dict()["state"])}
     (out / f"{name}.json").write_text(json.dumps(report))
 
 

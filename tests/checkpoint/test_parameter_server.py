@@ -1,6 +1,7 @@
 """Parameter-server checkpoints with real ps processes: every ps writes its own shards, the
 coordinator the skeleton and manifest; they restore under Mirrored and under another number of
-ps (resharded), and a Mirrored checkpoint restores onto the shards."""
+ps (resharded, through the coordinator), in the same layout with every ps reading its own files,
+and a Mirrored checkpoint restores onto the shards."""
 
 from __future__ import annotations
 
@@ -79,8 +80,15 @@ def test_mirrored_to_two_ps_to_three_ps_to_mirrored(tmp_path: Path) -> None:
                                                     ["model.ps1.pt", skeleton["fc1.weight"]["sg_pieces"][1][1], 4, 8]],
                                       "shape": [8, 5]}
 
+    # restored again in the same layout: each ps read its own files, nothing went through the coordinator
+    assert two["ps_loads"] == [2, 2] and two["step_again"] == 3
+    assert two["restored_again"] == two["trained"]
+    assert "optimizer.ps1.pt: its CRC-32 does not match" in two["broken"]
+    assert two["step_after_broken"] == 0 and two["after_broken"] == two["restored_again"]   # nothing changed
+
     three = launch(3, tmp_path, str(saved), "three_ps")   # resharded: 3 shards over 3 ps
     assert three["shards"] == 3 and three["step"] == 3
+    assert three["ps_loads"] == [2, 2, 2] and three["restored_again"] == three["trained"]
     assert_report_state(three["restored"], plain, plain_opt)
     plain_step(plain, plain_opt, data[2])
     assert_report_state(three["trained"], plain, plain_opt)
