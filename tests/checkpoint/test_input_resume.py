@@ -156,3 +156,14 @@ def test_a_killed_job_resumes_from_its_backup(tmp_path: Path) -> None:
     for name, value in expected.items():
         torch.testing.assert_close(torch.tensor(final[name]), torch.tensor(value), rtol=2e-5, atol=2e-6)
     assert not list((tmp_path / "backup").iterdir())   # deleted at the end of training
+
+
+def test_a_per_worker_dataset_is_refused_with_the_reason_and_the_alternative() -> None:
+    from stratagem.ps.closures import PerWorkerDataset
+
+    dataset = PerWorkerDataset("d0")   # what ClusterCoordinator.create_per_worker_dataset returns (a subclass)
+    for tracked in (dataset, iter(dataset)):
+        with pytest.raises(sg.errors.InvalidArgumentError,
+                           match=r"per-worker dataset .* no position says which elements .* starts from its "
+                                 r"beginning\. Track an int instead"):
+            sg.Checkpoint(data=tracked, epoch=0)
