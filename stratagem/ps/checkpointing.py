@@ -209,7 +209,8 @@ def read_state(placement: Any, obj: Any, skeleton: Any, directory: Path, name: s
         after = None
     elif isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is placement:
         saved_groups = skeleton.get("param_groups") if isinstance(skeleton, dict) else None
-        if (not isinstance(saved_groups, list) or not isinstance(skeleton.get("state"), dict)
+        if (not isinstance(saved_groups, list) or not all(isinstance(g, dict) for g in saved_groups)
+                or not isinstance(skeleton.get("state"), dict)
                 or [len(g["params"]) for g in obj.param_groups] != [len(g.get("params", ())) for g in saved_groups]):
             return None
         params = [p for group in obj.param_groups for p in group["params"]]

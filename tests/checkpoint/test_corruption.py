@@ -3,6 +3,9 @@ problem, before anything is changed; the manager falls back to the previous good
 
 from __future__ import annotations
 
+import gc
+import hashlib
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -11,6 +14,7 @@ import pytest
 import torch
 
 import stratagem as sg
+from stratagem.training import storage
 
 from .common import Net, batches, build, train
 
@@ -126,3 +130,30 @@ def test_restore_or_initialize_falls_back_to_the_previous_good_checkpoint(tmp_pa
         warnings.simplefilter("ignore")
         with pytest.raises(sg.errors.CheckpointError, match=r"none of the 1 checkpoints .* can be restored"):
             sg.CheckpointManager(ckpt2, tmp_path).restore_or_initialize()
+
+
+def test_restored_optimizer_state_is_its_own_and_files_of_the_first_format_still_verify(saved) -> None:
+    """Restoring maps the files; what an optimizer keeps must not live in the map. Manifests of the
+    first format (a sha256 per file) still restore and still catch a flipped byte."""
+    path, _ = saved
+    ckpt, _ = fresh()
+    ckpt.restore(path)
+    gc.collect()
+    maps = Path("/proc/self/maps")
+    if maps.exists():   # Linux: no file of the checkpoint is still mapped
+        assert str(path) not in maps.read_text()
+    assert ckpt.step == 2 and ckpt.optimizer.state_dict()["state"]
+
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest.pop("manifest_sha256")
+    for name, entry in manifest["files"].items():
+        del entry["crc32"]
+        entry["sha256"] = hashlib.sha256((path / name).read_bytes()).hexdigest()
+    manifest["manifest_sha256"] = hashlib.sha256(storage._canonical(manifest)).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    ckpt.restore(path)
+    data = bytearray((path / "model.pt").read_bytes())
+    data[len(data) // 2] ^= 0x04
+    (path / "model.pt").write_bytes(bytes(data))
+    with pytest.raises(sg.errors.CheckpointError, match=r"model\.pt: its sha256 does not match the manifest"):
+        ckpt.restore(path)
