@@ -49,7 +49,8 @@ class ShardStates:
         ``optimizer_spec``. An entry without ``value`` restores the optimizer state of a
         variable that exists."""
         for var_id, entry in state.items():
-            if not isinstance(entry, Mapping) or ("value" not in entry and var_id not in self._variables):
+            if not isinstance(entry, Mapping) or not (
+                    "value" in entry or ("optimizer_state" in entry and var_id in self._variables)):
                 raise InvalidArgumentError(
                     f"set_state: the entry of {var_id!r} must be a dict with 'value' (and "
                     "'optimizer_spec', 'optimizer_state'), as get_state() returns.")
