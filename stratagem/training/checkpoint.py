@@ -317,6 +317,9 @@ def _parameter_names(objects: dict[str, Any], kinds: dict[str, str]) -> dict[int
     names: dict[int, str] = {}
     for name, obj in objects.items():
         if kinds[name] == "module":
-            for pname, param in obj.named_parameters():
-                names.setdefault(id(param), f"{name}.{pname}")
+            for prefix, module in obj.named_modules():
+                # dict.items: the parameters themselves, never a read of their values (a ps may be fresh)
+                for pname, param in dict.items(module._parameters):
+                    if param is not None:
+                        names.setdefault(id(param), f"{name}.{prefix + '.' if prefix else ''}{pname}")
     return names

@@ -127,3 +127,45 @@ def test_an_embedding_optimizer_without_a_row_rule_warns_once_at_the_users_line(
         strategy.placement.finalize()
     optimizers = {v["optimizer"] for ps in cluster.services for v in ps.variables().values()}
     assert optimizers == {"RMSprop", "Adam", "SparseAdam"}
+
+
+def test_a_checkpoint_restores_in_place_on_each_ps_even_a_fresh_one(cluster: _Cluster, tmp_path) -> None:
+    """Same layout: every ps verifies, then loads its own files (a ps that lost its variables
+    gets them back, with their optimizers); a corrupt shard file changes nothing anywhere."""
+    strategy = cluster.strategy()
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Linear(3, 4)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    ckpt = sg.Checkpoint(model=model, optimizer=optimizer, step=1)
+
+    def step() -> None:   # on the coordinator: the gradients go to the ps
+        optimizer.zero_grad()
+        model(torch.ones(2, 3)).pow(2).sum().backward()
+        optimizer.step()
+
+    step()
+    path = ckpt.save(tmp_path / "c")
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_state = optimizer.state_dict()["state"]
+    step()
+    for ps in cluster.services:   # as if every ps had restarted
+        ps.delete(list(ps.variables()))
+    ckpt.restore(path)
+    assert [ps.stats()["ops"]["load_shards"]["calls"] for ps in cluster.services] == [2, 2]
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, saved_model[name], rtol=0, atol=0)
+    for index, entry in optimizer.state_dict()["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(value, saved_state[index][key], rtol=0, atol=0)
+    step()   # the optimizers are back on the ps: steps go on
+
+    moved_on = {k: v.clone() for k, v in model.state_dict().items()}
+    shard_file = tmp_path / "c" / "optimizer.ps1.pt"
+    data = bytearray(shard_file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard_file.write_bytes(bytes(data))
+    with pytest.raises(sg.errors.CheckpointError, match=r"c: optimizer\.ps1\.pt: its CRC-32 does not match"):
+        ckpt.restore(path)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, moved_on[name], rtol=0, atol=0)
