@@ -203,7 +203,8 @@ def main() -> None:
           f"{'range':<10} {'min/min':>7}")
     for name, op, label, base, ours, ratio, lo, hi, of_minima in rows:
         if op == "bytes":
-            print(f"{name:<12} {op:<8} {label:<22} {base / 2**20:>8.1f}MB {ours / 2**20:>12.1f}MB {ratio:>10.3f}")
+            print(f"{name:<12} {op:<8} {label:<22} {base / 2**20:>8.1f}MB {ours / 2**20:>12.1f}MB {ratio:>10.3f}  "
+                  f"{ours - base:+,d} bytes")
         else:
             print(f"{name:<12} {op:<8} {label:<22} {base:>9.3f}s {ours:>13.3f}s {ratio:>10.2f}  "
                   f"{f'{lo:.2f}-{hi:.2f}':<10} {of_minima:>7.2f}")
