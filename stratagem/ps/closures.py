@@ -52,10 +52,19 @@ class ClosureNotCachedError(StratagemError, LookupError):
     """A worker was asked to run a closure by key, but does not hold it (it restarted)."""
 
 
+_NO_POSITION = (
+    "a per-worker dataset (create_per_worker_dataset) or its iterator: each scheduled function reads from "
+    "whichever worker runs it, and one that fails runs again elsewhere, so no position says which elements "
+    "were trained on; after a restore a per-worker dataset starts from its beginning. Track an int instead "
+    "(sg.Checkpoint(epoch=0, ...)) and let dataset_fn use it (seed the shuffle of each epoch with it); see "
+    "docs/checkpoints.md")
+
+
 class PerWorkerDataset:
     """A dataset created on every worker; ``iter()`` gives a per-worker iterator."""
 
     _counter = itertools.count()
+    _sg_checkpoint_refusal = _NO_POSITION   # sg.Checkpoint says why it cannot track one
 
     def __init__(self, dataset_id: str):
         self._dataset_id = dataset_id
@@ -66,6 +75,8 @@ class PerWorkerDataset:
 
 class PerWorkerIterator:
     """Stands for each worker's own iterator: pass it to scheduled functions, call ``next`` there."""
+
+    _sg_checkpoint_refusal = _NO_POSITION
 
     def __init__(self, dataset_id: str, iterator_id: str):
         self._ids = (dataset_id, iterator_id)

@@ -38,6 +38,7 @@ from stratagem.data.sharding import split_sizes
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.base import Placement
 from stratagem.placement.hooks import adopt
+from stratagem.ps import optimizer_states
 from stratagem.ps.checkpointing import read_state, write_state
 from stratagem.ps.client import ParameterServerClient, call_each
 from stratagem.ps.embedding import PSEmbedding
@@ -235,9 +236,10 @@ class ParameterServerPlacement(Placement):
                     state.setdefault(shard.ps, {})[shard.shard_id] = {
                         "value": shard.of(t.detach()).clone(), "optimizer_spec": self._specs.get(remote.var_id),
                         "optimizer_state": None}
-        self._set_state(state)
+        self.write_states(state)
 
-    def _set_state(self, per_ps: dict[int, dict[str, dict]]) -> None:
+    def write_states(self, per_ps: dict[int, dict[str, dict]]) -> None:
+        """``set_state`` on each ps (``{ps: {shard id: entry}}``), all at once."""
         clients = self.ps_clients
         for ps in per_ps:  # after a failure the ps may still be restarting
             clients[ps].wait_ready(timeout=self.startup_timeout)
@@ -259,8 +261,7 @@ class ParameterServerPlacement(Placement):
         return read_state(self, obj, skeleton, directory, name)
 
     def optimizer_spec(self, var_id: str) -> Any:
-        """How the ps makes the optimizer of ``var_id`` (None before an optimizer was attached)."""
-        return self._specs.get(var_id)
+        return self._specs.get(var_id)   # how the ps makes the optimizer of var_id (None: none yet)
 
     # --------------------------------------------------------- optimizers
 
@@ -345,87 +346,22 @@ class ParameterServerPlacement(Placement):
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """One logical optimizer state dict, assembled from the shards' states."""
-        self.finalize()
-        result = optimizer._sg_base.state_dict(optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        states = self._get_states(params)
-        logical: dict[int, dict] = {}
-        for index, p in enumerate(params):
-            pieces = [states[s.shard_id]["optimizer_state"] for s in remote_of(p).shards]
-            per_shard = [(piece or {}).get("state", {}).get(0, {}) for piece in pieces]
-            if not per_shard or not per_shard[0]:
-                continue
-            merged = {}
-            for key, first in per_shard[0].items():
-                if isinstance(first, torch.Tensor) and first.dim() > 0 and len(per_shard) > 1:
-                    merged[key] = torch.cat([s[key] for s in per_shard])
-                else:
-                    merged[key] = first
-            logical[index] = merged
-        result["state"] = logical
-        return result
+        return optimizer_states.state_dict(self, optimizer)
 
     def load_param_groups(self, optimizer: torch.optim.Optimizer, param_groups: list[dict], *,
                           send: bool = False) -> None:
         """The coordinator's part of loading an optimizer state: its groups' hyperparameters
-        (``send``: to the ps as well; else the caller sends them with the states)."""
+        (``send``: all of them to the ps now; else the caller sends them with the states)."""
         base = optimizer._sg_base
         base.load_state_dict(optimizer, {"state": {}, "param_groups": param_groups})
         self.finalize()
-        calls = []
-        for group in optimizer.param_groups:
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            per_ps: dict[int, list[str]] = {}
+        now = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        for group, hyper in zip(optimizer.param_groups, now):
             for p in group["params"]:
-                remote = remote_of(p)
-                self._specs[remote.var_id] = (base, hyper)
-                for shard in remote.shards:
-                    per_ps.setdefault(shard.ps, []).append(shard.shard_id)
-            calls += [(self.ps_clients[ps], "set_hyperparameters", {"var_ids": ids, "values": hyper})
-                      for ps, ids in per_ps.items()]
+                self._specs[remote_of(p).var_id] = (base, hyper)
+        self._sent_hyper[id(optimizer)] = [{} for _ in now] if send else now
         if send:
-            call_each(calls)
-        self._sent_hyper[id(optimizer)] = [
-            {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            self.sync_hyperparameters()   # none is known to be on the ps: sends every one
 
     def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        base = optimizer._sg_base
-        self.load_param_groups(optimizer, state_dict["param_groups"])
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        # A fresh ps (restarted, or not yet restored) lacks the variables: those keep the
-        # coordinator's values, which go to the ps below. Asked, not guessed from a failed
-        # pull: any other failure (a ps down, a wrong token, a broken pull) raises.
-        held = [set(ids) for ids in call_each([(c, "variables", {}) for c in self.ps_clients])]
-        self.pull_into([p for p in params
-                        if all(shard.shard_id in held[shard.ps] for shard in remote_of(p).shards)])
-        per_ps: dict[int, dict[str, dict]] = {}
-        index = 0
-        for group in optimizer.param_groups:
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            for p in group["params"]:
-                remote = remote_of(p)
-                state = state_dict["state"].get(index, state_dict["state"].get(str(index)))
-                for shard in remote.shards:
-                    piece = None
-                    if state is not None:
-                        piece = {k: (v[shard.start:shard.stop].clone() if isinstance(v, torch.Tensor)
-                                     and v.dim() > 0 and v.shape[0] == remote.shape[0] else v)
-                                 for k, v in state.items()}
-                    group_state = {**hyper, "params": [0]}
-                    per_ps.setdefault(shard.ps, {})[shard.shard_id] = {
-                        "value": shard.of(p.detach()).clone(), "optimizer_spec": (base, hyper),
-                        "optimizer_state": None if piece is None else {"state": {0: piece},
-                                                                      "param_groups": [group_state]}}
-                index += 1
-        self._set_state(per_ps)
-
-    def _get_states(self, params: list[torch.Tensor]) -> dict[str, dict]:
-        wanted: dict[int, list[str]] = {}
-        for p in params:
-            for shard in remote_of(p).shards:
-                wanted.setdefault(shard.ps, []).append(shard.shard_id)
-        clients = self.ps_clients
-        states: dict[str, dict] = {}
-        for got in call_each([(clients[ps], "get_state", {"var_ids": ids}) for ps, ids in wanted.items()]):
-            states.update(got)
-        return states
+        optimizer_states.load_state_dict(self, optimizer, state_dict)

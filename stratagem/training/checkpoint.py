@@ -43,6 +43,9 @@ def kind_of(name: str, obj: Any) -> str:
     """What a trackable is: module, optimizer, scheduler, tensor, int, dataset or stateful."""
     if isinstance(obj, bool):
         raise InvalidArgumentError(f"Checkpoint({name}=...) got a bool; track an int (0 or 1) instead")
+    refusal = getattr(type(obj), "_sg_checkpoint_refusal", None)   # a type that says why it has no state
+    if refusal:
+        raise InvalidArgumentError(f"Checkpoint cannot track {name}, {refusal}")
     for kind, types in (("int", int), ("module", nn.Module), ("optimizer", torch.optim.Optimizer),
                         ("scheduler", _SCHEDULERS), ("tensor", torch.Tensor),
                         ("dataset", (PositionedDataset, TrackedIterator))):
@@ -50,14 +53,6 @@ def kind_of(name: str, obj: Any) -> str:
             return kind
     if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
         return "stateful"
-    from stratagem.ps.closures import PerWorkerDataset, PerWorkerIterator   # the ps package imports this one
-    if isinstance(obj, (PerWorkerDataset, PerWorkerIterator)):
-        raise InvalidArgumentError(
-            f"Checkpoint cannot track {name}, a per-worker dataset (create_per_worker_dataset) or its iterator: "
-            f"each scheduled function reads from whichever worker runs it, and one that fails runs again "
-            f"elsewhere, so no position says which elements were trained on; after a restore a per-worker "
-            f"dataset starts from its beginning. Track an int instead (sg.Checkpoint(epoch=0, ...)) and let "
-            f"dataset_fn use it (seed the shuffle of each epoch with it); see docs/checkpoints.md")
     raise InvalidArgumentError(
         f"Checkpoint cannot track {name}={type(obj).__name__}: it tracks modules, optimizers, LR schedulers, "
         f"tensors, ints, distributed datasets or their iterators, and objects with state_dict() and "
