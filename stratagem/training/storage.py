@@ -32,6 +32,7 @@ several times faster than zlib's, and is used when installed.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import mmap
 import os
@@ -120,6 +121,13 @@ def _write_file(path: Path, value: Any) -> dict:
         f.flush()
         os.fsync(f.fileno())
     return {"bytes": out.size, "crc32": out.crc32}
+
+
+def serialize(value: Any) -> bytes:
+    """``torch.save`` of ``value`` into bytes (to send it; files are written by :func:`write_file`)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def write_file(path: Path, value: Any) -> dict:
