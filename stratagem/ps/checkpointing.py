@@ -76,7 +76,7 @@ def load_shards(ps: Any, directory: str, file_name: str, pieces: dict[str, dict]
     "optimizer_spec": ...}`` -- what to load and the shape the shard must have."""
     _check_file_name("load_shards", file_name)
     try:
-        payload = CheckpointReader(directory).load(file_name, mapped=True)   # set_state copies
+        payload = CheckpointReader(directory).load(file_name)   # views of the file: set_state copies
     except CheckpointError as err:
         return str(err)
     problem = _pieces_problem(payload, pieces)

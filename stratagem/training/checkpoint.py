@@ -32,7 +32,7 @@ from stratagem.data.position import PositionedDataset, TrackedIterator
 from stratagem.errors import CheckpointError, ContextError, InvalidArgumentError
 from stratagem.placement.hooks import placement_of
 from stratagem.training.pieces import PlacedRestore, assemble
-from stratagem.training.storage import CheckpointReader, DirectoryWriter, check_loadable
+from stratagem.training.storage import CheckpointReader, DirectoryWriter, check_loadable, owned_copy
 from stratagem.training.validate import problems_with
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
@@ -236,7 +236,7 @@ class Checkpoint:
         loaded: dict[str, Any] = {}
         problem = None
         try:
-            loaded = self._read(CheckpointReader(path), strategy)
+            loaded = self._read(CheckpointReader(path), topology)
         except CheckpointError as err:
             problem = str(err)
         if topology.num_workers > 1:
@@ -249,8 +249,7 @@ class Checkpoint:
         self._apply(loaded)
         return str(path)
 
-    def _read(self, reader: CheckpointReader, strategy: Any) -> dict[str, Any]:
-        topology = strategy.topology
+    def _read(self, reader: CheckpointReader, topology: Any) -> dict[str, Any]:
         saved = reader.manifest["objects"]
         missing = [name for name in self._objects if name not in saved]
         if missing:
@@ -267,16 +266,17 @@ class Checkpoint:
             if kind == "int":
                 loaded[name] = int(entry["value"])
                 continue
-            mapped = kind in ("module", "tensor")   # copied into the live tensors: no copy of their own
-            value = reader.load(entry["file"], mapped=mapped)
+            value = reader.load(entry["file"])   # tensors: views of the file's memory map
             if entry.get("pieces"):   # written where the state lives; restored there if it can
-                placed = strategy.placement.read_checkpoint_state(obj, value, reader.path, name)
+                placed = self.strategy.placement.read_checkpoint_state(obj, value, reader.path, name)
                 if placed is not None:
                     if placed.problem is not None:
                         raise CheckpointError(placed.problem)
                     loaded[name] = placed
                     continue
-            value = assemble(value, lambda f: reader.load(f, mapped=mapped))
+            value = assemble(value, reader.load)
+            if kind not in ("module", "tensor"):   # what the object keeps: copied out of the map
+                value = owned_copy(value)
             if kind == "dataset":
                 workers = value.get("workers") if isinstance(value, dict) else None
                 if not workers:

@@ -22,8 +22,9 @@ Speed: the checkpoint should cost about what ``torch.save`` / ``torch.load`` of 
 state cost. So ``torch.save`` streams each file straight to disk (tensors are written from
 their own memory, no buffer in between) through a writer that keeps the file's CRC-32 on the
 way; reading checks the size and CRC-32 over a memory map of the file, then
-``torch.load(mmap=True)`` reads the tensors from the same page cache, and only what the
-restored object keeps is copied out of the map (:meth:`CheckpointReader.load`). CRC-32 (the
+``torch.load(mmap=True)`` reads the tensors from the same page cache
+(:meth:`CheckpointReader.load`), and only what the restored object keeps is copied out of
+the map (:func:`owned_copy`). CRC-32 (the
 one of zlib, gzip and zip) catches truncation, flipped bits and torn writes, which is what a
 checkpoint meets; ISA-L's implementation (the ``isal`` package) computes the same values
 several times faster than zlib's, and is used when installed.
@@ -251,12 +252,11 @@ class CheckpointReader:
                                        f"reads version {VERSION}; restore it with the stratagem that wrote it")
         return manifest
 
-    def load(self, name: str, *, mapped: bool = False) -> Any:
+    def load(self, name: str) -> Any:
         """What the file ``name`` holds, after its size and checksum were verified.
 
-        With ``mapped``, tensors are views of the file's memory map (read-only use: copy
-        them into the live state, as ``load_state_dict`` of a module does); otherwise every
-        tensor is a copy of its own, which an optimizer may keep and update in place."""
+        Tensors are views of the file's memory map: copy them into live tensors (as a
+        module's ``load_state_dict`` does), or keep :func:`owned_copy` of them."""
         entry = self.manifest["files"].get(name)
         if entry is None:
             raise self._fail(name, "not listed in the manifest")
@@ -273,7 +273,7 @@ class CheckpointReader:
             value = torch.load(file, weights_only=True, map_location="cpu", mmap=True)
         except Exception as err:   # checksum passed, content not loadable: written by something else
             raise self._fail(name, f"cannot be read safely ({type(err).__name__}: {err})") from None
-        return value if mapped else _own_copy(value)
+        return value
 
     def _verify(self, name: str, file: Path, entry: dict) -> None:
         if "crc32" in entry:
@@ -305,17 +305,17 @@ def _sha256_update(data: Any, running: Any) -> Any:
     return running
 
 
-def _own_copy(value: Any) -> Any:
+def owned_copy(value: Any) -> Any:
     """``value`` with every tensor copied out of the file's memory map (containers keep their type)."""
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, dict):
         copied = type(value)()
         for key, item in value.items():
-            copied[key] = _own_copy(item)
+            copied[key] = owned_copy(item)
         if hasattr(value, "_metadata"):
             copied._metadata = value._metadata
         return copied
     if type(value) in (list, tuple):
-        return type(value)(_own_copy(item) for item in value)
+        return type(value)(owned_copy(item) for item in value)
     return value
