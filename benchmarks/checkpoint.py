@@ -18,7 +18,9 @@ and in an order rotated from round to round:
   ``mmap=True``, for reference: ``sg.Checkpoint`` reads through a memory map.
 - ``sg.Checkpoint``: ``sg.Checkpoint(model=model, optimizer=optimizer).save(path)`` (atomic:
   temporary directory, a CRC-32 of every file, fsync, rename, manifest) and ``restore(path)``
-  (sizes and checksums verified before anything changes).
+  (sizes and checksums verified before anything changes). ``blocked``: how long
+  ``save(path, blocking=False)`` holds the training loop (the state copied in memory; a thread
+  writes the files), one worker only.
 
 Times are seconds until the call returned (with 2 workers: on the slower worker, each
 operation started at a barrier). Prints the median over rounds, ours / baseline as the median
@@ -49,9 +51,11 @@ import stratagem as sg  # noqa: E402
 from benchmarks._harness import load_warning, mlp  # noqa: E402
 
 LAYERS = (784, 4096, 4096, 1024, 10)
-OPS = ("base_save", "base_save_nofsync", "ours_save", "base_restore", "base_restore_mmap", "ours_restore")
+OPS = ("base_save", "base_save_nofsync", "ours_save", "ours_save_blocked", "base_restore", "base_restore_mmap",
+       "ours_restore")
 COMPARED = (("save", "ours_save", "base_save", "torch.save+fsync"),
             ("save", "ours_save", "base_save_nofsync", "torch.save, no fsync"),
+            ("blocked", "ours_save_blocked", "base_save", "torch.save+fsync"),
             ("restore", "ours_restore", "base_restore", "torch.load"),
             ("restore", "ours_restore", "base_restore_mmap", "torch.load(mmap=True)"))
 CASES = {"OneDevice": lambda: sg.OneDeviceStrategy("cpu"),
@@ -109,6 +113,7 @@ def measure(strategy: sg.Strategy, root: str, rounds: int, *, chief: bool = True
     for round_ in range(rounds):
         paths = {kind: os.path.join(root, f"{kind}-{round_}" + (".ckpt" if kind == "ours" else ".pt"))
                  for kind in kinds}
+        paths["async"] = os.path.join(root, f"async-{round_}.ckpt")
 
         def base_save(fsync: bool, path: str) -> None:
             if chief:
@@ -122,11 +127,15 @@ def measure(strategy: sg.Strategy, root: str, rounds: int, *, chief: bool = True
         def ours_restore() -> None:
             checkpoint.restore(paths["ours"])
 
+        def ours_save_blocked() -> None:   # what a step waits for; the thread's write is not timed
+            checkpoint.save(paths["async"], blocking=False)
+
         steps = {"base": [("base_save", lambda: base_save(True, paths["base"])),
                           ("base_restore", lambda: base_restore(False))],
                  "nofsync": [("base_save_nofsync", lambda: base_save(False, paths["nofsync"])),
                              ("base_restore_mmap", lambda: base_restore(True))],
-                 "ours": [("ours_save", lambda: checkpoint.save(paths["ours"])), ("ours_restore", ours_restore)]}
+                 "ours": [("ours_save", lambda: checkpoint.save(paths["ours"])), ("ours_restore", ours_restore)]
+                 + ([("ours_save_blocked", ours_save_blocked)] if strategy.topology.num_workers == 1 else [])}
         order = kinds[round_ % len(kinds):] + kinds[:round_ % len(kinds)]
         for kind in order:
             for op, fn in steps[kind]:
@@ -134,11 +143,15 @@ def measure(strategy: sg.Strategy, root: str, rounds: int, *, chief: bool = True
                 started = time.perf_counter()
                 fn()
                 times[op].append(time.perf_counter() - started)
+                checkpoint.wait()
         barrier()
         if chief:
             sizes = {"base": size_of(paths["base"]), "ours": size_of(paths["ours"])}
             for kind, path in paths.items():
-                shutil.rmtree(path) if kind == "ours" else os.remove(path)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.remove(path)
     return times, sizes, sum(p.numel() for p in model.parameters()) / 1e6
 
 
@@ -166,7 +179,7 @@ def child(root: str, rounds: int) -> None:
     times, sizes, params = measure(strategy, root, rounds, chief=chief, barrier=dist.barrier)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, times)
-    slowest = {op: [max(worker[op][i] for worker in everyone) for i in range(rounds)] for op in OPS}
+    slowest = {op: [max(worker[op][i] for worker in everyone) for i in range(len(times[op]))] for op in OPS}
     if chief:
         print("RESULT " + json.dumps({"times": slowest, "sizes": sizes, "params": params}), flush=True)
 
@@ -190,6 +203,8 @@ def main() -> None:
             else:
                 times, sizes, params = measure(CASES[name](), root, args.rounds)
             for op, ours, base, label in COMPARED:
+                if not times[ours]:   # a save that does not block needs one worker
+                    continue
                 ratios = [o / b for o, b in zip(times[ours], times[base])]
                 rows.append((name, op, label, statistics.median(times[base]), statistics.median(times[ours]),
                              statistics.median(ratios), min(ratios), max(ratios), min(times[ours]) / min(times[base])))

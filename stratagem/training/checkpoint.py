@@ -32,7 +32,8 @@ from stratagem.data.position import PositionedDataset, TrackedIterator
 from stratagem.errors import CheckpointError, ContextError, InvalidArgumentError
 from stratagem.placement.hooks import placement_of
 from stratagem.training.pieces import PlacedRestore, assemble
-from stratagem.training.storage import CheckpointReader, DirectoryWriter, check_loadable, owned_copy
+from stratagem.training.storage import (BackgroundWriter, CheckpointReader, DirectoryWriter, check_loadable,
+                                        owned_copy)
 from stratagem.training.validate import problems_with
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
@@ -98,6 +99,8 @@ class Checkpoint:
         object.__setattr__(self, "_objects", dict(trackables))
         object.__setattr__(self, "_kinds", kinds)
         object.__setattr__(self, "_scope_strategy", _context.get_strategy() if _context.has_strategy() else None)
+        object.__setattr__(self, "_pending", None)   # a BackgroundWriter of save(blocking=False)
+        object.__setattr__(self, "_staging", {})     # its copies, reused by the next one
 
     # ------------------------------------------------------------- attributes
 
@@ -153,14 +156,23 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, path: "str | os.PathLike") -> str:
+    def save(self, path: "str | os.PathLike", *, blocking: bool = True) -> str:
         """Write the tracked state to the directory ``path`` atomically; return the path written.
 
         Every worker of a multi-worker strategy must call it; only the chief writes.
+        ``blocking=False`` (one worker): returns once the state is copied in memory; a thread
+        writes the files, and :meth:`wait` -- or the next ``save`` or ``restore`` -- waits for
+        it and raises what it raised.
         """
         self._check_context("save")
+        self.wait()
         strategy = self.strategy
         collective, topology = strategy.collective, strategy.topology
+        if not blocking and topology.num_workers > 1:
+            raise InvalidArgumentError(
+                f"Checkpoint.save(blocking=False) needs one worker, and this strategy has {topology.num_workers}: "
+                f"the workers must agree that a checkpoint is complete, which a thread cannot do beside the "
+                f"training steps' collectives; save with blocking=True")
         positions = {name: obj.state_dict() for name, obj in self._objects.items() if self._kinds[name] == "dataset"}
         if topology.num_workers > 1:
             everyone = collective.all_gather_object(positions, "Checkpoint.save (dataset positions)")
@@ -171,7 +183,7 @@ class Checkpoint:
         failure = None
         if topology.worker_index == 0:
             try:
-                outcome = ("ok", str(self._write(Path(path), positions, strategy)))
+                outcome = ("ok", str(self._write(Path(path), positions, strategy, blocking)))
             except Exception as err:   # told to every worker, then raised everywhere
                 outcome, failure = ("error", f"{type(err).__name__}: {err}"), err
         if topology.num_workers > 1:
@@ -183,8 +195,18 @@ class Checkpoint:
             raise CheckpointError(f"the chief could not write the checkpoint {path}: {detail}")
         return detail
 
-    def _write(self, path: Path, positions: dict[str, list], strategy: Any) -> Path:
-        writer = DirectoryWriter(path)
+    def wait(self) -> None:
+        """Wait for a ``save(blocking=False)`` still writing; raise CheckpointError if it failed."""
+        pending = self._pending
+        object.__setattr__(self, "_pending", None)
+        if pending is not None:
+            object.__setattr__(self, "_staging", pending.values)
+            pending.wait()
+
+    def _write(self, path: Path, positions: dict[str, list], strategy: Any, blocking: bool = True) -> Path:
+        writer = DirectoryWriter(path) if blocking else BackgroundWriter(path, self._staging)
+        if not blocking:
+            object.__setattr__(self, "_pending", writer)
         try:
             objects = {name: self._write_object(writer, name, obj, positions, strategy)
                        for name, obj in self._objects.items()}
@@ -231,6 +253,7 @@ class Checkpoint:
         nothing unless everything matches -- on every worker. Every worker must call it.
         """
         self._check_context("restore")
+        self.wait()
         strategy = self.strategy
         topology = strategy.topology
         loaded: dict[str, Any] = {}

@@ -39,6 +39,8 @@ import mmap
 import os
 import secrets
 import shutil
+import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +184,55 @@ class DirectoryWriter:
         shutil.rmtree(self.temporary, ignore_errors=True)
 
 
+class BackgroundWriter(DirectoryWriter):
+    """A :class:`DirectoryWriter` whose files a thread writes after ``commit``.
+
+    ``add`` keeps a copy of the value in CPU memory (what the caller waits for), in the
+    tensors of ``staging`` (the copies of the writer before) where they fit; ``commit``
+    starts the thread that writes the files and the manifest and renames the directory, and
+    returns the path at once; :meth:`wait` joins the thread and raises what it raised (a
+    warning says so when it happens, too). Files adopted from other processes were written
+    before ``commit``, as with a :class:`DirectoryWriter`.
+    """
+
+    def __init__(self, path: "str | os.PathLike", staging: dict[str, Any] | None = None):
+        super().__init__(path)
+        self._staging = staging or {}
+        self.values: dict[str, Any] = {}   # the copies, by file name: the next writer's staging
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def add(self, name: str, value: Any) -> None:
+        self.values[name] = owned_copy(value, into=self._staging.get(name))
+
+    def commit(self, objects: dict[str, dict], info: dict) -> Path:
+        self._thread = threading.Thread(target=self._write_all, args=(objects, info),
+                                        name=f"stratagem checkpoint {self.path.name}")
+        self._thread.start()   # not a daemon: an exiting program finishes the checkpoint first
+        return self.given
+
+    def _write_all(self, objects: dict[str, dict], info: dict) -> None:
+        try:
+            for name, value in self.values.items():
+                DirectoryWriter.add(self, name, value)
+            DirectoryWriter.commit(self, objects, info)
+        except BaseException as err:   # raised by wait(); nothing is left at the path
+            self._error = err
+            self.abort()
+            warnings.warn(f"the background save of the checkpoint {self.given} failed "
+                          f"({type(err).__name__}: {err}); the previous checkpoints are untouched",
+                          RuntimeWarning, stacklevel=1)
+
+    def wait(self) -> None:
+        """Wait until the checkpoint is written; raise CheckpointError if that failed."""
+        if self._thread is not None:
+            self._thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(f"the background save of the checkpoint {self.given} failed: "
+                                  f"{type(error).__name__}: {error}") from error
+
+
 def write_directory(path: Path, files: dict[str, Any], objects: dict[str, dict], info: dict) -> Path:
     """Write a checkpoint directory at ``path`` atomically; return ``path``.
 
@@ -305,17 +356,23 @@ def _sha256_update(data: Any, running: Any) -> Any:
     return running
 
 
-def owned_copy(value: Any) -> Any:
-    """``value`` with every tensor copied out of the file's memory map (containers keep their type)."""
+def owned_copy(value: Any, *, into: Any = None) -> Any:
+    """``value`` with every tensor copied to CPU memory of its own (containers keep their type):
+    out of a file's memory map, or away from live training state. A tensor of ``into`` (the
+    same structure) with the same shape and dtype is reused instead of new memory."""
     if isinstance(value, torch.Tensor):
-        return value.clone()
+        if (isinstance(into, torch.Tensor) and into.shape == value.shape and into.dtype == value.dtype
+                and into.device.type == "cpu"):
+            return into.copy_(value.detach())
+        return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
         copied = type(value)()
         for key, item in value.items():
-            copied[key] = owned_copy(item)
+            copied[key] = owned_copy(item, into=into.get(key) if isinstance(into, dict) else None)
         if hasattr(value, "_metadata"):
             copied._metadata = value._metadata
         return copied
     if type(value) in (list, tuple):
-        return type(value)(owned_copy(item) for item in value)
+        others = into if type(into) is type(value) and len(into) == len(value) else [None] * len(value)
+        return type(value)(owned_copy(item, into=other) for item, other in zip(value, others))
     return value

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import stratagem as sg
+from stratagem.training import storage
 
-from .common import assert_same_state, batches, build, train
+from .common import assert_same_state, batches, build, make_strategy, train
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -133,3 +134,29 @@ def test_backup_and_restore_arguments() -> None:
         backup.on_train_begin()
     with pytest.raises(sg.errors.InvalidArgumentError, match="keeps its own backup_step"):
         backup.restore(sg.Checkpoint(backup_step=1))
+
+
+def test_a_save_that_does_not_block_writes_the_state_of_its_call(tmp_path: Path, monkeypatch) -> None:
+    strategy = make_strategy("mirrored2")
+    model, optimizer, scheduler = build(strategy)
+    train(strategy, model, optimizer, scheduler, batches(2))
+    ckpt = sg.Checkpoint(model=model, optimizer=optimizer, step=2)
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    path = ckpt.save(tmp_path / "c", blocking=False)   # the state is copied; a thread writes it
+    train(strategy, model, optimizer, scheduler, batches(2, seed=8))   # training goes on meanwhile
+    ckpt.wait()
+    plain, plain_opt, _ = build(None, seed=4)
+    sg.Checkpoint(model=plain, optimizer=plain_opt, step=0).restore(path)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, saved_model[name]), name
+
+    def broken(path, value):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(storage, "_write_file", broken)
+    with pytest.warns(RuntimeWarning, match=r"background save of the checkpoint .*d failed \(OSError: disk full\)"):
+        ckpt.save(tmp_path / "d", blocking=False)   # said when it happens, and raised by wait()
+        with pytest.raises(sg.errors.CheckpointError, match=r"background save of the checkpoint .*d failed: OSError"):
+            ckpt.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]   # nothing at d, no temporary left
+    ckpt.wait()   # told once
