@@ -3,8 +3,9 @@
 A cluster manager that takes a machine back (a spot instance, a Slurm time limit, a
 Kubernetes eviction) sends SIGTERM first and kills a little later. TensorFlow's
 ``PreemptionCheckpointHandler`` answers by saving a checkpoint and exiting; this is the
-same idea for a custom training loop, without the checkpoint itself (use
-``torch.save`` or a checkpoint object of your choice).
+same idea for a custom training loop; the checkpoint itself is the script's
+(``sg.CheckpointManager.save()`` or ``sg.callbacks.BackupAndRestore.save()``, called by
+every worker).
 
 :class:`PreemptionWatcher` installs a handler for SIGTERM that only records the signal.
 The training loop asks :meth:`~PreemptionWatcher.should_stop` once per step. In

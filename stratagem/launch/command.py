@@ -35,7 +35,7 @@ _DESCRIPTION = (
     "prefixed with its task, a failure restarts the job up to --max-restarts times (every "
     "task together, with a new rendezvous; with --ps the failed server alone), a task that "
     "exits with 75 (preempted, after its group saved) restarts the group without spending a "
-    "restart, and the exit status is non-zero, naming the task, when the job fails. "
+    "restart (up to --max-preemptions times), and the exit status is non-zero, naming the task, when the job fails. "
     "Without --ps every worker (and the chief) runs SCRIPT; with --ps, SCRIPT is the coordinator (the chief) and the "
     "workers and parameter servers run `stratagem server`.")
 _DESCRIPTION = textwrap.fill(_DESCRIPTION, width=88)  # the epilog's layout is kept as written
@@ -59,6 +59,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after a failure, restart up to K times: every task together on "
                              "fresh ports (STRATAGEM_RESTART=1, 2, ... tells the script), or with "
                              "--ps the failed server alone, same TF_CONFIG and port (default: 0)")
+    parser.add_argument("--max-preemptions", type=int, default=100, metavar="N",
+                        help="restart the group after a preemption (a task exits with 75) up to "
+                             "N times; these restarts do not spend --max-restarts, and the next "
+                             "preemption fails the job with status 75 (default: 100)")
     parser.add_argument("--grace-period", type=float, default=5.0, metavar="S",
                         help="seconds the tasks get to exit after SIGTERM (to save a checkpoint) "
                              "before SIGKILL, when the job is stopped or restarted (default: 5)")
@@ -77,6 +81,7 @@ def run_launch(args: argparse.Namespace) -> int:
     try:
         return launch_local(args.script, args.args, num_workers=args.workers, num_ps=args.ps,
                             chief=args.chief, max_restarts=args.max_restarts,
+                            max_preemptions=args.max_preemptions,
                             port_base=args.port_base, host=args.host,
                             grace_period=args.grace_period)
     except StratagemError as err:

@@ -10,7 +10,9 @@ stops every task and the whole group starts again, up to ``max_restarts`` times,
 time on fresh ports (the same ones with ``port_base``, once the old processes are gone),
 so that no new process can meet the old group's rendezvous store or peers. A task that
 exits with :data:`~stratagem.preemption.PREEMPTED_EXIT_CODE` (75: its group agreed to
-stop and saved) restarts the group without spending a restart. In parameter-server
+stop and saved) restarts the group without spending a restart, up to ``max_preemptions``
+times (default 100; then the job fails with status 75, so that a job preempted at every
+start does not restart for ever). In parameter-server
 training each server restarts alone, with the same TF_CONFIG and port.
 
 Each process has the environment of the launcher plus ``TF_CONFIG``, ``PYTHONUNBUFFERED=1``,
@@ -131,7 +133,8 @@ def _ports_once_free(base: int, count: int, host: str) -> list[int]:
 
 def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
                  num_workers: int = 2, num_ps: int = 0, chief: bool = False,
-                 max_restarts: int = 0, port_base: int | None = None, host: str = "127.0.0.1",
+                 max_restarts: int = 0, max_preemptions: int = 100,
+                 port_base: int | None = None, host: str = "127.0.0.1",
                  grace_period: float = 5.0, stdout: TextIO | None = None,
                  stderr: TextIO | None = None,
                  server_command: Sequence[str] | None = None) -> int:
@@ -141,7 +144,8 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     workers and ``num_ps`` parameter servers, each one process with its TF_CONFIG and its
     own port (consecutive from ``port_base``, else free ones). A failure restarts the
     group (collective training) or the failed server (parameter-server training) up to
-    ``max_restarts`` times; a preempted group restarts without spending one. The status
+    ``max_restarts`` times; a preempted group restarts without spending one, up to
+    ``max_preemptions`` times (the next preemption fails the job with status 75). The status
     is 0 when the job succeeded, the failed task's exit code (1 if it was killed by a
     signal) when it failed, 130/143 when the launcher got SIGINT/SIGTERM. Task output goes to ``stdout`` (default
     ``sys.stdout``) and the launcher's messages to ``stderr``, each line prefixed with
@@ -159,6 +163,7 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     _check_count(num_workers, "--workers (num_workers)")
     _check_count(num_ps, "--ps (num_ps)")
     _check_count(max_restarts, "--max-restarts (max_restarts)")
+    _check_count(max_preemptions, "--max-preemptions (max_preemptions)")
     if num_workers == 0 and not chief and not num_ps:
         raise InvalidArgumentError(
             "nothing to launch: --workers is 0 and there is no chief; ask for at least one "
@@ -201,7 +206,8 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     tasks, first = plan(0)
     errors = sys.stderr if stderr is None else stderr
     output = TaskOutput(sys.stdout if stdout is None else stdout, errors)
-    launcher = Supervisor(tasks, environments, max_restarts=max_restarts, output=output,
+    launcher = Supervisor(tasks, environments, max_restarts=max_restarts,
+                          max_preemptions=max_preemptions, output=output,
                           grace_period=float(grace_period))
     try:
         with _signals_to(launcher):

@@ -12,7 +12,12 @@ must never meet the old group's store or peers, so restarts are group-wide::
             (restart n: fresh ports, STRATAGEM_RESTART=n) --> running
     running --a task exits 75 (preempted: the group agreed to stop and saved)-->
             stop every task --> start every task again, without spending a restart
+            (up to max_preemptions times; the next one fails the job with status 75)
     running --a task fails, no restarts left--> failed: every task is stopped
+
+Preemption restarts have their own budget, ``max_preemptions``, because they are free
+of ``max_restarts``: a script that exits 75 at every start (a SIGTERM that keeps coming,
+or a bug that exits through the preemption path) would otherwise restart for ever.
 
 The first task seen failing is blamed (one killed by a signal before one that exited
 with an error, which may just be a survivor that lost its peer); the others' exits
@@ -109,7 +114,7 @@ class Supervisor:
     """Supervises the processes of one job; :meth:`run` returns the job's exit status."""
 
     def __init__(self, tasks: Sequence[Task], environments: Environments, *, max_restarts: int,
-                 output: TaskOutput, grace_period: float) -> None:
+                 output: TaskOutput, grace_period: float, max_preemptions: int = 100) -> None:
         width = max(len(f"[{task.name}]") for task in tasks)
         self._slots = [_Slot(task, env, f"[{task.name}]".ljust(width) + " ")
                        for task, env in zip(tasks, environments(0))]
@@ -117,6 +122,8 @@ class Supervisor:
         self._ps_mode = not all(task.runs_script for task in tasks)
         self._max_restarts = max_restarts
         self._restarts = 0     # collective training: the group's restarts after failures
+        self._max_preemptions = max_preemptions
+        self._preemptions = 0  # collective training: the group's restarts after preemptions
         self._starts = 1       # collective training: the group's starts, preemptions included
         self._output = output
         self._grace_period = grace_period
@@ -169,11 +176,15 @@ class Supervisor:
             return None
         slot, code = min(failures, key=lambda failure: _blame_order(failure[1]))
         count = len(self._slots)
-        if code == PREEMPTED_EXIT_CODE:
+        if code == PREEMPTED_EXIT_CODE and self._preemptions < self._max_preemptions:
+            self._preemptions += 1
             self._output.say(
                 f"the tasks stopped for preemption ({slot.task.name} exited with code {code}: "
-                f"the group agreed on a step and saved); restarting all {count} tasks (a "
-                f"preemption does not count against --max-restarts)")
+                f"the group agreed on a step and saved); restarting all {count} tasks "
+                f"(preemption {self._preemptions}/{self._max_preemptions}; a preemption does "
+                f"not count against --max-restarts)")
+        elif code == PREEMPTED_EXIT_CODE:
+            return self._fail_preempted(slot, code)
         elif self._restarts < self._max_restarts:
             self._restarts += 1
             self._output.say(f"{slot.task.name} {describe_exit(code)}; restarting all {count} "
@@ -245,6 +256,18 @@ class Supervisor:
         others = self._count_running()
         self._output.say(f"{failed}; stopping {others} other task(s)" if others else failed)
         return _exit_status(code)
+
+    def _fail_preempted(self, slot: _Slot, code: int) -> int:
+        slot.finished = True
+        others = self._count_running()
+        self._output.say(
+            f"{slot.task.name} stopped for preemption again (exit code {code}) after "
+            f"{self._preemptions} preemption restart(s), the most --max-preemptions "
+            f"({self._max_preemptions}) allows; not restarting"
+            + (f", stopping {others} other task(s)" if others else "")
+            + ". A job that is preempted at every start is not making progress: check what "
+            "sends the tasks SIGTERM (or why the script exits with 75), or raise --max-preemptions")
+        return code
 
     def _count_running(self) -> int:
         return sum(1 for slot in self._slots if slot.process and slot.process.poll() is None)

@@ -434,6 +434,8 @@ def test_command_reports_a_missing_script(tmp_path: Path) -> None:
     (["--workers", "-1", "{script}"], "--workers (num_workers) must be an integer >= 0, got -1"),
     (["--ps", "-1", "{script}"], "--ps (num_ps) must be an integer >= 0, got -1"),
     (["--max-restarts", "-2", "{script}"], "--max-restarts (max_restarts) must be an integer >= 0"),
+    (["--max-preemptions", "-1", "{script}"],
+     "--max-preemptions (max_preemptions) must be an integer >= 0"),
     (["--ps", "1", "--workers", "0", "{script}"], "needs at least one worker"),
     (["--workers", "3", "--port-base", "65534", "{script}"], "outside 1..65535"),
     (["--port-base", "0", "{script}"], "--port-base (port_base) must be an integer >= 1"),
