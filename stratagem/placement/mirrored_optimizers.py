@@ -74,7 +74,7 @@ class MirroredOptimizers:
                 twin.__dict__.update(optimizer.__dict__)
                 twin.state = defaultdict(dict)
                 twin.param_groups = [
-                    {**group, "params": [self._copies[id(p)][r] for p in group["params"]]}
+                    {**group, "params": [self.all_copies(p)[r] for p in group["params"]]}
                     for group in optimizer.param_groups]
                 twin._sg_twins = None
                 if optimizer.state:
