@@ -39,6 +39,7 @@ from stratagem.comm.options import CommunicationImplementation, CommunicationOpt
 from stratagem.data.input import AutoShardPolicy, InputContext, InputOptions, ValueContext
 from stratagem.strategies import default as _default  # noqa: F401 - registers the default strategy
 from stratagem.strategies.base import Strategy
+from stratagem.strategies.central_storage import CentralStorageStrategy
 from stratagem.strategies.mirrored import MirroredStrategy
 from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
 from stratagem.strategies.one_device import OneDeviceStrategy
@@ -59,6 +60,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "ParameterServerStrategy",
     "PerReplica", "PreemptionWatcher", "ReduceOp", "ReductionToOneDevice", "RemoteValue",
     "ReplicaContext", "ShardedVariable",
+    "CentralStorageStrategy",
     "Strategy", "ValueContext", "callbacks", "cluster", "errors", "get_replica_context", "get_strategy",
     "has_strategy", "in_cross_replica_context", "nn",
 ]

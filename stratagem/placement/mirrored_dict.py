@@ -124,13 +124,22 @@ class MirroredDict(dict):
                 self.versions[key] = tensor._version
         self._record_copy_versions()
 
+    def _watches_copies(self) -> bool:
+        """Whether ``after_run`` looks at writes to the copies: shared parameters (refused), and
+        buffers where no replica computes with the primary (averaged)."""
+        return self.shared or (self._is_buffers and self.first == 0)
+
     def _record_copy_versions(self) -> None:
-        """Shared parameters: what ``after_run`` compares with (writes inside ``run`` only)."""
-        if self.shared:
+        """What ``after_run`` compares with (writes inside ``run`` only)."""
+        if self._watches_copies():
             for copies, versions in zip(self.copies[self.first:], self._copy_versions[self.first:]):
                 for key, tensor in copies.items():
                     if tensor is not None:
                         versions[key] = tensor._version
+
+    def _written_copies(self) -> list[str]:
+        return [key for copies, versions in zip(self.copies[self.first:], self._copy_versions[self.first:])
+                for key, t in copies.items() if t is not None and versions.get(key) != t._version]
 
     def push_modified(self) -> None:
         """Copy primaries written outside ``run`` to every replica."""
@@ -157,10 +166,10 @@ class MirroredDict(dict):
         if self._is_buffers:
             versions = self.versions
             self._stale = self._stale or any(
-                t is not None and versions.get(k) != t._version for k, t in dict.items(self))
+                t is not None and versions.get(k) != t._version for k, t in dict.items(self)) or (
+                self._watches_copies() and bool(self._written_copies()))
         elif self.shared:
-            written = [key for copies, versions in zip(self.copies[self.first:], self._copy_versions[self.first:])
-                       for key, t in copies.items() if t is not None and versions.get(key) != t._version]
+            written = self._written_copies()
         self.record_versions()
         return written
 
