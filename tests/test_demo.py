@@ -23,6 +23,7 @@ pytestmark = pytest.mark.timeout(180)
     ("mirrored", 3),      # 64 -> 22/21/21 and the last batch 29 -> 10/10/9
     ("one_device", 1),
     ("default", 1),
+    ("central_storage", 3),
 ])
 def test_demo_matches_plain_pytorch(strategy: str, replicas: int) -> None:
     result = run_demo(strategy=strategy, replicas=replicas, epochs=1, progress=False)
