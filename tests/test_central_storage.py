@@ -257,3 +257,19 @@ def test_checkpoint_round_trip_with_mirrored(tmp_path) -> None:
     for p, q, r in zip(model.parameters(), other.parameters(), again.parameters()):
         torch.testing.assert_close(p, q, **TOL)
         torch.testing.assert_close(p, r, **TOL)
+
+
+def test_one_replica_computing_with_a_copy_refuses_an_unscoped_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One GPU computing, parameters on the CPU: an optimizer made outside the scope would update
+    parameters no replica computes with (their gradients land on the copy): refused, not silent."""
+    monkeypatch.setattr("stratagem.placement.central._same_memory", lambda device, home: False)
+    strategy = sg.CentralStorageStrategy(["cpu:0"], parameter_device="cpu")
+    with strategy.scope():
+        model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+    with pytest.raises(sg.errors.ContextError, match="scope"):
+        strategy.run(step)

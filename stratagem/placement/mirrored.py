@@ -151,11 +151,11 @@ class MirroredPlacement(MirroredOptimizers, Placement):
         self.finalize()
         for entries in self._dicts:
             entries.push_modified()
-        if self.num_replicas > 1:
+        if self.num_replicas > self.first_copy:  # some replica computes with copies
             _unscoped_check.acquire()
 
     def after_run(self, failed: bool = False) -> None:
-        if self.num_replicas > 1:
+        if self.num_replicas > self.first_copy:
             _unscoped_check.release()
         written = self.record_updates()
         if written and not failed:
@@ -240,9 +240,9 @@ def _forbid_unscoped(module: nn.Module, args: Any) -> None:
 
 
 def _forbid_unscoped_optimizer(optimizer: torch.optim.Optimizer, *args: Any) -> None:
-    frame = _multi_replica_frame()
-    if frame is None or placement_of(optimizer) is not None:   # ours: a scoped optimizer or a twin
-        return
+    frame = _context.current_frame()   # (any replica count: only parameters with copies are looked at)
+    if frame is None or frame.replica_context is None or placement_of(optimizer) is not None:
+        return   # outside run, or ours: a scoped optimizer or a twin
     placement = frame.strategy.placement
     if any(placement.all_copies(p) is not None for group in optimizer.param_groups for p in group["params"]):
         raise ContextError(
