@@ -273,3 +273,29 @@ def test_one_replica_computing_with_a_copy_refuses_an_unscoped_optimizer(monkeyp
         optimizer.step()
     with pytest.raises(sg.errors.ContextError, match="scope"):
         strategy.run(step)
+
+
+def test_optimizer_without_split_update_state_round_trip_and_param_groups(mode: str) -> None:
+    """Adafactor is not element-wise: replica 0 applies the whole update; its state dict still
+    holds one copy, loads back, and training goes on as plain PyTorch's."""
+    data = _data(4)
+    make = lambda p: torch.optim.Adafactor(p, lr=0.01)  # noqa: E731
+    strategy = sg.CentralStorageStrategy(CPUS3)
+    model, optimizer = _build(strategy, make)
+    reference, ref_optimizer = _build(None, make)
+    _train(strategy, model, optimizer, data[:2])
+    _train_plain(reference, ref_optimizer, data[:2])
+    fresh_model, fresh_optimizer = _build(strategy, make)
+    fresh_model.load_state_dict(model.state_dict())
+    fresh_optimizer.load_state_dict(optimizer.state_dict())
+    _train(strategy, fresh_model, fresh_optimizer, data[2:])
+    _train_plain(reference, ref_optimizer, data[2:])
+    for p, q in zip(fresh_model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+    with strategy.scope():
+        extra = nn.Linear(2, 2)
+    fresh_optimizer.add_param_group({"params": extra.parameters()})   # before the first step of a split update
+    groups = len(fresh_optimizer.param_groups)
+    with pytest.raises(sg.errors.InvalidArgumentError, match="scope"):
+        fresh_optimizer.add_param_group({"params": nn.Linear(2, 2).parameters()})
+    assert len(fresh_optimizer.param_groups) == groups

@@ -38,13 +38,13 @@ from typing import Any
 
 import torch
 
-from stratagem import _context
 from stratagem._profiling import label
 from stratagem.comm.collective import Collective
 from stratagem.devices import Device, Topology
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.hooks import adopt, run_hooks, step_hooks, unhooked_step
 from stratagem.placement.mirrored import MirroredPlacement
+from stratagem.placement.mirrored_optimizers import refuse_closure
 from stratagem.placement.sharded_update import ShardedUpdate
 
 #: one parameter's gradient sum: the primary's ``.grad`` to write, the replicas' gradients to
@@ -74,15 +74,22 @@ class CentralPlacement(MirroredPlacement):
         self._pending_optimizers.append(optimizer)
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self._check_placed(_params(optimizer))
+
+    def _check_placed(self, params: list[torch.Tensor]) -> None:
         if self.num_replicas <= self.first_copy:
             return  # one replica computing with the primaries: nothing is copied
-        for p in _params(optimizer):
+        for p in params:
             if self.all_copies(p) is None:
                 raise InvalidArgumentError(
                     f"an optimizer created in the scope of {self.strategy!r} was given a parameter "
                     f"of shape {tuple(p.shape)} that was not created in that scope, so it does not "
                     f"live on the parameter device and no replica computes with it. Create the "
                     f"model inside `with strategy.scope():` too")
+
+    def twins(self, optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+        """One optimizer over the parameters themselves: no twins."""
+        return [optimizer]
 
     def _replica_params(self, primaries: list[torch.Tensor], local_id: int) -> list[torch.Tensor]:
         """The tensors replica ``local_id`` computes with, one per primary."""
@@ -110,13 +117,9 @@ class CentralPlacement(MirroredPlacement):
         return sharded
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-        if closure is not None:
-            raise InvalidArgumentError(
-                "optimizer.step(closure) is not supported for optimizers created in a strategy's "
-                "scope: compute the loss and call loss.backward() before optimizer.step()")
-        frame = _context.current_frame()
-        ctx = frame.replica_context if frame is not None else None
-        if ctx is None or ctx.strategy is not self.strategy:
+        refuse_closure(closure)
+        ctx = self.own_replica_context()
+        if ctx is None:
             return self._cross_replica_step(optimizer)
         local_id, exchange = ctx.local_replica_id, self.collective.exchange
         primaries = _params(optimizer)
@@ -250,12 +253,8 @@ class CentralPlacement(MirroredPlacement):
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         primaries = _params(optimizer)
-        frame = _context.current_frame()
-        ctx = frame.replica_context if frame is not None else None
-        if ctx is not None and ctx.strategy is self.strategy:
-            replicas = [ctx.local_replica_id]
-        else:
-            replicas = list(range(self.num_replicas))
+        ctx = self.own_replica_context()
+        replicas = list(range(self.num_replicas)) if ctx is None else [ctx.local_replica_id]
         tensors = {id(p): p for r in replicas for p in self._replica_params(primaries, r)}
         if replicas[0] == 0:   # the sums on the parameter device: replica 0 clears them
             tensors.update((id(p), p) for p in primaries)
@@ -271,31 +270,13 @@ class CentralPlacement(MirroredPlacement):
                     p.grad.requires_grad_(False)
                 p.grad.zero_()
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        result = optimizer._sg_base.state_dict(optimizer)
-        sharded = self.sharded(optimizer)
-        if sharded is not None:
-            result["state"] = sharded.state()
-        return result
-
-    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        base = optimizer._sg_base
-        sharded = self.sharded(optimizer)
-        if sharded is None:
-            base.load_state_dict(optimizer, state_dict)
-        else:  # hyperparameters here, the state in the range optimizers
-            base.load_state_dict(optimizer, {**state_dict, "state": {}})
-            sharded.load_state(state_dict["state"])
+    # state dicts: the mirrored placement's, over the one optimizer (its state, or its range optimizers')
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        if optimizer.__dict__.get("_sg_sharded"):
-            raise InvalidArgumentError(
-                "add_param_group after the first step is not supported for an optimizer created in a "
-                "multi-replica scope; pass every parameter group when creating the optimizer")
-        optimizer._sg_sharded = False
-        optimizer._sg_base.add_param_group(optimizer, param_group)
-        self._prepare_optimizer(optimizer)
-
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self._check_placed(params)   # before the group is added: a refused group leaves no trace
+        super().optimizer_add_param_group(optimizer, {**param_group, "params": params})
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
