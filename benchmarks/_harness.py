@@ -485,10 +485,13 @@ def add_timing_options(parser: Any) -> None:
     parser.add_argument("--json", metavar="PATH", help="also write every raw measurement here")
 
 
-def apply_timing_defaults(args: Any) -> None:
-    """Fill what :func:`add_timing_options` left unset: the quick smoke test's values or the full run's."""
+def apply_timing_defaults(args: Any, parser: Any) -> None:
+    """Fill what :func:`add_timing_options` left unset (the quick smoke test's values or the full
+    run's), then check the counts (``parser.error`` exits with the message)."""
     defaults = (dict(steps=4, warmup=2, rounds=1, patience=0.0, max_wait=0.0, batch_sizes=[128]) if args.quick
                 else dict(steps=40, warmup=10, rounds=5, patience=6.0, max_wait=60.0, batch_sizes=[128, 512]))
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if min(args.steps, args.rounds, args.distinct) < 1 or args.warmup < 0:
+        parser.error("--steps, --rounds and --distinct must be >= 1, --warmup >= 0")

@@ -218,9 +218,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    h.apply_timing_defaults(args)
-    if min(args.steps, args.rounds, args.distinct) < 1 or args.warmup < 0 or (args.replicas or 1) < 1:
-        p.error("--steps, --rounds, --distinct and --replicas must be >= 1, --warmup >= 0")
+    h.apply_timing_defaults(args, p)
+    if args.replicas is not None and args.replicas < 1:
+        p.error(f"--replicas must be >= 1, got {args.replicas}")
     return args
 
 
