@@ -135,26 +135,27 @@ class CentralPlacement(MirroredPlacement):
                 exchange(local_id, None, "optimizer.step (gradients summed)")
             pre, post = step_hooks(optimizer)
             if pre:  # 2.
-                self._once(local_id, lambda: run_hooks(pre, optimizer), "optimizer step pre-hooks")
+                self._once(local_id, "optimizer step pre-hooks", run_hooks, pre, optimizer)
             with label("stratagem.optimizer.update"):  # 3.
                 if sharded is not None:
                     sharded.step(local_id)
                     exchange(local_id, None, "optimizer.step (parameters updated)")
-                else:
-                    result = self._once(local_id, lambda: unhooked_step(optimizer._sg_base)(optimizer),
-                                        "optimizer.step (parameters updated)")
+                else:  # replica 0 alone (inline: the update stays 3 frames under optimizer.step())
+                    result = unhooked_step(optimizer._sg_base)(optimizer) if local_id == 0 else None
+                    result = exchange(local_id, result, "optimizer.step (parameters updated)")[0]
             if post:  # 4.
-                self._once(local_id, lambda: run_hooks(post, optimizer), "optimizer step post-hooks")
+                self._once(local_id, "optimizer step post-hooks", run_hooks, post, optimizer)
             self._refresh(primaries, mine)  # 5.
         return result
 
-    def _once(self, local_id: int, fn: Any, tag: str) -> Any:
-        """``fn()`` on replica 0 while the others wait; its result goes to every replica.
+    def _once(self, local_id: int, tag: str, fn: Any, *args: Any) -> None:
+        """``fn(*args)`` on replica 0 while the others wait.
 
         (If it raises, replica 0 leaves without the exchange and the runner aborts the others.)
         """
-        outcome = fn() if local_id == 0 else None
-        return self.collective.exchange(local_id, outcome, tag)[0]
+        if local_id == 0:
+            fn(*args)
+        self.collective.exchange(local_id, None, tag)
 
     def _cross_replica_step(self, optimizer: torch.optim.Optimizer) -> Any:
         primaries = _params(optimizer)
