@@ -299,3 +299,34 @@ def test_optimizer_without_split_update_state_round_trip_and_param_groups(mode: 
     with pytest.raises(sg.errors.InvalidArgumentError, match="scope"):
         fresh_optimizer.add_param_group({"params": nn.Linear(2, 2).parameters()})
     assert len(fresh_optimizer.param_groups) == groups
+
+
+def test_parameters_without_gradients_on_some_or_all_replicas(mode: str) -> None:
+    """A parameter used only where a replica has data counts as a zero gradient elsewhere; one that
+    no replica used keeps no gradient and is left alone, as in plain PyTorch."""
+    strategy = sg.CentralStorageStrategy(CPUS3)
+    torch.manual_seed(0)
+    ref_a, ref_b, ref_unused = nn.Linear(3, 1), nn.Linear(3, 1), nn.Linear(3, 1)
+    with strategy.scope():
+        a, b, unused = nn.Linear(3, 1), nn.Linear(3, 1), nn.Linear(3, 1)
+        optimizer = torch.optim.SGD([*a.parameters(), *b.parameters(), *unused.parameters()], lr=0.5)
+    for mine, theirs in ((a, ref_a), (b, ref_b), (unused, ref_unused)):
+        mine.load_state_dict(theirs.state_dict())
+    x = torch.randn(6, 3)
+
+    def step(xs):
+        head = b if sg.get_replica_context().replica_id_in_sync_group == 0 else a  # replica 0 never uses a
+        optimizer.zero_grad()
+        (head(xs).sum() / 6).backward()
+        optimizer.step()
+
+    strategy.run(step, args=(next(iter(strategy.experimental_distribute_dataset([x]))),))
+    (ref_b(x[:2]).sum() / 6 + ref_a(x[2:]).sum() / 6).backward()
+    with torch.no_grad():
+        for p in (*ref_a.parameters(), *ref_b.parameters()):
+            p -= 0.5 * p.grad
+    for mine, theirs in ((a, ref_a), (b, ref_b), (unused, ref_unused)):
+        for p, q in zip(mine.parameters(), theirs.parameters()):
+            torch.testing.assert_close(p, q)
+            assert all(torch.equal(c, p) for c in strategy.experimental_local_results(p))
+    assert all(p.grad is None for p in unused.parameters())
