@@ -330,3 +330,22 @@ def test_parameters_without_gradients_on_some_or_all_replicas(mode: str) -> None
             torch.testing.assert_close(p, q)
             assert all(torch.equal(c, p) for c in strategy.experimental_local_results(p))
     assert all(p.grad is None for p in unused.parameters())
+
+
+def test_in_place_writes_to_a_copy_inside_run_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("stratagem.placement.central._same_memory", lambda device, home: False)
+    strategy = sg.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        layer = nn.Linear(3, 1)
+
+    def manual_sgd():
+        layer(torch.ones(2, 3)).sum().backward()
+        with torch.no_grad():
+            for p in layer.parameters():
+                p -= 0.1 * p.grad
+    with pytest.raises(sg.errors.ContextError, match="lost"):
+        strategy.run(manual_sgd)
+    with torch.no_grad():   # outside run: written to the parameters, then to every copy
+        layer.weight.fill_(2.0)
+    seen = strategy.run(lambda: layer.weight.detach().clone())
+    assert [t.tolist() for t in strategy.experimental_local_results(seen)] == [[[2.0] * 3]] * 2

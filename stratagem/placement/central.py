@@ -244,11 +244,15 @@ class CentralPlacement(MirroredPlacement):
                     whole.add_(piece.to(whole.device))
 
     def _refresh(self, primaries: list[torch.Tensor], params: list[torch.Tensor]) -> None:
-        """Copy the primaries' current values into one replica's copies (shared memory: nothing to do)."""
-        with torch.no_grad():
-            for primary, param in zip(primaries, params):
-                if param is not primary and param.data_ptr() != primary.data_ptr():
-                    param.copy_(primary)
+        """Copy the primaries' current values into one replica's copies (shared memory: nothing to do).
+
+        Through ``.data``: the copy's version counter is left alone, so that ``run`` can tell
+        this refresh from a replica function writing its copy in place (refused: the write
+        would be lost).
+        """
+        for primary, param in zip(primaries, params):
+            if param is not primary and param.data_ptr() != primary.data_ptr():
+                param.data.copy_(primary)
 
     # ------------------------------------------------------ everything else
 

@@ -159,10 +159,12 @@ class MirroredPlacement(MirroredOptimizers, Placement):
             _unscoped_check.release()
         written = self.record_updates()
         if written and not failed:
+            why = ("the replicas' parameters share one memory, so every replica's write would land on it"
+                   if self.shares_parameters else "each replica computes with a copy of the parameters, "
+                   "so the write would reach that copy only, and be lost at the next optimizer step")
             raise ContextError(
                 f"a replica function wrote to the parameters {sorted(set(written))} in place; on "
-                f"{self.strategy!r} the replicas' parameters share one memory, so every replica's "
-                f"write would land on it. Update parameters with an optimizer created in the scope "
+                f"{self.strategy!r} {why}. Update parameters with an optimizer created in the scope "
                 f"(its step sums the gradients and applies the update once), or write them outside "
                 f"strategy.run")
 

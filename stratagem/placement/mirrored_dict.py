@@ -125,9 +125,9 @@ class MirroredDict(dict):
         self._record_copy_versions()
 
     def _watches_copies(self) -> bool:
-        """Whether ``after_run`` looks at writes to the copies: shared parameters (refused), and
-        buffers where no replica computes with the primary (averaged)."""
-        return self.shared or (self._is_buffers and self.first == 0)
+        """Whether ``after_run`` looks at writes to the copies: shared parameters, and where no
+        replica computes with the primary, parameters (both refused) and buffers (averaged)."""
+        return self.shared or self.first == 0
 
     def _record_copy_versions(self) -> None:
         """What ``after_run`` compares with (writes inside ``run`` only)."""
@@ -168,7 +168,7 @@ class MirroredDict(dict):
             self._stale = self._stale or any(
                 t is not None and versions.get(k) != t._version for k, t in dict.items(self)) or (
                 self._watches_copies() and bool(self._written_copies()))
-        elif self.shared:
+        elif self._watches_copies():
             written = self._written_copies()
         self.record_versions()
         return written
