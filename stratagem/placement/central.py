@@ -193,7 +193,7 @@ class CentralPlacement(MirroredPlacement):
             present = [g for g in grads if g is not None]
             own = primary.grad
             if not present:
-                if not keep_own and all(own is not g for g in grads):
+                if not keep_own:
                     primary.grad = None
                 sums.append(None)
             elif grads[0] is not None and grads[0] is own:   # replica 0 computes with the primary
