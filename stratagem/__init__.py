@@ -49,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     "OneDeviceStrategy": "stratagem.strategies.one_device",
     "MirroredStrategy": "stratagem.strategies.mirrored",
     "MultiWorkerMirroredStrategy": "stratagem.strategies.multi_worker",
+    "CentralStorageStrategy": "stratagem.strategies.central_storage",
     "ParameterServerStrategy": "stratagem.ps.strategy",
     "ClusterCoordinator": "stratagem.coordinator", "RemoteValue": "stratagem.coordinator",
     "ReplicaContext": "stratagem.strategies.replica_context",
@@ -103,6 +104,7 @@ if TYPE_CHECKING:   # what the names are, for type checkers and editors
     from stratagem.ps.strategy import ParameterServerStrategy
     from stratagem.ps.variables import ShardedVariable
     from stratagem.strategies.base import Strategy
+    from stratagem.strategies.central_storage import CentralStorageStrategy
     from stratagem.strategies.mirrored import MirroredStrategy
     from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
     from stratagem.strategies.one_device import OneDeviceStrategy

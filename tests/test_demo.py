@@ -23,6 +23,7 @@ pytestmark = pytest.mark.timeout(180)
     ("mirrored", 3),      # 64 -> 22/21/21 and the last batch 29 -> 10/10/9
     ("one_device", 1),
     ("default", 1),
+    ("central_storage", 3),
 ])
 def test_demo_matches_plain_pytorch(strategy: str, replicas: int) -> None:
     result = run_demo(strategy=strategy, replicas=replicas, epochs=1, progress=False)
@@ -160,9 +161,9 @@ def test_command_line_header_and_bar(capsys: pytest.CaptureFixture[str]) -> None
     (["demo", "--lr", "-1"], "--lr: must be a positive number, got -1"),
     (["demo", "--strategy", "tpu"], "invalid choice: 'tpu'"),
     (["demo", "--strategy", "one_device", "--replicas", "2"],
-     "--replicas applies to --strategy mirrored and multi_worker only"),
+     "--replicas applies to --strategy mirrored and central_storage and multi_worker only"),
     (["demo", "--strategy", "parameter_server", "--replicas", "2"],
-     "--replicas applies to --strategy mirrored and multi_worker only"),
+     "--replicas applies to --strategy mirrored and central_storage and multi_worker only"),
 ])
 def test_bad_flags_exit_non_zero_with_a_message(argv: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
