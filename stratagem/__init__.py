@@ -35,6 +35,7 @@ from stratagem import errors
 from stratagem._context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
 from stratagem.comm.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                              ReductionToOneDevice)
+from stratagem.comm.cross_device_ops import RingAllReduce
 from stratagem.comm.options import CommunicationImplementation, CommunicationOptions
 from stratagem.data.input import AutoShardPolicy, InputContext, InputOptions, ValueContext
 from stratagem.strategies import default as _default  # noqa: F401 - registers the default strategy
@@ -62,6 +63,7 @@ __all__ = [
     "Strategy", "ValueContext", "callbacks", "cluster", "errors", "get_replica_context", "get_strategy",
     "has_strategy", "in_cross_replica_context", "nn",
 ]
+__all__ += ["RingAllReduce"]
 
 # PEP 562: the parameter-server names load on first use, with grpc and cryptography (heavy,
 # and only needed once a ps feature is used).

@@ -14,6 +14,12 @@ bit-identical results; they differ in who does the work:
   sums everything on one device, then every replica's tensor receives a copy.
 - :class:`NcclCollective` (``NcclAllReduce``): ``torch.cuda.nccl.all_reduce`` over the
   replicas' GPUs, tensors fused into ``num_packs`` flat buffers per dtype.
+- :class:`~stratagem.comm.ring.RingCollective` (``RingAllReduce``): the ring, summing in
+  ring order (bit-identical to the others for 1-2 replicas, within rounding beyond).
+- :class:`~stratagem.comm.plugin.PluginCollective`: a user's ``CrossDeviceOps`` subclass.
+
+``reduce_scatter`` is the same for all of them: each replica's thread sums its own slice
+over every replica, in replica order (so it equals the matching slice of the all-reduce).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 
 from stratagem.comm.collective import Collective
 from stratagem.comm.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
-                                             ReductionToOneDevice)
+                                             ReductionToOneDevice, RingAllReduce)
 from stratagem.comm.sync import ReplicaSync
 from stratagem.devices import Device
 from stratagem.errors import InvalidArgumentError
@@ -64,13 +70,14 @@ class ReplicaCollective(Collective):
     @staticmethod
     def create(devices: Sequence[Device], options: CrossDeviceOps) -> "ReplicaCollective":
         """The collective that carries out ``options`` (a cross-device op) on ``devices``."""
+        from stratagem.comm.plugin import PluginCollective  # they build on this module
+        from stratagem.comm.ring import RingCollective
+
         options.validate(tuple(devices))
         kinds = {HierarchicalCopyAllReduce: RangeCollective, ReductionToOneDevice: OneDeviceCollective,
-                 NcclAllReduce: NcclCollective}
-        for kind, collective in kinds.items():
-            if isinstance(options, kind):
-                return collective(devices, options)
-        raise InvalidArgumentError(f"unknown cross-device op {options!r}")
+                 NcclAllReduce: NcclCollective, RingAllReduce: RingCollective}
+        # exactly one of ours: our arithmetic; any other subclass is the user's, and is called
+        return kinds.get(type(options), PluginCollective)(devices, options)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -97,6 +104,23 @@ class ReplicaCollective(Collective):
         everyone = self.sync.exchange(local_id, tensors, f"all_reduce({len(tensors)} tensors)")
         self.sum_exchanged(local_id, everyone, op)
         return tensors
+
+    def reduce_scatter(self, local_id: int, tensor: torch.Tensor, op: ReduceOp, axis: int,
+                       sizes: Sequence[int] | None = None) -> torch.Tensor:
+        check_mean([tensor], op)
+        everyone = self.sync.exchange(local_id, tensor, "reduce_scatter")
+        self._check([[t] for t in everyone])
+        sizes = self.scatter_sizes(tensor.shape[axis], sizes)
+        start = sum(sizes[:local_id])
+        device = self.devices[local_id].torch_device
+        pieces = [t.narrow(axis, start, sizes[local_id]) for t in everyone]
+        acc = pieces[0].to(device, copy=True)
+        for piece in pieces[1:]:
+            acc.add_(piece.to(device, non_blocking=True))  # in replica order, as the all-reduce
+        if op is ReduceOp.MEAN:
+            acc.div_(len(everyone))
+        self.sync.exchange(local_id, None, "reduce_scatter:done")  # inputs stay untouched until all read
+        return acc
 
     def _check(self, everyone: list[list[torch.Tensor]]) -> None:
         first = everyone[0]
