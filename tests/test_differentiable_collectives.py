@@ -102,3 +102,11 @@ def test_collectives_in_no_grad_mode_record_nothing():
             return ctx().all_reduce("sum", x).requires_grad
 
     assert set(strategy.experimental_local_results(strategy.run(step))) == {False}
+
+
+@pytest.mark.parametrize("n,ops", [(1, None), (3, None), (4, sg.RingAllReduce())], ids=["1", "3", "4-ring"])
+def test_every_collective_against_the_reference(n, ops):
+    from collective_cases import check_all_collectives
+    strategy = mirrored(n, ops)
+    for failures in strategy.experimental_local_results(strategy.run(check_all_collectives)):
+        assert failures == []

@@ -12,7 +12,7 @@ all_reduce MEAN    ``y_r = sum_s x_s / N``     all-reduce MEAN of the output gra
 all_gather         ``y_r = cat_s x_s``         reduce-scatter SUM, slice ``r`` its own length
 reduce_scatter     ``y_r = (sum_s x_s)[r]``    all-gather of the output gradients (/ N: MEAN)
 all_to_all         ``y_r[s] = x_s[r]``         all-to-all of the output gradients, back
-broadcast          ``y_r = x_src``             all-reduce SUM; the source keeps it, others 0
+broadcast          ``y_r = x_src``             all-reduce SUM; the source keeps it, others 0s
 =================  ==========================  ==========================================
 
 ``reduce``, ``gather`` and ``scatter`` are not differentiable: a replica that receives
@@ -115,6 +115,7 @@ class Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, collective: Any, local_id: int, source: int, anchor: Any, *tensors: torch.Tensor):
         ctx.collective, ctx.local_id, ctx.source = collective, local_id, source
+        ctx.inputs = _like(tensors)
         results = collective.broadcast(local_id, list(tensors), source)
         ctx.like = _like(results)
         return tuple(results)
@@ -124,4 +125,4 @@ class Broadcast(torch.autograd.Function):
         collective = ctx.collective
         summed = collective.all_reduce(ctx.local_id, _grads(grads, ctx.like), ReduceOp.SUM)
         mine = collective.replica_id(ctx.local_id) == ctx.source
-        return (None, None, None, None, *(summed if mine else [None] * len(summed)))
+        return (None, None, None, None, *(summed if mine else _grads([None] * len(summed), ctx.inputs)))
