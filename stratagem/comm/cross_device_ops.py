@@ -63,7 +63,8 @@ class CrossDeviceOps:
                 return super().batch_reduce(reduce_op, value_destination_pairs)
 
         s = sg.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=Counting())
-        print(s.run(lambda: sg.get_replica_context().all_reduce("sum", 1.0)))   # 2.0
+        total = s.run(lambda: sg.get_replica_context().all_reduce("sum", 1.0))
+        print(s.experimental_local_results(total))   # (2.0, 2.0)
         assert Counting.calls == 1
     """
 
@@ -220,8 +221,10 @@ class RingAllReduce(CrossDeviceOps):
 
     Example::
 
-        import stratagem as sg
+        import torch, stratagem as sg
         s = sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], cross_device_ops=sg.RingAllReduce())
+        total = s.run(lambda: sg.get_replica_context().all_reduce("sum", torch.ones(5)))
+        print(s.experimental_local_results(total)[0])   # tensor([3., 3., 3., 3., 3.])
     """
 
 

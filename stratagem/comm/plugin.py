@@ -20,13 +20,15 @@ from typing import Sequence
 
 import torch
 
-from stratagem.comm.cross_device_ops import result_components
+from stratagem.comm.cross_device_ops import CrossDeviceOps, result_components
 from stratagem.comm.replicas import ReplicaCollective
 from stratagem.values import PerReplica, ReduceOp
 
 
 class PluginCollective(ReplicaCollective):
     """Replica threads of one process, reduced by a user's ``CrossDeviceOps``."""
+
+    serves = CrossDeviceOps  # every subclass that is not exactly one of stratagem's own
 
     def _destinations(self) -> tuple[str, ...]:
         return tuple(str(d) for d in self.devices)

@@ -30,7 +30,7 @@ import torch
 
 from stratagem.comm.collective import Collective
 from stratagem.comm.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
-                                             ReductionToOneDevice, RingAllReduce)
+                                             ReductionToOneDevice)
 from stratagem.comm.sync import ReplicaSync
 from stratagem.devices import Device
 from stratagem.errors import InvalidArgumentError
@@ -67,17 +67,28 @@ class ReplicaCollective(Collective):
         self.options = options
         self.sync = ReplicaSync(self.num_local)
 
+    #: The cross-device op class this collective carries out (each subclass declares its own;
+    #: ``CrossDeviceOps`` itself stands for every user subclass).
+    serves: type | None = None
+
     @staticmethod
     def create(devices: Sequence[Device], options: CrossDeviceOps) -> "ReplicaCollective":
-        """The collective that carries out ``options`` (a cross-device op) on ``devices``."""
-        from stratagem.comm.plugin import PluginCollective  # they build on this module
-        from stratagem.comm.ring import RingCollective
+        """The collective that carries out ``options`` (a cross-device op) on ``devices``.
 
+        Exactly one of stratagem's ops: its own arithmetic; any other subclass of
+        ``CrossDeviceOps`` is a user's, carried by the collective that calls it. (The ring
+        and the plug-in live in ``ring.py`` and ``plugin.py``, which ``stratagem.comm``
+        imports.)
+        """
         options.validate(tuple(devices))
-        kinds = {HierarchicalCopyAllReduce: RangeCollective, ReductionToOneDevice: OneDeviceCollective,
-                 NcclAllReduce: NcclCollective, RingAllReduce: RingCollective}
-        # exactly one of ours: our arithmetic; any other subclass is the user's, and is called
-        return kinds.get(type(options), PluginCollective)(devices, options)
+        kinds = {}
+        pending = list(ReplicaCollective.__subclasses__())
+        while pending:
+            kind = pending.pop()
+            pending += kind.__subclasses__()
+            if kind.serves is not None:
+                kinds[kind.serves] = kind
+        return kinds.get(type(options), kinds[CrossDeviceOps])(devices, options)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -138,6 +149,8 @@ class ReplicaCollective(Collective):
 class RangeCollective(ReplicaCollective):
     """``HierarchicalCopyAllReduce``: every replica thread reduces its own ranges."""
 
+    serves = HierarchicalCopyAllReduce
+
     def __init__(self, devices: Sequence[Device], options: HierarchicalCopyAllReduce):
         super().__init__(devices, options)
         self._plans: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
@@ -190,6 +203,8 @@ class RangeCollective(ReplicaCollective):
 class OneDeviceCollective(ReplicaCollective):
     """``ReductionToOneDevice``: one thread sums on one device; every replica gets a copy."""
 
+    serves = ReductionToOneDevice
+
     def sum_exchanged(self, local_id, everyone, op, *, copy_back=True):
         n = len(everyone)
         if n == 1:
@@ -218,6 +233,8 @@ class NcclCollective(ReplicaCollective):
     Tensors of one dtype are fused into ``num_packs`` flat buffers per GPU, each
     all-reduced with one NCCL call (the result is the same as tensor by tensor).
     """
+
+    serves = NcclAllReduce
 
     def sum_exchanged(self, local_id, everyone, op, *, copy_back=True):
         n = len(everyone)

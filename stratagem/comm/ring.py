@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from stratagem.comm.cross_device_ops import RingAllReduce
 from stratagem.comm.replicas import ReplicaCollective
 from stratagem.values import ReduceOp
 
@@ -33,6 +34,8 @@ def _piece(t: torch.Tensor, piece: Piece) -> torch.Tensor:
 
 class RingCollective(ReplicaCollective):
     """The ring: a reduce-scatter then an all-gather, ``N - 1`` neighbour steps each."""
+
+    serves = RingAllReduce
 
     def __init__(self, devices, options):
         super().__init__(devices, options)
