@@ -170,3 +170,74 @@ def scatter(group: Any, pieces: list[torch.Tensor] | None, shapes: list[Shape], 
         results.append(out[offset:offset + _numel(s)].view(s))
         offset += _numel(s)
     return results
+
+
+# ------------------------------------------------ shapes: one small fixed-size message
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_HEADER = 64  # int64s: enough for the shapes of a few tensors; longer descriptions travel pickled
+
+Described = list[list[tuple[Shape, torch.dtype]]]  # per replica, per tensor: (shape, dtype)
+
+
+def _encode(described: Described) -> list[int] | None:
+    codes = [len(described)]
+    for replica in described:
+        codes.append(len(replica))
+        for shape, dtype in replica:
+            if dtype not in _DTYPES:
+                return None
+            codes += [_DTYPES.index(dtype), len(shape), *shape]
+    return codes if len(codes) < _HEADER else None
+
+
+def _decode(codes: list[int]) -> Described:
+    it = iter(codes)
+    out = []
+    for _ in range(next(it)):
+        replica = []
+        for _ in range(next(it)):
+            dtype, ndim = _DTYPES[next(it)], next(it)
+            replica.append((tuple(next(it) for _ in range(ndim)), dtype))
+        out.append(replica)
+    return out
+
+
+def _header(described: Described | None) -> torch.Tensor:
+    codes = None if described is None else _encode(described)
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    if codes is None:
+        header[0] = -1  # too long, or an unusual dtype: the pickled path
+    else:
+        header[0] = len(codes)
+        header[1:len(codes) + 1] = torch.tensor(codes, dtype=torch.int64)
+    return header
+
+
+def _read(header: list[int]) -> Described:
+    return _decode(header[1:header[0] + 1])
+
+
+def exchange_shapes(group: Any, described: Described, what: str) -> list[Described]:
+    """Every worker's ``described`` (its local replicas' shapes and dtypes), in worker order."""
+    mine = _header(described)
+    everyone = torch.empty(group.world_size * _HEADER, dtype=torch.int64, device=group.device)
+    with group.guard(what):
+        _all_gather_single(everyone, mine.to(group.device), group=group.group)
+    rows = everyone.view(group.world_size, _HEADER).tolist()
+    if any(row[0] < 0 for row in rows):
+        return group.all_gather_object(described, what)
+    return [_read(row) for row in rows]
+
+
+def broadcast_shapes(group: Any, described: Described | None, source_worker: int, what: str) -> Described:
+    """The source worker's ``described`` (given there, None elsewhere) on every worker."""
+    header = _header(described) if described is not None else torch.zeros(_HEADER, dtype=torch.int64)
+    header = header.to(group.device)
+    with group.guard(what):
+        dist.broadcast(header, src=group.global_rank(source_worker), group=group.group)
+    row = header.tolist()
+    if row[0] < 0:
+        return group.broadcast_object(described, what, src=source_worker)
+    return _read(row)

@@ -150,7 +150,7 @@ class WorkerCollective(Collective):
     def _shapes(self, local: list[list[torch.Tensor]], what: str) -> list[list[tuple[tuple[int, ...], torch.dtype]]]:
         """Every replica's (shape, dtype) per tensor, in replica order."""
         mine = [[(tuple(t.shape), t.dtype) for t in replica] for replica in local]
-        return [replica for worker in self.group.all_gather_object(mine, what) for replica in worker]
+        return [replica for worker in worker_ops.exchange_shapes(self.group, mine, what) for replica in worker]
 
     def all_gather_parts(self, local_id, tensors, axis):
         if self.num_workers == 1:
@@ -192,9 +192,9 @@ class WorkerCollective(Collective):
 
         def work(local):
             mine = local[source_local] if self.worker_index == source_worker else None
-            meta = self.group.broadcast_object(
-                None if mine is None else [(tuple(t.shape), t.dtype) for t in mine],
-                "ReplicaContext.broadcast (shapes)", src=source_worker)
+            meta = worker_ops.broadcast_shapes(
+                self.group, None if mine is None else [[(tuple(t.shape), t.dtype) for t in mine]], source_worker,
+                "ReplicaContext.broadcast (shapes)")[0]
             return self._copies(worker_ops.broadcast(self.group, mine, meta, source_worker,
                                                      self.devices[0].torch_device))
         return self._on_first(local_id, tensors, "broadcast", work)
@@ -224,9 +224,9 @@ class WorkerCollective(Collective):
 
         def work(local):
             mine = local[source_local] if self.worker_index == source_worker else None
-            meta = self.group.broadcast_object(
-                None if mine is None else [(tuple(t.shape), t.dtype) for t in mine],
-                "ReplicaContext.scatter (shapes)", src=source_worker)
+            meta = worker_ops.broadcast_shapes(
+                self.group, None if mine is None else [[(tuple(t.shape), t.dtype) for t in mine]], source_worker,
+                "ReplicaContext.scatter (shapes)")[0]
             if len({dtype for _, dtype in meta}) > 1:
                 raise InvalidArgumentError(
                     f"scatter across workers needs tensors of one dtype, got {sorted({str(d) for _, d in meta})}")

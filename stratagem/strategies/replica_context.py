@@ -266,8 +266,8 @@ class ReplicaContext:
         it); across workers each decides alone, so every worker must pass inputs that
         require grad, or none.
         """
-        if not torch.is_grad_enabled():
-            return False
+        if not torch.is_grad_enabled() or not any(t.is_floating_point() or t.is_complex() for t in tensors):
+            return False  # (integers never require grad: a count costs no extra meeting)
         wanted = any(t.requires_grad for t in tensors)
         if self._collective.num_local > 1:
             wanted = any(self._exchange(wanted, f"{name} (gradient check)"))
