@@ -152,6 +152,13 @@ class WorkerCollective(Collective):
         mine = [[(tuple(t.shape), t.dtype) for t in replica] for replica in local]
         return [replica for worker in worker_ops.exchange_shapes(self.group, mine, what) for replica in worker]
 
+    def _source_shapes(self, local: list[list[torch.Tensor]], source: int, what: str) -> tuple[Any, list]:
+        """The source replica's tensors (on its worker; None elsewhere) and their (shape, dtype) everywhere."""
+        source_worker, source_local = divmod(source, self.num_local)
+        mine = local[source_local] if self.worker_index == source_worker else None
+        described = None if mine is None else [[(tuple(t.shape), t.dtype) for t in mine]]
+        return mine, worker_ops.broadcast_shapes(self.group, described, source_worker, what)[0]
+
     def all_gather_parts(self, local_id, tensors, axis):
         if self.num_workers == 1:
             return self.local.all_gather_parts(local_id, tensors, axis)
@@ -188,13 +195,10 @@ class WorkerCollective(Collective):
     def broadcast(self, local_id, tensors, source):
         if self.num_workers == 1:
             return self.local.broadcast(local_id, tensors, source)
-        source_worker, source_local = divmod(source, self.num_local)
+        source_worker = source // self.num_local
 
         def work(local):
-            mine = local[source_local] if self.worker_index == source_worker else None
-            meta = worker_ops.broadcast_shapes(
-                self.group, None if mine is None else [[(tuple(t.shape), t.dtype) for t in mine]], source_worker,
-                "ReplicaContext.broadcast (shapes)")[0]
+            mine, meta = self._source_shapes(local, source, "ReplicaContext.broadcast (shapes)")
             return self._copies(worker_ops.broadcast(self.group, mine, meta, source_worker,
                                                      self.devices[0].torch_device))
         return self._on_first(local_id, tensors, "broadcast", work)
@@ -206,27 +210,20 @@ class WorkerCollective(Collective):
         def work(local):
             meta = self._shapes(local, "ReplicaContext.all_to_all (shapes)")
             if len({dtype for replica in meta for _, dtype in replica}) > 1:
-                return None  # several dtypes: the general path below, for every worker alike
+                return [None] * self.num_local  # several dtypes: the general path below, every worker alike
             shapes = [[shape for shape, _ in replica] for replica in meta]
             results = worker_ops.all_to_all(self.group, local, shapes, self.worker_index, self.num_local)
             return [[t.to(self.devices[k].torch_device) for t in r] for k, r in enumerate(results)]
-        local = self.local.exchange(local_id, tensors, "all_to_all")
-        results = work(local) if local_id == 0 else None
-        results = self.local.exchange(local_id, results, "all_to_all:result")[0]
-        if results is None:
-            return super().all_to_all(local_id, tensors)
-        return results[local_id]
+        results = self._on_first(local_id, tensors, "all_to_all", work)
+        return super().all_to_all(local_id, tensors) if results is None else results
 
     def scatter(self, local_id, tensors, source):
         if self.num_workers == 1:
             return self.local.scatter(local_id, tensors, source)
-        source_worker, source_local = divmod(source, self.num_local)
+        source_worker = source // self.num_local
 
         def work(local):
-            mine = local[source_local] if self.worker_index == source_worker else None
-            meta = worker_ops.broadcast_shapes(
-                self.group, None if mine is None else [[(tuple(t.shape), t.dtype) for t in mine]], source_worker,
-                "ReplicaContext.scatter (shapes)")[0]
+            mine, meta = self._source_shapes(local, source, "ReplicaContext.scatter (shapes)")
             if len({dtype for _, dtype in meta}) > 1:
                 raise InvalidArgumentError(
                     f"scatter across workers needs tensors of one dtype, got {sorted({str(d) for _, d in meta})}")
