@@ -39,8 +39,13 @@ def _carrier(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     return tensor if tensor.device == group.device else tensor.to(group.device)
 
 
-def gather(group: Any, pieces: list[torch.Tensor], shapes: list[Shape], axis: int, num_local: int) -> torch.Tensor:
-    """Every replica's tensor concatenated along ``axis``: ``pieces`` are this worker's, ``shapes`` everyone's."""
+def gather(group: Any, pieces: list[torch.Tensor], shapes: list[Shape], axis: int, num_local: int,
+           destination_worker: int | None = None) -> torch.Tensor | None:
+    """Every replica's tensor concatenated along ``axis``: ``pieces`` are this worker's, ``shapes`` everyone's.
+
+    With ``destination_worker`` only that worker receives it (``dist.gather``; None elsewhere),
+    else every worker does (``dist.all_gather_single``).
+    """
     ax = axis % len(shapes[0])
     mine = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=ax)
     moved = mine.movedim(ax, 0).contiguous()
@@ -49,9 +54,17 @@ def gather(group: Any, pieces: list[torch.Tensor], shapes: list[Shape], axis: in
     rest = tuple(moved.shape[1:])
     numels = [r * _numel(rest) for r in rows]
     longest = max(numels)
-    buffer = moved.new_empty(workers * longest, device=group.device)
-    with group.guard("ReplicaContext.all_gather"):
-        _all_gather_single(buffer, _carrier(_padded(moved.reshape(-1), longest), group), group=group.group)
+    send = _carrier(_padded(moved.reshape(-1), longest), group)
+    receives = destination_worker is None or destination_worker == group.rank
+    buffer = moved.new_empty(workers * longest, device=group.device) if receives else None
+    with group.guard("ReplicaContext.all_gather" if destination_worker is None else "ReplicaContext.gather"):
+        if destination_worker is None:
+            _all_gather_single(buffer, send, group=group.group)
+        else:
+            dist.gather(send, list(buffer.chunk(workers)) if receives else None,
+                        dst=group.global_rank(destination_worker), group=group.group)
+    if buffer is None:
+        return None
     buffer = buffer.to(mine.device)
     if ax == 0 and len(set(numels)) == 1:
         return buffer.view(sum(rows), *rest)  # the receive buffer is the concatenation

@@ -84,20 +84,29 @@ class WorkerCollective(Collective):
             local = [t / n for t in local]
         return local
 
-    def _all_reduce_alone(self, tensors: list[torch.Tensor], op: ReduceOp) -> list[torch.Tensor]:
-        """One local replica: copy into fresh buffers (the inputs stay untouched) and all-reduce them.
+    def _all_reduce_alone(self, tensors: list[torch.Tensor], op: ReduceOp, destination: int | None = None
+                          ) -> list[torch.Tensor] | None:
+        """One local replica: copy into fresh buffers (the inputs stay untouched) and all-reduce
+        them (``dist.reduce`` to worker ``destination`` when given; None on the others).
 
         One dtype: one flat buffer, the results are views of it. A large single tensor is
-        copied in a few chunks, each all-reduced while the next is copied.
+        copied in a few chunks, each sent on while the next is copied.
         """
         results: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(tensors):
             by_dtype.setdefault(t.dtype, []).append(i)
-        with self.group.guard("ReplicaContext.all_reduce"):
+        group = self.group
+
+        def launch(buffer: torch.Tensor, async_op: bool) -> Any:
+            if destination is None:
+                return dist.all_reduce(buffer, group=group.group, async_op=async_op)
+            return dist.reduce(buffer, dst=group.global_rank(destination), group=group.group, async_op=async_op)
+
+        with group.guard("ReplicaContext.all_reduce" if destination is None else "ReplicaContext.reduce"):
             for indices in by_dtype.values():
                 parts = [tensors[i].reshape(-1) for i in indices]
-                flat = parts[0].new_empty(sum(p.numel() for p in parts), device=self.group.device)
+                flat = parts[0].new_empty(sum(p.numel() for p in parts), device=group.device)
                 pieces = 4 if flat.numel() * flat.element_size() >= (4 << 20) and len(parts) == 1 else 1
                 works, offset = [], 0
                 for part in parts:
@@ -106,9 +115,9 @@ class WorkerCollective(Collective):
                         target.copy_(chunk)
                         offset += chunk.numel()
                         if pieces > 1:
-                            works.append(dist.all_reduce(target, group=self.group.group, async_op=True))
+                            works.append(launch(target, True))
                 if pieces == 1:
-                    dist.all_reduce(flat, group=self.group.group)
+                    launch(flat, False)
                 for work in works:
                     work.wait()
                 if op is ReduceOp.MEAN:
@@ -118,7 +127,30 @@ class WorkerCollective(Collective):
                 for i in indices:
                     results[i] = flat[offset:offset + tensors[i].numel()].view(tensors[i].shape)
                     offset += tensors[i].numel()
-        return results
+        return results if destination is None or destination == group.rank else None
+
+    def reduce(self, local_id, tensors, op, destination):
+        check_mean(tensors, op)
+        if self.num_local == 1 and self.num_workers > 1:
+            return self._all_reduce_alone(tensors, op, destination)
+        return super().reduce(local_id, tensors, op, destination)
+
+    def gather(self, local_id, tensors, axis, destination):
+        if self.num_workers == 1:
+            return self.local.gather(local_id, tensors, axis, destination)
+        destination_worker, destination_local = divmod(destination, self.num_local)
+
+        def work(local):
+            meta = self._shapes(local, "ReplicaContext.gather (shapes)")
+            shapes = [[m[0] for m in replica] for replica in meta]
+            check_gatherable(shapes, [[m[1] for m in replica] for replica in meta], axis)
+            results = [worker_ops.gather(self.group, [replica[i] for replica in local], [s[i] for s in shapes],
+                                         axis, self.num_local, destination_worker) for i in range(len(tensors))]
+            out: list[Any] = [None] * self.num_local
+            if self.worker_index == destination_worker:
+                out[destination_local] = [t.to(self.devices[destination_local].torch_device) for t in results]
+            return out
+        return self._on_first(local_id, tensors, "gather", work)
 
     # -------------------------------------- collectives that move tensors as they are
 

@@ -166,8 +166,14 @@ class ReplicaContext:
         """
         self._check_replica(destination_replica, "destination_replica")
         self._refuse_grad(value, "reduce", "all_reduce")
-        result = self.all_reduce(reduce_op, value)
-        return result if self._replica_id == destination_replica else None
+        op = ReduceOp.from_any(reduce_op)
+        tensors, was_number = self._as_tensors(value)
+        tensors = [t.contiguous() if op is ReduceOp.SUM or t.is_floating_point() or t.is_complex()
+                   else t.to(torch.get_default_dtype()) for t in tensors]  # a MEAN is never truncated
+        reduced = self._collective.reduce(self._local_id, tensors, op, destination_replica)
+        if reduced is None:
+            return None
+        return pack_as(value, [t.item() if number else t for t, number in zip(reduced, was_number)])
 
     def reduce_scatter(self, reduce_op: "ReduceOp | str", value: torch.Tensor, axis: int = 0) -> torch.Tensor:
         """Reduce over replicas, then keep this replica's slice along ``axis``.
@@ -225,8 +231,9 @@ class ReplicaContext:
         """
         self._check_replica(destination_replica, "destination_replica")
         self._refuse_grad(value, "gather", "all_gather")
-        result = self.all_gather(value, axis)
-        return result if self._replica_id == destination_replica else None
+        tensors, _ = self._as_tensors(value)
+        gathered = self._collective.gather(self._local_id, tensors, axis, destination_replica)
+        return None if gathered is None else pack_as(value, gathered)
 
     # ------------------------------------------------------------ merge_call
 
