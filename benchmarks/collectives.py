@@ -57,9 +57,8 @@ def bus_factor(name: str, n: int) -> float:
 
 
 def sizes_for(args: argparse.Namespace) -> list[int]:
-    if args.quick:
-        return [4, 64 << 10, 4 << 20]
-    return [4 << (3 * k) for k in range(9)][:8] + [64 << 20]  # 4 B, 32 B, ... 32 MiB, then 64 MiB
+    sizes = [4, 64 << 10, 4 << 20] if args.quick else [4 << (3 * k) for k in range(8)] + [64 << 20]
+    return [s for s in sizes if s >= args.min_size]  # 4 B, 32 B, ... 8 MiB, then 64 MiB
 
 
 def calls(ctx: Any, torch: Any, n: int, size: int) -> dict[str, Callable[[], Any]]:
@@ -101,31 +100,35 @@ def inprocess_main(args: argparse.Namespace) -> dict:
     for size in sizes_for(args):
         reps = reps_for(size, args)
         src, dst = torch.ones(max(size // 4, 1)), torch.empty(max(size // 4, 1))
-        blocks = []
-        for _ in range(args.blocks):
+
+        def block(call: Callable[[], Any]) -> float:
             start = time.perf_counter()
             for _ in range(reps):
-                dst.copy_(src)
-            blocks.append((time.perf_counter() - start) / reps)
-        memcpy = h.median(blocks)
+                call()
+            return (time.perf_counter() - start) / reps
+
         for name in COLLECTIVES:
             for impl in IMPLEMENTATIONS if name in REDUCING else ["hierarchical"]:
                 strategy = strategies[impl]
 
                 def fn(name=name):
-                    call = calls(sg.get_replica_context(), torch, n, size)[name]
+                    ctx = sg.get_replica_context()
+                    call = calls(ctx, torch, n, size)[name]
                     call()  # warm-up
-                    times = []
-                    for _ in range(args.blocks):
-                        start = time.perf_counter()
-                        for _ in range(reps):
-                            call()
-                        times.append((time.perf_counter() - start) / reps)
-                    return h.median(times)
+                    times, copies = [], []
+                    for _ in range(args.blocks):  # the memcpy reference in the same blocks, paired
+                        first = ctx.replica_id_in_sync_group == 0  # (the others wait in the collective)
+                        copies.append(block(lambda: dst.copy_(src)) if first else 0.0)
+                        times.append(block(call))
+                    return {"times": times, "copies": copies}
 
                 with torch.no_grad():
-                    seconds = strategy.experimental_local_results(strategy.run(fn))[0]
-                rows.append({"size": size, "collective": name, "impl": impl, "s": seconds, "memcpy_s": memcpy})
+                    measured = strategy.run(fn)
+                times, copies = ([strategy.experimental_local_results(v)[0] for v in measured[key]]
+                                 for key in ("times", "copies"))  # replica 0's
+                rows.append({"size": size, "collective": name, "impl": impl, "s": h.median(times),
+                             "memcpy_s": h.median(copies),
+                             "memcpy_ratio": h.median([c / t for c, t in zip(copies, times)])})
         h.log(f"in-process {size} B done")
     return {"replicas": n, "rows": rows}
 
@@ -200,7 +203,7 @@ def gbps(size: int, seconds: float, factor: float) -> float:
 
 def child_cmd(args: argparse.Namespace, child: str) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", child, "--replicas", str(args.replicas),
-           "--blocks", str(args.blocks), "--min-block-s", str(args.min_block_s)]
+           "--blocks", str(args.blocks), "--min-block-s", str(args.min_block_s), "--min-size", str(args.min_size)]
     return cmd + (["--quick"] if args.quick else [])
 
 
@@ -230,7 +233,7 @@ def report(inproc: dict | None, workers: dict | None) -> str:
             ring = by_key.get((r["size"], r["collective"], "ring"))
             hier = by_key.get((r["size"], r["collective"], "hierarchical"))
             rows.append([r["collective"], r["impl"], _size(r["size"]), f"{r['s'] * 1e6:.1f}",
-                         f"{gbps(r['size'], r['s'], factor):.3f}", f"{r['memcpy_s'] / r['s']:.2f}",
+                         f"{gbps(r['size'], r['s'], factor):.3f}", f"{r['memcpy_ratio']:.2f}",
                          f"{hier['s'] / ring['s']:.2f}" if ring and hier and r["impl"] == "ring" else ""])
         out.append(f"in-process, MirroredStrategy on {n} logical CPU devices")
         out.append(h.format_table(["collective", "impl", "S", "time us", "busbw GB/s", "memcpy/ours (time)",
@@ -264,6 +267,7 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=4, help="timed blocks per measurement (default 4)")
     parser.add_argument("--min-block-s", type=float, default=0.05, help="rough seconds per block")
     parser.add_argument("--only", choices=["inprocess", "workers"], help="run one half only")
+    parser.add_argument("--min-size", type=int, default=0, help="skip sizes below this many bytes")
     parser.add_argument("--keep-malloc", action="store_true", help="leave glibc's mmap threshold as it is")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", help="write the raw measurements here")

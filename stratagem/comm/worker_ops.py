@@ -128,9 +128,7 @@ def all_to_all(group: Any, local: list[list[torch.Tensor]], shapes: list[list[Sh
     workers = len(shapes) // num_local
     me = range(worker * num_local, (worker + 1) * num_local)
     order = [local[k][v * num_local + j] for v in range(workers) for k in range(num_local) for j in range(num_local)]
-    send = _contiguous_run(order)
-    if send is None:
-        send = torch.cat([t.reshape(-1) for t in order]) if order else local[0][0].new_empty(0)
+    send = _flat(order)
     send_sizes = [sum(_numel(shapes[s][v * num_local + j]) for s in me for j in range(num_local))
                   for v in range(workers)]
     receive = [(s, j) for v in range(workers) for s in range(v * num_local, (v + 1) * num_local) for j in me]
@@ -147,6 +145,14 @@ def all_to_all(group: Any, local: list[list[torch.Tensor]], shapes: list[list[Sh
         results[j - worker * num_local][s] = out[offset:offset + count].view(shapes[s][j])
         offset += count
     return results
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` as one flat tensor: a view when there is one, else a concatenation."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1)
+    run = _contiguous_run(tensors)
+    return run if run is not None else torch.cat([t.reshape(-1) for t in tensors])
 
 
 def _contiguous_run(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -171,9 +177,9 @@ def scatter(group: Any, pieces: list[torch.Tensor] | None, shapes: list[Shape], 
     numels = [sum(_numel(s) for s in shapes[v * num_local:(v + 1) * num_local]) for v in range(workers)]
     longest = max(numels)
     chunks = None
-    if pieces is not None:
-        chunks = [_carrier(_padded(torch.cat([p.reshape(-1) for p in pieces[v * num_local:(v + 1) * num_local]]),
-                                   longest), group) for v in range(workers)]
+    if pieces is not None:  # one chunk per worker: its replicas' pieces, flat, padded to the longest
+        chunks = [_carrier(_padded(_flat(pieces[v * num_local:(v + 1) * num_local]), longest), group)
+                  for v in range(workers)]
     out = torch.empty(longest, dtype=dtype, device=group.device)
     with group.guard("ReplicaContext.scatter"):
         dist.scatter(out, chunks, src=group.global_rank(source_worker), group=group.group)
