@@ -110,3 +110,22 @@ def test_every_collective_against_the_reference(n, ops):
     strategy = mirrored(n, ops)
     for failures in strategy.experimental_local_results(strategy.run(check_all_collectives)):
         assert failures == []
+
+
+@pytest.mark.parametrize("call", [
+    lambda r: ctx().all_gather(torch.ones(2, 2 + r), axis=0),       # differs off the gathered axis
+    lambda r: ctx().all_gather(torch.ones(2, dtype=torch.float64 if r else torch.float32), axis=0),
+    lambda r: ctx().reduce_scatter("sum", torch.ones(4 + r)),       # replicas disagree on the length
+], ids=["all_gather-width", "all_gather-dtype", "reduce_scatter-length"])
+def test_mismatched_shapes_are_refused_on_every_replica(call):
+    strategy = mirrored(2)
+
+    def fn():
+        try:
+            call(ctx().replica_id_in_sync_group)
+        except InvalidArgumentError as error:
+            return str(error)
+        return "accepted"
+
+    messages = strategy.experimental_local_results(strategy.run(fn))
+    assert all(m != "accepted" for m in messages) and any("replica" in m for m in messages)
