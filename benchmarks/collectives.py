@@ -18,14 +18,16 @@ all-gather, reduce-scatter, all-to-all, gather and scatter, ``1`` for broadcast 
   torch.distributed's own call *in the same processes*, on the same group, timed in
   alternating blocks (ABBA); ``torch/ours`` is our bus bandwidth as a fraction of torch's.
   torch's calls write into preallocated buffers (all-reduce in place), ours return new
-  tensors, as the API promises.
+  tensors, as the API promises; for all-reduce and broadcast, ``ours/torch+copy`` also
+  compares with torch making that copy (``clone`` then ``all_reduce``; ``broadcast`` then
+  ``clone`` on the source).
 
 Each block times ``reps`` calls (at least ``--min-block-s`` seconds); the median over
 blocks is reported; across processes, a block's time is the slowest rank's. Every child
 runs with ``MALLOC_MMAP_THRESHOLD_`` raised (unless ``--keep-malloc``): otherwise each
 large fresh buffer costs a page fault per 4 KiB, on both sides alike.
 
-    python benchmarks/collectives.py            # 4 B .. 64 MiB, x8 steps
+    python benchmarks/collectives.py            # 4 B .. 8 MiB in x8 steps, and 64 MiB
     python benchmarks/collectives.py --quick    # 4 B, 64 KiB, 4 MiB: a smoke test
 """
 
@@ -163,6 +165,11 @@ def worker_main(args: argparse.Namespace) -> dict | None:
             "gather": lambda: dist.gather(part, parts if rank == 0 else None, dst=0),
             "scatter": lambda: dist.scatter(out_part, parts if rank == 0 else None, src=0),
         }
+        # torch with the copy our API makes (a new result tensor, the input untouched)
+        with_copy = {
+            "all_reduce": lambda: dist.all_reduce(full.clone()),
+            "broadcast": lambda: (dist.broadcast(full, src=0), full.clone() if rank == 0 else None),
+        }
 
         def measure(call: Callable[[], Any]) -> float:
             dist.barrier()
@@ -178,18 +185,22 @@ def worker_main(args: argparse.Namespace) -> dict | None:
             result = {}
             for name in COLLECTIVES:
                 ours[name](), theirs[name]()  # warm-up
-                times: dict[str, list[float]] = {"ours": [], "torch": []}
-                for b in range(args.blocks):  # ABBA
-                    order = ("ours", "torch") if b % 2 == 0 else ("torch", "ours")
+                contenders = {"ours": ours[name], "torch": theirs[name]}
+                if name in with_copy:
+                    contenders["torch_copy"] = with_copy[name]
+                times: dict[str, list[float]] = {who: [] for who in contenders}
+                for b in range(args.blocks):  # rotated from block to block
+                    order = list(contenders)[b % len(contenders):] + list(contenders)[:b % len(contenders)]
                     for who in order:
-                        times[who].append(measure(ours[name] if who == "ours" else theirs[name]))
+                        times[who].append(measure(contenders[who]))
                 result[name] = {who: h.median(t) for who, t in times.items()}
             return result
 
         with torch.no_grad():
             measured = strategy.run(fn)
         for name, t in measured.items():
-            rows.append({"size": size, "collective": name, "ours_s": t["ours"], "torch_s": t["torch"]})
+            rows.append({"size": size, "collective": name, "ours_s": t["ours"], "torch_s": t["torch"],
+                         "torch_copy_s": t.get("torch_copy")})
         if rank == 0:
             h.log(f"across processes {size} B done")
     return {"workers": n, "rows": rows} if rank == 0 else None
@@ -244,11 +255,13 @@ def report(inproc: dict | None, workers: dict | None) -> str:
         for r in workers["rows"]:
             factor = bus_factor(r["collective"], n)
             ours, theirs = gbps(r["size"], r["ours_s"], factor), gbps(r["size"], r["torch_s"], factor)
+            copy = r.get("torch_copy_s")
             rows.append([r["collective"], _size(r["size"]), f"{r['ours_s'] * 1e6:.1f}", f"{r['torch_s'] * 1e6:.1f}",
-                         f"{ours:.3f}", f"{theirs:.3f}", f"{ours / theirs:.2f}"])
+                         f"{ours:.3f}", f"{theirs:.3f}", f"{ours / theirs:.2f}",
+                         f"{copy / r['ours_s']:.2f}" if copy else ""])
         out.append(f"across {n} processes (gloo, loopback), ours vs torch.distributed in the same processes")
         out.append(h.format_table(["collective", "S", "ours us", "torch us", "ours busbw GB/s",
-                                   "torch busbw GB/s", "ours/torch (busbw)"], rows))
+                                   "torch busbw GB/s", "ours/torch (busbw)", "ours/torch+copy"], rows))
     return "\n\n".join(out)
 
 

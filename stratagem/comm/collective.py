@@ -13,9 +13,12 @@ A strategy has one Collective. Its methods come in two kinds:
   ``agree_on_modules``): identities in one process, torch.distributed across workers.
 
 Implementations: :class:`~stratagem.comm.replicas.ReplicaCollective` (replica
-threads of one process; the cross-device op picks how they sum) and
-:class:`~stratagem.comm.workers.WorkerCollective` (several processes, each with one
-or more replica threads: the hierarchical combination of both).
+threads of one process; the cross-device op picks how they sum, among them the ring of
+:mod:`~stratagem.comm.ring` and a user's ``CrossDeviceOps`` in :mod:`~stratagem.comm.plugin`)
+and :class:`~stratagem.comm.workers.WorkerCollective` (several processes, each with one
+or more replica threads: the hierarchical combination of both; its tensor calls are in
+:mod:`~stratagem.comm.worker_ops`). :mod:`~stratagem.comm.autograd` makes the all-*
+collectives and broadcast differentiable on top of any of them.
 
 Shapes and order: replica ``r`` counts over all workers (worker ``w``'s local replica
 ``i`` is ``w * num_local + i``); gathers concatenate in that order; ``reduce_scatter``
