@@ -57,6 +57,7 @@ _EXPORTS: dict[str, str] = {
     "HierarchicalCopyAllReduce": "stratagem.comm.cross_device_ops",
     "NcclAllReduce": "stratagem.comm.cross_device_ops",
     "ReductionToOneDevice": "stratagem.comm.cross_device_ops",
+    "RingAllReduce": "stratagem.comm.cross_device_ops",
     "CommunicationImplementation": "stratagem.comm.options",
     "CommunicationOptions": "stratagem.comm.options",
     # values and input
@@ -96,6 +97,7 @@ if TYPE_CHECKING:   # what the names are, for type checkers and editors
     from stratagem._context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
     from stratagem.comm.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                                  ReductionToOneDevice)
+    from stratagem.comm.cross_device_ops import RingAllReduce
     from stratagem.comm.options import CommunicationImplementation, CommunicationOptions
     from stratagem.coordinator import ClusterCoordinator, RemoteValue
     from stratagem.data.input import AutoShardPolicy, InputContext, InputOptions, ValueContext

@@ -123,8 +123,9 @@ def test_central_storage_with_copies_matches_single_device(replicas: int, optimi
 
 
 @pytest.mark.parametrize("cross_device_ops", [sg.HierarchicalCopyAllReduce(), sg.ReductionToOneDevice(),
-                                              sg.ReductionToOneDevice(reduce_to_device="cpu:1")],
-                         ids=["hierarchical", "one_device", "one_device_cpu1"])
+                                              sg.ReductionToOneDevice(reduce_to_device="cpu:1"),
+                                              sg.RingAllReduce(), sg.CrossDeviceOps()],
+                         ids=["hierarchical", "one_device", "one_device_cpu1", "ring", "plugin"])
 @pytest.mark.parametrize("optimizer_kind", ["sgd", "adam"])
 def test_each_cross_device_op(cross_device_ops: sg.CrossDeviceOps, optimizer_kind: str) -> None:
     strategy = sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], cross_device_ops=cross_device_ops)
