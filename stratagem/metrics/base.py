@@ -39,7 +39,7 @@ import threading
 import uuid
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from stratagem.strategies.base import Strategy
 
-__all__ = ["Metric", "accept_worker_deltas", "merge_states"]
+__all__ = ["Metric", "accept_worker_deltas", "closure_reference", "merge_states", "metric_id", "worker_deltas"]
 
 _OUTSIDE = "outside"     # the state updated outside strategy.run
 _ACCEPTED = "accepted"   # the states parameter-server workers sent back, merged
@@ -124,10 +124,12 @@ class Metric:
         context, or inside a function scheduled onto parameter-server workers. An empty
         batch (every tensor argument without elements: a replica given no row of an uneven
         last batch) adds nothing."""
-        state = self._state_for_update()
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if tensors and all(t.numel() == 0 for t in tensors):
             return
+        state = self._state_for_update()
+        if tensors and tensors[-1].device != state.device:   # (the default strategy places nothing)
+            state.to(tensors[-1].device)
         with torch.no_grad():
             self._update(state, *args, **kwargs)
 
@@ -316,6 +318,31 @@ def _registry(strategy: Any) -> "weakref.WeakValueDictionary[str, Metric]":
     """The live metrics bound to ``strategy``, by id: a parameter-server worker's deltas name
     their metric by id (kept on the strategy object, as weak references)."""
     return strategy.__dict__.setdefault("_sg_metrics", weakref.WeakValueDictionary())
+
+
+def closure_reference(obj: Any) -> tuple | None:
+    """How a scheduled function's pickler sends ``obj`` when it is a metric bound to a
+    strategy: ``("metric", id, copy for the worker)``; None for anything else."""
+    if isinstance(obj, Metric) and not obj._worker_copy:
+        return ("metric", obj._id, obj._for_worker())
+    return None
+
+
+def worker_deltas(metrics: Iterable[Metric]) -> dict[str, tuple[int, dict[str, Any]]]:
+    """On a worker, after a scheduled function ran: what it added to each metric, by id; the
+    metrics are left empty for the next execution."""
+    deltas = {}
+    for metric in metrics:
+        delta = metric._delta()
+        metric._clear_worker_state()
+        if delta is not None:
+            deltas[metric._id] = delta
+    return deltas
+
+
+def metric_id(metric: Metric) -> str:
+    """The id that names ``metric`` and its copies on parameter-server workers."""
+    return metric._id
 
 
 def accept_worker_deltas(strategy: Any, deltas: dict[str, tuple[int, dict[str, Any]]]) -> None:
