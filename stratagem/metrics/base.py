@@ -45,20 +45,19 @@ import torch
 
 from stratagem import _context
 from stratagem.errors import ContextError, InvalidArgumentError
+from stratagem.metrics.states import Snapshot, merge_states, on_cpu, snapshot
 
 if TYPE_CHECKING:  # pragma: no cover
     import torchmetrics
 
     from stratagem.strategies.base import Strategy
 
-__all__ = ["Metric", "accept_worker_deltas", "closure_reference", "merge_states", "metric_id", "worker_deltas"]
+__all__ = ["Metric", "accept_worker_deltas", "closure_reference", "metric_id", "worker_deltas"]
 
 _OUTSIDE = "outside"     # the state updated outside strategy.run
 _ACCEPTED = "accepted"   # the states parameter-server workers sent back, merged
 _LOCAL = ("_lock", "_scratch_lock", "_states", "_scratches")   # never copied nor sent
 
-#: A state's content: (how many updates, {state name: tensor or list of tensors}).
-Snapshot = tuple[int, dict[str, Any]]
 
 
 class Metric:
@@ -155,7 +154,7 @@ class Metric:
             live = self._nonempty_states()
             if len(live) == 1 and (self._worker_copy or strategy.collective.num_workers == 1):
                 return self._compute(live[0])   # one state: nothing to merge
-            snapshots = [_snapshot(s) for s in live]
+            snapshots = [snapshot(s) for s in live]
         if not self._worker_copy and strategy.collective.num_workers > 1:
             snapshots = self._gathered(snapshots, strategy.collective)
         return self._compute_on(snapshots)
@@ -222,7 +221,7 @@ class Metric:
 
     def _gathered(self, snapshots: list[Snapshot], collective: Any) -> list[Snapshot]:
         """Every worker's merged snapshot (None from a worker with nothing), in worker order."""
-        mine = _on_cpu(self._merged(snapshots)) if snapshots else None
+        mine = on_cpu(self._merged(snapshots)) if snapshots else None
         everyone = collective.all_gather_object(mine, f"metric {self.name!r} result()")
         return [entry for entry in everyone if entry is not None]
 
@@ -230,9 +229,9 @@ class Metric:
         if len(snapshots) == 1:
             return snapshots[0]
         with self._scratch_lock:
-            target = self._scratch(_device_of_snapshot(snapshots[0]))
+            target = self._scratch(self._result_device())
             merge_states(target, snapshots)
-            return _snapshot(target)
+            return snapshot(target)
 
     def _scratch(self, device: torch.device) -> "torchmetrics.Metric":
         """A metric object to merge into and compute on, one per device, reused (its states are
@@ -264,7 +263,7 @@ class Metric:
     def _delta(self) -> Snapshot | None:
         """On a worker's copy: what the last execution accumulated, on the CPU (None when nothing)."""
         live = self._nonempty_states()
-        return _on_cpu(self._merged([_snapshot(s) for s in live])) if live else None
+        return on_cpu(self._merged([snapshot(s) for s in live])) if live else None
 
     def _accept(self, delta: Snapshot) -> None:
         """On the coordinator: merge a worker's accepted delta (see :meth:`_delta`)."""
@@ -272,7 +271,7 @@ class Metric:
             accepted = self._states.get(_ACCEPTED)
             if accepted is None:
                 accepted = self._states[_ACCEPTED] = copy.deepcopy(self._template).to(self._result_device())
-            merge_states(accepted, [_snapshot(accepted), delta] if accepted._update_count else [delta])
+            merge_states(accepted, [snapshot(accepted), delta] if accepted._update_count else [delta])
 
     def _for_worker(self) -> "Metric":
         """The copy that travels to a parameter-server worker: the configuration and this
@@ -359,40 +358,3 @@ def accept_worker_deltas(strategy: Any, deltas: dict[str, tuple[int, dict[str, A
         metric = registry.get(metric_id)
         if metric is not None:   # (a metric dropped since the function was scheduled: nobody reads it)
             metric._accept(delta)
-
-
-def merge_states(target: "torchmetrics.Metric", snapshots: list[Snapshot]) -> None:
-    """Set ``target``'s states to the combination of ``snapshots`` (in order), with the
-    reductions torchmetrics declares: list (cat) states are concatenated and stay lists;
-    tensor states are stacked and reduced by their ``dist_reduce_fx`` (left stacked when it
-    is None), as torchmetrics combines the states of several processes."""
-    device = target.device
-    for name, reduce_fn in target._reductions.items():
-        values = [values[name] for _, values in snapshots]
-        if isinstance(target._defaults[name], list):
-            merged: Any = []
-            for value in values:
-                merged.extend(p.to(device) for p in (value if isinstance(value, list) else [value]))
-        else:
-            stacked = torch.stack([v.to(device) for v in values])
-            merged = reduce_fn(stacked) if reduce_fn is not None else stacked
-        setattr(target, name, merged)
-    target._update_count = sum(count for count, _ in snapshots)
-    target._computed = None
-
-
-def _snapshot(state: "torchmetrics.Metric") -> Snapshot:
-    return state._update_count, state.metric_state
-
-
-def _on_cpu(snapshot: Snapshot) -> Snapshot:
-    count, values = snapshot
-    return count, {k: [t.detach().cpu() for t in v] if isinstance(v, list) else v.detach().cpu()
-                   for k, v in values.items()}
-
-
-def _device_of_snapshot(snapshot: Snapshot) -> torch.device:
-    for value in snapshot[1].values():
-        for tensor in value if isinstance(value, list) else [value]:
-            return tensor.device
-    return torch.device("cpu")

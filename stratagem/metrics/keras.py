@@ -283,6 +283,13 @@ class TorchMetric(Metric):
     def __init__(self, metric: "torchmetrics.Metric", name: str | None = None):
         if not isinstance(metric, torchmetrics.Metric):
             raise InvalidArgumentError(f"TorchMetric wraps a torchmetrics.Metric instance, got {metric!r}")
+        inner = [type(m).__name__ for m in metric.modules() if m is not metric and isinstance(m, torchmetrics.Metric)]
+        if inner or not metric._defaults:
+            where = f"in inner metrics ({', '.join(inner)})" if inner else "outside add_state"
+            raise InvalidArgumentError(
+                f"{type(metric).__name__} keeps its state {where}, "
+                f"which stratagem cannot combine over replicas and workers; wrap the inner metric itself, "
+                f"or a metric whose state is declared with add_state")
         self._given: Any = metric
         super().__init__(name or re.sub(r"(?<!^)(?=[A-Z])", "_", type(metric).__name__).lower())
         del self._given
