@@ -101,19 +101,24 @@ def main() -> None:
     if args.quick:
         args.rounds, args.steps = 1, 4
     run = build(args.batch, args.distinct)
-    rounds = h.Rounds(CONFIGS, args.rounds).run(lambda config, rnd: {"step_ms": h.median(h.timed_loop(
-        lambda i: run(config, i), warmup=3, steps=args.steps, max_other_load=args.max_other_load,
-        patience_s=5.0, max_steps=10 * args.steps)["step_ms"])})
+    def measure(config: str, rnd: int) -> dict:
+        timing = h.timed_loop(lambda i: run(config, i), warmup=3, steps=args.steps,
+                              max_other_load=args.max_other_load, patience_s=5.0, max_steps=10 * args.steps)
+        return {"step_ms": h.median(timing["step_ms"]), "cpu_ms": h.median(timing["cpu_ms"])}
+
+    rounds = h.Rounds(CONFIGS, args.rounds).run(measure)
     rows = []
     for config in CONFIGS:
         ms = [r["step_ms"] for r in rounds.results[config]]
-        rows.append([config, f"{h.median(ms):.2f}" if ms else "failed"])
-    print(f"MirroredStrategy(2), MLP, batch {args.batch}: ms per step (median over {args.rounds} rounds)")
-    print(h.format_table(["config", "ms/step"], rows))
-    for baseline in ("by_hand", "none"):
-        ratios = rounds.ratio("sg_metrics", baseline, "step_ms")
-        if ratios:
-            print(f"sg_metrics / {baseline}: {h.median(ratios):.3f}x  (range {h.spread(ratios, 3)})")
+        cpu = [r["cpu_ms"] for r in rounds.results[config]]
+        rows.append([config, f"{h.median(ms):.2f}" if ms else "failed", f"{h.median(cpu):.2f}" if cpu else ""])
+    print(f"MirroredStrategy(2), MLP, batch {args.batch}: per step, median over {args.rounds} rounds")
+    print(h.format_table(["config", "ms", "cpu ms"], rows))
+    for key in ("step_ms", "cpu_ms"):
+        for baseline in ("by_hand", "none"):
+            ratios = rounds.ratio("sg_metrics", baseline, key)
+            if ratios:
+                print(f"{key}: sg_metrics / {baseline}: {h.median(ratios):.3f}x  (range {h.spread(ratios, 3)})")
     warning = h.load_warning()
     if warning:
         print(warning)
