@@ -47,7 +47,7 @@ def test_mirrored_three_replicas_uneven_last_batch(rows):
     run_steps(strategy, metrics, data, 7)
     oracle.check(metrics, data)   # outside the scope: also the global value
     with strategy.scope():
-        oracle.check(metrics, data)
+        oracle.check(metrics, data, together=True)
 
 
 def test_updates_in_and_outside_run_add_up_and_reset_state_forgets_them():
