@@ -119,7 +119,8 @@ def test_accuracy_without_a_loss_follows_the_shapes():
     acc.update_state(torch.tensor([[1.0], [0.0]]), torch.tensor([[0.9], [0.7]]))      # binary: 1 of 2
     acc.update_state(torch.tensor([2, 0]), torch.tensor([[0.0, 0.1, 0.9], [0.0, 1.0, 0.0]]))  # sparse: 1 of 2
     acc.update_state(torch.tensor([[0.0, 1.0], [1.0, 0.0]]), torch.tensor([[0.2, 0.8], [0.3, 0.7]]))  # one-hot
-    assert acc.result().item() == 3 / 6
+    acc.update_state(torch.tensor([3, 1]), torch.tensor([3, 2]))   # predicted classes: 1 of 2
+    assert acc.result().item() == 4 / 8
 
 
 def test_a_torchmetrics_instance_is_copied_not_shared():
