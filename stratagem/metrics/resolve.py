@@ -70,10 +70,10 @@ def _loss_kind(loss: Any) -> tuple[str | None, bool]:
         return None, False
     name = loss if isinstance(loss, str) else getattr(loss, "__name__", type(loss).__name__)
     key = re.sub(r"[^a-z]", "", name.lower())
-    logits = bool(getattr(loss, "from_logits", False)) or key == "bcewithlogitsloss"
+    logits = bool(getattr(loss, "from_logits", False)) or key in ("bcewithlogitsloss", "binarycrossentropywithlogits")
     if key in ("sparsecategoricalcrossentropy", "crossentropyloss", "nllloss", "crossentropy"):
         return "sparse", logits
-    if key in ("binarycrossentropy", "bceloss", "bcewithlogitsloss", "bce"):
+    if key in ("binarycrossentropy", "bceloss", "bcewithlogitsloss", "binarycrossentropywithlogits", "bce"):
         return "binary", logits
     if key == "categoricalcrossentropy":
         return "categorical", logits

@@ -100,6 +100,8 @@ def test_get_resolves_names_like_keras_and_refuses_unknown_ones():
     binary = m.get("accuracy", loss="binary_crossentropy")
     assert type(binary) is m.BinaryAccuracy and binary.threshold == 0.5 and binary.name == "accuracy"
     assert m.get("accuracy", loss=torch.nn.BCEWithLogitsLoss()).threshold == 0.0
+    assert m.get("acc", loss=torch.nn.functional.binary_cross_entropy_with_logits).threshold == 0.0
+    assert type(m.get("acc", loss=torch.nn.functional.cross_entropy)) is m.SparseCategoricalAccuracy
     for name, kind in [("sparse_categorical_accuracy", m.SparseCategoricalAccuracy), ("mae", m.MeanAbsoluteError),
                        ("mse", m.MeanSquaredError), ("auc", m.AUC), ("mean", m.Mean),
                        ("binary_accuracy", m.BinaryAccuracy), ("categorical_accuracy", m.CategoricalAccuracy)]:
