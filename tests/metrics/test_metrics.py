@@ -145,3 +145,28 @@ def test_a_metric_does_not_pickle_but_deep_copies():
     clone = copy.deepcopy(mean)
     clone.update_state(torch.tensor(6.0))
     assert mean.result().item() == 1.5 and abs(clone.result().item() - 12 / 5) < 1e-6 and clone.strategy is strategy
+
+
+def test_every_declared_reduction_of_torchmetrics_states_combines_like_all_rows_at_once():
+    # max, min, sum, cat (a list state), and a callable reduction: MaxMetric, MinMetric, SumMetric,
+    # CatMetric, and a metric with a tensor state reduced by cat
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    values = torch.randn(11)
+    with strategy.scope():
+        metrics = {"max": sg.metrics.get(torchmetrics.MaxMetric()), "min": sg.metrics.get(torchmetrics.MinMetric()),
+                   "sum": sg.metrics.get(torchmetrics.SumMetric()), "cat": sg.metrics.get(torchmetrics.CatMetric()),
+                   "pearson": sg.metrics.get(torchmetrics.PearsonCorrCoef())}
+    data = strategy.experimental_distribute_dataset([values[:7], values[7:]])   # 3/2/2, then 2/0... rows
+    targets = strategy.experimental_distribute_dataset([values[:7].square(), values[7:].square()])
+    for x, t in zip(data, targets):
+        def step(x, t):
+            for name in ("max", "min", "sum", "cat"):
+                metrics[name].update_state(None, x)
+            metrics["pearson"].update_state(t, x)
+        strategy.run(step, args=(x, t))
+    torch.testing.assert_close(metrics["max"].result(), values.max())
+    torch.testing.assert_close(metrics["min"].result(), values.min())
+    torch.testing.assert_close(metrics["sum"].result(), values.sum())
+    torch.testing.assert_close(metrics["cat"].result().sort().values, values.sort().values)
+    torch.testing.assert_close(metrics["pearson"].result(), torchmetrics.PearsonCorrCoef()(values, values.square()),
+                               rtol=1e-4, atol=1e-5)
