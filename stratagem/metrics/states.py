@@ -23,8 +23,11 @@ Snapshot = tuple[int, dict[str, Any]]
 def merge_states(target: "torchmetrics.Metric", snapshots: list[Snapshot]) -> None:
     """Set ``target``'s states to the combination of ``snapshots`` (in order), with the
     reductions torchmetrics declares: list (cat) states are concatenated and stay lists;
-    tensor states are stacked and reduced by their ``dist_reduce_fx`` (left stacked when it
-    is None), as torchmetrics combines the states of several processes."""
+    tensor states are stacked and reduced by their ``dist_reduce_fx``, as torchmetrics combines
+    the states of several processes. With no reduction (None) they stay stacked, one row per
+    part, and a state merged before contributes its rows: merging merged states (workers, or
+    the steps a parameter-server coordinator accepts) gives the same rows as merging all parts
+    at once."""
     from torchmetrics.utilities.data import dim_zero_cat   # (loaded already: states exist)
     device = target.device
     for name, reduce_fn in target._reductions.items():
@@ -36,8 +39,11 @@ def merge_states(target: "torchmetrics.Metric", snapshots: list[Snapshot]) -> No
             if not isinstance(target._defaults[name], list):   # a tensor state reduced by cat
                 merged = torch.cat([p.reshape(-1, *p.shape[1:]) if p.dim() else p.reshape(1) for p in merged])
         else:
-            stacked = torch.stack([v.to(device) for v in values])
-            merged = reduce_fn(stacked) if reduce_fn is not None else stacked
+            unit = target._defaults[name].dim()
+            if reduce_fn is None:   # left stacked, one row per part; a part merged before is rows already
+                merged = torch.cat([v.to(device).unsqueeze(0) if v.dim() == unit else v.to(device) for v in values])
+            else:
+                merged = reduce_fn(torch.stack([v.to(device) for v in values]))
         setattr(target, name, merged)
     target._update_count = sum(count for count, _ in snapshots)
     target._computed = None
