@@ -48,6 +48,7 @@ from stratagem.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner
 from stratagem.ps.variables import ShardedVariable
 from stratagem.preemption import PreemptionWatcher
 from stratagem.training import Checkpoint, CheckpointManager
+from stratagem.training.sidecar import SidecarEvaluator
 from stratagem import callbacks, cluster, nn
 
 __version__ = "0.1.0"
@@ -59,6 +60,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "ParameterServerStrategy",
     "PerReplica", "PreemptionWatcher", "ReduceOp", "ReductionToOneDevice", "RemoteValue",
     "ReplicaContext", "ShardedVariable",
+    "SidecarEvaluator",
     "Strategy", "ValueContext", "callbacks", "cluster", "errors", "get_replica_context", "get_strategy",
     "has_strategy", "in_cross_replica_context", "nn",
 ]

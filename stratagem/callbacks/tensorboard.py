@@ -17,31 +17,10 @@ from typing import Any
 from stratagem.callbacks.base import Callback
 from stratagem.callbacks.monitor import is_chief
 from stratagem.callbacks.schedule import learning_rate
-from stratagem.errors import InvalidArgumentError, MissingDependencyError
+from stratagem.errors import InvalidArgumentError
+from stratagem.training.summaries import summary_writer, write_scalars
 
-__all__ = ["TensorBoard", "summary_writer", "write_scalars"]
-
-
-def summary_writer(log_dir: "str | os.PathLike") -> Any:
-    """A ``SummaryWriter`` for ``log_dir``; a clear error when ``tensorboard`` is not installed."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as err:
-        raise MissingDependencyError(
-            f"summaries for TensorBoard need the tensorboard package ({err}); install it with "
-            f"`pip install tensorboard` (or `pip install stratagem[tensorboard]`)") from None
-    return SummaryWriter(log_dir=os.fspath(log_dir))
-
-
-def write_scalars(writer: Any, prefix: str, values: dict, step: int) -> None:
-    """Write every number of ``values`` as ``<prefix><name>`` at ``step``; skip what is not a number."""
-    for name, value in values.items():
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            continue
-        writer.add_scalar(f"{prefix}{name}", number, step)
-    writer.flush()
+__all__ = ["TensorBoard"]
 
 
 class TensorBoard(Callback):
