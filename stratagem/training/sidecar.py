@@ -12,7 +12,9 @@ The protocol, and why it is safe without any locking:
 - the manager deletes old checkpoints (``max_to_keep``) by renaming them away first; a
   checkpoint gone between listing and reading fails verification *before* anything is
   changed (``Checkpoint.restore`` reads everything, then applies), and is skipped with
-  a note;
+  a note; one deleted before the evaluator even listed it is never seen (when training
+  saves faster than it evaluates, the shown numbers jump; keep more checkpoints, or
+  accept it: TensorFlow's evaluator only ever evaluates the newest);
 - training ends with ``manager.mark_training_finished()``, which writes
   ``ckpt-finished`` naming the last checkpoint; the evaluator reads the mark *before*
   each listing, so once it sees the mark the listing holds the last checkpoint, and
