@@ -49,6 +49,8 @@ from stratagem.ps.variables import ShardedVariable
 from stratagem.preemption import PreemptionWatcher
 from stratagem.training import Checkpoint, CheckpointManager
 from stratagem.training.sidecar import SidecarEvaluator
+from stratagem.training.model import Model
+from stratagem.training import losses
 from stratagem import callbacks, cluster, nn
 
 __version__ = "0.1.0"
@@ -63,6 +65,7 @@ __all__ = [
     "SidecarEvaluator",
     "Strategy", "ValueContext", "callbacks", "cluster", "errors", "get_replica_context", "get_strategy",
     "has_strategy", "in_cross_replica_context", "nn",
+    "Model", "losses",
 ]
 
 # PEP 562: the parameter-server names load on first use, with grpc and cryptography (heavy,

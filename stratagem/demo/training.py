@@ -20,6 +20,7 @@ from torch import nn
 
 import stratagem as sg
 from stratagem.demo.data import Digits, ShuffledBatches
+from stratagem.training.progress import LineProgress
 
 __all__ = ["OPTIMIZERS", "TrainConfig", "Trained", "accuracy_of", "make_model", "one_intra_op_thread",
            "progress_bar", "train_plain_pytorch", "train_with_strategy"]
@@ -84,37 +85,6 @@ def one_intra_op_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-class LineProgress:
-    """Progress for output that is not a terminal (CI logs, a launcher's prefixed output): one
-    plain line every tenth of the work and at the end, where a bar would write a carriage-return
-    frame per redraw. The same calls as the tqdm bar: ``set_postfix_str``, ``update``, ``close``."""
-
-    def __init__(self, total: int, file: Any, parts: int = 10) -> None:
-        self.total, self.file, self.done, self.postfix = total, file, 0, ""
-        self._every = max(1, total // parts)
-        self._started = time.perf_counter()
-        self._closed = False
-
-    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
-        self.postfix = text
-
-    def update(self, count: int = 1) -> None:
-        self.done += count
-        if self.done % self._every == 0 and self.done < self.total:
-            self._line()
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._line()
-
-    def _line(self) -> None:
-        seconds = time.perf_counter() - self._started
-        percent = 100 * self.done // max(self.total, 1)
-        print(f"train {self.done}/{self.total} steps ({percent}%) {self.postfix} [{seconds:.1f} s]".rstrip(),
-              file=self.file, flush=True)
 
 
 def progress_bar(total: int, enabled: bool, ncols: int | None = None, *, lines: bool | None = None) -> Any:
