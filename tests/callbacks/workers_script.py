@@ -45,7 +45,7 @@ def evaluate(module: torch.nn.Module, batch: tuple, steps: object) -> dict:
 
 def evaluator(out: Path) -> None:
     sidecar = sg.SidecarEvaluator(torch.nn.Linear(4, 1), data(), out / "ckpts", evaluate_fn=evaluate,
-                                  summary_dir=out / "eval", poll_interval=0.1, timeout=120)
+                                  summary_dir=out / "eval", poll_interval=0.1, timeout=150)
     results = sidecar.start()
     (out / "evaluator.json").write_text(json.dumps({str(n): r for n, r in results.items()}))
 

@@ -77,8 +77,12 @@ def test_an_evaluator_failure_fails_the_job_after_training(tmp_path: Path) -> No
 def test_an_evaluator_that_never_exits_is_stopped(tmp_path: Path) -> None:
     status, out, err = _launch(tmp_path, '''
         if TASK["type"] == "evaluator":
-            open(os.path.join(OUT, "evaluator.pid"), "w").write(str(os.getpid()))
+            with open(os.path.join(OUT, "evaluator.pid.tmp"), "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(os.path.join(OUT, "evaluator.pid.tmp"), os.path.join(OUT, "evaluator.pid"))
             time.sleep(60)
+        else:
+            wait_for("evaluator.pid")   # training ends once the evaluator surely runs
     ''', num_workers=1, evaluator_timeout=0.5, grace_period=0.5)
     assert status == 1
     assert "evaluator 0 still running 0.5 s after training ended" in err
