@@ -17,7 +17,8 @@ The loop's order per epoch: reset the metrics, ``on_epoch_begin``, then per step
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterable, Sequence
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -186,6 +187,7 @@ class Model:
                                   self.compiled_metrics)
         self.history, self.stop_training = history, False
         batches = _EpochBatches(dataset, steps_per_epoch)
+        batch_logs = self._batch_logs(callback_list, progress, "on_train_batch_end")
         callback_list.call("on_train_begin", None)
         logs: dict = {}
         for epoch in range(initial_epoch, epochs):
@@ -195,7 +197,7 @@ class Model:
             for step, batch in enumerate(batches.epoch()):
                 callback_list.call("on_train_batch_begin", step, None)
                 strategy.run(step_fn, args=(batch,))
-                logs = self._logs()
+                logs = batch_logs()
                 callback_list.call("on_train_batch_end", step, logs)
                 progress.step(_global_rows(batch), logs)
                 if self.stop_training:
@@ -262,14 +264,14 @@ class Model:
         call = callback_list.call if callback_list is not None else (lambda *args: None)
         step_fn = make_test_step(self.module, self._loss_fn, self._loss_tracker, self.compiled_metrics)
         self.reset_metrics()
+        batch_logs = self._batch_logs(callback_list, progress, "on_test_batch_end")
         call("on_test_begin", None)
         progress.begin(steps or _length(data), "evaluate")
         logs: dict = {}
         for step, batch in enumerate(_EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
             call("on_test_batch_begin", step, None)
             strategy.run(step_fn, args=(batch,))
-            if callback_list is not None or progress.enabled:
-                logs = self._logs()
+            logs = batch_logs()
             call("on_test_batch_end", step, logs)
             progress.step(_global_rows(batch), logs)
         logs = self._logs()
@@ -329,11 +331,61 @@ class Model:
             logs[metric.name] = value
         return logs
 
+    def _batch_logs(self, callback_list: CallbackList | None, progress: ProgressLogger,
+                    hook: str) -> Callable[[], Mapping]:
+        """How each step's logs are made: reading a metric's global value costs a reduction.
+
+        In one process that reading is local, so the logs are a lazy mapping, read only if a
+        callback or the progress bar looks at them. Across workers it is a collective that
+        every worker must join at the same step: the workers agree once, at the start,
+        whether any of them shows a bar or has a callback with ``hook``; then all read the
+        metrics at every step, or none does (the logs are then empty).
+        """
+        if self.strategy.topology.num_workers == 1:
+            return lambda: _LazyLogs(self._logs)
+        wanted = progress.verbose == 1 or any(_overrides(callback, hook) for callback in
+                                              (callback_list.callbacks if callback_list is not None else []))
+        agreed = self.strategy.collective.worker_sum(torch.tensor([float(wanted)]))
+        return self._logs if agreed.item() > 0 else dict
+
     def _is_chief(self) -> bool:
         return bool(getattr(self.strategy, "is_chief", True))
 
     def __repr__(self) -> str:
         return f"Model({type(self.module).__name__}, strategy={self.strategy!r})"
+
+
+class _LazyLogs(Mapping):
+    """A step's logs, read from the metrics on first use."""
+
+    def __init__(self, read: Callable[[], dict]) -> None:
+        self._read = read
+        self._logs: dict | None = None
+
+    def _values(self) -> dict:
+        if self._logs is None:
+            self._logs = self._read()
+        return self._logs
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values())
+
+    def __len__(self) -> int:
+        return len(self._values())
+
+    def __repr__(self) -> str:
+        return repr(self._values())
+
+
+def _overrides(callback: Any, hook: str) -> bool:
+    """Whether ``callback`` defines ``hook`` itself (not the do-nothing one of ``Callback``)."""
+    from stratagem.callbacks import Callback
+
+    own = getattr(type(callback), hook, None)
+    return own is not None and own is not getattr(Callback, hook, None)
 
 
 class _EpochBatches:
