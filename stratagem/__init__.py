@@ -64,15 +64,20 @@ __all__ = [
     "Strategy", "ValueContext", "callbacks", "cluster", "errors", "get_replica_context", "get_strategy",
     "has_strategy", "in_cross_replica_context", "nn",
     "Model", "losses",
+    "metrics",
 ]
 
 # PEP 562: the parameter-server names load on first use, with grpc and cryptography (heavy,
 # and only needed once a ps feature is used).
 _LAZY = {"ClusterCoordinator": "stratagem.coordinator", "RemoteValue": "stratagem.coordinator",
          "ParameterServerStrategy": "stratagem.ps.strategy"}
+# Subpackages loaded on first use: sg.metrics imports torchmetrics (~0.5 s and more).
+_LAZY_MODULES = {"metrics": "stratagem.metrics"}
 
 
 def __getattr__(name: str):
+    if name in _LAZY_MODULES:
+        return importlib.import_module(_LAZY_MODULES[name])
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'stratagem' has no attribute {name!r}")

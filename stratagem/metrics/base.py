@@ -1,0 +1,365 @@
+"""The :class:`Metric` base class: torchmetrics states, one per replica, combined on read.
+
+A metric is bound to the strategy in whose scope it was created. Where it is updated
+decides which *state* (a torchmetrics metric object holding only that part's sums,
+counts or concatenated predictions) receives the update:
+
+- inside ``strategy.run``: the state of the calling replica (``local_replica_id``), on
+  that replica's device. Each replica thread touches only its own state, so concurrent
+  replicas need no lock on the update path;
+- outside ``run`` (cross-replica context, or the default strategy): the ``"outside"``
+  state;
+- inside a function scheduled by a ``ClusterCoordinator``: a copy of the metric made on
+  the worker when the function arrived (see :mod:`stratagem.metrics.remote`). Its state
+  starts empty for each execution and travels back with the function's result; the
+  coordinator merges it only when it accepts that result, so a step executed twice
+  (its worker was lost) counts once.
+
+``result()`` in cross-replica context merges every non-empty state with the reductions
+torchmetrics declares for them (``dist_reduce_fx``: sum, cat, max, min, mean, or a
+callable applied to the stacked values, exactly as torchmetrics combines processes),
+then gathers the merged states of all workers (MultiWorkerMirroredStrategy: one
+``all_gather_object`` over the strategy's process group, so every worker must call
+``result()`` together, like ``strategy.reduce``), and computes once on the whole. For
+sum and cat states that is the value computed on all predictions at once.
+
+``result()`` in the replica context of a strategy with more than one replica in sync
+raises :class:`~stratagem.errors.ContextError`: a replica sees only its own part, and a
+global value there would need every replica to call it (a collective). With one replica
+in sync the replica's value is the global value and is returned.
+
+torchmetrics is imported where a metric is built, not here: the parameter-server closure
+code imports this module, and must stay light.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import uuid
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from stratagem import _context
+from stratagem.errors import ContextError, InvalidArgumentError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torchmetrics
+
+    from stratagem.strategies.base import Strategy
+
+__all__ = ["Metric", "accept_worker_deltas", "merge_states"]
+
+_OUTSIDE = "outside"     # the state updated outside strategy.run
+_ACCEPTED = "accepted"   # the states parameter-server workers sent back, merged
+
+
+class Metric:
+    """Base class of stratagem's metrics: Keras's ``update_state`` / ``result`` / ``reset_state``
+    on top of a torchmetrics metric, aggregated over replicas and workers.
+
+    A subclass implements :meth:`_build` (the torchmetrics metric that holds the state,
+    created empty) and :meth:`_update` (how Keras's arguments update it); it may override
+    :meth:`_compute`.
+
+    Example::
+
+        import torch, stratagem as sg
+        strategy = sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+        with strategy.scope():
+            accuracy = sg.metrics.SparseCategoricalAccuracy()
+        labels, logits = torch.tensor([0, 1, 2, 1, 0]), torch.randn(5, 3)
+        data = strategy.experimental_distribute_dataset([(labels, logits)])
+        for batch in data:
+            strategy.run(lambda b: accuracy.update_state(*b), args=(batch,))
+        expected = (logits.argmax(-1) == labels).float().mean()
+        torch.testing.assert_close(accuracy.result(), expected)
+    """
+
+    def __init__(self, name: str, *, dtype: torch.dtype | None = None):
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"a metric's name must be a non-empty string, got {name!r}")
+        frame = _context.current_frame()
+        if frame is not None and frame.replica_context is not None and not frame.strategy.is_default:
+            raise ContextError(
+                f"metric {name!r} was created inside strategy.run (replica context); create metrics "
+                f"once, in the strategy's scope outside run, and update them inside run")
+        self.name = name
+        self.dtype = dtype
+        self._strategy: Strategy | None = _context.get_strategy()
+        self._id = uuid.uuid4().hex
+        self._template = self._checked(self._build())
+        self._lock = threading.Lock()
+        self._states: dict[Any, torchmetrics.Metric] = {}
+        self._worker_copy = False
+        self._register()
+
+    # ------------------------------------------------------------ subclass hooks
+
+    def _build(self) -> "torchmetrics.Metric":
+        """The torchmetrics metric that holds this metric's state (called once, empty)."""
+        raise NotImplementedError
+
+    def _update(self, state: "torchmetrics.Metric", *args: Any, **kwargs: Any) -> None:
+        """Update ``state`` (one replica's) with the arguments of :meth:`update_state`."""
+        raise NotImplementedError
+
+    def _compute(self, state: "torchmetrics.Metric") -> torch.Tensor:
+        """The value of the merged ``state``."""
+        return state.compute()
+
+    # ---------------------------------------------------------------- public API
+
+    @property
+    def strategy(self) -> "Strategy | None":
+        """The strategy this metric was created under (None for a copy on a parameter-server worker)."""
+        return self._strategy
+
+    def update_state(self, *args: Any, **kwargs: Any) -> None:
+        """Accumulate a batch: ``update_state(y_true, y_pred, sample_weight=None)`` (``Mean``:
+        ``update_state(values, sample_weight=None)``), in replica context, cross-replica
+        context, or inside a function scheduled onto parameter-server workers. An empty
+        batch (every tensor argument without elements: a replica given no row of an uneven
+        last batch) adds nothing."""
+        state = self._state_for_update()
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if tensors and all(t.numel() == 0 for t in tensors):
+            return
+        with torch.no_grad():
+            self._update(state, *args, **kwargs)
+
+    def result(self) -> torch.Tensor:
+        """The value over every replica and worker (see the module docstring for where it may be read)."""
+        if self._worker_copy:
+            with self._lock:
+                return self._compute_on(self._nonempty_states())
+        frame = _context.current_frame()
+        context = frame.replica_context if frame is not None else None
+        strategy = self._strategy
+        if context is not None and frame.strategy is strategy and strategy.num_replicas_in_sync > 1:
+            raise ContextError(
+                f"metric {self.name!r}: result() was called inside strategy.run, where a replica "
+                f"holds only its own part of the metric. Read result() outside run (cross-replica "
+                f"context), where it combines all {strategy.num_replicas_in_sync} replicas")
+        with self._lock:
+            states = self._nonempty_states()
+        collective = strategy.collective
+        if collective.num_workers > 1:
+            states = self._gathered(states, collective)
+        return self._compute_on(states)
+
+    def reset_state(self) -> None:
+        """Forget every replica's and worker's accumulated state (call it on every worker)."""
+        with self._lock:
+            self._states.clear()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+    # ------------------------------------------------------------------ states
+
+    def _checked(self, metric: "torchmetrics.Metric") -> "torchmetrics.Metric":
+        if getattr(metric, "dist_sync_on_step", False):
+            raise InvalidArgumentError(
+                f"metric {self.name!r}: a torchmetrics metric with dist_sync_on_step=True synchronises "
+                f"processes in every update; stratagem combines replicas and workers itself. Create it "
+                f"with dist_sync_on_step=False")
+        metric = copy.deepcopy(metric)
+        metric.reset()
+        # torchmetrics would all-gather over torch.distributed's default group in compute():
+        # stratagem merges the states itself, over its own replicas and workers.
+        metric.sync_on_compute = False
+        metric._to_sync = False
+        if self.dtype is not None:
+            metric.set_dtype(self.dtype)
+        return metric
+
+    def _state_for_update(self) -> "torchmetrics.Metric":
+        if self._worker_copy:
+            key = _OUTSIDE
+        else:
+            frame = _context.current_frame()
+            strategy = self._strategy
+            if frame is None or frame.strategy is strategy:
+                context = frame.replica_context if frame is not None else None
+                key = _OUTSIDE if context is None or strategy.is_default else context.local_replica_id
+            elif frame.strategy.is_default:
+                key = _OUTSIDE
+            else:
+                raise ContextError(
+                    f"metric {self.name!r} was created under {strategy!r} but is updated under "
+                    f"{frame.strategy!r}: a metric keeps one state per replica of the strategy it was "
+                    f"created with. Create the metric inside `with strategy.scope():` of the strategy "
+                    f"that runs the step")
+        state = self._states.get(key)
+        if state is None:
+            with self._lock:
+                state = self._states.get(key)
+                if state is None:
+                    state = self._states[key] = self._new_state(key)
+        return state
+
+    def _new_state(self, key: Any) -> "torchmetrics.Metric":
+        state = copy.deepcopy(self._template)
+        if isinstance(key, int):
+            state = state.to(self._strategy.topology.devices[key].torch_device)
+        return state
+
+    def _nonempty_states(self) -> list["torchmetrics.Metric"]:
+        return [s for s in self._states.values() if s._update_count > 0]
+
+    def _gathered(self, states: list, collective: Any) -> list["torchmetrics.Metric"]:
+        """Every worker's non-empty states (merged per worker, moved to the CPU to travel)."""
+        mine = None
+        if states:
+            merged = self._merged(states)
+            mine = (merged._update_count, {k: _to_cpu(v) for k, v in merged.metric_state.items()})
+        everyone = collective.all_gather_object(mine, f"metric {self.name!r} result()")
+        device = self._strategy.topology.devices[0].torch_device
+        gathered = []
+        for entry in everyone:
+            if entry is not None:
+                gathered.append(self._state_from(entry[0], entry[1], device))
+        return gathered
+
+    def _state_from(self, update_count: int, values: dict[str, Any], device: torch.device) -> "torchmetrics.Metric":
+        state = copy.deepcopy(self._template).to(device)
+        for name, value in values.items():
+            setattr(state, name, _to_device(value, device))
+        state._update_count = update_count
+        return state
+
+    def _merged(self, states: list["torchmetrics.Metric"]) -> "torchmetrics.Metric":
+        if len(states) == 1:
+            return states[0]
+        target = copy.deepcopy(self._template).to(_device_of(states[0]))
+        merge_states(target, states)
+        return target
+
+    def _compute_on(self, states: list["torchmetrics.Metric"]) -> torch.Tensor:
+        if not states:
+            empty = copy.deepcopy(self._template)
+            with warnings.catch_warnings():   # "compute called before update": the value of nothing
+                warnings.simplefilter("ignore")
+                return self._compute(empty)
+        return self._compute(self._merged(states))
+
+    # ------------------------------------------- parameter-server workers' deltas
+
+    def _delta(self) -> tuple[int, dict[str, Any]] | None:
+        """On a worker's copy: what the last execution accumulated (None when nothing)."""
+        states = self._nonempty_states()
+        if not states:
+            return None
+        merged = self._merged(states)
+        return merged._update_count, {k: _to_cpu(v) for k, v in merged.metric_state.items()}
+
+    def _accept(self, delta: tuple[int, dict[str, Any]]) -> None:
+        """On the coordinator: merge a worker's accepted delta (see :meth:`_delta`)."""
+        with self._lock:
+            accepted = self._states.get(_ACCEPTED)
+            device = _device_of(accepted) if accepted is not None else torch.device("cpu")
+            incoming = self._state_from(delta[0], delta[1], device)
+            if accepted is None:
+                self._states[_ACCEPTED] = incoming
+            else:
+                merged = copy.deepcopy(self._template).to(device)
+                merge_states(merged, [accepted, incoming])
+                self._states[_ACCEPTED] = merged
+
+    def _for_worker(self) -> "Metric":
+        """The copy that travels to a parameter-server worker: the configuration and this
+        metric's id, no state, no strategy (its updates stay in its one local state)."""
+        clone = object.__new__(type(self))
+        clone.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_lock", "_states")})
+        clone._strategy, clone._worker_copy = None, True
+        return clone
+
+    def __getstate__(self) -> dict[str, Any]:
+        if not self._worker_copy:
+            raise TypeError(
+                f"metric {self.name!r} cannot be pickled: it is bound to its strategy and holds one "
+                f"state per replica. Functions scheduled with a ClusterCoordinator may use it (it "
+                f"travels by reference); elsewhere send its result() instead")
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_states")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._states = {}
+
+    def __deepcopy__(self, memo: dict) -> "Metric":
+        """A new metric bound to the same strategy, with a copy of the states so far."""
+        clone = object.__new__(type(self))
+        for key, value in self.__dict__.items():
+            if key not in ("_lock", "_strategy", "_states"):
+                clone.__dict__[key] = copy.deepcopy(value, memo)
+        clone._strategy, clone._lock, clone._id = self._strategy, threading.Lock(), uuid.uuid4().hex
+        with self._lock:
+            clone._states = copy.deepcopy(self._states, memo)
+        clone._register()
+        return clone
+
+    def _register(self) -> None:
+        if not self._worker_copy:
+            _registry(self._strategy)[self._id] = self
+
+    def _clear_worker_state(self) -> None:
+        with self._lock:
+            self._states.clear()
+
+
+def _registry(strategy: Any) -> "weakref.WeakValueDictionary[str, Metric]":
+    """The live metrics bound to ``strategy``, by id: a parameter-server worker's deltas name
+    their metric by id (kept on the strategy object, as weak references)."""
+    return strategy.__dict__.setdefault("_sg_metrics", weakref.WeakValueDictionary())
+
+
+def accept_worker_deltas(strategy: Any, deltas: dict[str, tuple[int, dict[str, Any]]]) -> None:
+    """Merge the states a parameter-server worker accumulated during a scheduled function
+    whose result the coordinator accepted (``{metric id: delta}``, see ``Metric._delta``)."""
+    registry = _registry(strategy)
+    for metric_id, delta in deltas.items():
+        metric = registry.get(metric_id)
+        if metric is not None:   # (a metric dropped since the function was scheduled: nobody reads it)
+            metric._accept(delta)
+
+
+def merge_states(target: "torchmetrics.Metric", states: list["torchmetrics.Metric"]) -> None:
+    """Set ``target``'s states to the combination of ``states`` (in order), with the
+    reductions torchmetrics declares: list (cat) states are concatenated and stay lists;
+    tensor states are stacked and reduced by their ``dist_reduce_fx`` (stacked as they are
+    when it is None), as torchmetrics combines the states of several processes."""
+    device = _device_of(target)
+    for name, reduce_fn in target._reductions.items():
+        values = [getattr(s, name) for s in states]
+        if isinstance(target._defaults[name], list):
+            merged: Any = []
+            for value in values:
+                parts = value if isinstance(value, list) else [value]
+                merged.extend(p.to(device) for p in parts)
+        else:
+            stacked = torch.stack([v.to(device) for v in values])
+            merged = reduce_fn(stacked) if reduce_fn is not None else stacked
+        setattr(target, name, merged)
+    target._update_count = sum(s._update_count for s in states)
+    target._computed = None
+
+
+def _device_of(state: "torchmetrics.Metric") -> torch.device:
+    return state.device
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, list):
+        return [v.detach().cpu() for v in value]
+    return value.detach().cpu()
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, list):
+        return [v.to(device) for v in value]
+    return value.to(device)
