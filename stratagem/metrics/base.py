@@ -39,22 +39,25 @@ import threading
 import uuid
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
 from stratagem import _context
 from stratagem.errors import ContextError, InvalidArgumentError
+from stratagem.metrics.states import Snapshot, merge_states, on_cpu, snapshot
 
 if TYPE_CHECKING:  # pragma: no cover
     import torchmetrics
 
     from stratagem.strategies.base import Strategy
 
-__all__ = ["Metric", "accept_worker_deltas", "merge_states"]
+__all__ = ["Metric", "accept_worker_deltas", "closure_reference", "metric_id", "worker_deltas"]
 
 _OUTSIDE = "outside"     # the state updated outside strategy.run
 _ACCEPTED = "accepted"   # the states parameter-server workers sent back, merged
+_LOCAL = ("_lock", "_scratch_lock", "_states", "_scratches")   # never copied nor sent
+
 
 
 class Metric:
@@ -92,8 +95,11 @@ class Metric:
         self._strategy: Strategy | None = _context.get_strategy()
         self._id = uuid.uuid4().hex
         self._template = self._checked(self._build())
-        self._lock = threading.Lock()
-        self._states: dict[Any, torchmetrics.Metric] = {}
+        self._lock: threading.Lock              # guards the dict of states
+        self._scratch_lock: threading.Lock      # guards the merge targets
+        self._states: dict[Any, torchmetrics.Metric]
+        self._scratches: dict[torch.device, torchmetrics.Metric]
+        self._fresh_locals()
         self._worker_copy = False
         self._register()
 
@@ -124,32 +130,34 @@ class Metric:
         context, or inside a function scheduled onto parameter-server workers. An empty
         batch (every tensor argument without elements: a replica given no row of an uneven
         last batch) adds nothing."""
-        state = self._state_for_update()
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if tensors and all(t.numel() == 0 for t in tensors):
             return
+        state = self._state_for_update()
+        if tensors and tensors[-1].device != state.device:   # (the default strategy places nothing)
+            state.to(tensors[-1].device)
         with torch.no_grad():
             self._update(state, *args, **kwargs)
 
     def result(self) -> torch.Tensor:
         """The value over every replica and worker (see the module docstring for where it may be read)."""
-        if self._worker_copy:
-            with self._lock:
-                return self._compute_on(self._nonempty_states())
-        frame = _context.current_frame()
-        context = frame.replica_context if frame is not None else None
         strategy = self._strategy
-        if context is not None and frame.strategy is strategy and strategy.num_replicas_in_sync > 1:
-            raise ContextError(
-                f"metric {self.name!r}: result() was called inside strategy.run, where a replica "
-                f"holds only its own part of the metric. Read result() outside run (cross-replica "
-                f"context), where it combines all {strategy.num_replicas_in_sync} replicas")
+        if not self._worker_copy:
+            frame = _context.current_frame()
+            context = frame.replica_context if frame is not None else None
+            if context is not None and frame.strategy is strategy and strategy.num_replicas_in_sync > 1:
+                raise ContextError(
+                    f"metric {self.name!r}: result() was called inside strategy.run, where a replica "
+                    f"holds only its own part of the metric. Read result() outside run (cross-replica "
+                    f"context), where it combines all {strategy.num_replicas_in_sync} replicas")
         with self._lock:
-            states = self._nonempty_states()
-        collective = strategy.collective
-        if collective.num_workers > 1:
-            states = self._gathered(states, collective)
-        return self._compute_on(states)
+            live = self._nonempty_states()
+            if len(live) == 1 and (self._worker_copy or strategy.collective.num_workers == 1):
+                return self._compute(live[0])   # one state: nothing to merge
+            snapshots = [snapshot(s) for s in live]
+        if not self._worker_copy and strategy.collective.num_workers > 1:
+            snapshots = self._gathered(snapshots, strategy.collective)
+        return self._compute_on(snapshots)
 
     def reset_state(self) -> None:
         """Forget every replica's and worker's accumulated state (call it on every worker)."""
@@ -211,70 +219,65 @@ class Metric:
     def _nonempty_states(self) -> list["torchmetrics.Metric"]:
         return [s for s in self._states.values() if s._update_count > 0]
 
-    def _gathered(self, states: list, collective: Any) -> list["torchmetrics.Metric"]:
-        """Every worker's non-empty states (merged per worker, moved to the CPU to travel)."""
-        mine = None
-        if states:
-            merged = self._merged(states)
-            mine = (merged._update_count, {k: _to_cpu(v) for k, v in merged.metric_state.items()})
+    def _gathered(self, snapshots: list[Snapshot], collective: Any) -> list[Snapshot]:
+        """Every worker's merged snapshot (None from a worker with nothing), in worker order."""
+        mine = on_cpu(self._merged(snapshots)) if snapshots else None
         everyone = collective.all_gather_object(mine, f"metric {self.name!r} result()")
-        device = self._strategy.topology.devices[0].torch_device
-        gathered = []
-        for entry in everyone:
-            if entry is not None:
-                gathered.append(self._state_from(entry[0], entry[1], device))
-        return gathered
+        return [entry for entry in everyone if entry is not None]
 
-    def _state_from(self, update_count: int, values: dict[str, Any], device: torch.device) -> "torchmetrics.Metric":
-        state = copy.deepcopy(self._template).to(device)
-        for name, value in values.items():
-            setattr(state, name, _to_device(value, device))
-        state._update_count = update_count
-        return state
+    def _merged(self, snapshots: list[Snapshot]) -> Snapshot:
+        if len(snapshots) == 1:
+            return snapshots[0]
+        with self._scratch_lock:
+            target = self._scratch(self._result_device())
+            merge_states(target, snapshots)
+            return snapshot(target)
 
-    def _merged(self, states: list["torchmetrics.Metric"]) -> "torchmetrics.Metric":
-        if len(states) == 1:
-            return states[0]
-        target = copy.deepcopy(self._template).to(_device_of(states[0]))
-        merge_states(target, states)
-        return target
+    def _scratch(self, device: torch.device) -> "torchmetrics.Metric":
+        """A metric object to merge into and compute on, one per device, reused (its states are
+        replaced, never written in place)."""
+        scratch = self._scratches.get(device)
+        if scratch is None:
+            scratch = self._scratches[device] = copy.deepcopy(self._template).to(device)
+        return scratch
 
-    def _compute_on(self, states: list["torchmetrics.Metric"]) -> torch.Tensor:
-        if not states:
-            empty = copy.deepcopy(self._template)
-            with warnings.catch_warnings():   # "compute called before update": the value of nothing
-                warnings.simplefilter("ignore")
-                return self._compute(empty)
-        return self._compute(self._merged(states))
+    def _compute_on(self, snapshots: list[Snapshot]) -> torch.Tensor:
+        with self._scratch_lock:
+            if not snapshots:
+                target = self._scratch(self._result_device())
+                target.reset()
+                with warnings.catch_warnings():   # "compute called before update": the value of nothing
+                    warnings.simplefilter("ignore")
+                    return self._compute(target)
+            target = self._scratch(self._result_device())
+            merge_states(target, snapshots)
+            return self._compute(target)
+
+    def _result_device(self) -> torch.device:
+        if self._strategy is None or self._strategy.is_default:
+            return torch.device("cpu")
+        return self._strategy.topology.devices[0].torch_device
 
     # ------------------------------------------- parameter-server workers' deltas
 
-    def _delta(self) -> tuple[int, dict[str, Any]] | None:
-        """On a worker's copy: what the last execution accumulated (None when nothing)."""
-        states = self._nonempty_states()
-        if not states:
-            return None
-        merged = self._merged(states)
-        return merged._update_count, {k: _to_cpu(v) for k, v in merged.metric_state.items()}
+    def _delta(self) -> Snapshot | None:
+        """On a worker's copy: what the last execution accumulated, on the CPU (None when nothing)."""
+        live = self._nonempty_states()
+        return on_cpu(self._merged([snapshot(s) for s in live])) if live else None
 
-    def _accept(self, delta: tuple[int, dict[str, Any]]) -> None:
+    def _accept(self, delta: Snapshot) -> None:
         """On the coordinator: merge a worker's accepted delta (see :meth:`_delta`)."""
         with self._lock:
             accepted = self._states.get(_ACCEPTED)
-            device = _device_of(accepted) if accepted is not None else torch.device("cpu")
-            incoming = self._state_from(delta[0], delta[1], device)
             if accepted is None:
-                self._states[_ACCEPTED] = incoming
-            else:
-                merged = copy.deepcopy(self._template).to(device)
-                merge_states(merged, [accepted, incoming])
-                self._states[_ACCEPTED] = merged
+                accepted = self._states[_ACCEPTED] = copy.deepcopy(self._template).to(self._result_device())
+            merge_states(accepted, [snapshot(accepted), delta] if accepted._update_count else [delta])
 
     def _for_worker(self) -> "Metric":
         """The copy that travels to a parameter-server worker: the configuration and this
         metric's id, no state, no strategy (its updates stay in its one local state)."""
         clone = object.__new__(type(self))
-        clone.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_lock", "_states")})
+        clone.__dict__.update({k: v for k, v in self.__dict__.items() if k not in _LOCAL})
         clone._strategy, clone._worker_copy = None, True
         return clone
 
@@ -284,20 +287,24 @@ class Metric:
                 f"metric {self.name!r} cannot be pickled: it is bound to its strategy and holds one "
                 f"state per replica. Functions scheduled with a ClusterCoordinator may use it (it "
                 f"travels by reference); elsewhere send its result() instead")
-        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_states")}
+        return {k: v for k, v in self.__dict__.items() if k not in _LOCAL}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._states = {}
+        self._fresh_locals()
+
+    def _fresh_locals(self) -> None:
+        self._lock, self._scratch_lock = threading.Lock(), threading.Lock()
+        self._states, self._scratches = {}, {}
 
     def __deepcopy__(self, memo: dict) -> "Metric":
         """A new metric bound to the same strategy, with a copy of the states so far."""
         clone = object.__new__(type(self))
         for key, value in self.__dict__.items():
-            if key not in ("_lock", "_strategy", "_states"):
+            if key not in _LOCAL and key != "_strategy":
                 clone.__dict__[key] = copy.deepcopy(value, memo)
-        clone._strategy, clone._lock, clone._id = self._strategy, threading.Lock(), uuid.uuid4().hex
+        clone._fresh_locals()
+        clone._strategy, clone._id = self._strategy, uuid.uuid4().hex
         with self._lock:
             clone._states = copy.deepcopy(self._states, memo)
         clone._register()
@@ -318,6 +325,31 @@ def _registry(strategy: Any) -> "weakref.WeakValueDictionary[str, Metric]":
     return strategy.__dict__.setdefault("_sg_metrics", weakref.WeakValueDictionary())
 
 
+def closure_reference(obj: Any) -> tuple | None:
+    """How a scheduled function's pickler sends ``obj`` when it is a metric bound to a
+    strategy: ``("metric", id, copy for the worker)``; None for anything else."""
+    if isinstance(obj, Metric) and not obj._worker_copy:
+        return ("metric", obj._id, obj._for_worker())
+    return None
+
+
+def worker_deltas(metrics: Iterable[Metric]) -> dict[str, tuple[int, dict[str, Any]]]:
+    """On a worker, after a scheduled function ran: what it added to each metric, by id; the
+    metrics are left empty for the next execution."""
+    deltas = {}
+    for metric in metrics:
+        delta = metric._delta()
+        metric._clear_worker_state()
+        if delta is not None:
+            deltas[metric._id] = delta
+    return deltas
+
+
+def metric_id(metric: Metric) -> str:
+    """The id that names ``metric`` and its copies on parameter-server workers."""
+    return metric._id
+
+
 def accept_worker_deltas(strategy: Any, deltas: dict[str, tuple[int, dict[str, Any]]]) -> None:
     """Merge the states a parameter-server worker accumulated during a scheduled function
     whose result the coordinator accepted (``{metric id: delta}``, see ``Metric._delta``)."""
@@ -326,40 +358,3 @@ def accept_worker_deltas(strategy: Any, deltas: dict[str, tuple[int, dict[str, A
         metric = registry.get(metric_id)
         if metric is not None:   # (a metric dropped since the function was scheduled: nobody reads it)
             metric._accept(delta)
-
-
-def merge_states(target: "torchmetrics.Metric", states: list["torchmetrics.Metric"]) -> None:
-    """Set ``target``'s states to the combination of ``states`` (in order), with the
-    reductions torchmetrics declares: list (cat) states are concatenated and stay lists;
-    tensor states are stacked and reduced by their ``dist_reduce_fx`` (stacked as they are
-    when it is None), as torchmetrics combines the states of several processes."""
-    device = _device_of(target)
-    for name, reduce_fn in target._reductions.items():
-        values = [getattr(s, name) for s in states]
-        if isinstance(target._defaults[name], list):
-            merged: Any = []
-            for value in values:
-                parts = value if isinstance(value, list) else [value]
-                merged.extend(p.to(device) for p in parts)
-        else:
-            stacked = torch.stack([v.to(device) for v in values])
-            merged = reduce_fn(stacked) if reduce_fn is not None else stacked
-        setattr(target, name, merged)
-    target._update_count = sum(s._update_count for s in states)
-    target._computed = None
-
-
-def _device_of(state: "torchmetrics.Metric") -> torch.device:
-    return state.device
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, list):
-        return [v.detach().cpu() for v in value]
-    return value.detach().cpu()
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, list):
-        return [v.to(device) for v in value]
-    return value.to(device)

@@ -48,21 +48,32 @@ class WeightedMean(torchmetrics.Metric):
     def update(self, values: torch.Tensor, weight: torch.Tensor | None = None) -> None:
         values = values.to(self.total.dtype)
         if weight is None:
-            self.total += values.sum()
-            self.weight += values.numel()
+            self.total.add_(values.sum())
+            self.weight.add_(values.numel())
         else:
             weight = weight.to(self.total.dtype)
-            self.total += (values * weight).sum()
-            self.weight += weight.sum()
+            self.total.add_((values * weight).sum())
+            self.weight.add_(weight.sum())
+
+    def add(self, values: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+        """``update()`` without torchmetrics' wrapper (stratagem already disabled autograd):
+        the wrapper's bookkeeping costs more than the sums on small batches."""
+        type(self).update(self, values, weight)
+        self.__dict__["_update_count"] += 1
+        self.__dict__["_computed"] = None
 
     def compute(self) -> torch.Tensor:
+        return self.value()
+
+    def value(self) -> torch.Tensor:
+        """``compute()`` without torchmetrics' wrapper around it (which costs more than the division)."""
         empty = self.weight == 0
         return torch.where(empty, torch.zeros_like(self.total), self.total / torch.where(empty, 1, self.weight))
 
 
 def _add_weighted(state: WeightedMean, values: torch.Tensor, sample_weight: Any) -> None:
     if sample_weight is None:
-        state.update(values)
+        state.add(values)
         return
     weight = torch.as_tensor(sample_weight, device=values.device)
     while weight.dim() > values.dim() and weight.shape[-1] == 1:
@@ -75,7 +86,7 @@ def _add_weighted(state: WeightedMean, values: torch.Tensor, sample_weight: Any)
         raise InvalidArgumentError(
             f"sample_weight of shape {tuple(torch.as_tensor(sample_weight).shape)} does not fit values of "
             f"shape {tuple(values.shape)}: give one weight per row ({values.shape[:1]}) or per value") from None
-    state.update(values, weight)
+    state.add(values, weight)
 
 
 def _tensors(y_true: Any, y_pred: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +132,9 @@ class MeanMetricWrapper(Metric):
                 f"{tuple(y_pred.shape)}); pass the labels and predictions of the same batch")
         _add_weighted(state, self._values(y_true, y_pred), sample_weight)
 
+    def _compute(self, state: WeightedMean) -> torch.Tensor:
+        return state.value()
+
 
 class Mean(Metric):
     """The weighted mean of the values given: ``update_state(values, sample_weight=None)``.
@@ -142,6 +156,9 @@ class Mean(Metric):
 
     def _update(self, state: "torchmetrics.Metric", values: Any, sample_weight: Any = None) -> None:
         _add_weighted(state, torch.as_tensor(values), sample_weight)
+
+    def _compute(self, state: WeightedMean) -> torch.Tensor:
+        return state.value()
 
 
 class Accuracy(MeanMetricWrapper):
@@ -266,6 +283,13 @@ class TorchMetric(Metric):
     def __init__(self, metric: "torchmetrics.Metric", name: str | None = None):
         if not isinstance(metric, torchmetrics.Metric):
             raise InvalidArgumentError(f"TorchMetric wraps a torchmetrics.Metric instance, got {metric!r}")
+        inner = [type(m).__name__ for m in metric.modules() if m is not metric and isinstance(m, torchmetrics.Metric)]
+        if inner or not metric._defaults:
+            where = f"in inner metrics ({', '.join(inner)})" if inner else "outside add_state"
+            raise InvalidArgumentError(
+                f"{type(metric).__name__} keeps its state {where}, "
+                f"which stratagem cannot combine over replicas and workers; wrap the inner metric itself, "
+                f"or a metric whose state is declared with add_state")
         self._given: Any = metric
         super().__init__(name or re.sub(r"(?<!^)(?=[A-Z])", "_", type(metric).__name__).lower())
         del self._given

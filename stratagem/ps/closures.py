@@ -18,7 +18,11 @@ object travel by reference, as persistent ids, never by value:
   runtime;
 - the strategy's :class:`~stratagem.ps.placement.ParameterServerPlacement`, which a scoped module's
   ``load_state_dict`` hooks mention: ``("placement",)``; on the worker, None (its modules'
-  values are the runtime's, not the coordinator's).
+  values are the runtime's, not the coordinator's);
+- a metric (:mod:`stratagem.metrics`): ``("metric", id, copy)``, the copy holding the
+  configuration and no state; on the worker, the runtime's one copy for that id (every
+  closure mentioning the metric shares it). What a run adds to it travels back with the
+  run's result (:attr:`ClosureUnpickler.metrics` lists the copies met).
 
 The unpickler records the variable ids it met (:attr:`ClosureUnpickler.var_ids`): the
 dense ones among them are pulled before the function runs. Pickled any other way (a
@@ -37,6 +41,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import InvalidArgumentError, StratagemError
+from stratagem.metrics.base import Metric, closure_reference, metric_id
 from stratagem.ps.placement import ParameterServerPlacement, _VariableDict
 from stratagem.ps.runtime import WorkerOptimizer, WorkerRuntime
 from stratagem.ps.strategy import ParameterServerStrategy, _WorkerStrategy
@@ -93,7 +98,7 @@ class ClosurePickler(Pickler):
             return ("placement",)
         if isinstance(obj, ParameterServerStrategy):
             return ("strategy",)
-        return None
+        return closure_reference(obj)
 
 
 class ClosureUnpickler(Unpickler):
@@ -104,6 +109,7 @@ class ClosureUnpickler(Unpickler):
         super().__init__(data)
         self.runtime = runtime
         self.var_ids: list[str] = []
+        self.metrics: list[Metric] = []
 
     def persistent_load(self, pid: Any) -> Any:
         if isinstance(pid, int):
@@ -122,5 +128,9 @@ class ClosureUnpickler(Unpickler):
             return None
         if kind == "strategy":
             return _WorkerStrategy(self.runtime)
+        if kind == "metric":
+            metric = self.runtime.metric(pid[1], pid[2])
+            self.metrics.append(metric)
+            return metric
         raise CodecError(f"a closure refers to {pid!r}, which is no variable dict, optimizer, "
-                         f"iterator, placement or strategy")
+                         f"iterator, placement, strategy or metric")

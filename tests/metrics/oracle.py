@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torchmetrics
+from torchmetrics.classification import BinaryAUROC
 
 import stratagem as sg
 
@@ -77,8 +78,8 @@ def expected(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         "mae": (d["y"] - d["p"]).abs().mean(),
         "mse": (d["y"] - d["p"]).square().mean(),
         "mean": (d["p"][:, 0] * d["w"]).sum() / d["w"].sum(),
-        "auc": torchmetrics.classification.BinaryAUROC(thresholds=200)(d["p01"].reshape(-1), d["y01"].reshape(-1).long()),
-        "auc_exact": torchmetrics.classification.BinaryAUROC()(d["p01"].reshape(-1), d["y01"].reshape(-1).long()),
+        "auc": BinaryAUROC(thresholds=200)(d["p01"].reshape(-1), d["y01"].reshape(-1).long()),
+        "auc_exact": BinaryAUROC()(d["p01"].reshape(-1), d["y01"].reshape(-1).long()),
         "f1": f1(d["logits"].argmax(-1), d["labels"]),
     }
 
