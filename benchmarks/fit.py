@@ -42,7 +42,6 @@ def child(args: argparse.Namespace) -> dict:
     import torch.nn.functional as F
 
     import stratagem as sg
-    from stratagem import metrics
 
     rng = np.random.default_rng(args.seed)
     x = torch.from_numpy(rng.standard_normal((args.samples, 784), dtype=np.float32))
@@ -52,8 +51,8 @@ def child(args: argparse.Namespace) -> dict:
     with strategy.scope():
         module = h.mlp()
         optimizer = torch.optim.SGD(module.parameters(), lr=h.LR, momentum=h.MOMENTUM)
-        loss_metric = metrics.Mean(name="loss")
-        accuracy = metrics.SparseCategoricalAccuracy(name="accuracy")
+        loss_metric = sg.metrics.Mean(name="loss")
+        accuracy = sg.metrics.SparseCategoricalAccuracy(name="accuracy")
 
     if args.child == "fit":
         model = sg.Model(module, strategy=strategy)
