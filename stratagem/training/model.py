@@ -141,6 +141,12 @@ class Model:
         raise InvalidArgumentError(f"optimizer must be a name ({', '.join(_OPTIMIZERS)}) or a torch.optim "
                                    f"optimizer, got {type(optimizer).__name__}")
 
+    def make_train_function(self) -> Callable[[Any], tuple[torch.Tensor, int]]:
+        """The function that runs one training step on a replica (or a parameter-server worker):
+        ``step(batch) -> (loss, rows)`` -- forward, loss, backward, optimizer step, metrics."""
+        self._require_compiled("fit")
+        return make_train_step(self.module, self.optimizer, self._loss_fn, self._loss_tracker, self.compiled_metrics)
+
     def _require_compiled(self, method: str) -> None:
         if self.optimizer is None:
             raise NotCompiledError(f"model.{method}() needs a compiled model: call model.compile(optimizer=..., "
@@ -169,39 +175,26 @@ class Model:
             (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight, validation_split)
         progress = ProgressLogger(verbose, chief=self._is_chief())
         if _is_parameter_server(self.strategy):
-            from stratagem.training.ps_loop import fit_parameter_server
+            from stratagem.training.ps_loop import ScheduledEpochs
 
-            return fit_parameter_server(self, x, y, sample_weight, batch_size=batch_size, epochs=epochs,
-                                        steps_per_epoch=steps_per_epoch, validation_data=validation_data,
-                                        shuffle=shuffle, callbacks=callbacks, progress=progress,
-                                        initial_epoch=initial_epoch)
-        train = as_batches(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method="fit")
-        strategy = self.strategy
-        dataset = strategy.experimental_distribute_dataset(train)
+            loop: Any = ScheduledEpochs(self, x, y, sample_weight, batch_size=batch_size,
+                                        steps_per_epoch=steps_per_epoch, shuffle=shuffle)
+        else:
+            loop = _ReplicatedEpochs(self, x, y, sample_weight, batch_size=batch_size,
+                                     steps_per_epoch=steps_per_epoch, shuffle=shuffle)
         history = History()
-        steps = steps_per_epoch if steps_per_epoch is not None else _length(train)
         callback_list = CallbackList([*(callbacks or []), history], model=self,
-                                     params={"epochs": epochs, "steps": steps, "verbose": progress.verbose})
-        initial_epoch = self._restore_backup(callback_list, dataset, initial_epoch)
-        step_fn = make_train_step(self.module, self.optimizer, self._loss_fn, self._loss_tracker,
-                                  self.compiled_metrics)
+                                     params={"epochs": epochs, "steps": loop.steps, "verbose": progress.verbose})
+        initial_epoch = self._restore_backup(callback_list, loop.dataset, initial_epoch)
+        loop.prepare(callback_list, progress)
         self.history, self.stop_training = history, False
-        batches = _EpochBatches(dataset, steps_per_epoch)
-        batch_logs = self._batch_logs(callback_list, progress, "on_train_batch_end")
         callback_list.call("on_train_begin", None)
         logs: dict = {}
         for epoch in range(initial_epoch, epochs):
             self.reset_metrics()
             callback_list.call("on_epoch_begin", epoch, None)
-            progress.begin(steps, f"Epoch {epoch + 1}/{epochs}")
-            for step, batch in enumerate(batches.epoch()):
-                callback_list.call("on_train_batch_begin", step, None)
-                strategy.run(step_fn, args=(batch,))
-                logs = batch_logs()
-                callback_list.call("on_train_batch_end", step, logs)
-                progress.step(_global_rows(batch), logs)
-                if self.stop_training:
-                    break
+            progress.begin(loop.steps, f"Epoch {epoch + 1}/{epochs}")
+            loop.run_epoch(callback_list, progress)
             logs = self._logs()
             if validation_data is not None:
                 logs.update(self._validate(validation_data, batch_size))
@@ -353,6 +346,35 @@ class Model:
 
     def __repr__(self) -> str:
         return f"Model({type(self.module).__name__}, strategy={self.strategy!r})"
+
+
+class _ReplicatedEpochs:
+    """The steps of ``fit`` under a synchronous strategy: ``strategy.run`` on every batch of
+    the distributed dataset (which also holds the input position a backup restores)."""
+
+    def __init__(self, model: Model, x: Any, y: Any, sample_weight: Any, *, batch_size: int | None,
+                 steps_per_epoch: int | None, shuffle: bool) -> None:
+        train = as_batches(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method="fit")
+        self.model = model
+        self.dataset = model.strategy.experimental_distribute_dataset(train)
+        self.steps = steps_per_epoch if steps_per_epoch is not None else _length(train)
+        self._batches = _EpochBatches(self.dataset, steps_per_epoch)
+        self._step_fn = model.make_train_function()
+        self._batch_logs: Callable[[], Mapping] = dict
+
+    def prepare(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
+        self._batch_logs = self.model._batch_logs(callback_list, progress, "on_train_batch_end")
+
+    def run_epoch(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
+        model, strategy, step_fn = self.model, self.model.strategy, self._step_fn
+        for step, batch in enumerate(self._batches.epoch()):
+            callback_list.call("on_train_batch_begin", step, None)
+            strategy.run(step_fn, args=(batch,))
+            logs = self._batch_logs()
+            callback_list.call("on_train_batch_end", step, logs)
+            progress.step(_global_rows(batch), logs)
+            if model.stop_training:
+                break
 
 
 class _LazyLogs(Mapping):
