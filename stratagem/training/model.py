@@ -17,8 +17,7 @@ The loop's order per epoch: reset the metrics, ``on_epoch_begin``, then per step
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -28,10 +27,10 @@ from stratagem import _context
 from stratagem.errors import InvalidArgumentError, StratagemError
 from stratagem.training import losses as losses_module
 from stratagem.training.callback_list import CallbackList, History
+from stratagem.training.epochs import EpochBatches, ReplicatedEpochs, global_rows, length, step_logs
 from stratagem.training.inputs import as_batches, split_validation
 from stratagem.training.progress import ProgressLogger
 from stratagem.training.steps import make_predict_step, make_test_step, make_train_step
-from stratagem.values import DistributedValues, flatten
 
 __all__ = ["Model", "NotCompiledError"]
 
@@ -180,7 +179,7 @@ class Model:
             loop: Any = ScheduledEpochs(self, x, y, sample_weight, batch_size=batch_size,
                                         steps_per_epoch=steps_per_epoch, shuffle=shuffle)
         else:
-            loop = _ReplicatedEpochs(self, x, y, sample_weight, batch_size=batch_size,
+            loop = ReplicatedEpochs(self, x, y, sample_weight, batch_size=batch_size,
                                      steps_per_epoch=steps_per_epoch, shuffle=shuffle)
         history = History()
         callback_list = CallbackList([*(callbacks or []), history], model=self,
@@ -195,7 +194,7 @@ class Model:
             callback_list.call("on_epoch_begin", epoch, None)
             progress.begin(loop.steps, f"Epoch {epoch + 1}/{epochs}")
             loop.run_epoch(callback_list, progress)
-            logs = self._logs()
+            logs = self.get_metrics_result()
             if validation_data is not None:
                 logs.update(self._validate(validation_data, batch_size))
             progress.end(logs)
@@ -244,7 +243,7 @@ class Model:
             _check_count("steps", steps, minimum=1)
         data = as_batches(x, y, sample_weight, batch_size=batch_size, shuffle=False, method="evaluate")
         callback_list = CallbackList(callbacks or [], model=self,
-                                     params={"epochs": 1, "steps": steps or _length(data), "verbose": verbose})
+                                     params={"epochs": 1, "steps": steps or length(data), "verbose": verbose})
         logs = self._evaluate_batches(data, steps, callback_list, ProgressLogger(verbose, chief=self._is_chief()))
         if return_dict:
             return logs
@@ -257,17 +256,17 @@ class Model:
         call = callback_list.call if callback_list is not None else (lambda *args: None)
         step_fn = make_test_step(self.module, self._loss_fn, self._loss_tracker, self.compiled_metrics)
         self.reset_metrics()
-        batch_logs = self._batch_logs(callback_list, progress, "on_test_batch_end")
+        batch_logs = step_logs(self, callback_list, progress, "on_test_batch_end")
         call("on_test_begin", None)
-        progress.begin(steps or _length(data), "evaluate")
+        progress.begin(steps or length(data), "evaluate")
         logs: dict = {}
-        for step, batch in enumerate(_EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
+        for step, batch in enumerate(EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
             call("on_test_batch_begin", step, None)
             strategy.run(step_fn, args=(batch,))
             logs = batch_logs()
             call("on_test_batch_end", step, logs)
-            progress.step(_global_rows(batch), logs)
-        logs = self._logs()
+            progress.step(global_rows(batch), logs)
+        logs = self.get_metrics_result()
         progress.end(logs)
         call("on_test_end", logs)
         return logs
@@ -286,18 +285,18 @@ class Model:
         data = as_batches(x, batch_size=batch_size, shuffle=False, method="predict")
         strategy = self.strategy
         callback_list = CallbackList(callbacks or [], model=self,
-                                     params={"epochs": 1, "steps": steps or _length(data), "verbose": verbose})
+                                     params={"epochs": 1, "steps": steps or length(data), "verbose": verbose})
         progress = ProgressLogger(verbose, chief=self._is_chief())
         step_fn = make_predict_step(self.module)
         outputs: list[Any] = []
         callback_list.call("on_predict_begin", None)
-        progress.begin(steps or _length(data), "predict")
-        for step, batch in enumerate(_EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
+        progress.begin(steps or length(data), "predict")
+        for step, batch in enumerate(EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
             callback_list.call("on_predict_batch_begin", step, None)
             local = strategy.experimental_local_results(strategy.run(step_fn, args=(batch,)))
             outputs.append(torch.cat([t.cpu() for t in local]) if len(local) > 1 else local[0].cpu())
             callback_list.call("on_predict_batch_end", step, {"outputs": outputs[-1]})
-            progress.step(_global_rows(batch), None)
+            progress.step(global_rows(batch), None)
         progress.end(None)
         callback_list.call("on_predict_end", None)
         if strategy.topology.num_workers > 1:   # every worker's slices of each step, in worker order
@@ -314,8 +313,10 @@ class Model:
         for metric in self.metrics:
             metric.reset_state()
 
-    def _logs(self) -> dict:
-        """Every metric's global value, by name: ``{"loss": ..., "accuracy": ...}``."""
+    def get_metrics_result(self) -> dict:
+        """Every metric's global value, by name: ``{"loss": ..., "accuracy": ...}`` (Keras's name).
+
+        Across workers this is a collective: every worker calls it at the same point."""
         logs = {}
         for metric in self.metrics:
             value = metric.result()
@@ -324,135 +325,11 @@ class Model:
             logs[metric.name] = value
         return logs
 
-    def _batch_logs(self, callback_list: CallbackList | None, progress: ProgressLogger,
-                    hook: str) -> Callable[[], Mapping]:
-        """How each step's logs are made: reading a metric's global value costs a reduction.
-
-        In one process that reading is local, so the logs are a lazy mapping, read only if a
-        callback or the progress bar looks at them. Across workers it is a collective that
-        every worker must join at the same step: the workers agree once, at the start,
-        whether any of them shows a bar or has a callback with ``hook``; then all read the
-        metrics at every step, or none does (the logs are then empty).
-        """
-        if self.strategy.topology.num_workers == 1:
-            return lambda: _LazyLogs(self._logs)
-        wanted = progress.verbose == 1 or any(_overrides(callback, hook) for callback in
-                                              (callback_list.callbacks if callback_list is not None else []))
-        agreed = self.strategy.collective.worker_sum(torch.tensor([float(wanted)]))
-        return self._logs if agreed.item() > 0 else dict
-
     def _is_chief(self) -> bool:
         return bool(getattr(self.strategy, "is_chief", True))
 
     def __repr__(self) -> str:
         return f"Model({type(self.module).__name__}, strategy={self.strategy!r})"
-
-
-class _ReplicatedEpochs:
-    """The steps of ``fit`` under a synchronous strategy: ``strategy.run`` on every batch of
-    the distributed dataset (which also holds the input position a backup restores)."""
-
-    def __init__(self, model: Model, x: Any, y: Any, sample_weight: Any, *, batch_size: int | None,
-                 steps_per_epoch: int | None, shuffle: bool) -> None:
-        train = as_batches(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method="fit")
-        self.model = model
-        self.dataset = model.strategy.experimental_distribute_dataset(train)
-        self.steps = steps_per_epoch if steps_per_epoch is not None else _length(train)
-        self._batches = _EpochBatches(self.dataset, steps_per_epoch)
-        self._step_fn = model.make_train_function()
-        self._batch_logs: Callable[[], Mapping] = dict
-
-    def prepare(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
-        self._batch_logs = self.model._batch_logs(callback_list, progress, "on_train_batch_end")
-
-    def run_epoch(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
-        model, strategy, step_fn = self.model, self.model.strategy, self._step_fn
-        for step, batch in enumerate(self._batches.epoch()):
-            callback_list.call("on_train_batch_begin", step, None)
-            strategy.run(step_fn, args=(batch,))
-            logs = self._batch_logs()
-            callback_list.call("on_train_batch_end", step, logs)
-            progress.step(_global_rows(batch), logs)
-            if model.stop_training:
-                break
-
-
-class _LazyLogs(Mapping):
-    """A step's logs, read from the metrics on first use."""
-
-    def __init__(self, read: Callable[[], dict]) -> None:
-        self._read = read
-        self._logs: dict | None = None
-
-    def _values(self) -> dict:
-        if self._logs is None:
-            self._logs = self._read()
-        return self._logs
-
-    def __getitem__(self, name: str) -> Any:
-        return self._values()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values())
-
-    def __len__(self) -> int:
-        return len(self._values())
-
-    def __repr__(self) -> str:
-        return repr(self._values())
-
-
-def _overrides(callback: Any, hook: str) -> bool:
-    """Whether ``callback`` defines ``hook`` itself (not the do-nothing one of ``Callback``)."""
-    from stratagem.callbacks import Callback
-
-    own = getattr(type(callback), hook, None)
-    return own is not None and own is not getattr(Callback, hook, None)
-
-
-class _EpochBatches:
-    """The batches of each epoch: one pass over the input, or ``steps`` batches of an input
-    read on across epochs (starting a new pass when one ends)."""
-
-    def __init__(self, dataset: Any, steps: int | None) -> None:
-        self._dataset = dataset
-        self._steps = steps
-        self._iterator: Any = None
-
-    def epoch(self) -> Iterable:
-        if self._steps is None:
-            yield from self._dataset
-            return
-        done = 0
-        while done < self._steps:
-            if self._iterator is None:
-                self._iterator = iter(self._dataset)
-            fresh = done
-            for batch in self._iterator:
-                yield batch
-                done += 1
-                if done == self._steps:
-                    return
-            self._iterator = None
-            if done == fresh:
-                raise InvalidArgumentError(f"the input has no batches, but steps={self._steps} were asked for")
-
-
-def _global_rows(batch: Any) -> int:
-    """The rows of a global batch (over every replica and worker)."""
-    for leaf in flatten(batch):
-        if isinstance(leaf, DistributedValues) and leaf.global_batch_size is not None:
-            return leaf.global_batch_size
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return leaf.shape[0]
-    return 0
-
-
-def _length(data: Any) -> int | None:
-    try:
-        return len(data)
-    except TypeError:
-        return None
 
 
 def _check_count(name: str, value: Any, *, minimum: int) -> None:
