@@ -17,7 +17,7 @@ The loop's order per epoch: reset the metrics, ``on_epoch_begin``, then per step
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -27,10 +27,10 @@ from stratagem import _context
 from stratagem.errors import InvalidArgumentError, StratagemError
 from stratagem.training import losses as losses_module
 from stratagem.training.callback_list import CallbackList, History
+from stratagem.training.epochs import EpochBatches, ReplicatedEpochs, global_rows, length, step_logs
 from stratagem.training.inputs import as_batches, split_validation
 from stratagem.training.progress import ProgressLogger
 from stratagem.training.steps import make_predict_step, make_test_step, make_train_step
-from stratagem.values import DistributedValues, flatten
 
 __all__ = ["Model", "NotCompiledError"]
 
@@ -140,6 +140,12 @@ class Model:
         raise InvalidArgumentError(f"optimizer must be a name ({', '.join(_OPTIMIZERS)}) or a torch.optim "
                                    f"optimizer, got {type(optimizer).__name__}")
 
+    def make_train_function(self) -> Callable[[Any], tuple[torch.Tensor, int]]:
+        """The function that runs one training step on a replica (or a parameter-server worker):
+        ``step(batch) -> (loss, rows)`` -- forward, loss, backward, optimizer step, metrics."""
+        self._require_compiled("fit")
+        return make_train_step(self.module, self.optimizer, self._loss_fn, self._loss_tracker, self.compiled_metrics)
+
     def _require_compiled(self, method: str) -> None:
         if self.optimizer is None:
             raise NotCompiledError(f"model.{method}() needs a compiled model: call model.compile(optimizer=..., "
@@ -168,39 +174,27 @@ class Model:
             (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight, validation_split)
         progress = ProgressLogger(verbose, chief=self._is_chief())
         if _is_parameter_server(self.strategy):
-            from stratagem.training.ps_loop import fit_parameter_server
+            from stratagem.training.ps_loop import ScheduledEpochs
 
-            return fit_parameter_server(self, x, y, sample_weight, batch_size=batch_size, epochs=epochs,
-                                        steps_per_epoch=steps_per_epoch, validation_data=validation_data,
-                                        shuffle=shuffle, callbacks=callbacks, progress=progress,
-                                        initial_epoch=initial_epoch)
-        train = as_batches(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method="fit")
-        strategy = self.strategy
-        dataset = strategy.experimental_distribute_dataset(train)
+            loop: Any = ScheduledEpochs(self, x, y, sample_weight, batch_size=batch_size,
+                                        steps_per_epoch=steps_per_epoch, shuffle=shuffle)
+        else:
+            loop = ReplicatedEpochs(self, x, y, sample_weight, batch_size=batch_size,
+                                     steps_per_epoch=steps_per_epoch, shuffle=shuffle)
         history = History()
-        steps = steps_per_epoch if steps_per_epoch is not None else _length(train)
         callback_list = CallbackList([*(callbacks or []), history], model=self,
-                                     params={"epochs": epochs, "steps": steps, "verbose": progress.verbose})
-        initial_epoch = self._restore_backup(callback_list, dataset, initial_epoch)
-        step_fn = make_train_step(self.module, self.optimizer, self._loss_fn, self._loss_tracker,
-                                  self.compiled_metrics)
+                                     params={"epochs": epochs, "steps": loop.steps, "verbose": progress.verbose})
+        initial_epoch = self._restore_backup(callback_list, loop.dataset, initial_epoch)
+        loop.prepare(callback_list, progress)
         self.history, self.stop_training = history, False
-        batches = _EpochBatches(dataset, steps_per_epoch)
         callback_list.call("on_train_begin", None)
         logs: dict = {}
         for epoch in range(initial_epoch, epochs):
             self.reset_metrics()
             callback_list.call("on_epoch_begin", epoch, None)
-            progress.begin(steps, f"Epoch {epoch + 1}/{epochs}")
-            for step, batch in enumerate(batches.epoch()):
-                callback_list.call("on_train_batch_begin", step, None)
-                strategy.run(step_fn, args=(batch,))
-                logs = self._logs()
-                callback_list.call("on_train_batch_end", step, logs)
-                progress.step(_global_rows(batch), logs)
-                if self.stop_training:
-                    break
-            logs = self._logs()
+            progress.begin(loop.steps, f"Epoch {epoch + 1}/{epochs}")
+            loop.run_epoch(callback_list, progress)
+            logs = self.get_metrics_result()
             if validation_data is not None:
                 logs.update(self._validate(validation_data, batch_size))
             progress.end(logs)
@@ -249,7 +243,7 @@ class Model:
             _check_count("steps", steps, minimum=1)
         data = as_batches(x, y, sample_weight, batch_size=batch_size, shuffle=False, method="evaluate")
         callback_list = CallbackList(callbacks or [], model=self,
-                                     params={"epochs": 1, "steps": steps or _length(data), "verbose": verbose})
+                                     params={"epochs": 1, "steps": steps or length(data), "verbose": verbose})
         logs = self._evaluate_batches(data, steps, callback_list, ProgressLogger(verbose, chief=self._is_chief()))
         if return_dict:
             return logs
@@ -262,17 +256,17 @@ class Model:
         call = callback_list.call if callback_list is not None else (lambda *args: None)
         step_fn = make_test_step(self.module, self._loss_fn, self._loss_tracker, self.compiled_metrics)
         self.reset_metrics()
+        batch_logs = step_logs(self, callback_list, progress, "on_test_batch_end")
         call("on_test_begin", None)
-        progress.begin(steps or _length(data), "evaluate")
+        progress.begin(steps or length(data), "evaluate")
         logs: dict = {}
-        for step, batch in enumerate(_EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
+        for step, batch in enumerate(EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
             call("on_test_batch_begin", step, None)
             strategy.run(step_fn, args=(batch,))
-            if callback_list is not None or progress.enabled:
-                logs = self._logs()
+            logs = batch_logs()
             call("on_test_batch_end", step, logs)
-            progress.step(_global_rows(batch), logs)
-        logs = self._logs()
+            progress.step(global_rows(batch), logs)
+        logs = self.get_metrics_result()
         progress.end(logs)
         call("on_test_end", logs)
         return logs
@@ -291,18 +285,18 @@ class Model:
         data = as_batches(x, batch_size=batch_size, shuffle=False, method="predict")
         strategy = self.strategy
         callback_list = CallbackList(callbacks or [], model=self,
-                                     params={"epochs": 1, "steps": steps or _length(data), "verbose": verbose})
+                                     params={"epochs": 1, "steps": steps or length(data), "verbose": verbose})
         progress = ProgressLogger(verbose, chief=self._is_chief())
         step_fn = make_predict_step(self.module)
         outputs: list[Any] = []
         callback_list.call("on_predict_begin", None)
-        progress.begin(steps or _length(data), "predict")
-        for step, batch in enumerate(_EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
+        progress.begin(steps or length(data), "predict")
+        for step, batch in enumerate(EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
             callback_list.call("on_predict_batch_begin", step, None)
             local = strategy.experimental_local_results(strategy.run(step_fn, args=(batch,)))
             outputs.append(torch.cat([t.cpu() for t in local]) if len(local) > 1 else local[0].cpu())
             callback_list.call("on_predict_batch_end", step, {"outputs": outputs[-1]})
-            progress.step(_global_rows(batch), None)
+            progress.step(global_rows(batch), None)
         progress.end(None)
         callback_list.call("on_predict_end", None)
         if strategy.topology.num_workers > 1:   # every worker's slices of each step, in worker order
@@ -319,8 +313,10 @@ class Model:
         for metric in self.metrics:
             metric.reset_state()
 
-    def _logs(self) -> dict:
-        """Every metric's global value, by name: ``{"loss": ..., "accuracy": ...}``."""
+    def get_metrics_result(self) -> dict:
+        """Every metric's global value, by name: ``{"loss": ..., "accuracy": ...}`` (Keras's name).
+
+        Across workers this is a collective: every worker calls it at the same point."""
         logs = {}
         for metric in self.metrics:
             value = metric.result()
@@ -334,51 +330,6 @@ class Model:
 
     def __repr__(self) -> str:
         return f"Model({type(self.module).__name__}, strategy={self.strategy!r})"
-
-
-class _EpochBatches:
-    """The batches of each epoch: one pass over the input, or ``steps`` batches of an input
-    read on across epochs (starting a new pass when one ends)."""
-
-    def __init__(self, dataset: Any, steps: int | None) -> None:
-        self._dataset = dataset
-        self._steps = steps
-        self._iterator: Any = None
-
-    def epoch(self) -> Iterable:
-        if self._steps is None:
-            yield from self._dataset
-            return
-        done = 0
-        while done < self._steps:
-            if self._iterator is None:
-                self._iterator = iter(self._dataset)
-            fresh = done
-            for batch in self._iterator:
-                yield batch
-                done += 1
-                if done == self._steps:
-                    return
-            self._iterator = None
-            if done == fresh:
-                raise InvalidArgumentError(f"the input has no batches, but steps={self._steps} were asked for")
-
-
-def _global_rows(batch: Any) -> int:
-    """The rows of a global batch (over every replica and worker)."""
-    for leaf in flatten(batch):
-        if isinstance(leaf, DistributedValues) and leaf.global_batch_size is not None:
-            return leaf.global_batch_size
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return leaf.shape[0]
-    return 0
-
-
-def _length(data: Any) -> int | None:
-    try:
-        return len(data)
-    except TypeError:
-        return None
 
 
 def _check_count(name: str, value: Any, *, minimum: int) -> None:

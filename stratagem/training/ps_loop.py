@@ -18,69 +18,58 @@ that epoch's scheduled steps (they are already queued). Validation runs on the c
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader
 
 from stratagem.errors import InvalidArgumentError
-from stratagem.training.callback_list import CallbackList, History
+from stratagem.training.callback_list import CallbackList
 from stratagem.training.inputs import DEFAULT_BATCH_SIZE, ArrayDataset, as_batches, keep_batch
 from stratagem.training.progress import ProgressLogger
-from stratagem.training.steps import make_train_step
 
-__all__ = ["fit_parameter_server"]
+__all__ = ["ScheduledEpochs"]
 
 
-def fit_parameter_server(model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int | None, epochs: int,
-                         steps_per_epoch: int | None, validation_data: Any, shuffle: bool,
-                         callbacks: Sequence[Any] | None, progress: ProgressLogger, initial_epoch: int) -> History:
-    """The parameter-server form of :meth:`stratagem.Model.fit` (its arguments checked there)."""
-    strategy = model.strategy
-    if steps_per_epoch is None:
-        raise InvalidArgumentError(
-            "fit under a ParameterServerStrategy needs steps_per_epoch: the workers read their input over "
-            "and over, so an epoch has no end of its own (as in TensorFlow); e.g. "
-            "model.fit(x, y, epochs=5, steps_per_epoch=100)")
-    coordinator = strategy.coordinator
-    if coordinator is None:
-        from stratagem.coordinator import ClusterCoordinator
+class ScheduledEpochs:
+    """The steps of ``fit`` under a parameter-server strategy (see the module docstring)."""
 
-        coordinator = ClusterCoordinator(strategy)
-    iterator = iter(coordinator.create_per_worker_dataset(_dataset_fn(x, y, sample_weight, batch_size, shuffle)))
-    train_step = make_train_step(model.module, model.optimizer, model._loss_fn, model._loss_tracker,
-                                 model.compiled_metrics)
-    step_fn = functools.partial(_scheduled_step, train_step)
-    history = History()
-    callback_list = CallbackList([*(callbacks or []), history], model=model,
-                                 params={"epochs": epochs, "steps": steps_per_epoch, "verbose": progress.verbose})
-    initial_epoch = model._restore_backup(callback_list, None, initial_epoch)
-    model.history, model.stop_training = history, False
-    callback_list.call("on_train_begin", None)
-    logs: dict = {}
-    for epoch in range(initial_epoch, epochs):
-        model.reset_metrics()
-        callback_list.call("on_epoch_begin", epoch, None)
-        progress.begin(steps_per_epoch, f"Epoch {epoch + 1}/{epochs}")
+    dataset = None   # a backup holds model and optimizer only: the workers' inputs have no position
+
+    def __init__(self, model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int | None,
+                 steps_per_epoch: int | None, shuffle: bool) -> None:
+        if steps_per_epoch is None:
+            raise InvalidArgumentError(
+                "fit under a ParameterServerStrategy needs steps_per_epoch: the workers read their input over "
+                "and over, so an epoch has no end of its own (as in TensorFlow); e.g. "
+                "model.fit(x, y, epochs=5, steps_per_epoch=100)")
+        strategy = model.strategy
+        coordinator = strategy.coordinator
+        if coordinator is None:
+            from stratagem.coordinator import ClusterCoordinator
+
+            coordinator = ClusterCoordinator(strategy)
+        self.steps = steps_per_epoch
+        self._coordinator = coordinator
+        dataset_fn = _dataset_fn(x, y, sample_weight, batch_size, shuffle)
+        self._iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+        self._step_fn = functools.partial(_scheduled_step, model.make_train_function())
+
+    def prepare(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
+        pass
+
+    def run_epoch(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
+        coordinator = self._coordinator
         scheduled = []
-        for step in range(steps_per_epoch):
+        for step in range(self.steps):
             callback_list.call("on_train_batch_begin", step, None)
-            scheduled.append(coordinator.schedule(step_fn, args=(iterator,)))
+            scheduled.append(coordinator.schedule(self._step_fn, args=(self._iterator,)))
         for step, value in enumerate(scheduled):
             loss, rows = value.fetch()
-            step_logs = {"loss": float(loss)}
-            callback_list.call("on_train_batch_end", step, step_logs)
-            progress.step(rows, step_logs)
+            logs = {"loss": float(loss)}   # this step's own: the metrics' global values need the join
+            callback_list.call("on_train_batch_end", step, logs)
+            progress.step(rows, logs)
         coordinator.join()
-        logs = model._logs()
-        if validation_data is not None:
-            logs.update(model._validate(validation_data, batch_size))
-        progress.end(logs)
-        callback_list.call("on_epoch_end", epoch, logs)
-        if model.stop_training:
-            break
-    callback_list.call("on_train_end", logs)
-    return history
 
 
 def _scheduled_step(train_step: Any, iterator: Any) -> tuple[torch.Tensor, int]:

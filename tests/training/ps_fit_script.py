@@ -18,7 +18,7 @@ def main() -> None:
     x, y, w = data(rows=400)
     with strategy.scope():
         model = sg.Model(make_module())
-        model.compile("adam", sg.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+        model.compile(torch.optim.Adam(model.module.parameters(), lr=0.02), sg.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     report = {}
     try:
         model.fit(x, y, epochs=1)
