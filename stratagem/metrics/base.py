@@ -59,14 +59,14 @@ _ACCEPTED = "accepted"   # the states parameter-server workers sent back, merged
 _LOCAL = ("_lock", "_scratch_lock", "_states", "_scratches")   # never copied nor sent
 
 
-
 class Metric:
     """Base class of stratagem's metrics: Keras's ``update_state`` / ``result`` / ``reset_state``
     on top of a torchmetrics metric, aggregated over replicas and workers.
 
-    A subclass implements :meth:`_build` (the torchmetrics metric that holds the state,
-    created empty) and :meth:`_update` (how Keras's arguments update it); it may override
-    :meth:`_compute`.
+    ``name`` is what logs call it; ``dtype`` the floating dtype of ``result()`` (None: the
+    metric's own). A subclass implements :meth:`_build` (the torchmetrics metric that holds
+    the state, created empty) and :meth:`_update` (how Keras's arguments update it); it may
+    override :meth:`_compute`.
 
     Example::
 
@@ -181,8 +181,6 @@ class Metric:
         # stratagem merges the states itself, over its own replicas and workers.
         metric.sync_on_compute = False
         metric._to_sync = False
-        if self.dtype is not None:
-            metric.set_dtype(self.dtype)
         return metric
 
     def _state_for_update(self) -> "torchmetrics.Metric":
