@@ -98,6 +98,10 @@ class BackupAndRestore(Callback):
 
     # ------------------------------------------------------------ the hooks
 
+    def reads_train_batch_logs(self) -> bool:
+        return False   # it counts the steps
+
+
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self._manager is None:
             self.restore()

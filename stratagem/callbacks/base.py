@@ -51,6 +51,16 @@ class Callback:
     def set_params(self, params: dict) -> None:
         self.params = params
 
+    def reads_train_batch_logs(self) -> bool:
+        """Whether this callback reads the ``logs`` of ``on_train_batch_end``.
+
+        Across workers every step's logs cost a collective (the metrics' global values),
+        so ``fit`` makes them only when some callback reads them. By default: when the
+        subclass defines ``on_train_batch_end``. A callback that only counts steps there
+        (or reads the logs only with some options) says so by overriding this.
+        """
+        return type(self).on_train_batch_end is not Callback.on_train_batch_end
+
     # ---------------------------------------------------------------- training
 
     def on_train_begin(self, logs: dict | None = None) -> None: ...

@@ -95,6 +95,9 @@ class ModelCheckpoint(Callback):
         self._epoch = 0
         self._batches_since_save = 0
 
+    def reads_train_batch_logs(self) -> bool:
+        return self.save_freq != "epoch"   # the file name may name them
+
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self.checkpoint is None:
             self.checkpoint = training_state(self.model, weights_only=self.save_weights_only)

@@ -69,6 +69,9 @@ class TensorBoard(Callback):
             self._writers[name] = summary_writer(os.path.join(self.log_dir, name))
         return self._writers[name]
 
+    def reads_train_batch_logs(self) -> bool:
+        return self.update_freq != "epoch"   # else it only counts the steps
+
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._step = 0
         if is_chief(self.model):

@@ -64,6 +64,21 @@ def test_the_package_keeps_its_old_names() -> None:
     assert len(hooks) == 14   # Keras's train, test and predict hooks
 
 
+def test_which_callbacks_read_the_step_logs(tmp_path: Path) -> None:
+    """Across workers step logs cost a collective: fit makes them only for callbacks that read them."""
+    class Reads(sg.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    reads = [sg.callbacks.ModelCheckpoint(tmp_path, save_freq=5), sg.callbacks.TensorBoard(tmp_path, update_freq=2),
+             Reads()]
+    only_count = [sg.callbacks.ModelCheckpoint(tmp_path), sg.callbacks.TensorBoard(tmp_path),
+                  sg.callbacks.BackupAndRestore(tmp_path, save_freq=3), sg.callbacks.EarlyStopping(),
+                  sg.callbacks.CSVLogger(tmp_path / "log.csv"), sg.callbacks.Callback()]
+    assert [c.reads_train_batch_logs() for c in reads] == [True] * 3
+    assert [c.reads_train_batch_logs() for c in only_count] == [False] * 6
+
+
 # ---------------------------------------------------------------- ModelCheckpoint
 
 def test_model_checkpoint_names_files_from_logs_and_saves_what_restores(tmp_path: Path) -> None:
