@@ -41,6 +41,12 @@ def test_two_workers_and_an_evaluator(tmp_path: Path) -> None:
     rows = (tmp_path / "log-rank0.csv").read_text().splitlines()
     assert rows[0] == "epoch,loss,lr,val_loss" and len(rows) == 5
 
+    # The same callbacks with sg.Model.fit: stopped together, the chief's files only.
+    fits = [report["fit"] for report in ranks]
+    assert fits[0] == fits[1] and fits[0]["epochs"] == [0, 1] and fits[0]["lr"] == [0.05, 0.05]
+    assert sorted(p.name for p in tmp_path.glob("fit-*")) == sorted(
+        ["fit-rank0.csv", "fit-tb-rank0", *(f"fit-{e + 1}-{loss:.4f}" for e, loss in enumerate(fits[0]["val_loss"]))])
+
     # The sidecar evaluator: each checkpoint once, the weights training saved, then it exited.
     saved = dict(re.findall(r"rank 0 saved ckpt-(\d+) weight_sum=(\S+)", completed.stdout))
     assert sorted(saved) == ["1", "2", "3", "4"]

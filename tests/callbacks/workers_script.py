@@ -50,6 +50,22 @@ def evaluator(out: Path) -> None:
     (out / "evaluator.json").write_text(json.dumps({str(n): r for n, r in results.items()}))
 
 
+def fit(strategy: sg.Strategy, rank: int, out: Path) -> dict:
+    """The same callbacks with sg.Model.fit; EarlyStopping stops it at epoch 1 (nothing beats min_delta)."""
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = sg.Model(torch.nn.Linear(4, 1))
+        model.compile("sgd", "mse", metrics=["mae"])
+    callbacks = [sg.callbacks.EarlyStopping(monitor="val_mae", min_delta=100.0, patience=1),
+                 sg.callbacks.ModelCheckpoint(out / "fit-{epoch}-{val_loss:.4f}"),
+                 sg.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05),
+                 sg.callbacks.CSVLogger(out / f"fit-rank{rank}.csv"),
+                 sg.callbacks.TensorBoard(out / f"fit-tb-rank{rank}")]
+    x, y = data()
+    history = model.fit(x, y, batch_size=8, epochs=5, validation_data=(x, y), callbacks=callbacks, verbose=0)
+    return {"epochs": history.epoch, "val_loss": history.history["val_loss"], "lr": history.history["lr"]}
+
+
 def train(out: Path) -> None:
     strategy = sg.MultiWorkerMirroredStrategy()
     rank = strategy.cluster_resolver.worker_rank
@@ -100,7 +116,7 @@ def train(out: Path) -> None:
         callback.on_train_end()
     manager.mark_training_finished()
     report.update(stopped_epoch=callbacks[0].stopped_epoch, best_epoch=callbacks[0].best_epoch,
-                  final_weights=weight_sum(module))
+                  final_weights=weight_sum(module), fit=fit(strategy, rank, out))
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 
 
