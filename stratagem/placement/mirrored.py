@@ -225,10 +225,13 @@ def _forbid_unscoped(module: nn.Module, args: Any) -> None:
         return
     params = module.__dict__.get("_parameters")
     if params and not isinstance(params, MirroredDict):
+        names = ", ".join(repr(name) for name in params)
         raise ContextError(
-            f"module {type(module).__name__} has parameters but was created outside "
-            f"strategy.scope(), so every replica of {frame.strategy!r} would share one copy and "
-            f"the replicas would silently diverge. Create it inside `with strategy.scope():`")
+            f"module {type(module).__name__} has parameters with no copy per replica ({names}): "
+            f"it was created outside strategy.scope(), or they were assigned to it after the scope "
+            f"closed. Every replica of {frame.strategy!r} would share one copy and the replicas "
+            f"would silently diverge. Create the module (or assign the parameters) inside "
+            f"`with strategy.scope():`")
 
 
 def _forbid_unscoped_optimizer(optimizer: torch.optim.Optimizer, *args: Any) -> None:

@@ -478,3 +478,16 @@ def test_add_launch_parser_registers_the_subcommand() -> None:
     assert args.func is run_launch and args.handler is run_launch
     assert (args.workers, args.chief, args.grace_period, args.script, args.args) == (
         3, True, 30.0, "train.py", ["--workers", "9"])
+
+
+def test_the_command_line_starts_its_tasks_without_importing_torch() -> None:
+    # ``stratagem launch`` only starts processes: importing torch first would cost every job
+    # about a second before its tasks even start (they import torch themselves).
+    code = ("import sys\nfrom stratagem.cli import build_parser\n"
+            "args = build_parser('launch').parse_args(['launch', '--workers', '2', 'train.py'])\n"
+            "assert args.workers == 2\n"
+            "import stratagem as sg\nsg.errors, sg.cluster\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('grpc', 'numpy'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
