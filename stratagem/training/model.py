@@ -196,7 +196,7 @@ class Model:
             loop.run_epoch(callback_list, progress)
             logs = self.get_metrics_result()
             if validation_data is not None:
-                logs.update(self._validate(validation_data, batch_size))
+                logs.update(self._validate(validation_data, batch_size, callback_list))
             progress.end(logs)
             callback_list.call("on_epoch_end", epoch, logs)
             if self.stop_training:
@@ -218,13 +218,14 @@ class Model:
                 initial_epoch = max(initial_epoch, epoch)
         return initial_epoch
 
-    def _validate(self, validation_data: Any, batch_size: int | None) -> dict:
+    def _validate(self, validation_data: Any, batch_size: int | None, callback_list: CallbackList) -> dict:
+        """The ``val_*`` logs; the callbacks' ``on_test_*`` hooks are called, as Keras does."""
         if isinstance(validation_data, tuple) and len(validation_data) in (2, 3) and \
                 isinstance(validation_data[0], (torch.Tensor, np.ndarray)):
             data = as_batches(*validation_data, batch_size=batch_size, shuffle=False, method="fit")
         else:
             data = as_batches(validation_data, batch_size=None, shuffle=False, method="fit")
-        logs = self._evaluate_batches(data, steps=None, callback_list=None, progress=ProgressLogger(0))
+        logs = self._evaluate_batches(data, steps=None, callback_list=callback_list, progress=ProgressLogger(0))
         return {f"val_{name}": value for name, value in logs.items()}
 
     # ------------------------------------------------------------ evaluate

@@ -164,10 +164,11 @@ def test_callback_order_logs_and_stop_training() -> None:
     history = model.fit(x, y, batch_size=10, epochs=2, validation_split=0.2, callbacks=[recorder], verbose=0)
     names = ["accuracy", "loss"]
     assert recorder.calls == [("train_begin", 2, 3), ("epoch_begin", 0), ("batch_end", 0, names),
-                              ("batch_end", 1, names), ("batch_end", 2, names),
+                              ("batch_end", 1, names), ("batch_end", 2, names), ("test_begin",),
                               ("epoch_end", 0, names + ["val_accuracy", "val_loss"]), ("epoch_begin", 1),
                               ("batch_end", 0, names), ("batch_end", 1, names), ("batch_end", 2, names),
-                              ("epoch_end", 1, names + ["val_accuracy", "val_loss"]), ("train_end",)]
+                              ("test_begin",), ("epoch_end", 1, names + ["val_accuracy", "val_loss"]),
+                              ("train_end",)]
     assert model.history is history and history.epoch == [0, 1]
     stopper = Recorder(stop_at=(1, 0))
     model.fit(x, y, batch_size=10, epochs=5, callbacks=[stopper], verbose=0)
