@@ -74,6 +74,7 @@ _EXPORTS: dict[str, str] = {
     # submodules
     "callbacks": "stratagem.callbacks", "cluster": "stratagem.cluster", "errors": "stratagem.errors",
     "nn": "stratagem.nn",
+    "metrics": "stratagem.metrics",   # (its classes load torchmetrics on first use)
 }
 
 __all__ = sorted(_EXPORTS)
@@ -95,6 +96,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:   # what the names are, for type checkers and editors
     from stratagem import callbacks, cluster, errors, nn
+    from stratagem import metrics
     from stratagem._context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
     from stratagem.comm.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                                  ReductionToOneDevice)

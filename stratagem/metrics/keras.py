@@ -49,10 +49,9 @@ class WeightedMean(torchmetrics.Metric):
         self.add_state("weight", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, values: torch.Tensor, weight: torch.Tensor | None = None) -> None:
-        values = values.to(self.total.dtype)
         if weight is None:
-            self.total.add_(values.sum())
-            self.weight.add_(values.numel())
+            self.total.add_(values.sum(dtype=self.total.dtype))
+            self.weight.add_(float(values.numel()))
         else:
             weight = weight.to(self.total.dtype)
             self.total.add_((values * weight).sum())

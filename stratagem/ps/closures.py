@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import InvalidArgumentError, StratagemError
-from stratagem.metrics.base import Metric, closure_reference, metric_id
+from stratagem.metrics.base import Metric, closure_reference
 from stratagem.ps.placement import ParameterServerPlacement, _VariableDict
 from stratagem.ps.runtime import WorkerOptimizer, WorkerRuntime
 from stratagem.ps.strategy import ParameterServerStrategy, _WorkerStrategy

@@ -84,8 +84,9 @@ def expected(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-def check(metrics: dict[str, sg.metrics.Metric], data: dict[str, torch.Tensor]) -> None:
+def check(metrics: dict[str, sg.metrics.Metric], data: dict[str, torch.Tensor], *, together: bool = False) -> None:
+    """Each metric's result() (``together``: all read by one sg.metrics.results) equals the oracle."""
     want = expected(data)
-    for name, metric in metrics.items():
-        got = metric.result()
+    values = sg.metrics.results(metrics.values()) if together else [m.result() for m in metrics.values()]
+    for name, got in zip(metrics, values):
         torch.testing.assert_close(got.cpu().float(), want[name].float(), msg=lambda m: f"{name}: {m}")
