@@ -70,7 +70,7 @@ _EXPORTS: dict[str, str] = {
     "PreemptionWatcher": "stratagem.preemption",
     "SidecarEvaluator": "stratagem.training.sidecar",
     # Keras-style training
-    "Model": "stratagem.training.model", "losses": "stratagem.training.losses", "metrics": "stratagem.metrics",
+    "Model": "stratagem.training.model", "losses": "stratagem.training.losses",
     # submodules
     "callbacks": "stratagem.callbacks", "cluster": "stratagem.cluster", "errors": "stratagem.errors",
     "nn": "stratagem.nn",
@@ -116,5 +116,4 @@ if TYPE_CHECKING:   # what the names are, for type checkers and editors
     from stratagem.training import losses
     from stratagem.training.model import Model
     from stratagem.training.sidecar import SidecarEvaluator
-    from stratagem import metrics
     from stratagem.values import DistributedValues, PerReplica, ReduceOp
