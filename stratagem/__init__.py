@@ -70,6 +70,9 @@ _EXPORTS: dict[str, str] = {
     # long jobs
     "Checkpoint": "stratagem.training", "CheckpointManager": "stratagem.training",
     "PreemptionWatcher": "stratagem.preemption",
+    "SidecarEvaluator": "stratagem.training.sidecar",
+    # Keras-style training
+    "Model": "stratagem.training.model", "losses": "stratagem.training.losses",
     # submodules
     "callbacks": "stratagem.callbacks", "cluster": "stratagem.cluster", "errors": "stratagem.errors",
     "nn": "stratagem.nn",
@@ -114,4 +117,7 @@ if TYPE_CHECKING:   # what the names are, for type checkers and editors
     from stratagem.strategies.one_device import OneDeviceStrategy
     from stratagem.strategies.replica_context import ReplicaContext
     from stratagem.training import Checkpoint, CheckpointManager
+    from stratagem.training import losses
+    from stratagem.training.model import Model
+    from stratagem.training.sidecar import SidecarEvaluator
     from stratagem.values import DistributedValues, PerReplica, ReduceOp

@@ -14,6 +14,8 @@ Commands::
     stratagem launch --max-restarts 3 train.py            # after a failure, restart every task
                                                           # together, up to 3 times
     stratagem launch --grace-period 30 train.py           # tasks get 30 s to save when stopped
+    stratagem launch --workers 2 --evaluator 1 train.py   # an evaluator task runs train.py too
+                                                          # (TF_CONFIG task type "evaluator")
     python -m stratagem.launch --workers 2 train.py       # the same, without the stratagem command
 """
 
@@ -43,7 +45,8 @@ _DESCRIPTION = textwrap.fill(_DESCRIPTION, width=88)  # the epilog's layout is k
 _EPILOG = """examples:
   stratagem launch --workers 2 train.py --epochs 3
   stratagem launch --chief --workers 2 --max-restarts 2 train.py
-  stratagem launch --ps 1 --workers 2 train_ps.py"""
+  stratagem launch --ps 1 --workers 2 train_ps.py
+  stratagem launch --workers 2 --evaluator 1 train.py"""
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +58,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 0)")
     parser.add_argument("--chief", action="store_true",
                         help="add a chief task (index 0) that runs SCRIPT too; implied by --ps")
+    parser.add_argument("--evaluator", type=int, default=0, metavar="E",
+                        help="evaluator tasks (0 or 1): runs SCRIPT beside training with task type "
+                             "'evaluator' (e.g. an sg.SidecarEvaluator); the job succeeds when it "
+                             "also exits 0 after training (default: 0)")
+    parser.add_argument("--evaluator-timeout", type=float, default=600.0, metavar="S",
+                        help="seconds the evaluator gets to finish once training has ended, "
+                             "before the job fails (default: 600)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
                         help="after a failure, restart up to K times: every task together on "
                              "fresh ports (STRATAGEM_RESTART=1, 2, ... tells the script), or with "
@@ -83,7 +93,8 @@ def run_launch(args: argparse.Namespace) -> int:
                             chief=args.chief, max_restarts=args.max_restarts,
                             max_preemptions=args.max_preemptions,
                             port_base=args.port_base, host=args.host,
-                            grace_period=args.grace_period)
+                            grace_period=args.grace_period, num_evaluators=args.evaluator,
+                            evaluator_timeout=args.evaluator_timeout)
     except StratagemError as err:
         print(f"stratagem launch: error: {err}", file=sys.stderr)
         return 2
