@@ -151,7 +151,14 @@ class CheckpointManager:
         return None
 
     def delete_all(self) -> None:
-        """Remove every checkpoint of this manager (the chief does; other workers do nothing)."""
+        """Remove every checkpoint of this manager (every worker calls it; the chief deletes).
+
+        The workers meet first: a worker still training when the chief deleted the
+        checkpoints would, if it then failed, restart the whole job from the beginning.
+        """
+        strategy = self.checkpoint.strategy
+        if strategy.topology.num_workers > 1:
+            strategy.collective.broadcast_object(None)
         if self.checkpoint.is_writer:
             for _, path in self._numbered():
                 _remove(path)

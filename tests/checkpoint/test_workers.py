@@ -110,3 +110,14 @@ def test_workers_without_the_chiefs_checkpoint_restore_the_copy_it_sends(
     assert "the checkpoint directory is not shared" in output and "worker 0 sees" not in output
     assert not (disks / "worker1" / "ckpts").exists()            # the others never write
     assert_resumed_as_uninterrupted(reports, resumed)
+
+
+def test_backups_are_deleted_only_once_every_worker_finished_training(tmp_path: Path) -> None:
+    script = Path(__file__).with_name("backup_end_script.py")
+    completed = subprocess.run([sys.executable, "-m", "stratagem", "launch", "--workers", "2", str(script),
+                                str(tmp_path)], capture_output=True, text=True, timeout=180)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output
+    assert "BACKUPS 2" in output, output          # still there while worker 1 had not finished
+    assert output.count("DONE") == 2, output
+    assert not [p for p in (tmp_path / "backups").iterdir() if p.name.startswith("backup-")]
