@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from stratagem.coordinator.values import RemoteValue
 from stratagem.errors import ClusterConfigError, UnavailableError
+from stratagem.metrics.base import accept_worker_deltas
 from stratagem.ps.closures import ClosureNotCachedError, ClosurePickler
 from stratagem.rpc import RemoteError, RpcClient
 from stratagem.rpc.errors import AuthenticationError, RpcError
@@ -277,6 +278,8 @@ class _Worker:
         placement.stale()  # the ps values moved: re-read on next access
         if result["buffers_written"]:   # they stay on the worker: reading them here warns
             placement.buffers_written_on_workers(result["buffers_written"])
+        if result.get("metrics"):   # this run's metric updates count, and only this run's
+            accept_worker_deltas(coordinator.strategy, result["metrics"])
         closure.value._set_value(result["result"])
         queue.finished(closure)
 

@@ -2,15 +2,15 @@
 
 The first thing to run on a fresh machine. It trains a two-layer MLP on scikit-learn's
 handwritten digits (1,797 8x8 images shipped inside scikit-learn, so nothing is
-downloaded) with the custom training loop of the README, under ``MirroredStrategy`` on two
+downloaded) with ``sg.Model.fit``, under ``MirroredStrategy`` on two
 logical CPU replicas by default. Then it trains the same model again with plain
 single-device PyTorch -- same initial weights, same batches in the same order,
 ``F.cross_entropy`` with its mean -- and compares the final parameters: the equivalence
 equivalence guarantee, checked on real data.
 
 The default global batch of 64 does not divide the 1,437 training images: the last batch
-of every epoch has 29 rows, split 15/14 over two replicas, and
-``sg.nn.compute_average_loss`` still divides by the true global size.
+of every epoch has 29 rows, split 15/14 over two replicas, and ``fit`` still divides
+its loss by the true global size.
 
 ``--strategy multi_worker`` and ``--strategy parameter_server`` start a local cluster of
 processes themselves (:mod:`stratagem.demo.cluster`): two workers under

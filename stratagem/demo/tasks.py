@@ -4,7 +4,7 @@ Each task is started by :func:`stratagem.launch.launch_local` with its TF_CONFIG
 :func:`task_main`: every worker of ``multi_worker`` trains with
 ``MultiWorkerMirroredStrategy`` (:func:`stratagem.demo.training.train_with_strategy`, as the
 strategies of one process do); the coordinator of ``parameter_server`` (the launch's chief)
-schedules the steps on the workers with ``ClusterCoordinator``, the workers and the
+trains with ``sg.Model.fit``, which schedules the steps on the workers with ``ClusterCoordinator``, the workers and the
 parameter server being ``stratagem server`` processes. The chief saves what the demo's
 process reads back: initial and final parameters, test accuracy, time and steps.
 
@@ -20,12 +20,11 @@ import time
 from typing import Any, Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 
 import stratagem as sg
 from stratagem.demo.data import Digits, ShuffledBatches, load_digits_split
-from stratagem.demo.training import (TrainConfig, accuracy_of, make_model, one_intra_op_thread, progress_bar,
-                                     train_with_strategy)
+from stratagem.demo.training import (DemoProgress, TrainConfig, demo_loss, make_model, one_intra_op_thread,
+                                     progress_bar, train_with_strategy)
 
 __all__ = ["task_main", "worker_batches"]
 
@@ -94,12 +93,13 @@ def worker_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int,
 
 def _coordinator_task(data: Digits, config: TrainConfig, ncols: int) -> dict[str, Any]:
     strategy = sg.ParameterServerStrategy(sg.cluster.TFConfigClusterResolver())
-    coordinator = sg.ClusterCoordinator(strategy)
+    sg.ClusterCoordinator(strategy)   # the strategy keeps it; fit schedules the steps through it
     with strategy.scope():
         torch.manual_seed(config.seed)
-        model = make_model(data.num_features)
-        optimizer = config.make_optimizer(model.parameters())
-    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model = sg.Model(make_model(data.num_features))
+        model.compile(optimizer=config.make_optimizer(model.module.parameters()), loss=demo_loss(),
+                      metrics=["accuracy"])
+    initial = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
 
     x_train, y_train = data.x_train, data.y_train
     batch_size, seed = config.batch_size, config.seed
@@ -107,31 +107,17 @@ def _coordinator_task(data: Digits, config: TrainConfig, ncols: int) -> dict[str
     def dataset_fn(context: sg.InputContext) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return worker_batches(x_train, y_train, batch_size, seed, context.input_pipeline_id)
 
-    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
-
-    def step(worker_iterator: Any) -> torch.Tensor:   # runs on a worker
-        x, y = next(worker_iterator)
-        loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()    # the gradients go to the parameter server, which applies them
-        return loss.detach()
-
     steps_per_epoch = config.steps_per_epoch(data)
     steps = config.epochs * steps_per_epoch
     bar = progress_bar(steps, enabled=ncols != 0, ncols=max(ncols, 0) or None, lines=ncols < 0)
     started = time.perf_counter()
-    values = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
-    for index, value in enumerate(values):   # roughly in the order they finish
-        loss = value.fetch()
-        bar.set_postfix_str(f"epoch {index // steps_per_epoch + 1}/{config.epochs} loss {loss.item():.4f}",
-                            refresh=False)
-        bar.update(1)
-    coordinator.join()
+    # each worker reads its own endless dataset_fn input; fit schedules the steps through the coordinator
+    model.fit(dataset_fn, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
+              callbacks=[DemoProgress(None, bar)], verbose=0)
     seconds = time.perf_counter() - started
     bar.close()
-    accuracy = accuracy_of(model, config.test_batches(data))
-    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    accuracy = model.evaluate(config.test_batches(data), verbose=0, return_dict=True)["accuracy"]
+    final = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
     return {"initial": initial, "final": final, "accuracy": accuracy, "seconds": seconds, "steps": steps,
             "strategy": repr(strategy), "num_replicas": strategy.num_replicas_in_sync}
 

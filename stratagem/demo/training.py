@@ -1,7 +1,7 @@
 """The demo's model and training loops: under a strategy, and in plain PyTorch for reference.
 
-:func:`train_with_strategy` is the README's custom training loop; every process of a
-multi-worker run executes it. :func:`train_plain_pytorch` is the same training on one
+:func:`train_with_strategy` trains with ``sg.Model.fit``; every process of a multi-worker
+run executes it. :func:`train_plain_pytorch` is the same training on one
 device, the oracle that the strategies are checked against (:mod:`stratagem.demo.check`).
 """
 
@@ -20,8 +20,9 @@ from torch import nn
 
 import stratagem as sg
 from stratagem.demo.data import Digits, ShuffledBatches
+from stratagem.training.progress import LineProgress
 
-__all__ = ["OPTIMIZERS", "TrainConfig", "Trained", "accuracy_of", "make_model", "one_intra_op_thread",
+__all__ = ["DemoProgress", "OPTIMIZERS", "TrainConfig", "Trained", "accuracy_of", "demo_loss", "make_model", "one_intra_op_thread",
            "progress_bar", "train_plain_pytorch", "train_with_strategy"]
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], float]] = {
@@ -86,37 +87,6 @@ def one_intra_op_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-class LineProgress:
-    """Progress for output that is not a terminal (CI logs, a launcher's prefixed output): one
-    plain line every tenth of the work and at the end, where a bar would write a carriage-return
-    frame per redraw. The same calls as the tqdm bar: ``set_postfix_str``, ``update``, ``close``."""
-
-    def __init__(self, total: int, file: Any, parts: int = 10) -> None:
-        self.total, self.file, self.done, self.postfix = total, file, 0, ""
-        self._every = max(1, total // parts)
-        self._started = time.perf_counter()
-        self._closed = False
-
-    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
-        self.postfix = text
-
-    def update(self, count: int = 1) -> None:
-        self.done += count
-        if self.done % self._every == 0 and self.done < self.total:
-            self._line()
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._line()
-
-    def _line(self) -> None:
-        seconds = time.perf_counter() - self._started
-        percent = 100 * self.done // max(self.total, 1)
-        print(f"train {self.done}/{self.total} steps ({percent}%) {self.postfix} [{seconds:.1f} s]".rstrip(),
-              file=self.file, flush=True)
-
-
 def progress_bar(total: int, enabled: bool, ncols: int | None = None, *, lines: bool | None = None) -> Any:
     """The demo's progress on stderr: a tqdm bar on a terminal, else (or when ``lines``) one
     plain line per tenth of the work. ``ncols`` fixes the bar's width (a cluster task's stderr
@@ -131,45 +101,55 @@ def progress_bar(total: int, enabled: bool, ncols: int | None = None, *, lines: 
                 dynamic_ncols=ncols is None, ncols=ncols, leave=True)
 
 
+class DemoProgress(sg.callbacks.Callback):
+    """The demo's callback for ``fit``: sets the epoch of its reshuffled batches, and moves one
+    progress bar over the whole run (``epoch e/E loss ...``), where ``fit``'s own progress
+    would show one per epoch."""
+
+    def __init__(self, batches: ShuffledBatches | None, bar: Any) -> None:
+        super().__init__()
+        self._batches, self._bar = batches, bar
+        self._epoch = 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+        if self._batches is not None:
+            self._batches.set_epoch(epoch)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        loss = (logs or {}).get("loss", float("nan"))
+        self._bar.set_postfix_str(f"epoch {self._epoch + 1}/{self.params['epochs']} loss {loss:.4f}", refresh=False)
+        self._bar.update(1)
+
+
+def demo_loss() -> Any:
+    """``F.cross_entropy`` of the logits, as the plain-PyTorch reference computes it."""
+    return sg.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
 def train_with_strategy(dist_strategy: sg.Strategy, data: Digits, config: TrainConfig, *,
                         progress: bool, ncols: int | None = None, lines: bool | None = None) -> Trained:
-    """The README's custom training loop under ``dist_strategy``, then its test accuracy.
+    """``sg.Model.fit`` under ``dist_strategy``, then ``evaluate`` for the test accuracy.
 
     Every worker of a multi-worker strategy runs this same function.
     """
     train, test = config.train_batches(data), config.test_batches(data)
     with dist_strategy.scope():
         torch.manual_seed(config.seed)
-        model = make_model(data.num_features)
-        dist_optimizer = config.make_optimizer(model.parameters())
-    initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    dist_train = dist_strategy.experimental_distribute_dataset(train)
-
-    def train_step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        per_example = F.cross_entropy(model(x), y, reduction="none")
-        # global_batch_size=None: divide by the true global size, also for the short last batch
-        loss = sg.nn.compute_average_loss(per_example)
-        dist_optimizer.zero_grad()
-        loss.backward()
-        dist_optimizer.step()   # gradients summed over replicas, the same update everywhere
-        return loss.detach()
+        model = sg.Model(make_model(data.num_features))
+        model.compile(optimizer=config.make_optimizer(model.module.parameters()), loss=demo_loss(),
+                      metrics=["accuracy"])
+    initial_state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
 
     epochs = config.epochs
     bar = progress_bar(epochs * len(train), enabled=progress, ncols=ncols, lines=lines)
     started = time.perf_counter()
-    for epoch in range(epochs):
-        train.set_epoch(epoch)
-        for batch in dist_train:
-            per_replica = dist_strategy.run(train_step, args=(batch,))
-            loss = dist_strategy.reduce(sg.ReduceOp.SUM, per_replica, axis=None)
-            bar.set_postfix_str(f"epoch {epoch + 1}/{epochs} loss {loss.item():.4f}", refresh=False)
-            bar.update(1)
+    # fit divides every batch's loss by its true global size (29 rows for the last one)
+    model.fit(train, epochs=epochs, callbacks=[DemoProgress(train, bar)], verbose=0)
     seconds = time.perf_counter() - started
     bar.close()
-    accuracy = _distributed_accuracy(dist_strategy, model, test)
-    final_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    accuracy = model.evaluate(test, verbose=0, return_dict=True)["accuracy"]
+    final_state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
     return Trained(initial_state, final_state, accuracy, seconds, epochs * len(train))
 
 
@@ -188,19 +168,6 @@ def train_plain_pytorch(initial_state: dict[str, torch.Tensor], data: Digits,
             loss.backward()
             reference_optimizer.step()
     return reference, accuracy_of(reference, test)
-
-
-def _distributed_accuracy(strategy: sg.Strategy, model: nn.Module, test: ShuffledBatches) -> float:
-    """Count correct predictions on every replica's slice, then add them up."""
-    def eval_step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        with torch.no_grad():
-            return (model(x).argmax(dim=1) == y).sum()
-
-    correct = 0
-    for batch in strategy.experimental_distribute_dataset(test):
-        correct += int(strategy.reduce("sum", strategy.run(eval_step, args=(batch,)), axis=None))
-    return correct / test.num_examples
 
 
 def accuracy_of(model: nn.Module, test: ShuffledBatches) -> float:

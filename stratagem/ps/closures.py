@@ -18,7 +18,11 @@ object travel by reference, as persistent ids, never by value:
   runtime;
 - the strategy's :class:`~stratagem.ps.placement.ParameterServerPlacement`, which a scoped module's
   ``load_state_dict`` hooks mention: ``("placement",)``; on the worker, None (its modules'
-  values are the runtime's, not the coordinator's).
+  values are the runtime's, not the coordinator's);
+- a metric (:mod:`stratagem.metrics`): ``("metric", id, copy)``, the copy holding the
+  configuration and no state; on the worker, the runtime's one copy for that id (every
+  closure mentioning the metric shares it). What a run adds to it travels back with the
+  run's result (:attr:`ClosureUnpickler.metrics` lists the copies met).
 
 The unpickler records the variable ids it met (:attr:`ClosureUnpickler.var_ids`): the
 dense ones among them are pulled before the function runs. Pickled any other way (a
@@ -37,6 +41,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import InvalidArgumentError, StratagemError
+from stratagem.metrics.base import Metric, closure_reference
 from stratagem.ps.placement import ParameterServerPlacement, _VariableDict
 from stratagem.ps.runtime import WorkerOptimizer, WorkerRuntime
 from stratagem.ps.strategy import ParameterServerStrategy, _WorkerStrategy
@@ -104,7 +109,13 @@ class ClosurePickler(Pickler):
             return ("placement",)
         if isinstance(obj, ParameterServerStrategy):
             return ("strategy",)
-        return None
+        reference = closure_reference(obj)
+        if reference is not None and not isinstance(obj.strategy, ParameterServerStrategy):
+            raise CodecError(
+                f"metric {obj.name!r} was created under {obj.strategy!r}, but a function scheduled with "
+                f"a ClusterCoordinator updates it: its workers' updates would reach no one. Create the "
+                f"metric inside `with strategy.scope():` of the ParameterServerStrategy")
+        return reference
 
 
 class ClosureUnpickler(Unpickler):
@@ -115,6 +126,7 @@ class ClosureUnpickler(Unpickler):
         super().__init__(data)
         self.runtime = runtime
         self.var_ids: list[str] = []
+        self.metrics: list[Metric] = []
 
     def persistent_load(self, pid: Any) -> Any:
         if isinstance(pid, int):
@@ -133,5 +145,9 @@ class ClosureUnpickler(Unpickler):
             return None
         if kind == "strategy":
             return _WorkerStrategy(self.runtime)
+        if kind == "metric":
+            metric = self.runtime.metric(pid[1], pid[2])
+            self.metrics.append(metric)
+            return metric
         raise CodecError(f"a closure refers to {pid!r}, which is no variable dict, optimizer, "
-                         f"iterator, placement or strategy")
+                         f"iterator, placement, strategy or metric")

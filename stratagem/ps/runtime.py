@@ -11,6 +11,7 @@ worker's live iterator -- and the local copy of an embedding table carries it
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -41,6 +42,7 @@ class WorkerRuntime:
         self.datasets: dict[str, Any] = {}
         self.iterators: dict[tuple[str, str], Any] = {}
         self.fence: dict[str, Any] | None = None   # of the closure running now (see begin_closure)
+        self.metrics: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._pushes = 0
 
     def begin_closure(self, fence: dict[str, Any] | None) -> None:
@@ -170,6 +172,11 @@ class WorkerRuntime:
         small = self.pull_rows(remote, rows).requires_grad_(remote.trainable)
         self.sparse.append((remote, rows, small))
         return small, inverse.reshape(ids.shape)
+
+    def metric(self, metric_id: str, copy: Any) -> Any:
+        """This worker's copy of the metric ``metric_id`` (``copy`` the first time it arrives):
+        every closure that mentions the metric updates the same object, kept while one does."""
+        return self.metrics.setdefault(metric_id, copy)
 
     # ------------------------------------------------------------- datasets
 

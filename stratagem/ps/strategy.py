@@ -101,6 +101,11 @@ class ParameterServerStrategy(Strategy):
     def cluster_resolver(self) -> Any:
         return self._resolver
 
+    @property
+    def coordinator(self) -> Any:
+        """The :class:`~stratagem.ClusterCoordinator` of this strategy, or None before one is made."""
+        return self._coordinator
+
     def attach_coordinator(self, coordinator: Any) -> None:
         """Called by :class:`~stratagem.ClusterCoordinator`: one coordinator per strategy."""
         if self._coordinator is not None:

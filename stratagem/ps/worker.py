@@ -11,8 +11,10 @@ whatever needs it: each request is read by a
    uses (``pull_rows``) and ``optimizer.step()`` pushes the gradients (dense ones per
    shard, an embedding's only for the rows used) to the parameter servers;
 3. returns the function's result, detached, with the buffers the function wrote in place
-   (``{"result": ..., "buffers_written": [var_id, ...]}``): a worker's buffers stay on the
-   worker, and the coordinator warns when its copy of one of these is read.
+   and what it added to the metrics it mentions (``{"result": ..., "buffers_written":
+   [var_id, ...], "metrics": {metric_id: delta}}``): a worker's buffers stay on the worker,
+   and the coordinator warns when its copy of one of these is read; the metrics' deltas are
+   merged into the coordinator's metrics when it accepts the result, so each run counts once.
 
 The closure cache is bounded: an LRU of ``closure_cache_size`` functions (default 256, or
 the ``STRATAGEM_WORKER_CLOSURE_CACHE`` environment variable). A ``run`` of a key this
@@ -34,6 +36,7 @@ import torch
 
 from stratagem._profiling import label
 from stratagem.cluster.joined import mark_joined
+from stratagem.metrics.base import Metric, worker_deltas
 from stratagem.ps.closures import ClosureNotCachedError, ClosureUnpickler
 from stratagem.ps.runtime import WorkerRuntime
 from stratagem.rpc.auth import cluster_token
@@ -73,8 +76,9 @@ class WorkerService:
         workers = spec.num_tasks("worker") if "worker" in spec.jobs else 1
         self.incarnation = uuid.uuid4().hex
         self.runtime = WorkerRuntime(ps, cluster_token(), num_workers=workers, worker_index=task.task_id)
-        # key -> (function, the variables it mentions); least recently used first
-        self._closures: collections.OrderedDict[str, tuple[Callable, list[str]]] = collections.OrderedDict()
+        # key -> (function, the variables it mentions, the metrics it mentions); least recently used first
+        self._closures: collections.OrderedDict[str, tuple[Callable, list[str], list[Metric]]] = \
+            collections.OrderedDict()
         self._lock = threading.Lock()
 
     def handlers(self) -> dict[str, Callable[[Any], Any]]:
@@ -100,7 +104,7 @@ class WorkerService:
             for dataset_id, iterator_id in request.get("release", ()):
                 self.runtime.release(dataset_id, iterator_id)
             if request.get("fn") is not None:
-                self._closures[key] = (request["fn"], unpickler.var_ids)
+                self._closures[key] = (request["fn"], unpickler.var_ids, unpickler.metrics)
             entry = self._closures.get(key)
             if entry is None:
                 raise ClosureNotCachedError(f"closure {key} is not cached on this worker (evicted from its "
@@ -108,7 +112,7 @@ class WorkerService:
             self._closures.move_to_end(key)
             while len(self._closures) > self.closure_cache_size:
                 self._closures.popitem(last=False)
-        fn, closure_vars = entry
+        fn, closure_vars, closure_metrics = entry
         mark_joined(self.name)   # (for stratagem launch's check that the worker was used)
         args, kwargs = request["args"], request["kwargs"]
         with self._lock, label("stratagem.ps.closure"):
@@ -116,8 +120,11 @@ class WorkerService:
             self.runtime.pull_dense(var_ids)
             self.runtime.begin_closure(request.get("fence"))
             versions = self.runtime.buffer_versions(var_ids)
+            metrics = list(dict.fromkeys(closure_metrics + unpickler.metrics))   # (one object per metric)
+            worker_deltas(metrics)   # (empty them: a failed run may have left updates)
             with torch.enable_grad():
                 result = fn(*args, **kwargs)
             written = self.runtime.buffers_written(versions)
+            deltas = worker_deltas(metrics)
         return {"result": map_structure(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, result),
-                "buffers_written": written}
+                "buffers_written": written, "metrics": deltas}

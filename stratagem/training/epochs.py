@@ -1,0 +1,145 @@
+"""The pieces of ``Model``'s loops under synchronous strategies: the epochs of ``fit``
+(``strategy.run`` over the distributed dataset), the batches of an epoch, lazy step logs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from stratagem.errors import InvalidArgumentError
+from stratagem.training.callback_list import CallbackList
+from stratagem.training.inputs import as_batches
+from stratagem.training.progress import ProgressLogger
+from stratagem.values import DistributedValues, flatten
+
+__all__ = ["EpochBatches", "LazyLogs", "ReplicatedEpochs", "global_rows", "length", "overrides", "step_logs"]
+
+
+class ReplicatedEpochs:
+    """The steps of ``fit`` under a synchronous strategy: ``strategy.run`` on every batch of
+    the distributed dataset (which also holds the input position a backup restores)."""
+
+    def __init__(self, model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int | None,
+                 steps_per_epoch: int | None, shuffle: bool) -> None:
+        train = as_batches(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method="fit")
+        self.model = model
+        self.dataset = model.strategy.experimental_distribute_dataset(train)
+        self.steps = steps_per_epoch if steps_per_epoch is not None else length(train)
+        self._batches = EpochBatches(self.dataset, steps_per_epoch)
+        self._step_fn = model.make_train_function()
+        self._batch_logs: Callable[[], Mapping] = dict
+
+    def prepare(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
+        self._batch_logs = step_logs(self.model, callback_list, progress, "on_train_batch_end")
+
+    def run_epoch(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
+        model, strategy, step_fn = self.model, self.model.strategy, self._step_fn
+        for step, batch in enumerate(self._batches.epoch()):
+            callback_list.call("on_train_batch_begin", step, None)
+            strategy.run(step_fn, args=(batch,))
+            logs = self._batch_logs()
+            callback_list.call("on_train_batch_end", step, logs)
+            progress.step(global_rows(batch), logs)
+            if model.stop_training:
+                break
+
+
+def step_logs(model: Any, callback_list: CallbackList | None, progress: ProgressLogger,
+              hook: str) -> Callable[[], Mapping]:
+    """How each step's logs are made: reading a metric's global value costs a reduction.
+
+    In one process that reading is local, so the logs are a lazy mapping, read only if a
+    callback or the progress bar looks at them. Across workers it is a collective that
+    every worker must join at the same step: the workers agree once, at the start,
+    whether any of them shows a bar or has a callback with ``hook``; then all read the
+    metrics at every step, or none does (the logs are then empty).
+    """
+    if model.strategy.topology.num_workers == 1:
+        return lambda: LazyLogs(model.get_metrics_result)
+    wanted = progress.verbose == 1 or any(overrides(callback, hook) for callback in
+                                          (callback_list.callbacks if callback_list is not None else []))
+    agreed = model.strategy.collective.worker_sum(torch.tensor([float(wanted)]))
+    return model.get_metrics_result if agreed.item() > 0 else dict
+
+
+class LazyLogs(Mapping):
+    """A step's logs, read from the metrics on first use."""
+
+    def __init__(self, read: Callable[[], dict]) -> None:
+        self._read = read
+        self._logs: dict | None = None
+
+    def _values(self) -> dict:
+        if self._logs is None:
+            self._logs = self._read()
+        return self._logs
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values())
+
+    def __len__(self) -> int:
+        return len(self._values())
+
+    def __repr__(self) -> str:
+        return repr(self._values())
+
+
+def overrides(callback: Any, hook: str) -> bool:
+    """Whether ``callback`` defines ``hook`` itself (not the do-nothing one of ``Callback``)."""
+    from stratagem.callbacks import Callback
+
+    reads = getattr(callback, "reads_train_batch_logs", None)
+    if hook == "on_train_batch_end" and callable(reads):   # the callback says whether it reads them
+        return bool(reads())
+    own = getattr(type(callback), hook, None)
+    return own is not None and own is not getattr(Callback, hook, None)
+
+
+class EpochBatches:
+    """The batches of each epoch: one pass over the input, or ``steps`` batches of an input
+    read on across epochs (starting a new pass when one ends)."""
+
+    def __init__(self, dataset: Any, steps: int | None) -> None:
+        self._dataset = dataset
+        self._steps = steps
+        self._iterator: Any = None
+
+    def epoch(self) -> Iterable:
+        if self._steps is None:
+            yield from self._dataset
+            return
+        done = 0
+        while done < self._steps:
+            if self._iterator is None:
+                self._iterator = iter(self._dataset)
+            fresh = done
+            for batch in self._iterator:
+                yield batch
+                done += 1
+                if done == self._steps:
+                    return
+            self._iterator = None
+            if done == fresh:
+                raise InvalidArgumentError(f"the input has no batches, but steps={self._steps} were asked for")
+
+
+def global_rows(batch: Any) -> int:
+    """The rows of a global batch (over every replica and worker)."""
+    for leaf in flatten(batch):
+        if isinstance(leaf, DistributedValues) and leaf.global_batch_size is not None:
+            return leaf.global_batch_size
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return leaf.shape[0]
+    return 0
+
+
+def length(data: Any) -> int | None:
+    try:
+        return len(data)
+    except TypeError:
+        return None

@@ -1,0 +1,343 @@
+"""``sg.Model``: Keras's ``compile`` / ``fit`` / ``evaluate`` / ``predict`` over any strategy.
+
+Create the module in a strategy's scope (or pass ``strategy=``), wrap it in a ``Model``,
+``compile`` it, and ``fit``: the loop below is the custom training loop of the README --
+``experimental_distribute_dataset`` cuts every global batch over the replicas,
+``strategy.run`` runs the step (:mod:`stratagem.training.steps`) on each, and the metrics
+are read as global values at the end of every step and epoch. Under a parameter-server
+strategy the steps are scheduled through its ``ClusterCoordinator`` instead
+(:mod:`stratagem.training.ps_loop`).
+
+The loop's order per epoch: reset the metrics, ``on_epoch_begin``, then per step
+``on_train_batch_begin``, the step, ``on_train_batch_end(logs)`` and a check of
+``model.stop_training``; then validation (``val_*`` logs), the progress line,
+``on_epoch_end(logs)`` and the check again.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from stratagem import _context
+from stratagem.errors import InvalidArgumentError, StratagemError
+from stratagem.training import losses as losses_module
+from stratagem.training.callback_list import CallbackList, History
+from stratagem.training.epochs import EpochBatches, ReplicatedEpochs, global_rows, length, step_logs
+from stratagem.training.inputs import as_batches, split_validation
+from stratagem.training.progress import ProgressLogger
+from stratagem.training.steps import make_predict_step, make_test_step, make_train_step
+
+__all__ = ["Model", "NotCompiledError"]
+
+# Keras's default learning rates; every other argument is torch's default (RMSprop: Keras's rho=0.9)
+_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict]] = {
+    "sgd": (torch.optim.SGD, {"lr": 0.01}),
+    "adam": (torch.optim.Adam, {"lr": 0.001}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.001}),
+    "rmsprop": (torch.optim.RMSprop, {"lr": 0.001, "alpha": 0.9}),
+}
+
+
+class NotCompiledError(StratagemError, RuntimeError):
+    """``fit`` or ``evaluate`` was called before ``compile``."""
+
+
+class Model:
+    """A module with Keras's training API, distributed by a strategy.
+
+    ``strategy`` defaults to the strategy whose scope is active when the ``Model`` is
+    created (the default strategy outside every scope); the module must have been created
+    in that strategy's scope. Callbacks may read and set ``model.stop_training`` and read
+    ``optimizer``, ``module``, ``strategy``, ``history``, ``loss``, ``metrics``.
+
+    Example::
+
+        import torch, stratagem as sg
+        strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+        with strategy.scope():
+            model = sg.Model(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)))
+            model.compile(optimizer="adam", loss=sg.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+        x, y = torch.randn(100, 4), torch.randint(0, 3, (100,))
+        history = model.fit(x, y, batch_size=32, epochs=2, validation_split=0.2, verbose=0)
+        print(history.history["loss"], model.evaluate(x, y, verbose=0, return_dict=True))
+        print(model.predict(x).shape)   # torch.Size([100, 3])
+    """
+
+    def __init__(self, module: nn.Module, *, strategy: Any = None) -> None:
+        if not isinstance(module, nn.Module):
+            raise InvalidArgumentError(f"sg.Model wraps a torch.nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.strategy = strategy if strategy is not None else _context.get_strategy()
+        self._check_placed()
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.loss: Any = None
+        self.compiled_metrics: list[Any] = []
+        self._loss_fn: Any = None
+        self._loss_tracker: Any = None
+        self.stop_training = False
+        self.history: History | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def _check_placed(self) -> None:
+        strategy = self.strategy
+        first = next(iter(self.module.parameters()), None)
+        if first is None or strategy.topology.num_local_replicas == 1:
+            return
+        strategy.placement.finalize()
+        if strategy.placement.all_copies(first) is None:
+            raise InvalidArgumentError(
+                f"the module given to sg.Model was not created in the scope of {strategy!r}, so its "
+                f"replicas would not be kept in sync; create it inside `with strategy.scope():`")
+
+    @property
+    def metrics(self) -> list[Any]:
+        """The loss tracker (a ``Mean`` named ``"loss"``) followed by the compiled metrics."""
+        return ([] if self._loss_tracker is None else [self._loss_tracker]) + list(self.compiled_metrics)
+
+    # ----------------------------------------------------------------- compile
+
+    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: Sequence[Any] | None = None) -> None:
+        """Set the optimizer, the loss and the metrics; created in the strategy's scope.
+
+        ``optimizer``: a torch optimizer over the module's parameters (created in scope),
+        or ``"sgd"``, ``"adam"``, ``"adamw"``, ``"rmsprop"`` (Keras's learning rates).
+        ``loss``: see :mod:`stratagem.training.losses` (names, ``sg.losses`` objects,
+        ``torch.nn`` losses, callables). ``metrics``: names (``"accuracy"``, ``"mae"``, ...)
+        or ``sg.metrics`` objects.
+        """
+        if loss is None:
+            raise InvalidArgumentError("compile needs a loss: a name like 'mse', an sg.losses object, a "
+                                       "torch.nn loss, or a function fn(y_true, y_pred)")
+        if metrics is not None and (isinstance(metrics, (str, dict)) or not isinstance(metrics, Iterable)):
+            raise InvalidArgumentError(f"metrics must be a list, e.g. metrics=['accuracy'], got {metrics!r}")
+        loss_fn = losses_module.get(loss)
+        from stratagem import metrics as metrics_module   # loaded on first compile, with torchmetrics
+
+        with self.strategy.scope():
+            self.optimizer = self._make_optimizer(optimizer)
+            self._loss_tracker = metrics_module.Mean(name="loss")
+            self.compiled_metrics = [metrics_module.get(m, loss=loss) for m in (metrics or [])]
+        self.loss, self._loss_fn = loss, loss_fn
+
+    def _make_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        if isinstance(optimizer, str):
+            entry = _OPTIMIZERS.get(optimizer.lower())
+            if entry is None:
+                raise InvalidArgumentError(f"unknown optimizer {optimizer!r}; use one of "
+                                           f"{', '.join(_OPTIMIZERS)}, or a torch.optim optimizer")
+            cls, kwargs = entry
+            return cls(self.module.parameters(), **kwargs)
+        raise InvalidArgumentError(f"optimizer must be a name ({', '.join(_OPTIMIZERS)}) or a torch.optim "
+                                   f"optimizer, got {type(optimizer).__name__}")
+
+    def make_train_function(self) -> Callable[[Any], tuple[torch.Tensor, int]]:
+        """The function that runs one training step on a replica (or a parameter-server worker):
+        ``step(batch) -> (loss, rows)`` -- forward, loss, backward, optimizer step, metrics."""
+        self._require_compiled("fit")
+        return make_train_step(self.module, self.optimizer, self._loss_fn, self._loss_tracker, self.compiled_metrics)
+
+    def _require_compiled(self, method: str) -> None:
+        if self.optimizer is None:
+            raise NotCompiledError(f"model.{method}() needs a compiled model: call model.compile(optimizer=..., "
+                                   f"loss=..., metrics=...) first")
+
+    # --------------------------------------------------------------------- fit
+
+    def fit(self, x: Any, y: Any = None, batch_size: int | None = None, epochs: int = 1,
+            steps_per_epoch: int | None = None, validation_data: Any = None, validation_split: float = 0.0,
+            shuffle: bool = True, callbacks: Sequence[Any] | None = None, verbose: Any = 1,
+            initial_epoch: int = 0, *, sample_weight: Any = None) -> History:
+        """Train for ``epochs`` epochs; return a :class:`History` of the epoch logs.
+
+        ``batch_size`` is the *global* batch (over every replica of every worker), for
+        tensor / numpy inputs only. ``steps_per_epoch`` limits each epoch (then the input
+        is read on across epochs, starting over when it ends); required under a
+        parameter-server strategy. ``validation_data``: ``(x_val, y_val)``, a DataLoader or
+        an iterable of batches. ``validation_split``: the last fraction of array inputs.
+        """
+        self._require_compiled("fit")
+        _check_count("epochs", epochs, minimum=1)
+        _check_count("initial_epoch", initial_epoch, minimum=0)
+        if steps_per_epoch is not None:
+            _check_count("steps_per_epoch", steps_per_epoch, minimum=1)
+        if validation_split:
+            (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight, validation_split)
+        progress = ProgressLogger(verbose, chief=self._is_chief())
+        if _is_parameter_server(self.strategy):
+            from stratagem.training.ps_loop import ScheduledEpochs
+
+            loop: Any = ScheduledEpochs(self, x, y, sample_weight, batch_size=batch_size,
+                                        steps_per_epoch=steps_per_epoch, shuffle=shuffle)
+        else:
+            loop = ReplicatedEpochs(self, x, y, sample_weight, batch_size=batch_size,
+                                     steps_per_epoch=steps_per_epoch, shuffle=shuffle)
+        history = History()
+        callback_list = CallbackList([*(callbacks or []), history], model=self,
+                                     params={"epochs": epochs, "steps": loop.steps, "verbose": progress.verbose})
+        initial_epoch = self._restore_backup(callback_list, loop.dataset, initial_epoch)
+        loop.prepare(callback_list, progress)
+        self.history, self.stop_training = history, False
+        callback_list.call("on_train_begin", None)
+        logs: dict = {}
+        for epoch in range(initial_epoch, epochs):
+            self.reset_metrics()
+            callback_list.call("on_epoch_begin", epoch, None)
+            progress.begin(loop.steps, f"Epoch {epoch + 1}/{epochs}")
+            loop.run_epoch(callback_list, progress)
+            logs = self.get_metrics_result()
+            if validation_data is not None:
+                logs.update(self._validate(validation_data, batch_size, callback_list))
+            progress.end(logs)
+            callback_list.call("on_epoch_end", epoch, logs)
+            if self.stop_training:
+                break
+        callback_list.call("on_train_end", logs)
+        return history
+
+    def _restore_backup(self, callback_list: CallbackList, dataset: Any, initial_epoch: int) -> int:
+        """A ``BackupAndRestore`` among the callbacks: restore model, optimizer and input position."""
+        from stratagem.callbacks import BackupAndRestore
+        from stratagem.training.checkpoint import Checkpoint
+
+        for callback in callback_list.callbacks:
+            if isinstance(callback, BackupAndRestore):
+                state = {"model": self.module, "optimizer": self.optimizer}
+                if dataset is not None:
+                    state["data"] = dataset
+                epoch, _ = callback.restore(Checkpoint(**state))
+                initial_epoch = max(initial_epoch, epoch)
+        return initial_epoch
+
+    def _validate(self, validation_data: Any, batch_size: int | None, callback_list: CallbackList) -> dict:
+        """The ``val_*`` logs; the callbacks' ``on_test_*`` hooks are called, as Keras does."""
+        if isinstance(validation_data, tuple) and len(validation_data) in (2, 3) and \
+                isinstance(validation_data[0], (torch.Tensor, np.ndarray)):
+            data = as_batches(*validation_data, batch_size=batch_size, shuffle=False, method="fit")
+        else:
+            data = as_batches(validation_data, batch_size=None, shuffle=False, method="fit")
+        logs = self._evaluate_batches(data, steps=None, callback_list=callback_list, progress=ProgressLogger(0))
+        return {f"val_{name}": value for name, value in logs.items()}
+
+    # ------------------------------------------------------------ evaluate
+
+    def evaluate(self, x: Any, y: Any = None, batch_size: int | None = None, steps: int | None = None,
+                 callbacks: Sequence[Any] | None = None, verbose: Any = 1, return_dict: bool = False, *,
+                 sample_weight: Any = None) -> Any:
+        """The loss and metrics over ``x`` (global values): a list ``[loss, *metrics]`` (the
+        loss alone when there are no metrics), or a dict with ``return_dict=True``.
+
+        Under a parameter-server strategy the coordinator evaluates, reading the model as
+        one plain model.
+        """
+        self._require_compiled("evaluate")
+        if steps is not None:
+            _check_count("steps", steps, minimum=1)
+        data = as_batches(x, y, sample_weight, batch_size=batch_size, shuffle=False, method="evaluate")
+        callback_list = CallbackList(callbacks or [], model=self,
+                                     params={"epochs": 1, "steps": steps or length(data), "verbose": verbose})
+        logs = self._evaluate_batches(data, steps, callback_list, ProgressLogger(verbose, chief=self._is_chief()))
+        if return_dict:
+            return logs
+        values = list(logs.values())
+        return values[0] if len(values) == 1 else values
+
+    def _evaluate_batches(self, data: Iterable, steps: int | None, callback_list: CallbackList | None,
+                          progress: ProgressLogger) -> dict:
+        strategy = self.strategy
+        call = callback_list.call if callback_list is not None else (lambda *args: None)
+        step_fn = make_test_step(self.module, self._loss_fn, self._loss_tracker, self.compiled_metrics)
+        self.reset_metrics()
+        batch_logs = step_logs(self, callback_list, progress, "on_test_batch_end")
+        call("on_test_begin", None)
+        progress.begin(steps or length(data), "evaluate")
+        logs: dict = {}
+        for step, batch in enumerate(EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
+            call("on_test_batch_begin", step, None)
+            strategy.run(step_fn, args=(batch,))
+            logs = batch_logs()
+            call("on_test_batch_end", step, logs)
+            progress.step(global_rows(batch), logs)
+        logs = self.get_metrics_result()
+        progress.end(logs)
+        call("on_test_end", logs)
+        return logs
+
+    # ------------------------------------------------------------- predict
+
+    def predict(self, x: Any, batch_size: int | None = None, steps: int | None = None,
+                callbacks: Sequence[Any] | None = None, verbose: Any = 0) -> Any:
+        """The module's outputs for every example of ``x``, in input order (on every worker).
+
+        Each replica computes its slice; the slices are put back in order, across workers
+        too, with no padding rows. Batches of ``(x, y)`` have their ``y`` ignored.
+        """
+        if steps is not None:
+            _check_count("steps", steps, minimum=1)
+        data = as_batches(x, batch_size=batch_size, shuffle=False, method="predict")
+        strategy = self.strategy
+        callback_list = CallbackList(callbacks or [], model=self,
+                                     params={"epochs": 1, "steps": steps or length(data), "verbose": verbose})
+        progress = ProgressLogger(verbose, chief=self._is_chief())
+        step_fn = make_predict_step(self.module)
+        outputs: list[Any] = []
+        callback_list.call("on_predict_begin", None)
+        progress.begin(steps or length(data), "predict")
+        for step, batch in enumerate(EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
+            callback_list.call("on_predict_batch_begin", step, None)
+            local = strategy.experimental_local_results(strategy.run(step_fn, args=(batch,)))
+            outputs.append(torch.cat([t.cpu() for t in local]) if len(local) > 1 else local[0].cpu())
+            callback_list.call("on_predict_batch_end", step, {"outputs": outputs[-1]})
+            progress.step(global_rows(batch), None)
+        progress.end(None)
+        callback_list.call("on_predict_end", None)
+        if strategy.topology.num_workers > 1:   # every worker's slices of each step, in worker order
+            everyone = strategy.collective.all_gather_object(outputs, "Model.predict")
+            outputs = [part for step_parts in zip(*everyone) for part in step_parts]
+        if not outputs:
+            raise InvalidArgumentError("predict got no batches: the input is empty")
+        return torch.cat(outputs)
+
+    # ------------------------------------------------------------- metrics
+
+    def reset_metrics(self) -> None:
+        """Reset the loss tracker and every compiled metric."""
+        for metric in self.metrics:
+            metric.reset_state()
+
+    def get_metrics_result(self) -> dict:
+        """Every metric's global value, by name: ``{"loss": ..., "accuracy": ...}`` (Keras's name).
+
+        Across workers this is a collective: every worker calls it at the same point."""
+        logs = {}
+        for metric in self.metrics:
+            value = metric.result()
+            if isinstance(value, torch.Tensor):
+                value = value.item() if value.numel() == 1 else value.tolist()
+            logs[metric.name] = value
+        return logs
+
+    def _is_chief(self) -> bool:
+        return bool(getattr(self.strategy, "is_chief", True))
+
+    def __repr__(self) -> str:
+        return f"Model({type(self.module).__name__}, strategy={self.strategy!r})"
+
+
+def _check_count(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _is_parameter_server(strategy: Any) -> bool:
+    ps = sys.modules.get("stratagem.ps.strategy")   # not imported: no parameter-server strategy exists
+    return ps is not None and isinstance(strategy, ps.ParameterServerStrategy)

@@ -1,0 +1,110 @@
+"""``Model.fit`` under a ``ParameterServerStrategy``: steps scheduled through the coordinator.
+
+As in TensorFlow, the input is read on the workers, forever, so ``steps_per_epoch`` is
+required. Each worker builds its own input: tensor / numpy inputs are sent to every
+worker once and cut into batches of ``batch_size`` there, reshuffled every pass with a
+seed of that worker's own; a DataLoader or iterable is sent to every worker (it must
+pickle) and read over and over; a function ``dataset_fn(input_context)`` is called on
+each worker, as ``coordinator.create_per_worker_dataset`` does (TensorFlow's
+``DatasetCreator``).
+
+Per epoch: ``steps_per_epoch`` steps are scheduled (``on_train_batch_begin`` for each as
+it is queued), then their results are fetched in order (``on_train_batch_end`` with that
+step's loss), then ``join``. The epoch logs are the metrics' global values, read on the
+coordinator after the join. ``stop_training`` set during an epoch ends training after
+that epoch's scheduled steps (they are already queued). Validation runs on the coordinator.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader
+
+from stratagem.errors import InvalidArgumentError
+from stratagem.training.callback_list import CallbackList
+from stratagem.training.inputs import DEFAULT_BATCH_SIZE, ArrayDataset, as_batches, keep_batch
+from stratagem.training.progress import ProgressLogger
+
+__all__ = ["ScheduledEpochs"]
+
+
+class ScheduledEpochs:
+    """The steps of ``fit`` under a parameter-server strategy (see the module docstring)."""
+
+    dataset = None   # a backup holds model and optimizer only: the workers' inputs have no position
+
+    def __init__(self, model: Any, x: Any, y: Any, sample_weight: Any, *, batch_size: int | None,
+                 steps_per_epoch: int | None, shuffle: bool) -> None:
+        if steps_per_epoch is None:
+            raise InvalidArgumentError(
+                "fit under a ParameterServerStrategy needs steps_per_epoch: the workers read their input over "
+                "and over, so an epoch has no end of its own (as in TensorFlow); e.g. "
+                "model.fit(x, y, epochs=5, steps_per_epoch=100)")
+        strategy = model.strategy
+        coordinator = strategy.coordinator
+        if coordinator is None:
+            from stratagem.coordinator import ClusterCoordinator
+
+            coordinator = ClusterCoordinator(strategy)
+        self.steps = steps_per_epoch
+        self._coordinator = coordinator
+        dataset_fn = _dataset_fn(x, y, sample_weight, batch_size, shuffle)
+        self._iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+        self._step_fn = functools.partial(_scheduled_step, model.make_train_function())
+
+    def prepare(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
+        pass
+
+    def run_epoch(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
+        coordinator = self._coordinator
+        scheduled = []
+        for step in range(self.steps):
+            callback_list.call("on_train_batch_begin", step, None)
+            scheduled.append(coordinator.schedule(self._step_fn, args=(self._iterator,)))
+        for step, value in enumerate(scheduled):
+            loss, rows = value.fetch()
+            logs = {"loss": float(loss)}   # this step's own: the metrics' global values need the join
+            callback_list.call("on_train_batch_end", step, logs)
+            progress.step(rows, logs)
+        coordinator.join()
+
+
+def _scheduled_step(train_step: Any, iterator: Any) -> tuple[torch.Tensor, int]:
+    """What runs on a worker: the next batch of its own input, one training step."""
+    return train_step(next(iterator))
+
+
+def _dataset_fn(x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool) -> Any:
+    """The function each worker calls to build its endless input."""
+    if callable(x) and not isinstance(x, (torch.Tensor, DataLoader)) and not hasattr(x, "__iter__"):
+        if y is not None or batch_size is not None:
+            raise InvalidArgumentError("a dataset_fn x builds its own batches: leave y and batch_size out")
+        return x
+    data = as_batches(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method="fit")
+    if isinstance(data, DataLoader) and isinstance(data.dataset, ArrayDataset):
+        # send the tensors, not the loader: each worker cuts its own batches
+        return functools.partial(_array_batches, data.dataset.tensors, data.batch_size or DEFAULT_BATCH_SIZE,
+                                 shuffle)
+    return functools.partial(_repeat, data)
+
+
+def _array_batches(tensors: tuple[torch.Tensor, ...], batch_size: int, shuffle: bool,
+                   context: Any) -> Iterator[Any]:
+    generator = torch.Generator()
+    generator.manual_seed(int(torch.randint(0, 2**62, (1,)).item()) + context.input_pipeline_id)
+    loader = DataLoader(ArrayDataset(*tensors), batch_size=batch_size, shuffle=shuffle, collate_fn=keep_batch,
+                        generator=generator)
+    return _repeat(loader, context)
+
+
+def _repeat(data: Any, context: Any = None) -> Iterator[Any]:
+    while True:
+        empty = True
+        for batch in data:
+            empty = False
+            yield batch
+        if empty:
+            raise InvalidArgumentError("the training input has no batches")

@@ -1,0 +1,97 @@
+"""The functions ``Model`` runs per replica (or on a parameter-server worker): train, test, predict.
+
+Each is made by a factory that closes over only what the step needs (the module, the
+optimizer, the loss function, the metrics), never over the ``Model``: under a
+parameter-server strategy the train step is pickled and sent to the workers, where the
+module's variables and the optimizer travel as references.
+
+The loss of a step is Keras's ``sum_over_batch_size``: per-example losses, weighted by
+``sample_weight``, summed, divided by the *global* batch size
+(:func:`sg.nn.compute_average_loss <stratagem.nn.compute_average_loss>`). Summed over
+replicas, the gradients are then those of the whole batch on one device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from stratagem.errors import InvalidArgumentError
+from stratagem.nn.losses import compute_average_loss
+from stratagem.training.inputs import unpack
+
+__all__ = ["make_predict_step", "make_test_step", "make_train_step", "per_example_losses"]
+
+
+def per_example_losses(loss_fn: Callable, y: Any, y_pred: torch.Tensor,
+                       sample_weight: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The loss of every example (a scalar loss counts for each example of the slice), and
+    the weights shaped like it."""
+    if y is None:
+        raise InvalidArgumentError("training and evaluation need targets: batches of (x, y) or "
+                                   "(x, y, sample_weight), or fit(x, y)")
+    values = loss_fn(y, y_pred)
+    if not isinstance(values, torch.Tensor):
+        raise InvalidArgumentError(f"the loss function returned a {type(values).__name__}; it must return a "
+                                   f"tensor of per-example losses")
+    rows = y_pred.shape[0] if y_pred.dim() else 1
+    if values.dim() == 0:   # a mean over this slice: the same value for each of its examples
+        if sample_weight is not None:
+            raise InvalidArgumentError(
+                "the loss function returned one number for the batch, so sample_weight cannot weight its "
+                "examples; return per-example losses (reduction='none') to use sample weights")
+        values = values.reshape(1).expand(rows)
+    if sample_weight is not None:
+        sample_weight = torch.as_tensor(sample_weight, dtype=values.dtype, device=values.device)
+        if sample_weight.numel() != values.shape[0]:
+            raise InvalidArgumentError(
+                f"sample_weight has {sample_weight.numel()} values for {values.shape[0]} examples; give one "
+                f"weight per example")
+        sample_weight = sample_weight.reshape(values.shape)
+    return values, sample_weight
+
+
+def _update_metrics(loss_tracker: Any, metrics: Sequence[Any], y: Any, y_pred: torch.Tensor,
+                    losses: torch.Tensor, sample_weight: torch.Tensor | None) -> None:
+    with torch.no_grad():
+        weighted = losses.detach() if sample_weight is None else losses.detach() * sample_weight
+        loss_tracker.update_state(weighted)
+        for metric in metrics:
+            metric.update_state(y, y_pred.detach(), sample_weight=sample_weight)
+
+
+def make_train_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
+                    loss_tracker: Any, metrics: Sequence[Any]) -> Callable[[Any], tuple[torch.Tensor, int]]:
+    """``step(batch) -> (loss, rows)``: forward, backward, optimizer step, metrics."""
+    def train_step(batch: Any) -> tuple[torch.Tensor, int]:
+        parts = unpack(batch)
+        y_pred = module(parts.x)
+        losses, weights = per_example_losses(loss_fn, parts.y, y_pred, parts.sample_weight)
+        loss = compute_average_loss(losses, sample_weight=weights)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()   # in scope: gradients summed over replicas, the same update everywhere
+        _update_metrics(loss_tracker, metrics, parts.y, y_pred, losses, weights)
+        return loss.detach(), int(y_pred.shape[0])
+    return train_step
+
+
+def make_test_step(module: torch.nn.Module, loss_fn: Callable, loss_tracker: Any,
+                   metrics: Sequence[Any]) -> Callable[[Any], None]:
+    """``step(batch)``: forward and metrics, no gradients."""
+    def test_step(batch: Any) -> None:
+        parts = unpack(batch)
+        with torch.no_grad():
+            y_pred = module(parts.x)
+            losses, weights = per_example_losses(loss_fn, parts.y, y_pred, parts.sample_weight)
+        _update_metrics(loss_tracker, metrics, parts.y, y_pred, losses, weights)
+    return test_step
+
+
+def make_predict_step(module: torch.nn.Module) -> Callable[[Any], torch.Tensor]:
+    """``step(batch) -> outputs``: the module's outputs for the batch's inputs."""
+    def predict_step(batch: Any) -> torch.Tensor:
+        with torch.no_grad():
+            return module(unpack(batch).x)
+    return predict_step

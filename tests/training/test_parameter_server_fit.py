@@ -1,0 +1,28 @@
+"""sg.Model under ParameterServerStrategy: a coordinator, 2 workers and 1 ps as real processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.timeout(240)
+SCRIPT = Path(__file__).parent / "ps_fit_script.py"
+
+
+def test_fit_schedules_steps_through_the_coordinator(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "stratagem", "launch", "--workers", "2", "--ps", "1",
+                           str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    report = torch.load(tmp_path / "report.pt", weights_only=False)
+    assert "needs steps_per_epoch" in report["error"]
+    history = report["history"]
+    assert sorted(history) == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    assert len(history["loss"]) == 3 and history["loss"][-1] < history["loss"][0]
+    assert report["after"]["loss"] < report["before"]["loss"] and report["after"]["accuracy"] > 0.8
+    assert report["predict_matches"]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "Epoch " in line]
+    assert len(lines) == 3 and "Epoch 3/3 25/25 steps (100%) loss: " in lines[-1], lines
