@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from stratagem.callbacks import Callback
 from stratagem.errors import InvalidArgumentError
 from stratagem.training.callback_list import CallbackList
 from stratagem.training.inputs import as_batches
@@ -91,8 +92,6 @@ class LazyLogs(Mapping):
 
 def overrides(callback: Any, hook: str) -> bool:
     """Whether ``callback`` defines ``hook`` itself (not the do-nothing one of ``Callback``)."""
-    from stratagem.callbacks import Callback
-
     own = getattr(type(callback), hook, None)
     return own is not None and own is not getattr(Callback, hook, None)
 

@@ -24,9 +24,12 @@ import torch
 from torch import nn
 
 from stratagem import _context
+from stratagem import metrics as metrics_module
+from stratagem.callbacks import BackupAndRestore
 from stratagem.errors import InvalidArgumentError, StratagemError
 from stratagem.training import losses as losses_module
 from stratagem.training.callback_list import CallbackList, History
+from stratagem.training.checkpoint import Checkpoint
 from stratagem.training.epochs import EpochBatches, ReplicatedEpochs, global_rows, length, step_logs
 from stratagem.training.inputs import as_batches, split_validation
 from stratagem.training.progress import ProgressLogger
@@ -119,8 +122,6 @@ class Model:
         if metrics is not None and (isinstance(metrics, (str, dict)) or not isinstance(metrics, Iterable)):
             raise InvalidArgumentError(f"metrics must be a list, e.g. metrics=['accuracy'], got {metrics!r}")
         loss_fn = losses_module.get(loss)
-        from stratagem import metrics as metrics_module   # loaded on first compile, with torchmetrics
-
         with self.strategy.scope():
             self.optimizer = self._make_optimizer(optimizer)
             self._loss_tracker = metrics_module.Mean(name="loss")
@@ -174,7 +175,7 @@ class Model:
             (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight, validation_split)
         progress = ProgressLogger(verbose, chief=self._is_chief())
         if _is_parameter_server(self.strategy):
-            from stratagem.training.ps_loop import ScheduledEpochs
+            from stratagem.training.ps_loop import ScheduledEpochs   # grpc: loaded for a ps fit only
 
             loop: Any = ScheduledEpochs(self, x, y, sample_weight, batch_size=batch_size,
                                         steps_per_epoch=steps_per_epoch, shuffle=shuffle)
@@ -206,9 +207,6 @@ class Model:
 
     def _restore_backup(self, callback_list: CallbackList, dataset: Any, initial_epoch: int) -> int:
         """A ``BackupAndRestore`` among the callbacks: restore model, optimizer and input position."""
-        from stratagem.callbacks import BackupAndRestore
-        from stratagem.training.checkpoint import Checkpoint
-
         for callback in callback_list.callbacks:
             if isinstance(callback, BackupAndRestore):
                 state = {"model": self.module, "optimizer": self.optimizer}
