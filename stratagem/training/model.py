@@ -34,6 +34,7 @@ from stratagem.training.epochs import EpochBatches, ReplicatedEpochs, global_row
 from stratagem.training.inputs import as_batches, split_validation
 from stratagem.training.progress import ProgressLogger
 from stratagem.training.steps import make_predict_step, make_test_step, make_train_step
+from stratagem.values import flatten, map_structure, pack_as, select_replica
 
 __all__ = ["Model", "NotCompiledError"]
 
@@ -274,7 +275,8 @@ class Model:
 
     def predict(self, x: Any, batch_size: int | None = None, steps: int | None = None,
                 callbacks: Sequence[Any] | None = None, verbose: Any = 0) -> Any:
-        """The module's outputs for every example of ``x``, in input order (on every worker).
+        """The module's outputs for every example of ``x``, in input order (on every worker), as
+        CPU tensors (a tuple or dict of them for a module that returns one).
 
         Each replica computes its slice; the slices are put back in order, across workers
         too, with no padding rows. Batches of ``(x, y)`` have their ``y`` ignored.
@@ -287,13 +289,15 @@ class Model:
                                      params={"epochs": 1, "steps": steps or length(data), "verbose": verbose})
         progress = ProgressLogger(verbose, chief=self._is_chief())
         step_fn = make_predict_step(self.module)
+        num_local = strategy.topology.num_local_replicas
         outputs: list[Any] = []
         callback_list.call("on_predict_begin", None)
         progress.begin(steps or length(data), "predict")
         for step, batch in enumerate(EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
             callback_list.call("on_predict_batch_begin", step, None)
-            local = strategy.experimental_local_results(strategy.run(step_fn, args=(batch,)))
-            outputs.append(torch.cat([t.cpu() for t in local]) if len(local) > 1 else local[0].cpu())
+            result = strategy.run(step_fn, args=(batch,))
+            local = [select_replica(i, result) for i in range(num_local)] if num_local > 1 else [result]
+            outputs.append(concat([map_structure(lambda t: t.cpu(), part) for part in local]))
             callback_list.call("on_predict_batch_end", step, {"outputs": outputs[-1]})
             progress.step(global_rows(batch), None)
         progress.end(None)
@@ -303,7 +307,7 @@ class Model:
             outputs = [part for step_parts in zip(*everyone) for part in step_parts]
         if not outputs:
             raise InvalidArgumentError("predict got no batches: the input is empty")
-        return torch.cat(outputs)
+        return concat(outputs)
 
     # ------------------------------------------------------------- metrics
 
@@ -329,6 +333,14 @@ class Model:
 
     def __repr__(self) -> str:
         return f"Model({type(self.module).__name__}, strategy={self.strategy!r})"
+
+
+def concat(parts: list[Any]) -> Any:
+    """Outputs of several slices (tensors, or equal structures of tensors) joined along rows."""
+    if len(parts) == 1:
+        return parts[0]
+    leaves = [flatten(part) for part in parts]
+    return pack_as(parts[0], [torch.cat(column) for column in zip(*leaves)])
 
 
 def _check_count(name: str, value: Any, *, minimum: int) -> None:

@@ -236,3 +236,25 @@ def test_predict_without_compile_and_numpy_outputs_shape() -> None:
     model = sg.Model(make_module())
     out = model.predict(np.zeros((5, 5), dtype=np.float32), batch_size=2)
     assert out.shape == (5, 3)
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_module()
+
+    def forward(self, x):
+        out = self.body(x)
+        return {"logits": out, "first": out[:, :1]}
+
+
+def test_predict_keeps_a_structured_output() -> None:
+    x, _, _ = data()
+    with sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]).scope():
+        model = sg.Model(TwoHeads())
+    out = model.predict(x, batch_size=10)
+    with torch.no_grad():
+        expected = model.module(torch.from_numpy(x))
+    assert sorted(out) == ["first", "logits"] and out["logits"].shape == (len(x), 3)
+    torch.testing.assert_close(out["logits"], expected["logits"])
+    torch.testing.assert_close(out["first"], expected["first"])
