@@ -256,14 +256,14 @@ class Model:
         call = callback_list.call if callback_list is not None else (lambda *args: None)
         step_fn = make_test_step(self.module, self._loss_fn, self._loss_tracker, self.compiled_metrics)
         self.reset_metrics()
-        batch_logs = step_logs(self, callback_list, progress, "on_test_batch_end")
+        batch_logs = step_logs(self, callback_list, progress, "on_test_batch_end", steps or length(data))
         call("on_test_begin", None)
         progress.begin(steps or length(data), "evaluate")
         logs: dict = {}
         for step, batch in enumerate(EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
             call("on_test_batch_begin", step, None)
             strategy.run(step_fn, args=(batch,))
-            logs = batch_logs()
+            logs = batch_logs(step)
             call("on_test_batch_end", step, logs)
             progress.step(global_rows(batch), logs)
         logs = self.get_metrics_result()
