@@ -464,3 +464,34 @@ def git_commit() -> str:
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "stratagem"], capture_output=True, text=True,
                            cwd=REPO_ROOT).stdout.strip()
     return out.stdout.strip() + (" (+ local edits in stratagem/)" if dirty else "")
+
+
+# ------------------------------------------------------------------ options
+
+def add_timing_options(parser: Any) -> None:
+    """The options of a benchmark that times steps in fresh processes, in interleaved rounds."""
+    parser.add_argument("--steps", type=int, help="timed steps per measurement (default 40; --quick 4)")
+    parser.add_argument("--warmup", type=int, help="untimed steps first (default 10; --quick 2)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", help="global batch sizes (default 128 512)")
+    parser.add_argument("--rounds", type=int,
+                        help="interleaved rounds, each configuration in a fresh process (default 5)")
+    parser.add_argument("--distinct", type=int, default=8, help="distinct synthetic batches, cycled")
+    parser.add_argument("--max-other-load", type=float, default=0.3,
+                        help="set aside steps during which other processes kept more cores busy")
+    parser.add_argument("--patience", type=float, help="seconds to go on timing to collect undisturbed steps (6)")
+    parser.add_argument("--max-wait", type=float, help="seconds in all to wait for a quiet machine (default 60)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="smoke test: batch 128, 1 round, 4 steps")
+    parser.add_argument("--json", metavar="PATH", help="also write every raw measurement here")
+
+
+def apply_timing_defaults(args: Any, parser: Any) -> None:
+    """Fill what :func:`add_timing_options` left unset (the quick smoke test's values or the full
+    run's), then check the counts (``parser.error`` exits with the message)."""
+    defaults = (dict(steps=4, warmup=2, rounds=1, patience=0.0, max_wait=0.0, batch_sizes=[128]) if args.quick
+                else dict(steps=40, warmup=10, rounds=5, patience=6.0, max_wait=60.0, batch_sizes=[128, 512]))
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if min(args.steps, args.rounds, args.distinct) < 1 or args.warmup < 0:
+        parser.error("--steps, --rounds and --distinct must be >= 1, --warmup >= 0")

@@ -203,33 +203,18 @@ def run_profile(args: argparse.Namespace) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, help="timed steps per measurement (default 40; --profile 20; --quick 4)")
-    p.add_argument("--warmup", type=int, help="untimed steps first (default 10; --quick 2)")
-    p.add_argument("--batch-sizes", type=int, nargs="+", help="global batch sizes (default 128 512)")
-    p.add_argument("--rounds", type=int, help="interleaved rounds, each configuration in a fresh process (default 5)")
+    h.add_timing_options(p)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
                    help="configurations (plain is always run: it is the reference)")
-    p.add_argument("--distinct", type=int, default=8, help="distinct synthetic batches, cycled")
-    p.add_argument("--max-other-load", type=float, default=0.3,
-                   help="set aside steps during which other processes kept more cores busy")
-    p.add_argument("--patience", type=float, help="seconds to go on timing to collect undisturbed steps (6)")
-    p.add_argument("--max-wait", type=float, help="seconds in all to wait for a quiet machine (default 60)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="smoke test: batch 128, 1 round, 4 steps")
-    p.add_argument("--json", metavar="PATH", help="also write every raw measurement here")
-    p.add_argument("--profile", action="store_true", help="torch.profiler tables instead of the timing table")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler tables instead of the timing table (default --steps 20)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    defaults = (dict(steps=4, warmup=2, rounds=1, patience=0.0, max_wait=0.0, batch_sizes=[128]) if args.quick
-                else dict(steps=20 if args.profile else 40, warmup=10, rounds=5, patience=6.0, max_wait=60.0,
-                          batch_sizes=[128, 512]))
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    if args.profile and args.steps is None and not args.quick:
+        args.steps = 20
+    h.apply_timing_defaults(args, p)
     args.configs = ["plain"] + [c for c in args.configs if c != "plain"]
-    if min(args.steps, args.rounds, args.distinct) < 1 or args.warmup < 0:
-        p.error("--steps, --rounds and --distinct must be >= 1, --warmup >= 0")
     return args
 
 

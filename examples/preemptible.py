@@ -15,8 +15,10 @@ While it trains (``--step-seconds 0.05`` slows it down enough to try by hand):
   resumes from the last periodic checkpoint (every ``--save-every`` steps).
 - run the same command again after it finished: it finds its work done.
 
-Every step's batch is a function of the step number, so a resumed run trains exactly the
-steps that an uninterrupted run trains and ends with the same parameters.
+The checkpoint (``sg.Checkpoint`` in an ``sg.CheckpointManager``: ``--dir/ckpt-<n>``) holds
+the model, the optimizer, the step and the position of the shuffled input, so a resumed
+run trains exactly the batches that an uninterrupted run trains and ends with the same
+parameters -- also when it resumes with another number of workers.
 """
 
 import argparse
@@ -25,24 +27,21 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
 
 
-def batch_for(step: int, size: int = 64):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(size, 16, generator=g)
-    return x, (x[:, :4].sum(dim=1) > 0).long()   # a rule the model can learn
-
-
-def save(path: str, state: dict) -> None:
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)   # whole or absent: a kill never leaves half a checkpoint
+def samples(count: int = 1280) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(count, 16, generator=g)
+    return TensorDataset(x, (x[:, :4].sum(dim=1) > 0).long())   # a rule the model can learn
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", required=True, help="checkpoint folder, shared by the workers")
+    parser.add_argument("--dir", required=True, help="checkpoint folder (see docs/checkpoints.md "
+                                                     "for folders the workers do not share)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--step-seconds", type=float, default=0.0)
@@ -54,18 +53,15 @@ def main() -> None:
     with strategy.scope():
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # 20 global batches of 64 an epoch, reshuffled every epoch
+    data = strategy.experimental_distribute_dataset(DataLoader(samples(), batch_size=64, shuffle=True))
 
-    os.makedirs(args.dir, exist_ok=True)
-    path = os.path.join(args.dir, "checkpoint.pt")
-    start = 0
-    if os.path.exists(path):   # every worker loads the chief's last save
-        state = torch.load(path, weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start = state["step"]
+    ckpt = sg.Checkpoint(model=model, optimizer=optimizer, data=data, step=0)
+    manager = sg.CheckpointManager(ckpt, args.dir, max_to_keep=3)
+    manager.restore_or_initialize()   # every worker: the newest good checkpoint, or a fresh start
     restart = os.environ.get("STRATAGEM_RESTART", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if strategy.is_chief:
-        print(f"restart {restart}: starting at step {start} of {args.steps}", flush=True)
+        print(f"restart {restart}: starting at step {ckpt.step} of {args.steps}", flush=True)
 
     def train_step(inputs):
         x, y = inputs
@@ -75,26 +71,27 @@ def main() -> None:
         optimizer.step()
         return loss.detach()
 
-    def checkpoint(next_step: int) -> None:
-        if strategy.is_chief:   # one writer; the others wait in the next collective
-            save(path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": next_step})
-
-    data = strategy.experimental_distribute_dataset([batch_for(s) for s in range(start, args.steps)])
+    saved = ckpt.step
     with sg.PreemptionWatcher(strategy) as watcher:
-        for step, inputs in zip(range(start, args.steps), data):
-            loss = strategy.reduce("sum", strategy.run(train_step, args=(inputs,)), axis=None)
-            time.sleep(args.step_seconds)
-            if watcher.should_stop():   # every worker asks, at the same point of every step
-                checkpoint(step + 1)
-                if strategy.is_chief:
-                    print(f"preempted: saved step {step + 1}; exiting to be restarted", flush=True)
-                watcher.exit()   # waits for every worker, then exits with 75
-            if (step + 1) % args.save_every == 0:
-                checkpoint(step + 1)
-            if strategy.is_chief and (step + 1) % 50 == 0:
-                print(f"step {step + 1}: loss {loss.item():.4f}", flush=True)
-    checkpoint(args.steps)
+        while ckpt.step < args.steps:
+            for inputs in data:   # after a restore: the interrupted epoch, from the saved step on
+                loss = strategy.reduce("sum", strategy.run(train_step, args=(inputs,)), axis=None)
+                ckpt.step += 1
+                time.sleep(args.step_seconds)
+                if watcher.should_stop():   # every worker asks, at the same point of every step
+                    manager.save()          # every worker calls it; the chief writes
+                    if strategy.is_chief:
+                        print(f"preempted: saved step {ckpt.step}; exiting to be restarted", flush=True)
+                    watcher.exit()   # waits for every worker, then exits with 75
+                if ckpt.step % args.save_every == 0:
+                    saved = ckpt.step
+                    manager.save()
+                if strategy.is_chief and ckpt.step % 50 == 0:
+                    print(f"step {ckpt.step}: loss {loss.item():.4f}", flush=True)
+                if ckpt.step == args.steps:
+                    break
+    if saved != ckpt.step:
+        manager.save()
     if strategy.is_chief:
         print(f"done: {args.steps} steps", flush=True)
 

@@ -29,56 +29,95 @@ Example::
     print(strategy.num_replicas_in_sync)   # 2
 """
 
-import importlib
+from __future__ import annotations
 
-from stratagem import errors
-from stratagem._context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
-from stratagem.comm.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
-                                             ReductionToOneDevice)
-from stratagem.comm.options import CommunicationImplementation, CommunicationOptions
-from stratagem.data.input import AutoShardPolicy, InputContext, InputOptions, ValueContext
-from stratagem.strategies import default as _default  # noqa: F401 - registers the default strategy
-from stratagem.strategies.base import Strategy
-from stratagem.strategies.mirrored import MirroredStrategy
-from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
-from stratagem.strategies.one_device import OneDeviceStrategy
-from stratagem.strategies.replica_context import ReplicaContext
-from stratagem.values import DistributedValues, PerReplica, ReduceOp
-from stratagem.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
-from stratagem.ps.variables import ShardedVariable
-from stratagem.preemption import PreemptionWatcher
-from stratagem.training import Checkpoint, CheckpointManager
-from stratagem.training.model import Model
-from stratagem.training import losses
-from stratagem import callbacks, cluster, nn
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AutoShardPolicy", "Checkpoint", "CheckpointManager", "ClusterCoordinator", "CommunicationImplementation",
-    "CommunicationOptions", "CrossDeviceOps", "DistributedValues", "FixedShardsPartitioner", "HierarchicalCopyAllReduce",
-    "InputContext", "InputOptions", "MaxSizePartitioner", "MinSizePartitioner", "MirroredStrategy",
-    "MultiWorkerMirroredStrategy", "NcclAllReduce", "OneDeviceStrategy", "ParameterServerStrategy",
-    "PerReplica", "PreemptionWatcher", "ReduceOp", "ReductionToOneDevice", "RemoteValue",
-    "ReplicaContext", "ShardedVariable",
-    "Strategy", "ValueContext", "callbacks", "cluster", "errors", "get_replica_context", "get_strategy",
-    "has_strategy", "in_cross_replica_context", "nn",
-    "Model", "losses",
-    "metrics",
-]
+# Every public name loads on first use (PEP 562), so ``import stratagem`` costs nothing until
+# a name is read: the command line (``stratagem launch``) starts its tasks without paying for
+# torch, and grpc/cryptography load only once a parameter-server feature is used.
+# name -> the module that defines it (a name equal to its module's last part is the module).
+_EXPORTS: dict[str, str] = {
+    # contexts
+    "get_replica_context": "stratagem._context", "get_strategy": "stratagem._context",
+    "has_strategy": "stratagem._context", "in_cross_replica_context": "stratagem._context",
+    # strategies and their configuration
+    "Strategy": "stratagem.strategies.base",
+    "OneDeviceStrategy": "stratagem.strategies.one_device",
+    "MirroredStrategy": "stratagem.strategies.mirrored",
+    "MultiWorkerMirroredStrategy": "stratagem.strategies.multi_worker",
+    "CentralStorageStrategy": "stratagem.strategies.central_storage",
+    "ParameterServerStrategy": "stratagem.ps.strategy",
+    "ClusterCoordinator": "stratagem.coordinator", "RemoteValue": "stratagem.coordinator",
+    "ReplicaContext": "stratagem.strategies.replica_context",
+    "CrossDeviceOps": "stratagem.comm.cross_device_ops",
+    "HierarchicalCopyAllReduce": "stratagem.comm.cross_device_ops",
+    "NcclAllReduce": "stratagem.comm.cross_device_ops",
+    "ReductionToOneDevice": "stratagem.comm.cross_device_ops",
+    "RingAllReduce": "stratagem.comm.cross_device_ops",
+    "CommunicationImplementation": "stratagem.comm.options",
+    "CommunicationOptions": "stratagem.comm.options",
+    # values and input
+    "DistributedValues": "stratagem.values", "PerReplica": "stratagem.values", "ReduceOp": "stratagem.values",
+    "AutoShardPolicy": "stratagem.data.input", "InputContext": "stratagem.data.input",
+    "InputOptions": "stratagem.data.input", "ValueContext": "stratagem.data.input",
+    # parameter-server variables
+    "FixedShardsPartitioner": "stratagem.ps.partitioners", "MaxSizePartitioner": "stratagem.ps.partitioners",
+    "MinSizePartitioner": "stratagem.ps.partitioners", "ShardedVariable": "stratagem.ps.variables",
+    # long jobs
+    "Checkpoint": "stratagem.training", "CheckpointManager": "stratagem.training",
+    "PreemptionWatcher": "stratagem.preemption",
+    "SidecarEvaluator": "stratagem.training.sidecar",
+    # Keras-style training
+    "Model": "stratagem.training.model", "losses": "stratagem.training.losses",
+    # submodules
+    "callbacks": "stratagem.callbacks", "cluster": "stratagem.cluster", "errors": "stratagem.errors",
+    "nn": "stratagem.nn",
+    "metrics": "stratagem.metrics",   # (its classes load torchmetrics on first use)
+}
 
-# PEP 562: the parameter-server names load on first use, with grpc and cryptography (heavy,
-# and only needed once a ps feature is used).
-_LAZY = {"ClusterCoordinator": "stratagem.coordinator", "RemoteValue": "stratagem.coordinator",
-         "ParameterServerStrategy": "stratagem.ps.strategy"}
-# Subpackages loaded on first use: sg.metrics imports torchmetrics (~0.5 s and more).
-_LAZY_MODULES = {"metrics": "stratagem.metrics"}
+__all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _LAZY_MODULES:
-        return importlib.import_module(_LAZY_MODULES[name])
-    module = _LAZY.get(name)
-    if module is None:
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
         raise AttributeError(f"module 'stratagem' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    module = importlib.import_module(module_name)
+    value = module if module_name.rpartition(".")[2] == name else getattr(module, name)
+    globals()[name] = value          # the next read is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:   # what the names are, for type checkers and editors
+    from stratagem import callbacks, cluster, errors, nn
+    from stratagem import metrics
+    from stratagem._context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
+    from stratagem.comm.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
+                                                 ReductionToOneDevice)
+    from stratagem.comm.cross_device_ops import RingAllReduce
+    from stratagem.comm.options import CommunicationImplementation, CommunicationOptions
+    from stratagem.coordinator import ClusterCoordinator, RemoteValue
+    from stratagem.data.input import AutoShardPolicy, InputContext, InputOptions, ValueContext
+    from stratagem.preemption import PreemptionWatcher
+    from stratagem.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
+    from stratagem.ps.strategy import ParameterServerStrategy
+    from stratagem.ps.variables import ShardedVariable
+    from stratagem.strategies.base import Strategy
+    from stratagem.strategies.central_storage import CentralStorageStrategy
+    from stratagem.strategies.mirrored import MirroredStrategy
+    from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
+    from stratagem.strategies.one_device import OneDeviceStrategy
+    from stratagem.strategies.replica_context import ReplicaContext
+    from stratagem.training import Checkpoint, CheckpointManager
+    from stratagem.training import losses
+    from stratagem.training.model import Model
+    from stratagem.training.sidecar import SidecarEvaluator
+    from stratagem.values import DistributedValues, PerReplica, ReduceOp

@@ -11,6 +11,7 @@ other's state.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -49,13 +50,16 @@ def current_frame() -> _Frame | None:
 
 
 def set_default_strategy_factory(factory: Callable[[], "Strategy"]) -> None:
-    """Called once by the module that defines the default strategy (no import back from here)."""
+    """Called once by the module that defines the default strategy, when it is imported."""
     _default["factory"] = factory
 
 
 def default_strategy() -> "Strategy":
     strategy = _default.get("strategy")
     if strategy is None:
+        if "factory" not in _default:
+            # Imported on first use, not at the top: that module needs torch and imports this one.
+            importlib.import_module("stratagem.strategies.default")
         strategy = _default.setdefault("strategy", _default["factory"]())
     return strategy
 

@@ -21,23 +21,28 @@ from typing import Sequence
 from stratagem import __version__
 from stratagem.errors import StratagemError
 
-#: Modules providing ``add_subcommand``, in the order ``--help`` lists them.
-SUBCOMMANDS: tuple[str, ...] = (
-    "stratagem.demo",
-    "stratagem.launch",
-    "stratagem.ps.server",
-)
+#: The module providing each subcommand's ``add_subcommand``, in the order ``--help`` lists them.
+SUBCOMMANDS: dict[str, str] = {
+    "demo": "stratagem.demo",
+    "launch": "stratagem.launch",
+    "server": "stratagem.ps.server",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with every subcommand registered."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser: with ``command`` only that subcommand, else every one.
+
+    A command line that names its subcommand imports only that subcommand's module:
+    ``stratagem launch`` starts its tasks without importing torch first (about a second).
+    """
     parser = argparse.ArgumentParser(
         prog="stratagem",
         description="TensorFlow's tf.distribute strategies for PyTorch.")
     parser.add_argument("--version", action="version", version=f"stratagem {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for module_name in SUBCOMMANDS:
-        importlib.import_module(module_name).add_subcommand(subparsers)
+    for name, module_name in SUBCOMMANDS.items():
+        if command is None or name == command:
+            importlib.import_module(module_name).add_subcommand(subparsers)
     return parser
 
 
@@ -49,8 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from stratagem.cli import main
         status = main(["demo", "--epochs", "1", "--quiet"])   # 0 when equivalence holds
     """
-    parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv[0] if argv and argv[0] in SUBCOMMANDS else None)
+    args = parser.parse_args(argv)
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help(sys.stderr)

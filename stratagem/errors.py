@@ -50,3 +50,7 @@ class UnavailableError(StratagemError, RuntimeError):
 
 class CheckpointError(StratagemError, RuntimeError):
     """A checkpoint is corrupt or does not match what is being restored."""
+
+
+class MissingDependencyError(StratagemError, ImportError):
+    """An optional package a feature needs is not installed: the message names the pip command."""

@@ -3,8 +3,9 @@
 A cluster manager that takes a machine back (a spot instance, a Slurm time limit, a
 Kubernetes eviction) sends SIGTERM first and kills a little later. TensorFlow's
 ``PreemptionCheckpointHandler`` answers by saving a checkpoint and exiting; this is the
-same idea for a custom training loop, without the checkpoint itself (use
-``torch.save`` or a checkpoint object of your choice).
+same idea for a custom training loop; the checkpoint itself is the script's
+(``sg.CheckpointManager.save()`` or ``sg.callbacks.BackupAndRestore.save()``, called by
+every worker).
 
 :class:`PreemptionWatcher` installs a handler for SIGTERM that only records the signal.
 The training loop asks :meth:`~PreemptionWatcher.should_stop` once per step. In
@@ -44,8 +45,6 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 from typing import Any, NoReturn
-
-import torch
 
 from stratagem._context import get_strategy
 from stratagem.errors import ContextError, InvalidArgumentError
@@ -114,6 +113,8 @@ class PreemptionWatcher:
         self._calls += 1
         if self._calls % self._check_every:
             return False
+        import torch   # here, not at the top: the launcher reads PREEMPTED_EXIT_CODE without torch
+
         flag = torch.tensor([1.0 if self.received else 0.0])
         self._stopping = bool(self._strategy.collective.worker_sum(flag).item() > 0)
         return self._stopping
@@ -124,6 +125,8 @@ class PreemptionWatcher:
         Call it on every worker after the chief saved: no worker leaves before the chief's
         save is complete, so a launcher that restarts the group finds the checkpoint whole.
         """
+        import torch
+
         self._strategy.collective.worker_sum(torch.zeros(1))  # the last meeting: a barrier
         self.close()
         raise SystemExit(PREEMPTED_EXIT_CODE)

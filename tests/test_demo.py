@@ -23,6 +23,7 @@ pytestmark = pytest.mark.timeout(180)
     ("mirrored", 3),      # 64 -> 22/21/21 and the last batch 29 -> 10/10/9
     ("one_device", 1),
     ("default", 1),
+    ("central_storage", 3),
 ])
 def test_demo_matches_plain_pytorch(strategy: str, replicas: int) -> None:
     result = run_demo(strategy=strategy, replicas=replicas, epochs=1, progress=False)
@@ -160,9 +161,9 @@ def test_command_line_header_and_bar(capsys: pytest.CaptureFixture[str]) -> None
     (["demo", "--lr", "-1"], "--lr: must be a positive number, got -1"),
     (["demo", "--strategy", "tpu"], "invalid choice: 'tpu'"),
     (["demo", "--strategy", "one_device", "--replicas", "2"],
-     "--replicas applies to --strategy mirrored and multi_worker only"),
+     "--replicas applies to --strategy mirrored and central_storage and multi_worker only"),
     (["demo", "--strategy", "parameter_server", "--replicas", "2"],
-     "--replicas applies to --strategy mirrored and multi_worker only"),
+     "--replicas applies to --strategy mirrored and central_storage and multi_worker only"),
 ])
 def test_bad_flags_exit_non_zero_with_a_message(argv: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
@@ -175,3 +176,19 @@ def test_bad_flags_exit_non_zero_with_a_message(argv: list[str], message: str,
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "demo" in capsys.readouterr().err
+
+
+def test_the_digits_split_is_stratified_standardised_and_needs_no_scikit_learn_import() -> None:
+    code = ("import sys, torch\nfrom stratagem.demo import load_digits_split\n"
+            "d = load_digits_split()\n"
+            "assert d.x_train.shape == (1437, 64) and d.x_test.shape == (360, 64)\n"
+            "assert d.x_train.dtype == torch.float32 and d.y_train.dtype == torch.int64\n"
+            "train = torch.bincount(d.y_train, minlength=10).double()\n"
+            "test = torch.bincount(d.y_test, minlength=10).double()\n"
+            "assert ((test / (train + test) - 0.2).abs() < 0.01).all(), test / (train + test)\n"
+            "assert d.x_train.mean(0).abs().max() < 1e-5\n"
+            "assert not any(m.startswith('sklearn') for m in sys.modules)\n"
+            "again = load_digits_split()\n"
+            "assert torch.equal(again.x_test, d.x_test) and torch.equal(again.y_test, d.y_test)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

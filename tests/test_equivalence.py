@@ -103,9 +103,29 @@ def test_mirrored_matches_single_device(replicas: int, optimizer_kind: str) -> N
     _check_equivalent(strategy, optimizer_kind, [12, 12, 7, 12, 2])
 
 
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+@pytest.mark.parametrize("optimizer_kind", ["sgd", "adam"])
+def test_central_storage_matches_single_device(replicas: int, optimizer_kind: str) -> None:
+    strategy = sg.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    _check_equivalent(strategy, optimizer_kind, [12, 12, 7, 12, 2])
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+@pytest.mark.parametrize("optimizer_kind", ["sgd", "adam"])
+def test_central_storage_with_copies_matches_single_device(replicas: int, optimizer_kind: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path GPUs take: every replica computes with a copy of its own (here on the CPU),
+    gradients are summed into the parameters' own, copies are refreshed after the update."""
+    monkeypatch.setattr("stratagem.placement.central._same_memory", lambda device, home: False)
+    strategy = sg.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    _check_equivalent(strategy, optimizer_kind, [12, 12, 7, 12, 2])
+    _check_equivalent(strategy, optimizer_kind, [9, 3], scheduler=True)
+
+
 @pytest.mark.parametrize("cross_device_ops", [sg.HierarchicalCopyAllReduce(), sg.ReductionToOneDevice(),
-                                              sg.ReductionToOneDevice(reduce_to_device="cpu:1")],
-                         ids=["hierarchical", "one_device", "one_device_cpu1"])
+                                              sg.ReductionToOneDevice(reduce_to_device="cpu:1"),
+                                              sg.RingAllReduce(), sg.CrossDeviceOps()],
+                         ids=["hierarchical", "one_device", "one_device_cpu1", "ring", "plugin"])
 @pytest.mark.parametrize("optimizer_kind", ["sgd", "adam"])
 def test_each_cross_device_op(cross_device_ops: sg.CrossDeviceOps, optimizer_kind: str) -> None:
     strategy = sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], cross_device_ops=cross_device_ops)

@@ -220,7 +220,7 @@ def test_user_exception_in_a_single_replica_keeps_its_type():
 def test_module_created_outside_the_scope_used_in_a_multi_replica_run():
     strategy = mirrored(2)
     model = torch.nn.Linear(3, 1)  # no scope: one copy that both replicas would share
-    with pytest.raises(ContextError, match="created outside strategy.scope().*Create it inside") as info:
+    with pytest.raises(ContextError, match="'weight', 'bias'.*created outside strategy.scope().*Create the module") as info:
         strategy.run(lambda: model(torch.ones(1, 3)))
     assert isinstance(info.value, StratagemError)
     # a parameter-free module is fine, and so is the same model with one replica
@@ -273,6 +273,32 @@ def test_optimizer_created_outside_the_scope_is_refused_in_a_multi_replica_run()
     assert all("SGD was created outside strategy.scope()" in line and "Create the optimizer inside" in line
                for line in refused), refused[0]
     assert lines[-1] == "SCOPED OK"
+
+
+def test_parameter_assigned_after_the_scope_closed_is_refused_by_name():
+    strategy = mirrored(2)
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.fc(x) * getattr(self, "scale", 1.0)
+
+    with strategy.scope():
+        model = Scaled()
+    model.scale = torch.nn.Parameter(torch.ones(1))    # after the scope: no copy per replica
+    with pytest.raises(ContextError, match="Scaled has parameters with no copy per replica \\('scale'\\).*"
+                                           "assigned to it after the scope closed"):
+        strategy.run(lambda: model(torch.ones(1, 3)))
+    # a parameter registered on a module whose parameters are mirrored gets its copies at once
+    model = None
+    with strategy.scope():
+        layer = torch.nn.Linear(3, 1)
+    layer.register_parameter("extra", torch.nn.Parameter(torch.ones(1)))
+    copies = strategy.experimental_local_results(strategy.run(lambda: layer.extra))
+    assert copies[0] is not copies[1] and all(torch.equal(c, torch.ones(1)) for c in copies)
 
 
 def test_module_created_outside_the_scope_inside_a_scoped_container():

@@ -74,13 +74,14 @@ def test_run_reaches_fn_within_three_frames(devices: list[str]) -> None:
     assert max(strategy.experimental_local_results(depths)) <= MAX_FRAMES
 
 
-@pytest.mark.parametrize("cross_device_ops", [sg.HierarchicalCopyAllReduce(), sg.ReductionToOneDevice()],
-                         ids=["hierarchical", "one_device"])
+@pytest.mark.parametrize("cross_device_ops", [sg.HierarchicalCopyAllReduce(), sg.ReductionToOneDevice(), None],
+                         ids=["hierarchical", "one_device", "central_storage"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adafactor"])
 def test_optimizer_step_reaches_the_sum_and_the_update_within_three_frames(cross_device_ops, optimizer) -> None:
     make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1),  # split update over replica threads
             "adafactor": lambda p: torch.optim.Adafactor(p, lr=0.01)}[optimizer]  # one twin per replica
-    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=cross_device_ops)
+    strategy = (sg.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=cross_device_ops) if cross_device_ops
+                else sg.CentralStorageStrategy(["cpu:0", "cpu:1"]))
     step, batches = _model_and_step(strategy, make)
     strategy.run(step, args=(batches[0],))  # the first step builds twins and ranges
     record = _Record({torch.Tensor.add_})

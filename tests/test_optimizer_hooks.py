@@ -33,6 +33,7 @@ STRATEGIES = {
     "one_device": lambda: sg.OneDeviceStrategy("cpu"),
     "mirrored1": lambda: sg.MirroredStrategy(["cpu:0"]),
     "mirrored3": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]),
+    "central3": lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"]),
 }
 
 

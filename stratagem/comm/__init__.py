@@ -11,4 +11,9 @@
   ``CommunicationOptions``.
 
 Everything in stratagem that talks to ``torch.distributed`` is here.
+
+``ring.py`` (``RingAllReduce``) and ``plugin.py`` (a user's ``CrossDeviceOps``) add
+replica collectives; they are imported here so that ``ReplicaCollective.create`` finds them.
 """
+
+from stratagem.comm import plugin, ring  # noqa: F401 - registers their collectives (see above)

@@ -13,9 +13,12 @@ A strategy has one Collective. Its methods come in two kinds:
   ``agree_on_modules``): identities in one process, torch.distributed across workers.
 
 Implementations: :class:`~stratagem.comm.replicas.ReplicaCollective` (replica
-threads of one process; the cross-device op picks how they sum) and
-:class:`~stratagem.comm.workers.WorkerCollective` (several processes, each with one
-or more replica threads: the hierarchical combination of both).
+threads of one process; the cross-device op picks how they sum, among them the ring of
+:mod:`~stratagem.comm.ring` and a user's ``CrossDeviceOps`` in :mod:`~stratagem.comm.plugin`)
+and :class:`~stratagem.comm.workers.WorkerCollective` (several processes, each with one
+or more replica threads: the hierarchical combination of both; its tensor calls are in
+:mod:`~stratagem.comm.worker_ops`). :mod:`~stratagem.comm.autograd` makes the all-*
+collectives and broadcast differentiable on top of any of them.
 
 Shapes and order: replica ``r`` counts over all workers (worker ``w``'s local replica
 ``i`` is ``w * num_local + i``); gathers concatenate in that order; ``reduce_scatter``
@@ -31,7 +34,26 @@ import torch
 
 from stratagem.data.sharding import split_sizes
 from stratagem.devices import Device
+from stratagem.errors import InvalidArgumentError
 from stratagem.values import ReduceOp
+
+
+def check_gatherable(shapes: Sequence[Sequence[tuple[int, ...]]], dtypes: Sequence[Sequence[torch.dtype]],
+                     axis: int) -> None:
+    """Every replica's tensors agree in number, dtype and every dimension but ``axis``."""
+    first, first_dtypes = shapes[0], dtypes[0]
+    for r, (theirs, their_dtypes) in enumerate(zip(shapes, dtypes)):
+        if len(theirs) != len(first):
+            raise InvalidArgumentError(
+                f"replica {r} passed {len(theirs)} tensors to all_gather but replica 0 passed "
+                f"{len(first)}; every replica must gather the same structure")
+        for a, b, da, db in zip(first, theirs, first_dtypes, their_dtypes):
+            if len(a) != len(b) or not len(a) or not -len(a) <= axis < len(a) or da != db or \
+                    any(x != y for d, (x, y) in enumerate(zip(a, b)) if d != axis % len(a)):
+                raise InvalidArgumentError(
+                    f"all_gather along axis {axis}: replica {r} passed a {db} tensor of shape "
+                    f"{list(b)} but replica 0 a {da} tensor of shape {list(a)}; the tensors may "
+                    f"differ only in their length along the gathered axis")
 
 
 class Collective:
@@ -91,9 +113,17 @@ class Collective:
         self.exchange_all(local_id, [], "barrier")
 
     def all_gather(self, local_id: int, tensors: list[torch.Tensor], axis: int) -> list[torch.Tensor]:
+        return self.all_gather_parts(local_id, tensors, axis)[0]
+
+    def all_gather_parts(self, local_id: int, tensors: list[torch.Tensor],
+                         axis: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """The all-gather, and for each tensor every replica's length along ``axis``."""
         everyone = self.exchange_all(local_id, tensors, "all_gather")
+        shapes = [[tuple(t.shape) for t in replica] for replica in everyone]
+        check_gatherable(shapes, [[t.dtype for t in replica] for replica in everyone], axis)
         device = self.devices[local_id].torch_device
-        return [torch.cat([e[i].to(device) for e in everyone], dim=axis) for i in range(len(tensors))]
+        results = [torch.cat([e[i].to(device) for e in everyone], dim=axis) for i in range(len(tensors))]
+        return results, [[s[i][axis] for s in shapes] for i in range(len(tensors))]
 
     def broadcast(self, local_id: int, tensors: list[torch.Tensor], source: int) -> list[torch.Tensor]:
         everyone = self.exchange_all(local_id, tensors, "broadcast")
@@ -105,10 +135,35 @@ class Collective:
         reduced = self.all_reduce(local_id, tensors, op)
         return reduced if self.replica_id(local_id) == destination else None
 
-    def reduce_scatter(self, local_id: int, tensor: torch.Tensor, op: ReduceOp, axis: int) -> torch.Tensor:
+    def reduce_scatter(self, local_id: int, tensor: torch.Tensor, op: ReduceOp, axis: int,
+                       sizes: Sequence[int] | None = None) -> torch.Tensor:
+        """Replica ``r``'s slice (``sizes[r]`` rows along ``axis``) of the reduction over replicas.
+
+        ``sizes=None`` splits as evenly as possible, earlier replicas taking one extra row.
+        """
         reduced = self.all_reduce(local_id, [tensor], op)[0]
-        sizes = split_sizes(reduced.shape[axis], self.num_replicas)
+        sizes = self.scatter_sizes(reduced.shape[axis], sizes)
         return torch.split(reduced, sizes, dim=axis)[self.replica_id(local_id)].clone()
+
+    def scatter_sizes(self, length: int, sizes: Sequence[int] | None) -> list[int]:
+        """``sizes`` checked against ``length`` (the even split when None)."""
+        if sizes is None:
+            return split_sizes(length, self.num_replicas)
+        sizes = list(sizes)
+        if len(sizes) != self.num_replicas or sum(sizes) != length or min(sizes) < 0:
+            raise InvalidArgumentError(
+                f"reduce_scatter sizes {sizes} must be {self.num_replicas} non-negative lengths "
+                f"adding up to {length}")
+        return sizes
+
+    def local_sum(self, components: Sequence[torch.Tensor]) -> torch.Tensor:
+        """A new tensor: this process's replicas' ``components`` added in replica order."""
+        if len(components) == 1:
+            return components[0].clone()
+        total = components[0]
+        for c in components[1:]:
+            total = total + c  # not in place: a later component may promote the dtype
+        return total
 
     def all_to_all(self, local_id: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         everyone = self.exchange_all(local_id, tensors, "all_to_all")

@@ -236,13 +236,18 @@ class WorkerGroup:
             dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def broadcast_object(self, obj: Any, what: str = "broadcast") -> Any:
+    def broadcast_object(self, obj: Any, what: str = "broadcast", *, src: int = 0) -> Any:
+        """Worker ``src``'s picklable ``obj`` (the chief's by default) on every worker."""
         if self.solo:
             return obj
-        box = [obj if self.is_chief else None]
+        box = [obj if self.rank == src else None]
         with self.guard(what):
-            dist.broadcast_object_list(box, src=self._global(0), group=self.group)
+            dist.broadcast_object_list(box, src=self._global(src), group=self.group)
         return box[0]
+
+    def global_rank(self, rank: int) -> int:
+        """The torch.distributed rank of worker ``rank`` (they differ in a sub-group)."""
+        return self._global(rank)
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)

@@ -14,6 +14,12 @@ bit-identical results; they differ in who does the work:
   sums everything on one device, then every replica's tensor receives a copy.
 - :class:`NcclCollective` (``NcclAllReduce``): ``torch.cuda.nccl.all_reduce`` over the
   replicas' GPUs, tensors fused into ``num_packs`` flat buffers per dtype.
+- :class:`~stratagem.comm.ring.RingCollective` (``RingAllReduce``): the ring, summing in
+  ring order (bit-identical to the others for 1-2 replicas, within rounding beyond).
+- :class:`~stratagem.comm.plugin.PluginCollective`: a user's ``CrossDeviceOps`` subclass.
+
+``reduce_scatter`` is the same for all of them: each replica's thread sums its own slice
+over every replica, in replica order (so it equals the matching slice of the all-reduce).
 """
 
 from __future__ import annotations
@@ -61,16 +67,28 @@ class ReplicaCollective(Collective):
         self.options = options
         self.sync = ReplicaSync(self.num_local)
 
+    #: The cross-device op class this collective carries out (each subclass declares its own;
+    #: ``CrossDeviceOps`` itself stands for every user subclass).
+    serves: type | None = None
+
     @staticmethod
     def create(devices: Sequence[Device], options: CrossDeviceOps) -> "ReplicaCollective":
-        """The collective that carries out ``options`` (a cross-device op) on ``devices``."""
+        """The collective that carries out ``options`` (a cross-device op) on ``devices``.
+
+        Exactly one of stratagem's ops: its own arithmetic; any other subclass of
+        ``CrossDeviceOps`` is a user's, carried by the collective that calls it. (The ring
+        and the plug-in live in ``ring.py`` and ``plugin.py``, which ``stratagem.comm``
+        imports.)
+        """
         options.validate(tuple(devices))
-        kinds = {HierarchicalCopyAllReduce: RangeCollective, ReductionToOneDevice: OneDeviceCollective,
-                 NcclAllReduce: NcclCollective}
-        for kind, collective in kinds.items():
-            if isinstance(options, kind):
-                return collective(devices, options)
-        raise InvalidArgumentError(f"unknown cross-device op {options!r}")
+        kinds = {}
+        pending = list(ReplicaCollective.__subclasses__())
+        while pending:
+            kind = pending.pop()
+            pending += kind.__subclasses__()
+            if kind.serves is not None:
+                kinds[kind.serves] = kind
+        return kinds.get(type(options), kinds[CrossDeviceOps])(devices, options)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -98,6 +116,23 @@ class ReplicaCollective(Collective):
         self.sum_exchanged(local_id, everyone, op)
         return tensors
 
+    def reduce_scatter(self, local_id: int, tensor: torch.Tensor, op: ReduceOp, axis: int,
+                       sizes: Sequence[int] | None = None) -> torch.Tensor:
+        check_mean([tensor], op)
+        everyone = self.sync.exchange(local_id, tensor, "reduce_scatter")
+        self._check([[t] for t in everyone])
+        sizes = self.scatter_sizes(tensor.shape[axis], sizes)
+        start = sum(sizes[:local_id])
+        device = self.devices[local_id].torch_device
+        pieces = [t.narrow(axis, start, sizes[local_id]) for t in everyone]
+        acc = pieces[0].to(device, copy=True)
+        for piece in pieces[1:]:
+            acc.add_(piece.to(device, non_blocking=True))  # in replica order, as the all-reduce
+        if op is ReduceOp.MEAN:
+            acc.div_(len(everyone))
+        self.sync.exchange(local_id, None, "reduce_scatter:done")  # inputs stay untouched until all read
+        return acc
+
     def _check(self, everyone: list[list[torch.Tensor]]) -> None:
         first = everyone[0]
         for r, theirs in enumerate(everyone[1:], start=1):
@@ -113,6 +148,8 @@ class ReplicaCollective(Collective):
 
 class RangeCollective(ReplicaCollective):
     """``HierarchicalCopyAllReduce``: every replica thread reduces its own ranges."""
+
+    serves = HierarchicalCopyAllReduce
 
     def __init__(self, devices: Sequence[Device], options: HierarchicalCopyAllReduce):
         super().__init__(devices, options)
@@ -166,6 +203,8 @@ class RangeCollective(ReplicaCollective):
 class OneDeviceCollective(ReplicaCollective):
     """``ReductionToOneDevice``: one thread sums on one device; every replica gets a copy."""
 
+    serves = ReductionToOneDevice
+
     def sum_exchanged(self, local_id, everyone, op, *, copy_back=True):
         n = len(everyone)
         if n == 1:
@@ -194,6 +233,8 @@ class NcclCollective(ReplicaCollective):
     Tensors of one dtype are fused into ``num_packs`` flat buffers per GPU, each
     all-reduced with one NCCL call (the result is the same as tensor by tensor).
     """
+
+    serves = NcclAllReduce
 
     def sum_exchanged(self, local_id, everyone, op, *, copy_back=True):
         n = len(everyone)

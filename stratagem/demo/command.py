@@ -53,7 +53,8 @@ def add_subcommand(subparsers: "argparse._SubParsersAction") -> argparse.Argumen
     parser.add_argument("--strategy", choices=list(STRATEGIES), default="mirrored",
                         help=f"which strategy to train under (default: mirrored). {strategies}")
     parser.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
-                        help=f"logical CPU devices for --strategy mirrored (default: {DEFAULT_REPLICAS}), "
+                        help=f"logical CPU devices for --strategy mirrored and central_storage "
+                             f"(default: {DEFAULT_REPLICAS}), "
                              f"or per worker process for --strategy multi_worker (default: 1); "
                              f"1 to {MAX_REPLICAS}")
     parser.add_argument("--epochs", type=_positive_int, default=DEFAULT_EPOCHS,

@@ -13,12 +13,17 @@ from stratagem.demo.data import load_digits_split
 from stratagem.demo.report import print_header
 from stratagem.demo.training import TrainConfig, train_with_strategy
 
-__all__ = ["build_default", "build_mirrored", "build_one_device", "run_local"]
+__all__ = ["build_central_storage", "build_default", "build_mirrored", "build_one_device", "run_local"]
 
 
 def build_mirrored(replicas: int) -> sg.Strategy:
     """``MirroredStrategy`` on ``replicas`` logical CPU devices, ``cpu:0`` to ``cpu:<replicas - 1>``."""
     return sg.MirroredStrategy([f"cpu:{i}" for i in range(replicas)])
+
+
+def build_central_storage(replicas: int) -> sg.Strategy:
+    """``CentralStorageStrategy`` computing on ``replicas`` logical CPU devices, parameters on the CPU."""
+    return sg.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
 
 
 def build_one_device(replicas: int) -> sg.Strategy:

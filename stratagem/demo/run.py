@@ -14,7 +14,7 @@ from typing import Callable, TextIO
 import stratagem as sg
 from stratagem.demo.check import DemoResult
 from stratagem.demo.cluster import run_cluster_demo
-from stratagem.demo.local import build_default, build_mirrored, build_one_device, run_local
+from stratagem.demo.local import build_central_storage, build_default, build_mirrored, build_one_device, run_local
 from stratagem.demo.training import OPTIMIZERS, TrainConfig, one_intra_op_thread
 from stratagem.errors import InvalidArgumentError
 
@@ -46,6 +46,8 @@ STRATEGIES: dict[str, StrategyChoice] = {
     "mirrored": StrategyChoice(build_mirrored, True, "MirroredStrategy on --replicas logical CPU devices",
                                default_replicas=DEFAULT_REPLICAS),
     "one_device": StrategyChoice(build_one_device, False, 'OneDeviceStrategy("cpu")'),
+    "central_storage": StrategyChoice(build_central_storage, True, "CentralStorageStrategy computing on "
+                                      "--replicas logical CPU devices", default_replicas=DEFAULT_REPLICAS),
     "default": StrategyChoice(build_default, False, "the default strategy (sg.get_strategy())"),
     "multi_worker": StrategyChoice(
         None, True, "MultiWorkerMirroredStrategy on 2 local worker processes that the demo starts, "

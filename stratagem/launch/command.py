@@ -14,6 +14,8 @@ Commands::
     stratagem launch --max-restarts 3 train.py            # after a failure, restart every task
                                                           # together, up to 3 times
     stratagem launch --grace-period 30 train.py           # tasks get 30 s to save when stopped
+    stratagem launch --workers 2 --evaluator 1 train.py   # an evaluator task runs train.py too
+                                                          # (TF_CONFIG task type "evaluator")
     python -m stratagem.launch --workers 2 train.py       # the same, without the stratagem command
 """
 
@@ -35,7 +37,7 @@ _DESCRIPTION = (
     "prefixed with its task, a failure restarts the job up to --max-restarts times (every "
     "task together, with a new rendezvous; with --ps the failed server alone), a task that "
     "exits with 75 (preempted, after its group saved) restarts the group without spending a "
-    "restart, and the exit status is non-zero, naming the task, when the job fails. "
+    "restart (up to --max-preemptions times), and the exit status is non-zero, naming the task, when the job fails. "
     "Without --ps every worker (and the chief) runs SCRIPT; with --ps, SCRIPT is the coordinator (the chief) and the "
     "workers and parameter servers run `stratagem server`.")
 _DESCRIPTION = textwrap.fill(_DESCRIPTION, width=88)  # the epilog's layout is kept as written
@@ -43,7 +45,8 @@ _DESCRIPTION = textwrap.fill(_DESCRIPTION, width=88)  # the epilog's layout is k
 _EPILOG = """examples:
   stratagem launch --workers 2 train.py --epochs 3
   stratagem launch --chief --workers 2 --max-restarts 2 train.py
-  stratagem launch --ps 1 --workers 2 train_ps.py"""
+  stratagem launch --ps 1 --workers 2 train_ps.py
+  stratagem launch --workers 2 --evaluator 1 train.py"""
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,10 +58,21 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 0)")
     parser.add_argument("--chief", action="store_true",
                         help="add a chief task (index 0) that runs SCRIPT too; implied by --ps")
+    parser.add_argument("--evaluator", type=int, default=0, metavar="E",
+                        help="evaluator tasks (0 or 1): runs SCRIPT beside training with task type "
+                             "'evaluator' (e.g. an sg.SidecarEvaluator); the job succeeds when it "
+                             "also exits 0 after training (default: 0)")
+    parser.add_argument("--evaluator-timeout", type=float, default=600.0, metavar="S",
+                        help="seconds the evaluator gets to finish once training has ended, "
+                             "before the job fails (default: 600)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
                         help="after a failure, restart up to K times: every task together on "
                              "fresh ports (STRATAGEM_RESTART=1, 2, ... tells the script), or with "
                              "--ps the failed server alone, same TF_CONFIG and port (default: 0)")
+    parser.add_argument("--max-preemptions", type=int, default=100, metavar="N",
+                        help="restart the group after a preemption (a task exits with 75) up to "
+                             "N times; these restarts do not spend --max-restarts, and the next "
+                             "preemption fails the job with status 75 (default: 100)")
     parser.add_argument("--grace-period", type=float, default=5.0, metavar="S",
                         help="seconds the tasks get to exit after SIGTERM (to save a checkpoint) "
                              "before SIGKILL, when the job is stopped or restarted (default: 5)")
@@ -77,8 +91,10 @@ def run_launch(args: argparse.Namespace) -> int:
     try:
         return launch_local(args.script, args.args, num_workers=args.workers, num_ps=args.ps,
                             chief=args.chief, max_restarts=args.max_restarts,
+                            max_preemptions=args.max_preemptions,
                             port_base=args.port_base, host=args.host,
-                            grace_period=args.grace_period)
+                            grace_period=args.grace_period, num_evaluators=args.evaluator,
+                            evaluator_timeout=args.evaluator_timeout)
     except StratagemError as err:
         print(f"stratagem launch: error: {err}", file=sys.stderr)
         return 2

@@ -5,12 +5,20 @@ ports (``ports.py``), and hands the processes to :class:`~stratagem.launch.super
 which starts, watches, restarts and stops them (its docstring has the life of a task and
 of a group). The job succeeds when every task that runs the script has exited 0.
 
+An evaluator (``num_evaluators=1``, ``--evaluator 1``) runs the script beside training
+with task type ``"evaluator"`` in TF_CONFIG, typically an :class:`sg.SidecarEvaluator
+<stratagem.SidecarEvaluator>`. It never joins the training group, a group restart leaves
+it running, and once training has succeeded the launcher waits up to
+``evaluator_timeout`` seconds for it to exit; the job succeeds when it exits 0.
+
 Restarts (``max_restarts``): in collective training (no parameter servers) a failure
 stops every task and the whole group starts again, up to ``max_restarts`` times, each
 time on fresh ports (the same ones with ``port_base``, once the old processes are gone),
 so that no new process can meet the old group's rendezvous store or peers. A task that
 exits with :data:`~stratagem.preemption.PREEMPTED_EXIT_CODE` (75: its group agreed to
-stop and saved) restarts the group without spending a restart. In parameter-server
+stop and saved) restarts the group without spending a restart, up to ``max_preemptions``
+times (default 100; then the job fails with status 75, so that a job preempted at every
+start does not restart for ever). In parameter-server
 training each server restarts alone, with the same TF_CONFIG and port.
 
 Each process has the environment of the launcher plus ``TF_CONFIG``, ``PYTHONUNBUFFERED=1``,
@@ -131,17 +139,22 @@ def _ports_once_free(base: int, count: int, host: str) -> list[int]:
 
 def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
                  num_workers: int = 2, num_ps: int = 0, chief: bool = False,
-                 max_restarts: int = 0, port_base: int | None = None, host: str = "127.0.0.1",
+                 max_restarts: int = 0, max_preemptions: int = 100,
+                 port_base: int | None = None, host: str = "127.0.0.1",
                  grace_period: float = 5.0, stdout: TextIO | None = None,
                  stderr: TextIO | None = None,
-                 server_command: Sequence[str] | None = None) -> int:
+                 server_command: Sequence[str] | None = None, num_evaluators: int = 0,
+                 evaluator_timeout: float = 600.0) -> int:
     """Runs ``script`` as a local cluster on ``host``; returns the job's exit status.
 
     The tasks are a chief (with ``chief=True``, or whenever ``num_ps > 0``), ``num_workers``
     workers and ``num_ps`` parameter servers, each one process with its TF_CONFIG and its
     own port (consecutive from ``port_base``, else free ones). A failure restarts the
     group (collective training) or the failed server (parameter-server training) up to
-    ``max_restarts`` times; a preempted group restarts without spending one. The status
+    ``max_restarts`` times; a preempted group restarts without spending one, up to
+    ``max_preemptions`` times (the next preemption fails the job with status 75). An evaluator
+    (``num_evaluators=1``) runs the script too; the job also needs it to exit 0 within
+    ``evaluator_timeout`` seconds of training's end. The status
     is 0 when the job succeeded, the failed task's exit code (1 if it was killed by a
     signal) when it failed, 130/143 when the launcher got SIGINT/SIGTERM. Task output goes to ``stdout`` (default
     ``sys.stdout``) and the launcher's messages to ``stderr``, each line prefixed with
@@ -159,6 +172,16 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     _check_count(num_workers, "--workers (num_workers)")
     _check_count(num_ps, "--ps (num_ps)")
     _check_count(max_restarts, "--max-restarts (max_restarts)")
+    _check_count(max_preemptions, "--max-preemptions (max_preemptions)")
+    if _check_count(num_evaluators, "--evaluator (num_evaluators)") > 1:
+        raise InvalidArgumentError(
+            f"--evaluator (num_evaluators) must be 0 or 1, got {num_evaluators}: as in TensorFlow a "
+            "cluster has at most one evaluator task.")
+    if isinstance(evaluator_timeout, bool) or not isinstance(evaluator_timeout, (int, float)) \
+            or not evaluator_timeout > 0:
+        raise InvalidArgumentError(
+            f"--evaluator-timeout (evaluator_timeout) must be a number of seconds > 0, got "
+            f"{evaluator_timeout!r}.")
     if num_workers == 0 and not chief and not num_ps:
         raise InvalidArgumentError(
             "nothing to launch: --workers is 0 and there is no chief; ask for at least one "
@@ -175,7 +198,7 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
         raise InvalidArgumentError(
             f"--grace-period (grace_period) must be a number of seconds >= 0, got {grace_period!r}.")
 
-    num_tasks = int(chief or num_ps > 0) + num_workers + num_ps
+    num_tasks = int(chief or num_ps > 0) + num_workers + num_ps + num_evaluators
     if port_base is not None:
         port_base = _check_count(port_base, "--port-base (port_base)", 1)
     token = secrets.token_hex(32)  # one per job; never printed
@@ -190,7 +213,8 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
         else:
             ports = _ports_once_free(port_base, num_tasks, host)
         spec, tasks = plan_cluster([path, *args], num_workers=num_workers, num_ps=num_ps,
-                                   chief=chief, ports=ports, host=host, server=server_command)
+                                   chief=chief, ports=ports, host=host, server=server_command,
+                                   num_evaluators=num_evaluators)
         return tasks, [_task_env(os.environ, spec, task, token, restart) for task in tasks]
 
     joined = tempfile.mkdtemp(prefix="stratagem-joined-")   # where tasks say they took part
@@ -201,8 +225,9 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     tasks, first = plan(0)
     errors = sys.stderr if stderr is None else stderr
     output = TaskOutput(sys.stdout if stdout is None else stdout, errors)
-    launcher = Supervisor(tasks, environments, max_restarts=max_restarts, output=output,
-                          grace_period=float(grace_period))
+    launcher = Supervisor(tasks, environments, max_restarts=max_restarts,
+                          max_preemptions=max_preemptions, output=output,
+                          grace_period=float(grace_period), evaluator_timeout=float(evaluator_timeout))
     try:
         with _signals_to(launcher):
             status = launcher.run()
@@ -221,7 +246,7 @@ def _check_joined(tasks: Sequence[Task], joined: set[str], script: str, errors: 
     servers never received a variable, nor a worker a step, certainly did not use them
     (an error: status 1). Returns the job's status.
     """
-    names = [task.name for task in tasks]
+    names = [task.name for task in tasks if task.trains]
     servers = [task.name for task in tasks if not task.runs_script]
     if not servers:
         if len(names) > 1 and not joined & set(names):

@@ -12,7 +12,12 @@ must never meet the old group's store or peers, so restarts are group-wide::
             (restart n: fresh ports, STRATAGEM_RESTART=n) --> running
     running --a task exits 75 (preempted: the group agreed to stop and saved)-->
             stop every task --> start every task again, without spending a restart
+            (up to max_preemptions times; the next one fails the job with status 75)
     running --a task fails, no restarts left--> failed: every task is stopped
+
+Preemption restarts have their own budget, ``max_preemptions``, because they are free
+of ``max_restarts``: a script that exits 75 at every start (a SIGTERM that keeps coming,
+or a bug that exits through the preemption path) would otherwise restart for ever.
 
 The first task seen failing is blamed (one killed by a signal before one that exited
 with an error, which may just be a survivor that lost its peer); the others' exits
@@ -23,6 +28,15 @@ again too: a script that resumes from its checkpoint finds its work done.
 server restarts on its own with the same TF_CONFIG and port, since the coordinator
 copes with a lost server; the job ends when the coordinator ends. A server that fails
 beyond its restarts is reported and the coordinator decides.
+
+**An evaluator** (TensorFlow's sidecar evaluation) watches training without taking part
+in it: a group restart leaves it running, and a failure of it does not stop training but
+fails the job at the end. Once training has succeeded the evaluator gets up to
+``evaluator_timeout`` seconds to exit (after evaluating the last checkpoint); the job
+succeeds when it exits 0::
+
+    training done --evaluator exits 0--> done
+    training done --evaluator exits != 0, or is still running after the timeout--> failed
 
 **Stopping** means SIGTERM to each task's process group (a task's own children go too),
 up to ``grace_period`` seconds for the tasks to exit, then SIGKILL to the groups. A
@@ -109,14 +123,21 @@ class Supervisor:
     """Supervises the processes of one job; :meth:`run` returns the job's exit status."""
 
     def __init__(self, tasks: Sequence[Task], environments: Environments, *, max_restarts: int,
-                 output: TaskOutput, grace_period: float) -> None:
+                 output: TaskOutput, grace_period: float, max_preemptions: int = 100,
+                 evaluator_timeout: float = 600.0) -> None:
         width = max(len(f"[{task.name}]") for task in tasks)
-        self._slots = [_Slot(task, env, f"[{task.name}]".ljust(width) + " ")
-                       for task, env in zip(tasks, environments(0))]
+        slots = [_Slot(task, env, f"[{task.name}]".ljust(width) + " ")
+                 for task, env in zip(tasks, environments(0))]
+        self._slots = [slot for slot in slots if slot.task.trains]   # training: the group or the servers
+        self._evaluators = [slot for slot in slots if not slot.task.trains]
+        self._evaluator_timeout = evaluator_timeout
+        self._evaluator_status = 0   # the first evaluator failure's exit status
         self._environments = environments
         self._ps_mode = not all(task.runs_script for task in tasks)
         self._max_restarts = max_restarts
         self._restarts = 0     # collective training: the group's restarts after failures
+        self._max_preemptions = max_preemptions
+        self._preemptions = 0  # collective training: the group's restarts after preemptions
         self._starts = 1       # collective training: the group's starts, preemptions included
         self._output = output
         self._grace_period = grace_period
@@ -127,27 +148,34 @@ class Supervisor:
         self._signals.append(signum)
 
     def run(self) -> int:
+        trained_at = None   # time.monotonic() when training succeeded
         try:
-            for slot in self._slots:
+            for slot in self._slots + self._evaluators:
                 self._start(slot)
             while True:
                 if self._signals:
                     name = signal.Signals(self._signals[0]).name
                     self._output.say(f"received {name}; stopping {self._count_running()} task(s)")
                     return EXIT_STATUS_ON_SIGNAL.get(self._signals[0], 128 + self._signals[0])
-                exits = [(slot, code) for slot in self._slots
+                exits = [(slot, code) for slot in self._slots + self._evaluators
                          if not slot.finished and (code := slot.process.poll()) is not None]
                 for slot, _ in exits:
                     slot.reader.join(_READER_JOIN_SECONDS)  # its last lines come before our message
-                on_exits = self._on_task_exits if self._ps_mode else self._on_group_exits
-                status = on_exits(exits)
-                if status is not None:
-                    return status
-                if all(slot.finished for slot in self._slots if slot.task.runs_script):
-                    return 0
+                self._on_evaluator_exits([(slot, code) for slot, code in exits if not slot.task.trains])
+                if trained_at is None:
+                    on_exits = self._on_task_exits if self._ps_mode else self._on_group_exits
+                    status = on_exits([(slot, code) for slot, code in exits if slot.task.trains])
+                    if status is not None and status != 0:
+                        return status
+                    if status == 0 or all(slot.finished for slot in self._slots if slot.task.runs_script):
+                        trained_at = time.monotonic()
+                if trained_at is not None:
+                    status = self._evaluation_status(trained_at)
+                    if status is not None:
+                        return status
                 time.sleep(_POLL_SECONDS)
         finally:
-            self._stop_all()
+            self._stop_all(self._slots + self._evaluators)
 
     def _start(self, slot: _Slot) -> None:
         process = subprocess.Popen(
@@ -169,11 +197,15 @@ class Supervisor:
             return None
         slot, code = min(failures, key=lambda failure: _blame_order(failure[1]))
         count = len(self._slots)
-        if code == PREEMPTED_EXIT_CODE:
+        if code == PREEMPTED_EXIT_CODE and self._preemptions < self._max_preemptions:
+            self._preemptions += 1
             self._output.say(
                 f"the tasks stopped for preemption ({slot.task.name} exited with code {code}: "
-                f"the group agreed on a step and saved); restarting all {count} tasks (a "
-                f"preemption does not count against --max-restarts)")
+                f"the group agreed on a step and saved); restarting all {count} tasks "
+                f"(preemption {self._preemptions}/{self._max_preemptions}; a preemption does "
+                f"not count against --max-restarts)")
+        elif code == PREEMPTED_EXIT_CODE:
+            return self._fail_preempted(slot, code)
         elif self._restarts < self._max_restarts:
             self._restarts += 1
             self._output.say(f"{slot.task.name} {describe_exit(code)}; restarting all {count} "
@@ -181,7 +213,7 @@ class Supervisor:
         else:
             return self._fail(slot, code, self._restarts)
         started = time.monotonic()
-        self._stop_all()
+        self._stop_all(self._slots)
         if self._signals:
             return None  # the launcher itself is being stopped: run() reports it
         try:
@@ -189,7 +221,7 @@ class Supervisor:
         except ClusterConfigError as error:
             self._output.say(f"cannot start the tasks again: {error}")
             return _exit_status(code)
-        for slot, env in zip(self._slots, environments):
+        for slot, env in zip(self._slots, environments):   # the evaluator (last) goes on as it is
             slot.env = env
             self._start(slot)
         self._output.say(f"started all {count} tasks again with a new rendezvous "
@@ -230,6 +262,30 @@ class Supervisor:
             return None
         return self._fail(slot, code, slot.restarts)
 
+    # -- the evaluator: beside training, never restarted with it ----------------------------
+
+    def _on_evaluator_exits(self, exits: list[tuple[_Slot, int]]) -> None:
+        for slot, code in exits:
+            slot.finished = True
+            if code != 0:
+                self._output.say(f"{self._failed(slot.task.name, code, 0)}; training goes on, and the job "
+                                 "will fail when it ends")
+                self._evaluator_status = self._evaluator_status or _exit_status(code)
+
+    def _evaluation_status(self, trained_at: float) -> int | None:
+        """After training succeeded: the job's status once the evaluators are done, else None."""
+        if self._evaluator_status:
+            return self._evaluator_status
+        running = [slot.task.name for slot in self._evaluators if not slot.finished]
+        if not running:
+            return 0
+        if time.monotonic() - trained_at > self._evaluator_timeout:
+            self._output.say(f"{', '.join(running)} still running {self._evaluator_timeout:g} s after training "
+                             "ended; stopping it (an evaluator exits after the last checkpoint: training must "
+                             "call CheckpointManager.mark_training_finished())")
+            return 1
+        return None
+
     # -- the end ---------------------------------------------------------------------------
 
     @staticmethod
@@ -246,11 +302,23 @@ class Supervisor:
         self._output.say(f"{failed}; stopping {others} other task(s)" if others else failed)
         return _exit_status(code)
 
-    def _count_running(self) -> int:
-        return sum(1 for slot in self._slots if slot.process and slot.process.poll() is None)
+    def _fail_preempted(self, slot: _Slot, code: int) -> int:
+        slot.finished = True
+        others = self._count_running()
+        self._output.say(
+            f"{slot.task.name} stopped for preemption again (exit code {code}) after "
+            f"{self._preemptions} preemption restart(s), the most --max-preemptions "
+            f"({self._max_preemptions}) allows; not restarting"
+            + (f", stopping {others} other task(s)" if others else "")
+            + ". A job that is preempted at every start is not making progress: check what "
+            "sends the tasks SIGTERM (or why the script exits with 75), or raise --max-preemptions")
+        return code
 
-    def _stop_all(self) -> None:
-        started = [slot for slot in self._slots if slot.process is not None]
+    def _count_running(self) -> int:
+        return sum(1 for slot in self._slots + self._evaluators if slot.process and slot.process.poll() is None)
+
+    def _stop_all(self, slots: list[_Slot]) -> None:
+        started = [slot for slot in slots if slot.process is not None]
         for slot in started:
             if slot.process.poll() is None and _is_stopped(slot.process.pid):
                 self._output.say(f"{slot.task.name} is stopped (SIGSTOP or a debugger) and cannot "

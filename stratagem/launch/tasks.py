@@ -1,7 +1,7 @@
 """The tasks of a local cluster: which jobs, which address each task has, what it runs.
 
-A launch asks for ``num_workers`` workers, optionally a chief, and ``num_ps`` parameter
-servers. :func:`plan_cluster` turns that into a :class:`ClusterSpec` on loopback and one
+A launch asks for ``num_workers`` workers, optionally a chief, ``num_ps`` parameter
+servers and an evaluator. :func:`plan_cluster` turns that into a :class:`ClusterSpec` on loopback and one
 :class:`Task` per process, ordered chief, workers, parameter servers; :func:`tf_config`
 writes the TF_CONFIG each task is given, in TensorFlow's exact format.
 
@@ -10,7 +10,10 @@ Who runs the user's script:
 - collective training (no ps): every worker, and the chief if there is one;
 - parameter-server training (``num_ps > 0``): only the chief, which is the coordinator;
   it is added even without ``chief=True``. Workers and parameter servers run
-  :func:`server_command` and wait for the coordinator's work.
+  :func:`server_command` and wait for the coordinator's work;
+- an evaluator (``num_evaluators=1``) runs the script too, with task type
+  ``"evaluator"``: the script sees it in TF_CONFIG and evaluates checkpoints (as in
+  TensorFlow). It takes no part in training and is never restarted with the group.
 
 Example::
 
@@ -60,6 +63,11 @@ class Task:
     runs_script: bool  # False for the servers of parameter-server training
 
     @property
+    def trains(self) -> bool:
+        """Whether the task is part of training (all but an evaluator, which only watches it)."""
+        return self.task_type != "evaluator"
+
+    @property
     def name(self) -> str:
         """How output and messages name the task: ``"chief"``, ``"worker 1"``, ``"ps 0"``."""
         return "chief" if self.task_type == "chief" else f"{self.task_type} {self.task_id}"
@@ -67,13 +75,15 @@ class Task:
 
 def plan_cluster(script_command: Sequence[str], *, num_workers: int, num_ps: int, chief: bool,
                  ports: Sequence[int], host: str = "127.0.0.1",
-                 server: Sequence[str] | None = None) -> tuple[ClusterSpec, list[Task]]:
+                 server: Sequence[str] | None = None,
+                 num_evaluators: int = 0) -> tuple[ClusterSpec, list[Task]]:
     """The ClusterSpec and the tasks of a launch; ``ports`` has one port per task, in order.
 
     ``script_command`` is the script and its arguments; ``sys.executable`` is put in front.
     ``server`` replaces :func:`server_command` (tests use a stand-in).
     """
-    counts = {"chief": int(chief or num_ps > 0), "worker": num_workers, "ps": num_ps}
+    counts = {"chief": int(chief or num_ps > 0), "worker": num_workers, "ps": num_ps,
+              "evaluator": num_evaluators}
     assert len(ports) == sum(counts.values()), "one port per task"
     script = (sys.executable, *script_command)
     serve = tuple(server_command() if server is None else server)
@@ -84,7 +94,7 @@ def plan_cluster(script_command: Sequence[str], *, num_workers: int, num_ps: int
         if not count:
             continue
         cluster[job] = [format_address(host, next(port_iter)) for _ in range(count)]
-        runs_script = job == "chief" or not num_ps
+        runs_script = job in ("chief", "evaluator") or not num_ps
         tasks += [Task(job, index, script if runs_script else serve, runs_script)
                   for index in range(count)]
     return ClusterSpec(cluster), tasks

@@ -23,14 +23,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from stratagem.metrics.base import Metric
+from stratagem.metrics.base import Metric, results
 
 __all__ = ["AUC", "Accuracy", "BinaryAccuracy", "CategoricalAccuracy", "Mean", "MeanAbsoluteError",
-           "MeanMetricWrapper", "MeanSquaredError", "Metric", "SparseCategoricalAccuracy", "TorchMetric", "get"]
+           "MeanMetricWrapper", "MeanSquaredError", "Metric", "SparseCategoricalAccuracy", "TorchMetric", "get",
+           "results"]
 
 # PEP 562: the metric classes load torchmetrics (~0.5 s); the base class does not, so that the
 # parameter-server closure code can recognise metrics without loading it.
-_LAZY = {name: "stratagem.metrics.keras" for name in __all__ if name not in ("Metric", "get")}
+_LAZY = {name: "stratagem.metrics.keras" for name in __all__ if name not in ("Metric", "get", "results")}
 _LAZY["get"] = "stratagem.metrics.resolve"
 
 

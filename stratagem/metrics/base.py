@@ -52,21 +52,21 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from stratagem.strategies.base import Strategy
 
-__all__ = ["Metric", "accept_worker_deltas", "closure_reference", "metric_id", "worker_deltas"]
+__all__ = ["Metric", "accept_worker_deltas", "closure_reference", "results", "worker_deltas"]
 
 _OUTSIDE = "outside"     # the state updated outside strategy.run
 _ACCEPTED = "accepted"   # the states parameter-server workers sent back, merged
 _LOCAL = ("_lock", "_scratch_lock", "_states", "_scratches")   # never copied nor sent
 
 
-
 class Metric:
     """Base class of stratagem's metrics: Keras's ``update_state`` / ``result`` / ``reset_state``
     on top of a torchmetrics metric, aggregated over replicas and workers.
 
-    A subclass implements :meth:`_build` (the torchmetrics metric that holds the state,
-    created empty) and :meth:`_update` (how Keras's arguments update it); it may override
-    :meth:`_compute`.
+    ``name`` is what logs call it; ``dtype`` the floating dtype of ``result()`` (None: the
+    metric's own). A subclass implements :meth:`_build` (the torchmetrics metric that holds
+    the state, created empty) and :meth:`_update` (how Keras's arguments update it); it may
+    override :meth:`_compute`.
 
     Example::
 
@@ -141,23 +141,32 @@ class Metric:
 
     def result(self) -> torch.Tensor:
         """The value over every replica and worker (see the module docstring for where it may be read)."""
-        strategy = self._strategy
-        if not self._worker_copy:
-            frame = _context.current_frame()
-            context = frame.replica_context if frame is not None else None
-            if context is not None and frame.strategy is strategy and strategy.num_replicas_in_sync > 1:
-                raise ContextError(
-                    f"metric {self.name!r}: result() was called inside strategy.run, where a replica "
-                    f"holds only its own part of the metric. Read result() outside run (cross-replica "
-                    f"context), where it combines all {strategy.num_replicas_in_sync} replicas")
+        self._check_readable()
         with self._lock:
             live = self._nonempty_states()
-            if len(live) == 1 and (self._worker_copy or strategy.collective.num_workers == 1):
+            if len(live) == 1 and not self._spans_workers():
                 return self._compute(live[0])   # one state: nothing to merge
             snapshots = [snapshot(s) for s in live]
-        if not self._worker_copy and strategy.collective.num_workers > 1:
-            snapshots = self._gathered(snapshots, strategy.collective)
+        if self._spans_workers():
+            snapshots = _exchange([self], [snapshots], self._strategy.collective)[0]
         return self._compute_on(snapshots)
+
+    def _check_readable(self) -> None:
+        frame = _context.current_frame()
+        strategy = self._strategy
+        if (not self._worker_copy and frame is not None and frame.replica_context is not None
+                and frame.strategy is strategy and strategy.num_replicas_in_sync > 1):
+            raise ContextError(
+                f"metric {self.name!r}: result() was called inside strategy.run, where a replica "
+                f"holds only its own part of the metric. Read result() outside run (cross-replica "
+                f"context), where it combines all {strategy.num_replicas_in_sync} replicas")
+
+    def _spans_workers(self) -> bool:
+        return not self._worker_copy and self._strategy.collective.num_workers > 1
+
+    def _local_snapshots(self) -> list[Snapshot]:
+        with self._lock:
+            return [snapshot(s) for s in self._nonempty_states()]
 
     def reset_state(self) -> None:
         """Forget every replica's and worker's accumulated state (call it on every worker)."""
@@ -181,8 +190,6 @@ class Metric:
         # stratagem merges the states itself, over its own replicas and workers.
         metric.sync_on_compute = False
         metric._to_sync = False
-        if self.dtype is not None:
-            metric.set_dtype(self.dtype)
         return metric
 
     def _state_for_update(self) -> "torchmetrics.Metric":
@@ -219,12 +226,6 @@ class Metric:
     def _nonempty_states(self) -> list["torchmetrics.Metric"]:
         return [s for s in self._states.values() if s._update_count > 0]
 
-    def _gathered(self, snapshots: list[Snapshot], collective: Any) -> list[Snapshot]:
-        """Every worker's merged snapshot (None from a worker with nothing), in worker order."""
-        mine = on_cpu(self._merged(snapshots)) if snapshots else None
-        everyone = collective.all_gather_object(mine, f"metric {self.name!r} result()")
-        return [entry for entry in everyone if entry is not None]
-
     def _merged(self, snapshots: list[Snapshot]) -> Snapshot:
         if len(snapshots) == 1:
             return snapshots[0]
@@ -243,15 +244,14 @@ class Metric:
 
     def _compute_on(self, snapshots: list[Snapshot]) -> torch.Tensor:
         with self._scratch_lock:
-            if not snapshots:
-                target = self._scratch(self._result_device())
-                target.reset()
-                with warnings.catch_warnings():   # "compute called before update": the value of nothing
-                    warnings.simplefilter("ignore")
-                    return self._compute(target)
             target = self._scratch(self._result_device())
-            merge_states(target, snapshots)
-            return self._compute(target)
+            if snapshots:
+                merge_states(target, snapshots)
+                return self._compute(target)
+            target.reset()
+            with warnings.catch_warnings():   # "compute called before update": the value of nothing
+                warnings.simplefilter("ignore")
+                return self._compute(target)
 
     def _result_device(self) -> torch.device:
         if self._strategy is None or self._strategy.is_default:
@@ -325,6 +325,45 @@ def _registry(strategy: Any) -> "weakref.WeakValueDictionary[str, Metric]":
     return strategy.__dict__.setdefault("_sg_metrics", weakref.WeakValueDictionary())
 
 
+def results(metrics: Iterable[Metric]) -> list[torch.Tensor]:
+    """``[m.result() for m in metrics]`` with one exchange between workers for all of them
+    (MultiWorkerMirroredStrategy: one ``all_gather_object`` instead of one per metric; a
+    progress bar reading several metrics every step). Like ``result()``, a collective there:
+    every worker calls it with the same metrics in the same order.
+
+    Example::
+
+        import torch, stratagem as sg
+        loss, mae = sg.metrics.Mean(name="loss"), sg.metrics.get("mae")
+        loss.update_state(torch.tensor([1.0, 3.0]))
+        mae.update_state(torch.tensor([1.0]), torch.tensor([1.5]))
+        print(sg.metrics.results([loss, mae]))   # [tensor(2.), tensor(0.5000)]
+    """
+    metrics = list(metrics)
+    for metric in metrics:
+        if not isinstance(metric, Metric):
+            raise InvalidArgumentError(f"sg.metrics.results takes sg.metrics.Metric objects, got {metric!r}")
+        metric._check_readable()
+    spanning = [m for m in metrics if m._spans_workers()]
+    gathered: dict[int, list[Snapshot]] = {}
+    if spanning:
+        strategy = spanning[0].strategy
+        if any(m.strategy is not strategy for m in spanning):
+            raise InvalidArgumentError("sg.metrics.results reads metrics of one strategy at a time")
+        exchanged = _exchange(spanning, [m._local_snapshots() for m in spanning], strategy.collective)
+        gathered = {id(m): snapshots for m, snapshots in zip(spanning, exchanged)}
+    return [m._compute_on(gathered[id(m)]) if id(m) in gathered else m.result() for m in metrics]
+
+
+def _exchange(metrics: list[Metric], snapshots: list[list[Snapshot]], collective: Any) -> list[list[Snapshot]]:
+    """Per metric, every worker's merged snapshot in worker order (a worker with nothing sends
+    None and is left out): one ``all_gather_object`` for all the metrics."""
+    mine = [on_cpu(m._merged(s)) if s else None for m, s in zip(metrics, snapshots)]
+    names = ", ".join(repr(m.name) for m in metrics)
+    everyone = collective.all_gather_object(mine, f"result() of metrics {names}")
+    return [[theirs[i] for theirs in everyone if theirs[i] is not None] for i in range(len(metrics))]
+
+
 def closure_reference(obj: Any) -> tuple | None:
     """How a scheduled function's pickler sends ``obj`` when it is a metric bound to a
     strategy: ``("metric", id, copy for the worker)``; None for anything else."""
@@ -343,11 +382,6 @@ def worker_deltas(metrics: Iterable[Metric]) -> dict[str, tuple[int, dict[str, A
         if delta is not None:
             deltas[metric._id] = delta
     return deltas
-
-
-def metric_id(metric: Metric) -> str:
-    """The id that names ``metric`` and its copies on parameter-server workers."""
-    return metric._id
 
 
 def accept_worker_deltas(strategy: Any, deltas: dict[str, tuple[int, dict[str, Any]]]) -> None:

@@ -1,9 +1,10 @@
 """Keras's metrics by their Keras names, each holding its state in a torchmetrics metric.
 
 Most Keras metrics are the weighted mean of a value computed per prediction
-(``MeanMetricWrapper``): accuracy, MAE, MSE. Here they keep a :class:`WeightedMean`
-(a torchmetrics metric) state (a weighted sum and a total weight, both summed over replicas and workers); their
-value is the weighted mean over every prediction, 0 when nothing was seen (as in Keras).
+(``MeanMetricWrapper``): accuracy, MAE, MSE. Here they keep a :class:`WeightedMean` state
+(a torchmetrics metric: a weighted sum and a total weight, in float64, both summed over
+replicas and workers); their value is the weighted mean over every prediction, 0 when
+nothing was seen (as in Keras), in ``dtype`` (default: torch's default dtype).
 ``AUC`` keeps torchmetrics' binned ROC (or precision-recall) state; :class:`TorchMetric`
 wraps any torchmetrics metric.
 
@@ -34,22 +35,23 @@ __all__ = ["AUC", "Accuracy", "BinaryAccuracy", "CategoricalAccuracy", "Mean", "
 class WeightedMean(torchmetrics.Metric):
     """torchmetrics state of Keras's mean metrics: a weighted sum and a total weight, both
     summed over replicas and workers; the value is 0 when the weight is 0 (as in Keras).
-    (torchmetrics' ``MeanMetric`` drops the weights when its NaN check is disabled; NaN
-    must propagate here, not vanish.)"""
+
+    float64 sums: a float32 count stops counting at 2**24 predictions. (torchmetrics'
+    ``MeanMetric`` drops the weights when its NaN check is disabled; NaN must propagate here,
+    not vanish.)"""
 
     full_state_update = False
     higher_is_better = None
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
-        self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
-        self.add_state("weight", torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("weight", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, values: torch.Tensor, weight: torch.Tensor | None = None) -> None:
-        values = values.to(self.total.dtype)
         if weight is None:
-            self.total.add_(values.sum())
-            self.weight.add_(values.numel())
+            self.total.add_(values.sum(dtype=self.total.dtype))
+            self.weight.add_(float(values.numel()))
         else:
             weight = weight.to(self.total.dtype)
             self.total.add_((values * weight).sum())
@@ -133,7 +135,7 @@ class MeanMetricWrapper(Metric):
         _add_weighted(state, self._values(y_true, y_pred), sample_weight)
 
     def _compute(self, state: WeightedMean) -> torch.Tensor:
-        return state.value()
+        return state.value().to(self.dtype or torch.get_default_dtype())
 
 
 class Mean(Metric):
@@ -158,7 +160,7 @@ class Mean(Metric):
         _add_weighted(state, torch.as_tensor(values), sample_weight)
 
     def _compute(self, state: WeightedMean) -> torch.Tensor:
-        return state.value()
+        return state.value().to(self.dtype or torch.get_default_dtype())
 
 
 class Accuracy(MeanMetricWrapper):
@@ -252,7 +254,8 @@ class AUC(Metric):
 
     def _build(self) -> "torchmetrics.Metric":
         kind = BinaryAUROC if self.curve == "ROC" else BinaryAveragePrecision
-        return kind(thresholds=self.num_thresholds)
+        metric = kind(thresholds=self.num_thresholds)
+        return metric if self.dtype is None else metric.set_dtype(self.dtype)
 
     def _update(self, state: "torchmetrics.Metric", y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
         if sample_weight is not None:

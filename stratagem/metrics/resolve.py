@@ -6,8 +6,9 @@ cross-entropy (``"sparse_categorical_crossentropy"``, ``nn.CrossEntropyLoss``,
 (``"binary_crossentropy"``, ``nn.BCELoss``) :class:`BinaryAccuracy` (threshold 0 on logits:
 ``nn.BCEWithLogitsLoss`` or a loss with ``from_logits=True``), categorical cross-entropy
 :class:`CategoricalAccuracy`. With another loss, or none, the kind is chosen from the
-shapes of each batch, as Keras 3 does: scores with one column are binary, labels with one
-axis less than the scores (or one column) are class indices, otherwise one-hot labels.
+shapes of each batch, as Keras 3 does: integer predictions are compared for equality, scores
+with one column (or one axis) are binary, labels with one axis less than the scores (or one
+column) are class indices, otherwise one-hot labels.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class _AccuracyByShape(MeanMetricWrapper):
         super().__init__(None, name)
 
     def _values(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        if not (y_pred.is_floating_point() or y_pred.is_complex()):   # predicted classes
+            return y_pred.to(y_true.dtype) == y_true
         if y_pred.dim() == 0 or y_pred.shape[-1] == 1 or y_pred.dim() == 1:
             return (y_pred > 0.5).to(y_true.dtype) == y_true
         if y_true.dim() == y_pred.dim() - 1:
@@ -67,10 +70,10 @@ def _loss_kind(loss: Any) -> tuple[str | None, bool]:
         return None, False
     name = loss if isinstance(loss, str) else getattr(loss, "__name__", type(loss).__name__)
     key = re.sub(r"[^a-z]", "", name.lower())
-    logits = bool(getattr(loss, "from_logits", False)) or key == "bcewithlogitsloss"
+    logits = bool(getattr(loss, "from_logits", False)) or key in ("bcewithlogitsloss", "binarycrossentropywithlogits")
     if key in ("sparsecategoricalcrossentropy", "crossentropyloss", "nllloss", "crossentropy"):
         return "sparse", logits
-    if key in ("binarycrossentropy", "bceloss", "bcewithlogitsloss", "bce"):
+    if key in ("binarycrossentropy", "bceloss", "bcewithlogitsloss", "binarycrossentropywithlogits", "bce"):
         return "binary", logits
     if key == "categoricalcrossentropy":
         return "categorical", logits

@@ -23,21 +23,27 @@ Snapshot = tuple[int, dict[str, Any]]
 def merge_states(target: "torchmetrics.Metric", snapshots: list[Snapshot]) -> None:
     """Set ``target``'s states to the combination of ``snapshots`` (in order), with the
     reductions torchmetrics declares: list (cat) states are concatenated and stay lists;
-    tensor states are stacked and reduced by their ``dist_reduce_fx`` (left stacked when it
-    is None), as torchmetrics combines the states of several processes."""
+    tensor states are stacked and reduced by their ``dist_reduce_fx``, as torchmetrics combines
+    the states of several processes. With no reduction (None) they stay stacked, one row per
+    part, and a state merged before contributes its rows: merging merged states (workers, or
+    the steps a parameter-server coordinator accepts) gives the same rows as merging all parts
+    at once."""
     from torchmetrics.utilities.data import dim_zero_cat   # (loaded already: states exist)
     device = target.device
     for name, reduce_fn in target._reductions.items():
-        values = [values[name] for _, values in snapshots]
-        if isinstance(target._defaults[name], list) or reduce_fn is dim_zero_cat:
+        parts = [values[name] for _, values in snapshots]
+        default = target._defaults[name]
+        if isinstance(default, list) or reduce_fn is dim_zero_cat:
             merged: Any = []
-            for value in values:
-                merged.extend(p.to(device) for p in (value if isinstance(value, list) else [value]))
-            if not isinstance(target._defaults[name], list):   # a tensor state reduced by cat
-                merged = torch.cat([p.reshape(-1, *p.shape[1:]) if p.dim() else p.reshape(1) for p in merged])
+            for part in parts:
+                merged.extend(t.to(device) for t in (part if isinstance(part, list) else [part]))
+            if not isinstance(default, list):   # a tensor state reduced by cat
+                merged = torch.cat([t if t.dim() else t.reshape(1) for t in merged])
+        elif reduce_fn is None:   # left stacked, one row per part; a part merged before is rows already
+            merged = torch.cat([t.to(device).unsqueeze(0) if t.dim() == default.dim() else t.to(device)
+                                for t in parts])
         else:
-            stacked = torch.stack([v.to(device) for v in values])
-            merged = reduce_fn(stacked) if reduce_fn is not None else stacked
+            merged = reduce_fn(torch.stack([t.to(device) for t in parts]))
         setattr(target, name, merged)
     target._update_count = sum(count for count, _ in snapshots)
     target._computed = None

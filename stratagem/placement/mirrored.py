@@ -36,7 +36,7 @@ from stratagem.comm.collective import Collective
 from stratagem.devices import Topology
 from stratagem.errors import ContextError, InvalidArgumentError
 from stratagem.placement.base import Placement
-from stratagem.placement.hooks import adopt
+from stratagem.placement.hooks import adopt, placement_of
 from stratagem.placement.mirrored_dict import MirroredDict
 from stratagem.placement.mirrored_optimizers import MirroredOptimizers
 
@@ -50,13 +50,18 @@ class MirroredPlacement(MirroredOptimizers, Placement):
         self._strategy_ref = weakref.ref(strategy)
         self.devices = topology.torch_devices
         self.num_replicas = topology.num_local_replicas
+        #: where the primaries (the tensors the module's dicts hold) live
+        self.home = self.devices[0]
+        #: replicas below it compute with the primary itself; the others with copies
+        self.first_copy = 1
         #: replicas' parameters share the primary's memory (several logical CPU devices)
         self.shares_parameters = self.num_replicas > 1 and all(d.type == "cpu" for d in self.devices)
         self.collective = collective
         self._pending_modules: list[nn.Module] = []
         self._pending_optimizers: list[torch.optim.Optimizer] = []
         self._dicts: list[MirroredDict] = []
-        self._copies: dict[int, tuple[torch.Tensor, ...]] = {}   # id(primary) -> all copies
+        # id(primary) -> (primary, every local replica's tensor)
+        self._copies: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
         self._build_lock = threading.Lock()  # replica threads share one set of twins
         self._unscoped_check: Any = None
 
@@ -67,7 +72,7 @@ class MirroredPlacement(MirroredOptimizers, Placement):
     # ---------------------------------------------------------------- modules
 
     def on_module_registered(self, module: nn.Module) -> None:
-        if self.num_replicas > 1:
+        if self.num_replicas > self.first_copy:  # some replica computes with copies
             for attr, is_buffers in (("_parameters", False), ("_buffers", True)):
                 current = module.__dict__[attr]
                 if not isinstance(current, MirroredDict):
@@ -90,10 +95,10 @@ class MirroredPlacement(MirroredOptimizers, Placement):
         if self._pending_optimizers:
             optimizers, self._pending_optimizers = self._pending_optimizers, []
             for optimizer in optimizers:
-                self._build_twins(optimizer)
+                self._prepare_optimizer(optimizer)
 
     def _place_module(self, module: nn.Module) -> None:
-        first = self.devices[0]
+        first = self.home
         for attr in ("_parameters", "_buffers"):
             entries = module.__dict__[attr]
             for key, tensor in dict.items(entries):
@@ -110,14 +115,14 @@ class MirroredPlacement(MirroredOptimizers, Placement):
         """(Re)make every replica's copy of one primary entry."""
         primary = dict.__getitem__(entries, key)
         if primary is None:
-            for copies in entries.copies[1:]:
+            for copies in entries.copies[self.first_copy:]:
                 copies[key] = None
             return
-        if primary.device != self.devices[0]:
+        if primary.device != self.home:
             with torch.no_grad():
-                primary.data = primary.data.to(self.devices[0])
-        all_copies = [primary]
-        for r in range(1, self.num_replicas):
+                primary.data = primary.data.to(self.home)
+        all_copies = [primary] * self.first_copy
+        for r in range(self.first_copy, self.num_replicas):
             if isinstance(primary, nn.Parameter):
                 # .data: the same memory with a version counter of its own (writes are told apart)
                 data = primary.data if entries.shared else primary.detach().to(self.devices[r], copy=True)
@@ -127,15 +132,15 @@ class MirroredPlacement(MirroredOptimizers, Placement):
                     copy = primary.detach().to(self.devices[r], copy=True)
             entries.set_copy(r, key, copy)
             all_copies.append(copy)
-        self._copies[id(primary)] = tuple(all_copies)
+        self._copies[id(primary)] = (primary, tuple(all_copies))
         entries.versions[key] = primary._version
 
     def all_copies(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        copies = self._copies.get(id(tensor))
-        return copies if copies is not None and copies[0] is tensor else None
+        entry = self._copies.get(id(tensor))
+        return entry[1] if entry is not None and entry[0] is tensor else None
 
     def replica_copy(self, tensor: torch.Tensor, local_id: int) -> torch.Tensor:
-        if self.num_replicas == 1:
+        if not self._copies:
             return tensor
         copies = self.all_copies(tensor)
         return tensor if copies is None else copies[local_id]
@@ -146,18 +151,20 @@ class MirroredPlacement(MirroredOptimizers, Placement):
         self.finalize()
         for entries in self._dicts:
             entries.push_modified()
-        if self.num_replicas > 1:
+        if self.num_replicas > self.first_copy:  # some replica computes with copies
             _unscoped_check.acquire()
 
     def after_run(self, failed: bool = False) -> None:
-        if self.num_replicas > 1:
+        if self.num_replicas > self.first_copy:
             _unscoped_check.release()
         written = self.record_updates()
         if written and not failed:
+            why = ("the replicas' parameters share one memory, so every replica's write would land on it"
+                   if self.shares_parameters else "each replica computes with a copy of the parameters, "
+                   "so the write would reach that copy only, and be lost at the next optimizer step")
             raise ContextError(
                 f"a replica function wrote to the parameters {sorted(set(written))} in place; on "
-                f"{self.strategy!r} the replicas' parameters share one memory, so every replica's "
-                f"write would land on it. Update parameters with an optimizer created in the scope "
+                f"{self.strategy!r} {why}. Update parameters with an optimizer created in the scope "
                 f"(its step sums the gradients and applies the update once), or write them outside "
                 f"strategy.run")
 
@@ -175,6 +182,9 @@ class MirroredPlacement(MirroredOptimizers, Placement):
         adopt(optimizer, self)
         optimizer._sg_twins = None
         self._pending_optimizers.append(optimizer)
+
+    def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self._build_twins(optimizer)
 
 
 class _UnscopedModuleCheck:
@@ -225,16 +235,19 @@ def _forbid_unscoped(module: nn.Module, args: Any) -> None:
         return
     params = module.__dict__.get("_parameters")
     if params and not isinstance(params, MirroredDict):
+        names = ", ".join(repr(name) for name in params)
         raise ContextError(
-            f"module {type(module).__name__} has parameters but was created outside "
-            f"strategy.scope(), so every replica of {frame.strategy!r} would share one copy and "
-            f"the replicas would silently diverge. Create it inside `with strategy.scope():`")
+            f"module {type(module).__name__} has parameters with no copy per replica ({names}): "
+            f"it was created outside strategy.scope(), or they were assigned to it after the scope "
+            f"closed. Every replica of {frame.strategy!r} would share one copy and the replicas "
+            f"would silently diverge. Create the module (or assign the parameters) inside "
+            f"`with strategy.scope():`")
 
 
 def _forbid_unscoped_optimizer(optimizer: torch.optim.Optimizer, *args: Any) -> None:
-    frame = _multi_replica_frame()
-    if frame is None or "_sg_twins" in optimizer.__dict__:   # ours: a scoped optimizer or a twin
-        return
+    frame = _context.current_frame()   # (any replica count: only parameters with copies are looked at)
+    if frame is None or frame.replica_context is None or placement_of(optimizer) is not None:
+        return   # outside run, or ours: a scoped optimizer or a twin
     placement = frame.strategy.placement
     if any(placement.all_copies(p) is not None for group in optimizer.param_groups for p in group["params"]):
         raise ContextError(

@@ -3,7 +3,8 @@
 The dict's own storage holds the primary tensors (local replica 0's); ``copies[r]``
 holds replica ``r``'s. A lookup picks the calling thread's replica: the same module
 object computes with replica ``r``'s copy on replica ``r``'s thread inside ``run``,
-and with the primary everywhere else.
+and with the primary everywhere else. (Where the primary lives on no replica's device,
+as with central storage on GPUs, replica 0 has a copy too: ``placement.first_copy`` is 0.)
 
 On logical CPU devices the replicas' *parameters* share the primary's memory (one
 tensor, several ``Parameter`` objects, each with its own ``.grad``): the update is then
@@ -42,6 +43,7 @@ class MirroredDict(dict):
         self.placement = placement
         self._is_buffers = is_buffers
         self.copies: list[dict[str, Any]] = [{} for _ in range(placement.num_replicas)]
+        self.first = placement.first_copy  # replicas below it compute with the primary itself
         self.versions: dict[str, int] = {}
         self.finalized = False
         self.shared = placement.shares_parameters and not is_buffers  # copies share the primary's memory
@@ -64,7 +66,7 @@ class MirroredDict(dict):
 
     def __getitem__(self, key: str) -> Any:
         replica = self._replica()
-        if replica:
+        if replica is not None and replica >= self.first:
             return self.copies[replica][key]
         if replica is None and self._stale:
             self._average_buffers()
@@ -87,7 +89,7 @@ class MirroredDict(dict):
 
     def __setitem__(self, key: str, value: Any) -> None:
         replica = self._replica()
-        if replica:
+        if replica is not None and replica >= self.first:
             self.copies[replica][key] = value
             return
         dict.__setitem__(self, key, value)
@@ -122,13 +124,22 @@ class MirroredDict(dict):
                 self.versions[key] = tensor._version
         self._record_copy_versions()
 
+    def _watches_copies(self) -> bool:
+        """Whether ``after_run`` looks at writes to the copies: shared parameters, and where no
+        replica computes with the primary, parameters (both refused) and buffers (averaged)."""
+        return self.shared or self.first == 0
+
     def _record_copy_versions(self) -> None:
-        """Shared parameters: what ``after_run`` compares with (writes inside ``run`` only)."""
-        if self.shared:
-            for copies, versions in zip(self.copies[1:], self._copy_versions[1:]):
+        """What ``after_run`` compares with (writes inside ``run`` only)."""
+        if self._watches_copies():
+            for copies, versions in zip(self.copies[self.first:], self._copy_versions[self.first:]):
                 for key, tensor in copies.items():
                     if tensor is not None:
                         versions[key] = tensor._version
+
+    def _written_copies(self) -> list[str]:
+        return [key for copies, versions in zip(self.copies[self.first:], self._copy_versions[self.first:])
+                for key, t in copies.items() if t is not None and versions.get(key) != t._version]
 
     def push_modified(self) -> None:
         """Copy primaries written outside ``run`` to every replica."""
@@ -139,12 +150,12 @@ class MirroredDict(dict):
             if tensor is None:
                 continue
             if self.shared:  # one memory: only a primary given new memory must be followed
-                for copies in self.copies[1:]:
+                for copies in self.copies[self.first:]:
                     if copies[key].data_ptr() != tensor.data_ptr():
                         copies[key].data = tensor.data
             elif versions.get(key) != tensor._version:
                 with torch.no_grad():
-                    for copies in self.copies[1:]:
+                    for copies in self.copies[self.first:]:
                         copies[key].copy_(tensor)
             versions[key] = tensor._version
         self._record_copy_versions()  # a write outside run, to any replica's copy, is allowed
@@ -155,10 +166,10 @@ class MirroredDict(dict):
         if self._is_buffers:
             versions = self.versions
             self._stale = self._stale or any(
-                t is not None and versions.get(k) != t._version for k, t in dict.items(self))
-        elif self.shared:
-            written = [key for copies, versions in zip(self.copies[1:], self._copy_versions[1:])
-                       for key, t in copies.items() if t is not None and versions.get(key) != t._version]
+                t is not None and versions.get(k) != t._version for k, t in dict.items(self)) or (
+                self._watches_copies() and bool(self._written_copies()))
+        elif self._watches_copies():
+            written = self._written_copies()
         self.record_versions()
         return written
 
@@ -169,11 +180,12 @@ class MirroredDict(dict):
             for key, primary in dict.items(self):
                 if primary is None or not primary.is_floating_point():
                     continue
-                total = primary.clone()
-                for copies in self.copies[1:]:
-                    total.add_(copies[key].to(total.device))
+                replicas = [primary] * self.first + [copies[key] for copies in self.copies[self.first:]]
+                total = replicas[0].to(primary.device, copy=True)
+                for tensor in replicas[1:]:
+                    total.add_(tensor.to(total.device))
                 total.div_(n)
                 primary.copy_(total)
-                for copies in self.copies[1:]:
+                for copies in self.copies[self.first:]:
                     copies[key].copy_(total)
         self.record_versions()

@@ -74,7 +74,7 @@ class MirroredOptimizers:
                 twin.__dict__.update(optimizer.__dict__)
                 twin.state = defaultdict(dict)
                 twin.param_groups = [
-                    {**group, "params": [self._copies[id(p)][r] for p in group["params"]]}
+                    {**group, "params": [self.all_copies(p)[r] for p in group["params"]]}
                     for group in optimizer.param_groups]
                 twin._sg_twins = None
                 if optimizer.state:
@@ -98,15 +98,17 @@ class MirroredOptimizers:
 
     # ---------------------------------------------------------------- step
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-        if closure is not None:
-            raise InvalidArgumentError(
-                "optimizer.step(closure) is not supported for optimizers created in a strategy's "
-                "scope: compute the loss and call loss.backward() before optimizer.step()")
-        twins = self.twins(optimizer)
+    def own_replica_context(self) -> Any:
+        """The calling thread's replica context if it is a replica of this strategy, else None."""
         frame = _context.current_frame()
         ctx = frame.replica_context if frame is not None else None
-        if ctx is None or ctx.strategy is not self.strategy:
+        return ctx if ctx is not None and ctx.strategy is self.strategy else None
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+        refuse_closure(closure)
+        twins = self.twins(optimizer)
+        ctx = self.own_replica_context()
+        if ctx is None:
             return self._cross_replica_step(optimizer, twins)
         local_id, collective, n = ctx.local_replica_id, self.collective, self.num_replicas
         twin = twins[local_id]
@@ -227,9 +229,8 @@ class MirroredOptimizers:
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         twins = self.twins(optimizer)
-        frame = _context.current_frame()
-        ctx = frame.replica_context if frame is not None else None
-        mine = [twins[ctx.local_replica_id]] if ctx is not None and ctx.strategy is self.strategy else twins
+        ctx = self.own_replica_context()
+        mine = [twins[ctx.local_replica_id]] if ctx is not None else twins
         if not set_to_none and self.collective.num_workers > 1:
             # gradients may be views of packs being all-reduced: give them fresh zeros instead
             for twin in mine:
@@ -269,6 +270,13 @@ class MirroredOptimizers:
         if optimizer.__dict__.get("_sg_twins"):
             optimizer._sg_twins = None
             self.twins(optimizer)
+
+
+def refuse_closure(closure: Any) -> None:
+    if closure is not None:
+        raise InvalidArgumentError(
+            "optimizer.step(closure) is not supported for optimizers created in a strategy's "
+            "scope: compute the loss and call loss.backward() before optimizer.step()")
 
 
 def _zeros_where_missing(collective: Any, local_id: int, params: list, everyone: list, tag: str) -> list:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import InvalidArgumentError, StratagemError
-from stratagem.metrics.base import Metric, closure_reference, metric_id
+from stratagem.metrics.base import Metric, closure_reference
 from stratagem.ps.placement import ParameterServerPlacement, _VariableDict
 from stratagem.ps.runtime import WorkerOptimizer, WorkerRuntime
 from stratagem.ps.strategy import ParameterServerStrategy, _WorkerStrategy
@@ -98,7 +98,13 @@ class ClosurePickler(Pickler):
             return ("placement",)
         if isinstance(obj, ParameterServerStrategy):
             return ("strategy",)
-        return closure_reference(obj)
+        reference = closure_reference(obj)
+        if reference is not None and not isinstance(obj.strategy, ParameterServerStrategy):
+            raise CodecError(
+                f"metric {obj.name!r} was created under {obj.strategy!r}, but a function scheduled with "
+                f"a ClusterCoordinator updates it: its workers' updates would reach no one. Create the "
+                f"metric inside `with strategy.scope():` of the ParameterServerStrategy")
+        return reference
 
 
 class ClosureUnpickler(Unpickler):

@@ -77,7 +77,8 @@ SERVICES: dict[str, Union[ServiceFactory, str]] = {
 
 _NOT_SERVED = {
     "chief": "the chief runs the training script (it is the coordinator), not `stratagem server`",
-    "evaluator": "an evaluator runs its own evaluation script, not `stratagem server`",
+    "evaluator": "an evaluator runs the training script itself (an sg.SidecarEvaluator there; "
+                 "`stratagem launch --evaluator 1` starts one), not `stratagem server`",
 }
 
 

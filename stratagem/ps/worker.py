@@ -36,7 +36,7 @@ import torch
 
 from stratagem._profiling import label
 from stratagem.cluster.joined import mark_joined
-from stratagem.metrics.base import Metric, metric_id, worker_deltas
+from stratagem.metrics.base import Metric, worker_deltas
 from stratagem.ps.closures import ClosureNotCachedError, ClosureUnpickler
 from stratagem.ps.runtime import WorkerRuntime
 from stratagem.rpc.auth import cluster_token
@@ -120,7 +120,7 @@ class WorkerService:
             self.runtime.pull_dense(var_ids)
             self.runtime.begin_closure(request.get("fence"))
             versions = self.runtime.buffer_versions(var_ids)
-            metrics = list({metric_id(m): m for m in closure_metrics + unpickler.metrics}.values())
+            metrics = list(dict.fromkeys(closure_metrics + unpickler.metrics))   # (one object per metric)
             worker_deltas(metrics)   # (empty them: a failed run may have left updates)
             with torch.enable_grad():
                 result = fn(*args, **kwargs)

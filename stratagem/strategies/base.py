@@ -252,7 +252,7 @@ class Strategy:
         components, target = self._local_tensors(leaf)
         collective = self._collective
         if axis is None:
-            total = components[0].clone() if len(components) == 1 else _ordered_sum(components)
+            total = collective.local_sum(components)  # a user's CrossDeviceOps: its reduce()
             count = self.num_replicas_in_sync
         else:
             for c in components:
@@ -260,7 +260,7 @@ class Strategy:
                     raise InvalidArgumentError(
                         f"cannot reduce along axis {axis} a component of shape {tuple(c.shape)}; "
                         f"use axis=None for scalars")
-            total = _ordered_sum([c.sum(dim=axis) for c in components])
+            total = collective.local_sum([c.sum(dim=axis) for c in components])
             count = sum(c.shape[axis] for c in components)
             if collective.num_workers > 1:
                 count = int(collective.worker_sum(torch.tensor(count, device=target)).item())
@@ -342,13 +342,6 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(devices={list(self.worker_devices)})"
-
-
-def _ordered_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    total = tensors[0]
-    for t in tensors[1:]:
-        total = total + t  # in replica order, like the cross-device ops
-    return total
 
 
 def _global_batch_size_of(structure: Any) -> int | None:

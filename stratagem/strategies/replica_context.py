@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from stratagem import _context
+from stratagem.comm import autograd
 from stratagem.comm.sync import ReplicaAborted
 from stratagem.devices import Device
 from stratagem.errors import InvalidArgumentError
@@ -118,6 +119,7 @@ class ReplicaContext:
 
         Every replica gets the result on its own device; numbers come back as numbers.
         A MEAN of integers is a float, as in ``strategy.reduce`` (never truncated).
+        Differentiable: the gradient is the same all-reduce of the output gradients.
         """
         op = ReduceOp.from_any(reduce_op)
         tensors, was_number = self._as_tensors(value)
@@ -125,32 +127,60 @@ class ReplicaContext:
             tensors = [t if t.is_floating_point() or t.is_complex() else t.to(torch.get_default_dtype())
                        for t in tensors]
         tensors = [t.contiguous() for t in tensors]  # ops reduce flat ranges (e.g. of a transposed view)
-        reduced = self._collective.all_reduce(self._local_id, tensors, op)
+        if self._differentiable(tensors, "all_reduce"):
+            reduced = autograd.AllReduce.apply(self._collective, self._local_id, op, self._anchor(tensors), *tensors)
+        else:
+            reduced = self._collective.all_reduce(self._local_id, tensors, op)
         out = [t.item() if number else t for t, number in zip(reduced, was_number)]
         return pack_as(value, out)
 
     def all_gather(self, value: Any, axis: int) -> Any:
-        """Concatenate every replica's ``value`` along ``axis``, in replica order."""
+        """Concatenate every replica's ``value`` along ``axis``, in replica order.
+
+        The tensors may differ in length along ``axis`` (nothing else). Differentiable:
+        each replica's gradient is its own slice of the summed output gradients.
+        """
         tensors, _ = self._as_tensors(value)
+        if self._differentiable(tensors, "all_gather"):
+            return pack_as(value, autograd.AllGather.apply(self._collective, self._local_id, axis, self._anchor(tensors),
+                                                                 *tensors))
         return pack_as(value, self._collective.all_gather(self._local_id, tensors, axis))
 
     def broadcast(self, value: Any, source_replica: int = 0) -> Any:
-        """Every replica gets ``source_replica``'s value (copied to its own device)."""
+        """Every replica gets ``source_replica``'s value (copied to its own device).
+
+        What the other replicas pass is ignored. Differentiable: the source's gradient
+        is the sum of every replica's output gradient; the others' is zero.
+        """
         self._check_replica(source_replica, "source_replica")
         tensors, _ = self._as_tensors(value)
+        if self._differentiable(tensors, "broadcast"):
+            return pack_as(value, autograd.Broadcast.apply(self._collective, self._local_id, source_replica,
+                                                           self._anchor(tensors), *tensors))
         return pack_as(value, self._collective.broadcast(self._local_id, tensors, source_replica))
 
     def reduce(self, reduce_op: "ReduceOp | str", value: Any, destination_replica: int = 0) -> Any:
-        """Like ``all_reduce``, but only ``destination_replica`` gets the result; others get None."""
+        """Like ``all_reduce``, but only ``destination_replica`` gets the result; others get None.
+
+        Not differentiable (use ``all_reduce`` inside a loss).
+        """
         self._check_replica(destination_replica, "destination_replica")
-        result = self.all_reduce(reduce_op, value)
-        return result if self._replica_id == destination_replica else None
+        self._refuse_grad(value, "reduce", "all_reduce")
+        op = ReduceOp.from_any(reduce_op)
+        tensors, was_number = self._as_tensors(value)
+        tensors = [t.contiguous() if op is ReduceOp.SUM or t.is_floating_point() or t.is_complex()
+                   else t.to(torch.get_default_dtype()) for t in tensors]  # a MEAN is never truncated
+        reduced = self._collective.reduce(self._local_id, tensors, op, destination_replica)
+        if reduced is None:
+            return None
+        return pack_as(value, [t.item() if number else t for t, number in zip(reduced, was_number)])
 
     def reduce_scatter(self, reduce_op: "ReduceOp | str", value: torch.Tensor, axis: int = 0) -> torch.Tensor:
         """Reduce over replicas, then keep this replica's slice along ``axis``.
 
         Slices are contiguous; when the length does not divide evenly, earlier
-        replicas take one extra row (the input splitting rule).
+        replicas take one extra row (the input splitting rule). Differentiable: the
+        gradient is the all-gather of the output gradients.
         """
         op = ReduceOp.from_any(reduce_op)
         tensors, _ = self._as_tensors(value)
@@ -161,19 +191,29 @@ class ReplicaContext:
             raise InvalidArgumentError(
                 f"reduce_scatter cuts along axis {axis}, which a tensor of shape {tuple(tensor.shape)} "
                 f"does not have")
+        if self._differentiable([tensor], "reduce_scatter"):
+            return autograd.ReduceScatter.apply(self._collective, self._local_id, op, axis, None,
+                                                self._anchor([tensor]), tensor.contiguous())
         return self._collective.reduce_scatter(self._local_id, tensor.contiguous(), op, axis)
 
     def all_to_all(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Replica ``i`` sends ``values[j]`` to replica ``j``; returns what each replica sent here."""
+        """Replica ``i`` sends ``values[j]`` to replica ``j``; returns what each replica sent here.
+
+        The tensors may have any shapes. Differentiable: the gradients travel back the
+        other way.
+        """
         if len(values) != self.num_replicas_in_sync:
             raise InvalidArgumentError(
                 f"all_to_all needs one tensor per replica ({self.num_replicas_in_sync}), got {len(values)}")
         tensors, _ = self._as_tensors(list(values))
+        if self._differentiable(tensors, "all_to_all"):
+            return list(autograd.AllToAll.apply(self._collective, self._local_id, self._anchor(tensors), *tensors))
         return self._collective.all_to_all(self._local_id, tensors)
 
     def scatter(self, values: Sequence[torch.Tensor] | None, source_replica: int = 0) -> torch.Tensor:
-        """``source_replica`` gives one tensor per replica; each replica gets its own."""
+        """``source_replica`` gives one tensor per replica; each replica gets its own (not differentiable)."""
         self._check_replica(source_replica, "source_replica")
+        self._refuse_grad(values, "scatter", "all_to_all")
         if self._replica_id == source_replica:
             if values is None or len(values) != self.num_replicas_in_sync:
                 raise InvalidArgumentError(
@@ -185,10 +225,15 @@ class ReplicaContext:
         return self._collective.scatter(self._local_id, tensors, source_replica)
 
     def gather(self, value: torch.Tensor, axis: int = 0, destination_replica: int = 0) -> torch.Tensor | None:
-        """Concatenation of every replica's value on ``destination_replica``; None elsewhere."""
+        """Concatenation of every replica's value on ``destination_replica``; None elsewhere.
+
+        Not differentiable (use ``all_gather`` inside a loss).
+        """
         self._check_replica(destination_replica, "destination_replica")
-        result = self.all_gather(value, axis)
-        return result if self._replica_id == destination_replica else None
+        self._refuse_grad(value, "gather", "all_gather")
+        tensors, _ = self._as_tensors(value)
+        gathered = self._collective.gather(self._local_id, tensors, axis, destination_replica)
+        return None if gathered is None else pack_as(value, gathered)
 
     # ------------------------------------------------------------ merge_call
 
@@ -219,6 +264,34 @@ class ReplicaContext:
                 raise result
             raise ReplicaAborted()
         return select_replica(self._local_id, result)
+
+    def _differentiable(self, tensors: list[torch.Tensor], name: str) -> bool:
+        """Whether to record the collective for autograd (grad mode on, an input requires grad).
+
+        Every replica must decide alike (each backward is a collective): with several local
+        replicas they agree here (any input that requires grad makes every replica record
+        it); across workers each decides alone, so every worker must pass inputs that
+        require grad, or none.
+        """
+        if not torch.is_grad_enabled() or not any(t.is_floating_point() or t.is_complex() for t in tensors):
+            return False  # (integers never require grad: a count costs no extra meeting)
+        wanted = any(t.requires_grad for t in tensors)
+        if self._collective.num_local > 1:
+            wanted = any(self._exchange(wanted, f"{name} (gradient check)"))
+        return wanted
+
+    @staticmethod
+    def _anchor(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        """A leaf that makes the outputs require grad when another replica's inputs do and ours don't."""
+        return None if any(t.requires_grad for t in tensors) else torch.zeros((), requires_grad=True)
+
+    @staticmethod
+    def _refuse_grad(value: Any, name: str, instead: str) -> None:
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in flatten(value)):
+            raise InvalidArgumentError(
+                f"{name} is not differentiable (the replicas that receive nothing could not take part "
+                f"in the backward), but its input requires grad; use {instead} inside a loss, or pass "
+                f"value.detach()")
 
     def _check_replica(self, replica: int, name: str) -> None:
         if not isinstance(replica, int) or not 0 <= replica < self.num_replicas_in_sync:

@@ -85,10 +85,10 @@ class ThreadRunner:
             task = inbox.get()
             if task is None:
                 return
-            fn, args, kwargs = task
+            fn, args, kwargs, grad_enabled = task
             _context.push(ctx.strategy, ctx)
-            try:
-                with _on_device(ctx), label("stratagem.replica_fn"):
+            try:  # grad mode is per thread: the caller's holds for every replica (as in DataParallel)
+                with _on_device(ctx), torch.set_grad_enabled(grad_enabled), label("stratagem.replica_fn"):
                     outcome = (True, fn(*args, **kwargs))
             except BaseException as error:  # noqa: BLE001 - reported by run()
                 self._collective.abort()
@@ -115,7 +115,7 @@ class ThreadRunner:
             if adjust:
                 torch.set_num_threads(self._threads_per_replica)
             for r in range(1, n):
-                self._inbox[r].put((fn, *per_replica_args[r]))
+                self._inbox[r].put((fn, *per_replica_args[r], torch.is_grad_enabled()))
             outcomes: list[tuple[bool, Any]] = [None] * n  # type: ignore[list-item]
             ctx = self._contexts[0]
             args, kwargs = per_replica_args[0]

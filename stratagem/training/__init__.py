@@ -2,5 +2,6 @@
 
 from stratagem.training.checkpoint import Checkpoint
 from stratagem.training.manager import CheckpointManager
+from stratagem.training.sidecar import SidecarEvaluator
 
-__all__ = ["Checkpoint", "CheckpointManager"]
+__all__ = ["Checkpoint", "CheckpointManager", "SidecarEvaluator"]

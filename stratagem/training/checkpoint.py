@@ -11,7 +11,8 @@ worker calls ``save`` and ``restore``. In ``save`` the workers first gather thei
 positions (each reads its own input), then the chief (worker 0) writes while the others
 wait for its answer, so that when ``save`` returns on any worker the checkpoint is
 complete -- or every worker raises. In ``restore`` every worker reads and verifies the
-files itself (the directory must be on a file system all workers share), the workers
+files itself when it sees the chief's checkpoint (a shared file system), else receives the
+chief's copy over the process group (:mod:`stratagem.training.chief_copy`); the workers
 agree that all of them succeeded, and only then does anything change.
 """
 
@@ -31,6 +32,7 @@ from stratagem import _context
 from stratagem.data.position import PositionedDataset, TrackedIterator
 from stratagem.errors import CheckpointError, ContextError, InvalidArgumentError
 from stratagem.placement.hooks import placement_of
+from stratagem.training.chief_copy import ChiefCopy, open_checkpoint
 from stratagem.training.pieces import assemble
 from stratagem.training.storage import CheckpointReader, DirectoryWriter, check_loadable, serialize
 from stratagem.training.validate import problems_with
@@ -233,7 +235,7 @@ class Checkpoint:
         loaded: dict[str, Any] = {}
         problem = None
         try:
-            loaded = self._read(CheckpointReader(path), topology)
+            loaded = self._read(open_checkpoint(path, strategy), topology)
         except CheckpointError as err:
             problem = str(err)
         if topology.num_workers > 1:
@@ -246,7 +248,7 @@ class Checkpoint:
         self._apply(loaded)
         return str(path)
 
-    def _read(self, reader: CheckpointReader, topology: Any) -> dict[str, Any]:
+    def _read(self, reader: "CheckpointReader | ChiefCopy", topology: Any) -> dict[str, Any]:
         saved = reader.manifest["objects"]
         missing = [name for name in self._objects if name not in saved]
         if missing:

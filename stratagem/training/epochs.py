@@ -107,6 +107,9 @@ class LazyLogs(Mapping):
 
 def overrides(callback: Any, hook: str) -> bool:
     """Whether ``callback`` defines ``hook`` itself (not the do-nothing one of ``Callback``)."""
+    reads = getattr(callback, "reads_train_batch_logs", None)
+    if hook == "on_train_batch_end" and callable(reads):   # the callback says whether it reads them
+        return bool(reads())
     own = getattr(type(callback), hook, None)
     return own is not None and own is not getattr(Callback, hook, None)
 

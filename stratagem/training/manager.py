@@ -5,10 +5,15 @@ The directory holds ``ckpt-1``, ``ckpt-2``, ... (each a complete checkpoint, see
 disagree with it after a crash. ``save()`` writes ``ckpt-<latest + 1>``, then the chief
 deletes the oldest beyond ``max_to_keep`` (each is first renamed to a temporary name, so a
 half-deleted checkpoint never looks like one) and any unfinished writes a crash left.
+
+When training is over, ``mark_training_finished()`` writes ``ckpt-finished`` naming the
+last checkpoint, which tells a :class:`~stratagem.training.sidecar.SidecarEvaluator` to
+stop after it; the next ``save()`` removes the mark (a resumed job is not finished).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -90,6 +95,8 @@ class CheckpointManager:
         strategy = self.checkpoint.strategy
         if strategy.topology.num_workers > 1:   # the chief's listing decides the name
             checkpoint_number = strategy.collective.broadcast_object(checkpoint_number)
+        if self.checkpoint.is_writer:
+            self.finished_mark.unlink(missing_ok=True)
         path = self.checkpoint.save(self.directory / f"{self._name}-{checkpoint_number}")
         if self.checkpoint.is_writer:
             remove_stale_temporaries(self.directory, f"{self._name}-")
@@ -97,6 +104,27 @@ class CheckpointManager:
                 for _, old in self._numbered()[:-self.max_to_keep]:
                     _remove(old)
         return path
+
+    @property
+    def finished_mark(self) -> Path:
+        """The file that says training is over: ``<directory>/<checkpoint_name>-finished``."""
+        return self.directory / f"{self._name}-finished"
+
+    def mark_training_finished(self) -> None:
+        """Say that no checkpoint will follow the newest one (every worker calls it; the chief writes).
+
+        The mark names the newest checkpoint; it is written atomically (a temporary file
+        renamed into place), so a reader sees all of it or nothing.
+        """
+        if not self.checkpoint.is_writer:
+            return
+        numbered = self._numbered()
+        mark = {"last_checkpoint": numbered[-1][1].name if numbered else None,
+                "last_number": numbered[-1][0] if numbered else None}
+        temporary = self.finished_mark.with_name(f"{self.finished_mark.name}.tmp-{secrets.token_hex(4)}")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        temporary.write_text(json.dumps(mark))
+        os.replace(temporary, self.finished_mark)
 
     def restore_or_initialize(self) -> str | None:
         """Restore the newest good checkpoint and return its path; None when there is none.
@@ -123,7 +151,14 @@ class CheckpointManager:
         return None
 
     def delete_all(self) -> None:
-        """Remove every checkpoint of this manager (the chief does; other workers do nothing)."""
+        """Remove every checkpoint of this manager (every worker calls it; the chief deletes).
+
+        The workers meet first: a worker still training when the chief deleted the
+        checkpoints would, if it then failed, restart the whole job from the beginning.
+        """
+        strategy = self.checkpoint.strategy
+        if strategy.topology.num_workers > 1:
+            strategy.collective.broadcast_object(None)
         if self.checkpoint.is_writer:
             for _, path in self._numbered():
                 _remove(path)

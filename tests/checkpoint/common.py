@@ -28,6 +28,8 @@ def batches(n: int, size: int = 6, seed: int = 3) -> list[tuple[torch.Tensor, to
 def make_strategy(kind: str) -> sg.Strategy:
     if kind == "one_device":
         return sg.OneDeviceStrategy("cpu")
+    if kind.startswith("central"):
+        return sg.CentralStorageStrategy([f"cpu:{i}" for i in range(int(kind.removeprefix("central")))])
     replicas = int(kind.removeprefix("mirrored"))
     return sg.MirroredStrategy([f"cpu:{i}" for i in range(replicas)])
 

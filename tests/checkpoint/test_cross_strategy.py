@@ -14,7 +14,7 @@ from stratagem.training.storage import CheckpointReader
 from .common import assert_same_state, batches, build, make_strategy, train
 
 pytestmark = pytest.mark.timeout(180)
-KINDS = ["one_device", "mirrored2", "mirrored3"]
+KINDS = ["one_device", "mirrored2", "mirrored3", "central2"]
 DATA = batches(3)
 
 

@@ -6,10 +6,15 @@ under MultiWorkerMirroredStrategy; mode save stops after --steps steps and saves
 CheckpointManager, mode restore restores the newest checkpoint and trains to the end. Each worker
 writes OUT/<mode>-rank<r>.json: the sample ids of its slice at every step, how often it wrote a
 checkpoint, whether the checkpoint was complete when save returned, and the final parameters.
+
+--own-disk simulates hosts that do not share a file system: worker r works in CKPT_DIR/worker<r>
+and its manager's directory is the relative path "ckpts" there -- the same path on every worker,
+with different files behind it.
 """
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -37,6 +42,7 @@ def main() -> None:
     parser.add_argument("ckpt_dir")
     parser.add_argument("--mode", choices=["save", "restore"], required=True)
     parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--own-disk", action="store_true")
     args = parser.parse_args()
 
     writes = []
@@ -49,6 +55,11 @@ def main() -> None:
 
     strategy = sg.MultiWorkerMirroredStrategy()
     rank = strategy.cluster_resolver.worker_rank
+    if args.own_disk:
+        disk = Path(args.ckpt_dir, f"worker{rank}")
+        disk.mkdir(parents=True, exist_ok=True)
+        os.chdir(disk)
+        args.ckpt_dir = "ckpts"
     torch.manual_seed(0)
     with strategy.scope():
         model = make_model()

@@ -1,24 +1,31 @@
-"""A small MultiWorkerMirroredStrategy job that resumes from its own checkpoint, for restart tests.
+"""A small MultiWorkerMirroredStrategy job that backs itself up and resumes, for restart tests.
 
 Usage (under ``stratagem launch``, which sets TF_CONFIG and STRATAGEM_RESTART)::
 
-    python restart_script.py OUT --steps 12 [--save-every 1] [--timeout 20]
-                             [--event RESTART:RANK:K:ACTION ...] [--watch] [--step-seconds T]
+    python restart_script.py OUT [--save-every 1] [--timeout 20]
+                             [--event RESTART:RANK:STEP:ACTION ...] [--watch] [--step-seconds T]
 
-Every step's global batch is made from the step number, so a job that resumes from the
-checkpoint of step ``s`` trains exactly the steps an uninterrupted job trains. The chief
-saves ``OUT/checkpoint.pt`` (model, optimizer, next step) with plain ``torch.save`` every
-``--save-every`` steps (0: never) and, with ``--watch``, when the workers agree to stop
-for preemption; at the end it writes ``OUT/final.pt``. Every worker loads the checkpoint
-at start-up if there is one.
+Two epochs of a shuffled ``DataLoader`` (48 samples, global batch 8: :data:`STEPS_PER_EPOCH`
+steps an epoch) go through ``strategy.experimental_distribute_dataset``. The model, the
+optimizer, the dataset (its position: epoch, step, shuffle state) and the global step are
+in an ``sg.Checkpoint`` that ``sg.callbacks.BackupAndRestore`` backs up to ``OUT/backups``
+every ``--save-every`` steps (0: only when the workers agree to stop for preemption, with
+``--watch``) and restores at start-up, so a restarted job goes on from its last backup.
+The chief writes ``OUT/final.pt`` (the parameters) at the end.
 
-``--event 0:1:2:kill`` makes rank 1, in the group's first run (STRATAGEM_RESTART=0), do
-ACTION just before its 3rd step of that run (K counts from 0): ``kill`` (SIGKILL itself),
-``stop`` (SIGSTOP itself: a hung worker) or ``term`` (SIGTERM itself: a preemption
-notice). Each step prints ``restart R rank N step S``.
+The sample-id log: after each trained step every worker appends a line to
+``OUT/ids-rank<N>.jsonl`` -- ``{"restart", "epoch", "step", "ids"}`` with the global step
+and the ids of the samples in its slice of the batch -- and at start-up
+``{"restart", "resume": step}``, the global step its restored backup goes on from.
+
+``--event 0:1:5:kill`` makes rank 1, in the group's first run (STRATAGEM_RESTART=0), do
+ACTION just before it trains global step 5 (from 0): ``kill`` (SIGKILL itself), ``stop``
+(SIGSTOP itself: a hung worker) or ``term`` (SIGTERM itself: a preemption notice). Each
+step prints ``restart R rank N step S``.
 """
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -26,24 +33,23 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
 
-
-def batch(step):
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
+EPOCHS, STEPS_PER_EPOCH, GLOBAL_BATCH = 2, 6, 8
 
 
-def save(path, state):
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)  # a checkpoint is whole or absent, never half-written
+def samples() -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    count = STEPS_PER_EPOCH * GLOBAL_BATCH
+    return TensorDataset(torch.randn(count, 4, generator=g), torch.randint(0, 2, (count,), generator=g),
+                         torch.arange(count))
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--save-every", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--event", action="append", default=[])
@@ -57,62 +63,59 @@ def main():
     rank = strategy.cluster_resolver.worker_rank
     events = {}
     for event in args.event:
-        at_restart, at_rank, k, action = event.split(":")
+        at_restart, at_rank, step, action = event.split(":")
         if int(at_restart) == restart and int(at_rank) == rank:
-            events[int(k)] = action
+            events[int(step)] = action
 
     torch.manual_seed(0)
     with strategy.scope():
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    checkpoint = os.path.join(args.out, "checkpoint.pt")
-    start = 0
-    if os.path.exists(checkpoint):
-        state = torch.load(checkpoint, weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start = state["step"]
-        print(f"restart {restart} rank {rank} resumes at step {start}", flush=True)
+    torch.manual_seed(42)   # the shuffles' source; a restore sets it to its state at the backup
+    data = strategy.experimental_distribute_dataset(DataLoader(samples(), batch_size=GLOBAL_BATCH, shuffle=True))
+    ckpt = sg.Checkpoint(model=model, optimizer=optimizer, data=data, step=0)
+    # save_freq in steps; "only on preemption" is a period longer than the job
+    backup = sg.callbacks.BackupAndRestore(os.path.join(args.out, "backups"), delete_checkpoint=False,
+                                           save_freq=args.save_every or 10**9)
+    backup.restore(ckpt)
+    log = open(os.path.join(args.out, f"ids-rank{rank}.jsonl"), "a", buffering=1)   # a write per line
+    log.write(json.dumps({"restart": restart, "resume": ckpt.step}) + "\n")
+    if ckpt.step:
+        print(f"restart {restart} rank {rank} resumes at step {ckpt.step}", flush=True)
     watcher = sg.PreemptionWatcher(strategy) if args.watch else None
 
-    def train_step(inputs):
-        x, y = inputs
+    def train_step(x, y):
         loss = sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
 
-    def state(next_step):
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": next_step}
-
-    data = strategy.experimental_distribute_dataset([batch(s) for s in range(start, args.steps)])
     try:
-        for k, (step, inputs) in enumerate(zip(range(start, args.steps), data)):
-            print(f"restart {restart} rank {rank} step {step}", flush=True)
-            action = events.get(k)
-            if action and args.save_every == 1 and step > 0:
-                # the chief saves step - 1 after the collective both workers took part in:
-                # wait for it, so that the test knows where the next run resumes
-                while torch.load(checkpoint, weights_only=True)["step"] < step:
-                    time.sleep(0.01)
-            if action:
-                print(f"rank {rank} sends itself SIG{action.upper()} at {time.time():.3f}", flush=True)
-                os.kill(os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP,
-                                      "term": signal.SIGTERM}[action])
-            strategy.run(train_step, args=(inputs,))
-            time.sleep(args.step_seconds)
-            if strategy.is_chief and args.save_every and (step + 1) % args.save_every == 0:
-                save(checkpoint, state(step + 1))
-            if watcher is not None and watcher.should_stop():
-                print(f"rank {rank} stops for preemption after step {step}", flush=True)
-                if strategy.is_chief:
-                    save(checkpoint, state(step + 1))
-                watcher.exit()
+        for epoch in range(data.epoch, EPOCHS):   # after a restore: the interrupted epoch, at its step
+            for x, y, ids in data:
+                step = ckpt.step
+                print(f"restart {restart} rank {rank} step {step}", flush=True)
+                action = events.get(step)
+                if action:   # every save before this step has returned here: it is complete
+                    print(f"rank {rank} sends itself SIG{action.upper()} at {time.time():.3f}", flush=True)
+                    os.kill(os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP,
+                                          "term": signal.SIGTERM}[action])
+                strategy.run(train_step, args=(x, y))
+                ckpt.step += 1
+                local_ids = torch.cat(strategy.experimental_local_results(ids)).tolist()
+                log.write(json.dumps({"restart": restart, "epoch": epoch, "step": step, "ids": local_ids}) + "\n")
+                time.sleep(args.step_seconds)
+                backup.on_train_batch_end()   # a backup every --save-every steps
+                if watcher is not None and watcher.should_stop():
+                    print(f"rank {rank} stops for preemption after step {step}", flush=True)
+                    backup.save()
+                    watcher.exit()
+            backup.on_epoch_end(epoch)
     except sg.errors.UnavailableError:
         print(f"rank {rank} raised UnavailableError at {time.time():.3f}", flush=True)
         raise
     if strategy.is_chief:
-        save(os.path.join(args.out, "final.pt"), model.state_dict())
+        torch.save(model.state_dict(), os.path.join(args.out, "final.pt"))
     print(f"restart {restart} rank {rank} done", flush=True)
 
 

@@ -434,6 +434,8 @@ def test_command_reports_a_missing_script(tmp_path: Path) -> None:
     (["--workers", "-1", "{script}"], "--workers (num_workers) must be an integer >= 0, got -1"),
     (["--ps", "-1", "{script}"], "--ps (num_ps) must be an integer >= 0, got -1"),
     (["--max-restarts", "-2", "{script}"], "--max-restarts (max_restarts) must be an integer >= 0"),
+    (["--max-preemptions", "-1", "{script}"],
+     "--max-preemptions (max_preemptions) must be an integer >= 0"),
     (["--ps", "1", "--workers", "0", "{script}"], "needs at least one worker"),
     (["--workers", "3", "--port-base", "65534", "{script}"], "outside 1..65535"),
     (["--port-base", "0", "{script}"], "--port-base (port_base) must be an integer >= 1"),
@@ -478,3 +480,16 @@ def test_add_launch_parser_registers_the_subcommand() -> None:
     assert args.func is run_launch and args.handler is run_launch
     assert (args.workers, args.chief, args.grace_period, args.script, args.args) == (
         3, True, 30.0, "train.py", ["--workers", "9"])
+
+
+def test_the_command_line_starts_its_tasks_without_importing_torch() -> None:
+    # ``stratagem launch`` only starts processes: importing torch first would cost every job
+    # about a second before its tasks even start (they import torch themselves).
+    code = ("import sys\nfrom stratagem.cli import build_parser\n"
+            "args = build_parser('launch').parse_args(['launch', '--workers', '2', 'train.py'])\n"
+            "assert args.workers == 2\n"
+            "import stratagem as sg\nsg.errors, sg.cluster\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('grpc', 'numpy'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -42,7 +42,7 @@ def main():
     # 1. every metric, steps spread over both workers, plus updates made on the coordinator
     data = oracle.make_data(30, seed=7)
     batches = oracle.batches(data, 4)
-    values = [coordinator.schedule(step, args=(b,)) for b in batches[:-1]]
+    values = [coordinator.schedule(step, args=(b, 0.2)) for b in batches[:-1]]
     oracle.update(metrics, batches[-1])
     coordinator.join()
     report["workers_used"] = sorted({v.fetch()[0] for v in values})
@@ -57,8 +57,12 @@ def main():
     data = oracle.make_data(40, seed=8)
     batches = oracle.batches(data, 4)
     victim = task_pid("worker", 1)
-    values = [coordinator.schedule(step, args=(b, 0.4)) for b in batches]
-    time.sleep(1.0)
+    for b in batches:
+        coordinator.schedule(step, args=(b, 0.4))
+    deadline = time.monotonic() + 60
+    while "1" not in executions.read_text().split():   # worker 1 is inside a step (it sleeps 0.4 s)
+        assert time.monotonic() < deadline, "worker 1 never started a step"
+        time.sleep(0.02)
     os.kill(victim, signal.SIGSTOP)
     try:
         coordinator.join(timeout=120)
@@ -68,6 +72,14 @@ def main():
     report["executions"] = len(executions.read_text().split())
     report["steps"] = len(batches)
     report["steps_counted"] = steps.result().item()
+
+    # 3. a metric created outside the strategy's scope cannot be updated by scheduled steps
+    outside = sg.metrics.Mean(name="outside")
+    coordinator.schedule(lambda: outside.update_state(torch.ones(2)))
+    try:
+        coordinator.join()
+    except Exception as error:   # noqa: BLE001 - the test checks its text
+        report["outside_error"] = str(error)
     (out / "report.json").write_text(json.dumps(report))
 
 

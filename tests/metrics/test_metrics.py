@@ -47,7 +47,7 @@ def test_mirrored_three_replicas_uneven_last_batch(rows):
     run_steps(strategy, metrics, data, 7)
     oracle.check(metrics, data)   # outside the scope: also the global value
     with strategy.scope():
-        oracle.check(metrics, data)
+        oracle.check(metrics, data, together=True)
 
 
 def test_updates_in_and_outside_run_add_up_and_reset_state_forgets_them():
@@ -100,6 +100,8 @@ def test_get_resolves_names_like_keras_and_refuses_unknown_ones():
     binary = m.get("accuracy", loss="binary_crossentropy")
     assert type(binary) is m.BinaryAccuracy and binary.threshold == 0.5 and binary.name == "accuracy"
     assert m.get("accuracy", loss=torch.nn.BCEWithLogitsLoss()).threshold == 0.0
+    assert m.get("acc", loss=torch.nn.functional.binary_cross_entropy_with_logits).threshold == 0.0
+    assert type(m.get("acc", loss=torch.nn.functional.cross_entropy)) is m.SparseCategoricalAccuracy
     for name, kind in [("sparse_categorical_accuracy", m.SparseCategoricalAccuracy), ("mae", m.MeanAbsoluteError),
                        ("mse", m.MeanSquaredError), ("auc", m.AUC), ("mean", m.Mean),
                        ("binary_accuracy", m.BinaryAccuracy), ("categorical_accuracy", m.CategoricalAccuracy)]:
@@ -119,7 +121,8 @@ def test_accuracy_without_a_loss_follows_the_shapes():
     acc.update_state(torch.tensor([[1.0], [0.0]]), torch.tensor([[0.9], [0.7]]))      # binary: 1 of 2
     acc.update_state(torch.tensor([2, 0]), torch.tensor([[0.0, 0.1, 0.9], [0.0, 1.0, 0.0]]))  # sparse: 1 of 2
     acc.update_state(torch.tensor([[0.0, 1.0], [1.0, 0.0]]), torch.tensor([[0.2, 0.8], [0.3, 0.7]]))  # one-hot
-    assert acc.result().item() == 3 / 6
+    acc.update_state(torch.tensor([3, 1]), torch.tensor([3, 2]))   # predicted classes: 1 of 2
+    assert acc.result().item() == 4 / 8
 
 
 def test_a_torchmetrics_instance_is_copied_not_shared():
@@ -142,3 +145,28 @@ def test_a_metric_does_not_pickle_but_deep_copies():
     clone = copy.deepcopy(mean)
     clone.update_state(torch.tensor(6.0))
     assert mean.result().item() == 1.5 and abs(clone.result().item() - 12 / 5) < 1e-6 and clone.strategy is strategy
+
+
+def test_every_declared_reduction_of_torchmetrics_states_combines_like_all_rows_at_once():
+    # max, min, sum, cat (a list state), and a callable reduction: MaxMetric, MinMetric, SumMetric,
+    # CatMetric, and a metric with a tensor state reduced by cat
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    values = torch.randn(11)
+    with strategy.scope():
+        metrics = {"max": sg.metrics.get(torchmetrics.MaxMetric()), "min": sg.metrics.get(torchmetrics.MinMetric()),
+                   "sum": sg.metrics.get(torchmetrics.SumMetric()), "cat": sg.metrics.get(torchmetrics.CatMetric()),
+                   "pearson": sg.metrics.get(torchmetrics.PearsonCorrCoef())}
+    data = strategy.experimental_distribute_dataset([values[:7], values[7:]])   # 3/2/2, then 2/0... rows
+    targets = strategy.experimental_distribute_dataset([values[:7].square(), values[7:].square()])
+    for x, t in zip(data, targets):
+        def step(x, t):
+            for name in ("max", "min", "sum", "cat"):
+                metrics[name].update_state(None, x)
+            metrics["pearson"].update_state(t, x)
+        strategy.run(step, args=(x, t))
+    torch.testing.assert_close(metrics["max"].result(), values.max())
+    torch.testing.assert_close(metrics["min"].result(), values.min())
+    torch.testing.assert_close(metrics["sum"].result(), values.sum())
+    torch.testing.assert_close(metrics["cat"].result().sort().values, values.sort().values)
+    torch.testing.assert_close(metrics["pearson"].result(), torchmetrics.PearsonCorrCoef()(values, values.square()),
+                               rtol=1e-4, atol=1e-5)

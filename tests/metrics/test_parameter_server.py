@@ -21,3 +21,5 @@ def test_metrics_updated_on_ps_workers_are_global_and_a_step_run_twice_counts_on
     assert report["all_equal"] and report["workers_used"] == [0, 1]
     assert report["executions"] > report["steps"], report   # the stopped worker's steps ran again...
     assert report["steps_counted"] == report["steps"]       # ...and counted once
+    assert "metric 'outside' was created under DefaultStrategy()" in report["outside_error"]
+    assert "strategy.scope()" in report["outside_error"]

@@ -1,70 +1,22 @@
-"""Callbacks: hooks a training loop calls (Keras's names), and ``BackupAndRestore``.
+"""``BackupAndRestore``: a job killed and started again carries on from its last backup.
 
-A Keras-style ``fit`` calls every callback's hooks; a custom loop calls the ones it
-needs. :class:`BackupAndRestore` makes a job that is killed and started again carry on
-from its last backup, with the same final parameters as a job that was never stopped.
+The final parameters equal those of a job that was never stopped.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
+from stratagem.callbacks.base import Callback
+from stratagem.callbacks.checkpoint import check_save_freq
 from stratagem.errors import InvalidArgumentError
 from stratagem.training.checkpoint import Checkpoint
 from stratagem.training.manager import CheckpointManager
 
-__all__ = ["BackupAndRestore", "Callback"]
+__all__ = ["BackupAndRestore"]
 
 _COUNTERS = ("backup_epoch", "backup_step", "backup_steps_total")
-
-
-class Callback:
-    """Base class of callbacks: every hook does nothing until a subclass overrides it.
-
-    ``epoch`` counts from 0; ``batch`` is the step's index in its epoch; ``logs`` is a
-    dict of metrics (or None).
-
-    Example::
-
-        import stratagem as sg
-
-        class CountSteps(sg.callbacks.Callback):
-            def __init__(self):
-                super().__init__()
-                self.steps = 0
-
-            def on_train_batch_end(self, batch, logs=None):
-                self.steps += 1
-
-        counter = CountSteps()
-        for batch in range(3):
-            counter.on_train_batch_end(batch)
-        assert counter.steps == 3
-    """
-
-    def __init__(self) -> None:
-        self.model: Any = None
-        self.params: dict = {}
-
-    def set_model(self, model: Any) -> None:
-        self.model = model
-
-    def set_params(self, params: dict) -> None:
-        self.params = params
-
-    def on_train_begin(self, logs: dict | None = None) -> None: ...
-
-    def on_train_end(self, logs: dict | None = None) -> None: ...
-
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None: ...
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None: ...
-
-    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None: ...
-
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None: ...
 
 
 class BackupAndRestore(Callback):
@@ -98,8 +50,7 @@ class BackupAndRestore(Callback):
     def __init__(self, backup_dir: "str | os.PathLike", save_freq: "str | int" = "epoch",
                  delete_checkpoint: bool = True, *, checkpoint: Checkpoint | None = None):
         super().__init__()
-        if save_freq != "epoch" and (not isinstance(save_freq, int) or isinstance(save_freq, bool) or save_freq < 1):
-            raise InvalidArgumentError(f"save_freq must be 'epoch' or a positive number of steps, got {save_freq!r}")
+        check_save_freq(save_freq, "BackupAndRestore")
         self.backup_dir = Path(backup_dir)
         self.save_freq = save_freq
         self.delete_checkpoint = bool(delete_checkpoint)
@@ -146,6 +97,10 @@ class BackupAndRestore(Callback):
         return self._manager.save()
 
     # ------------------------------------------------------------ the hooks
+
+    def reads_train_batch_logs(self) -> bool:
+        return False   # it counts the steps
+
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self._manager is None:

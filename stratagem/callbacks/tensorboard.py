@@ -1,0 +1,118 @@
+"""``TensorBoard``: scalar summaries of training (loss, metrics, learning rate, speed), from the chief.
+
+The layout is Keras's, so that dashboards read the same: ``log_dir/train`` holds
+``epoch_loss``, ``epoch_<metric>``, ``epoch_learning_rate``, ``epoch_steps_per_second``
+and ``epoch_samples_per_second`` (and ``batch_<name>`` every ``update_freq`` steps);
+``log_dir/validation`` holds the ``val_`` values under the same names (``epoch_loss``
+...), so TensorBoard draws training and validation on one chart. Written with
+``torch.utils.tensorboard.SummaryWriter`` (the ``tensorboard`` package).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from stratagem.callbacks.base import Callback
+from stratagem.callbacks.monitor import is_chief
+from stratagem.callbacks.schedule import learning_rate
+from stratagem.errors import InvalidArgumentError
+from stratagem.training.summaries import summary_writer, write_scalars
+
+__all__ = ["TensorBoard"]
+
+
+class TensorBoard(Callback):
+    """Write scalar summaries for TensorBoard to ``log_dir`` (on the chief only).
+
+    ``update_freq``: ``"epoch"`` writes once per epoch; ``"batch"`` or an int N also writes
+    the batch logs every N steps (``batch_loss``, ..., the step counted over the whole
+    run). Samples per second come from ``logs["samples_per_second"]`` when the training
+    loop reports it, else from ``params["batch_size"]`` (global) and the epoch's steps.
+    View with ``tensorboard --logdir LOG_DIR``.
+
+    Example::
+
+        import os, tempfile, torch, stratagem as sg
+        from types import SimpleNamespace
+        module = torch.nn.Linear(2, 1)
+        model = SimpleNamespace(module=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
+                                strategy=sg.get_strategy())
+        log_dir = tempfile.mkdtemp()
+        board = sg.callbacks.TensorBoard(log_dir)
+        board.set_model(model)
+        board.on_train_begin()
+        board.on_epoch_begin(0)
+        board.on_epoch_end(0, {"loss": 0.5, "val_loss": 0.6})
+        board.on_train_end()
+        assert sorted(os.listdir(log_dir)) == ["train", "validation"]
+    """
+
+    def __init__(self, log_dir: "str | os.PathLike" = "logs", update_freq: "str | int" = "epoch"):
+        super().__init__()
+        if update_freq == "batch":
+            update_freq = 1
+        if update_freq != "epoch" and (isinstance(update_freq, bool) or not isinstance(update_freq, int)
+                                       or update_freq < 1):
+            raise InvalidArgumentError(f"TensorBoard: update_freq must be 'epoch', 'batch' or a positive number of "
+                                       f"steps, got {update_freq!r}")
+        self.log_dir = os.fspath(log_dir)
+        self.update_freq = update_freq
+        self._writers: dict[str, Any] = {}
+        self._step = 0            # train steps since on_train_begin, for batch summaries
+        self._epoch_started = 0.0
+        self._epoch_steps = 0
+
+    def _writer(self, name: str) -> Any:
+        if name not in self._writers:
+            self._writers[name] = summary_writer(os.path.join(self.log_dir, name))
+        return self._writers[name]
+
+    def reads_train_batch_logs(self) -> bool:
+        return self.update_freq != "epoch"   # else it only counts the steps
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._step = 0
+        if is_chief(self.model):
+            self._writer("train")   # fails now, not after an epoch, when tensorboard is missing
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch_started = time.perf_counter()
+        self._epoch_steps = 0
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._step += 1
+        self._epoch_steps += 1
+        if self.update_freq != "epoch" and self._step % self.update_freq == 0 and is_chief(self.model):
+            write_scalars(self._writer("train"), "batch_", dict(logs or {}), self._step)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if not is_chief(self.model):
+            return
+        logs = dict(logs or {})
+        train = {name: value for name, value in logs.items() if not name.startswith("val_")}
+        validation = {name[4:]: value for name, value in logs.items() if name.startswith("val_")}
+        rate = learning_rate(self.model)
+        if rate is not None:
+            train["learning_rate"] = rate
+        train.pop("lr", None)
+        train.update(self._speed(logs))
+        write_scalars(self._writer("train"), "epoch_", train, epoch)
+        if validation:
+            write_scalars(self._writer("validation"), "epoch_", validation, epoch)
+
+    def _speed(self, logs: dict) -> dict[str, float]:
+        seconds = time.perf_counter() - self._epoch_started
+        steps = self._epoch_steps or self.params.get("steps") or 0
+        if not self._epoch_started or seconds <= 0 or not steps:
+            return {}
+        speed = {"steps_per_second": steps / seconds}
+        if "samples_per_second" not in logs and self.params.get("batch_size"):
+            speed["samples_per_second"] = steps * self.params["batch_size"] / seconds
+        return speed
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()

@@ -1,0 +1,262 @@
+"""Tensor collectives between workers, as run by each worker's local replica 0.
+
+Each function gets this worker's part (its local replicas' tensors) and the shapes of
+every replica's tensors (exchanged beforehand: receivers must know what arrives), and
+makes one ``torch.distributed`` call of the matching kind. Uneven parts are padded to
+the longest and trimmed after; the common even case along the first dimension moves
+no byte more than torch's own call (the result *is* the receive buffer).
+
+``L`` is the number of local replicas per worker, ``W`` the number of workers; global
+replica ``v * L + k`` is worker ``v``'s local replica ``k``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+Shape = tuple[int, ...]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def _padded(flat: torch.Tensor, length: int) -> torch.Tensor:
+    if flat.numel() == length:
+        return flat
+    out = flat.new_zeros(length)
+    out[:flat.numel()].copy_(flat)
+    return out
+
+
+def _carrier(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    return tensor if tensor.device == group.device else tensor.to(group.device)
+
+
+def gather(group: Any, pieces: list[torch.Tensor], shapes: list[Shape], axis: int, num_local: int,
+           destination_worker: int | None = None) -> torch.Tensor | None:
+    """Every replica's tensor concatenated along ``axis``: ``pieces`` are this worker's, ``shapes`` everyone's.
+
+    With ``destination_worker`` only that worker receives it (``dist.gather``; None elsewhere),
+    else every worker does (``dist.all_gather_single``).
+    """
+    ax = axis % len(shapes[0])
+    mine = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=ax)
+    moved = mine.movedim(ax, 0).contiguous()
+    workers = len(shapes) // num_local
+    rows = [sum(s[ax] for s in shapes[v * num_local:(v + 1) * num_local]) for v in range(workers)]
+    rest = tuple(moved.shape[1:])
+    numels = [r * _numel(rest) for r in rows]
+    longest = max(numels)
+    send = _carrier(_padded(moved.reshape(-1), longest), group)
+    receives = destination_worker is None or destination_worker == group.rank
+    buffer = moved.new_empty(workers * longest, device=group.device) if receives else None
+    with group.guard("ReplicaContext.all_gather" if destination_worker is None else "ReplicaContext.gather"):
+        if destination_worker is None:
+            _all_gather_single(buffer, send, group=group.group)
+        else:
+            dist.gather(send, list(buffer.chunk(workers)) if receives else None,
+                        dst=group.global_rank(destination_worker), group=group.group)
+    if buffer is None:
+        return None
+    buffer = buffer.to(mine.device)
+    if ax == 0 and len(set(numels)) == 1:
+        return buffer.view(sum(rows), *rest)  # the receive buffer is the concatenation
+    parts = [buffer[v * longest:v * longest + numels[v]].view(rows[v], *rest).movedim(0, ax)
+             for v in range(workers)]
+    return torch.cat(parts, dim=ax)
+
+
+def reduce_scatter(group: Any, total: torch.Tensor, sizes: list[int], axis: int, worker: int,
+                   num_local: int) -> list[torch.Tensor]:
+    """This worker's local replicas' slices (``sizes`` rows each along ``axis``) of ``total`` summed over workers."""
+    ax = axis % total.dim()
+    moved = total.movedim(ax, 0)
+    rest = tuple(moved.shape[1:])
+    workers = len(sizes) // num_local
+    rows = [sum(sizes[v * num_local:(v + 1) * num_local]) for v in range(workers)]
+    numels = [r * _numel(rest) for r in rows]
+    longest = max(numels)
+    if ax == 0 and len(set(numels)) == 1 and total.is_contiguous():
+        send = total.reshape(-1)  # already the workers' chunks in order
+    else:
+        send = total.new_zeros(workers * longest)
+        flat = moved.contiguous().reshape(-1)
+        offset = 0
+        for v in range(workers):
+            send[v * longest:v * longest + numels[v]].copy_(flat[offset:offset + numels[v]])
+            offset += numels[v]
+    out = total.new_empty(longest, device=group.device)
+    with group.guard("ReplicaContext.reduce_scatter"):
+        dist.reduce_scatter_tensor(out, _carrier(send, group), group=group.group)
+    mine = out[:numels[worker]].to(total.device).view(rows[worker], *rest)
+    local = sizes[worker * num_local:(worker + 1) * num_local]
+    return [piece.movedim(0, ax) for piece in torch.split(mine, local, dim=0)]
+
+
+def broadcast(group: Any, tensors: list[torch.Tensor] | None, shapes: list[tuple[Shape, torch.dtype]],
+              source_worker: int, device: torch.device) -> list[torch.Tensor]:
+    """The source worker's ``tensors`` on every worker (``tensors`` is None elsewhere)."""
+    out = []
+    with group.guard("ReplicaContext.broadcast"):
+        for i, (shape, dtype) in enumerate(shapes):
+            if tensors is not None:
+                buffer = _carrier(tensors[i].contiguous(), group)
+                work = dist.broadcast(buffer, src=group.global_rank(source_worker), group=group.group, async_op=True)
+                mine = tensors[i].to(device, copy=True)  # copied while the bytes travel
+                work.wait()
+            else:
+                buffer = torch.empty(shape, dtype=dtype, device=group.device)
+                dist.broadcast(buffer, src=group.global_rank(source_worker), group=group.group)
+                mine = buffer.to(device)
+            out.append(mine)
+    return out
+
+
+def all_to_all(group: Any, local: list[list[torch.Tensor]], shapes: list[list[Shape]], worker: int,
+               num_local: int) -> list[list[torch.Tensor]]:
+    """``local[k][j]`` goes to replica ``j``; returns, per local replica, what each replica sent it.
+
+    ``shapes[s][j]`` is the shape replica ``s`` sends to replica ``j``. One dtype for all.
+    """
+    workers = len(shapes) // num_local
+    me = range(worker * num_local, (worker + 1) * num_local)
+    order = [local[k][v * num_local + j] for v in range(workers) for k in range(num_local) for j in range(num_local)]
+    send = _flat(order)
+    send_sizes = [sum(_numel(shapes[s][v * num_local + j]) for s in me for j in range(num_local))
+                  for v in range(workers)]
+    receive = [(s, j) for v in range(workers) for s in range(v * num_local, (v + 1) * num_local) for j in me]
+    receive_sizes = [sum(_numel(shapes[s][j]) for s in range(v * num_local, (v + 1) * num_local) for j in me)
+                     for v in range(workers)]
+    out = send.new_empty(sum(receive_sizes), device=group.device)
+    with group.guard("ReplicaContext.all_to_all"):
+        dist.all_to_all_single(out, _carrier(send, group), receive_sizes, send_sizes, group=group.group)
+    out = out.to(send.device)
+    results: list[list[Any]] = [[None] * len(shapes) for _ in range(num_local)]
+    offset = 0
+    for s, j in receive:
+        count = _numel(shapes[s][j])
+        results[j - worker * num_local][s] = out[offset:offset + count].view(shapes[s][j])
+        offset += count
+    return results
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` as one flat tensor: a view when there is one, else a concatenation."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1)
+    run = _contiguous_run(tensors)
+    return run if run is not None else torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _contiguous_run(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One flat view over ``tensors`` when they already lie back to back in one storage (``x.chunk(n)``)."""
+    if not tensors or not all(t.is_contiguous() for t in tensors):
+        return None
+    first = tensors[0]
+    end = first.data_ptr()
+    for t in tensors:
+        if t.dtype != first.dtype or t.device != first.device or t.data_ptr() != end or \
+                t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        end += t.numel() * t.element_size()
+    total = sum(t.numel() for t in tensors)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
+
+
+def scatter(group: Any, pieces: list[torch.Tensor] | None, shapes: list[Shape], dtype: torch.dtype,
+            source_worker: int, worker: int, num_local: int, device: torch.device) -> list[torch.Tensor]:
+    """Replica ``j``'s piece of the source's ``pieces`` (given on the source worker only)."""
+    workers = len(shapes) // num_local
+    numels = [sum(_numel(s) for s in shapes[v * num_local:(v + 1) * num_local]) for v in range(workers)]
+    longest = max(numels)
+    chunks = None
+    if pieces is not None:  # one chunk per worker: its replicas' pieces, flat, padded to the longest
+        chunks = [_carrier(_padded(_flat(pieces[v * num_local:(v + 1) * num_local]), longest), group)
+                  for v in range(workers)]
+    out = torch.empty(longest, dtype=dtype, device=group.device)
+    with group.guard("ReplicaContext.scatter"):
+        dist.scatter(out, chunks, src=group.global_rank(source_worker), group=group.group)
+    out = out.to(device)
+    results, offset = [], 0
+    for s in shapes[worker * num_local:(worker + 1) * num_local]:
+        results.append(out[offset:offset + _numel(s)].view(s))
+        offset += _numel(s)
+    return results
+
+
+# ------------------------------------------------ shapes: one small fixed-size message
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_HEADER = 64  # int64s: enough for the shapes of a few tensors; longer descriptions travel pickled
+
+Described = list[list[tuple[Shape, torch.dtype]]]  # per replica, per tensor: (shape, dtype)
+
+
+def _encode(described: Described) -> list[int] | None:
+    codes = [len(described)]
+    for replica in described:
+        codes.append(len(replica))
+        for shape, dtype in replica:
+            if dtype not in _DTYPES:
+                return None
+            codes += [_DTYPES.index(dtype), len(shape), *shape]
+    return codes if len(codes) < _HEADER else None
+
+
+def _decode(codes: list[int]) -> Described:
+    it = iter(codes)
+    out = []
+    for _ in range(next(it)):
+        replica = []
+        for _ in range(next(it)):
+            dtype, ndim = _DTYPES[next(it)], next(it)
+            replica.append((tuple(next(it) for _ in range(ndim)), dtype))
+        out.append(replica)
+    return out
+
+
+def _header(described: Described | None) -> torch.Tensor:
+    codes = None if described is None else _encode(described)
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    if codes is None:
+        header[0] = -1  # too long, or an unusual dtype: the pickled path
+    else:
+        header[0] = len(codes)
+        header[1:len(codes) + 1] = torch.tensor(codes, dtype=torch.int64)
+    return header
+
+
+def _read(header: list[int]) -> Described:
+    return _decode(header[1:header[0] + 1])
+
+
+def exchange_shapes(group: Any, described: Described, what: str) -> list[Described]:
+    """Every worker's ``described`` (its local replicas' shapes and dtypes), in worker order."""
+    mine = _header(described)
+    everyone = torch.empty(group.world_size * _HEADER, dtype=torch.int64, device=group.device)
+    with group.guard(what):
+        _all_gather_single(everyone, mine.to(group.device), group=group.group)
+    rows = everyone.view(group.world_size, _HEADER).tolist()
+    if any(row[0] < 0 for row in rows):
+        return group.all_gather_object(described, what)
+    return [_read(row) for row in rows]
+
+
+def broadcast_shapes(group: Any, described: Described | None, source_worker: int, what: str) -> Described:
+    """The source worker's ``described`` (given there, None elsewhere) on every worker."""
+    header = _header(described) if described is not None else torch.zeros(_HEADER, dtype=torch.int64)
+    header = header.to(group.device)
+    with group.guard(what):
+        dist.broadcast(header, src=group.global_rank(source_worker), group=group.group)
+    row = header.tolist()
+    if row[0] < 0:
+        return group.broadcast_object(described, what, src=source_worker)
+    return _read(row)
