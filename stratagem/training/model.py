@@ -123,11 +123,12 @@ class Model:
         if metrics is not None and (isinstance(metrics, (str, dict)) or not isinstance(metrics, Iterable)):
             raise InvalidArgumentError(f"metrics must be a list, e.g. metrics=['accuracy'], got {metrics!r}")
         loss_fn = losses_module.get(loss)
-        with self.strategy.scope():
+        with self.strategy.scope():   # nothing is kept unless everything resolves
+            compiled_metrics = [metrics_module.get(m, loss=loss) for m in (metrics or [])]
+            loss_tracker = metrics_module.Mean(name="loss")
             self.optimizer = self._make_optimizer(optimizer)
-            self._loss_tracker = metrics_module.Mean(name="loss")
-            self.compiled_metrics = [metrics_module.get(m, loss=loss) for m in (metrics or [])]
         self.loss, self._loss_fn = loss, loss_fn
+        self._loss_tracker, self.compiled_metrics = loss_tracker, compiled_metrics
 
     def _make_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
         if isinstance(optimizer, torch.optim.Optimizer):

@@ -113,6 +113,10 @@ def test_clear_errors() -> None:
         model.compile("sgd", "msqe")
     with pytest.raises(ValueError, match="unknown optimizer 'adamax'"):
         model.compile("adamax", "mse")
+    with pytest.raises(ValueError, match="precision"):
+        model.compile("sgd", "mse", metrics=["precision"])
+    with pytest.raises(NotCompiledError):   # a failed compile leaves the model uncompiled
+        model.fit(x, y)
     model.compile("sgd", sg.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.raises(ValueError, match="same number of rows, got x 103, y 100"):
         model.fit(x, y[:100])
