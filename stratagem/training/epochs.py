@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from stratagem.callbacks import Callback
 from stratagem.errors import InvalidArgumentError
 from stratagem.training.callback_list import CallbackList
 from stratagem.training.inputs import as_batches
@@ -29,39 +30,54 @@ class ReplicatedEpochs:
         self.steps = steps_per_epoch if steps_per_epoch is not None else length(train)
         self._batches = EpochBatches(self.dataset, steps_per_epoch)
         self._step_fn = model.make_train_function()
-        self._batch_logs: Callable[[], Mapping] = dict
+        self._batch_logs: Callable[[int], Mapping] = lambda step: {}
 
     def prepare(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
-        self._batch_logs = step_logs(self.model, callback_list, progress, "on_train_batch_end")
+        self._batch_logs = step_logs(self.model, callback_list, progress, "on_train_batch_end", self.steps)
 
     def run_epoch(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
         model, strategy, step_fn = self.model, self.model.strategy, self._step_fn
         for step, batch in enumerate(self._batches.epoch()):
             callback_list.call("on_train_batch_begin", step, None)
             strategy.run(step_fn, args=(batch,))
-            logs = self._batch_logs()
+            logs = self._batch_logs(step)
             callback_list.call("on_train_batch_end", step, logs)
             progress.step(global_rows(batch), logs)
             if model.stop_training:
                 break
 
 
-def step_logs(model: Any, callback_list: CallbackList | None, progress: ProgressLogger,
-              hook: str) -> Callable[[], Mapping]:
-    """How each step's logs are made: reading a metric's global value costs a reduction.
+def step_logs(model: Any, callback_list: CallbackList | None, progress: ProgressLogger, hook: str,
+              steps: int | None) -> Callable[[int], Mapping]:
+    """How each step's logs are made (``logs_of(step)``): reading a metric's global value
+    costs a reduction.
 
     In one process that reading is local, so the logs are a lazy mapping, read only if a
     callback or the progress bar looks at them. Across workers it is a collective that
-    every worker must join at the same step: the workers agree once, at the start,
-    whether any of them shows a bar or has a callback with ``hook``; then all read the
-    metrics at every step, or none does (the logs are then empty).
+    every worker must join at the same step, so the workers agree once, at the start, on
+    a schedule: every step when any of them has a callback with ``hook``; else, when any
+    shows a bar, about 20 times an epoch (the bar shows the values of the last reading);
+    else never (the logs are empty).
     """
     if model.strategy.topology.num_workers == 1:
-        return lambda: LazyLogs(model.get_metrics_result)
-    wanted = progress.verbose == 1 or any(overrides(callback, hook) for callback in
-                                          (callback_list.callbacks if callback_list is not None else []))
-    agreed = model.strategy.collective.worker_sum(torch.tensor([float(wanted)]))
-    return model.get_metrics_result if agreed.item() > 0 else dict
+        return lambda step: LazyLogs(model.get_metrics_result)
+    callbacks = callback_list.callbacks if callback_list is not None else []
+    wanted = [float(any(overrides(callback, hook) for callback in callbacks)), float(progress.verbose == 1)]
+    agreed = model.strategy.collective.worker_sum(torch.tensor(wanted))
+    if agreed[0].item() > 0:
+        every = 1
+    elif agreed[1].item() > 0:
+        every = max(1, (steps or 200) // 20)
+    else:
+        return lambda step: {}
+    last: dict = {}
+
+    def logs_of(step: int) -> dict:
+        nonlocal last
+        if step % every == 0 or (steps is not None and step == steps - 1):
+            last = model.get_metrics_result()
+        return last
+    return logs_of
 
 
 class LazyLogs(Mapping):
@@ -91,8 +107,6 @@ class LazyLogs(Mapping):
 
 def overrides(callback: Any, hook: str) -> bool:
     """Whether ``callback`` defines ``hook`` itself (not the do-nothing one of ``Callback``)."""
-    from stratagem.callbacks import Callback
-
     reads = getattr(callback, "reads_train_batch_logs", None)
     if hook == "on_train_batch_end" and callable(reads):   # the callback says whether it reads them
         return bool(reads())

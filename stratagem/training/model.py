@@ -24,13 +24,17 @@ import torch
 from torch import nn
 
 from stratagem import _context
+from stratagem import metrics as metrics_module
+from stratagem.callbacks import BackupAndRestore
 from stratagem.errors import InvalidArgumentError, StratagemError
 from stratagem.training import losses as losses_module
 from stratagem.training.callback_list import CallbackList, History
+from stratagem.training.checkpoint import Checkpoint
 from stratagem.training.epochs import EpochBatches, ReplicatedEpochs, global_rows, length, step_logs
 from stratagem.training.inputs import as_batches, split_validation
 from stratagem.training.progress import ProgressLogger
 from stratagem.training.steps import make_predict_step, make_test_step, make_train_step
+from stratagem.values import flatten, map_structure, pack_as, select_replica
 
 __all__ = ["Model", "NotCompiledError"]
 
@@ -119,13 +123,12 @@ class Model:
         if metrics is not None and (isinstance(metrics, (str, dict)) or not isinstance(metrics, Iterable)):
             raise InvalidArgumentError(f"metrics must be a list, e.g. metrics=['accuracy'], got {metrics!r}")
         loss_fn = losses_module.get(loss)
-        from stratagem import metrics as metrics_module   # loaded on first compile, with torchmetrics
-
-        with self.strategy.scope():
+        with self.strategy.scope():   # nothing is kept unless everything resolves
+            compiled_metrics = [metrics_module.get(m, loss=loss) for m in (metrics or [])]
+            loss_tracker = metrics_module.Mean(name="loss")
             self.optimizer = self._make_optimizer(optimizer)
-            self._loss_tracker = metrics_module.Mean(name="loss")
-            self.compiled_metrics = [metrics_module.get(m, loss=loss) for m in (metrics or [])]
         self.loss, self._loss_fn = loss, loss_fn
+        self._loss_tracker, self.compiled_metrics = loss_tracker, compiled_metrics
 
     def _make_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -174,7 +177,7 @@ class Model:
             (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight, validation_split)
         progress = ProgressLogger(verbose, chief=self._is_chief())
         if _is_parameter_server(self.strategy):
-            from stratagem.training.ps_loop import ScheduledEpochs
+            from stratagem.training.ps_loop import ScheduledEpochs   # grpc: loaded for a ps fit only
 
             loop: Any = ScheduledEpochs(self, x, y, sample_weight, batch_size=batch_size,
                                         steps_per_epoch=steps_per_epoch, shuffle=shuffle)
@@ -206,9 +209,6 @@ class Model:
 
     def _restore_backup(self, callback_list: CallbackList, dataset: Any, initial_epoch: int) -> int:
         """A ``BackupAndRestore`` among the callbacks: restore model, optimizer and input position."""
-        from stratagem.callbacks import BackupAndRestore
-        from stratagem.training.checkpoint import Checkpoint
-
         for callback in callback_list.callbacks:
             if isinstance(callback, BackupAndRestore):
                 state = {"model": self.module, "optimizer": self.optimizer}
@@ -257,14 +257,14 @@ class Model:
         call = callback_list.call if callback_list is not None else (lambda *args: None)
         step_fn = make_test_step(self.module, self._loss_fn, self._loss_tracker, self.compiled_metrics)
         self.reset_metrics()
-        batch_logs = step_logs(self, callback_list, progress, "on_test_batch_end")
+        batch_logs = step_logs(self, callback_list, progress, "on_test_batch_end", steps or length(data))
         call("on_test_begin", None)
         progress.begin(steps or length(data), "evaluate")
         logs: dict = {}
         for step, batch in enumerate(EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
             call("on_test_batch_begin", step, None)
             strategy.run(step_fn, args=(batch,))
-            logs = batch_logs()
+            logs = batch_logs(step)
             call("on_test_batch_end", step, logs)
             progress.step(global_rows(batch), logs)
         logs = self.get_metrics_result()
@@ -276,7 +276,8 @@ class Model:
 
     def predict(self, x: Any, batch_size: int | None = None, steps: int | None = None,
                 callbacks: Sequence[Any] | None = None, verbose: Any = 0) -> Any:
-        """The module's outputs for every example of ``x``, in input order (on every worker).
+        """The module's outputs for every example of ``x``, in input order (on every worker), as
+        CPU tensors (a tuple or dict of them for a module that returns one).
 
         Each replica computes its slice; the slices are put back in order, across workers
         too, with no padding rows. Batches of ``(x, y)`` have their ``y`` ignored.
@@ -289,13 +290,15 @@ class Model:
                                      params={"epochs": 1, "steps": steps or length(data), "verbose": verbose})
         progress = ProgressLogger(verbose, chief=self._is_chief())
         step_fn = make_predict_step(self.module)
+        num_local = strategy.topology.num_local_replicas
         outputs: list[Any] = []
         callback_list.call("on_predict_begin", None)
         progress.begin(steps or length(data), "predict")
         for step, batch in enumerate(EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
             callback_list.call("on_predict_batch_begin", step, None)
-            local = strategy.experimental_local_results(strategy.run(step_fn, args=(batch,)))
-            outputs.append(torch.cat([t.cpu() for t in local]) if len(local) > 1 else local[0].cpu())
+            result = strategy.run(step_fn, args=(batch,))
+            local = [select_replica(i, result) for i in range(num_local)] if num_local > 1 else [result]
+            outputs.append(concat([map_structure(lambda t: t.cpu(), part) for part in local]))
             callback_list.call("on_predict_batch_end", step, {"outputs": outputs[-1]})
             progress.step(global_rows(batch), None)
         progress.end(None)
@@ -305,7 +308,7 @@ class Model:
             outputs = [part for step_parts in zip(*everyone) for part in step_parts]
         if not outputs:
             raise InvalidArgumentError("predict got no batches: the input is empty")
-        return torch.cat(outputs)
+        return concat(outputs)
 
     # ------------------------------------------------------------- metrics
 
@@ -331,6 +334,14 @@ class Model:
 
     def __repr__(self) -> str:
         return f"Model({type(self.module).__name__}, strategy={self.strategy!r})"
+
+
+def concat(parts: list[Any]) -> Any:
+    """Outputs of several slices (tensors, or equal structures of tensors) joined along rows."""
+    if len(parts) == 1:
+        return parts[0]
+    leaves = [flatten(part) for part in parts]
+    return pack_as(parts[0], [torch.cat(column) for column in zip(*leaves)])
 
 
 def _check_count(name: str, value: Any, *, minimum: int) -> None:

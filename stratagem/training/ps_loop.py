@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader
 
+from stratagem.coordinator import ClusterCoordinator
 from stratagem.errors import InvalidArgumentError
 from stratagem.training.callback_list import CallbackList
 from stratagem.training.inputs import DEFAULT_BATCH_SIZE, ArrayDataset, as_batches, keep_batch
@@ -46,8 +47,6 @@ class ScheduledEpochs:
         strategy = model.strategy
         coordinator = strategy.coordinator
         if coordinator is None:
-            from stratagem.coordinator import ClusterCoordinator
-
             coordinator = ClusterCoordinator(strategy)
         self.steps = steps_per_epoch
         self._coordinator = coordinator

@@ -113,6 +113,10 @@ def test_clear_errors() -> None:
         model.compile("sgd", "msqe")
     with pytest.raises(ValueError, match="unknown optimizer 'adamax'"):
         model.compile("adamax", "mse")
+    with pytest.raises(ValueError, match="precision"):
+        model.compile("sgd", "mse", metrics=["precision"])
+    with pytest.raises(NotCompiledError):   # a failed compile leaves the model uncompiled
+        model.fit(x, y)
     model.compile("sgd", sg.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.raises(ValueError, match="same number of rows, got x 103, y 100"):
         model.fit(x, y[:100])
@@ -236,3 +240,25 @@ def test_predict_without_compile_and_numpy_outputs_shape() -> None:
     model = sg.Model(make_module())
     out = model.predict(np.zeros((5, 5), dtype=np.float32), batch_size=2)
     assert out.shape == (5, 3)
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_module()
+
+    def forward(self, x):
+        out = self.body(x)
+        return {"logits": out, "first": out[:, :1]}
+
+
+def test_predict_keeps_a_structured_output() -> None:
+    x, _, _ = data()
+    with sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]).scope():
+        model = sg.Model(TwoHeads())
+    out = model.predict(x, batch_size=10)
+    with torch.no_grad():
+        expected = model.module(torch.from_numpy(x))
+    assert sorted(out) == ["first", "logits"] and out["logits"].shape == (len(x), 3)
+    torch.testing.assert_close(out["logits"], expected["logits"])
+    torch.testing.assert_close(out["first"], expected["first"])
