@@ -1,8 +1,8 @@
 """Exceptions raised by stratagem.
 
-Every error subclasses :class:`StratagemError`, and also ``ValueError`` or
-``RuntimeError`` where one of those fits, so that ``except ValueError`` around a
-call that validates user input keeps working.
+Every error subclasses :class:`StratagemError`, and also ``ValueError``, ``RuntimeError`` or
+``ImportError`` (a missing optional package) where one of those fits, so that ``except
+ValueError`` around a call that validates user input keeps working.
 
 Example::
 
