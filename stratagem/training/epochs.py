@@ -28,6 +28,7 @@ class ReplicatedEpochs:
         self.model = model
         self.dataset = model.strategy.experimental_distribute_dataset(train)
         self.steps = steps_per_epoch if steps_per_epoch is not None else length(train)
+        self.batch_size: int | None = getattr(train, "batch_size", None)   # global; None when unknown
         self._batches = EpochBatches(self.dataset, steps_per_epoch)
         self._step_fn = model.make_train_function()
         self._batch_logs: Callable[[int], Mapping] = lambda step: {}

@@ -186,7 +186,8 @@ class Model:
                                      steps_per_epoch=steps_per_epoch, shuffle=shuffle)
         history = History()
         callback_list = CallbackList([*(callbacks or []), history], model=self,
-                                     params={"epochs": epochs, "steps": loop.steps, "verbose": progress.verbose})
+                                     params={"epochs": epochs, "steps": loop.steps, "verbose": progress.verbose,
+                                             "batch_size": loop.batch_size})
         initial_epoch = self._restore_backup(callback_list, loop.dataset, initial_epoch)
         loop.prepare(callback_list, progress)
         self.history, self.stop_training = history, False

@@ -49,6 +49,7 @@ class ScheduledEpochs:
         if coordinator is None:
             coordinator = ClusterCoordinator(strategy)
         self.steps = steps_per_epoch
+        self.batch_size = batch_size   # global; None when the input makes its own batches
         self._coordinator = coordinator
         dataset_fn = _dataset_fn(x, y, sample_weight, batch_size, shuffle)
         self._iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))

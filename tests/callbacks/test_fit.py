@@ -57,6 +57,8 @@ def test_fit_with_every_callback_under_mirrored(tmp_path: Path) -> None:
     assert [v for _, v in train["epoch_loss"]] == pytest.approx(history.history["loss"])
     assert [v for _, v in validation["epoch_mae"]] == pytest.approx(history.history["val_mae"])
     assert [v for _, v in train["epoch_learning_rate"]] == pytest.approx(rates)
+    speeds = [v for _, v in train["epoch_samples_per_second"]]   # fit tells the callbacks its batch size
+    assert len(speeds) == 3 and all(v > 0 for v in speeds)
 
 
 def test_sidecar_evaluates_a_compiled_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
