@@ -74,11 +74,22 @@ def _timed(command: list[str], *, timeout: float = 120.0) -> dict:
     with Processes() as procs:
         start = time.time()
         procs.start("command", command, child_env(OMP_NUM_THREADS="1"), graceful=True)
-        procs.wait(["command"], timeout)
+        try:
+            procs.wait(["command"], timeout)
+            failure = None
+        except RuntimeError as error:   # a non-zero exit
+            failure = error
         result = {"exit_s": time.time() - start}
         for line in procs.output("command").splitlines():
             if "FIRST_STEP " in line:
                 result["first_step_s"] = float(line.rpartition("FIRST_STEP ")[2]) - start
+    if failure is not None:
+        if "first_step_s" not in result:
+            raise failure
+        # a process that failed after its first step (seen: torchrun's rank 0 with SIGABRT at
+        # exit, 2 rounds of 5 once): the start-up was measured, the failed exit is reported
+        result["bad_exit"] = 1
+        log(f"  {command[2] if len(command) > 2 else command[0]}: exited with an error after its first step")
     return result
 
 
@@ -110,14 +121,20 @@ def main(argv: list[str] | None = None) -> int:
         configurations = _configurations(folder)
         rounds = Rounds(list(configurations), args.rounds, Quiet(args.max_wait, limit=0.2))
         rounds.run(lambda name, _: _timed(configurations[name]))
-    rows = []
+    rows, bad_exits = [], []
     for name in configurations:
+        bad = sum(r.get("bad_exit", 0) for r in rounds.results[name])
+        if bad:
+            bad_exits.append(f"{name}: {bad} of {len(rounds.results[name])} rounds exited with an error "
+                             "after its first step")
         exits = [r["exit_s"] for r in rounds.results[name]]
         firsts = [r["first_step_s"] for r in rounds.results[name] if "first_step_s" in r]
         rows.append([name, f"{statistics.median(firsts):.2f}" if firsts else "", spread(firsts),
                      f"{statistics.median(exits):.2f}" if exits else "", spread(exits)])
     print(f"start-up, median of {args.rounds} rounds (commit {git_commit()})")
     print(format_table(["command", "first step (s)", "range", "exit (s)", "range"], rows))
+    for note in bad_exits:
+        print(f"NOTE: {note}")
     for error in rounds.errors:
         print(f"FAILED: {error}")
     warning = load_warning()

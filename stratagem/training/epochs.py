@@ -57,8 +57,8 @@ def step_logs(model: Any, callback_list: CallbackList | None, progress: Progress
     callback or the progress bar looks at them. Across workers it is a collective that
     every worker must join at the same step, so the workers agree once, at the start, on
     a schedule: every step when any of them has a callback with ``hook``; else, when any
-    shows a bar, about 20 times an epoch (the bar shows the values of the last reading);
-    else never (the logs are empty).
+    shows a bar, about 20 times an epoch but not more often than every 10 steps (the bar
+    shows the values of the last reading); else never (the logs are empty).
     """
     if model.strategy.topology.num_workers == 1:
         return lambda step: LazyLogs(model.get_metrics_result)
@@ -68,7 +68,7 @@ def step_logs(model: Any, callback_list: CallbackList | None, progress: Progress
     if agreed[0].item() > 0:
         every = 1
     elif agreed[1].item() > 0:
-        every = max(1, (steps or 200) // 20)
+        every = max(10, (steps or 200) // 20)   # a reading costs about as much as a small step
     else:
         return lambda step: {}
     last: dict = {}
