@@ -70,9 +70,10 @@ class TensorParallelPlacement(Placement):
     kind = "TensorParallel"
 
     def __init__(self, strategy: Any, mesh: DeviceMesh, plan: dict[str, Any], data: Collective,
-                 everyone: Collective):
+                 everyone: Collective, device: torch.device):
         self._strategy_ref = weakref.ref(strategy)
         self.mesh = mesh
+        self.device = device       # this process's device: modules move there, then are split
         self.plan = check_plan(plan)
         self.data = data           # the data axis (this process's data-parallel peers)
         self.everyone = everyone   # every process (start-up agreement)
@@ -106,6 +107,8 @@ class TensorParallelPlacement(Placement):
         if not roots:
             return
         assignments = self._resolve(roots)
+        for root in roots:
+            root.to(self.device)
         self.everyone.agree_on_modules([m for root in roots for m in root.modules()])
         size = self.mesh["model"].size()
         for root, names in zip(roots, assignments):
@@ -178,8 +181,8 @@ class TensorParallelPlacement(Placement):
         if self.data.num_workers == 1:
             return
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        shards = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
-        with torch.no_grad():
+        with torch.no_grad():   # to_local() is then the shard's own memory: summed in place
+            shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
             for dtype in dict.fromkeys(s.dtype for s in shards):
                 same = [s for s in shards if s.dtype == dtype]
                 flat = torch.cat([s.reshape(-1) for s in same])

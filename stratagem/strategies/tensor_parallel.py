@@ -95,7 +95,8 @@ class TensorParallelStrategy(Strategy):
         local = ReplicaCollective.create((device,), default_cross_device_ops((device,)))
         data = WorkerCollective(local, AxisGroup(full, self.mesh.get_group("data"), data_ranks), options)
         topology = Topology((device,), num_workers=data_size, worker_index=self.mesh.get_local_rank("data"))
-        self._configure(topology, data, TensorParallelPlacement(self, self.mesh, plan, data, self._full))
+        self._configure(topology, data, TensorParallelPlacement(self, self.mesh, plan, data, self._full,
+                                                                    device.torch_device))
         self._resolver = resolver
         _limit_threads(resolver, full.world_size, (device,))
         self._check_same_configuration({"mesh": (data_size, model_size),
