@@ -7,8 +7,8 @@ the plan: each named layer's parameters become DTensors sharded over the model a
 (``ColwiseParallel``: output features; ``RowwiseParallel``: input features;
 ``SequenceParallel``: activations along the sequence dimension). The plan is checked
 first -- every entry must name a module, with a known style, whose sharded dimension
-divides by the model-axis size -- so that a wrong plan raises the same
-InvalidArgumentError on every process, before any collective.
+divides by the model-axis size -- after the processes agreed that they built the same
+modules, so that a wrong plan raises the same InvalidArgumentError on every process.
 
 Optimizers created in scope keep torch's own update over the DTensor parameters; their
 ``step`` first sums each gradient's local shard over the data axis (one all-reduce per
@@ -106,10 +106,11 @@ class TensorParallelPlacement(Placement):
         roots = [m for m in pending if id(m) not in inside and any(True for _ in m.parameters())]
         if not roots:
             return
-        assignments = self._resolve(roots)
         for root in roots:
             root.to(self.device)
+        # every process built the same modules (else all raise), and starts from the chief's values
         self.everyone.agree_on_modules([m for root in roots for m in root.modules()])
+        assignments = self._resolve(roots)
         size = self.mesh["model"].size()
         for root, names in zip(roots, assignments):
             styles = {name: self._style(style) for name, style in names.items()}
@@ -180,13 +181,21 @@ class TensorParallelPlacement(Placement):
     def _sum_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         if self.data.num_workers == 1:
             return
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        group = self.data.group
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        # which parameters have a gradient on some data replica: those missing one here get zeros
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        group.all_reduce(has, "optimizer.step (which gradients exist on the data axis)")
+        for p, count in zip(params, has.tolist()):
+            if count and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params if p.grad is not None]
         with torch.no_grad():   # to_local() is then the shard's own memory: summed in place
             shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
             for dtype in dict.fromkeys(s.dtype for s in shards):
                 same = [s for s in shards if s.dtype == dtype]
                 flat = torch.cat([s.reshape(-1) for s in same])
-                self.data.group.all_reduce(flat, "optimizer.step (gradients over the data axis)")
+                group.all_reduce(flat, "optimizer.step (gradients over the data axis)")
                 offset = 0
                 for s in same:
                     s.copy_(flat[offset:offset + s.numel()].view_as(s))
