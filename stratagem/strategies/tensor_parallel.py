@@ -14,6 +14,7 @@ the same values and get the same input slice).
 
 from __future__ import annotations
 
+import atexit
 from typing import Any
 
 import torch
@@ -85,8 +86,10 @@ class TensorParallelStrategy(Strategy):
         if cuda:
             torch.cuda.set_device(device.torch_device)
         full = WorkerGroup(resolver, options, uses_cuda=cuda)
+        atexit.register(full.close)  # its heartbeat stops before the interpreter does (idempotent)
         if full.solo and not dist.is_initialized():  # a lone process still needs a group for the mesh
             dist.init_process_group(full.backend, store=dist.HashStore(), rank=0, world_size=1)
+            atexit.register(dist.destroy_process_group)
         self.mesh = init_device_mesh(device.kind,
                                      (data_size, model_size), mesh_dim_names=("data", "model"))
         data_ranks = dist.get_process_group_ranks(self.mesh.get_group("data"))
