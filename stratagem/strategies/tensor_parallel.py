@@ -15,6 +15,7 @@ the same values and get the same input slice).
 from __future__ import annotations
 
 import atexit
+import re
 from typing import Any
 
 import torch
@@ -103,7 +104,7 @@ class TensorParallelStrategy(Strategy):
         self._resolver = resolver
         _limit_threads(resolver, full.world_size, (device,))
         self._check_same_configuration({"mesh": (data_size, model_size),
-                                        "plan": {k: str(v) for k, v in plan.items()}})
+                                        "plan": {k: re.sub(r" at 0x[0-9a-f]+", "", str(v)) for k, v in plan.items()}})
 
     @property
     def cluster_resolver(self) -> Any:
