@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -78,7 +79,6 @@ def test_two_data_by_two_model_with_adam(tmp_path: Path) -> None:
 
 
 def test_example_runs_as_its_docstring_says() -> None:
-    import subprocess
     command = [sys.executable, "-m", "stratagem", "launch", "--workers", "2", str(EXAMPLE), "--steps", "10"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
