@@ -111,7 +111,6 @@ class TensorParallelPlacement(Placement):
         # every process built the same modules (else all raise), and starts from the chief's values
         self.everyone.agree_on_modules([m for root in roots for m in root.modules()])
         assignments = self._resolve(roots)
-        size = self.mesh["model"].size()
         for root, names in zip(roots, assignments):
             styles = {name: self._style(style) for name, style in names.items()}
             before = {(id(m), n): p for m in root.modules() for n, p in m._parameters.items() if p is not None}
@@ -149,9 +148,6 @@ class TensorParallelPlacement(Placement):
     @staticmethod
     def _style(style: Any) -> ParallelStyle:
         return STYLES[style]() if isinstance(style, str) else style
-
-    def all_copies(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        return None
 
     def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
         raise InvalidArgumentError(
