@@ -54,12 +54,14 @@ def run_and_compare(tmp_path: Path, data: int, model: int, optimizer: str) -> li
         for step, (got, want) in enumerate(zip(out["history"], expected)):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-12), f"process {rank}, step {step}"
             for name, value in want["params"].items():
-                torch.testing.assert_close(torch.tensor(got["params"][name], dtype=torch.float64), value, rtol=1e-12, atol=1e-12,
+                torch.testing.assert_close(torch.tensor(got["params"][name], dtype=torch.float64), value,
+                                           rtol=1e-12, atol=1e-12,
                                            msg=lambda m: f"process {rank}, step {step}, {name}: {m}")
         assert out["after_round_trip"] == out["history"][-1]["params"]
         for index, state in out["optimizer_state"].items():
             for key, value in state.items():
-                torch.testing.assert_close(torch.tensor(value, dtype=torch.float64), want_state[int(index)][key], rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(torch.tensor(value, dtype=torch.float64), want_state[int(index)][key],
+                                           rtol=1e-12, atol=1e-12)
         errors = out["errors"]
         assert "no module created in scope has that name" in errors["missing"] and "'fc1'" in errors["missing"]
         assert "unknown style 'diagonal'" in errors["style"]
