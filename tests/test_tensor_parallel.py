@@ -16,6 +16,14 @@ from stratagem.errors import InvalidArgumentError
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def leave_the_process_group():
+    """A 1 x 1 mesh needs a (one-process) default group: leave it, so later tests find none."""
+    yield
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1:
+        torch.distributed.destroy_process_group()
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int = 16) -> None:
         super().__init__()

@@ -90,7 +90,7 @@ class TensorParallelStrategy(Strategy):
         atexit.register(full.close)  # its heartbeat stops before the interpreter does (idempotent)
         if full.solo and not dist.is_initialized():  # a lone process still needs a group for the mesh
             dist.init_process_group(full.backend, store=dist.HashStore(), rank=0, world_size=1)
-            atexit.register(dist.destroy_process_group)
+            atexit.register(_leave_solo_group)
         self.mesh = init_device_mesh(device.kind,
                                      (data_size, model_size), mesh_dim_names=("data", "model"))
         data_ranks = dist.get_process_group_ranks(self.mesh.get_group("data"))
@@ -150,3 +150,8 @@ def _mesh_shape(mesh: dict[str, int] | None, world_size: int) -> tuple[int, int]
             f"the mesh {{'data': {data}, 'model': {model}}} has {data * model} processes, but the cluster has "
             f"{world_size}; give sizes whose product is {world_size}")
     return data, model
+
+
+def _leave_solo_group() -> None:
+    if dist.is_initialized():   # (a test may have left it already)
+        dist.destroy_process_group()
