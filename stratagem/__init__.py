@@ -77,6 +77,7 @@ _EXPORTS: dict[str, str] = {
     "callbacks": "stratagem.callbacks", "cluster": "stratagem.cluster", "errors": "stratagem.errors",
     "nn": "stratagem.nn",
     "metrics": "stratagem.metrics",   # (its classes load torchmetrics on first use)
+    "experimental": "stratagem.experimental",
 }
 
 __all__ = sorted(_EXPORTS)

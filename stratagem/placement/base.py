@@ -42,6 +42,9 @@ class Placement(abc.ABC):
     def on_module_registered(self, module: nn.Module) -> None:
         """``module`` registered a tensor in this strategy's scope."""
 
+    def on_submodule_registered(self, module: nn.Module) -> None:
+        """``module`` registered a child module in this strategy's scope (ignored by default)."""
+
     @abc.abstractmethod
     def finalize(self) -> None:
         """Place pending modules and prepare pending optimizers."""

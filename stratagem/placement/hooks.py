@@ -66,6 +66,13 @@ def _on_tensor_registered(module: nn.Module, name: str, tensor: Any) -> None:
     return None
 
 
+def _on_submodule_registered(module: nn.Module, name: str, submodule: Any) -> None:
+    placement = _scoped_placement()
+    if placement is not None and submodule is not None:
+        placement.on_submodule_registered(module)
+    return None
+
+
 def _optimizer_init(self: torch.optim.Optimizer, params: Any, defaults: dict) -> None:
     placement = _scoped_placement()
     if placement is None or getattr(_internal, "active", False) or type(self).__dict__.get("_sg_base") is not None:
@@ -81,7 +88,8 @@ def scope_opened() -> None:
     with _lock:
         if _users == 0:
             _installed[:] = [nn.modules.module.register_module_parameter_registration_hook(_on_tensor_registered),
-                             nn.modules.module.register_module_buffer_registration_hook(_on_tensor_registered)]
+                             nn.modules.module.register_module_buffer_registration_hook(_on_tensor_registered),
+                             nn.modules.module.register_module_module_registration_hook(_on_submodule_registered)]
             torch.optim.Optimizer.__init__ = _optimizer_init
         _users += 1
 

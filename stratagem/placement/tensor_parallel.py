@@ -1,0 +1,259 @@
+"""TensorParallelPlacement: modules split over a mesh's "model" axis, replicated over "data".
+
+Modules created in scope wait until ``finalize()``; then every root module (one that
+no other module created in scope holds) gets the chief's initial values (so that every
+data-parallel group starts alike) and is handed to torch's ``parallelize_module`` with
+the plan: each named layer's parameters become DTensors sharded over the model axis
+(``ColwiseParallel``: output features; ``RowwiseParallel``: input features;
+``SequenceParallel``: activations along the sequence dimension). The plan is checked
+first -- every entry must name a module, with a known style, whose sharded dimension
+divides by the model-axis size -- after the processes agreed that they built the same
+modules, so that a wrong plan raises the same InvalidArgumentError on every process.
+
+Optimizers created in scope keep torch's own update over the DTensor parameters; their
+``step`` first sums each gradient's local shard over the data axis (one all-reduce per
+dtype), as the data-parallel strategies sum over replicas.
+
+State: a placed module's ``state_dict()`` holds full tensors (``DTensor.full_tensor``,
+a collective over the model axis: every process calls it), and ``load_state_dict``
+takes full tensors and keeps each process's shard. The optimizer's state dict does the
+same with its DTensor state. ``sg.Checkpoint`` is refused for now.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from stratagem.comm.collective import Collective
+from stratagem.errors import InvalidArgumentError
+from stratagem.placement.base import Placement
+from stratagem.placement.hooks import adopt, run_hooks, step_hooks, unhooked_step
+
+#: plan style names and the torch ParallelStyle each stands for
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+#: for each style, the weight dimension that is split: (Linear, Embedding)
+_SPLIT_DIM = {"colwise": (0, 1), "rowwise": (1, 0)}
+
+
+def check_plan(plan: Any) -> dict[str, Any]:
+    """The plan as {pattern: style}, styles checked (names or torch ParallelStyle objects)."""
+    if not isinstance(plan, dict) or not plan:
+        raise InvalidArgumentError(
+            f"plan must be a non-empty dict of module name (or glob pattern) -> style, e.g. "
+            f"{{'fc1': 'colwise', 'fc2': 'rowwise'}}; got {plan!r}")
+    checked = {}
+    for pattern, style in plan.items():
+        if not isinstance(pattern, str):
+            raise InvalidArgumentError(f"plan keys are module names, got {pattern!r}")
+        if isinstance(style, str) and style.lower() in STYLES:
+            style = style.lower()
+        elif not isinstance(style, ParallelStyle):
+            raise InvalidArgumentError(
+                f"plan entry {pattern!r} has the unknown style {style!r}; use one of {sorted(STYLES)} "
+                f"or a torch.distributed.tensor.parallel.ParallelStyle object")
+        checked[pattern] = style
+    return checked
+
+
+class TensorParallelPlacement(Placement):
+    """Parameters as DTensors over the model axis of ``mesh``; gradients summed over its data axis."""
+
+    kind = "TensorParallel"
+
+    def __init__(self, strategy: Any, mesh: DeviceMesh, plan: dict[str, Any], data: Collective,
+                 everyone: Collective, device: torch.device):
+        self._strategy_ref = weakref.ref(strategy)
+        self.mesh = mesh
+        self.device = device       # this process's device: modules move there, then are split
+        self.plan = check_plan(plan)
+        self.data = data           # the data axis (this process's data-parallel peers)
+        self.everyone = everyone   # every process (start-up agreement)
+        self._pending: list[nn.Module] = []
+        self._placed: list[nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        # id(parameter before the plan) -> (it, its DTensor replacement): an optimizer given a list
+        # of parameters built before the model was placed gets the replacements
+        self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def strategy(self) -> Any:
+        return self._strategy_ref()
+
+    # ---------------------------------------------------------------- modules
+
+    def on_module_registered(self, module: nn.Module) -> None:
+        if not any(m is module for m in self._pending):
+            self._pending.append(module)
+
+    on_submodule_registered = on_module_registered
+
+    def finalize(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        # modules inside another one, or placed already (parallelize_module re-registers parameters)
+        inside = {id(child) for m in pending for child in m.modules() if child is not m}
+        inside.update(id(m) for root in self._placed for m in root.modules())
+        roots = [m for m in pending if id(m) not in inside and any(True for _ in m.parameters())]
+        if not roots:
+            return
+        for root in roots:
+            root.to(self.device)
+        # every process built the same modules (else all raise), and starts from the chief's values
+        self.everyone.agree_on_modules([m for root in roots for m in root.modules()])
+        assignments = self._resolve(roots)
+        for root, names in zip(roots, assignments):
+            styles = {name: self._style(style) for name, style in names.items()}
+            before = {(id(m), n): p for m in root.modules() for n, p in m._parameters.items() if p is not None}
+            parallelize_module(root, self.mesh["model"], styles)
+            for m in root.modules():
+                for n, p in m._parameters.items():
+                    old = before.get((id(m), n))
+                    if old is not None and p is not old:
+                        self._replaced[id(old)] = (old, p)
+            for module in root.modules():
+                if any(isinstance(t, DTensor) for t in module.parameters(recurse=False)):
+                    module.register_state_dict_post_hook(_full_state)
+                    module.register_load_state_dict_pre_hook(_sharded_state)
+            self._placed.append(root)
+
+    def _resolve(self, roots: list[nn.Module]) -> list[dict[str, Any]]:
+        """For each root, {module name: style}; every plan entry names a module of some root."""
+        size = self.mesh["model"].size()
+        assignments: list[dict[str, Any]] = [{} for _ in roots]
+        for pattern, style in self.plan.items():
+            found = False
+            for root, names in zip(roots, assignments):
+                for name, module in root.named_modules():
+                    if name and (name == pattern or fnmatch.fnmatchcase(name, pattern)):
+                        _check_divisible(name, module, style, size)
+                        names[name] = style
+                        found = True
+            if not found:
+                available = [n for root in roots for n, _ in root.named_modules() if n]
+                raise InvalidArgumentError(
+                    f"the tensor-parallel plan names {pattern!r}, but no module created in scope has that "
+                    f"name; available: {available}")
+        return assignments
+
+    @staticmethod
+    def _style(style: Any) -> ParallelStyle:
+        return STYLES[style]() if isinstance(style, str) else style
+
+    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
+        raise InvalidArgumentError(
+            "sg.Checkpoint does not support TensorParallelStrategy yet; save model.state_dict() and "
+            "optimizer.state_dict() (full tensors, called on every process) with torch.save on the chief")
+
+    def read_checkpoint_state(self, obj: Any, skeleton: Any, directory: Any, name: str) -> Any:
+        return self.write_checkpoint_state(obj, directory, name)
+
+    # ----------------------------------------------------------- optimizers
+
+    def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            group["params"] = [self._replaced.get(id(p), (p, p))[1] for p in group["params"]]
+        adopt(optimizer, self)
+        self._optimizers.append(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+        self.finalize()
+        self._sum_gradients(optimizer)
+        pre, post = step_hooks(optimizer)
+        run_hooks(pre, optimizer)
+        result = unhooked_step(optimizer._sg_base)(optimizer, closure)
+        run_hooks(post, optimizer)
+        return result
+
+    def _sum_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.data.num_workers == 1:
+            return
+        group = self.data.group
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        # which parameters have a gradient on some data replica: those missing one here get zeros
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        group.all_reduce(has, "optimizer.step (which gradients exist on the data axis)")
+        for p, count in zip(params, has.tolist()):
+            if count and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params if p.grad is not None]
+        with torch.no_grad():   # to_local() is then the shard's own memory: summed in place
+            shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+            for dtype in dict.fromkeys(s.dtype for s in shards):
+                same = [s for s in shards if s.dtype == dtype]
+                flat = torch.cat([s.reshape(-1) for s in same])
+                group.all_reduce(flat, "optimizer.step (gradients over the data axis)")
+                offset = 0
+                for s in same:
+                    s.copy_(flat[offset:offset + s.numel()].view_as(s))
+                    offset += s.numel()
+
+    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        optimizer._sg_base.zero_grad(optimizer, set_to_none)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        state = optimizer._sg_base.state_dict(optimizer)
+        state["state"] = {k: {n: _full(v) for n, v in s.items()} for k, s in state["state"].items()}
+        return state
+
+    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        state = dict(state_dict)
+        state["state"] = {k: {n: _like(v, params[int(k)]) for n, v in s.items()}
+                          for k, s in state_dict["state"].items()}
+        optimizer._sg_base.load_state_dict(optimizer, state)
+
+    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+        optimizer._sg_base.add_param_group(optimizer, param_group)
+
+
+def _check_divisible(name: str, module: nn.Module, style: Any, size: int) -> None:
+    if not isinstance(style, str) or style not in _SPLIT_DIM:
+        return
+    if isinstance(module, nn.Linear):
+        dim, dims = _SPLIT_DIM[style][0], ("out_features", "in_features")
+    elif isinstance(module, nn.Embedding):
+        dim, dims = _SPLIT_DIM[style][1], ("num_embeddings", "embedding_dim")
+    else:
+        raise InvalidArgumentError(
+            f"plan entry {name!r} is {style}, which splits nn.Linear and nn.Embedding layers, but "
+            f"{name!r} is a {type(module).__name__}; name its Linear/Embedding children instead")
+    length = module.weight.shape[dim]
+    if length % size:
+        raise InvalidArgumentError(
+            f"plan entry {name!r} is {style}: it splits {dims[dim]} ({length}) over the {size} processes "
+            f"of the model axis, which does not divide; pick a model-axis size that divides {length}")
+
+
+def _full(value: Any) -> Any:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _like(value: Any, param: torch.Tensor) -> Any:
+    """A full tensor from a state dict, sharded like ``param`` (each process keeps its shard)."""
+    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+            and tuple(value.shape) == tuple(param.shape):
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return value
+
+
+def _full_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    for key, value in list(state_dict.items()):
+        if key.startswith(prefix) and "." not in key[len(prefix):] and isinstance(value, DTensor):
+            state_dict[key] = value.full_tensor()
+
+
+def _sharded_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    for name, param in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+        key = prefix + name
+        if key in state_dict:
+            state_dict[key] = _like(state_dict[key], param)
