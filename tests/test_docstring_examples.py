@@ -46,6 +46,16 @@ def _examples() -> list[tuple[str, str]]:
 EXAMPLES = _examples()
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left() -> None:
+    # an example of a strategy that needs torch.distributed even alone (tensor parallelism on a
+    # 1 x 1 mesh starts a one-process group) must not leave it to the tests that follow
+    yield
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def test_examples_were_found() -> None:
     assert len(EXAMPLES) >= 15
 
