@@ -190,11 +190,12 @@ class ZeroPlacement(MirroredPlacement):
                     obj._sg_gathered_state = state
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        """Bytes of optimizer state tensors this worker holds for ``optimizer``."""
+        """Bytes of per-element optimizer state (moments, momentum; not step counters) this
+        worker holds for ``optimizer``."""
         sharded = self.sharded(optimizer)
         return sum(v.numel() * v.element_size() for range_optimizer in sharded.optimizers
                    if range_optimizer is not None for state in range_optimizer.state.values()
-                   for v in state.values() if isinstance(v, torch.Tensor))
+                   for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
 class _Layout:
