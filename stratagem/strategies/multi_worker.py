@@ -114,7 +114,8 @@ class MultiWorkerMirroredStrategy(Strategy):
     def __repr__(self) -> str:
         group = self._collective.group
         return (f"MultiWorkerMirroredStrategy({group.names[group.rank]} of "
-                f"{group.world_size} workers, devices={list(self.worker_devices)})")
+                f"{group.world_size} workers, devices={list(self.worker_devices)}"
+                + (f", sharding={self._sharding!r})" if self._sharding else ")"))
 
 
 def _default_worker_devices(resolver: Any) -> tuple[Device, ...]:
