@@ -6,7 +6,8 @@ test then reads from OUT_DIR/rankR.json:
 - the optimizer state each worker holds (bytes) against plain PyTorch's;
 - ``optimizer.state_dict()`` (gathered) equal to plain PyTorch's;
 - ``sg.Checkpoint`` saved under sharding (OUT_DIR/ckpt), restored into a fresh model and
-  optimizer under the same strategy, training on exactly as the original.
+  optimizer under the same strategy, training on exactly as the original; and one saved
+  without sharding (OUT_DIR/plain, when the test wrote it) restored under sharding.
 
 Usage: python sharding_script.py OUT_DIR --sharding optimizer|gradients
 """
@@ -124,12 +125,21 @@ def main(argv=None):
         strategy.run(step, args=(fresh_models, fresh_optimizers, data[i]))
     resumed_equal = all(torch.equal(p.detach(), a) for m, want in zip(fresh_models, after)
                         for p, a in zip(m.parameters(), want))
+    plain_error = None   # a checkpoint saved without sharding (by the test, under one device), restored here
+    if os.path.exists(os.path.join(args.out, "plain")):
+        plain_models, plain_optimizers = build(60)
+        sg.Checkpoint(model_sgd=plain_models[0], model_adam=plain_models[1], sgd=plain_optimizers[0],
+                      adam=plain_optimizers[1]).restore(os.path.join(args.out, "plain"))
+        for i in range(STEPS, STEPS + 2):
+            strategy.run(step, args=(plain_models, plain_optimizers, data[i]))
+        plain_error = max((p.detach() - a).abs().max().item() for m, want in zip(plain_models, after)
+                          for p, a in zip(m.parameters(), want))
     for m, want in zip(models, expected[STEPS + 1]):
         for p, w in zip(m.parameters(), want):
             worst = max(worst, (p.detach() - w).abs().max().item())
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"worst": worst, "state_error": state_error, "state_bytes": mine, "full_bytes": full,
-                   "resumed_equal": resumed_equal, "num_replicas": strategy.num_replicas_in_sync}, f)
+                   "resumed_equal": resumed_equal, "plain_error": plain_error, "num_replicas": strategy.num_replicas_in_sync}, f)
     print(f"rank {rank} done", flush=True)
 
 

@@ -20,8 +20,23 @@ pytestmark = pytest.mark.timeout(200)
 SCRIPT = Path(sharding_script.__file__)
 
 
+def save_plain(path: Path) -> None:
+    """The reference training (one device, no sharding) saved after STEPS steps."""
+    strategy = sg.OneDeviceStrategy("cpu")
+    with strategy.scope():
+        models = sharding_script.make_model(0), sharding_script.make_model(0)
+        optimizers = sharding_script.make_optimizers(*models)
+    for x, y in sharding_script.make_data()[:sharding_script.STEPS]:
+        for model, optimizer in zip(models, optimizers):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    sg.Checkpoint(model_sgd=models[0], model_adam=models[1], sgd=optimizers[0], adam=optimizers[1]).save(path)
+
+
 @pytest.mark.parametrize("stage", ["optimizer", "gradients"])
 def test_two_workers_match_one_process_with_half_the_state(tmp_path: Path, stage: str) -> None:
+    save_plain(tmp_path / "plain")
     results = run_local_cluster(SCRIPT, 2, args=[str(tmp_path), "--sharding", stage], timeout=150)
     for r in results:
         assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
@@ -31,6 +46,7 @@ def test_two_workers_match_one_process_with_half_the_state(tmp_path: Path, stage
         assert out["worst"] < 1e-12, f"worker {rank}: parameters differ from plain PyTorch by {out['worst']}"
         assert out["state_error"] < 1e-12, f"worker {rank}: gathered state differs by {out['state_error']}"
         assert out["resumed_equal"], f"worker {rank}: training restored from the checkpoint went differently"
+        assert out["plain_error"] < 1e-12, f"worker {rank}: restored from a plain checkpoint: {out['plain_error']}"
         for mine, full in zip(out["state_bytes"], out["full_bytes"]):
             assert 0 < mine <= full // 2 + 8 * 8, (rank, mine, full)   # half, within one element per piece
     assert sum(o["state_bytes"][0] for o in outputs) == outputs[0]["full_bytes"][0]
