@@ -19,6 +19,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -141,6 +142,7 @@ def main(argv=None):
         json.dump({"worst": worst, "state_error": state_error, "state_bytes": mine, "full_bytes": full,
                    "resumed_equal": resumed_equal, "plain_error": plain_error, "num_replicas": strategy.num_replicas_in_sync}, f)
     print(f"rank {rank} done", flush=True)
+    dist.barrier()   # leave together (as collectives_script.py): a worker exiting alone once aborted at exit
 
 
 if __name__ == "__main__":
