@@ -110,7 +110,7 @@ class ZeroPlacement(MirroredPlacement):
                         grads = self._reduce_scattered(layout)
             pre, post = step_hooks(optimizer)
             if pre:
-                if grads is not None:
+                if self.stage == "gradients":
                     raise InvalidArgumentError(
                         "optimizer step pre-hooks see whole gradients, which sharding='gradients' never "
                         "forms; remove the hook or use sharding='optimizer'")

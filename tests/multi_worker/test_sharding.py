@@ -116,3 +116,14 @@ def test_refused_optimizers_and_models() -> None:
         lbfgs.state_dict()
     with pytest.raises(InvalidArgumentError, match="one dtype"):
         sgd.state_dict()
+
+
+def test_step_pre_hooks_are_refused_when_gradients_are_sharded() -> None:
+    strategy = sg.MultiWorkerMirroredStrategy(sharding="gradients")
+    with strategy.scope():
+        model = torch.nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.register_step_pre_hook(lambda *args: None)
+    model(torch.ones(2, 3)).sum().backward()
+    with pytest.raises(InvalidArgumentError, match="pre-hooks see whole gradients"):
+        optimizer.step()
