@@ -72,6 +72,10 @@ class Placement(abc.ABC):
         """
         return None
 
+    def prepare_checkpoint(self, objects: dict[str, Any]) -> None:
+        """Called on every worker by ``Checkpoint.save`` before the chief writes ``objects``
+        (a placement whose state is spread over workers gathers it here). Default: nothing."""
+
     def read_checkpoint_state(self, obj: Any, skeleton: Any, directory: Any, name: str) -> Any:
         """Restore ``obj`` where its state lives, from the files that ``write_checkpoint_state``
         wrote: a :class:`~stratagem.training.pieces.PlacedRestore`, or None (the default): the

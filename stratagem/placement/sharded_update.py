@@ -66,8 +66,11 @@ class ShardedUpdate:
         return all(p.is_contiguous() and not p.is_sparse
                    for group in optimizer.param_groups for p in group["params"])
 
-    def step(self, replica: int) -> None:
-        """Update range ``replica`` from replica 0's (summed) gradients; copy it to every replica."""
+    def step(self, replica: int, grads: Any = None) -> None:
+        """Update range ``replica`` from replica 0's (summed) gradients; copy it to every replica.
+
+        ``grads(index, start, stop)``, when given, supplies the gradient of each piece instead
+        (a worker's shard of a reduce-scattered gradient)."""
         range_optimizer = self.optimizers[replica]
         if range_optimizer is None:
             return
@@ -75,6 +78,9 @@ class ShardedUpdate:
             group.update(_hyper(self._optimizer.param_groups[g]))
         pieces = self.pieces[replica]
         for index, _, view, start, stop in pieces:
+            if grads is not None:
+                view.grad = grads(index, start, stop)
+                continue
             grad = self._copies[index][0].grad
             view.grad = None if grad is None else grad.view(-1)[start:stop]
         unhooked_step(self._base)(range_optimizer)  # no user hooks: the logical step fires them once
@@ -88,12 +94,21 @@ class ShardedUpdate:
 
     def state(self) -> dict[int, dict]:
         """The optimizer state per parameter index, as one optimizer would hold it."""
+        return self.merge(self.parts(range(len(self.optimizers))))
+
+    def parts(self, replicas: Any) -> dict[int, list[tuple[int, dict]]]:
+        """The state of ranges ``replicas``: per parameter index, (start, state) pieces."""
         per_param: dict[int, list[tuple[int, dict]]] = {}
-        for r, range_optimizer in enumerate(self.optimizers):
+        for r in replicas:
+            range_optimizer = self.optimizers[r]
             for index, _, view, start, _ in self.pieces[r]:
                 state = range_optimizer.state.get(view) if range_optimizer is not None else None
                 if state:
                     per_param.setdefault(index, []).append((start, state))
+        return per_param
+
+    def merge(self, per_param: dict[int, list[tuple[int, dict]]]) -> dict[int, dict]:
+        """One optimizer's state per parameter index from the pieces of every range."""
         result = {}
         for index, parts in per_param.items():
             parts.sort(key=lambda part: part[0])
@@ -107,9 +122,10 @@ class ShardedUpdate:
             result[index] = merged
         return result
 
-    def load_state(self, state: dict) -> None:
+    def load_state(self, state: dict, replicas: Any = None) -> None:
+        """Give ranges ``replicas`` (default: all) their slices of one optimizer's ``state``."""
         for r, range_optimizer in enumerate(self.optimizers):
-            if range_optimizer is None:
+            if range_optimizer is None or (replicas is not None and r not in replicas):
                 continue
             for index, _, view, start, stop in self.pieces[r]:
                 entry = state.get(index, state.get(str(index)))
@@ -117,7 +133,7 @@ class ShardedUpdate:
                     range_optimizer.state.pop(view, None)
                     continue
                 range_optimizer.state[view] = {
-                    key: (value.reshape(-1)[start:stop].clone() if isinstance(value, torch.Tensor)
+                    key: (value.reshape(-1)[start:stop].to(view.device, copy=True) if isinstance(value, torch.Tensor)
                           and value.dim() > 0 else (value.clone() if isinstance(value, torch.Tensor) else value))
                     for key, value in entry.items()}
 

@@ -28,6 +28,7 @@ from stratagem.comm.workers import WorkerCollective
 from stratagem.devices import Device, Topology, parse_devices
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.mirrored import MirroredPlacement
+from stratagem.placement.zero import ZeroPlacement, check_sharding
 from stratagem.strategies.base import Strategy
 
 
@@ -37,6 +38,9 @@ class MultiWorkerMirroredStrategy(Strategy):
     ``cluster_resolver=None`` reads TF_CONFIG, else torchrun's variables, else runs
     as a single worker. ``devices`` are this worker's local replicas (default: the
     GPU of this process under torchrun, every visible GPU otherwise, else one CPU).
+    ``sharding="optimizer"`` keeps each worker's optimizer state for its share of the
+    parameters only (ZeRO-1); ``sharding="gradients"`` also reduce-scatters the gradients
+    (ZeRO-2); both need one replica per worker (see docs/sharding.md).
 
     Run the same script on every worker, e.g.::
 
@@ -45,28 +49,43 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     Example::
 
+        import torch
         import stratagem as sg
         strategy = sg.MultiWorkerMirroredStrategy()   # no cluster: one worker
         assert strategy.num_replicas_in_sync == 1
+        sharded = sg.MultiWorkerMirroredStrategy(sharding="optimizer")
+        with sharded.scope():
+            model = torch.nn.Linear(4, 2)
+            optimizer = torch.optim.Adam(model.parameters())
+        assert sorted(optimizer.state_dict()) == ["param_groups", "state"]
     """
 
     def __init__(self, cluster_resolver: Any = None, communication_options: CommunicationOptions | None = None,
-                 *, devices: Sequence["str | torch.device"] | None = None):
+                 *, devices: Sequence["str | torch.device"] | None = None, sharding: str | None = None):
         resolver = resolve() if cluster_resolver is None else cluster_resolver
         options = CommunicationOptions() if communication_options is None else communication_options
         if not isinstance(options, CommunicationOptions):
             raise InvalidArgumentError(f"communication_options must be sg.CommunicationOptions, got {options!r}")
         local_devices = parse_devices(devices) if devices is not None else _default_worker_devices(resolver)
+        check_sharding(sharding, len(local_devices))
         self._resolver = resolver
+        self._sharding = sharding
         if local_devices[0].is_cuda:
             torch.cuda.set_device(local_devices[0].torch_device)  # NCCL's device for this process
         group = WorkerGroup(resolver, options, uses_cuda=local_devices[0].is_cuda)
         topology = Topology(local_devices, num_workers=group.world_size, worker_index=group.rank)
         local = ReplicaCollective.create(local_devices, default_cross_device_ops(local_devices))
         collective = WorkerCollective(local, group, options)
-        self._configure(topology, collective, MirroredPlacement(self, topology, collective))
+        placement = (MirroredPlacement(self, topology, collective) if sharding is None
+                     else ZeroPlacement(self, topology, collective, stage=sharding))
+        self._configure(topology, collective, placement)
         _limit_threads(resolver, group.world_size, local_devices)
         self._check_same_configuration(group.names)
+
+    @property
+    def sharding(self) -> str | None:
+        """What is sharded over the workers: None, ``"optimizer"`` or ``"gradients"`` (docs/sharding.md)."""
+        return self._sharding
 
     @property
     def cluster_resolver(self) -> Any:
@@ -82,7 +101,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         mine = {"strategy": type(self).__name__, "local replicas": self._topology.num_local_replicas,
                 "device kind": self._topology.devices[0].kind, "backend": collective.group.backend,
                 "bytes_per_pack": collective.options.bytes_per_pack,
-                "cross_device_ops": type(collective.local.options).__name__}
+                "cross_device_ops": type(collective.local.options).__name__, "sharding": self._sharding}
         everyone = collective.all_gather_object(mine, "start-up configuration check")
         for rank, theirs in enumerate(everyone):
             for key in mine:
@@ -95,7 +114,8 @@ class MultiWorkerMirroredStrategy(Strategy):
     def __repr__(self) -> str:
         group = self._collective.group
         return (f"MultiWorkerMirroredStrategy({group.names[group.rank]} of "
-                f"{group.world_size} workers, devices={list(self.worker_devices)})")
+                f"{group.world_size} workers, devices={list(self.worker_devices)}"
+                + (f", sharding={self._sharding!r})" if self._sharding else ")"))
 
 
 def _default_worker_devices(resolver: Any) -> tuple[Device, ...]:

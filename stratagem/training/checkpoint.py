@@ -176,6 +176,7 @@ class Checkpoint:
                 f"the workers must agree that a checkpoint is complete, which a thread cannot do beside the "
                 f"training steps' collectives; save with blocking=True")
         positions = {name: obj.state_dict() for name, obj in self._objects.items() if self._kinds[name] == "dataset"}
+        strategy.placement.prepare_checkpoint(self._objects)   # every worker: state spread over them
         if topology.num_workers > 1:
             everyone = collective.all_gather_object(positions, "Checkpoint.save (dataset positions)")
             positions = {name: [worker[name] for worker in everyone] for name in positions}

@@ -1,0 +1,220 @@
+"""ZeroPlacement: mirrored parameters with the optimizer update sharded over the workers (ZeRO).
+
+The parameters of every optimizer created in scope are laid end to end and cut into one
+contiguous range per worker. Worker ``r`` keeps the optimizer state of range ``r`` only
+(a range optimizer over views of its parameters: :mod:`.sharded_update`) and updates
+only that range; the updated ranges are then all-gathered so that every worker again
+holds the whole model for the next forward pass.
+
+Stages (``MultiWorkerMirroredStrategy(sharding=...)``):
+
+- ``"optimizer"`` (ZeRO-1): gradients are all-reduced as without sharding (in packs
+  launched during backward), each worker updates its range from the summed gradient;
+- ``"gradients"`` (ZeRO-2): the gradients are reduce-scattered after backward, so each
+  worker only ever receives the summed gradient of its own range.
+
+``optimizer.state_dict()`` reads as one logical optimizer: it gathers every worker's
+ranges, so every worker must call it (as every worker calls ``Checkpoint.save``, which
+gathers the state on every worker once and lets the chief write it).
+``load_state_dict`` takes one logical state dict; each worker keeps its slices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stratagem._profiling import label
+from stratagem.comm import worker_ops
+from stratagem.errors import InvalidArgumentError
+from stratagem.placement.hooks import placement_of, run_hooks, step_hooks
+from stratagem.placement.mirrored import MirroredPlacement
+from stratagem.placement.mirrored_optimizers import refuse_closure
+from stratagem.placement.sharded_update import ELEMENTWISE, ShardedUpdate
+
+#: ``sharding=`` values, and the ones that exist only as names so far
+STAGES = ("optimizer", "gradients")
+PLANNED = ("parameters",)
+
+
+def check_sharding(sharding: Any, num_local_replicas: int) -> None:
+    """Refuse a ``sharding`` value this strategy cannot run, before anything starts."""
+    if sharding is None:
+        return
+    if sharding in PLANNED:
+        raise InvalidArgumentError(
+            f"sharding={sharding!r} (ZeRO stage 3, parameters sharded between steps) is not available "
+            f"yet; use sharding='optimizer' or 'gradients', which keep the whole model on every worker")
+    if sharding not in STAGES:
+        raise InvalidArgumentError(
+            f"sharding must be None, 'optimizer' or 'gradients', got {sharding!r}")
+    if num_local_replicas != 1:
+        raise InvalidArgumentError(
+            f"sharding={sharding!r} needs one replica per worker (the update is split between workers), "
+            f"got {num_local_replicas} local devices; run one process per device (e.g. "
+            f"`stratagem launch --workers N` or torchrun) and pass devices=[one device] or none")
+
+
+class ZeroPlacement(MirroredPlacement):
+    """One replica per worker; the optimizer state and update sharded over the workers."""
+
+    kind = "Mirrored"
+
+    def __init__(self, strategy: Any, topology: Any, collective: Any, *, stage: str):
+        super().__init__(strategy, topology, collective)
+        check_sharding(stage, self.num_replicas)
+        self.stage = stage
+
+    @property
+    def _rank(self) -> int:
+        return self.collective.worker_index
+
+    def sharded(self, optimizer: torch.optim.Optimizer) -> ShardedUpdate:
+        """The range optimizers of ``optimizer``: one range per worker, built at first use."""
+        sharded = optimizer.__dict__.get("_sg_sharded", False)
+        if sharded is False:
+            self.finalize()
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if optimizer._sg_base not in ELEMENTWISE:
+                raise InvalidArgumentError(
+                    f"sharding={self.stage!r} splits the update element-wise between workers, which "
+                    f"{optimizer._sg_base.__name__} does not allow; use one of "
+                    f"{sorted(c.__name__ for c in ELEMENTWISE)} or sharding=None")
+            kinds = {(p.dtype, p.device) for p in params}
+            if len(kinds) > 1 or any(p.is_sparse or not p.is_contiguous() for p in params):
+                raise InvalidArgumentError(
+                    f"sharding={self.stage!r} needs dense contiguous parameters of one dtype and device, "
+                    f"got {sorted(str(k) for k in kinds)}; use one dtype for the model or sharding=None")
+            with self._build_lock:
+                sharded = ShardedUpdate(optimizer, lambda p: (p,), self.collective.num_workers)
+                optimizer._sg_sharded = sharded
+                optimizer._sg_zero = _Layout(params, sharded, self._rank)
+        return sharded
+
+    # ---------------------------------------------------------------- step
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+        refuse_closure(closure)
+        sharded = self.sharded(optimizer)
+        layout: _Layout = optimizer._sg_zero
+        collective, rank = self.collective, self._rank
+        params = layout.params
+        with label("stratagem.optimizer.step"):
+            grads = None
+            if collective.num_workers > 1:
+                with label("stratagem.gradients.cross_worker"):
+                    if self.stage == "optimizer":
+                        collective.gradient_packs(params).finish()
+                    else:
+                        grads = self._reduce_scattered(layout)
+            pre, post = step_hooks(optimizer)
+            if pre:
+                if self.stage == "gradients":
+                    raise InvalidArgumentError(
+                        "optimizer step pre-hooks see whole gradients, which sharding='gradients' never "
+                        "forms; remove the hook or use sharding='optimizer'")
+                run_hooks(pre, optimizer)
+            with label("stratagem.optimizer.update"):
+                sharded.step(rank, grads)
+            if collective.num_workers > 1:
+                with label("stratagem.parameters.all_gather"):
+                    self._gather_parameters(layout)
+            if post:
+                run_hooks(post, optimizer)
+        return None
+
+    def _reduce_scattered(self, layout: "_Layout") -> Any:
+        """Sum the gradients over workers, each worker receiving its own range only."""
+        group = self.collective.group
+        params = layout.params
+        present = torch.tensor([0 if p.grad is None else 1 for p in params], dtype=torch.int32)
+        group.all_reduce(present, "optimizer.step (which gradients exist)")
+        flat = params[0].new_zeros(layout.total)
+        for p, offset in zip(params, layout.offsets):
+            if p.grad is not None:
+                flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+        shard = worker_ops.reduce_scatter(group, flat, layout.sizes, 0, self._rank, 1)[0]
+        exists = present.tolist()
+        base = layout.bounds[self._rank]
+
+        def piece(index: int, start: int, stop: int) -> torch.Tensor | None:
+            if not exists[index]:
+                return None
+            lo = layout.offsets[index] + start - base
+            return shard[lo:lo + stop - start]
+        return piece
+
+    def _gather_parameters(self, layout: "_Layout") -> None:
+        group = self.collective.group
+        mine = layout.own_range()
+        full = worker_ops.gather(group, [mine], [(n,) for n in layout.sizes], 0, 1)
+        with torch.no_grad():
+            for p, offset in zip(layout.params, layout.offsets):
+                p.view(-1).copy_(full[offset:offset + p.numel()])
+
+    # --------------------------------------------------------- state dicts
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        ready = optimizer.__dict__.pop("_sg_gathered_state", None)
+        result = optimizer._sg_base.state_dict(optimizer)
+        result["state"] = ready if ready is not None else self.gather_state(optimizer)
+        return result
+
+    def gather_state(self, optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+        """Every worker's ranges of the state, merged as one optimizer's (a collective)."""
+        sharded = self.sharded(optimizer)
+        mine = {index: [(start, {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                                 for k, v in state.items()}) for start, state in pieces]
+                for index, pieces in sharded.parts([self._rank]).items()}
+        everyone = [mine]
+        if self.collective.num_workers > 1:
+            everyone = self.collective.all_gather_object(mine, "optimizer.state_dict (sharded state)")
+        merged: dict[int, list] = {}
+        for worker in everyone:
+            for index, pieces in worker.items():
+                merged.setdefault(index, []).extend(pieces)
+        return sharded.merge(merged)
+
+    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        sharded = self.sharded(optimizer)
+        optimizer._sg_base.load_state_dict(optimizer, {**state_dict, "state": {}})
+        sharded.load_state(state_dict["state"], replicas=[self._rank])
+
+    def prepare_checkpoint(self, objects: dict[str, Any]) -> None:
+        """Every worker, before the chief writes: gather each sharded optimizer's state once."""
+        for obj in objects.values():
+            if isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self:
+                state = self.gather_state(obj)
+                if self._rank == 0:   # the writer reads it once, in state_dict()
+                    obj._sg_gathered_state = state
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """Bytes of per-element optimizer state (moments, momentum; not step counters) this
+        worker holds for ``optimizer``."""
+        sharded = self.sharded(optimizer)
+        return sum(v.numel() * v.element_size() for range_optimizer in sharded.optimizers
+                   if range_optimizer is not None for state in range_optimizer.state.values()
+                   for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+class _Layout:
+    """Where each parameter sits in the workers' end-to-end concatenation."""
+
+    def __init__(self, params: list[torch.Tensor], sharded: ShardedUpdate, rank: int):
+        self.params = params
+        self.offsets, total = [], 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.total = total
+        workers = len(sharded.optimizers)
+        self.bounds = [total * r // workers for r in range(workers + 1)]
+        self.sizes = [self.bounds[r + 1] - self.bounds[r] for r in range(workers)]
+        self._views = [view for _, _, view, _, _ in sharded.pieces[rank]]
+        self._empty = params[0].new_empty(0) if params else torch.empty(0)
+
+    def own_range(self) -> torch.Tensor:
+        """This worker's range of the parameters, one flat tensor."""
+        views = [v.detach().reshape(-1) for v in self._views]
+        return torch.cat(views) if views else self._empty

@@ -1,0 +1,149 @@
+"""Trains under MultiWorkerMirroredStrategy(sharding=STAGE) and checks, in each worker, what the
+test then reads from OUT_DIR/rankR.json:
+
+- float64 equivalence with plain single-process PyTorch (SGD with momentum, and Adam, both
+  trained in the same steps), every step, on every worker;
+- the optimizer state each worker holds (bytes) against plain PyTorch's;
+- ``optimizer.state_dict()`` (gathered) equal to plain PyTorch's;
+- ``sg.Checkpoint`` saved under sharding (OUT_DIR/ckpt), restored into a fresh model and
+  optimizer under the same strategy, training on exactly as the original; and one saved
+  without sharding (OUT_DIR/plain, when the test wrote it) restored under sharding.
+
+Usage: python sharding_script.py OUT_DIR --sharding optimizer|gradients
+"""
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import stratagem as sg
+
+STEPS = 4
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 3)).double()   # 93 parameters: uneven ranges
+
+
+def make_optimizers(model_sgd: nn.Module, model_adam: nn.Module):
+    return (torch.optim.SGD(model_sgd.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3),
+            torch.optim.Adam(model_adam.parameters(), lr=0.01))
+
+
+def make_data():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(10, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (10,), generator=g))
+            for _ in range(STEPS + 2)]
+
+
+def state_bytes(optimizer) -> int:
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values()
+               for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def reference():
+    """Plain PyTorch, one process, the whole batch: parameters after every step, the optimizers'
+    state (and its bytes) after STEPS steps."""
+    models = make_model(0), make_model(0)
+    optimizers = make_optimizers(*models)
+    history, states = [], None
+    for i, (x, y) in enumerate(make_data()):
+        for model, optimizer in zip(models, optimizers):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        history.append([[p.detach().clone() for p in m.parameters()] for m in models])
+        if i == STEPS - 1:
+            states = [copy.deepcopy(o.state_dict()["state"]) for o in optimizers]
+            full = [state_bytes(o) for o in optimizers]
+    return history, states, full
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--sharding", required=True)
+    args = parser.parse_args(argv)
+    strategy = sg.MultiWorkerMirroredStrategy(sharding=args.sharding,
+                                              communication_options=sg.CommunicationOptions(timeout_seconds=60))
+    rank = strategy.cluster_resolver.worker_rank
+
+    def build(seed):
+        with strategy.scope():
+            models = make_model(seed), make_model(seed)
+            optimizers = make_optimizers(*models)
+        return models, optimizers
+
+    models, optimizers = build(10 + rank)   # the chief's initial values win
+    ref_models = make_model(0), make_model(0)
+    for m, r in zip(models, ref_models):
+        m.load_state_dict(r.state_dict())   # the same start as the reference (every worker alike)
+
+    def step(models, optimizers, batch):
+        x, y = batch
+        for model, optimizer in zip(models, optimizers):
+            loss = sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+    expected, ref_states, full = reference()
+    data = list(strategy.experimental_distribute_dataset(make_data()))
+    worst = 0.0
+    for i in range(STEPS):
+        strategy.run(step, args=(models, optimizers, data[i]))
+        for m, want in zip(models, expected[i]):
+            for p, w in zip(m.parameters(), want):
+                worst = max(worst, (p.detach() - w).abs().max().item())
+    ckpt = sg.Checkpoint(model_sgd=models[0], model_adam=models[1], sgd=optimizers[0], adam=optimizers[1])
+    ckpt.save(os.path.join(args.out, "ckpt"))
+    gathered = [o.state_dict() for o in optimizers]   # every worker asks: a collective
+    state_error = 0.0
+    for got, want_state in zip(gathered, ref_states):
+        assert sorted(got["state"]) == sorted(want_state), (sorted(got["state"]), sorted(want_state))
+        for index, entry in want_state.items():
+            for key, value in entry.items():
+                state_error = max(state_error, (got["state"][index][key].double() - value.double()).abs().max().item())
+    mine = [strategy.placement.state_bytes(o) for o in optimizers]
+
+    # go on two steps; then restore the checkpoint into fresh objects and take the same two steps
+    for i in range(STEPS, STEPS + 2):
+        strategy.run(step, args=(models, optimizers, data[i]))
+    after = [[p.detach().clone() for p in m.parameters()] for m in models]
+    fresh_models, fresh_optimizers = build(50)
+    restored = sg.Checkpoint(model_sgd=fresh_models[0], model_adam=fresh_models[1],
+                             sgd=fresh_optimizers[0], adam=fresh_optimizers[1])
+    restored.restore(os.path.join(args.out, "ckpt"))
+    for i in range(STEPS, STEPS + 2):
+        strategy.run(step, args=(fresh_models, fresh_optimizers, data[i]))
+    resumed_equal = all(torch.equal(p.detach(), a) for m, want in zip(fresh_models, after)
+                        for p, a in zip(m.parameters(), want))
+    plain_error = None   # a checkpoint saved without sharding (by the test, under one device), restored here
+    if os.path.exists(os.path.join(args.out, "plain")):
+        plain_models, plain_optimizers = build(60)
+        sg.Checkpoint(model_sgd=plain_models[0], model_adam=plain_models[1], sgd=plain_optimizers[0],
+                      adam=plain_optimizers[1]).restore(os.path.join(args.out, "plain"))
+        for i in range(STEPS, STEPS + 2):
+            strategy.run(step, args=(plain_models, plain_optimizers, data[i]))
+        plain_error = max((p.detach() - a).abs().max().item() for m, want in zip(plain_models, after)
+                          for p, a in zip(m.parameters(), want))
+    for m, want in zip(models, expected[STEPS + 1]):
+        for p, w in zip(m.parameters(), want):
+            worst = max(worst, (p.detach() - w).abs().max().item())
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"worst": worst, "state_error": state_error, "state_bytes": mine, "full_bytes": full,
+                   "resumed_equal": resumed_equal, "plain_error": plain_error, "num_replicas": strategy.num_replicas_in_sync}, f)
+    print(f"rank {rank} done", flush=True)
+    dist.barrier()   # leave together (as collectives_script.py): a worker exiting alone once aborted at exit
+
+
+if __name__ == "__main__":
+    sys.exit(main())
