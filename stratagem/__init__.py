@@ -98,8 +98,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:   # what the names are, for type checkers and editors
-    from stratagem import callbacks, cluster, errors, nn
-    from stratagem import metrics
+    from stratagem import callbacks, cluster, errors, experimental, metrics, nn
     from stratagem._context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
     from stratagem.comm.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                                  ReductionToOneDevice)
