@@ -24,6 +24,7 @@ the ps tasks).
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import Any
 
 import torch
@@ -72,9 +73,11 @@ class Placement(abc.ABC):
         """
         return None
 
-    def prepare_checkpoint(self, objects: dict[str, Any]) -> None:
-        """Called on every worker by ``Checkpoint.save`` before the chief writes ``objects``
-        (a placement whose state is spread over workers gathers it here). Default: nothing."""
+    def prepare_checkpoint(self, objects: dict[str, Any]) -> contextlib.AbstractContextManager:
+        """Entered on every worker by ``Checkpoint.save`` around the chief's writing of
+        ``objects`` (a placement whose state is spread over workers gathers it on entry and
+        drops what the writing did not use on exit). Default: nothing."""
+        return contextlib.nullcontext()
 
     def read_checkpoint_state(self, obj: Any, skeleton: Any, directory: Any, name: str) -> Any:
         """Restore ``obj`` where its state lives, from the files that ``write_checkpoint_state``

@@ -21,7 +21,8 @@ gathers the state on every worker once and lets the chief write it).
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -181,13 +182,24 @@ class ZeroPlacement(MirroredPlacement):
         optimizer._sg_base.load_state_dict(optimizer, {**state_dict, "state": {}})
         sharded.load_state(state_dict["state"], replicas=[self._rank])
 
-    def prepare_checkpoint(self, objects: dict[str, Any]) -> None:
-        """Every worker, before the chief writes: gather each sharded optimizer's state once."""
-        for obj in objects.values():
-            if isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self:
-                state = self.gather_state(obj)
-                if self._rank == 0:   # the writer reads it once, in state_dict()
-                    obj._sg_gathered_state = state
+    @contextlib.contextmanager
+    def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
+        """Every worker, around the chief's writing: gather each sharded optimizer's state once.
+
+        The writer reads it once, in ``state_dict()``; what a failed write left unread is
+        dropped on exit, so a later ``state_dict()`` gathers afresh with the other workers.
+        """
+        sharded = [obj for obj in objects.values()
+                   if isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self]
+        for optimizer in sharded:
+            state = self.gather_state(optimizer)
+            if self._rank == 0:
+                optimizer._sg_gathered_state = state
+        try:
+            yield
+        finally:
+            for optimizer in sharded:
+                optimizer.__dict__.pop("_sg_gathered_state", None)
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of per-element optimizer state (moments, momentum; not step counters) this

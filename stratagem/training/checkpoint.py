@@ -176,7 +176,6 @@ class Checkpoint:
                 f"the workers must agree that a checkpoint is complete, which a thread cannot do beside the "
                 f"training steps' collectives; save with blocking=True")
         positions = {name: obj.state_dict() for name, obj in self._objects.items() if self._kinds[name] == "dataset"}
-        strategy.placement.prepare_checkpoint(self._objects)   # every worker: state spread over them
         if topology.num_workers > 1:
             everyone = collective.all_gather_object(positions, "Checkpoint.save (dataset positions)")
             positions = {name: [worker[name] for worker in everyone] for name in positions}
@@ -184,11 +183,12 @@ class Checkpoint:
             positions = {name: [state] for name, state in positions.items()}
         outcome: tuple[str, str] | None = None
         failure = None
-        if topology.worker_index == 0:
-            try:
-                outcome = ("ok", str(self._write(Path(path), positions, strategy, blocking)))
-            except Exception as err:   # told to every worker, then raised everywhere
-                outcome, failure = ("error", f"{type(err).__name__}: {err}"), err
+        with strategy.placement.prepare_checkpoint(self._objects):   # every worker: state spread over them
+            if topology.worker_index == 0:
+                try:
+                    outcome = ("ok", str(self._write(Path(path), positions, strategy, blocking)))
+                except Exception as err:   # told to every worker, then raised everywhere
+                    outcome, failure = ("error", f"{type(err).__name__}: {err}"), err
         if topology.num_workers > 1:
             outcome = collective.broadcast_object(outcome)
         if failure is not None:
