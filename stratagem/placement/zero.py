@@ -35,24 +35,20 @@ from stratagem.placement.mirrored_optimizers import refuse_closure
 from stratagem.placement.sharded_update import ELEMENTWISE, ShardedUpdate
 
 #: ``sharding=`` values, and the ones that exist only as names so far
-STAGES = ("optimizer", "gradients")
-PLANNED = ("parameters",)
+STAGES = ("optimizer", "gradients", "parameters")
 
 
 def check_sharding(sharding: Any, num_local_replicas: int) -> None:
     """Refuse a ``sharding`` value this strategy cannot run, before anything starts."""
     if sharding is None:
         return
-    if sharding in PLANNED:
-        raise InvalidArgumentError(
-            f"sharding={sharding!r} (ZeRO stage 3, parameters sharded between steps) is not available "
-            f"yet; use sharding='optimizer' or 'gradients', which keep the whole model on every worker")
     if sharding not in STAGES:
         raise InvalidArgumentError(
-            f"sharding must be None, 'optimizer' or 'gradients', got {sharding!r}")
+            f"sharding must be None, 'optimizer', 'gradients' or 'parameters', got {sharding!r}")
     if num_local_replicas != 1:
         raise InvalidArgumentError(
-            f"sharding={sharding!r} needs one replica per worker (the update is split between workers), "
+            f"sharding={sharding!r} needs one replica per worker (the model's state is split between "
+            f"workers), "
             f"got {num_local_replicas} local devices; run one process per device (e.g. "
             f"`stratagem launch --workers N` or torchrun) and pass devices=[one device] or none")
 
