@@ -95,8 +95,7 @@ def test_one_worker_is_plain_pytorch(stage: str) -> None:
 
 
 @pytest.mark.parametrize("sharding, devices, match", [
-    ("zero1", None, "sharding must be None, 'optimizer' or 'gradients', got 'zero1'"),
-    ("parameters", None, "not available yet"),
+    ("zero1", None, "sharding must be None, 'optimizer', 'gradients' or 'parameters', got 'zero1'"),
     ("optimizer", ["cpu:0", "cpu:1"], "needs one replica per worker"),
 ])
 def test_refused_configurations(sharding, devices, match) -> None:
