@@ -20,12 +20,15 @@ The local gradients of backward (4Ψ, whole under every stage here) are reported
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-STAGES = (None, "optimizer", "gradients")
+STAGES = (None, "optimizer", "gradients", "parameters")
+BATCH = 256
 
 
 def _storage_bytes(tensors) -> int:
@@ -37,20 +40,24 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def worker(out: str, stage: str) -> None:
+def worker(out: str, stage: str, steps: str = "0") -> None:
+    import time
+
     import torch
     import torch.nn.functional as F
     from torch import nn
 
     import stratagem as sg
 
-    strategy = sg.MultiWorkerMirroredStrategy(sharding=None if stage == "none" else stage)
-    with strategy.scope():
+    strategy = sg.MultiWorkerMirroredStrategy(sharding=None if stage in ("none", "ddp") else stage)
+    with (strategy.scope() if stage != "ddp" else contextlib.nullcontext()):
         model = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
                               nn.Linear(1024, 10))
+        if stage == "ddp":   # torch's DistributedDataParallel on the strategy's process group
+            model = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     params = list(model.parameters())
-    x, y = torch.randn(64, 784), torch.randint(0, 10, (64,))
+    x, y = torch.randn(BATCH, 784), torch.randint(0, 10, (BATCH,))
     local_grads = 0
 
     def step():
@@ -58,24 +65,44 @@ def worker(out: str, stage: str) -> None:
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
-        local_grads = _storage_bytes([p.grad for p in params])
+        local_grads = _storage_bytes([_local(p.grad) for p in params])
         optimizer.step()
 
+    run = step if stage == "ddp" else (lambda: strategy.run(step))
     for _ in range(2):
-        strategy.run(step)
+        run()
     optimizer.zero_grad(set_to_none=True)
-    packs = [pack.buffer for packs in strategy.collective._packs.values() for pack in packs.packs]
-    state = (strategy.placement.state_bytes(optimizer) if stage != "none" else
-             sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                 if isinstance(v, torch.Tensor) and v.dim() > 0))
-    result = {"psi": sum(p.numel() for p in params), "params": _storage_bytes(params),
-              "summed_grads": _storage_bytes(packs), "state": state, "local_grads": local_grads,
-              "workers": strategy.num_replicas_in_sync}
+    result: dict = {"workers": strategy.num_replicas_in_sync}
+    if stage != "ddp":
+        packs = [pack.buffer for packs in strategy.collective._packs.values() for pack in packs.packs]
+        if stage == "parameters":   # p.grad is the summed shard, kept from backward until zero_grad
+            packs = []
+        state = (strategy.placement.state_bytes(optimizer) if stage != "none" else
+                 sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0))
+        result.update({"psi": sum(_full_numel(p) for p in params), "params": _storage_bytes(map(_local, params)),
+                       "summed_grads": local_grads if stage == "parameters" else _storage_bytes(packs),
+                       "state": state, "local_grads": 0 if stage == "parameters" else local_grads})
+    if int(steps):
+        start = time.perf_counter()
+        for _ in range(int(steps)):
+            run()
+        result["step_s"] = (time.perf_counter() - start) / int(steps)
     rank = strategy.cluster_resolver.worker_rank
     Path(out, f"{stage}-{rank}.json").write_text(json.dumps(result))
 
 
+def _local(t):
+    return t.to_local() if t is not None and hasattr(t, "to_local") else t
+
+
+def _full_numel(t) -> int:
+    return t.numel()   # a DTensor's numel is the whole parameter's
+
+
 def analytic(stage: str | None, psi: int, n: int) -> tuple[float, float, float]:
+    if stage == "parameters":   # stage 3: 16Ψ/N, the summed gradient shard counted (kept until zero_grad)
+        return 4 * psi / n, 4 * psi / n, 8 * psi / n
     grads = 4 * psi if stage in (None, "optimizer") else 0   # stage 2: the sum lives only during the step
     state = 8 * psi if stage is None else 8 * psi / n
     return 4 * psi, grads, state
@@ -84,7 +111,9 @@ def analytic(stage: str | None, psi: int, n: int) -> tuple[float, float, float]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--worker", nargs=2, metavar=("OUT", "STAGE"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs="+", metavar="OUT STAGE [STEPS]", help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=3, help="timing rounds (each launches every stage and DDP)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per launch")
     args = parser.parse_args(argv)
     if args.worker:
         worker(*args.worker)
@@ -94,25 +123,47 @@ def main(argv=None) -> int:
     mib = 1 << 20
     print(f"ZeRO sharding, memory held per worker between steps, {args.workers} workers, "
           f"MLP 784-1024-1024-10 float32, Adam (MiB)")
-    print(f"{'sharding':<12}{'params':>9}{'sum grads':>11}{'opt state':>11}{'total':>9}"
+    print(f"{'sharding':<14}{'params':>9}{'sum grads':>11}{'opt state':>11}{'total':>9}"
           f"{'analytic':>10}{'ratio':>8}{'local grads':>13}")
     failed = False
+    times: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as out:
-        for stage in STAGES:
-            name = "none" if stage is None else stage
-            results = run_local_cluster(Path(__file__), args.workers, args=["--worker", out, name], timeout=300)
-            if any(r.returncode != 0 for r in results):
-                failed = True
-                print(f"{name}: failed\n" + "\n".join(r.output[-2000:] for r in results), file=sys.stderr)
-                continue
-            for rank in range(args.workers):
-                got = json.loads(Path(out, f"{name}-{rank}.json").read_text())
-                p, g, s = analytic(stage, got["psi"], args.workers)
-                total = got["params"] + got["summed_grads"] + got["state"]
-                print(f"{str(stage) + ' r' + str(rank):<12}{got['params'] / mib:>9.2f}{got['summed_grads'] / mib:>11.2f}"
-                      f"{got['state'] / mib:>11.2f}{total / mib:>9.2f}{(p + g + s) / mib:>10.2f}"
-                      f"{total / (p + g + s):>8.3f}{got['local_grads'] / mib:>13.2f}")
+        for round_ in range(max(args.rounds, 1)):
+            for stage in ("ddp",) + STAGES:
+                name = "none" if stage is None else str(stage)
+                results = run_local_cluster(Path(__file__), args.workers, timeout=300,
+                                            args=["--worker", out, name, str(args.steps)])
+                if any(r.returncode != 0 for r in results):
+                    failed = True
+                    print(f"{name}: failed\n" + "\n".join(r.output[-2000:] for r in results), file=sys.stderr)
+                    continue
+                got = [json.loads(Path(out, f"{name}-{rank}.json").read_text()) for rank in range(args.workers)]
+                if args.steps:
+                    times.setdefault(name, []).append(max(g["step_s"] for g in got))
+                if round_ or stage == "ddp":
+                    continue
+                for rank, g in enumerate(got):
+                    p, gr, st = analytic(stage, g["psi"], args.workers)
+                    total = g["params"] + g["summed_grads"] + g["state"]
+                    print(f"{str(stage) + ' r' + str(rank):<14}{g['params'] / mib:>9.2f}{g['summed_grads'] / mib:>11.2f}"
+                          f"{g['state'] / mib:>11.2f}{total / mib:>9.2f}{(p + gr + st) / mib:>10.2f}"
+                          f"{total / (p + gr + st):>8.3f}{g['local_grads'] / mib:>13.2f}")
+    if times.get("ddp"):
+        _print_times(times, args)
     return 1 if failed else 0
+
+
+def _print_times(times: dict[str, list[float]], args: argparse.Namespace) -> None:
+    """Step time of each stage against DDP, per round (the rounds launch in turn: a noisy machine
+    slows one round, not one stage) and the median of the rounds."""
+    print(f"\nstep time against torch's DistributedDataParallel (same model, Adam, global batch "
+          f"{BATCH * args.workers}, {args.steps} steps per launch, {args.workers} workers)")
+    print(f"{'sharding':<12}{'ms/step (median)':>18}{'ratio to DDP per round':>36}{'median':>8}")
+    ddp = times["ddp"]
+    for name, values in times.items():
+        ratios = [v / d for v, d in zip(values, ddp)]
+        print(f"{name:<12}{statistics.median(values) * 1e3:>18.1f}{' '.join(f'{r:.2f}' for r in ratios):>36}"
+              f"{statistics.median(ratios):>8.2f}")
 
 
 if __name__ == "__main__":

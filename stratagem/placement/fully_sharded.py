@@ -116,7 +116,8 @@ class FullyShardedPlacement(Placement):
             fully_shard(top, mesh=self.mesh)
         for module in root.modules():
             if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)   # a sum over workers, as every other path
+                module.set_gradient_divide_factor(1.0)   # a sum over workers, as every other path,
+                module.set_force_sum_reduction_for_comms(True)   # with ReduceOp.SUM (gloo has no PREMUL_SUM)
             for n, p in module._parameters.items():
                 old = before.get((id(module), n))
                 if old is not None and p is not old:
