@@ -57,7 +57,7 @@ def test_two_workers_match_one_process_and_checkpoints_cross_layouts(tmp_path: P
         assert out["metric"] == pytest.approx(2 / 3)   # rows [0] and [1, 1]
         assert len(out["fit_loss"]) == 2 and all(loss == loss for loss in out["fit_loss"])
     assert outputs[0]["fit_loss"] == outputs[1]["fit_loss"]
-    torch.testing.assert_close(outputs[0]["fit_loss"], zero3_script.fit(sg.OneDeviceStrategy("cpu")), rtol=1e-6, atol=0)
+    torch.testing.assert_close(outputs[0]["fit_loss"], zero3_script.fit(sg.OneDeviceStrategy("cpu")), rtol=1e-5, atol=0)
     assert sum(o["param_bytes"] for o in outputs) == outputs[0]["full_param_bytes"]
     assert sum(o["state_bytes"][1] for o in outputs) == outputs[0]["full_bytes"][1]
 

@@ -10,7 +10,7 @@ each worker, what the test then reads from OUT_DIR/rankR.json:
   stage 2 (a second strategy in the same processes), one written under stage 2 restored under
   stage 3, and one written without sharding by the test (OUT_DIR/plain) restored here: each
   then trains on exactly as the original did;
-- ``sg.Model.fit`` for one epoch.
+- ``sg.Model.fit`` for two epochs in float32 (gradients summed with ReduceOp.SUM under gloo).
 
 With ``--restore DIR`` (another number of workers): only restores DIR, takes the two steps
 after it and checks them against plain PyTorch.
@@ -149,11 +149,11 @@ def main(argv=None):
 
 
 def fit(strategy) -> list[float]:
-    """The losses of two epochs of Keras-style fit (the test runs it under one device too)."""
+    """The losses of two epochs of Keras-style fit, in float32 (the test runs it under one device too)."""
     with strategy.scope():
-        keras = sg.Model(make_model(3))
+        keras = sg.Model(make_model(3).float())
         keras.compile(optimizer="adam", loss=torch.nn.CrossEntropyLoss())
-    x = torch.randn(24, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(24, 6, generator=torch.Generator().manual_seed(4))
     y = torch.arange(24) % 3
     return keras.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False).history["loss"]
 
