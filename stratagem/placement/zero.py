@@ -28,6 +28,7 @@ import torch
 
 from stratagem._profiling import label
 from stratagem.comm import worker_ops
+from stratagem.comm.scattered_gradients import ScatteredGradients
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.hooks import placement_of, run_hooks, step_hooks
 from stratagem.placement.mirrored import MirroredPlacement
@@ -85,9 +86,22 @@ class ZeroPlacement(MirroredPlacement):
                     f"got {sorted(str(k) for k in kinds)}; use one dtype for the model or sharding=None")
             with self._build_lock:
                 sharded = ShardedUpdate(optimizer, lambda p: (p,), self.collective.num_workers)
+                layout = _Layout(params, sharded, self._rank)
+                if self.stage == "gradients" and self.collective.num_workers > 1:
+                    layout.scattered = ScatteredGradients(
+                        params, layout.offsets, layout.bounds, self._rank, self.collective.group,
+                        bytes_per_pack=self.collective.options.bytes_per_pack)
                 optimizer._sg_sharded = sharded
-                optimizer._sg_zero = _Layout(params, sharded, self._rank)
+                optimizer._sg_zero = layout
         return sharded
+
+    def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        super()._prepare_optimizer(optimizer)
+        if self.stage == "gradients":   # the packs' hooks must exist before the first backward
+            try:
+                self.sharded(optimizer)
+            except InvalidArgumentError:
+                pass   # raised again, to the user, at the optimizer's first use
 
     # ---------------------------------------------------------------- step
 
@@ -122,17 +136,9 @@ class ZeroPlacement(MirroredPlacement):
         return None
 
     def _reduce_scattered(self, layout: "_Layout") -> Any:
-        """Sum the gradients over workers, each worker receiving its own range only."""
-        group = self.collective.group
-        params = layout.params
-        present = torch.tensor([0 if p.grad is None else 1 for p in params], dtype=torch.int32)
-        group.all_reduce(present, "optimizer.step (which gradients exist)")
-        flat = params[0].new_zeros(layout.total)
-        for p, offset in zip(params, layout.offsets):
-            if p.grad is not None:
-                flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-        shard = worker_ops.reduce_scatter(group, flat, layout.sizes, 0, self._rank, 1)[0]
-        exists = present.tolist()
+        """Sum the gradients over workers, each worker receiving its own range only (the packs
+        of :mod:`stratagem.comm.scattered_gradients`, launched during backward)."""
+        shard, exists = layout.scattered.finish()
         base = layout.bounds[self._rank]
 
         def piece(index: int, start: int, stop: int) -> torch.Tensor | None:
@@ -141,6 +147,12 @@ class ZeroPlacement(MirroredPlacement):
             lo = layout.offsets[index] + start - base
             return shard[lo:lo + stop - start]
         return piece
+
+    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        super().optimizer_zero_grad(optimizer, set_to_none)
+        layout = optimizer.__dict__.get("_sg_zero")
+        if layout is not None and layout.scattered is not None:
+            layout.scattered.discard()   # gradients reduced during a backward that no step followed
 
     def _gather_parameters(self, layout: "_Layout") -> None:
         group = self.collective.group
@@ -221,6 +233,7 @@ class _Layout:
         self.sizes = [self.bounds[r + 1] - self.bounds[r] for r in range(workers)]
         self._views = [view for _, _, view, _, _ in sharded.pieces[rank]]
         self._empty = params[0].new_empty(0) if params else torch.empty(0)
+        self.scattered: ScatteredGradients | None = None   # sharding="gradients", several workers
 
     def own_range(self) -> torch.Tensor:
         """This worker's range of the parameters, one flat tensor."""
