@@ -49,7 +49,11 @@ def worker(out: str, stage: str, steps: str = "0") -> None:
 
     import stratagem as sg
 
-    strategy = sg.MultiWorkerMirroredStrategy(sharding=None if stage in ("none", "ddp") else stage)
+    small = stage == "gradients-small"   # stage 2 with 1 MiB packs
+    options = sg.CommunicationOptions(bytes_per_pack=1 << 20 if small else 0)
+    stage = "gradients" if small else stage
+    strategy = sg.MultiWorkerMirroredStrategy(sharding=None if stage in ("none", "ddp") else stage,
+                                              communication_options=options)
     with (strategy.scope() if stage != "ddp" else contextlib.nullcontext()):
         model = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
                               nn.Linear(1024, 10))
@@ -83,13 +87,15 @@ def worker(out: str, stage: str, steps: str = "0") -> None:
         result.update({"psi": sum(_full_numel(p) for p in params), "params": _storage_bytes(map(_local, params)),
                        "summed_grads": local_grads if stage == "parameters" else _storage_bytes(packs),
                        "state": state, "local_grads": 0 if stage == "parameters" else local_grads})
+        if stage == "gradients":   # the gradient buffers held at once during the last step
+            result["grad_peak"] = optimizer._sg_zero.scattered.peak_bytes
     if int(steps):
         start = time.perf_counter()
         for _ in range(int(steps)):
             run()
         result["step_s"] = (time.perf_counter() - start) / int(steps)
     rank = strategy.cluster_resolver.worker_rank
-    Path(out, f"{stage}-{rank}.json").write_text(json.dumps(result))
+    Path(out, f"{'gradients-small' if small else stage}-{rank}.json").write_text(json.dumps(result))
 
 
 def _local(t):
@@ -148,9 +154,28 @@ def main(argv=None) -> int:
                     print(f"{str(stage) + ' r' + str(rank):<14}{g['params'] / mib:>9.2f}{g['summed_grads'] / mib:>11.2f}"
                           f"{g['state'] / mib:>11.2f}{total / mib:>9.2f}{(p + gr + st) / mib:>10.2f}"
                           f"{total / (p + gr + st):>8.3f}{g['local_grads'] / mib:>13.2f}")
+        _print_stage2_peaks(out, args, failed)
     if times.get("ddp"):
         _print_times(times, args)
     return 1 if failed else 0
+
+
+def _print_stage2_peaks(out: str, args: argparse.Namespace, failed: bool) -> None:
+    """Stage 2's gradient buffers at their peak during a step, with the default packs and 1 MiB packs,
+    against what one reduce-scatter after backward held (whole local gradients, a flat copy, the range)."""
+    from stratagem.testing import run_local_cluster
+
+    results = run_local_cluster(Path(__file__), args.workers, timeout=300, args=["--worker", out, "gradients-small"])
+    if any(r.returncode != 0 for r in results):
+        print("gradients-small: failed\n" + "\n".join(r.output[-2000:] for r in results), file=sys.stderr)
+        return
+    mib = 1 << 20
+    default = json.loads(Path(out, "gradients-0.json").read_text())
+    small = json.loads(Path(out, "gradients-small-0.json").read_text())
+    psi = default["psi"]
+    print(f"stage 2, gradient buffers at their peak during a step (worker 0): {default['grad_peak'] / mib:.2f} MiB "
+          f"(default packs), {small['grad_peak'] / mib:.2f} MiB (1 MiB packs); one reduce-scatter after backward "
+          f"held {(8 * psi + 4 * psi / args.workers) / mib:.2f} MiB (local gradients 4Ψ, a flat copy 4Ψ, the range 4Ψ/N)")
 
 
 def _print_times(times: dict[str, list[float]], args: argparse.Namespace) -> None:

@@ -8,7 +8,8 @@ a small first pack), so each pack is one contiguous span ``[lo, hi)`` of the con
 During backward, a hook on each parameter adds its fresh gradient into its pack's buffer
 and frees ``param.grad`` at once. When every parameter of a pack has a gradient, the pack
 is launched: for each worker whose range meets the span, one asynchronous ``reduce`` of
-that part to that worker. Packs launch in index order on every worker (gloo and NCCL need
+that part to that worker. Before a new pack's buffer is made, the packs in flight are
+waited for, so one pack travels while the next one fills. Packs launch in index order on every worker (gloo and NCCL need
 the same collectives in the same order). A finished pack's own part is added to this
 worker's range of the sum (``shard``) and the pack's buffer is dropped; so at any time a
 worker holds the gradients of the packs still filling or in flight, and its range of the sum.
@@ -111,6 +112,11 @@ class ScatteredGradients:
             self._add(span.late, span, index, grad)
         else:
             if span.buffer is None:
+                # before a new buffer, the packs in flight arrive and are dropped: at most one pack
+                # travels while the next one fills (memory stays one pack + the range of the sum)
+                for launched in self.spans[:self._next_launch]:
+                    if launched.buffer is not None:
+                        self._harvest(launched)
                 span.buffer = self._zeros(span.hi - span.lo)
             self._add(span.buffer, span, index, grad)
             span.fired[position] = True
@@ -123,7 +129,10 @@ class ScatteredGradients:
         while self._next_launch < len(self.spans) and all(self.spans[self._next_launch].fired):
             self._launch(self.spans[self._next_launch])
             self._next_launch += 1
-        for span in self.spans[:self._next_launch]:   # drop what has arrived
+        self._harvest_arrived()
+
+    def _harvest_arrived(self) -> None:
+        for span in self.spans[:self._next_launch]:
             if span.buffer is not None and all(w.is_completed() for *_, w in span.works):
                 self._harvest(span)
 
