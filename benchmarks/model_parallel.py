@@ -1,20 +1,28 @@
-"""Model parallelism: memory per worker of ZeRO sharding against its analytic value.
+"""Model parallelism: memory per worker of ZeRO sharding against its analytic value, and step time.
 
-Runs MultiWorkerMirroredStrategy with sharding=None, "optimizer" and "gradients" on 2 local
-worker processes (gloo), trains the benchmark MLP (784-1024-1024-10, float32, Adam) for two
+Runs MultiWorkerMirroredStrategy with sharding=None, "optimizer", "gradients" and "parameters" on
+2 local worker processes (gloo), trains the benchmark MLP (784-1024-1024-10, float32, Adam) for two
 steps and counts, on each worker, the bytes it holds between steps (after
 ``zero_grad(set_to_none=True)``): parameters, summed-gradient buffers, optimizer state (tensors
 counted by their storages, not by the process's RSS). Prints them against the float32
-analytic values (Ψ parameters, N workers):
+analytic values (Ψ parameters, N workers; the float32 equivalent of the mixed-precision
+accounting):
 
-    None         4Ψ + 4Ψ + 8Ψ         = 16Ψ
-    "optimizer"  4Ψ + 4Ψ + 8Ψ/N       (stage 1)
-    "gradients"  4Ψ + 4Ψ/N + 8Ψ/N     (stage 2; the summed gradient exists only as each
-                                       worker's range, during the step)
+    None          4Ψ + 4Ψ + 8Ψ         = 16Ψ
+    "optimizer"   4Ψ + 4Ψ + 8Ψ/N       (stage 1)
+    "gradients"   4Ψ + 4Ψ/N + 8Ψ/N     (stage 2; the summed gradient exists only as each
+                                        worker's range, during the step)
+    "parameters"  4Ψ/N + 4Ψ/N + 8Ψ/N   = 16Ψ/N (stage 3, FSDP2; the summed gradient shard,
+                                        which param.grad keeps until zero_grad, is counted)
 
-The local gradients of backward (4Ψ, whole under every stage here) are reported apart.
+The local gradients of backward (4Ψ, whole without sharding and under stage 1) are reported
+apart; for stage 2, the gradient buffers held at once during a step (its packs).
 
-    python benchmarks/model_parallel.py [--workers 2]
+Then the step time of each stage against torch's DistributedDataParallel on the same model
+(same optimizer and batch), as ratios, over ``--rounds`` rounds: each round launches DDP and
+every stage in turn, so a slow moment of a shared machine shows in one round.
+
+    python benchmarks/model_parallel.py [--workers 2] [--rounds 3] [--steps 20]
 """
 
 from __future__ import annotations

@@ -10,8 +10,11 @@ Stages (``MultiWorkerMirroredStrategy(sharding=...)``):
 
 - ``"optimizer"`` (ZeRO-1): gradients are all-reduced as without sharding (in packs
   launched during backward), each worker updates its range from the summed gradient;
-- ``"gradients"`` (ZeRO-2): the gradients are reduce-scattered after backward, so each
-  worker only ever receives the summed gradient of its own range.
+- ``"gradients"`` (ZeRO-2): the gradients are reduce-scattered in packs launched during
+  backward (:mod:`stratagem.comm.scattered_gradients`), so each worker only ever receives the
+  summed gradient of its own range, and the local gradients are freed pack by pack.
+
+Stage 3 (``"parameters"``) is :mod:`stratagem.placement.fully_sharded`.
 
 ``optimizer.state_dict()`` reads as one logical optimizer: it gathers every worker's
 ranges, so every worker must call it (as every worker calls ``Checkpoint.save``, which
