@@ -38,11 +38,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.base import Placement
 from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
+# full tensors out of DTensors in state dicts, and back into each process's shards: the same
+# as for tensor parallelism (any DTensor layout)
+from stratagem.placement.tensor_parallel import _full, _full_state, _like, _sharded_state
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -150,8 +153,14 @@ class FullyShardedPlacement(Placement):
         return isinstance(obj, nn.Module) and any(id(p) in self._sharded_ids for p in obj.parameters())
 
     def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> tuple[Any, dict[str, dict]] | None:
-        state = self._stash.pop(id(obj), None)
-        return None if state is None else (state, {})
+        """The full state that :meth:`prepare_checkpoint` gathered: one logical copy, no other files."""
+        if not self._owns(obj):
+            return None
+        if id(obj) not in self._stash:
+            raise InvalidArgumentError(
+                f"{name} is sharded over the workers (sharding='parameters'): only sg.Checkpoint.save called "
+                f"on every worker can save it (its full tensors are gathered first)")
+        return self._stash.pop(id(obj)), {}
 
     # ----------------------------------------------------------- optimizers
 
@@ -220,32 +229,6 @@ def units(root: nn.Module) -> list[nn.Module]:
 
 def _local(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
-
-
-def _full(value: Any) -> Any:
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def _like(value: Any, param: torch.Tensor) -> Any:
-    """A full tensor from a state dict, sharded like ``param`` (each worker keeps its shard)."""
-    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
-            and tuple(value.shape) == tuple(param.shape):
-        return distribute_tensor(value.to(device=param.device, dtype=param.dtype), param.device_mesh,
-                                 param.placements, src_data_rank=None)
-    return value
-
-
-def _full_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    for key, value in list(state_dict.items()):
-        if key.startswith(prefix) and "." not in key[len(prefix):] and isinstance(value, DTensor):
-            state_dict[key] = value.full_tensor()
-
-
-def _sharded_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    for name, param in module.named_parameters(recurse=False):
-        key = prefix + name
-        if key in state_dict:
-            state_dict[key] = _like(state_dict[key], param)
 
 
 def _leave_solo_group() -> None:
