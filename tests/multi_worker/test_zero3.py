@@ -87,6 +87,7 @@ def test_two_workers_match_one_process_and_checkpoints_cross_layouts(tmp_path: P
     for rank, out in enumerate(_read(three, 3)):
         assert out["num_replicas"] == 3
         assert out["restored_error"] < 1e-12, f"worker {rank} of 3: {out['restored_error']}"
+        assert out["stage2_error"] < 1e-12, f"worker {rank} of 3, stage 2: {out['stage2_error']}"
 
 
 def test_one_worker_is_plain_pytorch(solo_group) -> None:
@@ -132,3 +133,5 @@ def test_refusals(solo_group) -> None:
             torch.optim.SGD(mixed.parameters(), lr=0.1)
     with pytest.raises(InvalidArgumentError, match="add_param_group"):
         optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    with pytest.raises(InvalidArgumentError, match="only sg.Checkpoint.save called on every worker"):
+        strategy.placement.write_checkpoint_state(model, None, "model")   # not gathered first

@@ -12,8 +12,8 @@ each worker, what the test then reads from OUT_DIR/rankR.json:
   then trains on exactly as the original did;
 - ``sg.Model.fit`` for two epochs in float32 (gradients summed with ReduceOp.SUM under gloo).
 
-With ``--restore DIR`` (another number of workers): only restores DIR, takes the two steps
-after it and checks them against plain PyTorch.
+With ``--restore DIR`` (another number of workers): only restores DIR under stage 3 and under
+stage 2, takes the two steps after it and checks them against plain PyTorch.
 
 Usage: python zero3_script.py OUT_DIR [--restore CKPT]
 """
@@ -82,10 +82,16 @@ def main(argv=None):
 
     expected, ref_states, full = reference()
     result = {"num_replicas": strategy.num_replicas_in_sync}
+    # stage 2 in the same processes, with small packs (several per step, some across workers' ranges)
+    stage2 = sg.MultiWorkerMirroredStrategy(sharding="gradients", communication_options=sg.CommunicationOptions(
+        timeout_seconds=60, bytes_per_pack=200))
     if args.restore:
         models, optimizers = restored(strategy, args.restore, 70)
         train_on(strategy, models, optimizers, range(STEPS, STEPS + 2))
         result["restored_error"] = error(models, expected[STEPS + 1])
+        in_stage2 = restored(stage2, args.restore, 75)
+        train_on(stage2, *in_stage2, range(STEPS, STEPS + 2))
+        result["stage2_error"] = error(in_stage2[0], expected[STEPS + 1])
         return finish(args.out, rank, result)
 
     models, optimizers = build(strategy, 10 + rank)   # the chief's initial values win
@@ -133,7 +139,6 @@ def main(argv=None):
         train_on(strategy, *plain, range(STEPS, STEPS + 2))
         result["plain_error"] = error(plain[0], after)
 
-    stage2 = sg.MultiWorkerMirroredStrategy(sharding="gradients", communication_options=options)
     in_stage2 = restored(stage2, ckpt3, 80)   # stage 3 -> stage 2
     ckpt2 = os.path.join(args.out, "ckpt2")
     sg.Checkpoint(model_sgd=in_stage2[0][0], model_adam=in_stage2[0][1], sgd=in_stage2[1][0],
