@@ -52,14 +52,19 @@ def test_two_workers_match_one_process_with_half_the_state(tmp_path: Path, stage
             assert 0 < mine <= full // 2 + 8 * 8, (rank, mine, full)   # half, within one element per piece
     assert sum(o["state_bytes"][0] for o in outputs) == outputs[0]["full_bytes"][0]
 
-    # the checkpoint reads as one logical copy: restore it under one device, as plain PyTorch
+    restores_as_plain_pytorch(tmp_path / "ckpt")
+
+
+def restores_as_plain_pytorch(path: Path) -> None:
+    """The checkpoint reads as one logical copy: restored under one device, it holds plain PyTorch's
+    parameters and optimizer state after STEPS steps."""
     history, states, _ = sharding_script.reference()
     strategy = sg.OneDeviceStrategy("cpu")
     with strategy.scope():
         models = sharding_script.make_model(7), sharding_script.make_model(7)
         optimizers = sharding_script.make_optimizers(*models)
     sg.Checkpoint(model_sgd=models[0], model_adam=models[1], sgd=optimizers[0],
-                  adam=optimizers[1]).restore(tmp_path / "ckpt")
+                  adam=optimizers[1]).restore(path)
     for model, want in zip(models, history[sharding_script.STEPS - 1]):
         for p, w in zip(model.parameters(), want):
             torch.testing.assert_close(p.detach(), w, rtol=1e-12, atol=1e-12)

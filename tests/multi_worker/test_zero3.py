@@ -17,7 +17,7 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.testing import run_local_cluster
 
 from . import sharding_script, zero3_script
-from .test_sharding import save_plain
+from .test_sharding import restores_as_plain_pytorch, save_plain
 
 pytestmark = pytest.mark.timeout(240)
 SCRIPT = Path(zero3_script.__file__)
@@ -61,22 +61,7 @@ def test_two_workers_match_one_process_and_checkpoints_cross_layouts(tmp_path: P
     assert sum(o["param_bytes"] for o in outputs) == outputs[0]["full_param_bytes"]
     assert sum(o["state_bytes"][1] for o in outputs) == outputs[0]["full_bytes"][1]
 
-    # the stage-3 checkpoint is one logical copy: restored under one device, as plain PyTorch
-    history, states, _ = sharding_script.reference()
-    strategy = sg.OneDeviceStrategy("cpu")
-    with strategy.scope():
-        models = sharding_script.make_model(7), sharding_script.make_model(7)
-        optimizers = sharding_script.make_optimizers(*models)
-    sg.Checkpoint(model_sgd=models[0], model_adam=models[1], sgd=optimizers[0],
-                  adam=optimizers[1]).restore(tmp_path / "ckpt3")
-    for model, want in zip(models, history[sharding_script.STEPS - 1]):
-        for p, w in zip(model.parameters(), want):
-            torch.testing.assert_close(p.detach(), w, rtol=1e-12, atol=1e-12)
-    for optimizer, want in zip(optimizers, states):
-        got = optimizer.state_dict()["state"]
-        for index, entry in want.items():
-            for key, value in entry.items():
-                torch.testing.assert_close(got[index][key], value, rtol=1e-12, atol=1e-12)
+    restores_as_plain_pytorch(tmp_path / "ckpt3")   # one logical copy, as plain PyTorch's
 
     # written by 2 workers, restored by 3 (uneven shards: 9 rows -> 3 + 3 + 3, 3 rows -> 1 + 1 + 1)
     three = tmp_path / "three"
