@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.comm.gradients import DEFAULT_BYTES_PER_PACK, FIRST_PACK_BYTES
+from stratagem.errors import InvalidArgumentError
 
 
 class _Span:
@@ -80,6 +81,7 @@ class ScatteredGradients:
         self._peak = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for p in self._params if p.requires_grad]
+        self.closed = False
 
     def _add_span(self, reversed_indices: list[int]) -> None:
         indices = sorted(reversed_indices)
@@ -174,6 +176,11 @@ class ScatteredGradients:
     def finish(self) -> tuple[torch.Tensor, list[int]]:
         """This worker's range of the summed gradients, and for each parameter whether some
         worker had a gradient (a collective: every worker calls it once per step)."""
+        if self.closed:
+            raise InvalidArgumentError(
+                "another optimizer was created in scope over these parameters since this one, and under "
+                "sharding='gradients' the newest one takes their gradients during backward; step that "
+                "one, or create one optimizer per parameter")
         for span in self.spans[self._next_launch:]:   # in index order, like every worker
             for position, index in enumerate(span.indices):
                 grad = self._params[index].grad
@@ -205,7 +212,7 @@ class ScatteredGradients:
     def discard(self) -> None:
         """Drop this step's gradients (``zero_grad`` before a step): the other workers, which
         have gradients pending too, run the same collectives as ``finish``; nothing is kept."""
-        if any(span.launched or span.buffer is not None for span in self.spans):
+        if not self.closed and any(span.launched or span.buffer is not None for span in self.spans):
             self.finish()
 
     def _reset(self) -> None:
@@ -218,6 +225,8 @@ class ScatteredGradients:
         self._shard = None
 
     def close(self) -> None:
+        """Remove the hooks (a newer optimizer over the same parameters takes their gradients)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self.closed = True

@@ -25,6 +25,7 @@ gathers the state on every worker once and lets the chief write it).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -66,6 +67,8 @@ class ZeroPlacement(MirroredPlacement):
         super().__init__(strategy, topology, collective)
         check_sharding(stage, self.num_replicas)
         self.stage = stage
+        # id(parameter) -> the packs whose hooks take its gradients (sharding="gradients")
+        self._scattered_by_param: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     @property
     def _rank(self) -> int:
@@ -91,9 +94,15 @@ class ZeroPlacement(MirroredPlacement):
                 sharded = ShardedUpdate(optimizer, lambda p: (p,), self.collective.num_workers)
                 layout = _Layout(params, sharded, self._rank)
                 if self.stage == "gradients" and self.collective.num_workers > 1:
+                    for p in params:   # one set of hooks per parameter: the newest optimizer's
+                        older = self._scattered_by_param.get(id(p))
+                        if older is not None:
+                            older.close()
                     layout.scattered = ScatteredGradients(
                         params, layout.offsets, layout.bounds, self._rank, self.collective.group,
                         bytes_per_pack=self.collective.options.bytes_per_pack)
+                    for p in params:
+                        self._scattered_by_param[id(p)] = layout.scattered
                 optimizer._sg_sharded = sharded
                 optimizer._sg_zero = layout
         return sharded

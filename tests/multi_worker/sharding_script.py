@@ -140,10 +140,19 @@ def main(argv=None):
         for p, w in zip(m.parameters(), want):
             worst = max(worst, (p.detach() - w).abs().max().item())
     accumulated_error = accumulated(strategy, build, data, expected[0])
+    older_refused = None
+    if args.sharding == "gradients":   # a newer optimizer over the same parameters takes their gradients
+        with strategy.scope():
+            torch.optim.SGD(models[0].parameters(), lr=0.1)
+        try:
+            optimizers[0].step()
+            older_refused = False
+        except sg.errors.InvalidArgumentError as error:
+            older_refused = "another optimizer was created in scope over these parameters" in str(error)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"worst": worst, "state_error": state_error, "state_bytes": mine, "full_bytes": full,
                    "resumed_equal": resumed_equal, "plain_error": plain_error,
-                   "accumulated_error": accumulated_error, "num_replicas": strategy.num_replicas_in_sync}, f)
+                   "accumulated_error": accumulated_error, "older_refused": older_refused, "num_replicas": strategy.num_replicas_in_sync}, f)
     print(f"rank {rank} done", flush=True)
     dist.barrier()   # leave together (as collectives_script.py): a worker exiting alone once aborted at exit
 
