@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from . import pp_script
 
 pytestmark = pytest.mark.timeout(280)
 SCRIPT = Path(pp_script.__file__)
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pipeline.py"
 
 
 def reference_history(optimizer_kind: str, initial: dict) -> list[dict]:
@@ -86,3 +89,12 @@ def test_every_schedule_on_two_stages_processes(tmp_path: Path) -> None:
 
 def test_pipeline_by_data_on_a_two_by_two_mesh(tmp_path: Path) -> None:
     run_and_compare(tmp_path, 2, 2, ["1f1b:adam", "zero_bubble:sgd"])
+
+
+def test_example_runs_as_its_docstring_says() -> None:
+    command = [sys.executable, "-m", "stratagem", "launch", "--workers", "2", str(EXAMPLE), "--steps", "10",
+               "--schedule", "interleaved"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[worker 0] step 10" in proc.stdout and "[worker 1] step 10" in proc.stdout, proc.stdout
+    assert "stages [0, 2] of pipe rank 0" in proc.stdout and "stages [1, 3] of pipe rank 1" in proc.stdout
