@@ -9,23 +9,27 @@ interleaved schedules) or, for the V schedules, stages ``r`` and ``2p - 1 - r`` 
 process ``r``. The children of the stages another process holds move to the ``meta``
 device: this process keeps only its own stages' parameters and buffers.
 
-Optimizers created in scope keep only this process's parameters (the others are
-dropped from their parameter groups); their ``step`` first sums the gradients over the
-data axis (each data group's loss is already weighted by its share of the global batch).
+Optimizers created in scope update only this process's parameters: their parameter groups
+still list every parameter of the model (those of other stages as meta placeholders, which
+get no gradient, no state and no update), so that their state dicts count parameters as a
+plain optimizer over the whole model does. ``step`` first sums this process's gradients
+over the data axis (each data group's loss is already weighted by its share of the global
+batch), then runs the update over this process's parameters only.
 
-State: a split model's ``state_dict()`` reads as the whole logical model on every
-process (the pipe axis gathers the stages: a collective, so every process calls it);
-``load_state_dict`` takes the whole model and keeps this process's stages. An
-optimizer's state dict holds this process's parameters only. ``sg.Checkpoint`` is
-refused for now.
+State: a split model's ``state_dict()`` and its optimizer's read as the whole logical
+model on every process (the pipe axis gathers the stages: a collective, so every process
+calls them); ``load_state_dict`` takes the whole state and keeps this process's stages.
+``sg.Checkpoint`` writes that logical copy (global rank 0; ``prepare_checkpoint`` gathers
+it on the chief's pipeline), restorable into any layout, or a plain model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -33,7 +37,7 @@ from torch import nn
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.base import Placement
-from stratagem.placement.hooks import adopt, run_hooks, step_hooks, unhooked_step
+from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
 
 #: schedule name -> (torch class name, stage placement: "loop" or "v", stages per process or None: any)
 SCHEDULES = {
@@ -165,6 +169,8 @@ class PipelinePlacement(Placement):
         self._placed: list[nn.Module] = []
         self.models: dict[int, SplitModel] = {}   # id(model) -> its split
         self._optimizers: list[torch.optim.Optimizer] = []
+        # id(model or optimizer) -> its whole state dict, gathered for the chief's checkpoint
+        self._gathered: dict[int, dict] = {}
 
     @property
     def strategy(self) -> Any:
@@ -196,9 +202,11 @@ class PipelinePlacement(Placement):
             local = {s: nn.Sequential(*children[a:b]) for s, (a, b) in enumerate(layout.bounds)
                      if layout.rank_of(s) == self.pipe_rank}
             mine = {id(m) for stage in local.values() for m in stage.modules()}
-            for child in children:
-                if id(child) not in mine:
-                    child.to("meta")     # another process holds it
+            elsewhere = [child for child in children if id(child) not in mine]
+            for child in elsewhere:
+                child.to("meta")     # another process holds it
+            if elsewhere:
+                root.register_forward_pre_hook(functools.partial(_not_whole, sorted(local)))
             root.register_state_dict_post_hook(functools.partial(_whole_state, weakref.ref(self)))
             root.register_load_state_dict_pre_hook(_own_state)
             self.models[id(root)] = SplitModel(layout, local)
@@ -217,31 +225,31 @@ class PipelinePlacement(Placement):
                 f"model inside strategy.scope()")
         return split
 
-    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
-        raise InvalidArgumentError(
-            "sg.Checkpoint does not support PipelineStrategy yet; save model.state_dict() (the whole "
-            "model, called on every process) with torch.save on the chief, and each process's "
-            "optimizer.state_dict() (its own stages) in a file of its own")
-
-    def read_checkpoint_state(self, obj: Any, skeleton: Any, directory: Any, name: str) -> Any:
-        return self.write_checkpoint_state(obj, directory, name)
-
     # ----------------------------------------------------------- optimizers
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if not p.is_meta]
+        # the parameter groups keep every parameter of the model, those of other stages as meta
+        # placeholders: the state dict then counts parameters as a plain optimizer over the whole
+        # model does; the update (and so the state) only ever sees this process's own
         adopt(optimizer, self)
         self._optimizers.append(optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
         self.finalize()
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+        groups = optimizer.param_groups
+        every = [group["params"] for group in groups]
+        own = [[p for p in params if not p.is_meta] for params in every]
         if self.data.num_workers > 1:
-            sum_over(self.data, params)
+            sum_over(self.data, [p for params in own for p in params])
         pre, post = step_hooks(optimizer)
         run_hooks(pre, optimizer)
-        result = unhooked_step(optimizer._sg_base)(optimizer, closure)
+        try:
+            for group, params in zip(groups, own):
+                group["params"] = params
+            result = unhooked_step(optimizer._sg_base)(optimizer, closure)
+        finally:
+            for group, params in zip(groups, every):
+                group["params"] = params
         run_hooks(post, optimizer)
         return result
 
@@ -249,15 +257,54 @@ class PipelinePlacement(Placement):
         optimizer._sg_base.zero_grad(optimizer, set_to_none)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        return optimizer._sg_base.state_dict(optimizer)
+        """The whole model's optimizer state: each stage's, gathered over the pipe axis (every process calls it)."""
+        gathered = self._gathered.get(id(optimizer))
+        if gathered is not None:
+            return gathered
+        state = optimizer._sg_base.state_dict(optimizer)
+        if self.pipe.num_workers > 1:
+            mine = {k: {n: v.detach().cpu() if isinstance(v, torch.Tensor) else v for n, v in entry.items()}
+                    for k, entry in state["state"].items()}
+            merged = {}
+            for part in self.pipe.all_gather_object(mine, "optimizer.state_dict (the stages of the pipeline)"):
+                merged.update(part)
+            state["state"] = {k: merged[k] for k in sorted(merged)}
+        return state
 
     def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        optimizer._sg_base.load_state_dict(optimizer, state_dict)
+        """Load the whole model's optimizer state; this process keeps its own parameters' entries."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        ids = [i for group in state_dict.get("param_groups", []) for i in group.get("params", [])]
+        held = {i for i, p in zip(ids, params) if not p.is_meta}
+        state = dict(state_dict)
+        state["state"] = {k: v for k, v in state_dict.get("state", {}).items() if k in held}
+        optimizer._sg_base.load_state_dict(optimizer, state)
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        optimizer._sg_base.add_param_group(optimizer, {**param_group, "params": [p for p in params if not p.is_meta]})
+        optimizer._sg_base.add_param_group(optimizer, param_group)
+
+    # ---------------------------------------------------------- checkpoints
+
+    @contextlib.contextmanager
+    def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
+        """Every process, around the chief's writing: the chief's pipeline gathers the whole
+        state of each split model and optimizer (the other data groups hold the same values
+        and skip it); the chief keeps it for :meth:`write_checkpoint_state`, dropped on exit."""
+        if self.data.worker_index == 0:
+            chief = self.everyone.worker_index == 0
+            for obj in objects.values():
+                if id(obj) in self.models or (isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self):
+                    state = obj.state_dict()
+                    if chief:
+                        self._gathered[id(obj)] = state
+        try:
+            yield
+        finally:
+            self._gathered.clear()
+
+    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
+        state = self._gathered.get(id(obj))
+        return None if state is None else (state, {})
 
 
 def sum_over(axis: Collective, params: list[torch.Tensor]) -> None:
@@ -280,7 +327,12 @@ def _whole_state(placement_ref: Any, module: nn.Module, state_dict: dict, prefix
     """Fill the entries of stages held elsewhere (meta here) with their values, gathered over the pipe axis."""
     placement = placement_ref()   # a weak reference: a deep copy of the model copies it as is
     keys = [k for k in state_dict if k.startswith(prefix)]
-    if placement is None or placement.pipe.num_workers == 1:
+    if placement is None or placement.pipe.num_workers == 1 or \
+            any(isinstance(state_dict[k], nn.Parameter) for k in keys):   # keep_vars: the tensors themselves
+        return
+    gathered = placement._gathered.get(id(module))
+    if gathered is not None:   # gathered already for the checkpoint being written
+        state_dict.update(gathered)
         return
     pipe, device = placement.pipe, placement.device
     mine = {k: state_dict[k].detach().cpu() for k in keys
@@ -298,3 +350,11 @@ def _own_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> 
     for key, tensor in held.items():
         if tensor.is_meta and key in state_dict and isinstance(state_dict[key], torch.Tensor):
             state_dict[key] = state_dict[key].to("meta")
+
+
+def _not_whole(stages: list[int], module: nn.Module, args: Any) -> None:
+    raise InvalidArgumentError(
+        f"this process holds only stage(s) {stages} of the pipelined model (the others live on other "
+        f"processes), so the model cannot be called directly: train it with "
+        f"strategy.forward_backward(model, x, y); to evaluate, load model.state_dict() (the whole model, "
+        f"called on every process) into a plain copy")

@@ -125,6 +125,11 @@ class PipelineStrategy(Strategy):
         return self._full.worker_index == 0
 
     @property
+    def checkpoint_collective(self) -> WorkerCollective:
+        """Every process: all of them call ``Checkpoint.save``; global rank 0 writes."""
+        return self._full
+
+    @property
     def pipe_rank(self) -> int:
         """This process's place along the pipe axis."""
         return self.mesh.get_local_rank("pipe")
