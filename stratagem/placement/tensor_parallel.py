@@ -17,7 +17,10 @@ dtype), as the data-parallel strategies sum over replicas.
 State: a placed module's ``state_dict()`` holds full tensors (``DTensor.full_tensor``,
 a collective over the model axis: every process calls it), and ``load_state_dict``
 takes full tensors and keeps each process's shard. The optimizer's state dict does the
-same with its DTensor state. ``sg.Checkpoint`` is refused for now.
+same with its DTensor state. ``sg.Checkpoint.save``, called on every process, enters
+``prepare_checkpoint``: the writer's model group gathers those full state dicts, and
+global rank 0 writes them as one logical copy (the files of any other strategy); a
+restore reads full tensors, which ``load_state_dict`` cuts into this layout's shards.
 """
 
 from __future__ import annotations

@@ -185,3 +185,15 @@ def test_fit_metrics_and_reduce_under_tensor_parallelism(runs) -> None:
         assert set(out["fit_evaluate"]) == {"loss", "mae"}
         # over the data axis: data ranks 0 and 1 give 1 and 2 (model ranks hold the same values)
         assert out["reduced"] == 3.0 and out["metric"] == 1.5
+
+
+@pytest.mark.parametrize("tag, model", [("tp12", 2), ("tp22", 2), ("tp21", 1)])
+def test_a_shuffled_loader_gives_a_model_group_the_same_rows(runs, tag: str, model: int) -> None:
+    outs = runs[tag]
+    groups = [outs[first:first + model] for first in range(0, len(outs), model)]
+    for group in groups:
+        assert all(out["shuffled"] == group[0]["shuffled"] for out in group), tag
+    for step in range(4):   # the data groups' slices make one permutation of each batch
+        rows = sorted(row for group in groups for row in group[0]["shuffled"][step])
+        assert len(rows) == 4 and len(set(rows)) == 4
+    assert sorted(row for group in groups for step in group[0]["shuffled"] for row in step) == list(range(16))

@@ -136,6 +136,10 @@ def main() -> None:
     torch.manual_seed(100 + rank)   # every process starts elsewhere: restores and the chief's values win
     strategy = make_strategy(args.layout)
     result = {"rank": rank}
+    # a shuffled loader: the processes of a model group get the same rows (the seed is agreed)
+    shuffled = DataLoader(TensorDataset(torch.arange(16)), batch_size=4, shuffle=True)
+    result["shuffled"] = [torch.cat(strategy.experimental_local_results(ids)).tolist()
+                          for (ids,) in strategy.experimental_distribute_dataset(shuffled)]
     for kind in KINDS:
         train(strategy, kind, args, result)
     if args.fit:
