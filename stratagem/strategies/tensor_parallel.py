@@ -116,6 +116,11 @@ class TensorParallelStrategy(Strategy):
         return self._full.worker_index == 0
 
     @property
+    def checkpoint_collective(self) -> WorkerCollective:
+        """Every process: all of them call ``Checkpoint.save``; global rank 0 writes."""
+        return self._full
+
+    @property
     def model_rank(self) -> int:
         """This process's place along the model axis."""
         return self.mesh.get_local_rank("model")
