@@ -66,7 +66,6 @@ def train(case: str, mesh: dict) -> dict:
         model = make_model()
         optimizer = make_optimizer(kind, model.parameters())
     out = {"initial": listed(model.state_dict()), "stages": strategy.stages_of(model),
-           "optimizer_params": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
            "held_params": sum(p.numel() for p in model.parameters() if not p.is_meta),
            "num_replicas": strategy.num_replicas_in_sync, "history": []}
 
@@ -79,10 +78,30 @@ def train(case: str, mesh: dict) -> dict:
     for x, y in strategy.experimental_distribute_dataset(make_data()):
         loss = strategy.reduce("sum", strategy.run(step, args=(x, y)), axis=None)
         out["history"].append({"loss": loss.item(), "params": listed(model.state_dict())})
+    # the optimizer's state (its memory) exists for this process's parameters only
+    out["optimizer_params"] = sum(p.numel() for p in optimizer.state if not p.is_meta)
+    out["optimizer_meta_state"] = sum(1 for p in optimizer.state if p.is_meta)
     model.load_state_dict(model.state_dict())   # whole model in; each process keeps its stages
+    optimizer.load_state_dict(optimizer.state_dict())
     out["after_round_trip"] = listed(model.state_dict())
-    out["checkpoint"] = error_of(lambda: sg.Checkpoint(model=model, optimizer=optimizer).save(os.path.join(args.out, "ckpt")))
+    out["optimizer_state"] = optimizer_state(optimizer)
+    out["direct_call"] = error_of(lambda: model(torch.randn(2, 6)))
+    # one logical checkpoint, restored into another layout (other stages on other processes)
+    path = sg.Checkpoint(model=model, optimizer=optimizer).save(os.path.join(args.out, f"ckpt-{case.replace(':', '-')}"))
+    other = sg.experimental.PipelineStrategy(mesh, num_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn,
+                                             schedule="gpipe" if schedule == "zero_bubble" else "zero_bubble")
+    with other.scope():
+        restored = make_model()
+        restored_optimizer = make_optimizer(kind, restored.parameters())
+    sg.Checkpoint(model=restored, optimizer=restored_optimizer).restore(path)
+    out["restored"] = listed(restored.state_dict())
+    out["restored_optimizer"] = optimizer_state(restored_optimizer)
+    out["restored_stages"] = other.stages_of(restored)
     return out
+
+
+def optimizer_state(optimizer):
+    return {str(k): {n: v.tolist() for n, v in s.items()} for k, s in optimizer.state_dict()["state"].items()}
 
 
 def errors(mesh: dict, world: int) -> dict:
