@@ -223,6 +223,12 @@ def _mesh_shape(mesh: dict[str, int] | None, world_size: int) -> tuple[int, int]
         raise InvalidArgumentError(
             f"mesh must be a dict with positive integer sizes for 'data' and/or 'pipe', e.g. "
             f"{{'data': 2, 'pipe': 2}}; got {mesh!r}")
+    if len(mesh) == 1:
+        (axis, size), = mesh.items()
+        if world_size % size:
+            raise InvalidArgumentError(
+                f"the mesh gives {axis!r} {size} processes, which does not divide the {world_size} processes of "
+                f"the cluster; give a size that divides {world_size}, or both sizes")
     data = mesh.get("data", world_size // mesh["pipe"] if mesh.get("pipe") else 1)
     pipe = mesh.get("pipe", world_size // data)
     if data * pipe != world_size:
