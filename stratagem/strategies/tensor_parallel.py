@@ -9,7 +9,9 @@ global batch, and gradients are summed over the data axis before every update.
 
 So ``num_replicas_in_sync`` is the data-parallel degree ``data``; ``strategy.reduce``
 and the input pipeline work over the data axis (the processes of one model group hold
-the same values and get the same input slice).
+the same values and get the same input slice). Checkpoints, files and the chief's
+decisions involve every process (``checkpoint_collective``): all of them call
+``Checkpoint.save`` / ``restore``, and global rank 0 writes one logical copy.
 """
 
 from __future__ import annotations
