@@ -17,6 +17,11 @@ from torch import nn
 
 import stratagem as sg
 
+try:   # run as a script (the processes), or imported by the test
+    from tp_script import error_of, listed
+except ImportError:
+    from .tp_script import error_of, listed
+
 #: batch sizes of the steps: divisible by 4, not divisible, then a smaller last batch
 BATCHES = (8, 10, 8, 5)
 NUM_MICROBATCHES = 4
@@ -41,18 +46,6 @@ def make_optimizer(kind, params):
 
 def loss_fn(output, target):
     return ((output - target) ** 2).mean()
-
-
-def listed(state):
-    return {k: v.tolist() for k, v in state.items()}
-
-
-def error_of(fn):
-    try:
-        fn()
-    except sg.errors.StratagemError as error:
-        return f"{type(error).__name__}: {error}"
-    return None
 
 
 def train(case: str, mesh: dict) -> dict:
