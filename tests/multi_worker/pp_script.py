@@ -102,7 +102,14 @@ def errors(mesh: dict, world: int) -> dict:
         strategy = sg.experimental.PipelineStrategy(mesh, **{"num_microbatches": 4, **options})
         with strategy.scope():
             model_fn()
+    def uneven():
+        strategy = sg.experimental.PipelineStrategy(mesh, num_microbatches=4, loss_fn=loss_fn)
+        with strategy.scope():
+            model = make_model()
+        rows = 6 + sg.cluster.resolve().worker_rank % mesh["pipe"]   # differ inside each pipeline
+        strategy.forward_backward(model, torch.randn(rows, 6), torch.randn(rows, 3))
     return {
+        "different_batches": error_of(uneven),
         "missing": error_of(lambda: make(split_points=["fc9"])),
         "too_many_stages": error_of(lambda: make(num_stages=9)),
         "not_sequential": error_of(lambda: make(lambda: nn.Transformer(8, 2, 1, 1, 16))),
