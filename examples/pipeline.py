@@ -70,6 +70,12 @@ def main() -> None:
             print(f"step {number} loss {loss.item():.4f} (stages {strategy.stages_of(model)} of pipe rank "
                   f"{strategy.pipe_rank}, {strategy.num_replicas_in_sync} data-parallel replicas)", flush=True)
 
+    # evaluation: the output of the whole model on every process (stages one after the other)
+    x = torch.randn(100, 16, generator=g)
+    y = torch.sin(x[:, :4].sum(dim=-1, keepdim=True)) + 0.1 * x[:, 4:5]
+    model.eval()
+    print(f"held-out loss {nn.functional.mse_loss(strategy.predict(model, x), y).item():.4f}", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -111,7 +111,8 @@ def test_one_process_runs_every_stage_and_equals_plain_training(schedule, solo_g
         torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-12)
         for name, value in plain.state_dict().items():
             torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-12, atol=1e-12)
-    with pytest.raises(InvalidArgumentError, match="needs the nn.Sequential created in this"):
+    with pytest.raises(InvalidArgumentError, match="need the nn.Sequential created in this"):
         strategy.forward_backward(plain, x, y, loss_fn=nn.functional.mse_loss)
+    torch.testing.assert_close(strategy.predict(model, x), plain(x), rtol=1e-12, atol=1e-12)
     with pytest.raises(InvalidArgumentError, match="needs loss_fn"):
         strategy.forward_backward(model, x, y)

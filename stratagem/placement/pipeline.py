@@ -220,7 +220,7 @@ class PipelinePlacement(Placement):
         split = self.models.get(id(model))
         if split is None:
             raise InvalidArgumentError(
-                f"forward_backward needs the nn.Sequential created in this PipelineStrategy's scope (the "
+                f"forward_backward and predict need the nn.Sequential created in this PipelineStrategy's scope (the "
                 f"one it split into stages), got a {type(model).__name__} it did not place; create the "
                 f"model inside strategy.scope()")
         return split
@@ -304,11 +304,18 @@ class PipelinePlacement(Placement):
 
     def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
         state = self._gathered.get(id(obj))
+        if state is None and isinstance(obj, nn.Module) and \
+                any(t.is_meta for t in obj.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)):
+            raise InvalidArgumentError(
+                f"{name!r} is part of a pipelined model whose other stages live on other processes; track the "
+                f"whole model created in the PipelineStrategy's scope in sg.Checkpoint (one logical copy)")
         return None if state is None else (state, {})
 
 
 def sum_over(axis: Collective, params: list[torch.Tensor]) -> None:
     """Sum the gradients of ``params`` over ``axis`` in place (zeros where a peer has none)."""
+    if not params:   # stages without parameters: so are the data-axis peers'
+        return
     group = axis.group
     present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
     group.all_reduce(present, "optimizer.step (which gradients exist on the data axis)")
@@ -356,5 +363,4 @@ def _not_whole(stages: list[int], module: nn.Module, args: Any) -> None:
     raise InvalidArgumentError(
         f"this process holds only stage(s) {stages} of the pipelined model (the others live on other "
         f"processes), so the model cannot be called directly: train it with "
-        f"strategy.forward_backward(model, x, y); to evaluate, load model.state_dict() (the whole model, "
-        f"called on every process) into a plain copy")
+        f"strategy.forward_backward(model, x, y), evaluate it with strategy.predict(model, x)")

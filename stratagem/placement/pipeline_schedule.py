@@ -177,3 +177,27 @@ def _row_order(rows: int, num_microbatches: int) -> torch.Tensor | None:
         order += list(range(start, start + count)) + [-1] * (size - count)
         start += count
     return torch.tensor(order)
+
+
+def forward_only(split: SplitModel, inputs: tuple[torch.Tensor, ...], *, pipe_rank: int, pipe: Collective,
+                 device: torch.device) -> Any:
+    """The model's output for the whole batch, on every process of the pipeline (no gradients).
+
+    The stages run one after the other, the whole batch at once (no micro-batches: a pass for
+    evaluation, not for speed); where the next stage lives on another process, the activations
+    travel from the process that computed them to every process of the pipeline.
+    """
+    layout = split.layout
+    value: Any = inputs
+    with torch.no_grad():
+        for stage in range(layout.num_stages):
+            owner = layout.rank_of(stage)
+            if owner == pipe_rank:
+                value = split.local[stage](*value)
+                value = value if isinstance(value, tuple) else (value,)
+            last = stage == layout.num_stages - 1
+            if pipe.num_workers > 1 and (last or layout.rank_of(stage + 1) != owner):
+                sent = tuple(v.cpu() for v in value) if owner == pipe_rank else None
+                value = pipe.group.broadcast_object(sent, "predict (activations between stages)", src=owner)
+                value = tuple(v.to(device) for v in value)
+    return value[0] if len(value) == 1 else value

@@ -22,7 +22,7 @@ import torch
 from stratagem.comm.options import CommunicationOptions
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.pipeline import PipelinePlacement, check_schedule
-from stratagem.placement.pipeline_schedule import PipelineSchedules
+from stratagem.placement.pipeline_schedule import PipelineSchedules, forward_only
 from stratagem.strategies.mesh import MeshStrategy
 
 
@@ -132,6 +132,19 @@ class PipelineStrategy(MeshStrategy):
         if isinstance(target, torch.Tensor):
             target = target.to(device)
         return runner.step(tuple(x.to(device) for x in inputs), target, loss_fn)
+
+    def predict(self, model: Any, inputs: Any) -> Any:
+        """The output of ``model`` for the batch ``inputs``, on every process of the pipeline.
+
+        For evaluation: the stages run one after the other over the whole batch, without
+        gradients and without micro-batches (so any batch size). Call it on every process
+        of the pipeline with the same batch, e.g. ``loss_fn(strategy.predict(model, x), y)``
+        between training steps (after ``model.eval()`` if the model has dropout).
+        """
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        device = self._mesh_device.torch_device
+        return forward_only(self._placement.split_of(model), tuple(x.to(device) for x in inputs),
+                            pipe_rank=self.pipe_rank, pipe=self._pipe, device=device)
 
     def __repr__(self) -> str:
         return (f"PipelineStrategy({self._mesh_repr()}, schedule={self._schedule!r}, "

@@ -71,6 +71,7 @@ def train(case: str, mesh: dict) -> dict:
     for x, y in strategy.experimental_distribute_dataset(make_data()):
         loss = strategy.reduce("sum", strategy.run(step, args=(x, y)), axis=None)
         out["history"].append({"loss": loss.item(), "params": listed(model.state_dict())})
+    out["predict"] = strategy.predict(model, make_data((7,))[0][0]).tolist()   # every process: the output
     # the optimizer's state (its memory) exists for this process's parameters only
     out["optimizer_params"] = sum(p.numel() for p in optimizer.state if not p.is_meta)
     out["optimizer_meta_state"] = sum(1 for p in optimizer.state if p.is_meta)

@@ -59,6 +59,13 @@ def check_checkpoint(path: Path, case: str, params: dict, reference_optimizer: t
             torch.testing.assert_close(got[index][key], value, rtol=1e-12, atol=1e-12)
 
 
+def predict(params: dict) -> torch.Tensor:
+    model = pp_script.make_model().double()
+    model.load_state_dict(params)
+    with torch.no_grad():
+        return model(pp_script.make_data((7,))[0][0])
+
+
 def run_and_compare(tmp_path: Path, data: int, pipe: int, cases: list[str]) -> list[dict]:
     workers = data * pipe
     results = run_local_cluster(SCRIPT, workers, args=[str(tmp_path), "--mesh", f"{data},{pipe}",
@@ -71,6 +78,7 @@ def run_and_compare(tmp_path: Path, data: int, pipe: int, cases: list[str]) -> l
         expected, reference_optimizer = reference_history(case.split(":")[1], outputs[0][case]["initial"])
         check_checkpoint(tmp_path / f"ckpt-{case.replace(':', '-')}", case, expected[-1]["params"],
                          reference_optimizer)
+        predicted = predict(expected[-1]["params"])
         held = {}
         for rank, result in enumerate(outputs):
             out = result[case]
@@ -86,6 +94,7 @@ def run_and_compare(tmp_path: Path, data: int, pipe: int, cases: list[str]) -> l
                                                rtol=1e-12, atol=1e-12,
                                                msg=lambda m: f"{case}, process {rank}, step {step}, {name}: {m}")
             assert out["after_round_trip"] == out["history"][-1]["params"]
+            torch.testing.assert_close(torch.tensor(out["predict"], dtype=torch.float64), predicted)
             for index, state in reference_optimizer.state_dict()["state"].items():
                 for key, value in state.items():
                     torch.testing.assert_close(torch.tensor(out["optimizer_state"][str(index)][key],
@@ -131,3 +140,4 @@ def test_example_runs_as_its_docstring_says() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[worker 0] step 10" in proc.stdout and "[worker 1] step 10" in proc.stdout, proc.stdout
     assert "stages [0, 2] of pipe rank 0" in proc.stdout and "stages [1, 3] of pipe rank 1" in proc.stdout
+    assert "[worker 0] held-out loss" in proc.stdout and "[worker 1] held-out loss" in proc.stdout
