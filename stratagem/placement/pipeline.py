@@ -168,7 +168,6 @@ class PipelinePlacement(Placement):
         self._pending: list[nn.Module] = []
         self._placed: list[nn.Module] = []
         self.models: dict[int, SplitModel] = {}   # id(model) -> its split
-        self._optimizers: list[torch.optim.Optimizer] = []
         # id(model or optimizer) -> its whole state dict, gathered for the chief's checkpoint
         self._gathered: dict[int, dict] = {}
 
@@ -220,9 +219,9 @@ class PipelinePlacement(Placement):
         split = self.models.get(id(model))
         if split is None:
             raise InvalidArgumentError(
-                f"forward_backward and predict need the nn.Sequential created in this PipelineStrategy's scope (the "
-                f"one it split into stages), got a {type(model).__name__} it did not place; create the "
-                f"model inside strategy.scope()")
+                f"forward_backward and predict need the nn.Sequential created in this PipelineStrategy's "
+                f"scope (the one it split into stages), got a {type(model).__name__} it did not place; "
+                f"create the model inside strategy.scope()")
         return split
 
     # ----------------------------------------------------------- optimizers
@@ -232,7 +231,6 @@ class PipelinePlacement(Placement):
         # placeholders: the state dict then counts parameters as a plain optimizer over the whole
         # model does; the update (and so the state) only ever sees this process's own
         adopt(optimizer, self)
-        self._optimizers.append(optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
         self.finalize()
@@ -325,7 +323,8 @@ def sum_over(axis: Collective, params: list[torch.Tensor]) -> None:
     grads = [p.grad for p in params if p.grad is not None]
     for dtype in dict.fromkeys(g.dtype for g in grads):
         same = [g for g in grads if g.dtype == dtype]
-        flat = group.all_reduce(torch.cat([g.reshape(-1) for g in same]), "optimizer.step (gradients over the data axis)")
+        flat = group.all_reduce(torch.cat([g.reshape(-1) for g in same]),
+                                "optimizer.step (gradients over the data axis)")
         for g, part in zip(same, flat.split([g.numel() for g in same])):
             g.copy_(part.view_as(g))
 

@@ -85,7 +85,8 @@ class PipelineSchedules:
         for x in inputs:
             if x.shape[0] != rows:
                 raise InvalidArgumentError(
-                    f"the model's inputs must share their first (batch) dimension, got {[tuple(t.shape) for t in inputs]}")
+                    f"the model's inputs must share their first (batch) dimension, got "
+                    f"{[tuple(t.shape) for t in inputs]}")
         if target is not None and (not isinstance(target, torch.Tensor) or target.shape[0] != rows):
             raise InvalidArgumentError(
                 f"the target must be a tensor with one row per example ({rows}), got "

@@ -96,7 +96,8 @@ class MeshStrategy(Strategy):
 
     def _data_topology(self) -> Topology:
         """One replica per data group: the input pipeline and ``reduce`` work over the data axis."""
-        return Topology((self._mesh_device,), num_workers=self.mesh.size(0), worker_index=self.mesh.get_local_rank("data"))
+        return Topology((self._mesh_device,), num_workers=self.mesh.size(0),
+                        worker_index=self.mesh.get_local_rank("data"))
 
     @property
     def cluster_resolver(self) -> Any:

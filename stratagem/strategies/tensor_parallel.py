@@ -60,4 +60,5 @@ class TensorParallelStrategy(MeshStrategy):
         return self.mesh.get_local_rank("model")
 
     def __repr__(self) -> str:
-        return f"TensorParallelStrategy({self._mesh_repr()}, process {self._full.worker_index} of {self._full.num_workers})"
+        full = self._full
+        return f"TensorParallelStrategy({self._mesh_repr()}, process {full.worker_index} of {full.num_workers})"

@@ -81,7 +81,8 @@ def train(case: str, mesh: dict) -> dict:
     out["optimizer_state"] = optimizer_state(optimizer)
     out["direct_call"] = error_of(lambda: model(torch.randn(2, 6)))
     # one logical checkpoint, restored into another layout (other stages on other processes)
-    path = sg.Checkpoint(model=model, optimizer=optimizer).save(os.path.join(args.out, f"ckpt-{case.replace(':', '-')}"))
+    directory = os.path.join(args.out, f"ckpt-{case.replace(':', '-')}")
+    path = sg.Checkpoint(model=model, optimizer=optimizer).save(directory)
     other = sg.experimental.PipelineStrategy(mesh, num_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn,
                                              schedule="gpipe" if schedule == "zero_bubble" else "zero_bubble")
     with other.scope():
