@@ -36,7 +36,7 @@ from torch import nn
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.base import Placement
+from stratagem.placement.roots import RootsPlacement
 from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
 
 #: schedule name -> (torch class name, stage placement: "loop" or "v", stages per process or None: any)
@@ -151,7 +151,7 @@ class SplitModel:
     local: dict[int, nn.Sequential]          # stage index -> its children (shared with the model)
 
 
-class PipelinePlacement(Placement):
+class PipelinePlacement(RootsPlacement):
     """Stages of ``nn.Sequential`` models over the pipe axis; gradients summed over the data axis."""
 
     kind = "Pipeline"
@@ -165,8 +165,7 @@ class PipelinePlacement(Placement):
         self.data = data                 # this process's data-parallel peers (same stages)
         self.everyone = everyone         # every process (start-up agreement)
         self.device = device
-        self._pending: list[nn.Module] = []
-        self._placed: list[nn.Module] = []
+        self._start_roots()
         self.models: dict[int, SplitModel] = {}   # id(model) -> its split
         # id(model or optimizer) -> its whole state dict, gathered for the chief's checkpoint
         self._gathered: dict[int, dict] = {}
@@ -177,25 +176,8 @@ class PipelinePlacement(Placement):
 
     # ---------------------------------------------------------------- modules
 
-    def on_module_registered(self, module: nn.Module) -> None:
-        if not any(m is module for m in self._pending):
-            self._pending.append(module)
-
-    on_submodule_registered = on_module_registered
-
     def finalize(self) -> None:
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        inside = {id(child) for m in pending for child in m.modules() if child is not m}
-        inside.update(id(m) for root in self._placed for m in root.modules())
-        roots = [m for m in pending if id(m) not in inside and any(True for _ in m.parameters())]
-        if not roots:
-            return
-        for root in roots:
-            root.to(self.device)
-        self.everyone.agree_on_modules([m for root in roots for m in root.modules()])
-        for root in roots:
+        for root in self.new_roots():
             layout = plan_stages(root, **self.config)
             children = list(root.children())
             local = {s: nn.Sequential(*children[a:b]) for s, (a, b) in enumerate(layout.bounds)
@@ -209,10 +191,7 @@ class PipelinePlacement(Placement):
             root.register_state_dict_post_hook(functools.partial(_whole_state, weakref.ref(self)))
             root.register_load_state_dict_pre_hook(_own_state)
             self.models[id(root)] = SplitModel(layout, local)
-            self._placed.append(root)
-        # the stage containers were created in scope, and so were the modules moved to meta: not new models
-        self._pending = [m for m in self._pending if not any(m is stage for split in self.models.values()
-                                                             for stage in split.local.values())]
+            self._forget_pending(local.values())   # the stage containers, created in scope
 
     def split_of(self, model: Any) -> SplitModel:
         self.finalize()

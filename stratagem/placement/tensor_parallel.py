@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.base import Placement
+from stratagem.placement.roots import RootsPlacement
 from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
 
 #: plan style names and the torch ParallelStyle each stands for
@@ -68,7 +68,7 @@ def check_plan(plan: Any) -> dict[str, Any]:
     return checked
 
 
-class TensorParallelPlacement(Placement):
+class TensorParallelPlacement(RootsPlacement):
     """Parameters as DTensors over the model axis of ``mesh``; gradients summed over its data axis."""
 
     kind = "TensorParallel"
@@ -81,8 +81,7 @@ class TensorParallelPlacement(Placement):
         self.plan = check_plan(plan)
         self.data = data           # the data axis (this process's data-parallel peers)
         self.everyone = everyone   # every process (start-up agreement)
-        self._pending: list[nn.Module] = []
-        self._placed: list[nn.Module] = []
+        self._start_roots()
         self._optimizers: list[torch.optim.Optimizer] = []
         # id(parameter before the plan) -> (it, its DTensor replacement): an optimizer given a list
         # of parameters built before the model was placed gets the replacements
@@ -96,26 +95,10 @@ class TensorParallelPlacement(Placement):
 
     # ---------------------------------------------------------------- modules
 
-    def on_module_registered(self, module: nn.Module) -> None:
-        if not any(m is module for m in self._pending):
-            self._pending.append(module)
-
-    on_submodule_registered = on_module_registered
-
     def finalize(self) -> None:
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        # modules inside another one, or placed already (parallelize_module re-registers parameters)
-        inside = {id(child) for m in pending for child in m.modules() if child is not m}
-        inside.update(id(m) for root in self._placed for m in root.modules())
-        roots = [m for m in pending if id(m) not in inside and any(True for _ in m.parameters())]
+        roots = self.new_roots()
         if not roots:
             return
-        for root in roots:
-            root.to(self.device)
-        # every process built the same modules (else all raise), and starts from the chief's values
-        self.everyone.agree_on_modules([m for root in roots for m in root.modules()])
         assignments = self._resolve(roots)
         for root, names in zip(roots, assignments):
             styles = {name: self._style(style) for name, style in names.items()}
@@ -130,7 +113,6 @@ class TensorParallelPlacement(Placement):
                 if any(isinstance(t, DTensor) for t in module.parameters(recurse=False)):
                     module.register_state_dict_post_hook(_full_state)
                     module.register_load_state_dict_pre_hook(_sharded_state)
-            self._placed.append(root)
 
     def _resolve(self, roots: list[nn.Module]) -> list[dict[str, Any]]:
         """For each root, {module name: style}; every plan entry names a module of some root."""
