@@ -88,7 +88,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     out = root / "out"
     out.mkdir()
     one_by_two = launch(out, 2, "tp12", "--layout", "tp:1,2", "--start", str(root / "start0" / "{kind}"),
-                        "--save", str(root / "tp12" / "{kind}"), "--save-at", "2", "--wrong", str(root / "wrong"))
+                        "--save", str(root / "tp12" / "{kind}"), "--save-at", "2", "--wrong", str(root / "wrong"),
+                        "--timeout", "30", "--absent")
     two_by_one = launch(out, 2, "tp21", "--layout", "tp:2,1", "--restore", str(root / "tp12" / "{kind}"))
     mirrored = launch(out, 2, "mwms", "--layout", "mwms", "--restore", str(root / "tp12" / "{kind}"))
     two_by_two = launch(out, 4, "tp22", "--layout", "tp:2,2", "--start", str(root / "start2" / "{kind}"),
@@ -197,3 +198,8 @@ def test_a_shuffled_loader_gives_a_model_group_the_same_rows(runs, tag: str, mod
         rows = sorted(row for group in groups for row in group[0]["shuffled"][step])
         assert len(rows) == 4 and len(set(rows)) == 4
     assert sorted(row for group in groups for step in group[0]["shuffled"] for row in step) == list(range(16))
+
+
+def test_a_process_that_does_not_save_gets_an_error_not_a_hang(runs) -> None:
+    error = json.loads((runs["root"] / "out" / "tp12-absent.json").read_text())
+    assert error is not None and "Checkpoint.save" in error and "stopped answering" in error, error
