@@ -1,0 +1,344 @@
+"""PipelinePlacement: an ``nn.Sequential`` created in scope, split into stages over a "pipe" axis.
+
+Modules created in scope wait until ``finalize()``. Then every process checks that all
+built the same modules and takes the chief's initial values (so that every process,
+and every data-parallel group, starts alike), and each root ``nn.Sequential`` is cut
+into stages (:class:`StageLayout`: at the split points, or evenly). A stage lives on
+one process of the pipe axis: stage ``s`` on ``s % p`` ("loop" placement, also for the
+interleaved schedules) or, for the V schedules, stages ``r`` and ``2p - 1 - r`` on
+process ``r``. The children of the stages another process holds move to the ``meta``
+device: this process keeps only its own stages' parameters and buffers.
+
+Optimizers created in scope update only this process's parameters: their parameter groups
+still list every parameter of the model (those of other stages as meta placeholders, which
+get no gradient, no state and no update), so that their state dicts count parameters as a
+plain optimizer over the whole model does. ``step`` first sums this process's gradients
+over the data axis (each data group's loss is already weighted by its share of the global
+batch), then runs the update over this process's parameters only.
+
+State: a split model's ``state_dict()`` and its optimizer's read as the whole logical
+model on every process (the pipe axis gathers the stages: a collective, so every process
+calls them); ``load_state_dict`` takes the whole state and keeps this process's stages.
+``sg.Checkpoint`` writes that logical copy (global rank 0; ``prepare_checkpoint`` gathers
+it on the chief's pipeline), restorable into any layout, or a plain model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import weakref
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from stratagem.comm.collective import Collective
+from stratagem.errors import InvalidArgumentError
+from stratagem.placement.roots import RootsPlacement
+from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
+
+#: schedule name -> (torch class name, stage placement: "loop" or "v", stages per process or None: any)
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", "loop", 1),
+    "1f1b": ("Schedule1F1B", "loop", 1),
+    "interleaved": ("ScheduleInterleaved1F1B", "loop", None),
+    "looped_bfs": ("ScheduleLoopedBFS", "loop", None),
+    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", "loop", None),
+    "zero_bubble": ("ScheduleZBVZeroBubble", "v", 2),
+    "dualpipev": ("ScheduleDualPipeV", "v", 2),
+}
+
+
+def check_schedule(schedule: Any) -> str:
+    if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
+        raise InvalidArgumentError(
+            f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    return schedule.lower()
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+    """How one model is cut: ``bounds[s]`` is stage ``s``'s range of the model's children."""
+
+    bounds: tuple[tuple[int, int], ...]
+    pipe_size: int
+    style: str                       # "loop" or "v"
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.bounds)
+
+    def rank_of(self, stage: int) -> int:
+        """The pipe-axis process that holds ``stage``."""
+        p = self.pipe_size
+        if self.style == "v":
+            return stage if stage < p else 2 * p - 1 - stage
+        return stage % p
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s in range(self.num_stages) if self.rank_of(s) == rank]
+
+
+def plan_stages(model: nn.Module, *, split_points: list[str] | None, num_stages: int | None,
+                pipe_size: int, schedule: str, num_microbatches: int) -> StageLayout:
+    """Validate the split of ``model`` for ``schedule`` and return its layout (same on every process)."""
+    if not isinstance(model, nn.Sequential):
+        raise InvalidArgumentError(
+            f"PipelineStrategy splits an nn.Sequential created in its scope, but got a "
+            f"{type(model).__name__}; write the model as nn.Sequential(embedding, *blocks, head) "
+            f"(each child may be any module with one tensor in and one tensor out)")
+    names = [name for name, _ in model.named_children()]
+    _, style, per_rank = SCHEDULES[schedule]
+    if split_points is not None:
+        starts = []
+        for point in split_points:
+            if point not in names:
+                raise InvalidArgumentError(
+                    f"the split point {point!r} names no child of the model; split points name the "
+                    f"children where a stage begins, among {names}")
+            starts.append(names.index(point))
+        if starts != sorted(set(starts)) or 0 in starts:
+            raise InvalidArgumentError(
+                f"split points must name distinct children in model order, none of them the first "
+                f"({names[0]!r}, where stage 0 always begins); got {split_points}")
+        edges = [0, *starts, len(names)]
+    else:
+        count = num_stages if num_stages is not None else pipe_size * (per_rank or 2)
+        if count > len(names):
+            raise InvalidArgumentError(
+                f"the pipeline needs {count} stages ({_why(num_stages, pipe_size, schedule)}), but the "
+                f"model has only {len(names)} children to split; give a model with more layers, "
+                f"fewer stages, or a schedule with one stage per process")
+        size, extra = divmod(len(names), count)
+        edges = [0]
+        for s in range(count):
+            edges.append(edges[-1] + size + (1 if s < extra else 0))
+    bounds = tuple(zip(edges[:-1], edges[1:]))
+    layout = StageLayout(bounds, pipe_size, style)
+    stages = layout.num_stages
+    if stages % pipe_size or (per_rank is not None and stages != per_rank * pipe_size):
+        want = f"{per_rank * pipe_size}" if per_rank else f"a multiple of {pipe_size}"
+        raise InvalidArgumentError(
+            f"the {schedule!r} schedule on {pipe_size} pipeline processes needs {want} stages "
+            f"({per_rank or 'the same number of'} per process), but the split gives {stages}; "
+            f"change split_points / num_stages")
+    if schedule in ("1f1b", "dualpipev") and num_microbatches < stages:
+        raise InvalidArgumentError(
+            f"the {schedule!r} schedule needs at least as many micro-batches as stages: "
+            f"num_microbatches={num_microbatches} but {stages} stages; raise num_microbatches")
+    rounds = max(1, num_microbatches // pipe_size)
+    if schedule in ("interleaved", "interleaved_zero_bubble") and num_microbatches % rounds:
+        raise InvalidArgumentError(
+            f"the {schedule!r} schedule runs num_microbatches in rounds of {pipe_size} (the pipeline "
+            f"processes): num_microbatches={num_microbatches} must be below {pipe_size} or a multiple "
+            f"of {rounds}; e.g. {rounds * pipe_size}")
+    return layout
+
+
+def _why(num_stages: int | None, pipe_size: int, schedule: str) -> str:
+    if num_stages is not None:
+        return f"num_stages={num_stages}"
+    return f"{SCHEDULES[schedule][2] or 2} per process for {schedule!r} on {pipe_size} processes"
+
+
+@dataclasses.dataclass
+class SplitModel:
+    """One model created in scope, cut into stages; ``local`` are this process's stage modules."""
+
+    layout: StageLayout
+    local: dict[int, nn.Sequential]          # stage index -> its children (shared with the model)
+
+
+class PipelinePlacement(RootsPlacement):
+    """Stages of ``nn.Sequential`` models over the pipe axis; gradients summed over the data axis."""
+
+    kind = "Pipeline"
+
+    def __init__(self, strategy: Any, *, config: dict[str, Any], pipe_rank: int, pipe: Collective,
+                 data: Collective, everyone: Collective, device: torch.device):
+        self._strategy_ref = weakref.ref(strategy)
+        self.config = config             # split_points, num_stages, pipe_size, schedule, num_microbatches
+        self.pipe_rank = pipe_rank
+        self.pipe = pipe                 # this process's pipeline (gathers the stages' state)
+        self.data = data                 # this process's data-parallel peers (same stages)
+        self.everyone = everyone         # every process (start-up agreement)
+        self.device = device
+        self._start_roots()
+        self.models: dict[int, SplitModel] = {}   # id(model) -> its split
+        # id(model or optimizer) -> its whole state dict, gathered for the chief's checkpoint
+        self._gathered: dict[int, dict] = {}
+
+    @property
+    def strategy(self) -> Any:
+        return self._strategy_ref()
+
+    # ---------------------------------------------------------------- modules
+
+    def finalize(self) -> None:
+        for root in self.new_roots():
+            layout = plan_stages(root, **self.config)
+            children = list(root.children())
+            local = {s: nn.Sequential(*children[a:b]) for s, (a, b) in enumerate(layout.bounds)
+                     if layout.rank_of(s) == self.pipe_rank}
+            mine = {id(m) for stage in local.values() for m in stage.modules()}
+            elsewhere = [child for child in children if id(child) not in mine]
+            for child in elsewhere:
+                child.to("meta")     # another process holds it
+            if elsewhere:
+                root.register_forward_pre_hook(functools.partial(_not_whole, sorted(local)))
+            root.register_state_dict_post_hook(functools.partial(_whole_state, weakref.ref(self)))
+            root.register_load_state_dict_pre_hook(_own_state)
+            self.models[id(root)] = SplitModel(layout, local)
+            self._forget_pending(local.values())   # the stage containers, created in scope
+
+    def split_of(self, model: Any) -> SplitModel:
+        self.finalize()
+        split = self.models.get(id(model))
+        if split is None:
+            raise InvalidArgumentError(
+                f"forward_backward and predict need the nn.Sequential created in this PipelineStrategy's "
+                f"scope (the one it split into stages), got a {type(model).__name__} it did not place; "
+                f"create the model inside strategy.scope()")
+        return split
+
+    # ----------------------------------------------------------- optimizers
+
+    def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
+        # the parameter groups keep every parameter of the model, those of other stages as meta
+        # placeholders: the state dict then counts parameters as a plain optimizer over the whole
+        # model does; the update (and so the state) only ever sees this process's own
+        adopt(optimizer, self)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+        self.finalize()
+        groups = optimizer.param_groups
+        every = [group["params"] for group in groups]
+        own = [[p for p in params if not p.is_meta] for params in every]
+        if self.data.num_workers > 1:
+            sum_over(self.data, [p for params in own for p in params])
+        pre, post = step_hooks(optimizer)
+        run_hooks(pre, optimizer)
+        try:
+            for group, params in zip(groups, own):
+                group["params"] = params
+            result = unhooked_step(optimizer._sg_base)(optimizer, closure)
+        finally:
+            for group, params in zip(groups, every):
+                group["params"] = params
+        run_hooks(post, optimizer)
+        return result
+
+    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        optimizer._sg_base.zero_grad(optimizer, set_to_none)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The whole model's optimizer state: each stage's, gathered over the pipe axis (every process calls it)."""
+        gathered = self._gathered.get(id(optimizer))
+        if gathered is not None:
+            return gathered
+        state = optimizer._sg_base.state_dict(optimizer)
+        if self.pipe.num_workers > 1:
+            mine = {k: {n: v.detach().cpu() if isinstance(v, torch.Tensor) else v for n, v in entry.items()}
+                    for k, entry in state["state"].items()}
+            merged = {}
+            for part in self.pipe.all_gather_object(mine, "optimizer.state_dict (the stages of the pipeline)"):
+                merged.update(part)
+            state["state"] = {k: merged[k] for k in sorted(merged)}
+        return state
+
+    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        """Load the whole model's optimizer state; this process keeps its own parameters' entries."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        ids = [i for group in state_dict.get("param_groups", []) for i in group.get("params", [])]
+        held = {i for i, p in zip(ids, params) if not p.is_meta}
+        state = dict(state_dict)
+        state["state"] = {k: v for k, v in state_dict.get("state", {}).items() if k in held}
+        optimizer._sg_base.load_state_dict(optimizer, state)
+
+    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+        optimizer._sg_base.add_param_group(optimizer, param_group)
+
+    # ---------------------------------------------------------- checkpoints
+
+    @contextlib.contextmanager
+    def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
+        """Every process, around the chief's writing: the chief's pipeline gathers the whole
+        state of each split model and optimizer (the other data groups hold the same values
+        and skip it); the chief keeps it for :meth:`write_checkpoint_state`, dropped on exit."""
+        if self.data.worker_index == 0:
+            chief = self.everyone.worker_index == 0
+            for obj in objects.values():
+                if id(obj) in self.models or (isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self):
+                    state = obj.state_dict()
+                    if chief:
+                        self._gathered[id(obj)] = state
+        try:
+            yield
+        finally:
+            self._gathered.clear()
+
+    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
+        state = self._gathered.get(id(obj))
+        if state is None and isinstance(obj, nn.Module) and \
+                any(t.is_meta for t in obj.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)):
+            raise InvalidArgumentError(
+                f"{name!r} is part of a pipelined model whose other stages live on other processes; track the "
+                f"whole model created in the PipelineStrategy's scope in sg.Checkpoint (one logical copy)")
+        return None if state is None else (state, {})
+
+
+def sum_over(axis: Collective, params: list[torch.Tensor]) -> None:
+    """Sum the gradients of ``params`` over ``axis`` in place (zeros where a peer has none)."""
+    if not params:   # stages without parameters: so are the data-axis peers'
+        return
+    group = axis.group
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    group.all_reduce(present, "optimizer.step (which gradients exist on the data axis)")
+    for p, count in zip(params, present.tolist()):
+        if count and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params if p.grad is not None]
+    for dtype in dict.fromkeys(g.dtype for g in grads):
+        same = [g for g in grads if g.dtype == dtype]
+        flat = group.all_reduce(torch.cat([g.reshape(-1) for g in same]),
+                                "optimizer.step (gradients over the data axis)")
+        for g, part in zip(same, flat.split([g.numel() for g in same])):
+            g.copy_(part.view_as(g))
+
+
+def _whole_state(placement_ref: Any, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """Fill the entries of stages held elsewhere (meta here) with their values, gathered over the pipe axis."""
+    placement = placement_ref()   # a weak reference: a deep copy of the model copies it as is
+    keys = [k for k in state_dict if k.startswith(prefix)]
+    if placement is None or placement.pipe.num_workers == 1 or \
+            any(isinstance(state_dict[k], nn.Parameter) for k in keys):   # keep_vars: the tensors themselves
+        return
+    gathered = placement._gathered.get(id(module))
+    if gathered is not None:   # gathered already for the checkpoint being written
+        state_dict.update(gathered)
+        return
+    pipe, device = placement.pipe, placement.device
+    mine = {k: state_dict[k].detach().cpu() for k in keys
+            if isinstance(state_dict[k], torch.Tensor) and not state_dict[k].is_meta}
+    for part in pipe.all_gather_object(mine, "model.state_dict (the stages of the pipeline)"):
+        for key, value in part.items():
+            if state_dict[key].is_meta:
+                state_dict[key] = value.to(device)
+
+
+def _own_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Entries of stages held elsewhere (meta here) load as meta: this process keeps its own."""
+    held = dict(module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False))
+    held.update(module.named_buffers(prefix=prefix.rstrip("."), remove_duplicate=False))
+    for key, tensor in held.items():
+        if tensor.is_meta and key in state_dict and isinstance(state_dict[key], torch.Tensor):
+            state_dict[key] = state_dict[key].to("meta")
+
+
+def _not_whole(stages: list[int], module: nn.Module, args: Any) -> None:
+    raise InvalidArgumentError(
+        f"this process holds only stage(s) {stages} of the pipelined model (the others live on other "
+        f"processes), so the model cannot be called directly: train it with "
+        f"strategy.forward_backward(model, x, y), evaluate it with strategy.predict(model, x)")

@@ -1,0 +1,141 @@
+"""Trains an MLP under PipelineStrategy with several schedules; the test compares each with plain PyTorch.
+
+Usage (one process per task, with TF_CONFIG): python pp_script.py OUT_DIR --mesh D,P --cases NAME,...
+
+Each case is ``schedule:optimizer`` (e.g. ``gpipe:sgd``, ``zero_bubble:adam``) or ``split:...`` for the
+split-points variant. Writes OUT_DIR/rank{R}.json: per case the initial parameters, the reduced loss
+and the whole model's state_dict after every step, the stages held and the optimizer's parameter
+count; then the errors of the misuse cases.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+from torch import nn
+
+import stratagem as sg
+
+try:   # run as a script (the processes), or imported by the test
+    from tp_script import error_of, listed
+except ImportError:
+    from .tp_script import error_of, listed
+
+#: batch sizes of the steps: divisible by 4, not divisible, then a smaller last batch
+BATCHES = (8, 10, 8, 5)
+NUM_MICROBATCHES = 4
+
+
+def make_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                         nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 3))
+
+
+def make_data(batches=BATCHES):
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(b, 6, generator=g, dtype=torch.float64),
+             torch.randn(b, 3, generator=g, dtype=torch.float64)) for b in batches]
+
+
+def make_optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def loss_fn(output, target):
+    return ((output - target) ** 2).mean()
+
+
+def train(case: str, mesh: dict) -> dict:
+    schedule, kind = case.split(":")
+    options = {}
+    if schedule == "split":   # uneven stages at named children, loop placement (pipe size 2)
+        schedule, options = "interleaved", {"split_points": ["3", "4", "7"]}
+    strategy = sg.experimental.PipelineStrategy(mesh, num_microbatches=NUM_MICROBATCHES, schedule=schedule,
+                                                loss_fn=loss_fn, **options)
+    with strategy.scope():
+        model = make_model()
+        optimizer = make_optimizer(kind, model.parameters())
+    out = {"initial": listed(model.state_dict()), "stages": strategy.stages_of(model),
+           "held_params": sum(p.numel() for p in model.parameters() if not p.is_meta),
+           "num_replicas": strategy.num_replicas_in_sync, "history": []}
+
+    def step(x, y):
+        optimizer.zero_grad()
+        loss = strategy.forward_backward(model, x, y)
+        optimizer.step()
+        return loss
+
+    for x, y in strategy.experimental_distribute_dataset(make_data()):
+        loss = strategy.reduce("sum", strategy.run(step, args=(x, y)), axis=None)
+        out["history"].append({"loss": loss.item(), "params": listed(model.state_dict())})
+    out["predict"] = strategy.predict(model, make_data((7,))[0][0]).tolist()   # every process: the output
+    # the optimizer's state (its memory) exists for this process's parameters only
+    out["optimizer_params"] = sum(p.numel() for p in optimizer.state if not p.is_meta)
+    out["optimizer_meta_state"] = sum(1 for p in optimizer.state if p.is_meta)
+    model.load_state_dict(model.state_dict())   # whole model in; each process keeps its stages
+    optimizer.load_state_dict(optimizer.state_dict())
+    out["after_round_trip"] = listed(model.state_dict())
+    out["optimizer_state"] = optimizer_state(optimizer)
+    out["direct_call"] = error_of(lambda: model(torch.randn(2, 6)))
+    # one logical checkpoint, restored into another layout (other stages on other processes)
+    directory = os.path.join(args.out, f"ckpt-{case.replace(':', '-')}")
+    path = sg.Checkpoint(model=model, optimizer=optimizer).save(directory)
+    other = sg.experimental.PipelineStrategy(mesh, num_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn,
+                                             schedule="gpipe" if schedule == "zero_bubble" else "zero_bubble")
+    with other.scope():
+        restored = make_model()
+        restored_optimizer = make_optimizer(kind, restored.parameters())
+    sg.Checkpoint(model=restored, optimizer=restored_optimizer).restore(path)
+    out["restored"] = listed(restored.state_dict())
+    out["restored_optimizer"] = optimizer_state(restored_optimizer)
+    out["restored_stages"] = other.stages_of(restored)
+    return out
+
+
+def optimizer_state(optimizer):
+    return {str(k): {n: v.tolist() for n, v in s.items()} for k, s in optimizer.state_dict()["state"].items()}
+
+
+def errors(mesh: dict, world: int) -> dict:
+    def make(model_fn=make_model, **options):
+        strategy = sg.experimental.PipelineStrategy(mesh, **{"num_microbatches": 4, **options})
+        with strategy.scope():
+            model_fn()
+    def uneven():
+        strategy = sg.experimental.PipelineStrategy(mesh, num_microbatches=4, loss_fn=loss_fn)
+        with strategy.scope():
+            model = make_model()
+        rows = 6 + sg.cluster.resolve().worker_rank % mesh["pipe"]   # differ inside each pipeline
+        strategy.forward_backward(model, torch.randn(rows, 6), torch.randn(rows, 3))
+    return {
+        "different_batches": error_of(uneven),
+        "missing": error_of(lambda: make(split_points=["fc9"])),
+        "too_many_stages": error_of(lambda: make(num_stages=9)),
+        "not_sequential": error_of(lambda: make(lambda: nn.Transformer(8, 2, 1, 1, 16))),
+        "mesh": error_of(lambda: sg.experimental.PipelineStrategy({"data": 3, "pipe": world})),
+        "schedule": error_of(lambda: sg.experimental.PipelineStrategy(mesh, schedule="pipedream")),
+        "interleaved_stages": error_of(lambda: make(schedule="interleaved", num_stages=mesh["pipe"] + 1)),
+        "zero_bubble_stages": error_of(lambda: make(schedule="zero_bubble", num_stages=mesh["pipe"])),
+        "different": error_of(lambda: sg.experimental.PipelineStrategy(
+            mesh, num_microbatches=4 + sg.cluster.resolve().worker_rank)),
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--mesh", default="1,2")
+    parser.add_argument("--cases", default="gpipe:sgd")
+    args = parser.parse_args()
+    d, p = (int(v) for v in args.mesh.split(","))
+    torch.set_default_dtype(torch.float64)
+    rank = sg.cluster.resolve().worker_rank
+    torch.manual_seed(rank)   # processes differ: the chief's initial values must win
+    result = {case: train(case, {"data": d, "pipe": p}) for case in args.cases.split(",")}
+    result["errors"] = errors({"data": d, "pipe": p}, d * p)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    print("done", flush=True)
