@@ -1,9 +1,10 @@
 """FullyShardedPlacement: parameters, gradients and optimizer state sharded over the workers (ZeRO-3).
 
 ``MultiWorkerMirroredStrategy(sharding="parameters")``. Modules created in scope wait
-until ``finalize()``; then every root module (one that no other module created in scope
-holds) moves to this worker's device, gets the chief's initial values (every worker
-checks that it built the same tensors), and is handed to torch's FSDP2 ``fully_shard``:
+until ``finalize()``; then every root module with parameters (one that no other module
+created in scope holds: :class:`~stratagem.placement.roots.RootsPlacement`) moves to this
+worker's device, gets the chief's initial values (every worker checks that it built the same
+tensors), and is handed to torch's FSDP2 ``fully_shard``:
 
 - units: each child of the root that holds parameters gets its own ``fully_shard`` unit,
   containers (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``) being looked
@@ -41,16 +42,16 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.base import Placement
+from stratagem.placement.roots import RootsPlacement
 from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
 # full tensors out of DTensors in state dicts, and back into each process's shards: the same
 # as for tensor parallelism (any DTensor layout)
-from stratagem.placement.tensor_parallel import _full, _full_state, _like, _sharded_state
+from stratagem.placement.tensor_parallel import TensorParallelPlacement, _full_state, _sharded_state
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
-class FullyShardedPlacement(Placement):
+class FullyShardedPlacement(RootsPlacement):
     """Each worker holds 1/N of every parameter, gradient and optimizer state (FSDP2 units)."""
 
     kind = "FullySharded"
@@ -58,14 +59,14 @@ class FullyShardedPlacement(Placement):
     def __init__(self, strategy: Any, collective: Any, device: torch.device):
         self._strategy_ref = weakref.ref(strategy)
         self.collective = collective
+        self.everyone = collective   # the start-up agreement on the modules built
         self.device = device
         group = collective.group
         if group.solo and not dist.is_initialized():   # a lone worker still needs a group for the mesh
             dist.init_process_group(group.backend, store=dist.HashStore(), rank=0, world_size=1)
             atexit.register(_leave_solo_group)
         self.mesh = DeviceMesh.from_group(group.group or dist.group.WORLD, device.type)
-        self._pending: list[nn.Module] = []
-        self._placed: list[nn.Module] = []
+        self._start_roots()
         # id(parameter before sharding) -> (it, its DTensor replacement): an optimizer given a list
         # of parameters taken before the model was placed gets the replacements
         self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -78,31 +79,10 @@ class FullyShardedPlacement(Placement):
 
     # ---------------------------------------------------------------- modules
 
-    def on_module_registered(self, module: nn.Module) -> None:
-        if not any(m is module for m in self._pending):
-            self._pending.append(module)
-
-    on_submodule_registered = on_module_registered
-
     def finalize(self) -> None:
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        # modules inside another one, or placed already (fully_shard re-registers parameters)
-        inside = {id(child) for m in pending for child in m.modules() if child is not m}
-        inside.update(id(m) for root in self._placed for m in root.modules())
-        roots = [m for m in pending if id(m) not in inside]
-        roots = [m for m in roots if any(True for _ in m.parameters()) or any(True for _ in m.buffers())]
-        if not roots:
-            return
-        for root in roots:
-            root.to(self.device)
-        # every worker built the same modules (else all raise), and starts from the chief's values
-        self.collective.agree_on_modules([m for root in roots for m in root.modules()])
-        for root in roots:
-            if any(True for _ in root.parameters()):
-                self._shard(root)
-            self._placed.append(root)
+        for root in self.new_roots():   # complete models, the chief's values on every worker
+            self._shard(root)
+            self._forget_pending(root.modules())   # (fully_shard re-registers parameters)
 
     def _shard(self, root: nn.Module) -> None:
         dtypes = {p.dtype for p in root.parameters()}
@@ -187,20 +167,11 @@ class FullyShardedPlacement(Placement):
         run_hooks(post, optimizer)
         return result
 
-    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        optimizer._sg_base.zero_grad(optimizer, set_to_none)
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        state = optimizer._sg_base.state_dict(optimizer)
-        state["state"] = {k: {n: _full(v) for n, v in s.items()} for k, s in state["state"].items()}
-        return state
-
-    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        state = dict(state_dict)
-        state["state"] = {k: {n: _like(v, params[int(k)]) for n, v in s.items()}
-                          for k, s in state_dict["state"].items()}
-        optimizer._sg_base.load_state_dict(optimizer, state)
+    # zero_grad, and state dicts of full tensors (each worker loads its shards): as under tensor
+    # parallelism, whose optimizers are torch's over DTensor parameters too
+    optimizer_zero_grad = TensorParallelPlacement.optimizer_zero_grad
+    optimizer_state_dict = TensorParallelPlacement.optimizer_state_dict
+    optimizer_load_state_dict = TensorParallelPlacement.optimizer_load_state_dict
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
         raise InvalidArgumentError(

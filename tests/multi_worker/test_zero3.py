@@ -16,7 +16,7 @@ import stratagem as sg
 from stratagem.errors import InvalidArgumentError
 from stratagem.testing import run_local_cluster
 
-from . import sharding_script, zero3_script
+from . import zero3_script
 from .test_sharding import restores_as_plain_pytorch, save_plain
 
 pytestmark = pytest.mark.timeout(240)
@@ -73,34 +73,6 @@ def test_two_workers_match_one_process_and_checkpoints_cross_layouts(tmp_path: P
         assert out["num_replicas"] == 3
         assert out["restored_error"] < 1e-12, f"worker {rank} of 3: {out['restored_error']}"
         assert out["stage2_error"] < 1e-12, f"worker {rank} of 3, stage 2: {out['stage2_error']}"
-
-
-def test_one_worker_is_plain_pytorch(solo_group) -> None:
-    strategy = sg.MultiWorkerMirroredStrategy(sharding="parameters")
-    assert strategy.sharding == "parameters"
-    with strategy.scope():
-        model = sharding_script.make_model(0)
-        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    assert type(optimizer).__name__ == "FullyShardedAdam"
-    ref = sharding_script.make_model(0)
-    ref_optimizer = torch.optim.Adam(ref.parameters(), lr=0.01)
-    for x, y in sharding_script.make_data()[:3]:
-        def step(x, y):
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-        strategy.run(step, args=(x, y))
-        ref_optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(ref(x), y).backward()
-        ref_optimizer.step()
-    state = model.state_dict()
-    for key, want in ref.state_dict().items():
-        assert type(state[key]) is torch.Tensor   # full tensors, not DTensors
-        torch.testing.assert_close(state[key], want, rtol=1e-13, atol=1e-13)
-    saved = optimizer.state_dict()
-    torch.testing.assert_close(saved["state"][0]["exp_avg"], ref_optimizer.state_dict()["state"][0]["exp_avg"])
-    optimizer.load_state_dict(ref_optimizer.state_dict())   # plain state dicts load back
-    model.load_state_dict(ref.state_dict())
 
 
 def test_refusals(solo_group) -> None:
