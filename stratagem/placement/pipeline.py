@@ -1,9 +1,10 @@
-"""PipelinePlacement: an ``nn.Sequential`` created in scope, split into stages over a "pipe" axis.
+"""PipelinePlacement: a model created in scope, split into stages over a "pipe" axis.
 
 Modules created in scope wait until ``finalize()``. Then every process checks that all
 built the same modules and takes the chief's initial values (so that every process,
 and every data-parallel group, starts alike), and each root ``nn.Sequential`` is cut
-into stages (:class:`StageLayout`: at the split points, or evenly). A stage lives on
+into stages (:class:`StageLayout`: at the split points, or evenly). Any other model is
+cut by torch's tracer at its first step (:mod:`stratagem.placement.pipeline_trace`). A stage lives on
 one process of the pipe axis: stage ``s`` on ``s % p`` ("loop" placement, also for the
 interleaved schedules) or, for the V schedules, stages ``r`` and ``2p - 1 - r`` on
 process ``r``. The children of the stages another process holds move to the ``meta``
@@ -38,6 +39,7 @@ from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.roots import RootsPlacement
 from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
+from stratagem.placement.pipeline_trace import TracedStages, traced_split_points
 
 #: schedule name -> (torch class name, stage placement: "loop" or "v", stages per process or None: any)
 SCHEDULES = {
@@ -60,11 +62,12 @@ def check_schedule(schedule: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class StageLayout:
-    """How one model is cut: ``bounds[s]`` is stage ``s``'s range of the model's children."""
+    """How one model is cut: ``bounds[s]`` is stage ``s``'s range of the model's children (nn.Sequential)."""
 
     bounds: tuple[tuple[int, int], ...]
     pipe_size: int
     style: str                       # "loop" or "v"
+    points: tuple[str, ...] = ()     # a traced model's split points (bounds then index the stages)
 
     @property
     def num_stages(self) -> int:
@@ -84,14 +87,14 @@ class StageLayout:
 def plan_stages(model: nn.Module, *, split_points: list[str] | None, num_stages: int | None,
                 pipe_size: int, schedule: str, num_microbatches: int) -> StageLayout:
     """Validate the split of ``model`` for ``schedule`` and return its layout (same on every process)."""
-    if not isinstance(model, nn.Sequential):
-        raise InvalidArgumentError(
-            f"PipelineStrategy splits an nn.Sequential created in its scope, but got a "
-            f"{type(model).__name__}; write the model as nn.Sequential(embedding, *blocks, head) "
-            f"(each child may be any module with one tensor in and one tensor out)")
     names = [name for name, _ in model.named_children()]
     _, style, per_rank = SCHEDULES[schedule]
-    if split_points is not None:
+    points: tuple[str, ...] = ()
+    if not isinstance(model, nn.Sequential):   # cut by the tracer: stage s begins at points[s - 1]
+        count = num_stages if num_stages is not None else pipe_size * (per_rank or 2)
+        points = tuple(traced_split_points(model, split_points, count))
+        edges = list(range(len(points) + 2))
+    elif split_points is not None:
         starts = []
         for point in split_points:
             if point not in names:
@@ -116,7 +119,7 @@ def plan_stages(model: nn.Module, *, split_points: list[str] | None, num_stages:
         for s in range(count):
             edges.append(edges[-1] + size + (1 if s < extra else 0))
     bounds = tuple(zip(edges[:-1], edges[1:]))
-    layout = StageLayout(bounds, pipe_size, style)
+    layout = StageLayout(bounds, pipe_size, style, points)
     stages = layout.num_stages
     if stages % pipe_size or (per_rank is not None and stages != per_rank * pipe_size):
         want = f"{per_rank * pipe_size}" if per_rank else f"a multiple of {pipe_size}"
@@ -149,6 +152,16 @@ class SplitModel:
 
     layout: StageLayout
     local: dict[int, nn.Sequential]          # stage index -> its children (shared with the model)
+    traced: TracedStages | None = None       # a model that is not an nn.Sequential: its stage graphs
+
+    @property
+    def stages(self) -> list[int]:
+        """The stage indices this process holds."""
+        return sorted(self.local) if self.traced is None else list(self.traced.stages)
+
+    def modules_for(self, sample: tuple[torch.Tensor, ...]) -> dict[int, nn.Module]:
+        """This process's stage modules for inputs shaped as ``sample`` (a micro-batch, or a whole batch)."""
+        return self.local if self.traced is None else self.traced.modules_for(sample)
 
 
 class PipelinePlacement(RootsPlacement):
@@ -167,6 +180,8 @@ class PipelinePlacement(RootsPlacement):
         self.device = device
         self._start_roots()
         self.models: dict[int, SplitModel] = {}   # id(model) -> its split
+        self._optimizers: list[weakref.ref] = []   # optimizers created in scope (a traced model's first trace trims them)
+        self._hooks: dict[int, list[int]] = {}     # id(traced model) -> its forward pre-hooks set here
         # id(model or optimizer) -> its whole state dict, gathered for the chief's checkpoint
         self._gathered: dict[int, dict] = {}
 
@@ -179,6 +194,13 @@ class PipelinePlacement(RootsPlacement):
     def finalize(self) -> None:
         for root in self.new_roots():
             layout = plan_stages(root, **self.config)
+            root.register_state_dict_post_hook(functools.partial(_whole_state, weakref.ref(self)))
+            root.register_load_state_dict_pre_hook(_own_state)
+            if layout.points:   # traced at the first step, when the inputs are known
+                stages = layout.stages_of(self.pipe_rank)
+                self.models[id(root)] = SplitModel(layout, {}, TracedStages(
+                    root, list(layout.points), num_stages=layout.num_stages, stages=stages, placement=self))
+                continue
             children = list(root.children())
             local = {s: nn.Sequential(*children[a:b]) for s, (a, b) in enumerate(layout.bounds)
                      if layout.rank_of(s) == self.pipe_rank}
@@ -188,10 +210,66 @@ class PipelinePlacement(RootsPlacement):
                 child.to("meta")     # another process holds it
             if elsewhere:
                 root.register_forward_pre_hook(functools.partial(_not_whole, sorted(local)))
-            root.register_state_dict_post_hook(functools.partial(_whole_state, weakref.ref(self)))
-            root.register_load_state_dict_pre_hook(_own_state)
             self.models[id(root)] = SplitModel(layout, local)
             self._forget_pending(local.values())   # the stage containers, created in scope
+
+    def keep_only(self, model: nn.Module, held: set[str], used: set[str], stages: list[int]) -> None:
+        """A traced model's first trace: its tensors that other stages use (``used`` but not ``held``)
+        become meta here, in the model and in its optimizers (whose state for them is dropped)."""
+        mine = {id(_tensor(model, name)) for name in held}
+        theirs = {id(_tensor(model, name)) for name in used} - mine
+        swapped: dict[int, nn.Parameter] = {}
+        for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                             *model.named_buffers(remove_duplicate=False)]:
+            if id(tensor) not in theirs:
+                continue
+            prefix, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(prefix)
+            if isinstance(tensor, nn.Parameter):
+                meta = swapped.get(id(tensor))
+                if meta is None:
+                    meta = swapped[id(tensor)] = nn.Parameter(tensor.detach().to("meta"), tensor.requires_grad)
+                owner._parameters[leaf] = meta
+            else:
+                owner._buffers[leaf] = tensor.to("meta")
+        for ref in self._optimizers:
+            optimizer = ref()
+            if optimizer is None:
+                continue
+            for group in optimizer.param_groups:
+                for i, p in enumerate(group["params"]):
+                    if id(p) in swapped:
+                        optimizer.state.pop(p, None)
+                        group["params"][i] = swapped[id(p)]
+        if self.pipe.num_workers > 1:
+            handle = model.register_forward_pre_hook(functools.partial(_not_whole, stages))
+            self._hooks.setdefault(id(model), []).append(handle.id)
+
+    @contextlib.contextmanager
+    def tracing(self, model: nn.Module) -> Iterator[None]:
+        """While the tracer copies and runs ``model``: without this placement's forward hooks, and
+        the modules it creates (in a scope) are no new models."""
+        hidden = {i: model._forward_pre_hooks.pop(i) for i in self._hooks.get(id(model), [])
+                  if i in model._forward_pre_hooks}
+        pending = list(self._pending)
+        try:
+            yield
+        finally:
+            model._forward_pre_hooks.update(hidden)
+            self._pending = pending
+
+    def agree_on_trace(self, error: Exception | None) -> None:
+        """Every process of the pipeline raises if one could not trace (none waits for the others)."""
+        failed = error is not None
+        if self.pipe.num_workers > 1:
+            flag = torch.tensor([int(failed)], device=self.pipe.group.device)
+            failed = bool(self.pipe.group.all_reduce(flag, "forward_backward (tracing the model)").item())
+        if error is not None:
+            raise error
+        if failed:
+            raise InvalidArgumentError(
+                "another process of the pipeline could not trace the model (its error says why); make the "
+                "model's forward torch.export-compatible, or write it as nn.Sequential(embedding, *blocks, head)")
 
     def split_of(self, model: Any) -> SplitModel:
         self.finalize()
@@ -210,6 +288,7 @@ class PipelinePlacement(RootsPlacement):
         # placeholders: the state dict then counts parameters as a plain optimizer over the whole
         # model does; the update (and so the state) only ever sees this process's own
         adopt(optimizer, self)
+        self._optimizers.append(weakref.ref(optimizer))
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
         self.finalize()
@@ -335,6 +414,12 @@ def _own_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> 
     for key, tensor in held.items():
         if tensor.is_meta and key in state_dict and isinstance(state_dict[key], torch.Tensor):
             state_dict[key] = state_dict[key].to("meta")
+
+
+def _tensor(model: nn.Module, name: str) -> torch.Tensor:
+    prefix, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(prefix)
+    return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
 
 
 def _not_whole(stages: list[int], module: nn.Module, args: Any) -> None:

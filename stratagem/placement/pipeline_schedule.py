@@ -76,8 +76,8 @@ class PipelineSchedules:
         self._loss = _Loss()
         self._built: collections.OrderedDict[Any, Any] = collections.OrderedDict()
         layout = split.layout
-        self.first = 0 in split.local
-        self.last = layout.num_stages - 1 in split.local
+        self.first = 0 in split.stages
+        self.last = layout.num_stages - 1 in split.stages
         self.last_rank = layout.rank_of(layout.num_stages - 1)
 
     def step(self, inputs: tuple[torch.Tensor, ...], target: Any, loss_fn: Callable) -> torch.Tensor:
@@ -144,8 +144,9 @@ class PipelineSchedules:
             return built
         layout = self.split.layout
         group = self.pipe.group.group
+        micro = tuple(x.narrow(0, 0, x.shape[0] // self.num_microbatches) for x in inputs)   # (padded: divides)
         stages = [PipelineStage(module, s, layout.num_stages, self.device, group=group)
-                  for s, module in sorted(self.split.local.items())]
+                  for s, module in sorted(self.split.modules_for(micro).items())]
         cls = getattr(schedules, SCHEDULES[self.schedule][0])
         if SCHEDULES[self.schedule][2] == 1:
             built = cls(stages[0], n_microbatches=self.num_microbatches, loss_fn=self._loss, scale_grads=False)
@@ -192,11 +193,12 @@ def forward_only(split: SplitModel, inputs: tuple[torch.Tensor, ...], *, pipe_ra
     """
     layout = split.layout
     value: Any = inputs
+    modules = split.modules_for(inputs)
     with torch.no_grad():
         for stage in range(layout.num_stages):
             owner = layout.rank_of(stage)
             if owner == pipe_rank:
-                value = split.local[stage](*value)
+                value = modules[stage](*value)
                 value = value if isinstance(value, tuple) else (value,)
             last = stage == layout.num_stages - 1
             if pipe.num_workers > 1 and (last or layout.rank_of(stage + 1) != owner):

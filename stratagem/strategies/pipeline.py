@@ -96,7 +96,7 @@ class PipelineStrategy(MeshStrategy):
 
     def stages_of(self, model: Any) -> list[int]:
         """The indices of the stages of ``model`` that this process holds."""
-        return sorted(self._placement.split_of(model).local)
+        return self._placement.split_of(model).stages
 
     def forward_backward(self, model: Any, inputs: Any, target: Any = None, *,
                          loss_fn: Callable | None = None) -> torch.Tensor:
