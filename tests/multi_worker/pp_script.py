@@ -32,6 +32,38 @@ def make_model() -> nn.Sequential:
                          nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 3))
 
 
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, h):
+        return h + torch.tanh(self.fc(self.norm(h)))
+
+
+class Tokens(nn.Module):
+    """Transformer-like, not an nn.Sequential: each row's 6 features are 3 tokens of 2."""
+
+    def __init__(self, blocks: int = 4, width: int = 8, outputs: int = 1):
+        super().__init__()
+        self.embed = nn.Linear(2, width)
+        self.position = nn.Parameter(torch.randn(3, width) / 4)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+        self.head = nn.Linear(width, outputs)
+        self.register_buffer("gain", torch.full((width,), 0.5))
+
+    def forward(self, x):
+        h = self.embed(x.unflatten(1, (3, 2))) + self.position
+        for block in self.blocks:
+            h = block(h) * self.gain + h * 0.5
+        return self.head(h).squeeze(-1)
+
+
+def model_for(case: str) -> nn.Module:
+    return Tokens() if case.startswith("traced") else make_model()
+
+
 def make_data(batches=BATCHES):
     g = torch.Generator().manual_seed(5)
     return [(torch.randn(b, 6, generator=g, dtype=torch.float64),
@@ -53,13 +85,15 @@ def train(case: str, mesh: dict) -> dict:
     options = {}
     if schedule == "split":   # uneven stages at named children, loop placement (pipe size 2)
         schedule, options = "interleaved", {"split_points": ["3", "4", "7"]}
+    if schedule == "traced-gpipe":   # a model with its own forward, cut by the tracer at named modules
+        schedule, options = "gpipe", {"split_points": ["blocks.3"]}
+    schedule = schedule.replace("traced-", "")   # otherwise even over model.blocks
     strategy = sg.experimental.PipelineStrategy(mesh, num_microbatches=NUM_MICROBATCHES, schedule=schedule,
                                                 loss_fn=loss_fn, **options)
     with strategy.scope():
-        model = make_model()
+        model = model_for(case)
         optimizer = make_optimizer(kind, model.parameters())
     out = {"initial": listed(model.state_dict()), "stages": strategy.stages_of(model),
-           "held_params": sum(p.numel() for p in model.parameters() if not p.is_meta),
            "num_replicas": strategy.num_replicas_in_sync, "history": []}
 
     def step(x, y):
@@ -71,6 +105,7 @@ def train(case: str, mesh: dict) -> dict:
     for x, y in strategy.experimental_distribute_dataset(make_data()):
         loss = strategy.reduce("sum", strategy.run(step, args=(x, y)), axis=None)
         out["history"].append({"loss": loss.item(), "params": listed(model.state_dict())})
+    out["held_params"] = sum(p.numel() for p in model.parameters() if not p.is_meta)   # (traced: at step 1)
     out["predict"] = strategy.predict(model, make_data((7,))[0][0]).tolist()   # every process: the output
     # the optimizer's state (its memory) exists for this process's parameters only
     out["optimizer_params"] = sum(p.numel() for p in optimizer.state if not p.is_meta)
@@ -86,7 +121,7 @@ def train(case: str, mesh: dict) -> dict:
     other = sg.experimental.PipelineStrategy(mesh, num_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn,
                                              schedule="gpipe" if schedule == "zero_bubble" else "zero_bubble")
     with other.scope():
-        restored = make_model()
+        restored = model_for(case)
         restored_optimizer = make_optimizer(kind, restored.parameters())
     sg.Checkpoint(model=restored, optimizer=restored_optimizer).restore(path)
     out["restored"] = listed(restored.state_dict())
@@ -97,6 +132,24 @@ def train(case: str, mesh: dict) -> dict:
 
 def optimizer_state(optimizer):
     return {str(k): {n: v.tolist() for n, v in s.items()} for k, s in optimizer.state_dict()["state"].items()}
+
+
+class Branches(Tokens):
+    """A Python branch on a tensor's value: torch.export cannot trace it."""
+
+    def forward(self, x):
+        return super().forward(x) if x.sum() > 0 else -super().forward(x)
+
+
+class Tied(Tokens):
+    """The embedding's weight also in the head (stage 0 and the last stage)."""
+
+    def __init__(self):
+        super().__init__(width=2, outputs=2)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return super().forward(x).sum(-1)
 
 
 def errors(mesh: dict, world: int) -> dict:
@@ -110,11 +163,19 @@ def errors(mesh: dict, world: int) -> dict:
             model = make_model()
         rows = 6 + sg.cluster.resolve().worker_rank % mesh["pipe"]   # differ inside each pipeline
         strategy.forward_backward(model, torch.randn(rows, 6), torch.randn(rows, 3))
+    def traced_step(model_fn):   # every process raises (none waits for the others)
+        strategy = sg.experimental.PipelineStrategy(mesh, num_microbatches=4, loss_fn=loss_fn)
+        with strategy.scope():
+            model = model_fn()
+        strategy.forward_backward(model, torch.randn(8, 6), torch.randn(8, 3))
     return {
         "different_batches": error_of(uneven),
         "missing": error_of(lambda: make(split_points=["fc9"])),
         "too_many_stages": error_of(lambda: make(num_stages=9)),
-        "not_sequential": error_of(lambda: make(lambda: nn.Transformer(8, 2, 1, 1, 16))),
+        "traced_missing": error_of(lambda: make(Tokens, split_points=["blocks.9"])),
+        "traced_too_many": error_of(lambda: make(lambda: Tokens(blocks=1))),
+        "data_dependent": error_of(lambda: traced_step(Branches)),
+        "tied": error_of(lambda: traced_step(Tied)),
         "mesh": error_of(lambda: sg.experimental.PipelineStrategy({"data": 3, "pipe": world})),
         "schedule": error_of(lambda: sg.experimental.PipelineStrategy(mesh, schedule="pipedream")),
         "interleaved_stages": error_of(lambda: make(schedule="interleaved", num_stages=mesh["pipe"] + 1)),

@@ -21,11 +21,12 @@ SCRIPT = Path(pp_script.__file__)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pipeline.py"
 
 
-def reference_history(optimizer_kind: str, initial: dict) -> list[dict]:
+def reference_history(case: str, initial: dict) -> list[dict]:
     """Plain PyTorch on the whole global batch of every step (mean loss)."""
     torch.set_default_dtype(torch.float64)
+    optimizer_kind = case.split(":")[1]
     try:
-        model = pp_script.make_model()
+        model = pp_script.model_for(case)
         model.load_state_dict({k: torch.tensor(v) for k, v in initial.items()})
         optimizer = pp_script.make_optimizer(optimizer_kind, model.parameters())
         history = []
@@ -44,7 +45,7 @@ def check_checkpoint(path: Path, case: str, params: dict, reference_optimizer: t
     """One logical copy, as plain PyTorch files; it restores into a plain model and optimizer."""
     torch.set_default_dtype(torch.float64)
     try:
-        model = pp_script.make_model()
+        model = pp_script.model_for(case)
         optimizer = pp_script.make_optimizer(case.split(":")[1], model.parameters())
         sg.Checkpoint(model=model, optimizer=optimizer).restore(path)
     finally:
@@ -59,8 +60,8 @@ def check_checkpoint(path: Path, case: str, params: dict, reference_optimizer: t
             torch.testing.assert_close(got[index][key], value, rtol=1e-12, atol=1e-12)
 
 
-def predict(params: dict) -> torch.Tensor:
-    model = pp_script.make_model().double()
+def predict(case: str, params: dict) -> torch.Tensor:
+    model = pp_script.model_for(case).double()
     model.load_state_dict(params)
     with torch.no_grad():
         return model(pp_script.make_data((7,))[0][0])
@@ -73,12 +74,12 @@ def run_and_compare(tmp_path: Path, data: int, pipe: int, cases: list[str]) -> l
     for r in results:
         assert r.returncode == 0, f"{r.task} failed:\n{r.output[-5000:]}"
     outputs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(workers)]
-    total = sum(p.numel() for p in pp_script.make_model().parameters())
     for case in cases:
-        expected, reference_optimizer = reference_history(case.split(":")[1], outputs[0][case]["initial"])
+        total = sum(p.numel() for p in pp_script.model_for(case).parameters())
+        expected, reference_optimizer = reference_history(case, outputs[0][case]["initial"])
         check_checkpoint(tmp_path / f"ckpt-{case.replace(':', '-')}", case, expected[-1]["params"],
                          reference_optimizer)
-        predicted = predict(expected[-1]["params"])
+        predicted = predict(case, expected[-1]["params"])
         held = {}
         for rank, result in enumerate(outputs):
             out = result[case]
@@ -112,7 +113,11 @@ def run_and_compare(tmp_path: Path, data: int, pipe: int, cases: list[str]) -> l
         errors = result["errors"]
         assert "'fc9' names no child" in errors["missing"]
         assert "needs 9 stages" in errors["too_many_stages"] and "only 8 children" in errors["too_many_stages"]
-        assert "splits an nn.Sequential" in errors["not_sequential"] and "Transformer" in errors["not_sequential"]
+        assert "'blocks.9' names no module of the Tokens" in errors["traced_missing"]
+        assert "longest nn.ModuleList of the Tokens ('blocks') has only 1" in errors["traced_too_many"]
+        assert "could not trace the Branches with torch.export" in errors["data_dependent"]
+        assert "nn.Sequential(embedding, *blocks, head)" in errors["data_dependent"]
+        assert "used by several stages" in errors["tied"] and "embed.weight" in errors["tied"]
         assert f"has {3 * workers} processes, but the cluster has {workers}" in errors["mesh"]
         assert "schedule must be one of" in errors["schedule"] and "'pipedream'" in errors["schedule"]
         assert f"needs a multiple of {pipe} stages" in errors["interleaved_stages"]
