@@ -12,6 +12,7 @@ from torch import nn
 import stratagem as sg
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.pipeline import plan_stages
+from stratagem.placement.pipeline_trace import traced_split_points
 from stratagem.placement.pipeline_schedule import _row_order
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,7 +38,7 @@ def test_even_split_and_placements() -> None:
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"model": nn.Bilinear(2, 2, 2)}, "splits an nn.Sequential created in its scope, but got a Bilinear"),
+    ({"model": nn.Bilinear(2, 2, 2)}, "the Bilinear is not an nn.Sequential and has no nn.ModuleList"),
     ({"split_points": ["9"]}, "'9' names no child"),
     ({"split_points": ["5", "3"], "schedule": "interleaved", "pipe_size": 1}, "distinct children in model order"),
     ({"split_points": ["0"]}, "none of them the first"),
@@ -116,3 +117,68 @@ def test_one_process_runs_every_stage_and_equals_plain_training(schedule, solo_g
     torch.testing.assert_close(strategy.predict(model, x), plain(x), rtol=1e-12, atol=1e-12)
     with pytest.raises(InvalidArgumentError, match="needs loss_fn"):
         strategy.forward_backward(model, x, y)
+
+
+def test_split_points_of_a_traced_model_are_checked_or_derived_from_its_longest_module_list() -> None:
+    from tests.multi_worker.pp_script import Tokens
+    assert traced_split_points(Tokens(), None, 2) == ["blocks.2"]
+    assert traced_split_points(Tokens(), None, 3) == ["blocks.2", "blocks.3"]
+    assert traced_split_points(Tokens(), ["head", "blocks.1"], 3) == ["head", "blocks.1"]
+    assert plan(model=Tokens(), schedule="interleaved").points == ("blocks.1", "blocks.2", "blocks.3")
+    with pytest.raises(InvalidArgumentError, match="'blocks.7' names no module of the Tokens"):
+        traced_split_points(Tokens(), ["blocks.7"], 2)
+    with pytest.raises(InvalidArgumentError, match="needs 2 stages"):
+        plan(model=Tokens(), split_points=["blocks.1", "blocks.2"], schedule="gpipe")
+
+
+def test_a_traced_model_trains_as_plain_pytorch_and_keeps_its_names(solo_group, tmp_path) -> None:
+    """One process, two stages: a model with its own forward, cut at blocks.2 by the tracer; a plain
+    checkpoint restores into it before the first step, and its checkpoint restores into a plain model."""
+    from tests.multi_worker.pp_script import Tokens
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        plain = Tokens()
+        plain_optimizer = torch.optim.Adam(plain.parameters(), lr=0.01)
+        path = sg.Checkpoint(model=plain, optimizer=plain_optimizer).save(tmp_path / "plain")
+        strategy = sg.experimental.PipelineStrategy(num_microbatches=2, schedule="interleaved",
+                                                    split_points=["blocks.2"], loss_fn=nn.functional.mse_loss)
+        with strategy.scope():
+            model = Tokens()
+            optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        sg.Checkpoint(model=model, optimizer=optimizer).restore(path)
+        g = torch.Generator().manual_seed(1)
+        for rows in (6, 5, 6):   # a new shape traces again; the first one's graphs come back
+            x, y = torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
+            optimizer.zero_grad()
+            loss = strategy.forward_backward(model, x, y)
+            optimizer.step()
+            plain_optimizer.zero_grad()
+            want = nn.functional.mse_loss(plain(x), y)
+            want.backward()
+            plain_optimizer.step()
+            torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-12)
+        assert list(model.state_dict()) == list(plain.state_dict())
+        for name, value in plain.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-12, atol=1e-12)
+        assert optimizer.state_dict()["param_groups"] == plain_optimizer.state_dict()["param_groups"]
+        torch.testing.assert_close(strategy.predict(model, x), plain(x), rtol=1e-12, atol=1e-12)
+        model.eval()   # another mode: traced again
+        torch.testing.assert_close(strategy.predict(model, x), plain(x), rtol=1e-12, atol=1e-12)
+        back = Tokens()
+        back_optimizer = torch.optim.Adam(back.parameters(), lr=0.01)
+        sg.Checkpoint(model=back, optimizer=back_optimizer).restore(
+            sg.Checkpoint(model=model, optimizer=optimizer).save(tmp_path / "pipelined"))
+        for name, value in plain.state_dict().items():
+            torch.testing.assert_close(back.state_dict()[name], value, rtol=1e-12, atol=1e-12)
+        for index, state in plain_optimizer.state_dict()["state"].items():
+            for key, value in state.items():
+                torch.testing.assert_close(back_optimizer.state_dict()["state"][index][key], value)
+        with pytest.raises(InvalidArgumentError, match=r"gave 1 stages, not 2"):
+            other = sg.experimental.PipelineStrategy(num_microbatches=2, schedule="interleaved",
+                                                     split_points=["blocks"])   # a ModuleList is never called
+            with other.scope():
+                container = Tokens()
+            other.forward_backward(container, x, y, loss_fn=nn.functional.mse_loss)
+    finally:
+        torch.set_default_dtype(torch.float32)

@@ -50,7 +50,8 @@ def traced_split_points(model: nn.Module, split_points: list[str] | None, count:
     if not lists:
         raise InvalidArgumentError(
             f"the {type(model).__name__} is not an nn.Sequential and has no nn.ModuleList to split evenly: give "
-            f"split_points=['blocks.2', ...] (the modules where stages begin)")
+            f"split_points=['blocks.2', ...] (the modules where stages begin), or write the model as "
+            f"nn.Sequential(embedding, *blocks, head)")
     name, blocks = max(lists, key=lambda item: len(item[1]))   # the first of the longest
     if count > len(blocks):
         raise InvalidArgumentError(

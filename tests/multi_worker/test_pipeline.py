@@ -131,7 +131,7 @@ def run_and_compare(tmp_path: Path, data: int, pipe: int, cases: list[str]) -> l
 
 def test_every_schedule_on_two_stages_processes(tmp_path: Path) -> None:
     run_and_compare(tmp_path, 1, 2, ["gpipe:sgd", "1f1b:adam", "interleaved:sgd", "zero_bubble:adam",
-                                     "split:adam"])
+                                     "split:adam", "traced-gpipe:sgd", "traced-1f1b:adam", "traced-interleaved:sgd"])
 
 
 def test_pipeline_by_data_on_a_two_by_two_mesh(tmp_path: Path) -> None:
