@@ -64,7 +64,7 @@ def test_uneven_batches_are_padded_with_rows_that_reach_no_loss() -> None:
     ({"schedule": "pipedream"}, "schedule must be one of"),
     ({"num_microbatches": 0}, "num_microbatches must be a positive integer"),
     ({"split_points": ["2"], "num_stages": 2}, "not both"),
-    ({"split_points": "2"}, "list of child names"),
+    ({"split_points": "2"}, "list of module names"),
     ({"mesh": {"data": 2}}, "'data' 2 processes, which does not divide the 1 processes"),
     ({"mesh": {"data": 1, "pipe": 2}}, "has 2 processes, but the cluster has 1"),
     ({"mesh": {"model": 2}}, "'data' and/or 'pipe'"),
@@ -112,7 +112,7 @@ def test_one_process_runs_every_stage_and_equals_plain_training(schedule, solo_g
         torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-12)
         for name, value in plain.state_dict().items():
             torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-12, atol=1e-12)
-    with pytest.raises(InvalidArgumentError, match="need the nn.Sequential created in this"):
+    with pytest.raises(InvalidArgumentError, match="need the model created in this"):
         strategy.forward_backward(plain, x, y, loss_fn=nn.functional.mse_loss)
     torch.testing.assert_close(strategy.predict(model, x), plain(x), rtol=1e-12, atol=1e-12)
     with pytest.raises(InvalidArgumentError, match="needs loss_fn"):

@@ -276,7 +276,7 @@ class PipelinePlacement(RootsPlacement):
         split = self.models.get(id(model))
         if split is None:
             raise InvalidArgumentError(
-                f"forward_backward and predict need the nn.Sequential created in this PipelineStrategy's "
+                f"forward_backward and predict need the model created in this PipelineStrategy's "
                 f"scope (the one it split into stages), got a {type(model).__name__} it did not place; "
                 f"create the model inside strategy.scope()")
         return split

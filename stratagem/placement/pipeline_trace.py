@@ -177,7 +177,7 @@ def _move_device_arguments(stage: nn.Module, device: torch.device) -> None:
         changed = False
         for node in module.graph.nodes:
             where = node.kwargs.get("device")
-            if where is not None and torch.device(where).type == "meta":
+            if isinstance(where, (str, torch.device)) and torch.device(where).type == "meta":
                 node.update_kwarg("device", device)
                 changed = True
         if changed:

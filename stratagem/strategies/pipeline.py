@@ -1,7 +1,7 @@
 """PipelineStrategy: a model cut into stages over processes (GPipe, 1F1B, interleaved, zero bubble).
 
 The processes of the cluster form a 2-D mesh ``(data, pipe)``: process ``r`` is data
-rank ``r // pipe`` and pipe rank ``r % pipe``. Along the pipe axis, the ``nn.Sequential``
+rank ``r // pipe`` and pipe rank ``r % pipe``. Along the pipe axis, the model
 created in scope is cut into stages (:mod:`stratagem.placement.pipeline`), each process
 keeping only its own; a step runs one of torch's pipeline schedules over micro-batches
 (:mod:`stratagem.placement.pipeline_schedule`). Along the data axis, each group of
@@ -31,7 +31,10 @@ class PipelineStrategy(MeshStrategy):
 
     The ``nn.Sequential`` created in :meth:`scope` is cut into stages: before each child
     named in ``split_points``, or into ``num_stages`` even runs of children (default: one
-    stage per pipe process, two for the interleaved and zero-bubble schedules). Each
+    stage per pipe process, two for the interleaved and zero-bubble schedules). Another
+    model (its own ``forward``) is cut by torch's tracer at its first step: before each
+    module named in ``split_points`` (``["blocks.2"]``), or into even runs of its longest
+    ``nn.ModuleList``. Each
     process keeps only its stages' parameters, and an optimizer created in scope only
     updates them. A training step calls :meth:`forward_backward`, which runs ``schedule``
     (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zero_bubble"``, ...) over
@@ -166,7 +169,8 @@ def _check_options(split_points: Any, num_stages: Any, num_microbatches: Any, lo
             raise InvalidArgumentError("give split_points or num_stages, not both (split_points fix the stages)")
         if isinstance(split_points, str) or not all(isinstance(p, str) for p in split_points):
             raise InvalidArgumentError(
-                f"split_points must be a list of child names where a stage begins, e.g. ['2', '4'], "
+                f"split_points must be a list of module names where a stage begins, e.g. ['2', '4'] "
+                f"(an nn.Sequential's children) or ['blocks.2'], "
                 f"got {split_points!r}")
         split_points = list(split_points)
     if loss_fn is not None and not callable(loss_fn):
