@@ -9,6 +9,8 @@ Two processes, the model in two stages (1F1B):
     stratagem launch --workers 2 examples/pipeline.py
 Other schedules:
     stratagem launch --workers 2 examples/pipeline.py --schedule zero_bubble
+The same blocks in a model with its own forward (embed, blocks, head), cut by torch's tracer:
+    stratagem launch --workers 2 examples/pipeline.py --traced
 Four processes, two data-parallel pipelines of two stages (mesh 2 x 2):
     stratagem launch --workers 4 examples/pipeline.py --data 2
 One process (a one-stage pipeline, for debugging):
@@ -35,6 +37,22 @@ class Residual(nn.Module):
         return x + self.mlp(x)
 
 
+class Stack(nn.Module):
+    """The same model with its own forward: not an nn.Sequential, so it is traced at the first step."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(Residual(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:   # stages begin at blocks evenly spaced (or at split_points)
+            h = block(h)
+        return self.head(h)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=int, default=1, help="data-parallel pipelines (the rest are stages)")
@@ -42,6 +60,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--traced", action="store_true", help="a model with its own forward (Stack)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -49,7 +68,10 @@ def main() -> None:
         mesh={"data": args.data}, num_microbatches=args.microbatches, schedule=args.schedule,
         loss_fn=nn.functional.mse_loss)
     with strategy.scope():
-        model = nn.Sequential(nn.Linear(16, 64), *[Residual(64) for _ in range(6)], nn.Linear(64, 1))
+        if args.traced:
+            model = Stack(64, 6)
+        else:
+            model = nn.Sequential(nn.Linear(16, 64), *[Residual(64) for _ in range(6)], nn.Linear(64, 1))
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
     # the task: a smooth function of the inputs

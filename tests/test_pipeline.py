@@ -123,6 +123,7 @@ def test_split_points_of_a_traced_model_are_checked_or_derived_from_its_longest_
     from tests.multi_worker.pp_script import Tokens
     assert traced_split_points(Tokens(), None, 2) == ["blocks.2"]
     assert traced_split_points(Tokens(), None, 3) == ["blocks.2", "blocks.3"]
+    assert traced_split_points(nn.Bilinear(2, 2, 2), None, 1) == []   # one stage: nothing to cut
     assert traced_split_points(Tokens(), ["head", "blocks.1"], 3) == ["head", "blocks.1"]
     assert plan(model=Tokens(), schedule="interleaved").points == ("blocks.1", "blocks.2", "blocks.3")
     with pytest.raises(InvalidArgumentError, match="'blocks.7' names no module of the Tokens"):

@@ -196,7 +196,7 @@ class PipelinePlacement(RootsPlacement):
             layout = plan_stages(root, **self.config)
             root.register_state_dict_post_hook(functools.partial(_whole_state, weakref.ref(self)))
             root.register_load_state_dict_pre_hook(_own_state)
-            if layout.points:   # traced at the first step, when the inputs are known
+            if not isinstance(root, nn.Sequential):   # traced at the first step, when the inputs are known
                 stages = layout.stages_of(self.pipe_rank)
                 self.models[id(root)] = SplitModel(layout, {}, TracedStages(
                     root, list(layout.points), num_stages=layout.num_stages, stages=stages, placement=self))

@@ -46,6 +46,8 @@ def traced_split_points(model: nn.Module, split_points: list[str] | None, count:
         if len(set(split_points)) != len(split_points):
             raise InvalidArgumentError(f"split points must name distinct modules, got {split_points}")
         return list(split_points)
+    if count == 1:
+        return []
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         raise InvalidArgumentError(

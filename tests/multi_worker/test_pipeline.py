@@ -135,12 +135,12 @@ def test_every_schedule_on_two_stages_processes(tmp_path: Path) -> None:
 
 
 def test_pipeline_by_data_on_a_two_by_two_mesh(tmp_path: Path) -> None:
-    run_and_compare(tmp_path, 2, 2, ["interleaved:adam"])
+    run_and_compare(tmp_path, 2, 2, ["interleaved:adam", "traced-1f1b:sgd"])
 
 
 def test_example_runs_as_its_docstring_says() -> None:
     command = [sys.executable, "-m", "stratagem", "launch", "--workers", "2", str(EXAMPLE), "--steps", "10",
-               "--schedule", "interleaved"]
+               "--schedule", "interleaved", "--traced"]   # (the nn.Sequential form: in pp_script)
     proc = subprocess.run(command, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[worker 0] step 10" in proc.stdout and "[worker 1] step 10" in proc.stdout, proc.stdout
