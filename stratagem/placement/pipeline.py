@@ -39,7 +39,7 @@ from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.roots import RootsPlacement
 from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
-from stratagem.placement.pipeline_trace import TracedStages, traced_split_points
+from stratagem.placement.pipeline_trace import TracedStages, even_edges, traced_split_points
 
 #: schedule name -> (torch class name, stage placement: "loop" or "v", stages per process or None: any)
 SCHEDULES = {
@@ -114,10 +114,7 @@ def plan_stages(model: nn.Module, *, split_points: list[str] | None, num_stages:
                 f"the pipeline needs {count} stages ({_why(num_stages, pipe_size, schedule)}), but the "
                 f"model has only {len(names)} children to split; give a model with more layers, "
                 f"fewer stages, or a schedule with one stage per process")
-        size, extra = divmod(len(names), count)
-        edges = [0]
-        for s in range(count):
-            edges.append(edges[-1] + size + (1 if s < extra else 0))
+        edges = even_edges(len(names), count)
     bounds = tuple(zip(edges[:-1], edges[1:]))
     layout = StageLayout(bounds, pipe_size, style, points)
     stages = layout.num_stages

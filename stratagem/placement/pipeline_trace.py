@@ -60,11 +60,16 @@ def traced_split_points(model: nn.Module, split_points: list[str] | None, count:
             f"the pipeline needs {count} stages, but the longest nn.ModuleList of the {type(model).__name__} "
             f"({name!r}) has only {len(blocks)} modules to split; give split_points, fewer stages, or a schedule "
             f"with one stage per process")
-    size, extra = divmod(len(blocks), count)
+    return [f"{name}.{i}" for i in even_edges(len(blocks), count)[1:-1]]
+
+
+def even_edges(length: int, count: int) -> list[int]:
+    """Where ``count`` runs of ``length`` items as even as possible begin, and the end (the first runs get one more)."""
+    size, extra = divmod(length, count)
     edges = [0]
-    for s in range(count - 1):
+    for s in range(count):
         edges.append(edges[-1] + size + (1 if s < extra else 0))
-    return [f"{name}.{i}" for i in edges[1:]]
+    return edges
 
 
 class TracedStages:
