@@ -3,12 +3,13 @@
 Modules created in scope wait until ``finalize()``. Then every process checks that all
 built the same modules and takes the chief's initial values (so that every process,
 and every data-parallel group, starts alike), and each root ``nn.Sequential`` is cut
-into stages (:class:`StageLayout`: at the split points, or evenly). Any other model is
-cut by torch's tracer at its first step (:mod:`stratagem.placement.pipeline_trace`). A stage lives on
+into stages (:class:`StageLayout`: at the split points, or evenly). A stage lives on
 one process of the pipe axis: stage ``s`` on ``s % p`` ("loop" placement, also for the
 interleaved schedules) or, for the V schedules, stages ``r`` and ``2p - 1 - r`` on
 process ``r``. The children of the stages another process holds move to the ``meta``
-device: this process keeps only its own stages' parameters and buffers.
+device: this process keeps only its own stages' parameters and buffers. Any other model
+is cut by torch's tracer at its first step (:mod:`stratagem.placement.pipeline_trace`),
+and its tensors of the stages held elsewhere become ``meta`` then (:meth:`keep_only`).
 
 Optimizers created in scope update only this process's parameters: their parameter groups
 still list every parameter of the model (those of other stages as meta placeholders, which
@@ -177,7 +178,7 @@ class PipelinePlacement(RootsPlacement):
         self.device = device
         self._start_roots()
         self.models: dict[int, SplitModel] = {}   # id(model) -> its split
-        self._optimizers: list[weakref.ref] = []   # optimizers created in scope (a traced model's first trace trims them)
+        self._optimizers: list[weakref.ref] = []   # optimizers created in scope (trimmed by a first trace)
         self._hooks: dict[int, list[int]] = {}     # id(traced model) -> its forward pre-hooks set here
         # id(model or optimizer) -> its whole state dict, gathered for the chief's checkpoint
         self._gathered: dict[int, dict] = {}

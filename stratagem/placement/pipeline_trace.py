@@ -163,7 +163,10 @@ class TracedStages:
             if id(b) not in memo:
                 memo[id(b)] = torch.empty_like(b, device="meta")
                 names[id(memo[id(b)])] = name
-        return copy.deepcopy(self.model, memo), names
+        shadow = copy.deepcopy(self.model, memo)
+        for hooks in (shadow._state_dict_hooks, shadow._load_state_dict_pre_hooks):
+            hooks.clear()   # the whole-model gather over the pipe axis is the model's, not the tracer's
+        return shadow, names
 
 
 def _give_back_tensors(stage: nn.Module, model: nn.Module, origin: dict[int, str]) -> None:
