@@ -157,6 +157,10 @@ class SplitModel:
         """The stage indices this process holds."""
         return sorted(self.local) if self.traced is None else list(self.traced.stages)
 
+    def mode(self) -> Any:
+        """What besides the input shapes the stage modules depend on (a traced model's train/eval flags)."""
+        return None if self.traced is None else self.traced.mode()
+
     def modules_for(self, sample: tuple[torch.Tensor, ...]) -> dict[int, nn.Module]:
         """This process's stage modules for inputs shaped as ``sample`` (a micro-batch, or a whole batch)."""
         return self.local if self.traced is None else self.traced.modules_for(sample)

@@ -137,7 +137,7 @@ class PipelineSchedules:
                 f"strategy.experimental_distribute_dataset")
 
     def _schedule_for(self, inputs: tuple[torch.Tensor, ...]) -> Any:
-        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
+        key = (tuple((tuple(x.shape), x.dtype) for x in inputs), self.split.mode())
         built = self._built.get(key)
         if built is not None:
             self._built.move_to_end(key)

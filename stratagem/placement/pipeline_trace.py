@@ -9,7 +9,7 @@ memory, no values; every process, whatever it holds), then the stage modules of 
 process get the model's own parameters and buffers back, by name. So a stage trains the
 model's tensors, the optimizer created in scope updates them, and state dicts keep the
 model's names and order. The graphs have the traced shapes baked in: one trace per
-micro-batch shape (and train/eval mode), cached.
+micro-batch shape (and train/eval modes), cached.
 
 Which stage holds a parameter is known only after the first trace (at the first
 ``forward_backward`` or ``predict``): until then every process holds the whole model. Then
@@ -87,7 +87,7 @@ class TracedStages:
 
     def modules_for(self, sample: tuple[torch.Tensor, ...]) -> dict[int, nn.Module]:
         """This process's stage modules for inputs shaped as ``sample`` (traced on first sight)."""
-        key = (tuple((tuple(x.shape), x.dtype) for x in sample), self.model.training)
+        key = (tuple((tuple(x.shape), x.dtype) for x in sample), self.mode())
         modules = self._traced.get(key)
         if modules is None:
             error = None
@@ -102,6 +102,10 @@ class TracedStages:
                 self._traced.popitem(last=False)
         self._traced.move_to_end(key)
         return modules
+
+    def mode(self) -> tuple[bool, ...]:
+        """The train/eval flags of the model's modules: the traced graphs depend on them."""
+        return tuple(m.training for m in self.model.modules())
 
     def _trace(self, sample: tuple[torch.Tensor, ...]) -> dict[int, nn.Module]:
         from torch.distributed.pipelining import SplitPoint, pipeline
