@@ -124,8 +124,8 @@ class TracedStages:
         if pipe.num_stages != self.num_stages:
             raise InvalidArgumentError(
                 f"cutting the {type(self.model).__name__} before {self.points} gave {pipe.num_stages} stages, "
-                f"not {self.num_stages}: every split point must name a module that forward calls once (not the "
-                f"model's first module call, nor a container such as a whole ModuleList)")
+                f"not {self.num_stages}: every split point must name a module that forward calls, once (a "
+                f"container such as a whole ModuleList is never called)")
         if pipe.replicated_params:
             shared = sorted({origin.get(id(getattr(pipe.split_gm, stage).get_parameter(name)), name)
                              for use in pipe.replicated_params for stage, name in use.items()})
