@@ -66,6 +66,15 @@ def predict(params: dict) -> torch.Tensor:
         return model(pp_script.make_data((7,))[0][0])
 
 
+class FirstEpochLogs(sg.callbacks.Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[int, dict] = {}
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        self.seen.setdefault(batch, dict(logs))
+
+
 def reference_fit(initial: dict) -> dict:
     """sg.Model.fit under the default strategy, as pp_script.fit's jobs together (float64)."""
     torch.set_default_dtype(torch.float64)
@@ -73,9 +82,10 @@ def reference_fit(initial: dict) -> dict:
         model = pp_script.compiled(sg.Model(pp_script.make_model()), ["mae"])
         model.module.load_state_dict({k: torch.tensor(v) for k, v in initial.items()})
         x, y, w = pp_script.fit_data()
+        steps = FirstEpochLogs()
         history = model.fit(x, y, batch_size=pp_script.FIT_BATCH, epochs=2, shuffle=False, verbose=0,
-                            sample_weight=w, validation_data=(x[:12], y[:12]))
-        return {"history": history.history, "final": model.module.state_dict(),
+                            sample_weight=w, validation_data=(x[:12], y[:12]), callbacks=[steps])
+        return {"history": history.history, "final": model.module.state_dict(), "at_step_3": steps.seen[2],
                 "evaluate": model.evaluate(x, y, batch_size=pp_script.FIT_BATCH, verbose=0, return_dict=True,
                                            sample_weight=w),
                 "predict": model.predict(x, batch_size=pp_script.FIT_BATCH)}
@@ -90,7 +100,8 @@ def check_fit(outputs: list[dict], printed: list[str]) -> None:
     sg.Checkpoint(model=saved).restore(outputs[0]["fit"]["saved"])   # ModelCheckpoint's one logical copy
     for rank, result in enumerate(outputs):
         out = result["fit"]
-        assert set(out["stopped_logs"]) == {"loss"}
+        assert set(out["stopped_logs"]) == {"loss"}   # the loss tracker only: no outputs travel
+        assert out["stopped_logs"]["loss"] == pytest.approx(want["at_step_3"]["loss"], rel=1e-10)
         for name, value in want["final"].items():
             torch.testing.assert_close(torch.tensor(out["final"][name], dtype=torch.float64), value,
                                        rtol=1e-12, atol=1e-12, msg=lambda m: f"fit, process {rank}, {name}: {m}")
