@@ -56,7 +56,8 @@ class _Loss:
             output = tuple(o[real] for o in output) if isinstance(output, tuple) else output[real]
             rows = rows[real]
         if self.kept is not None:
-            self.kept.append((rows, output.detach()))
+            kept = tuple(o.detach() for o in output) if isinstance(output, tuple) else output.detach()
+            self.kept.append((rows, kept))
         target = None if self.target is None else self.target[rows]
         loss = self.loss_fn(output) if target is None else self.loss_fn(output, target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -174,7 +175,6 @@ class PipelineSchedules:
             with group.guard("forward_backward (the loss from the last stage)"):
                 dist.broadcast(loss, src=group.global_rank(self.last_rank), group=group.group)
         return loss
-
 
     def _share_outputs(self, kept: list | None, rows: int) -> Any:
         """The last stage's outputs of the micro-batches, in batch order, sent over the pipe axis."""

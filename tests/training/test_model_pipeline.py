@@ -78,6 +78,23 @@ def test_a_loss_that_gives_the_batch_mean_and_the_outputs_of_forward_backward(so
     torch.testing.assert_close(loss, (plain(x) ** 2).mean().detach(), rtol=1e-12, atol=1e-12)
 
 
+class Halves(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x[:, :1], x[:, 1:]
+
+
+def test_outputs_of_a_model_that_returns_a_tuple(solo_group) -> None:
+    strategy = sg.experimental.PipelineStrategy(num_microbatches=2, schedule="gpipe")
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(4, 3), Halves()).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    _, (first, rest) = strategy.forward_backward(model, x, loss_fn=lambda out: out[0].mean() + out[1].mean(),
+                                                 return_outputs=True)
+    want = model[0](x)
+    torch.testing.assert_close(first, want[:, :1].detach())
+    torch.testing.assert_close(rest, want[:, 1:].detach())
+
+
 def test_misuse_is_refused_clearly(solo_group) -> None:
     strategy = sg.experimental.PipelineStrategy(num_microbatches=2, schedule="gpipe")
     with strategy.scope():
