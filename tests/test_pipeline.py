@@ -183,3 +183,24 @@ def test_a_traced_model_trains_as_plain_pytorch_and_keeps_its_names(solo_group, 
             other.forward_backward(container, x, y, loss_fn=nn.functional.mse_loss)
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def test_a_traced_model_fits_under_sg_model_as_under_the_default_strategy(solo_group) -> None:
+    from tests.multi_worker.pp_script import Tokens
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(23, 6, generator=g, dtype=torch.float64), torch.randn(23, 3, generator=g, dtype=torch.float64)
+
+    def run(strategy):
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = sg.Model(Tokens().double())
+            model.compile(optimizer=torch.optim.Adam(model.module.parameters(), lr=0.01), loss="mse")
+        history = model.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+        return history.history["loss"], model.module.state_dict(), model.predict(x, batch_size=23)
+
+    want = run(sg.get_strategy())
+    got = run(sg.experimental.PipelineStrategy(num_microbatches=3, schedule="interleaved"))   # 2 stages here
+    assert got[0] == pytest.approx(want[0], rel=1e-12)
+    for name, value in want[1].items():
+        torch.testing.assert_close(got[1][name], value, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-12, atol=1e-12)
