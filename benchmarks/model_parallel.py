@@ -15,6 +15,12 @@ analytic values (Ψ parameters, N workers):
 The local gradients of backward (4Ψ, whole under every stage here) are reported apart.
 
     python benchmarks/model_parallel.py [--workers 2]
+
+The pipeline part (bubble per rank against (p-1)/(m+p-1), activation memory of 1F1B against
+GPipe, step time against one process, DDP and the raw torch schedules) is in ``_pipeline.py``;
+``--part`` picks the parts to run, and what follows it goes to the pipeline part:
+
+    python benchmarks/model_parallel.py --part pipeline [--quick] [--help]
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _pipeline  # noqa: E402
 
 STAGES = (None, "optimizer", "gradients")
 
@@ -82,10 +92,23 @@ def analytic(stage: str | None, psi: int, n: int) -> tuple[float, float, float]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     add_help=False)
+    parser.add_argument("-h", "--help", action="store_true", help="show this help (--part pipeline: its options)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--worker", nargs=2, metavar=("OUT", "STAGE"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    parser.add_argument("--part", choices=("all", "zero", "pipeline"), default="all",
+                        help="zero: ZeRO memory; pipeline: the pipeline part (its options: --part pipeline --help)")
+    args, pipeline_argv = parser.parse_known_args(argv)
+    if args.part == "pipeline":
+        return _pipeline.main(pipeline_argv + (["--help"] if args.help else []))
+    if args.help:
+        parser.print_help()
+        return 0
+    if pipeline_argv and args.part == "zero":
+        parser.error(f"unrecognized arguments: {' '.join(pipeline_argv)}")
+    if args.part == "all" and not args.worker:
+        _pipeline.parse_args(pipeline_argv)   # a wrong pipeline option fails before the ZeRO part runs
     if args.worker:
         worker(*args.worker)
         return 0
@@ -112,6 +135,9 @@ def main(argv=None) -> int:
                 print(f"{str(stage) + ' r' + str(rank):<12}{got['params'] / mib:>9.2f}{got['summed_grads'] / mib:>11.2f}"
                       f"{got['state'] / mib:>11.2f}{total / mib:>9.2f}{(p + g + s) / mib:>10.2f}"
                       f"{total / (p + g + s):>8.3f}{got['local_grads'] / mib:>13.2f}")
+    if args.part == "all":
+        print()
+        failed = _pipeline.main(pipeline_argv) != 0 or failed
     return 1 if failed else 0
 
 
