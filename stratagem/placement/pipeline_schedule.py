@@ -1,0 +1,155 @@
+"""One pipelined forward-and-backward over the micro-batches of a batch, on torch's schedules.
+
+torch's ``PipelineStage`` learns the shapes of the tensors it receives from the first
+micro-batch it sees and keeps them: every micro-batch of every later step must have
+that shape. So this module keeps one stage and schedule per micro-batch shape (built
+when a shape first appears, on every process of the pipeline at the same step since
+they all see the same batch), and makes every micro-batch of a step the same size:
+
+- a batch of ``B`` rows is cut into ``m`` micro-batches of ``ceil(B / m)`` rows; when
+  ``m`` does not divide ``B``, the short micro-batches are filled up with copies of a
+  real row (padding);
+- the schedule's ``target`` is not the user's target but each row's index in the batch
+  (``-1`` for padding). The loss of a micro-batch is the user's loss over its real rows
+  only, weighted by their share of the global batch (``rows / B_global``; summed over
+  the data axis later); padding rows never reach a loss, so they get no gradient.
+
+The step's gradient is then the gradient of the user's (mean) loss over the whole
+global batch, whatever ``B`` and ``m``; the losses are summed on the process holding the
+last stage and broadcast over the pipe axis, so every process returns the same value.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, schedules
+
+from stratagem.comm.collective import Collective
+from stratagem.errors import InvalidArgumentError
+from stratagem.placement.pipeline import SCHEDULES, SplitModel
+
+#: micro-batch shapes kept per model (each holds torch's stages and receive buffers)
+MAX_SHAPES = 8
+
+
+class _Loss:
+    """The schedule's loss function: the user's loss over a micro-batch's real rows, weighted."""
+
+    def __init__(self) -> None:
+        self.loss_fn: Callable | None = None
+        self.target: Any = None
+        self.total = 1
+
+    def __call__(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        real = rows >= 0
+        count = int(real.sum())
+        if count == 0:   # a micro-batch of padding only (a batch smaller than num_microbatches)
+            return output.sum() * 0.0
+        if count < rows.numel():
+            output, rows = output[real], rows[real]
+        target = None if self.target is None else self.target[rows]
+        loss = self.loss_fn(output) if target is None else self.loss_fn(output, target)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise InvalidArgumentError(
+                f"the pipeline's loss_fn must return a scalar tensor (the mean loss of the micro-batch it "
+                f"is given), got {type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}")
+        return loss * (count / self.total)
+
+
+class PipelineSchedules:
+    """Stages and schedules of one split model, per micro-batch shape; runs a step."""
+
+    def __init__(self, split: SplitModel, *, schedule: str, num_microbatches: int, pipe_rank: int,
+                 pipe: Collective, data: Collective, device: torch.device):
+        self.split = split
+        self.schedule = schedule
+        self.num_microbatches = num_microbatches
+        self.pipe_rank = pipe_rank
+        self.pipe, self.data, self.device = pipe, data, device
+        self._loss = _Loss()
+        self._built: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        layout = split.layout
+        self.first = 0 in split.local
+        self.last = layout.num_stages - 1 in split.local
+        self.last_rank = layout.rank_of(layout.num_stages - 1)
+
+    def step(self, inputs: tuple[torch.Tensor, ...], target: Any, loss_fn: Callable) -> torch.Tensor:
+        """Forward and backward of every micro-batch; this data group's share of the mean loss."""
+        rows = inputs[0].shape[0]
+        for x in inputs:
+            if x.shape[0] != rows:
+                raise InvalidArgumentError(
+                    f"the model's inputs must share their first (batch) dimension, got {[tuple(t.shape) for t in inputs]}")
+        if target is not None and (not isinstance(target, torch.Tensor) or target.shape[0] != rows):
+            raise InvalidArgumentError(
+                f"the target must be a tensor with one row per example ({rows}), got "
+                f"{tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__}")
+        total = rows
+        if self.data.num_workers > 1:   # the global batch: every data group's rows
+            total = int(self.data.group.all_reduce(torch.tensor([rows], device=self.data.group.device),
+                                                  "forward_backward (global batch size)").item())
+        if total == 0:
+            raise InvalidArgumentError("forward_backward got an empty batch (0 rows) on every data group")
+        order = _row_order(rows, self.num_microbatches)
+        if order is not None:
+            inputs = tuple(x[order.clamp(min=0).to(x.device)] for x in inputs)
+        index = order if order is not None else torch.arange(rows)
+        schedule = self._schedule_for(inputs)
+        self._loss.loss_fn, self._loss.target, self._loss.total = loss_fn, target, total
+        losses: list[torch.Tensor] = []
+        try:
+            schedule.step(*(inputs if self.first else ()),
+                          target=index.to(self.device) if self.last else None,
+                          losses=losses if self.last else None, return_outputs=False)
+        finally:
+            self._loss.target = None
+        return self._broadcast_loss(losses, inputs[0])
+
+    def _schedule_for(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
+        built = self._built.get(key)
+        if built is not None:
+            self._built.move_to_end(key)
+            return built
+        layout = self.split.layout
+        group = self.pipe.group.group
+        stages = [PipelineStage(module, s, layout.num_stages, self.device, group=group)
+                  for s, module in sorted(self.split.local.items())]
+        cls = getattr(schedules, SCHEDULES[self.schedule][0])
+        if SCHEDULES[self.schedule][2] == 1:
+            built = cls(stages[0], n_microbatches=self.num_microbatches, loss_fn=self._loss, scale_grads=False)
+        else:
+            built = cls(stages, n_microbatches=self.num_microbatches, loss_fn=self._loss, scale_grads=False)
+        self._built[key] = built
+        if len(self._built) > MAX_SHAPES:
+            self._built.popitem(last=False)
+        return built
+
+    def _broadcast_loss(self, losses: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        dtype = like.dtype if like.is_floating_point() else torch.get_default_dtype()
+        if losses:
+            loss = torch.stack([l.detach().to(dtype) for l in losses]).sum()
+        else:
+            loss = torch.zeros((), dtype=dtype, device=self.device)
+        if self.pipe.num_workers > 1:
+            group = self.pipe.group
+            with group.guard("forward_backward (the loss from the last stage)"):
+                dist.broadcast(loss, src=group.global_rank(self.last_rank), group=group.group)
+        return loss
+
+
+def _row_order(rows: int, num_microbatches: int) -> torch.Tensor | None:
+    """Each padded row's index in the batch (-1: padding), micro-batch after micro-batch; None: no padding."""
+    if rows % num_microbatches == 0:
+        return None
+    size = -(-rows // num_microbatches)
+    counts = [len(c) for c in torch.arange(rows).tensor_split(num_microbatches)]
+    order, start = [], 0
+    for count in counts:
+        order += list(range(start, start + count)) + [-1] * (size - count)
+        start += count
+    return torch.tensor(order)

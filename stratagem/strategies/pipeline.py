@@ -1,0 +1,227 @@
+"""PipelineStrategy: a model cut into stages over processes (GPipe, 1F1B, interleaved, zero bubble).
+
+The processes of the cluster form a 2-D mesh ``(data, pipe)``: process ``r`` is data
+rank ``r // pipe`` and pipe rank ``r % pipe``. Along the pipe axis, the ``nn.Sequential``
+created in scope is cut into stages (:mod:`stratagem.placement.pipeline`), each process
+keeping only its own; a step runs one of torch's pipeline schedules over micro-batches
+(:mod:`stratagem.placement.pipeline_schedule`). Along the data axis, each group of
+``pipe`` processes is one data-parallel replica: it gets its own slice of each global
+batch, and gradients are summed over the data axis before every update.
+
+So ``num_replicas_in_sync`` is the data-parallel degree ``data``; ``strategy.reduce``
+and the input pipeline work over the data axis (the processes of one pipeline get the
+same input slice, and the same loss back from ``forward_backward``).
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from stratagem.cluster import resolve
+from stratagem.comm.cross_device_ops import default_cross_device_ops
+from stratagem.comm.options import CommunicationOptions
+from stratagem.comm.processes import WorkerGroup
+from stratagem.comm.replicas import ReplicaCollective
+from stratagem.comm.workers import WorkerCollective
+from stratagem.devices import Device, Topology
+from stratagem.errors import InvalidArgumentError
+from stratagem.placement.pipeline import PipelinePlacement, check_schedule
+from stratagem.placement.pipeline_schedule import PipelineSchedules
+from stratagem.strategies.base import Strategy
+from stratagem.strategies.multi_worker import _limit_threads
+from stratagem.strategies.tensor_parallel import AxisGroup, _leave_solo_group
+
+
+class PipelineStrategy(Strategy):
+    """Pipeline parallelism over a ``{"data": d, "pipe": p}`` mesh of processes (experimental).
+
+    The ``nn.Sequential`` created in :meth:`scope` is cut into stages: before each child
+    named in ``split_points``, or into ``num_stages`` even runs of children (default: one
+    stage per pipe process, two for the interleaved and zero-bubble schedules). Each
+    process keeps only its stages' parameters, and an optimizer created in scope only
+    updates them. A training step calls :meth:`forward_backward`, which runs ``schedule``
+    (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zero_bubble"``, ...) over
+    ``num_microbatches`` micro-batches; ``d * p`` must equal the number of processes
+    (``mesh=None``: every process on the pipe axis).
+
+    Run the same script on every process, e.g. ``stratagem launch --workers 2 train.py``.
+
+    Example::
+
+        import torch, stratagem as sg
+        strategy = sg.experimental.PipelineStrategy(num_microbatches=2, schedule="gpipe")
+        with strategy.scope():   # one process here: a 1-stage pipeline
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def train_step(x, y):
+            optimizer.zero_grad()
+            loss = strategy.forward_backward(model, x, y, loss_fn=torch.nn.functional.mse_loss)
+            optimizer.step()
+            return loss
+
+        loss = strategy.run(train_step, args=(torch.randn(6, 4), torch.randn(6, 1)))
+        print(strategy.reduce("sum", loss, axis=None))
+    """
+
+    def __init__(self, mesh: dict[str, int] | None = None, *, split_points: Sequence[str] | None = None,
+                 num_stages: int | None = None, num_microbatches: int = 4, schedule: str = "1f1b",
+                 loss_fn: Callable | None = None, cluster_resolver: Any = None,
+                 communication_options: CommunicationOptions | None = None):
+        schedule = check_schedule(schedule)
+        split_points = _check_options(split_points, num_stages, num_microbatches, loss_fn)
+        resolver = resolve() if cluster_resolver is None else cluster_resolver
+        options = CommunicationOptions() if communication_options is None else communication_options
+        if not isinstance(options, CommunicationOptions):
+            raise InvalidArgumentError(f"communication_options must be sg.CommunicationOptions, got {options!r}")
+        data_size, pipe_size = _mesh_shape(mesh, resolver.num_workers)
+        cuda = torch.cuda.is_available()
+        device = Device("cuda", (resolver.worker_rank or 0) % torch.cuda.device_count()) if cuda else Device("cpu", 0)
+        if cuda:
+            torch.cuda.set_device(device.torch_device)
+        full = WorkerGroup(resolver, options, uses_cuda=cuda)
+        atexit.register(full.close)
+        if full.solo and not dist.is_initialized():  # a lone process still needs a group for the stages
+            dist.init_process_group(full.backend, store=dist.HashStore(), rank=0, world_size=1)
+            atexit.register(_leave_solo_group)
+        self.mesh = init_device_mesh(device.kind, (data_size, pipe_size), mesh_dim_names=("data", "pipe"))
+
+        def axis(name: str) -> WorkerCollective:
+            group = self.mesh.get_group(name)
+            local = ReplicaCollective.create((device,), default_cross_device_ops((device,)))
+            return WorkerCollective(local, AxisGroup(full, group, dist.get_process_group_ranks(group)), options)
+
+        self._full = WorkerCollective(ReplicaCollective.create((device,), default_cross_device_ops((device,))),
+                                      full, options)
+        data, pipe = axis("data"), axis("pipe")
+        self._loss_fn = loss_fn
+        self._schedule = schedule
+        self._num_microbatches = num_microbatches
+        self._device = device.torch_device
+        config = {"split_points": split_points, "num_stages": num_stages, "pipe_size": pipe_size,
+                  "schedule": schedule, "num_microbatches": num_microbatches}
+        topology = Topology((device,), num_workers=data_size, worker_index=self.mesh.get_local_rank("data"))
+        self._configure(topology, data, PipelinePlacement(self, config=config, pipe_rank=self.pipe_rank,
+                                                          pipe=pipe, data=data, everyone=self._full,
+                                                          device=device.torch_device))
+        self._pipe = pipe
+        self._schedules: dict[int, PipelineSchedules] = {}
+        self._resolver = resolver
+        _limit_threads(resolver, full.world_size, (device,))
+        self._check_same_configuration({**config, "mesh": (data_size, pipe_size)})
+
+    @property
+    def cluster_resolver(self) -> Any:
+        return self._resolver
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process saves checkpoints and writes summaries (global rank 0)."""
+        return self._full.worker_index == 0
+
+    @property
+    def pipe_rank(self) -> int:
+        """This process's place along the pipe axis."""
+        return self.mesh.get_local_rank("pipe")
+
+    @property
+    def schedule(self) -> str:
+        return self._schedule
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._num_microbatches
+
+    def stages_of(self, model: Any) -> list[int]:
+        """The indices of the stages of ``model`` that this process holds."""
+        return sorted(self._placement.split_of(model).local)
+
+    def forward_backward(self, model: Any, inputs: Any, target: Any = None, *,
+                         loss_fn: Callable | None = None) -> torch.Tensor:
+        """Run the schedule: forward and backward of ``model`` over the micro-batches of ``inputs``.
+
+        ``inputs`` (a tensor, or a tuple of tensors for the first stage) and ``target`` hold
+        this data group's batch, the same on every process of the pipeline (what
+        ``experimental_distribute_dataset`` gives them). ``loss_fn(output, target)`` (or
+        ``loss_fn(output)`` without a target) returns the mean loss of the micro-batch it
+        is given; gradients accumulate in the ``.grad`` of this process's parameters
+        exactly as ``loss_fn(model(inputs), target).backward()`` over the whole global batch
+        would put them (micro-batches weighted by their rows; any batch size). Returns,
+        on every process, this data group's share of that mean loss: reduce it with
+        ``strategy.reduce("sum", loss, axis=None)`` (with one data group, it is the loss).
+        Call it in ``strategy.run`` (or outside), on every process, at the same step.
+        """
+        loss_fn = self._loss_fn if loss_fn is None else loss_fn
+        if not callable(loss_fn):
+            raise InvalidArgumentError(
+                "forward_backward needs loss_fn(output, target) -> mean loss of the micro-batch: pass "
+                "loss_fn=... here or to PipelineStrategy(...)")
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        if not inputs or not all(isinstance(x, torch.Tensor) and x.dim() >= 1 for x in inputs):
+            raise InvalidArgumentError(
+                f"forward_backward's inputs must be a tensor (or a tuple of tensors) with a batch "
+                f"dimension, got {[type(x).__name__ for x in inputs]}")
+        split = self._placement.split_of(model)
+        runner = self._schedules.get(id(model))
+        if runner is None:
+            runner = self._schedules[id(model)] = PipelineSchedules(
+                split, schedule=self._schedule, num_microbatches=self._num_microbatches,
+                pipe_rank=self.pipe_rank, pipe=self._pipe, data=self._collective, device=self._device)
+        return runner.step(tuple(x.to(self._device) for x in inputs), target, loss_fn)
+
+    def _check_same_configuration(self, mine: dict) -> None:
+        everyone = self._full.all_gather_object(mine, "start-up configuration check")
+        names = self._full.group.names
+        for rank, theirs in enumerate(everyone):
+            if theirs != everyone[0]:
+                raise InvalidArgumentError(
+                    f"the processes run different PipelineStrategy configurations: {everyone[0]} on "
+                    f"{names[0]} but {theirs} on {names[rank]}; start every process with the same arguments")
+
+    def __repr__(self) -> str:
+        shape = tuple(self.mesh.shape)
+        return (f"PipelineStrategy(mesh={{'data': {shape[0]}, 'pipe': {shape[1]}}}, schedule={self._schedule!r}, "
+                f"num_microbatches={self._num_microbatches}, process {self._full.worker_index} of "
+                f"{self._full.num_workers})")
+
+
+def _check_options(split_points: Any, num_stages: Any, num_microbatches: Any, loss_fn: Any) -> list[str] | None:
+    def positive(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    if not positive(num_microbatches):
+        raise InvalidArgumentError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+    if num_stages is not None and not positive(num_stages):
+        raise InvalidArgumentError(f"num_stages must be a positive integer, got {num_stages!r}")
+    if split_points is not None:
+        if num_stages is not None:
+            raise InvalidArgumentError("give split_points or num_stages, not both (split_points fix the stages)")
+        if isinstance(split_points, str) or not all(isinstance(p, str) for p in split_points):
+            raise InvalidArgumentError(
+                f"split_points must be a list of child names where a stage begins, e.g. ['2', '4'], "
+                f"got {split_points!r}")
+        split_points = list(split_points)
+    if loss_fn is not None and not callable(loss_fn):
+        raise InvalidArgumentError(f"loss_fn must be callable, got {loss_fn!r}")
+    return split_points
+
+
+def _mesh_shape(mesh: dict[str, int] | None, world_size: int) -> tuple[int, int]:
+    if mesh is None:
+        return 1, world_size
+    if not isinstance(mesh, dict) or set(mesh) - {"data", "pipe"} or \
+            not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in mesh.values()):
+        raise InvalidArgumentError(
+            f"mesh must be a dict with positive integer sizes for 'data' and/or 'pipe', e.g. "
+            f"{{'data': 2, 'pipe': 2}}; got {mesh!r}")
+    data = mesh.get("data", world_size // mesh["pipe"] if mesh.get("pipe") else 1)
+    pipe = mesh.get("pipe", world_size // data)
+    if data * pipe != world_size:
+        raise InvalidArgumentError(
+            f"the mesh {{'data': {data}, 'pipe': {pipe}}} has {data * pipe} processes, but the cluster has "
+            f"{world_size}; give sizes whose product is {world_size}")
+    return data, pipe
