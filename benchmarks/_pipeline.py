@@ -15,7 +15,9 @@ gloo over loopback, free ports; every measurement runs in fresh processes.
 3. **Step time** at ``--microbatches`` (default 4): one process (plain PyTorch on the whole
    model, p intra-op threads: the same cores), DDP on p processes (batch / p each), the raw
    ``torch.distributed.pipelining`` schedules, and stratagem's pipeline strategy on the same
-   schedules (:func:`ours_pipeline`); ratios per round, medians over rounds.
+   schedules (:func:`ours_pipeline`); ratios per round, medians over rounds. The bubble and
+   memory tables are of the raw schedules: the strategy runs the same torch schedules (its
+   stage objects are internal), so its overhead shows in the step time, ours / raw.
 
 Schedules: ``gpipe`` (ScheduleGPipe), ``1f1b`` (Schedule1F1B), ``interleaved``
 (ScheduleInterleaved1F1B, 2 chunks per rank in loop placement: rank r holds stages r and
@@ -107,16 +109,33 @@ def raw_pipeline(schedule: str, model: Any, microbatches: int, rank: int, world:
     return sched, stages, [p for i in mine for p in parts[i].parameters()]
 
 
-def ours_pipeline(schedule: str, model: Any, microbatches: int, rank: int, world: int) -> tuple[Any, list, list]:
-    """The plug-in point for stratagem's pipeline strategy: same return as :func:`raw_pipeline`
-    (an object whose ``step(*inputs, target=..., losses=...)`` runs one schedule, the stage
-    objects to instrument, this rank's parameters). Raises :class:`Unavailable` while the
-    strategy does not exist in this checkout."""
+def ours_pipeline(schedule: str, args: argparse.Namespace, x: Any, y: Any, losses: list) -> Callable[[], None]:
+    """One training step under stratagem's ``PipelineStrategy`` (started from TF_CONFIG): the
+    same model, micro-batches, loss and SGD as :func:`raw_pipeline` + :func:`pipeline_step`,
+    through the public API (``strategy.run`` of a step calling ``forward_backward``)."""
+    import torch
+    import torch.nn.functional as F
+
     import stratagem as sg
 
     if not hasattr(sg.experimental, "PipelineStrategy"):
         raise Unavailable("sg.experimental.PipelineStrategy is not in this checkout")
-    raise Unavailable("PipelineStrategy is not wired into the benchmark yet")
+    check_layout(schedule, args.layers, args.world)
+    strategy = sg.experimental.PipelineStrategy(num_microbatches=args.microbatches, schedule=schedule,
+                                                loss_fn=F.mse_loss)
+    with strategy.scope():
+        model = build_model(args.dim, args.layers, args.seed)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+    def train_step(x: Any, y: Any) -> Any:
+        opt.zero_grad(set_to_none=True)
+        loss = strategy.forward_backward(model, x, y)
+        opt.step()
+        return loss
+
+    def step() -> None:
+        losses[:] = list(strategy.experimental_local_results(strategy.run(train_step, args=(x, y))))
+    return step
 
 
 def pipeline_step(sched: Any, stages: list, params: list, x: Any, y: Any, losses: list) -> Callable[[], None]:
@@ -148,7 +167,7 @@ def _last_loss(losses: list) -> float | None:
     return sum(float(v) for v in losses) / len(losses) if losses else None
 
 
-def bubble_rank(args: argparse.Namespace, make: Callable = raw_pipeline) -> dict:
+def bubble_rank(args: argparse.Namespace) -> dict:
     """Every schedule x m on this rank: idle fraction, step ms, peak saved activations, and
     the intervals of the last timed step (absolute perf_counter seconds, for the timeline)."""
     x, y = _data(args)
@@ -157,7 +176,7 @@ def bubble_rank(args: argparse.Namespace, make: Callable = raw_pipeline) -> dict
         for m in args.microbatch_sweep:
             model = build_model(args.dim, args.layers, args.seed)
             try:
-                sched, stages, params = make(schedule, model, m, args.rank, args.world)
+                sched, stages, params = raw_pipeline(schedule, model, m, args.rank, args.world)
             except (Unavailable, ValueError) as error:
                 rows.append({"schedule": schedule, "m": m, "error": str(error).splitlines()[0]})
                 continue
@@ -220,12 +239,14 @@ def step_rank(args: argparse.Namespace) -> dict:
             opt.step()
             losses[:] = [loss.detach()]
     else:
-        make = raw_pipeline if kind == "raw" else ours_pipeline
         try:
-            sched, stages, params = make(schedule, model, args.microbatches, args.rank, args.world)
+            if kind == "raw":
+                sched, stages, params = raw_pipeline(schedule, model, args.microbatches, args.rank, args.world)
+                step = pipeline_step(sched, stages, params, x, y, losses)
+            else:
+                step = ours_pipeline(schedule, args, x, y, losses)
         except Unavailable as error:
             return {"rank": args.rank, "unavailable": str(error)}
-        step = pipeline_step(sched, stages, params, x, y, losses)
     timing = h.timed_loop(lambda i: step(), warmup=args.warmup, steps=args.steps, max_steps=args.steps,
                           siblings=True, max_other_load=args.max_other_load)
     loss = _last_loss(losses)
@@ -249,7 +270,7 @@ def rank_main(args: argparse.Namespace) -> dict:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                                     world_size=args.world, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     result = bubble_rank(args) if args.child == "bubble" else step_rank(args)
-    if dist.is_initialized():
+    if dist.is_initialized() and not args.child.startswith("ours"):   # ours closes its group at exit
         dist.barrier()
         dist.destroy_process_group()
     return result
