@@ -331,7 +331,9 @@ def bubble_report(args: argparse.Namespace, rounds: list[dict]) -> list[str]:
                 got["ms"].append(h.median([row["step_ms"][i] for i in quiet]))
                 got["peak"].append(row["saved_peak"])
                 got["timeline"] = row["timeline"]
-    head = ["schedule", "m", "theory"] + [f"idle r{r}" for r in range(p)] + ["step ms"]
+                if row["loss"] is not None:
+                    cell["loss"] = row["loss"]
+    head = ["schedule", "m", "theory"] + [f"idle r{r}" for r in range(p)] + ["step ms", "loss"]
     table = []
     for (schedule, m), cell in cells.items():
         if not cell["ranks"]:
@@ -339,11 +341,12 @@ def bubble_report(args: argparse.Namespace, rounds: list[dict]) -> list[str]:
             continue
         theory = tl.theory_bubble(p, m, CHUNKS[schedule])
         table.append([schedule, m, f"{theory:.3f}"] + [_fmt(h.median(cell["ranks"][r]["idle"])) for r in range(p)]
-                     + [_fmt(h.median(cell["ranks"][0]["ms"]), ".1f")])
+                     + [_fmt(h.median(cell["ranks"][0]["ms"]), ".1f"), _fmt(cell.get("loss"), ".6g")])
     lines += [f"1. Pipeline bubble, p={p}: idle fraction of each rank's schedule.step (time outside its stages' "
               "forward/backward/weight-gradient calls), median over steps and rounds", _table(head, table),
               "theory: (p-1)/(m+p-1); for interleaved and zero_bubble (2 chunks per rank) (p-1)/(2m+p-1); "
-              "zero_bubble fills part of that with weight-gradient work (W)", ""]
+              "zero_bubble fills part of that with weight-gradient work (W); loss: the last step's (the "
+              "step-time runs train as many steps: same training => same loss to ~1e-5)", ""]
     mib = 1 << 20
     head = ["schedule", "m"] + [f"MiB r{r}" for r in range(p)] + [f"/gpipe r{r}" for r in range(p)] + \
            [f"1f1b expected r{r}" for r in range(p)]
