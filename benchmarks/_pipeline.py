@@ -216,25 +216,19 @@ def step_rank(args: argparse.Namespace) -> dict:
     x, y = _data(args)
     model = build_model(args.dim, args.layers, args.seed)
     losses: list = []
-    if kind == "single":
-        torch.set_num_threads(args.world)
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    if kind in ("single", "ddp"):   # the whole model on the whole batch, or DDP on this rank's rows
+        if kind == "single":
+            torch.set_num_threads(args.world)
+            net, xr, yr = model, x, y
+        else:
+            net = torch.nn.parallel.DistributedDataParallel(model)
+            rows = slice(args.rank * args.batch // args.world, (args.rank + 1) * args.batch // args.world)
+            xr, yr = x[rows], y[rows]
+        opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
 
         def step() -> None:
             opt.zero_grad(set_to_none=True)
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            losses[:] = [loss.detach()]
-    elif kind == "ddp":
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
-        rows = slice(args.rank * args.batch // args.world, (args.rank + 1) * args.batch // args.world)
-        xr, yr = x[rows], y[rows]
-
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            loss = F.mse_loss(ddp(xr), yr)
+            loss = F.mse_loss(net(xr), yr)
             loss.backward()
             opt.step()
             losses[:] = [loss.detach()]
