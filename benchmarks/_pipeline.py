@@ -18,6 +18,8 @@ gloo over loopback, free ports; every measurement runs in fresh processes.
    schedules (:func:`ours_pipeline`); ratios per round, medians over rounds. The bubble and
    memory tables are of the raw schedules: the strategy runs the same torch schedules (its
    stage objects are internal), so its overhead shows in the step time, ours / raw.
+4. **Ours against raw in the same processes** (``ab:<schedule>``): both built side by side,
+   steps alternating in ABBA order; the overhead with the machine's load shared alike.
 
 Schedules: ``gpipe`` (ScheduleGPipe), ``1f1b`` (Schedule1F1B), ``interleaved``
 (ScheduleInterleaved1F1B, 2 chunks per rank in loop placement: rank r holds stages r and
@@ -252,6 +254,32 @@ def step_rank(args: argparse.Namespace) -> dict:
             "foreign": timing["foreign_cores"], "loss": loss}
 
 
+def ab_rank(args: argparse.Namespace) -> dict:
+    """The raw schedule and ours built side by side in the same processes, timed step by step in
+    ABBA order (raw, ours, ours, raw, ...): their ratio with the machine's load shared alike."""
+    schedule = args.child.partition(":")[2]
+    x, y = _data(args)
+    losses: dict[str, list] = {"raw": [], "ours": []}
+    try:
+        step = {"ours": ours_pipeline(schedule, args, x, y, losses["ours"])}
+    except Unavailable as error:
+        return {"rank": args.rank, "unavailable": str(error)}
+    sched, stages, params = raw_pipeline(schedule, build_model(args.dim, args.layers, args.seed),
+                                         args.microbatches, args.rank, args.world)
+    step["raw"] = pipeline_step(sched, stages, params, x, y, losses["raw"])
+    for _ in range(args.warmup):
+        step["raw"]()
+        step["ours"]()
+    ms: dict[str, list] = {"raw": [], "ours": []}
+    for k in range(args.steps):
+        for name in ("raw", "ours") if k % 2 == 0 else ("ours", "raw"):
+            t0 = time.perf_counter()
+            step[name]()
+            ms[name].append(1e3 * (time.perf_counter() - t0))
+    return {"rank": args.rank, "raw_ms": ms["raw"], "ours_ms": ms["ours"],
+            "raw_loss": _last_loss(losses["raw"]), "ours_loss": _last_loss(losses["ours"])}
+
+
 def rank_main(args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
@@ -263,8 +291,9 @@ def rank_main(args: argparse.Namespace) -> dict:
         if not args.child.startswith("ours"):   # ours starts its own group from TF_CONFIG
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                                     world_size=args.world, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-    result = bubble_rank(args) if args.child == "bubble" else step_rank(args)
-    if dist.is_initialized() and not args.child.startswith("ours"):   # ours closes its group at exit
+    result = (bubble_rank(args) if args.child == "bubble" else ab_rank(args) if args.child.startswith("ab:")
+              else step_rank(args))
+    if dist.is_initialized() and not args.child.startswith(("ours", "ab")):   # ours closes its group at exit
         dist.barrier()
         dist.destroy_process_group()
     return result
@@ -278,7 +307,7 @@ def run_ranks(args: argparse.Namespace, child: str) -> list[dict]:
 
     world = 1 if child == "single" else args.world
     cluster, port = local_cluster(world), free_ports(1)[0]
-    sweep = len(args.schedules) * len(args.microbatch_sweep) if child == "bubble" else 1
+    sweep = len(args.schedules) * len(args.microbatch_sweep) if child == "bubble" else 2 if child[:3] == "ab:" else 1
     timeout = 120 + sweep * (args.warmup + args.steps) * args.step_budget_s
     argv = [sys.executable, SCRIPT, "--part", "pipeline", "--child", child, "--port", str(port),
             "--world", str(world), *args.child_argv]
@@ -297,6 +326,12 @@ def measure(args: argparse.Namespace, config: str) -> dict:
         return {"ranks": ranks}
     if "unavailable" in ranks[0]:
         return {"unavailable": ranks[0]["unavailable"]}
+    if config.startswith("ab:"):
+        r0 = ranks[0]
+        pairs = [o / r for o, r in zip(r0["ours_ms"], r0["raw_ms"])]
+        loss = {k: next((r[k] for r in ranks if r.get(k) is not None), None) for k in ("raw_loss", "ours_loss")}
+        return {"raw_ms": h.median(r0["raw_ms"]), "ours_ms": h.median(r0["ours_ms"]), "ratio": h.median(pairs),
+                **loss}
     loss = next((r["loss"] for r in ranks if r.get("loss") is not None), None)
     return {"median_ms": h.median(ranks[0]["step_ms"]), "contended": ranks[0]["contended"], "loss": loss}
 
@@ -393,6 +428,22 @@ def step_report(args: argparse.Namespace, rounds: h.Rounds, configs: list[str]) 
             f"loss: the last step's (same training => same to ~1e-5)"]
 
 
+def ab_report(args: argparse.Namespace, rounds: h.Rounds, configs: list[str]) -> list[str]:
+    table = []
+    for config in configs:
+        rs = rounds.results[config]
+        if any("unavailable" in r for r in rs) or not rs:
+            table.append([config[3:], "n/a: " + next((r["unavailable"] for r in rs if "unavailable" in r), "FAILED")])
+            continue
+        ratios = [r["ratio"] for r in rs]
+        table.append([config[3:], f"{h.median([r['raw_ms'] for r in rs]):.1f}",
+                      f"{h.median([r['ours_ms'] for r in rs]):.1f}", f"{h.median(ratios):.3f}", h.spread(ratios, 3),
+                      _fmt(rs[-1]["raw_loss"], ".6g"), _fmt(rs[-1]["ours_loss"], ".6g")])
+    return [f"4. Ours against the raw schedule in the same processes (m={args.microbatches}; steps alternate raw, "
+            "ours, ours, raw, ...; ours/raw = median of the step pairs' ratios, median over rounds)",
+            _table(["schedule", "raw ms", "ours ms", "ours/raw", "range", "raw loss", "ours loss"], table), ""]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="model_parallel.py --part pipeline",
                                 description=__doc__.split("\n\n")[0])
@@ -403,8 +454,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=4, help="m for the step-time table (default 4)")
     p.add_argument("--microbatch-sweep", type=int, nargs="+", default=[1, 2, 4, 8], help="m for the bubble table")
     p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
-    p.add_argument("--configs", nargs="+", help="step-time configurations (default: bubble single ddp raw:S ours:S "
-                                                "for every schedule S; 'bubble' is the bubble/memory sweep)")
+    p.add_argument("--configs", nargs="+", help="configurations (default: bubble single ddp raw:S ours:S ab:S for "
+                                                "every schedule S; 'bubble' is the bubble/memory sweep, 'ab:S' raw "
+                                                "and ours in the same processes)")
     p.add_argument("--steps", type=int, help="timed steps (default 8; --quick 2)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 2; --quick 1)")
     p.add_argument("--rounds", type=int, help="interleaved rounds, fresh processes each (default 3; --quick 1)")
@@ -428,7 +480,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [m for m in [*args.microbatch_sweep, args.microbatches] if m < 1 or args.batch % m]
     if bad:
         p.error(f"--batch {args.batch} must divide by every micro-batch count; {bad} do not")
-    args.configs = args.configs or (["bubble", "single", "ddp"] + [f"{k}:{s}" for k in ("raw", "ours")
+    args.configs = args.configs or (["bubble", "single", "ddp"] + [f"{k}:{s}" for k in ("raw", "ours", "ab")
                                                                    for s in args.schedules])
     # what every child needs to know (the parent's own options)
     args.child_argv = ["--dim", str(args.dim), "--layers", str(args.layers), "--batch", str(args.batch),
@@ -460,7 +512,10 @@ def main(argv: list[str]) -> int:
           f"commit {h.git_commit()}\n")
     if rounds.results.get("bubble"):
         print("\n".join(bubble_report(args, rounds.results["bubble"])))
-    step_configs = [c for c in args.configs if c != "bubble"]
+    ab_configs = [c for c in args.configs if c.startswith("ab:")]
+    if ab_configs:
+        print("\n".join(ab_report(args, rounds, ab_configs)))
+    step_configs = [c for c in args.configs if c != "bubble" and not c.startswith("ab:")]
     if step_configs:
         print("\n".join(step_report(args, rounds, step_configs)))
     warning = h.load_warning()
