@@ -10,8 +10,8 @@ gloo over loopback, free ports; every measurement runs in fresh processes.
    weight-gradient calls (:class:`_pipeline_timeline.Timeline`), median over timed steps,
    against (p-1)/(m+p-1) (and (p-1)/(2m+p-1) for 2 chunks per rank).
 2. **Activation memory**: peak bytes of tensors autograd saved for backward, live at once
-   (``saved_tensors_hooks``; each memory range once, parameters excluded), per rank, 1F1B / GPipe against the number of
-   micro-batches each holds in flight, min(m, p-r) / m.
+   (``saved_tensors_hooks``; each memory range once, parameters excluded), per rank; 1F1B /
+   GPipe against the share of micro-batches each rank holds in flight, min(m, p-r) / m.
 3. **Step time** at ``--microbatches`` (default 4): one process (plain PyTorch on the whole
    model, p intra-op threads: the same cores), DDP on p processes (batch / p each), the raw
    ``torch.distributed.pipelining`` schedules, and stratagem's pipeline strategy on the same
