@@ -69,6 +69,7 @@ def test_every_example_is_tested() -> None:
     tested = {"train.py", "train_ps.py",
               "preemptible.py",   # tests/launch/test_restarts.py
               "tensor_parallel.py"}   # tests/multi_worker/test_tensor_parallel.py
+    tested |= {"pipeline.py"}   # tests/multi_worker/test_pipeline.py
     assert {path.name for path in EXAMPLES.glob("*.py")} == tested
 
 

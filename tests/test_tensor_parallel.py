@@ -107,5 +107,15 @@ def test_training_matches_plain_torch_and_state_dicts_are_full_tensors(tmp_path)
     model.load_state_dict(state)
     assert isinstance(model.fc1.weight, DTensor) and isinstance(optimizer.state[model.fc1.weight]["exp_avg"], DTensor)
     assert type(optimizer).__name__ == "TensorParallelAdam"
-    with pytest.raises(sg.errors.StratagemError, match="does not support TensorParallelStrategy"):
-        sg.Checkpoint(model=model, optimizer=optimizer).save(str(tmp_path / "ckpt"))
+    # sg.Checkpoint: one logical copy of plain tensors; restored, each process keeps its shard
+    path = sg.Checkpoint(model=model, optimizer=optimizer).save(str(tmp_path / "ckpt"))
+    assert set(model.state_dict(keep_vars=True)) == set(state)   # the DTensors themselves: no gather
+    assert isinstance(model.state_dict(keep_vars=True)["fc1.weight"], DTensor)
+    with torch.no_grad():
+        model.fc1.weight.zero_()
+    sg.Checkpoint(model=model, optimizer=optimizer).restore(path)
+    assert isinstance(model.fc1.weight, DTensor)
+    torch.testing.assert_close(model.state_dict(), reference.state_dict(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(optimizer.state_dict()["state"], expected_optimizer.state_dict()["state"],
+                               rtol=1e-12, atol=1e-12)
+    assert not any(isinstance(v, DTensor) for v in torch.load(f"{path}/model.pt", weights_only=True).values())

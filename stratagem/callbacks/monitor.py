@@ -30,14 +30,14 @@ def strategy_of(model: Any) -> Any:
 
 def is_chief(model: Any) -> bool:
     """Whether this process writes files and summaries: worker 0 (the chief)."""
-    return strategy_of(model).topology.worker_index == 0
+    return strategy_of(model).checkpoint_collective.worker_index == 0
 
 
 def chief_decides(model: Any, value: Any) -> Any:
     """The chief's picklable ``value``, on every worker (every worker must call it)."""
-    strategy = strategy_of(model)
-    if strategy.topology.num_workers > 1:
-        return strategy.collective.broadcast_object(value)
+    collective = strategy_of(model).checkpoint_collective
+    if collective.num_workers > 1:
+        return collective.broadcast_object(value)
     return value
 
 

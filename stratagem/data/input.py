@@ -219,8 +219,10 @@ class DistributedDataset(PositionedDataset):
             return pack_as(batch, columns)
 
         sharded = None
-        if strategy.topology.num_workers > 1 and not shard_off:
-            sharded = shard_dataloader(source, num_replicas, first, count, strategy.collective.broadcast_object)
+        # every process agrees on the shuffling seed: also those of one worker (tensor parallelism)
+        everyone = strategy.checkpoint_collective
+        if (strategy.topology.num_workers > 1 or everyone.num_workers > 1) and not shard_off:
+            sharded = shard_dataloader(source, num_replicas, first, count, everyone.broadcast_object)
         if sharded is not None:
             items = _sharded_items(*sharded, num_replicas, first, count)
         else:

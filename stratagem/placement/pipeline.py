@@ -9,31 +9,35 @@ interleaved schedules) or, for the V schedules, stages ``r`` and ``2p - 1 - r`` 
 process ``r``. The children of the stages another process holds move to the ``meta``
 device: this process keeps only its own stages' parameters and buffers.
 
-Optimizers created in scope keep only this process's parameters (the others are
-dropped from their parameter groups); their ``step`` first sums the gradients over the
-data axis (each data group's loss is already weighted by its share of the global batch).
+Optimizers created in scope update only this process's parameters: their parameter groups
+still list every parameter of the model (those of other stages as meta placeholders, which
+get no gradient, no state and no update), so that their state dicts count parameters as a
+plain optimizer over the whole model does. ``step`` first sums this process's gradients
+over the data axis (each data group's loss is already weighted by its share of the global
+batch), then runs the update over this process's parameters only.
 
-State: a split model's ``state_dict()`` reads as the whole logical model on every
-process (the pipe axis gathers the stages: a collective, so every process calls it);
-``load_state_dict`` takes the whole model and keeps this process's stages. An
-optimizer's state dict holds this process's parameters only. ``sg.Checkpoint`` is
-refused for now.
+State: a split model's ``state_dict()`` and its optimizer's read as the whole logical
+model on every process (the pipe axis gathers the stages: a collective, so every process
+calls them); ``load_state_dict`` takes the whole state and keeps this process's stages.
+``sg.Checkpoint`` writes that logical copy (global rank 0; ``prepare_checkpoint`` gathers
+it on the chief's pipeline), restorable into any layout, or a plain model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.base import Placement
-from stratagem.placement.hooks import adopt, run_hooks, step_hooks, unhooked_step
+from stratagem.placement.roots import RootsPlacement
+from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
 
 #: schedule name -> (torch class name, stage placement: "loop" or "v", stages per process or None: any)
 SCHEDULES = {
@@ -147,7 +151,7 @@ class SplitModel:
     local: dict[int, nn.Sequential]          # stage index -> its children (shared with the model)
 
 
-class PipelinePlacement(Placement):
+class PipelinePlacement(RootsPlacement):
     """Stages of ``nn.Sequential`` models over the pipe axis; gradients summed over the data axis."""
 
     kind = "Pipeline"
@@ -161,10 +165,10 @@ class PipelinePlacement(Placement):
         self.data = data                 # this process's data-parallel peers (same stages)
         self.everyone = everyone         # every process (start-up agreement)
         self.device = device
-        self._pending: list[nn.Module] = []
-        self._placed: list[nn.Module] = []
+        self._start_roots()
         self.models: dict[int, SplitModel] = {}   # id(model) -> its split
-        self._optimizers: list[torch.optim.Optimizer] = []
+        # id(model or optimizer) -> its whole state dict, gathered for the chief's checkpoint
+        self._gathered: dict[int, dict] = {}
 
     @property
     def strategy(self) -> Any:
@@ -172,76 +176,57 @@ class PipelinePlacement(Placement):
 
     # ---------------------------------------------------------------- modules
 
-    def on_module_registered(self, module: nn.Module) -> None:
-        if not any(m is module for m in self._pending):
-            self._pending.append(module)
-
-    on_submodule_registered = on_module_registered
-
     def finalize(self) -> None:
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        inside = {id(child) for m in pending for child in m.modules() if child is not m}
-        inside.update(id(m) for root in self._placed for m in root.modules())
-        roots = [m for m in pending if id(m) not in inside and any(True for _ in m.parameters())]
-        if not roots:
-            return
-        for root in roots:
-            root.to(self.device)
-        self.everyone.agree_on_modules([m for root in roots for m in root.modules()])
-        for root in roots:
+        for root in self.new_roots():
             layout = plan_stages(root, **self.config)
             children = list(root.children())
             local = {s: nn.Sequential(*children[a:b]) for s, (a, b) in enumerate(layout.bounds)
                      if layout.rank_of(s) == self.pipe_rank}
             mine = {id(m) for stage in local.values() for m in stage.modules()}
-            for child in children:
-                if id(child) not in mine:
-                    child.to("meta")     # another process holds it
+            elsewhere = [child for child in children if id(child) not in mine]
+            for child in elsewhere:
+                child.to("meta")     # another process holds it
+            if elsewhere:
+                root.register_forward_pre_hook(functools.partial(_not_whole, sorted(local)))
             root.register_state_dict_post_hook(functools.partial(_whole_state, weakref.ref(self)))
             root.register_load_state_dict_pre_hook(_own_state)
             self.models[id(root)] = SplitModel(layout, local)
-            self._placed.append(root)
-        # the stage containers were created in scope, and so were the modules moved to meta: not new models
-        self._pending = [m for m in self._pending if not any(m is stage for split in self.models.values()
-                                                             for stage in split.local.values())]
+            self._forget_pending(local.values())   # the stage containers, created in scope
 
     def split_of(self, model: Any) -> SplitModel:
         self.finalize()
         split = self.models.get(id(model))
         if split is None:
             raise InvalidArgumentError(
-                f"forward_backward needs the nn.Sequential created in this PipelineStrategy's scope (the "
-                f"one it split into stages), got a {type(model).__name__} it did not place; create the "
-                f"model inside strategy.scope()")
+                f"forward_backward and predict need the nn.Sequential created in this PipelineStrategy's "
+                f"scope (the one it split into stages), got a {type(model).__name__} it did not place; "
+                f"create the model inside strategy.scope()")
         return split
-
-    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
-        raise InvalidArgumentError(
-            "sg.Checkpoint does not support PipelineStrategy yet; save model.state_dict() (the whole "
-            "model, called on every process) with torch.save on the chief, and each process's "
-            "optimizer.state_dict() (its own stages) in a file of its own")
-
-    def read_checkpoint_state(self, obj: Any, skeleton: Any, directory: Any, name: str) -> Any:
-        return self.write_checkpoint_state(obj, directory, name)
 
     # ----------------------------------------------------------- optimizers
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if not p.is_meta]
+        # the parameter groups keep every parameter of the model, those of other stages as meta
+        # placeholders: the state dict then counts parameters as a plain optimizer over the whole
+        # model does; the update (and so the state) only ever sees this process's own
         adopt(optimizer, self)
-        self._optimizers.append(optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
         self.finalize()
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+        groups = optimizer.param_groups
+        every = [group["params"] for group in groups]
+        own = [[p for p in params if not p.is_meta] for params in every]
         if self.data.num_workers > 1:
-            sum_over(self.data, params)
+            sum_over(self.data, [p for params in own for p in params])
         pre, post = step_hooks(optimizer)
         run_hooks(pre, optimizer)
-        result = unhooked_step(optimizer._sg_base)(optimizer, closure)
+        try:
+            for group, params in zip(groups, own):
+                group["params"] = params
+            result = unhooked_step(optimizer._sg_base)(optimizer, closure)
+        finally:
+            for group, params in zip(groups, every):
+                group["params"] = params
         run_hooks(post, optimizer)
         return result
 
@@ -249,19 +234,65 @@ class PipelinePlacement(Placement):
         optimizer._sg_base.zero_grad(optimizer, set_to_none)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        return optimizer._sg_base.state_dict(optimizer)
+        """The whole model's optimizer state: each stage's, gathered over the pipe axis (every process calls it)."""
+        gathered = self._gathered.get(id(optimizer))
+        if gathered is not None:
+            return gathered
+        state = optimizer._sg_base.state_dict(optimizer)
+        if self.pipe.num_workers > 1:
+            mine = {k: {n: v.detach().cpu() if isinstance(v, torch.Tensor) else v for n, v in entry.items()}
+                    for k, entry in state["state"].items()}
+            merged = {}
+            for part in self.pipe.all_gather_object(mine, "optimizer.state_dict (the stages of the pipeline)"):
+                merged.update(part)
+            state["state"] = {k: merged[k] for k in sorted(merged)}
+        return state
 
     def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        optimizer._sg_base.load_state_dict(optimizer, state_dict)
+        """Load the whole model's optimizer state; this process keeps its own parameters' entries."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        ids = [i for group in state_dict.get("param_groups", []) for i in group.get("params", [])]
+        held = {i for i, p in zip(ids, params) if not p.is_meta}
+        state = dict(state_dict)
+        state["state"] = {k: v for k, v in state_dict.get("state", {}).items() if k in held}
+        optimizer._sg_base.load_state_dict(optimizer, state)
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        optimizer._sg_base.add_param_group(optimizer, {**param_group, "params": [p for p in params if not p.is_meta]})
+        optimizer._sg_base.add_param_group(optimizer, param_group)
+
+    # ---------------------------------------------------------- checkpoints
+
+    @contextlib.contextmanager
+    def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
+        """Every process, around the chief's writing: the chief's pipeline gathers the whole
+        state of each split model and optimizer (the other data groups hold the same values
+        and skip it); the chief keeps it for :meth:`write_checkpoint_state`, dropped on exit."""
+        if self.data.worker_index == 0:
+            chief = self.everyone.worker_index == 0
+            for obj in objects.values():
+                if id(obj) in self.models or (isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self):
+                    state = obj.state_dict()
+                    if chief:
+                        self._gathered[id(obj)] = state
+        try:
+            yield
+        finally:
+            self._gathered.clear()
+
+    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
+        state = self._gathered.get(id(obj))
+        if state is None and isinstance(obj, nn.Module) and \
+                any(t.is_meta for t in obj.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)):
+            raise InvalidArgumentError(
+                f"{name!r} is part of a pipelined model whose other stages live on other processes; track the "
+                f"whole model created in the PipelineStrategy's scope in sg.Checkpoint (one logical copy)")
+        return None if state is None else (state, {})
 
 
 def sum_over(axis: Collective, params: list[torch.Tensor]) -> None:
     """Sum the gradients of ``params`` over ``axis`` in place (zeros where a peer has none)."""
+    if not params:   # stages without parameters: so are the data-axis peers'
+        return
     group = axis.group
     present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
     group.all_reduce(present, "optimizer.step (which gradients exist on the data axis)")
@@ -271,7 +302,8 @@ def sum_over(axis: Collective, params: list[torch.Tensor]) -> None:
     grads = [p.grad for p in params if p.grad is not None]
     for dtype in dict.fromkeys(g.dtype for g in grads):
         same = [g for g in grads if g.dtype == dtype]
-        flat = group.all_reduce(torch.cat([g.reshape(-1) for g in same]), "optimizer.step (gradients over the data axis)")
+        flat = group.all_reduce(torch.cat([g.reshape(-1) for g in same]),
+                                "optimizer.step (gradients over the data axis)")
         for g, part in zip(same, flat.split([g.numel() for g in same])):
             g.copy_(part.view_as(g))
 
@@ -280,7 +312,12 @@ def _whole_state(placement_ref: Any, module: nn.Module, state_dict: dict, prefix
     """Fill the entries of stages held elsewhere (meta here) with their values, gathered over the pipe axis."""
     placement = placement_ref()   # a weak reference: a deep copy of the model copies it as is
     keys = [k for k in state_dict if k.startswith(prefix)]
-    if placement is None or placement.pipe.num_workers == 1:
+    if placement is None or placement.pipe.num_workers == 1 or \
+            any(isinstance(state_dict[k], nn.Parameter) for k in keys):   # keep_vars: the tensors themselves
+        return
+    gathered = placement._gathered.get(id(module))
+    if gathered is not None:   # gathered already for the checkpoint being written
+        state_dict.update(gathered)
         return
     pipe, device = placement.pipe, placement.device
     mine = {k: state_dict[k].detach().cpu() for k in keys
@@ -298,3 +335,10 @@ def _own_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> 
     for key, tensor in held.items():
         if tensor.is_meta and key in state_dict and isinstance(state_dict[key], torch.Tensor):
             state_dict[key] = state_dict[key].to("meta")
+
+
+def _not_whole(stages: list[int], module: nn.Module, args: Any) -> None:
+    raise InvalidArgumentError(
+        f"this process holds only stage(s) {stages} of the pipelined model (the others live on other "
+        f"processes), so the model cannot be called directly: train it with "
+        f"strategy.forward_backward(model, x, y), evaluate it with strategy.predict(model, x)")

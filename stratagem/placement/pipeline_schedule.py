@@ -22,6 +22,7 @@ last stage and broadcast over the pipe axis, so every process returns the same v
 from __future__ import annotations
 
 import collections
+import zlib
 from typing import Any, Callable
 
 import torch
@@ -48,9 +49,10 @@ class _Loss:
         real = rows >= 0
         count = int(real.sum())
         if count == 0:   # a micro-batch of padding only (a batch smaller than num_microbatches)
-            return output.sum() * 0.0
+            return sum(o.sum() for o in output) * 0.0 if isinstance(output, tuple) else output.sum() * 0.0
         if count < rows.numel():
-            output, rows = output[real], rows[real]
+            output = tuple(o[real] for o in output) if isinstance(output, tuple) else output[real]
+            rows = rows[real]
         target = None if self.target is None else self.target[rows]
         loss = self.loss_fn(output) if target is None else self.loss_fn(output, target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -83,17 +85,22 @@ class PipelineSchedules:
         for x in inputs:
             if x.shape[0] != rows:
                 raise InvalidArgumentError(
-                    f"the model's inputs must share their first (batch) dimension, got {[tuple(t.shape) for t in inputs]}")
+                    f"the model's inputs must share their first (batch) dimension, got "
+                    f"{[tuple(t.shape) for t in inputs]}")
         if target is not None and (not isinstance(target, torch.Tensor) or target.shape[0] != rows):
             raise InvalidArgumentError(
                 f"the target must be a tensor with one row per example ({rows}), got "
                 f"{tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__}")
-        total = rows
+        self._check_same_batch(inputs, rows)
+        total, empty = rows, rows == 0
         if self.data.num_workers > 1:   # the global batch: every data group's rows
-            total = int(self.data.group.all_reduce(torch.tensor([rows], device=self.data.group.device),
-                                                  "forward_backward (global batch size)").item())
-        if total == 0:
-            raise InvalidArgumentError("forward_backward got an empty batch (0 rows) on every data group")
+            counts = torch.tensor([rows, int(rows == 0)], device=self.data.group.device)
+            total, empty = self.data.group.all_reduce(counts, "forward_backward (global batch size)").tolist()
+        if empty:
+            raise InvalidArgumentError(
+                f"forward_backward got an empty batch (0 rows) on {'some data group' if total else 'every process'}: "
+                f"every pipeline needs at least one row per step; drop a global batch smaller than the number "
+                f"of data groups ({self.data.num_workers})")
         order = _row_order(rows, self.num_microbatches)
         if order is not None:
             inputs = tuple(x[order.clamp(min=0).to(x.device)] for x in inputs)
@@ -102,12 +109,30 @@ class PipelineSchedules:
         self._loss.loss_fn, self._loss.target, self._loss.total = loss_fn, target, total
         losses: list[torch.Tensor] = []
         try:
-            schedule.step(*(inputs if self.first else ()),
-                          target=index.to(self.device) if self.last else None,
-                          losses=losses if self.last else None, return_outputs=False)
+            with self.pipe.group.guard("forward_backward (the pipeline schedule)"):
+                schedule.step(*(inputs if self.first else ()),
+                              target=index.to(self.device) if self.last else None,
+                              losses=losses if self.last else None, return_outputs=False)
         finally:
             self._loss.target = None
         return self._broadcast_loss(losses, inputs[0])
+
+    def _check_same_batch(self, inputs: tuple[torch.Tensor, ...], rows: int) -> None:
+        """Every process of the pipeline got a batch of the same shapes (else all raise, none waits)."""
+        if self.pipe.num_workers == 1:
+            return
+        shapes = zlib.crc32(repr([(tuple(x.shape), str(x.dtype)) for x in inputs]).encode())
+        mine = torch.tensor([rows, shapes, -rows, -shapes], dtype=torch.int64, device=self.pipe.group.device)
+        group = self.pipe.group
+        with group.guard("forward_backward (the batch shapes of the pipeline)"):
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group.group)
+        high, low = mine[:2].tolist(), [-v for v in mine[2:].tolist()]
+        if high != low:
+            raise InvalidArgumentError(
+                f"the processes of a pipeline got batches of different shapes at this step (between {low[0]} and "
+                f"{high[0]} rows; this process: {[tuple(x.shape) for x in inputs]}); every process of a pipeline "
+                f"must call forward_backward with the same batch: distribute the input with "
+                f"strategy.experimental_distribute_dataset")
 
     def _schedule_for(self, inputs: tuple[torch.Tensor, ...]) -> Any:
         key = tuple((tuple(x.shape), x.dtype) for x in inputs)
@@ -153,3 +178,27 @@ def _row_order(rows: int, num_microbatches: int) -> torch.Tensor | None:
         order += list(range(start, start + count)) + [-1] * (size - count)
         start += count
     return torch.tensor(order)
+
+
+def forward_only(split: SplitModel, inputs: tuple[torch.Tensor, ...], *, pipe_rank: int, pipe: Collective,
+                 device: torch.device) -> Any:
+    """The model's output for the whole batch, on every process of the pipeline (no gradients).
+
+    The stages run one after the other, the whole batch at once (no micro-batches: a pass for
+    evaluation, not for speed); where the next stage lives on another process, the activations
+    travel from the process that computed them to every process of the pipeline.
+    """
+    layout = split.layout
+    value: Any = inputs
+    with torch.no_grad():
+        for stage in range(layout.num_stages):
+            owner = layout.rank_of(stage)
+            if owner == pipe_rank:
+                value = split.local[stage](*value)
+                value = value if isinstance(value, tuple) else (value,)
+            last = stage == layout.num_stages - 1
+            if pipe.num_workers > 1 and (last or layout.rank_of(stage + 1) != owner):
+                sent = tuple(v.cpu() for v in value) if owner == pipe_rank else None
+                value = pipe.group.broadcast_object(sent, "predict (activations between stages)", src=owner)
+                value = tuple(v.to(device) for v in value)
+    return value[0] if len(value) == 1 else value

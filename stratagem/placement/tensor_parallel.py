@@ -17,14 +17,18 @@ dtype), as the data-parallel strategies sum over replicas.
 State: a placed module's ``state_dict()`` holds full tensors (``DTensor.full_tensor``,
 a collective over the model axis: every process calls it), and ``load_state_dict``
 takes full tensors and keeps each process's shard. The optimizer's state dict does the
-same with its DTensor state. ``sg.Checkpoint`` is refused for now.
+same with its DTensor state. ``sg.Checkpoint.save``, called on every process, enters
+``prepare_checkpoint``: the writer's model group gathers those full state dicts, and
+global rank 0 writes them as one logical copy (the files of any other strategy); a
+restore reads full tensors, which ``load_state_dict`` cuts into this layout's shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -35,8 +39,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.base import Placement
-from stratagem.placement.hooks import adopt, run_hooks, step_hooks, unhooked_step
+from stratagem.placement.roots import RootsPlacement
+from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
 
 #: plan style names and the torch ParallelStyle each stands for
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
@@ -64,7 +68,7 @@ def check_plan(plan: Any) -> dict[str, Any]:
     return checked
 
 
-class TensorParallelPlacement(Placement):
+class TensorParallelPlacement(RootsPlacement):
     """Parameters as DTensors over the model axis of ``mesh``; gradients summed over its data axis."""
 
     kind = "TensorParallel"
@@ -77,12 +81,13 @@ class TensorParallelPlacement(Placement):
         self.plan = check_plan(plan)
         self.data = data           # the data axis (this process's data-parallel peers)
         self.everyone = everyone   # every process (start-up agreement)
-        self._pending: list[nn.Module] = []
-        self._placed: list[nn.Module] = []
+        self._start_roots()
         self._optimizers: list[torch.optim.Optimizer] = []
         # id(parameter before the plan) -> (it, its DTensor replacement): an optimizer given a list
         # of parameters built before the model was placed gets the replacements
         self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(module or optimizer) -> (it, its full state dict): gathered for the chief's checkpoint
+        self._gathered: dict[int, tuple[Any, dict]] = {}
 
     @property
     def strategy(self) -> Any:
@@ -90,26 +95,10 @@ class TensorParallelPlacement(Placement):
 
     # ---------------------------------------------------------------- modules
 
-    def on_module_registered(self, module: nn.Module) -> None:
-        if not any(m is module for m in self._pending):
-            self._pending.append(module)
-
-    on_submodule_registered = on_module_registered
-
     def finalize(self) -> None:
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        # modules inside another one, or placed already (parallelize_module re-registers parameters)
-        inside = {id(child) for m in pending for child in m.modules() if child is not m}
-        inside.update(id(m) for root in self._placed for m in root.modules())
-        roots = [m for m in pending if id(m) not in inside and any(True for _ in m.parameters())]
+        roots = self.new_roots()
         if not roots:
             return
-        for root in roots:
-            root.to(self.device)
-        # every process built the same modules (else all raise), and starts from the chief's values
-        self.everyone.agree_on_modules([m for root in roots for m in root.modules()])
         assignments = self._resolve(roots)
         for root, names in zip(roots, assignments):
             styles = {name: self._style(style) for name, style in names.items()}
@@ -124,7 +113,6 @@ class TensorParallelPlacement(Placement):
                 if any(isinstance(t, DTensor) for t in module.parameters(recurse=False)):
                     module.register_state_dict_post_hook(_full_state)
                     module.register_load_state_dict_pre_hook(_sharded_state)
-            self._placed.append(root)
 
     def _resolve(self, roots: list[nn.Module]) -> list[dict[str, Any]]:
         """For each root, {module name: style}; every plan entry names a module of some root."""
@@ -149,13 +137,41 @@ class TensorParallelPlacement(Placement):
     def _style(style: Any) -> ParallelStyle:
         return STYLES[style]() if isinstance(style, str) else style
 
-    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
-        raise InvalidArgumentError(
-            "sg.Checkpoint does not support TensorParallelStrategy yet; save model.state_dict() and "
-            "optimizer.state_dict() (full tensors, called on every process) with torch.save on the chief")
+    # ---------------------------------------------------------- checkpoints
 
-    def read_checkpoint_state(self, obj: Any, skeleton: Any, directory: Any, name: str) -> Any:
-        return self.write_checkpoint_state(obj, directory, name)
+    def _split(self, obj: Any) -> bool:
+        """Whether ``obj``'s state dict gathers DTensors (a collective over the model axis)."""
+        if isinstance(obj, torch.optim.Optimizer):
+            return placement_of(obj) is self
+        return isinstance(obj, nn.Module) and any(isinstance(p, DTensor) for p in obj.parameters())
+
+    @contextlib.contextmanager
+    def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
+        """Every process, around the chief's writing: the chief's model group gathers the full
+        state of each split module and optimizer (the other data groups hold the same values and
+        skip it); the chief keeps it for :meth:`write_checkpoint_state`, dropped on exit."""
+        if self.mesh.get_local_rank("data") == 0:
+            chief = self.everyone.worker_index == 0
+            with self.everyone.group.guard("Checkpoint.save (full tensors over the model axis)"):
+                for obj in objects.values():
+                    if self._split(obj):
+                        state = obj.state_dict()
+                        if chief:
+                            self._gathered[id(obj)] = (obj, state)
+        try:
+            yield
+        finally:
+            self._gathered.clear()
+
+    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
+        """The full state that :meth:`prepare_checkpoint` gathered: one logical copy, no other files."""
+        if not self._split(obj):
+            return None
+        if id(obj) not in self._gathered:
+            raise InvalidArgumentError(
+                f"the tensor-parallel {name} can only be saved by sg.Checkpoint.save called on every process "
+                f"(its full tensors are gathered over the model axis first)")
+        return self._gathered[id(obj)][1], {}
 
     # ----------------------------------------------------------- optimizers
 
@@ -248,7 +264,9 @@ def _like(value: Any, param: torch.Tensor) -> Any:
 
 def _full_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     for key, value in list(state_dict.items()):
-        if key.startswith(prefix) and "." not in key[len(prefix):] and isinstance(value, DTensor):
+        # (state_dict(keep_vars=True) holds the parameters themselves: DTensors, as placed)
+        if key.startswith(prefix) and "." not in key[len(prefix):] and isinstance(value, DTensor) \
+                and not isinstance(value, nn.Parameter):
             state_dict[key] = value.full_tensor()
 
 

@@ -104,6 +104,17 @@ class Strategy:
         return self._collective
 
     @property
+    def checkpoint_collective(self) -> Collective:
+        """The processes that save checkpoints and write files together (advanced use).
+
+        Every one of them calls ``Checkpoint.save`` / ``restore``; the one whose
+        ``worker_index`` is 0 writes (checkpoints, logs, summaries). The workers'
+        ``collective`` here; a strategy whose data-parallel worker spans several processes
+        (tensor parallelism) gives the collective over all of them.
+        """
+        return self._collective
+
+    @property
     def extended(self) -> "Strategy":
         """TensorFlow keeps advanced methods on ``strategy.extended``; here they are on the strategy."""
         return self

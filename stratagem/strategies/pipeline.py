@@ -15,29 +15,18 @@ same input slice, and the same loss back from ``forward_backward``).
 
 from __future__ import annotations
 
-import atexit
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
-from stratagem.cluster import resolve
-from stratagem.comm.cross_device_ops import default_cross_device_ops
 from stratagem.comm.options import CommunicationOptions
-from stratagem.comm.processes import WorkerGroup
-from stratagem.comm.replicas import ReplicaCollective
-from stratagem.comm.workers import WorkerCollective
-from stratagem.devices import Device, Topology
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.pipeline import PipelinePlacement, check_schedule
-from stratagem.placement.pipeline_schedule import PipelineSchedules
-from stratagem.strategies.base import Strategy
-from stratagem.strategies.multi_worker import _limit_threads
-from stratagem.strategies.tensor_parallel import AxisGroup, _leave_solo_group
+from stratagem.placement.pipeline_schedule import PipelineSchedules, forward_only
+from stratagem.strategies.mesh import MeshStrategy
 
 
-class PipelineStrategy(Strategy):
+class PipelineStrategy(MeshStrategy):
     """Pipeline parallelism over a ``{"data": d, "pipe": p}`` mesh of processes (experimental).
 
     The ``nn.Sequential`` created in :meth:`scope` is cut into stages: before each child
@@ -69,60 +58,26 @@ class PipelineStrategy(Strategy):
         print(strategy.reduce("sum", loss, axis=None))
     """
 
+    axis = "pipe"
+
     def __init__(self, mesh: dict[str, int] | None = None, *, split_points: Sequence[str] | None = None,
                  num_stages: int | None = None, num_microbatches: int = 4, schedule: str = "1f1b",
                  loss_fn: Callable | None = None, cluster_resolver: Any = None,
                  communication_options: CommunicationOptions | None = None):
         schedule = check_schedule(schedule)
         split_points = _check_options(split_points, num_stages, num_microbatches, loss_fn)
-        resolver = resolve() if cluster_resolver is None else cluster_resolver
-        options = CommunicationOptions() if communication_options is None else communication_options
-        if not isinstance(options, CommunicationOptions):
-            raise InvalidArgumentError(f"communication_options must be sg.CommunicationOptions, got {options!r}")
-        data_size, pipe_size = _mesh_shape(mesh, resolver.num_workers)
-        cuda = torch.cuda.is_available()
-        device = Device("cuda", (resolver.worker_rank or 0) % torch.cuda.device_count()) if cuda else Device("cpu", 0)
-        if cuda:
-            torch.cuda.set_device(device.torch_device)
-        full = WorkerGroup(resolver, options, uses_cuda=cuda)
-        atexit.register(full.close)
-        if full.solo and not dist.is_initialized():  # a lone process still needs a group for the stages
-            dist.init_process_group(full.backend, store=dist.HashStore(), rank=0, world_size=1)
-            atexit.register(_leave_solo_group)
-        self.mesh = init_device_mesh(device.kind, (data_size, pipe_size), mesh_dim_names=("data", "pipe"))
-
-        def axis(name: str) -> WorkerCollective:
-            group = self.mesh.get_group(name)
-            local = ReplicaCollective.create((device,), default_cross_device_ops((device,)))
-            return WorkerCollective(local, AxisGroup(full, group, dist.get_process_group_ranks(group)), options)
-
-        self._full = WorkerCollective(ReplicaCollective.create((device,), default_cross_device_ops((device,))),
-                                      full, options)
-        data, pipe = axis("data"), axis("pipe")
+        data_size, pipe_size = self._start_mesh(mesh, cluster_resolver, communication_options)
+        data, self._pipe = self._axis_collective("data"), self._axis_collective("pipe")
         self._loss_fn = loss_fn
         self._schedule = schedule
         self._num_microbatches = num_microbatches
-        self._device = device.torch_device
+        self._schedules: dict[int, PipelineSchedules] = {}
         config = {"split_points": split_points, "num_stages": num_stages, "pipe_size": pipe_size,
                   "schedule": schedule, "num_microbatches": num_microbatches}
-        topology = Topology((device,), num_workers=data_size, worker_index=self.mesh.get_local_rank("data"))
-        self._configure(topology, data, PipelinePlacement(self, config=config, pipe_rank=self.pipe_rank,
-                                                          pipe=pipe, data=data, everyone=self._full,
-                                                          device=device.torch_device))
-        self._pipe = pipe
-        self._schedules: dict[int, PipelineSchedules] = {}
-        self._resolver = resolver
-        _limit_threads(resolver, full.world_size, (device,))
+        self._configure(self._data_topology(), data, PipelinePlacement(
+            self, config=config, pipe_rank=self.pipe_rank, pipe=self._pipe, data=data, everyone=self._full,
+            device=self._mesh_device.torch_device))
         self._check_same_configuration({**config, "mesh": (data_size, pipe_size)})
-
-    @property
-    def cluster_resolver(self) -> Any:
-        return self._resolver
-
-    @property
-    def is_chief(self) -> bool:
-        """Whether this process saves checkpoints and writes summaries (global rank 0)."""
-        return self._full.worker_index == 0
 
     @property
     def pipe_rank(self) -> int:
@@ -171,21 +126,28 @@ class PipelineStrategy(Strategy):
         if runner is None:
             runner = self._schedules[id(model)] = PipelineSchedules(
                 split, schedule=self._schedule, num_microbatches=self._num_microbatches,
-                pipe_rank=self.pipe_rank, pipe=self._pipe, data=self._collective, device=self._device)
-        return runner.step(tuple(x.to(self._device) for x in inputs), target, loss_fn)
+                pipe_rank=self.pipe_rank, pipe=self._pipe, data=self._collective,
+                device=self._mesh_device.torch_device)
+        device = self._mesh_device.torch_device
+        if isinstance(target, torch.Tensor):
+            target = target.to(device)
+        return runner.step(tuple(x.to(device) for x in inputs), target, loss_fn)
 
-    def _check_same_configuration(self, mine: dict) -> None:
-        everyone = self._full.all_gather_object(mine, "start-up configuration check")
-        names = self._full.group.names
-        for rank, theirs in enumerate(everyone):
-            if theirs != everyone[0]:
-                raise InvalidArgumentError(
-                    f"the processes run different PipelineStrategy configurations: {everyone[0]} on "
-                    f"{names[0]} but {theirs} on {names[rank]}; start every process with the same arguments")
+    def predict(self, model: Any, inputs: Any) -> Any:
+        """The output of ``model`` for the batch ``inputs``, on every process of the pipeline.
+
+        For evaluation: the stages run one after the other over the whole batch, without
+        gradients and without micro-batches (so any batch size). Call it on every process
+        of the pipeline with the same batch, e.g. ``loss_fn(strategy.predict(model, x), y)``
+        between training steps (after ``model.eval()`` if the model has dropout).
+        """
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        device = self._mesh_device.torch_device
+        return forward_only(self._placement.split_of(model), tuple(x.to(device) for x in inputs),
+                            pipe_rank=self.pipe_rank, pipe=self._pipe, device=device)
 
     def __repr__(self) -> str:
-        shape = tuple(self.mesh.shape)
-        return (f"PipelineStrategy(mesh={{'data': {shape[0]}, 'pipe': {shape[1]}}}, schedule={self._schedule!r}, "
+        return (f"PipelineStrategy({self._mesh_repr()}, schedule={self._schedule!r}, "
                 f"num_microbatches={self._num_microbatches}, process {self._full.worker_index} of "
                 f"{self._full.num_workers})")
 
@@ -208,20 +170,3 @@ def _check_options(split_points: Any, num_stages: Any, num_microbatches: Any, lo
     if loss_fn is not None and not callable(loss_fn):
         raise InvalidArgumentError(f"loss_fn must be callable, got {loss_fn!r}")
     return split_points
-
-
-def _mesh_shape(mesh: dict[str, int] | None, world_size: int) -> tuple[int, int]:
-    if mesh is None:
-        return 1, world_size
-    if not isinstance(mesh, dict) or set(mesh) - {"data", "pipe"} or \
-            not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in mesh.values()):
-        raise InvalidArgumentError(
-            f"mesh must be a dict with positive integer sizes for 'data' and/or 'pipe', e.g. "
-            f"{{'data': 2, 'pipe': 2}}; got {mesh!r}")
-    data = mesh.get("data", world_size // mesh["pipe"] if mesh.get("pipe") else 1)
-    pipe = mesh.get("pipe", world_size // data)
-    if data * pipe != world_size:
-        raise InvalidArgumentError(
-            f"the mesh {{'data': {data}, 'pipe': {pipe}}} has {data * pipe} processes, but the cluster has "
-            f"{world_size}; give sizes whose product is {world_size}")
-    return data, pipe

@@ -149,7 +149,7 @@ class Checkpoint:
     @property
     def is_writer(self) -> bool:
         """Whether this process writes checkpoints: the chief (worker 0); every other worker only waits."""
-        return self.strategy.topology.worker_index == 0
+        return self.strategy.checkpoint_collective.worker_index == 0
 
     def _check_context(self, method: str) -> None:
         if _context.has_strategy() and _context.get_replica_context() is not None:
@@ -170,9 +170,10 @@ class Checkpoint:
         self.wait()
         strategy = self.strategy
         collective, topology = strategy.collective, strategy.topology
-        if not blocking and topology.num_workers > 1:
+        savers = strategy.checkpoint_collective   # every process that saves; its worker 0 writes
+        if not blocking and savers.num_workers > 1:
             raise InvalidArgumentError(
-                f"Checkpoint.save(blocking=False) needs one worker, and this strategy has {topology.num_workers}: "
+                f"Checkpoint.save(blocking=False) needs one worker, and this strategy has {savers.num_workers}: "
                 f"the workers must agree that a checkpoint is complete, which a thread cannot do beside the "
                 f"training steps' collectives; save with blocking=True")
         positions = {name: obj.state_dict() for name, obj in self._objects.items() if self._kinds[name] == "dataset"}
@@ -184,13 +185,13 @@ class Checkpoint:
         outcome: tuple[str, str] | None = None
         failure = None
         with strategy.placement.prepare_checkpoint(self._objects):   # every worker: state spread over them
-            if topology.worker_index == 0:
+            if savers.worker_index == 0:
                 try:
                     outcome = ("ok", str(self._write(Path(path), positions, strategy, blocking)))
                 except Exception as err:   # told to every worker, then raised everywhere
                     outcome, failure = ("error", f"{type(err).__name__}: {err}"), err
-        if topology.num_workers > 1:
-            outcome = collective.broadcast_object(outcome)
+        if savers.num_workers > 1:
+            outcome = savers.broadcast_object(outcome)
         if failure is not None:
             raise failure
         status, detail = outcome
@@ -265,8 +266,9 @@ class Checkpoint:
             loaded = self._read(open_checkpoint(path, strategy), topology)
         except CheckpointError as err:
             problem = str(err)
-        if topology.num_workers > 1:
-            problems = strategy.collective.all_gather_object(problem, "Checkpoint.restore (verification)")
+        savers = strategy.checkpoint_collective
+        if savers.num_workers > 1:
+            problems = savers.all_gather_object(problem, "Checkpoint.restore (verification)")
             failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
             if failed:
                 raise CheckpointError("; ".join(f"worker {rank}: {p}" for rank, p in failed))

@@ -85,15 +85,15 @@ def open_checkpoint(path: "str | os.PathLike", strategy: Any) -> "CheckpointRead
     one completes the same exchanges before anything is raised (CheckpointError, on the
     workers that cannot read what they must).
     """
-    topology, collective = strategy.topology, strategy.collective
-    if topology.num_workers == 1:
+    collective = strategy.checkpoint_collective   # every process that restores; its worker 0 is the chief
+    if collective.num_workers == 1:
         return CheckpointReader(path)
     mine = manifest_digest(path)
     views = collective.all_gather_object(mine, "Checkpoint.restore (the checkpoint each worker sees)")
     if views[0] is None or all(view == views[0] for view in views):
         return CheckpointReader(path)
     outcome: tuple[str, Any] | None = None
-    if topology.worker_index == 0:
+    if collective.worker_index == 0:
         try:
             copy = ChiefCopy.read(path)
             outcome = ("ok", copy.to_bytes())
@@ -104,11 +104,11 @@ def open_checkpoint(path: "str | os.PathLike", strategy: Any) -> "CheckpointRead
     if status != "ok":
         raise CheckpointError(f"the chief could not read checkpoint {path} to send it to the workers "
                               f"that do not see it: {detail}")
-    if topology.worker_index == 0:
+    if collective.worker_index == 0:
         return copy
     if mine != views[0]:
         seen = "nothing" if mine is None else "another checkpoint (a different manifest)"
-        warnings.warn(f"worker {topology.worker_index} sees {seen} at {path}, where the chief sees the "
+        warnings.warn(f"worker {collective.worker_index} sees {seen} at {path}, where the chief sees the "
                       f"checkpoint it wrote: the checkpoint directory is not shared, so this worker restores "
                       f"the chief's copy, sent over the process group", RuntimeWarning, stacklevel=3)
     return ChiefCopy.from_bytes(path, detail)

@@ -92,9 +92,9 @@ class CheckpointManager:
             checkpoint_number = numbered[-1][0] + 1 if numbered else 1
         if not isinstance(checkpoint_number, int) or checkpoint_number < 0:
             raise InvalidArgumentError(f"checkpoint_number must be a non-negative int, got {checkpoint_number!r}")
-        strategy = self.checkpoint.strategy
-        if strategy.topology.num_workers > 1:   # the chief's listing decides the name
-            checkpoint_number = strategy.collective.broadcast_object(checkpoint_number)
+        savers = self.checkpoint.strategy.checkpoint_collective
+        if savers.num_workers > 1:   # the chief's listing decides the name
+            checkpoint_number = savers.broadcast_object(checkpoint_number)
         if self.checkpoint.is_writer:
             self.finished_mark.unlink(missing_ok=True)
         path = self.checkpoint.save(self.directory / f"{self._name}-{checkpoint_number}")
@@ -135,9 +135,9 @@ class CheckpointManager:
         """
         failures = []
         paths = self.checkpoints
-        strategy = self.checkpoint.strategy
-        if strategy.topology.num_workers > 1:   # every worker tries the chief's list, in the same order
-            paths = strategy.collective.broadcast_object(paths)
+        savers = self.checkpoint.strategy.checkpoint_collective
+        if savers.num_workers > 1:   # every worker tries the chief's list, in the same order
+            paths = savers.broadcast_object(paths)
         for path in reversed(paths):
             try:
                 return self.checkpoint.restore(path)
@@ -156,9 +156,9 @@ class CheckpointManager:
         The workers meet first: a worker still training when the chief deleted the
         checkpoints would, if it then failed, restart the whole job from the beginning.
         """
-        strategy = self.checkpoint.strategy
-        if strategy.topology.num_workers > 1:
-            strategy.collective.broadcast_object(None)
+        savers = self.checkpoint.strategy.checkpoint_collective
+        if savers.num_workers > 1:
+            savers.broadcast_object(None)
         if self.checkpoint.is_writer:
             for _, path in self._numbered():
                 _remove(path)

@@ -20,7 +20,7 @@ def _shape(t: torch.Tensor) -> str:
 def module_problem(module: torch.nn.Module, state: Any) -> str | None:
     if not isinstance(state, dict):
         return f"holds a {type(state).__name__}, not a module's state_dict"
-    own = module.state_dict()
+    own = module.state_dict(keep_vars=True)   # the tensors themselves: shapes, never a gather or a copy
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
     if missing or unexpected:

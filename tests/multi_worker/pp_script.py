@@ -17,6 +17,11 @@ from torch import nn
 
 import stratagem as sg
 
+try:   # run as a script (the processes), or imported by the test
+    from tp_script import error_of, listed
+except ImportError:
+    from .tp_script import error_of, listed
+
 #: batch sizes of the steps: divisible by 4, not divisible, then a smaller last batch
 BATCHES = (8, 10, 8, 5)
 NUM_MICROBATCHES = 4
@@ -43,18 +48,6 @@ def loss_fn(output, target):
     return ((output - target) ** 2).mean()
 
 
-def listed(state):
-    return {k: v.tolist() for k, v in state.items()}
-
-
-def error_of(fn):
-    try:
-        fn()
-    except sg.errors.StratagemError as error:
-        return f"{type(error).__name__}: {error}"
-    return None
-
-
 def train(case: str, mesh: dict) -> dict:
     schedule, kind = case.split(":")
     options = {}
@@ -66,7 +59,6 @@ def train(case: str, mesh: dict) -> dict:
         model = make_model()
         optimizer = make_optimizer(kind, model.parameters())
     out = {"initial": listed(model.state_dict()), "stages": strategy.stages_of(model),
-           "optimizer_params": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
            "held_params": sum(p.numel() for p in model.parameters() if not p.is_meta),
            "num_replicas": strategy.num_replicas_in_sync, "history": []}
 
@@ -79,10 +71,32 @@ def train(case: str, mesh: dict) -> dict:
     for x, y in strategy.experimental_distribute_dataset(make_data()):
         loss = strategy.reduce("sum", strategy.run(step, args=(x, y)), axis=None)
         out["history"].append({"loss": loss.item(), "params": listed(model.state_dict())})
+    out["predict"] = strategy.predict(model, make_data((7,))[0][0]).tolist()   # every process: the output
+    # the optimizer's state (its memory) exists for this process's parameters only
+    out["optimizer_params"] = sum(p.numel() for p in optimizer.state if not p.is_meta)
+    out["optimizer_meta_state"] = sum(1 for p in optimizer.state if p.is_meta)
     model.load_state_dict(model.state_dict())   # whole model in; each process keeps its stages
+    optimizer.load_state_dict(optimizer.state_dict())
     out["after_round_trip"] = listed(model.state_dict())
-    out["checkpoint"] = error_of(lambda: sg.Checkpoint(model=model, optimizer=optimizer).save(os.path.join(args.out, "ckpt")))
+    out["optimizer_state"] = optimizer_state(optimizer)
+    out["direct_call"] = error_of(lambda: model(torch.randn(2, 6)))
+    # one logical checkpoint, restored into another layout (other stages on other processes)
+    directory = os.path.join(args.out, f"ckpt-{case.replace(':', '-')}")
+    path = sg.Checkpoint(model=model, optimizer=optimizer).save(directory)
+    other = sg.experimental.PipelineStrategy(mesh, num_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn,
+                                             schedule="gpipe" if schedule == "zero_bubble" else "zero_bubble")
+    with other.scope():
+        restored = make_model()
+        restored_optimizer = make_optimizer(kind, restored.parameters())
+    sg.Checkpoint(model=restored, optimizer=restored_optimizer).restore(path)
+    out["restored"] = listed(restored.state_dict())
+    out["restored_optimizer"] = optimizer_state(restored_optimizer)
+    out["restored_stages"] = other.stages_of(restored)
     return out
+
+
+def optimizer_state(optimizer):
+    return {str(k): {n: v.tolist() for n, v in s.items()} for k, s in optimizer.state_dict()["state"].items()}
 
 
 def errors(mesh: dict, world: int) -> dict:
@@ -90,7 +104,14 @@ def errors(mesh: dict, world: int) -> dict:
         strategy = sg.experimental.PipelineStrategy(mesh, **{"num_microbatches": 4, **options})
         with strategy.scope():
             model_fn()
+    def uneven():
+        strategy = sg.experimental.PipelineStrategy(mesh, num_microbatches=4, loss_fn=loss_fn)
+        with strategy.scope():
+            model = make_model()
+        rows = 6 + sg.cluster.resolve().worker_rank % mesh["pipe"]   # differ inside each pipeline
+        strategy.forward_backward(model, torch.randn(rows, 6), torch.randn(rows, 3))
     return {
+        "different_batches": error_of(uneven),
         "missing": error_of(lambda: make(split_points=["fc9"])),
         "too_many_stages": error_of(lambda: make(num_stages=9)),
         "not_sequential": error_of(lambda: make(lambda: nn.Transformer(8, 2, 1, 1, 16))),

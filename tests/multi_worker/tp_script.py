@@ -106,8 +106,6 @@ def main() -> None:
         "mesh": error_of(lambda: sg.experimental.TensorParallelStrategy(mesh={"data": d + 1, "model": t},
                                                                         plan=PLAN)),
         "indivisible": error_of(lambda: make(PLAN, width=8, hidden=15)) if t > 1 else "skipped",
-        "checkpoint": error_of(lambda: sg.Checkpoint(model=model, optimizer=optimizer).save(
-            os.path.join(args.out, "ckpt"))),
     }
     rank = sg.cluster.resolve().worker_rank
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:

@@ -1,0 +1,62 @@
+"""RootsPlacement: the base of placements that take whole models created in scope.
+
+The model-parallel placements (tensor parallel, pipeline) cut each model created in
+scope as a whole, so they wait for it to be complete: modules that register tensors
+wait in a pending list, and :meth:`RootsPlacement.new_roots` (called by ``finalize``)
+returns the root modules among them -- those that no other pending or placed module
+holds, with parameters -- moved to this process's device, after every process checked
+that all built the same modules and took the chief's initial values (so that every
+process, and every data-parallel group, starts alike).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.comm.collective import Collective
+from stratagem.placement.base import Placement
+
+
+class RootsPlacement(Placement):
+    """Collects modules created in scope; ``new_roots`` hands out the complete models."""
+
+    #: set by the subclass: where modules go, and every process (the start-up agreement)
+    device: torch.device
+    everyone: Collective
+
+    def _start_roots(self) -> None:
+        self._pending: list[nn.Module] = []
+        self._placed: list[nn.Module] = []
+
+    def on_module_registered(self, module: nn.Module) -> None:
+        if not any(m is module for m in self._pending):
+            self._pending.append(module)
+
+    def on_submodule_registered(self, module: nn.Module) -> None:
+        self.on_module_registered(module)
+
+    def new_roots(self) -> list[nn.Module]:
+        """The models completed since the last call, on this device, the same on every process."""
+        if not self._pending:
+            return []
+        pending, self._pending = self._pending, []
+        # modules inside another one, or placed already (placing may re-register parameters)
+        inside = {id(child) for m in pending for child in m.modules() if child is not m}
+        inside.update(id(m) for root in self._placed for m in root.modules())
+        roots = [m for m in pending if id(m) not in inside and any(True for _ in m.parameters())]
+        if not roots:
+            return []
+        for root in roots:
+            root.to(self.device)
+        # every process built the same modules (else all raise), and starts from the chief's values
+        self.everyone.agree_on_modules([m for root in roots for m in root.modules()])
+        self._placed.extend(roots)
+        return roots
+
+    def _forget_pending(self, modules: Any) -> None:
+        """Modules that placing created in scope are not new models."""
+        ids = {id(m) for m in modules}
+        self._pending = [m for m in self._pending if id(m) not in ids]
