@@ -512,12 +512,12 @@ def main(argv: list[str]) -> int:
           f"commit {h.git_commit()}\n")
     if rounds.results.get("bubble"):
         print("\n".join(bubble_report(args, rounds.results["bubble"])))
+    step_configs = [c for c in args.configs if c != "bubble" and not c.startswith("ab:")]
+    if step_configs:
+        print("\n".join(step_report(args, rounds, step_configs)) + "\n")
     ab_configs = [c for c in args.configs if c.startswith("ab:")]
     if ab_configs:
         print("\n".join(ab_report(args, rounds, ab_configs)))
-    step_configs = [c for c in args.configs if c != "bubble" and not c.startswith("ab:")]
-    if step_configs:
-        print("\n".join(step_report(args, rounds, step_configs)))
     warning = h.load_warning()
     if warning:
         print(warning)
