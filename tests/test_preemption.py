@@ -34,6 +34,7 @@ class _CountingCollective:
 class _Strategy:
     def __init__(self) -> None:
         self.collective = _CountingCollective()
+        self.checkpoint_collective = self.collective   # the processes that stop together
 
 
 def test_sigterm_is_recorded_and_the_loop_stops_at_the_next_question() -> None:

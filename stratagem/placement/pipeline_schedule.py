@@ -44,10 +44,11 @@ class _Loss:
         self.loss_fn: Callable | None = None
         self.target: Any = None
         self.total = 1
+        self.padded = False       # whether some rows of this step are padding
 
     def __call__(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         real = rows >= 0
-        count = int(real.sum())
+        count = int(real.sum()) if self.padded else rows.numel()   # (no device sync without padding)
         if count == 0:   # a micro-batch of padding only (a batch smaller than num_microbatches)
             return sum(o.sum() for o in output) * 0.0 if isinstance(output, tuple) else output.sum() * 0.0
         if count < rows.numel():
@@ -107,6 +108,7 @@ class PipelineSchedules:
         index = order if order is not None else torch.arange(rows)
         schedule = self._schedule_for(inputs)
         self._loss.loss_fn, self._loss.target, self._loss.total = loss_fn, target, total
+        self._loss.padded = order is not None
         losses: list[torch.Tensor] = []
         try:
             with self.pipe.group.guard("forward_backward (the pipeline schedule)"):

@@ -10,8 +10,11 @@ Stages (``MultiWorkerMirroredStrategy(sharding=...)``):
 
 - ``"optimizer"`` (ZeRO-1): gradients are all-reduced as without sharding (in packs
   launched during backward), each worker updates its range from the summed gradient;
-- ``"gradients"`` (ZeRO-2): the gradients are reduce-scattered after backward, so each
-  worker only ever receives the summed gradient of its own range.
+- ``"gradients"`` (ZeRO-2): the gradients are reduce-scattered in packs launched during
+  backward (:mod:`stratagem.comm.scattered_gradients`), so each worker only ever receives the
+  summed gradient of its own range, and the local gradients are freed pack by pack.
+
+Stage 3 (``"parameters"``) is :mod:`stratagem.placement.fully_sharded`.
 
 ``optimizer.state_dict()`` reads as one logical optimizer: it gathers every worker's
 ranges, so every worker must call it (as every worker calls ``Checkpoint.save``, which
@@ -22,12 +25,14 @@ gathers the state on every worker once and lets the chief write it).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator
 
 import torch
 
 from stratagem._profiling import label
 from stratagem.comm import worker_ops
+from stratagem.comm.scattered_gradients import ScatteredGradients
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.hooks import placement_of, run_hooks, step_hooks
 from stratagem.placement.mirrored import MirroredPlacement
@@ -35,24 +40,20 @@ from stratagem.placement.mirrored_optimizers import refuse_closure
 from stratagem.placement.sharded_update import ELEMENTWISE, ShardedUpdate
 
 #: ``sharding=`` values, and the ones that exist only as names so far
-STAGES = ("optimizer", "gradients")
-PLANNED = ("parameters",)
+STAGES = ("optimizer", "gradients", "parameters")
 
 
 def check_sharding(sharding: Any, num_local_replicas: int) -> None:
     """Refuse a ``sharding`` value this strategy cannot run, before anything starts."""
     if sharding is None:
         return
-    if sharding in PLANNED:
-        raise InvalidArgumentError(
-            f"sharding={sharding!r} (ZeRO stage 3, parameters sharded between steps) is not available "
-            f"yet; use sharding='optimizer' or 'gradients', which keep the whole model on every worker")
     if sharding not in STAGES:
         raise InvalidArgumentError(
-            f"sharding must be None, 'optimizer' or 'gradients', got {sharding!r}")
+            f"sharding must be None, 'optimizer', 'gradients' or 'parameters', got {sharding!r}")
     if num_local_replicas != 1:
         raise InvalidArgumentError(
-            f"sharding={sharding!r} needs one replica per worker (the update is split between workers), "
+            f"sharding={sharding!r} needs one replica per worker (the model's state is split between "
+            f"workers), "
             f"got {num_local_replicas} local devices; run one process per device (e.g. "
             f"`stratagem launch --workers N` or torchrun) and pass devices=[one device] or none")
 
@@ -66,6 +67,8 @@ class ZeroPlacement(MirroredPlacement):
         super().__init__(strategy, topology, collective)
         check_sharding(stage, self.num_replicas)
         self.stage = stage
+        # id(parameter) -> the packs whose hooks take its gradients (sharding="gradients")
+        self._scattered_by_param: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     @property
     def _rank(self) -> int:
@@ -89,9 +92,28 @@ class ZeroPlacement(MirroredPlacement):
                     f"got {sorted(str(k) for k in kinds)}; use one dtype for the model or sharding=None")
             with self._build_lock:
                 sharded = ShardedUpdate(optimizer, lambda p: (p,), self.collective.num_workers)
+                layout = _Layout(params, sharded, self._rank)
+                if self.stage == "gradients" and self.collective.num_workers > 1:
+                    for p in params:   # one set of hooks per parameter: the newest optimizer's
+                        older = self._scattered_by_param.get(id(p))
+                        if older is not None:
+                            older.close()
+                    layout.scattered = ScatteredGradients(
+                        params, layout.offsets, layout.bounds, self._rank, self.collective.group,
+                        bytes_per_pack=self.collective.options.bytes_per_pack)
+                    for p in params:
+                        self._scattered_by_param[id(p)] = layout.scattered
                 optimizer._sg_sharded = sharded
-                optimizer._sg_zero = _Layout(params, sharded, self._rank)
+                optimizer._sg_zero = layout
         return sharded
+
+    def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        super()._prepare_optimizer(optimizer)
+        if self.stage == "gradients":   # the packs' hooks must exist before the first backward
+            try:
+                self.sharded(optimizer)
+            except InvalidArgumentError:
+                pass   # raised again, to the user, at the optimizer's first use
 
     # ---------------------------------------------------------------- step
 
@@ -126,17 +148,9 @@ class ZeroPlacement(MirroredPlacement):
         return None
 
     def _reduce_scattered(self, layout: "_Layout") -> Any:
-        """Sum the gradients over workers, each worker receiving its own range only."""
-        group = self.collective.group
-        params = layout.params
-        present = torch.tensor([0 if p.grad is None else 1 for p in params], dtype=torch.int32)
-        group.all_reduce(present, "optimizer.step (which gradients exist)")
-        flat = params[0].new_zeros(layout.total)
-        for p, offset in zip(params, layout.offsets):
-            if p.grad is not None:
-                flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-        shard = worker_ops.reduce_scatter(group, flat, layout.sizes, 0, self._rank, 1)[0]
-        exists = present.tolist()
+        """Sum the gradients over workers, each worker receiving its own range only (the packs
+        of :mod:`stratagem.comm.scattered_gradients`, launched during backward)."""
+        shard, exists = layout.scattered.finish()
         base = layout.bounds[self._rank]
 
         def piece(index: int, start: int, stop: int) -> torch.Tensor | None:
@@ -145,6 +159,12 @@ class ZeroPlacement(MirroredPlacement):
             lo = layout.offsets[index] + start - base
             return shard[lo:lo + stop - start]
         return piece
+
+    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        super().optimizer_zero_grad(optimizer, set_to_none)
+        layout = optimizer.__dict__.get("_sg_zero")
+        if layout is not None and layout.scattered is not None:
+            layout.scattered.discard()   # gradients reduced during a backward that no step followed
 
     def _gather_parameters(self, layout: "_Layout") -> None:
         group = self.collective.group
@@ -225,6 +245,7 @@ class _Layout:
         self.sizes = [self.bounds[r + 1] - self.bounds[r] for r in range(workers)]
         self._views = [view for _, _, view, _, _ in sharded.pieces[rank]]
         self._empty = params[0].new_empty(0) if params else torch.empty(0)
+        self.scattered: ScatteredGradients | None = None   # sharding="gradients", several workers
 
     def own_range(self) -> torch.Tensor:
         """This worker's range of the parameters, one flat tensor."""

@@ -27,6 +27,7 @@ from stratagem.comm.replicas import ReplicaCollective
 from stratagem.comm.workers import WorkerCollective
 from stratagem.devices import Device, Topology, parse_devices
 from stratagem.errors import InvalidArgumentError
+from stratagem.placement.fully_sharded import FullyShardedPlacement
 from stratagem.placement.mirrored import MirroredPlacement
 from stratagem.placement.zero import ZeroPlacement, check_sharding
 from stratagem.strategies.base import Strategy
@@ -40,7 +41,10 @@ class MultiWorkerMirroredStrategy(Strategy):
     GPU of this process under torchrun, every visible GPU otherwise, else one CPU).
     ``sharding="optimizer"`` keeps each worker's optimizer state for its share of the
     parameters only (ZeRO-1); ``sharding="gradients"`` also reduce-scatters the gradients
-    (ZeRO-2); both need one replica per worker (see docs/sharding.md).
+    (ZeRO-2); ``sharding="parameters"`` also shards the parameters between steps, each
+    module created in scope becoming FSDP2 ``fully_shard`` units (ZeRO-3: every forward
+    is then a collective, run it on every worker). All three need one replica per worker
+    (see docs/sharding.md).
 
     Run the same script on every worker, e.g.::
 
@@ -76,15 +80,20 @@ class MultiWorkerMirroredStrategy(Strategy):
         topology = Topology(local_devices, num_workers=group.world_size, worker_index=group.rank)
         local = ReplicaCollective.create(local_devices, default_cross_device_ops(local_devices))
         collective = WorkerCollective(local, group, options)
-        placement = (MirroredPlacement(self, topology, collective) if sharding is None
-                     else ZeroPlacement(self, topology, collective, stage=sharding))
+        if sharding is None:
+            placement = MirroredPlacement(self, topology, collective)
+        elif sharding == "parameters":
+            placement = FullyShardedPlacement(self, collective, local_devices[0].torch_device)
+        else:
+            placement = ZeroPlacement(self, topology, collective, stage=sharding)
         self._configure(topology, collective, placement)
         _limit_threads(resolver, group.world_size, local_devices)
         self._check_same_configuration(group.names)
 
     @property
     def sharding(self) -> str | None:
-        """What is sharded over the workers: None, ``"optimizer"`` or ``"gradients"`` (docs/sharding.md)."""
+        """What is sharded over the workers: None, ``"optimizer"``, ``"gradients"`` or ``"parameters"``
+        (docs/sharding.md)."""
         return self._sharding
 
     @property

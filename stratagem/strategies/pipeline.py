@@ -35,8 +35,10 @@ class PipelineStrategy(MeshStrategy):
     process keeps only its stages' parameters, and an optimizer created in scope only
     updates them. A training step calls :meth:`forward_backward`, which runs ``schedule``
     (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zero_bubble"``, ...) over
-    ``num_microbatches`` micro-batches; ``d * p`` must equal the number of processes
-    (``mesh=None``: every process on the pipe axis).
+    ``num_microbatches`` micro-batches (any batch size: the micro-batches are weighted by
+    their rows); :meth:`predict` evaluates. ``model.state_dict()``, the optimizer's state dict
+    and ``sg.Checkpoint`` hold the whole logical model. ``d * p`` must equal the number of
+    processes (``mesh=None``: every process on the pipe axis). See docs/pipeline.md.
 
     Run the same script on every process, e.g. ``stratagem launch --workers 2 train.py``.
 

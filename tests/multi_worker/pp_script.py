@@ -117,7 +117,7 @@ def errors(mesh: dict, world: int) -> dict:
         "not_sequential": error_of(lambda: make(lambda: nn.Transformer(8, 2, 1, 1, 16))),
         "mesh": error_of(lambda: sg.experimental.PipelineStrategy({"data": 3, "pipe": world})),
         "schedule": error_of(lambda: sg.experimental.PipelineStrategy(mesh, schedule="pipedream")),
-        "interleaved_stages": error_of(lambda: make(schedule="interleaved", num_stages=mesh["pipe"] * 2 + 1)),
+        "interleaved_stages": error_of(lambda: make(schedule="interleaved", num_stages=mesh["pipe"] + 1)),
         "zero_bubble_stages": error_of(lambda: make(schedule="zero_bubble", num_stages=mesh["pipe"])),
         "different": error_of(lambda: sg.experimental.PipelineStrategy(
             mesh, num_microbatches=4 + sg.cluster.resolve().worker_rank)),

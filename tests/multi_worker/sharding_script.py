@@ -72,8 +72,9 @@ def main(argv=None):
     parser.add_argument("out")
     parser.add_argument("--sharding", required=True)
     args = parser.parse_args(argv)
-    strategy = sg.MultiWorkerMirroredStrategy(sharding=args.sharding,
-                                              communication_options=sg.CommunicationOptions(timeout_seconds=60))
+    # small packs (200 bytes): several per step, within one worker's range and across two
+    options = sg.CommunicationOptions(timeout_seconds=60, bytes_per_pack=200)
+    strategy = sg.MultiWorkerMirroredStrategy(sharding=args.sharding, communication_options=options)
     rank = strategy.cluster_resolver.worker_rank
 
     def build(seed):
@@ -138,11 +139,44 @@ def main(argv=None):
     for m, want in zip(models, expected[STEPS + 1]):
         for p, w in zip(m.parameters(), want):
             worst = max(worst, (p.detach() - w).abs().max().item())
+    accumulated_error = accumulated(strategy, build, data, expected[0])
+    older_refused = None
+    if args.sharding == "gradients":   # a newer optimizer over the same parameters takes their gradients
+        with strategy.scope():
+            torch.optim.SGD(models[0].parameters(), lr=0.1)
+        try:
+            optimizers[0].step()
+            older_refused = False
+        except sg.errors.InvalidArgumentError as error:
+            older_refused = "another optimizer was created in scope over these parameters" in str(error)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"worst": worst, "state_error": state_error, "state_bytes": mine, "full_bytes": full,
-                   "resumed_equal": resumed_equal, "plain_error": plain_error, "num_replicas": strategy.num_replicas_in_sync}, f)
+                   "resumed_equal": resumed_equal, "plain_error": plain_error,
+                   "accumulated_error": accumulated_error, "older_refused": older_refused, "num_replicas": strategy.num_replicas_in_sync}, f)
     print(f"rank {rank} done", flush=True)
     dist.barrier()   # leave together (as collectives_script.py): a worker exiting alone once aborted at exit
+
+
+def accumulated(strategy, build, data, want) -> float:
+    """A backward that no step follows (zero_grad drops it), then the first step's batch in two
+    backward passes (the second one's gradients arrive after packs have left): as plain PyTorch's
+    first step on the whole batch."""
+    models, optimizers = build(30)
+    for m, r in zip(models, (make_model(0), make_model(0))):
+        m.load_state_dict(r.state_dict())
+
+    def step(batch, other):
+        for model, optimizer in zip(models, optimizers):
+            F.cross_entropy(model(other[0]), other[1]).backward()
+            optimizer.zero_grad()
+            x, y = batch
+            for part in (slice(0, 2), slice(2, None)):
+                per_example = F.cross_entropy(model(x[part]), y[part], reduction="none")
+                sg.nn.compute_average_loss(per_example, global_batch_size=10).backward()
+            optimizer.step()
+    strategy.run(step, args=(data[0], data[1]))
+    return max((p.detach() - w).abs().max().item() for m, ws in zip(models, want)
+               for p, w in zip(m.parameters(), ws))
 
 
 if __name__ == "__main__":

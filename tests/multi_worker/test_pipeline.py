@@ -130,7 +130,7 @@ def test_every_schedule_on_two_stages_processes(tmp_path: Path) -> None:
 
 
 def test_pipeline_by_data_on_a_two_by_two_mesh(tmp_path: Path) -> None:
-    run_and_compare(tmp_path, 2, 2, ["1f1b:adam", "zero_bubble:sgd"])
+    run_and_compare(tmp_path, 2, 2, ["interleaved:adam"])
 
 
 def test_example_runs_as_its_docstring_says() -> None:
@@ -141,3 +141,7 @@ def test_example_runs_as_its_docstring_says() -> None:
     assert "[worker 0] step 10" in proc.stdout and "[worker 1] step 10" in proc.stdout, proc.stdout
     assert "stages [0, 2] of pipe rank 0" in proc.stdout and "stages [1, 3] of pipe rank 1" in proc.stdout
     assert "[worker 0] held-out loss" in proc.stdout and "[worker 1] held-out loss" in proc.stdout
+
+
+def test_four_stages_processes_with_middle_stages(tmp_path: Path) -> None:
+    run_and_compare(tmp_path, 1, 4, ["1f1b:sgd", "zero_bubble:adam"])

@@ -1,11 +1,11 @@
 """sg.Checkpoint under TensorParallelStrategy: one logical copy, restored across layouts; fit, metrics, reduce.
 
 Every run starts from or restores a checkpoint and trains to the end of the same data; the oracle is
-plain single-process PyTorch over all the steps (float64). Four launches (1 x 2, 2 x 1, 2 processes of
+plain single-process PyTorch over all the steps (float64). Four launches (1 x 2, 1 x 4, 2 processes of
 MultiWorkerMirroredStrategy, 2 x 2), each checking several things:
 
 - 1 x 2 starts from a plain checkpoint of step 0, saves after step 2 (global rank 0 writes);
-- 2 x 1 and MultiWorkerMirroredStrategy restore that checkpoint and finish; so does the default
+- 1 x 4 and MultiWorkerMirroredStrategy restore that checkpoint and finish; so does the default
   strategy in this process;
 - 2 x 2 starts from a plain checkpoint of step 2 (optimizer state included), saves after step 3, which
   this process restores and finishes; it also runs sg.Model.fit with a BackupAndRestore resumed after
@@ -88,12 +88,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     out = root / "out"
     out.mkdir()
     one_by_two = launch(out, 2, "tp12", "--layout", "tp:1,2", "--start", str(root / "start0" / "{kind}"),
-                        "--save", str(root / "tp12" / "{kind}"), "--save-at", "2", "--wrong", str(root / "wrong"))
-    two_by_one = launch(out, 2, "tp21", "--layout", "tp:2,1", "--restore", str(root / "tp12" / "{kind}"))
+                        "--save", str(root / "tp12" / "{kind}"), "--save-at", "2", "--wrong", str(root / "wrong"),
+                        "--timeout", "30", "--absent")
+    one_by_four = launch(out, 4, "tp14", "--layout", "tp:1,4", "--restore", str(root / "tp12" / "{kind}"))
     mirrored = launch(out, 2, "mwms", "--layout", "mwms", "--restore", str(root / "tp12" / "{kind}"))
     two_by_two = launch(out, 4, "tp22", "--layout", "tp:2,2", "--start", str(root / "start2" / "{kind}"),
                         "--save", str(root / "tp22" / "{kind}"), "--save-at", "3", "--fit", str(root))
-    return {"root": root, "reference": reference, "tp12": one_by_two, "tp21": two_by_one, "mwms": mirrored,
+    return {"root": root, "reference": reference, "tp12": one_by_two, "tp14": one_by_four, "mwms": mirrored,
             "tp22": two_by_two}
 
 
@@ -139,7 +140,7 @@ def test_tensor_parallel_saves_one_logical_copy_written_by_global_rank_zero(runs
 
 def test_restored_under_other_layouts_training_goes_on_as_if_never_stopped(runs) -> None:
     reference = runs["reference"]
-    for tag in ("tp21", "mwms"):
+    for tag in ("tp14", "mwms"):
         for rank, out in enumerate(runs[tag]):
             for kind in KINDS:
                 assert out[f"{kind}_restored"] == runs["tp12"][0][f"{kind}_saved"]
@@ -187,7 +188,7 @@ def test_fit_metrics_and_reduce_under_tensor_parallelism(runs) -> None:
         assert out["reduced"] == 3.0 and out["metric"] == 1.5
 
 
-@pytest.mark.parametrize("tag, model", [("tp12", 2), ("tp22", 2), ("tp21", 1)])
+@pytest.mark.parametrize("tag, model", [("tp12", 2), ("tp22", 2), ("tp14", 4)])
 def test_a_shuffled_loader_gives_a_model_group_the_same_rows(runs, tag: str, model: int) -> None:
     outs = runs[tag]
     groups = [outs[first:first + model] for first in range(0, len(outs), model)]
@@ -197,3 +198,8 @@ def test_a_shuffled_loader_gives_a_model_group_the_same_rows(runs, tag: str, mod
         rows = sorted(row for group in groups for row in group[0]["shuffled"][step])
         assert len(rows) == 4 and len(set(rows)) == 4
     assert sorted(row for group in groups for step in group[0]["shuffled"] for row in step) == list(range(16))
+
+
+def test_a_process_that_does_not_save_gets_an_error_not_a_hang(runs) -> None:
+    error = json.loads((runs["root"] / "out" / "tp12-absent.json").read_text())
+    assert error is not None and "Checkpoint.save" in error and "stopped answering" in error, error

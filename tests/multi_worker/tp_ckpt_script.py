@@ -11,6 +11,8 @@ the data, saving with a CheckpointManager after step ``--save-at`` when ``--save
 ``--wrong``: restoring this checkpoint (of another model) must fail on every process.
 ``--fit``: also trains with sg.Model.fit under the strategy, once with a BackupAndRestore
 interrupted after one epoch and resumed, and reports the weights, logs and a reduced value.
+``--absent`` (with a short ``--timeout``): at the end, process 1 does not call save, and process 0's
+save must raise UnavailableError (written to OUT/NAME-absent.json).
 Writes OUT/NAME-rank{R}.json.
 """
 
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -38,11 +41,35 @@ def samples() -> TensorDataset:
                          torch.randn(STEPS * BATCH, 8, generator=g, dtype=torch.float64))
 
 
-def make_strategy(layout: str):
+def make_strategy(layout: str, timeout: float | None = None):
     if layout == "mwms":
         return sg.MultiWorkerMirroredStrategy()
     d, t = (int(v) for v in layout.split(":")[1].split(","))
-    return sg.experimental.TensorParallelStrategy(mesh={"data": d, "model": t}, plan=PLAN)
+    options = sg.CommunicationOptions(timeout_seconds=timeout)
+    return sg.experimental.TensorParallelStrategy(mesh={"data": d, "model": t}, plan=PLAN,
+                                                  communication_options=options)
+
+
+def absent(strategy, out: Path, tag: str) -> None:
+    """Process 1 does not call save: process 0's save raises within the timeout; both then leave."""
+    with strategy.scope():
+        model = MegatronMLP()
+        optimizer = make_optimizer("sgd", model.parameters())
+    done = out / f"{tag}-absent-done"
+    if strategy.checkpoint_collective.worker_index == 0:
+        try:
+            sg.Checkpoint(model=model, optimizer=optimizer).save(out / "absent")
+            error = None
+        except sg.errors.UnavailableError as failure:
+            error = str(failure)
+        (out / f"{tag}-absent.json").write_text(json.dumps(error))
+        done.touch()
+    else:
+        deadline = time.monotonic() + 200
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    print("done", flush=True)
+    os._exit(0)   # the process group is broken: leave without its teardown
 
 
 def listed(state: dict) -> dict:
@@ -130,11 +157,13 @@ def main() -> None:
     for option in ("--start", "--save", "--restore", "--wrong", "--fit"):
         parser.add_argument(option)
     parser.add_argument("--save-at", type=int, default=2)
+    parser.add_argument("--timeout", type=float)
+    parser.add_argument("--absent", action="store_true")
     args = parser.parse_args()
     torch.set_default_dtype(torch.float64)
     rank = sg.cluster.resolve().worker_rank
     torch.manual_seed(100 + rank)   # every process starts elsewhere: restores and the chief's values win
-    strategy = make_strategy(args.layout)
+    strategy = make_strategy(args.layout, args.timeout)
     result = {"rank": rank}
     # a shuffled loader: the processes of a model group get the same rows (the seed is agreed)
     shuffled = DataLoader(TensorDataset(torch.arange(16)), batch_size=4, shuffle=True)
@@ -145,6 +174,8 @@ def main() -> None:
     if args.fit:
         fit(strategy, args.fit, result)
     Path(args.out, f"{args.tag}-rank{rank}.json").write_text(json.dumps(result))
+    if args.absent:
+        absent(strategy, Path(args.out), args.tag)
     print("done", flush=True)
 
 

@@ -1,0 +1,207 @@
+"""FullyShardedPlacement: parameters, gradients and optimizer state sharded over the workers (ZeRO-3).
+
+``MultiWorkerMirroredStrategy(sharding="parameters")``. Modules created in scope wait
+until ``finalize()``; then every root module with parameters (one that no other module
+created in scope holds: :class:`~stratagem.placement.roots.RootsPlacement`) moves to this
+worker's device, gets the chief's initial values (every worker checks that it built the same
+tensors), and is handed to torch's FSDP2 ``fully_shard``:
+
+- units: each child of the root that holds parameters gets its own ``fully_shard`` unit,
+  containers (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``) being looked
+  through, so that a model's blocks (``model.layers[i]``) are units; then the root itself
+  (unless it is a ``ModuleList``/``ModuleDict``, which has no forward), which takes the
+  parameters left over. A unit's parameters are all-gathered just before its forward (and
+  again before its backward) and freed after; its gradients are reduce-scattered as soon
+  as its backward is done, each worker keeping its shard (dimension 0 split as ``torch.chunk``).
+- gradients are *summed* over the workers (the divide factor is 1), as every other
+  data-parallel path of stratagem sums them: the loss is divided by the global batch size
+  (``sg.nn.compute_average_loss``).
+
+Optimizers created in scope are torch's own over the DTensor parameters: each worker's
+update touches only its shards, and its state holds only its shards. ``step`` adds nothing
+else: the gradients were summed during backward.
+
+State: a placed module's ``state_dict()`` holds full tensors (``DTensor.full_tensor``, an
+all-gather: every worker calls it), ``load_state_dict`` takes full tensors and keeps each
+worker's shard; the optimizer's state dict does the same with its state, in plain PyTorch's
+layout, so a checkpoint written under one layout restores under any other.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import weakref
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from stratagem.errors import InvalidArgumentError
+from stratagem.placement.roots import RootsPlacement
+from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
+# full tensors out of DTensors in state dicts, and back into each process's shards: the same
+# as for tensor parallelism (any DTensor layout)
+from stratagem.placement.tensor_parallel import TensorParallelPlacement, _full_state, _sharded_state
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+class FullyShardedPlacement(RootsPlacement):
+    """Each worker holds 1/N of every parameter, gradient and optimizer state (FSDP2 units)."""
+
+    kind = "FullySharded"
+
+    def __init__(self, strategy: Any, collective: Any, device: torch.device):
+        self._strategy_ref = weakref.ref(strategy)
+        self.collective = collective
+        self.everyone = collective   # the start-up agreement on the modules built
+        self.device = device
+        group = collective.group
+        if group.solo and not dist.is_initialized():   # a lone worker still needs a group for the mesh
+            dist.init_process_group(group.backend, store=dist.HashStore(), rank=0, world_size=1)
+            atexit.register(_leave_solo_group)
+        self.mesh = DeviceMesh.from_group(group.group or dist.group.WORLD, device.type)
+        self._start_roots()
+        # id(parameter before sharding) -> (it, its DTensor replacement): an optimizer given a list
+        # of parameters taken before the model was placed gets the replacements
+        self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sharded_ids: set[int] = set()
+        self._stash: dict[int, dict] = {}   # chief, while a checkpoint is written: gathered states
+
+    @property
+    def strategy(self) -> Any:
+        return self._strategy_ref()
+
+    # ---------------------------------------------------------------- modules
+
+    def finalize(self) -> None:
+        for root in self.new_roots():   # complete models, the chief's values on every worker
+            self._shard(root)
+            self._forget_pending(root.modules())   # (fully_shard re-registers parameters)
+
+    def _shard(self, root: nn.Module) -> None:
+        dtypes = {p.dtype for p in root.parameters()}
+        if len(dtypes) > 1:
+            raise InvalidArgumentError(
+                f"sharding='parameters' gathers each unit's parameters as one buffer, so they need one "
+                f"dtype, but {type(root).__name__} has {sorted(map(str, dtypes))}; convert the model to "
+                f"one dtype (e.g. model.double()) or use sharding='gradients'")
+        before = {(id(m), n): p for m in root.modules() for n, p in m._parameters.items() if p is not None}
+        for unit in units(root):
+            fully_shard(unit, mesh=self.mesh)
+        top = root if not isinstance(root, (nn.ModuleList, nn.ModuleDict)) else None
+        if top is not None:
+            fully_shard(top, mesh=self.mesh)
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)   # a sum over workers, as every other path,
+                module.set_force_sum_reduction_for_comms(True)   # with ReduceOp.SUM (gloo has no PREMUL_SUM)
+            for n, p in module._parameters.items():
+                old = before.get((id(module), n))
+                if old is not None and p is not old:
+                    self._replaced[id(old)] = (old, p)
+                if isinstance(p, DTensor):
+                    self._sharded_ids.add(id(p))
+            if any(isinstance(t, DTensor) for t in module.parameters(recurse=False)):
+                module.register_state_dict_post_hook(_full_state)
+                module.register_load_state_dict_pre_hook(_sharded_state)
+
+    # ------------------------------------------------------------ checkpoints
+
+    @contextlib.contextmanager
+    def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
+        """Every worker, around the chief's writing: gather each sharded state once (collectives)."""
+        chief = self.collective.worker_index == 0
+        for obj in objects.values():
+            if self._owns(obj):
+                state = obj.state_dict()
+                if chief:
+                    self._stash[id(obj)] = state
+        try:
+            yield
+        finally:
+            self._stash.clear()
+
+    def _owns(self, obj: Any) -> bool:
+        if isinstance(obj, torch.optim.Optimizer):
+            return placement_of(obj) is self
+        return isinstance(obj, nn.Module) and any(id(p) in self._sharded_ids for p in obj.parameters())
+
+    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> tuple[Any, dict[str, dict]] | None:
+        """The full state that :meth:`prepare_checkpoint` gathered: one logical copy, no other files."""
+        if not self._owns(obj):
+            return None
+        if id(obj) not in self._stash:
+            raise InvalidArgumentError(
+                f"{name} is sharded over the workers (sharding='parameters'): only sg.Checkpoint.save called "
+                f"on every worker can save it (its full tensors are gathered first)")
+        return self._stash.pop(id(obj)), {}
+
+    # ----------------------------------------------------------- optimizers
+
+    def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
+        outside = []
+        for group in optimizer.param_groups:
+            group["params"] = [self._replaced.get(id(p), (p, p))[1] for p in group["params"]]
+            outside += [p for p in group["params"] if id(p) not in self._sharded_ids]
+        if outside:
+            shapes = [list(p.shape) for p in outside[:4]]
+            raise InvalidArgumentError(
+                f"{type(optimizer).__name__} was created in the scope of sharding='parameters' over "
+                f"{len(outside)} parameter(s) this strategy did not shard (shapes {shapes}"
+                f"{' ...' if len(outside) > 4 else ''}): they belong to a module created outside the "
+                f"scope, or created without parameters of its own. Create the model inside "
+                f"`with strategy.scope():` (its parameters are then sharded over the workers)")
+        adopt(optimizer, self)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+        self.finalize()
+        pre, post = step_hooks(optimizer)
+        run_hooks(pre, optimizer)
+        result = unhooked_step(optimizer._sg_base)(optimizer, closure)
+        run_hooks(post, optimizer)
+        return result
+
+    # zero_grad, and state dicts of full tensors (each worker loads its shards): as under tensor
+    # parallelism, whose optimizers are torch's over DTensor parameters too
+    optimizer_zero_grad = TensorParallelPlacement.optimizer_zero_grad
+    optimizer_state_dict = TensorParallelPlacement.optimizer_state_dict
+    optimizer_load_state_dict = TensorParallelPlacement.optimizer_load_state_dict
+
+    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+        raise InvalidArgumentError(
+            "add_param_group is not supported under sharding='parameters'; create the optimizer with "
+            "all its parameter groups")
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """Bytes of per-element optimizer state (moments, momentum; not step counters) this
+        worker holds for ``optimizer``: its shards."""
+        return sum(_local(v).numel() * v.element_size() for s in optimizer.state.values()
+                   for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def units(root: nn.Module) -> list[nn.Module]:
+    """The modules below ``root`` that get their own ``fully_shard`` unit (see the module doc)."""
+    found: list[nn.Module] = []
+    for child in root.children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if isinstance(child, _CONTAINERS):
+            found += units(child)
+        else:
+            found.append(child)
+    return found
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _leave_solo_group() -> None:
+    if dist.is_initialized():   # (a test may have left it already)
+        dist.destroy_process_group()
