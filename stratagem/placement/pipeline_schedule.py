@@ -45,6 +45,7 @@ class _Loss:
         self.target: Any = None
         self.total = 1
         self.padded = False       # whether some rows of this step are padding
+        self.kept: list | None = None   # (rows, output) of each micro-batch, when the outputs are asked for
 
     def __call__(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         real = rows >= 0
@@ -54,6 +55,9 @@ class _Loss:
         if count < rows.numel():
             output = tuple(o[real] for o in output) if isinstance(output, tuple) else output[real]
             rows = rows[real]
+        if self.kept is not None:
+            kept = tuple(o.detach() for o in output) if isinstance(output, tuple) else output.detach()
+            self.kept.append((rows, kept))
         target = None if self.target is None else self.target[rows]
         loss = self.loss_fn(output) if target is None else self.loss_fn(output, target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -80,8 +84,10 @@ class PipelineSchedules:
         self.last = layout.num_stages - 1 in split.local
         self.last_rank = layout.rank_of(layout.num_stages - 1)
 
-    def step(self, inputs: tuple[torch.Tensor, ...], target: Any, loss_fn: Callable) -> torch.Tensor:
-        """Forward and backward of every micro-batch; this data group's share of the mean loss."""
+    def step(self, inputs: tuple[torch.Tensor, ...], target: Any, loss_fn: Callable,
+             return_outputs: bool = False) -> Any:
+        """Forward and backward of every micro-batch; this data group's share of the mean loss
+        (and, with ``return_outputs``, the model's output for the batch, on every process)."""
         rows = inputs[0].shape[0]
         for x in inputs:
             if x.shape[0] != rows:
@@ -109,6 +115,7 @@ class PipelineSchedules:
         schedule = self._schedule_for(inputs)
         self._loss.loss_fn, self._loss.target, self._loss.total = loss_fn, target, total
         self._loss.padded = order is not None
+        self._loss.kept = [] if return_outputs and self.last else None
         losses: list[torch.Tensor] = []
         try:
             with self.pipe.group.guard("forward_backward (the pipeline schedule)"):
@@ -116,8 +123,9 @@ class PipelineSchedules:
                               target=index.to(self.device) if self.last else None,
                               losses=losses if self.last else None, return_outputs=False)
         finally:
-            self._loss.target = None
-        return self._broadcast_loss(losses, inputs[0])
+            self._loss.target, kept, self._loss.kept = None, self._loss.kept, None
+        loss = self._broadcast_loss(losses, inputs[0])
+        return (loss, self._share_outputs(kept, rows)) if return_outputs else loss
 
     def _check_same_batch(self, inputs: tuple[torch.Tensor, ...], rows: int) -> None:
         """Every process of the pipeline got a batch of the same shapes (else all raise, none waits)."""
@@ -167,6 +175,26 @@ class PipelineSchedules:
             with group.guard("forward_backward (the loss from the last stage)"):
                 dist.broadcast(loss, src=group.global_rank(self.last_rank), group=group.group)
         return loss
+
+    def _share_outputs(self, kept: list | None, rows: int) -> Any:
+        """The last stage's outputs of the micro-batches, in batch order, sent over the pipe axis."""
+        outputs = None
+        if kept is not None:
+            index = torch.cat([r for r, _ in kept])
+            columns = zip(*((o if isinstance(o, tuple) else (o,)) for _, o in kept))
+            outputs = tuple(_in_order(torch.cat(parts), index, rows) for parts in columns)
+        if self.pipe.num_workers > 1:
+            sent = None if outputs is None else tuple(o.cpu() for o in outputs)
+            outputs = self.pipe.group.broadcast_object(sent, "forward_backward (the outputs of the last stage)",
+                                                       src=self.last_rank)
+            outputs = tuple(o.to(self.device) for o in outputs)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _in_order(parts: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    ordered = parts.new_empty((rows, *parts.shape[1:]))
+    ordered[index.to(parts.device)] = parts
+    return ordered
 
 
 def _row_order(rows: int, num_microbatches: int) -> torch.Tensor | None:

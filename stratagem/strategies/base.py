@@ -338,6 +338,13 @@ class Strategy:
         """The collectives (broadcast, all_reduce, ...) applied to PerReplica values from cross-replica context."""
         return CrossReplicaCollectives(self)
 
+    def _model_steps(self) -> Any:
+        """The per-replica steps ``sg.Model`` runs (train, test, predict): forward, then backward.
+        A strategy whose step is shaped otherwise (a pipeline's schedule) gives its own."""
+        from stratagem.training.steps import ModelSteps   # the training package imports strategies
+
+        return ModelSteps()
+
     def _check_owned(self, structure: Any, method: str) -> None:
         for leaf in flatten(structure):
             if isinstance(leaf, DistributedValues):

@@ -99,7 +99,7 @@ class PipelineStrategy(MeshStrategy):
         return sorted(self._placement.split_of(model).local)
 
     def forward_backward(self, model: Any, inputs: Any, target: Any = None, *,
-                         loss_fn: Callable | None = None) -> torch.Tensor:
+                         loss_fn: Callable | None = None, return_outputs: bool = False) -> Any:
         """Run the schedule: forward and backward of ``model`` over the micro-batches of ``inputs``.
 
         ``inputs`` (a tensor, or a tuple of tensors for the first stage) and ``target`` hold
@@ -112,6 +112,10 @@ class PipelineStrategy(MeshStrategy):
         on every process, this data group's share of that mean loss: reduce it with
         ``strategy.reduce("sum", loss, axis=None)`` (with one data group, it is the loss).
         Call it in ``strategy.run`` (or outside), on every process, at the same step.
+
+        ``return_outputs=True`` returns ``(loss, outputs)``: ``outputs`` is the model's output
+        for this data group's batch (detached, rows in batch order), sent from the last stage
+        to every process of the pipeline -- for metrics; it costs one transfer of the outputs.
         """
         loss_fn = self._loss_fn if loss_fn is None else loss_fn
         if not callable(loss_fn):
@@ -133,7 +137,7 @@ class PipelineStrategy(MeshStrategy):
         device = self._mesh_device.torch_device
         if isinstance(target, torch.Tensor):
             target = target.to(device)
-        return runner.step(tuple(x.to(device) for x in inputs), target, loss_fn)
+        return runner.step(tuple(x.to(device) for x in inputs), target, loss_fn, return_outputs=return_outputs)
 
     def predict(self, model: Any, inputs: Any) -> Any:
         """The output of ``model`` for the batch ``inputs``, on every process of the pipeline.
@@ -147,6 +151,12 @@ class PipelineStrategy(MeshStrategy):
         device = self._mesh_device.torch_device
         return forward_only(self._placement.split_of(model), tuple(x.to(device) for x in inputs),
                             pipe_rank=self.pipe_rank, pipe=self._pipe, device=device)
+
+    def _model_steps(self) -> Any:
+        """``sg.Model``'s steps: the schedule's forward-and-backward, evaluation by :meth:`predict`."""
+        from stratagem.training.pipeline_steps import PipelineSteps   # the training package imports strategies
+
+        return PipelineSteps(self)
 
     def __repr__(self) -> str:
         return (f"PipelineStrategy({self._mesh_repr()}, schedule={self._schedule!r}, "

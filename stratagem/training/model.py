@@ -3,7 +3,8 @@
 Create the module in a strategy's scope (or pass ``strategy=``), wrap it in a ``Model``,
 ``compile`` it, and ``fit``: the loop below is the custom training loop of the README --
 ``experimental_distribute_dataset`` cuts every global batch over the replicas,
-``strategy.run`` runs the step (:mod:`stratagem.training.steps`) on each, and the metrics
+``strategy.run`` runs the step (:mod:`stratagem.training.steps`, or the strategy's own from
+``strategy._model_steps()``: a pipeline's schedule) on each, and the metrics
 are read as global values at the end of every step and epoch. Under a parameter-server
 strategy the steps are scheduled through its ``ClusterCoordinator`` instead
 (:mod:`stratagem.training.ps_loop`).
@@ -33,7 +34,6 @@ from stratagem.training.checkpoint import Checkpoint
 from stratagem.training.epochs import EpochBatches, ReplicatedEpochs, global_rows, length, step_logs
 from stratagem.training.inputs import as_batches, split_validation
 from stratagem.training.progress import ProgressLogger
-from stratagem.training.steps import make_predict_step, make_test_step, make_train_step
 from stratagem.values import flatten, map_structure, pack_as, select_replica
 
 __all__ = ["Model", "NotCompiledError"]
@@ -147,7 +147,8 @@ class Model:
         """The function that runs one training step on a replica (or a parameter-server worker):
         ``step(batch) -> (loss, rows)`` -- forward, loss, backward, optimizer step, metrics."""
         self._require_compiled("fit")
-        return make_train_step(self.module, self.optimizer, self._loss_fn, self._loss_tracker, self.compiled_metrics)
+        return self.strategy._model_steps().train(self.module, self.optimizer, self._loss_fn, self._loss_tracker,
+                                                  self.compiled_metrics)
 
     def _require_compiled(self, method: str) -> None:
         if self.optimizer is None:
@@ -256,7 +257,7 @@ class Model:
                           progress: ProgressLogger) -> dict:
         strategy = self.strategy
         call = callback_list.call if callback_list is not None else (lambda *args: None)
-        step_fn = make_test_step(self.module, self._loss_fn, self._loss_tracker, self.compiled_metrics)
+        step_fn = strategy._model_steps().test(self.module, self._loss_fn, self._loss_tracker, self.compiled_metrics)
         self.reset_metrics()
         batch_logs = step_logs(self, callback_list, progress, "on_test_batch_end", steps or length(data))
         call("on_test_begin", None)
@@ -290,7 +291,7 @@ class Model:
         callback_list = CallbackList(callbacks or [], model=self,
                                      params={"epochs": 1, "steps": steps or length(data), "verbose": verbose})
         progress = ProgressLogger(verbose, chief=self._is_chief())
-        step_fn = make_predict_step(self.module)
+        step_fn = strategy._model_steps().predict(self.module)
         num_local = strategy.topology.num_local_replicas
         outputs: list[Any] = []
         callback_list.call("on_predict_begin", None)

@@ -21,7 +21,7 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.nn.losses import compute_average_loss
 from stratagem.training.inputs import unpack
 
-__all__ = ["make_predict_step", "make_test_step", "make_train_step", "per_example_losses"]
+__all__ = ["ModelSteps", "make_predict_step", "make_test_step", "make_train_step", "per_example_losses"]
 
 
 def per_example_losses(loss_fn: Callable, y: Any, y_pred: torch.Tensor,
@@ -52,7 +52,7 @@ def per_example_losses(loss_fn: Callable, y: Any, y_pred: torch.Tensor,
     return values, sample_weight
 
 
-def _update_metrics(loss_tracker: Any, metrics: Sequence[Any], y: Any, y_pred: torch.Tensor,
+def update_metrics(loss_tracker: Any, metrics: Sequence[Any], y: Any, y_pred: torch.Tensor,
                     losses: torch.Tensor, sample_weight: torch.Tensor | None) -> None:
     with torch.no_grad():
         weighted = losses.detach() if sample_weight is None else losses.detach() * sample_weight
@@ -72,7 +72,7 @@ def make_train_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, l
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()   # in scope: gradients summed over replicas, the same update everywhere
-        _update_metrics(loss_tracker, metrics, parts.y, y_pred, losses, weights)
+        update_metrics(loss_tracker, metrics, parts.y, y_pred, losses, weights)
         return loss.detach(), int(y_pred.shape[0])
     return train_step
 
@@ -85,7 +85,7 @@ def make_test_step(module: torch.nn.Module, loss_fn: Callable, loss_tracker: Any
         with torch.no_grad():
             y_pred = module(parts.x)
             losses, weights = per_example_losses(loss_fn, parts.y, y_pred, parts.sample_weight)
-        _update_metrics(loss_tracker, metrics, parts.y, y_pred, losses, weights)
+        update_metrics(loss_tracker, metrics, parts.y, y_pred, losses, weights)
     return test_step
 
 
@@ -95,3 +95,20 @@ def make_predict_step(module: torch.nn.Module) -> Callable[[Any], torch.Tensor]:
         with torch.no_grad():
             return module(unpack(batch).x)
     return predict_step
+
+
+class ModelSteps:
+    """The steps ``Model`` runs on a replica, as ``strategy._model_steps()`` gives them: these
+    (the module's forward, then ``loss.backward()``) unless the strategy's step is shaped
+    otherwise (:class:`~stratagem.training.pipeline_steps.PipelineSteps`)."""
+
+    def train(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
+              loss_tracker: Any, metrics: Sequence[Any]) -> Callable[[Any], tuple[torch.Tensor, int]]:
+        return make_train_step(module, optimizer, loss_fn, loss_tracker, metrics)
+
+    def test(self, module: torch.nn.Module, loss_fn: Callable, loss_tracker: Any,
+             metrics: Sequence[Any]) -> Callable[[Any], None]:
+        return make_test_step(module, loss_fn, loss_tracker, metrics)
+
+    def predict(self, module: torch.nn.Module) -> Callable[[Any], Any]:
+        return make_predict_step(module)

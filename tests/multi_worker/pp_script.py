@@ -1,11 +1,13 @@
 """Trains an MLP under PipelineStrategy with several schedules; the test compares each with plain PyTorch.
 
-Usage (one process per task, with TF_CONFIG): python pp_script.py OUT_DIR --mesh D,P --cases NAME,...
+Usage (one process per task, with TF_CONFIG): python pp_script.py OUT_DIR --mesh D,P --cases NAME,... [--fit]
 
 Each case is ``schedule:optimizer`` (e.g. ``gpipe:sgd``, ``zero_bubble:adam``) or ``split:...`` for the
 split-points variant. Writes OUT_DIR/rank{R}.json: per case the initial parameters, the reduced loss
 and the whole model's state_dict after every step, the stages held and the optimizer's parameter
-count; then the errors of the misuse cases.
+count; then the errors of the misuse cases. ``--fit``: also sg.Model.fit (sample weights, a metric,
+validation, a BackupAndRestore backup in the middle of an epoch, the job stopped there and resumed, a
+ModelCheckpoint), evaluate and predict, under the strategy (see :func:`fit`).
 """
 
 import argparse
@@ -99,6 +101,60 @@ def optimizer_state(optimizer):
     return {str(k): {n: v.tolist() for n, v in s.items()} for k, s in optimizer.state_dict()["state"].items()}
 
 
+#: sg.Model.fit's data: 34 rows in global batches of 10 (the last one 4), with sample weights
+FIT_ROWS, FIT_BATCH = 34, 10
+
+
+def fit_data():
+    g = torch.Generator().manual_seed(11)
+    return (torch.randn(FIT_ROWS, 6, generator=g, dtype=torch.float64),
+            torch.randn(FIT_ROWS, 3, generator=g, dtype=torch.float64),
+            torch.rand(FIT_ROWS, generator=g, dtype=torch.float64))
+
+
+def compiled(model, metrics):
+    model.compile(optimizer=torch.optim.SGD(model.module.parameters(), lr=0.1, momentum=0.9), loss="mse",
+                  metrics=metrics)
+    return model
+
+
+class StopAt(sg.callbacks.Callback):
+    """Stops training after the third step of the first epoch (reads the step's logs: a metric read each step)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen = dict(logs)
+        if batch == 2:
+            self.model.stop_training = True
+
+
+def fit(mesh: dict, directory: str) -> dict:
+    """A job stopped after 3 steps (backups every 2, the loss tracker only), a new job resumed from the
+    backup to the end of 2 epochs (a metric, validation, ModelCheckpoint), then evaluate and predict."""
+    x, y, w = fit_data()
+
+    def build(metrics):
+        strategy = sg.experimental.PipelineStrategy(mesh, num_microbatches=NUM_MICROBATCHES, schedule="1f1b")
+        with strategy.scope():
+            return compiled(sg.Model(make_model()), metrics)
+    model = build(None)
+    out = {"initial": listed(model.module.state_dict())}
+    backup = os.path.join(directory, "backup")
+    stop = StopAt()
+    model.fit(x, y, batch_size=FIT_BATCH, epochs=2, shuffle=False, verbose=2, sample_weight=w,
+              callbacks=[sg.callbacks.BackupAndRestore(backup, save_freq=2, delete_checkpoint=False), stop])
+    out["stopped_logs"] = stop.seen
+    model = build(["mae"])   # a fresh job
+    saver = sg.callbacks.ModelCheckpoint(os.path.join(directory, "saved-{epoch}"))
+    history = model.fit(x, y, batch_size=FIT_BATCH, epochs=2, shuffle=False, verbose=2, sample_weight=w,
+                        validation_data=(x[:12], y[:12]), callbacks=[sg.callbacks.BackupAndRestore(backup), saver])
+    out["history"] = history.history
+    out["final"] = listed(model.module.state_dict())
+    out["saved"] = str(saver.last_saved)
+    out["evaluate"] = model.evaluate(x, y, batch_size=FIT_BATCH, verbose=0, return_dict=True, sample_weight=w)
+    out["predict"] = model.predict(x, batch_size=FIT_BATCH).tolist()
+    return out
+
+
 def errors(mesh: dict, world: int) -> dict:
     def make(model_fn=make_model, **options):
         strategy = sg.experimental.PipelineStrategy(mesh, **{"num_microbatches": 4, **options})
@@ -129,12 +185,15 @@ if __name__ == "__main__":
     parser.add_argument("out")
     parser.add_argument("--mesh", default="1,2")
     parser.add_argument("--cases", default="gpipe:sgd")
+    parser.add_argument("--fit", action="store_true")
     args = parser.parse_args()
     d, p = (int(v) for v in args.mesh.split(","))
     torch.set_default_dtype(torch.float64)
     rank = sg.cluster.resolve().worker_rank
     torch.manual_seed(rank)   # processes differ: the chief's initial values must win
     result = {case: train(case, {"data": d, "pipe": p}) for case in args.cases.split(",")}
+    if args.fit:
+        result["fit"] = fit({"data": d, "pipe": p}, os.path.join(args.out, "fit"))
     result["errors"] = errors({"data": d, "pipe": p}, d * p)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

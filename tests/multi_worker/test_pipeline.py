@@ -66,13 +66,65 @@ def predict(params: dict) -> torch.Tensor:
         return model(pp_script.make_data((7,))[0][0])
 
 
-def run_and_compare(tmp_path: Path, data: int, pipe: int, cases: list[str]) -> list[dict]:
+class FirstEpochLogs(sg.callbacks.Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[int, dict] = {}
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        self.seen.setdefault(batch, dict(logs))
+
+
+def reference_fit(initial: dict) -> dict:
+    """sg.Model.fit under the default strategy, as pp_script.fit's jobs together (float64)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = pp_script.compiled(sg.Model(pp_script.make_model()), ["mae"])
+        model.module.load_state_dict({k: torch.tensor(v) for k, v in initial.items()})
+        x, y, w = pp_script.fit_data()
+        steps = FirstEpochLogs()
+        history = model.fit(x, y, batch_size=pp_script.FIT_BATCH, epochs=2, shuffle=False, verbose=0,
+                            sample_weight=w, validation_data=(x[:12], y[:12]), callbacks=[steps])
+        return {"history": history.history, "final": model.module.state_dict(), "at_step_3": steps.seen[2],
+                "evaluate": model.evaluate(x, y, batch_size=pp_script.FIT_BATCH, verbose=0, return_dict=True,
+                                           sample_weight=w),
+                "predict": model.predict(x, batch_size=pp_script.FIT_BATCH)}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def check_fit(outputs: list[dict], printed: list[str]) -> None:
+    """sg.Model.fit / evaluate / predict under the pipeline equal the default strategy's, on every process."""
+    want = reference_fit(outputs[0]["fit"]["initial"])
+    saved = pp_script.make_model().double()
+    sg.Checkpoint(model=saved).restore(outputs[0]["fit"]["saved"])   # ModelCheckpoint's one logical copy
+    for rank, result in enumerate(outputs):
+        out = result["fit"]
+        assert set(out["stopped_logs"]) == {"loss"}   # the loss tracker only: no outputs travel
+        assert out["stopped_logs"]["loss"] == pytest.approx(want["at_step_3"]["loss"], rel=1e-10)
+        for name, value in want["final"].items():
+            torch.testing.assert_close(torch.tensor(out["final"][name], dtype=torch.float64), value,
+                                       rtol=1e-12, atol=1e-12, msg=lambda m: f"fit, process {rank}, {name}: {m}")
+            torch.testing.assert_close(saved.state_dict()[name], value, rtol=1e-12, atol=1e-12)
+        # the resumed job's second epoch: the loss, the metric and validation over every global batch
+        for key in ("loss", "mae", "val_loss", "val_mae"):
+            assert out["history"][key][-1] == pytest.approx(want["history"][key][-1], rel=1e-10), (rank, key)
+        assert out["evaluate"] == pytest.approx(want["evaluate"], rel=1e-10)
+        torch.testing.assert_close(torch.tensor(out["predict"], dtype=torch.float64), want["predict"])
+        # progress lines: the chief (global rank 0) only
+        assert ("Epoch 2/2" in printed[rank]) == (rank == 0), printed[rank][-2000:]
+
+
+def run_and_compare(tmp_path: Path, data: int, pipe: int, cases: list[str], *, fit: bool = False) -> list[dict]:
     workers = data * pipe
     results = run_local_cluster(SCRIPT, workers, args=[str(tmp_path), "--mesh", f"{data},{pipe}",
-                                                       "--cases", ",".join(cases)], timeout=250)
+                                                       "--cases", ",".join(cases), *(["--fit"] if fit else [])],
+                                timeout=250)
     for r in results:
         assert r.returncode == 0, f"{r.task} failed:\n{r.output[-5000:]}"
     outputs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(workers)]
+    if fit:
+        check_fit(outputs, [r.output for r in results])
     total = sum(p.numel() for p in pp_script.make_model().parameters())
     for case in cases:
         expected, reference_optimizer = reference_history(case.split(":")[1], outputs[0][case]["initial"])
@@ -126,11 +178,11 @@ def run_and_compare(tmp_path: Path, data: int, pipe: int, cases: list[str]) -> l
 
 def test_every_schedule_on_two_stages_processes(tmp_path: Path) -> None:
     run_and_compare(tmp_path, 1, 2, ["gpipe:sgd", "1f1b:adam", "interleaved:sgd", "zero_bubble:adam",
-                                     "split:adam"])
+                                     "split:adam"], fit=True)
 
 
 def test_pipeline_by_data_on_a_two_by_two_mesh(tmp_path: Path) -> None:
-    run_and_compare(tmp_path, 2, 2, ["interleaved:adam"])
+    run_and_compare(tmp_path, 2, 2, ["interleaved:adam"], fit=True)
 
 
 def test_example_runs_as_its_docstring_says() -> None:
