@@ -23,6 +23,13 @@ Then the step time of each stage against torch's DistributedDataParallel on the 
 every stage in turn, so a slow moment of a shared machine shows in one round.
 
     python benchmarks/model_parallel.py [--workers 2] [--rounds 3] [--steps 20]
+
+The pipeline part (bubble per rank against (p-1)/(m+p-1), activation memory of 1F1B against
+GPipe, step time against one process, DDP and the raw torch schedules) is in ``_pipeline.py``.
+``--part`` picks the parts to run (default: both, the pipeline part with its defaults); after
+``--part pipeline`` every option is the pipeline part's:
+
+    python benchmarks/model_parallel.py --part pipeline [--quick] [--help]
 """
 
 from __future__ import annotations
@@ -34,6 +41,10 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _pipeline  # noqa: E402
 
 STAGES = (None, "optimizer", "gradients", "parameters")
 BATCH = 256
@@ -122,12 +133,25 @@ def analytic(stage: str | None, psi: int, n: int) -> tuple[float, float, float]:
     return 4 * psi, grads, state
 
 
+def _part(argv) -> tuple[str, list[str]]:
+    """``--part`` (all, zero, pipeline) and the other arguments."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--part", choices=("all", "zero", "pipeline"), default="all")
+    args, rest = parser.parse_known_args(argv)
+    return args.part, rest
+
+
 def main(argv=None) -> int:
+    part, rest = _part(argv)
+    if part == "pipeline":
+        return _pipeline.main(rest)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--worker", nargs="+", metavar="OUT STAGE [STEPS]", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds (each launches every stage and DDP)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per launch")
+    parser.add_argument("--part", choices=("all", "zero", "pipeline"), default="all",
+                        help="zero: this ZeRO part; pipeline: the pipeline part (its options: --part pipeline --help)")
     args = parser.parse_args(argv)
     if args.worker:
         worker(*args.worker)
@@ -165,6 +189,9 @@ def main(argv=None) -> int:
         _print_stage2_peaks(out, args, failed)
     if times.get("ddp"):
         _print_times(times, args)
+    if args.part == "all":
+        print()
+        failed = _pipeline.main([]) != 0 or failed
     return 1 if failed else 0
 
 
