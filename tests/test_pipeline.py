@@ -119,6 +119,38 @@ def test_one_process_runs_every_stage_and_equals_plain_training(schedule, solo_g
         strategy.forward_backward(model, x, y)
 
 
+def test_running_statistics_move_once_per_micro_batch_as_in_plain_training(solo_group) -> None:
+    """torch runs a new stage once on uninitialised tensors to learn its shapes: that run must not
+    reach BatchNorm's running statistics (each new batch shape builds new stages)."""
+    torch.manual_seed(0)
+
+    def net():
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2)).double()
+    strategy = sg.experimental.PipelineStrategy(num_microbatches=2, schedule="interleaved")
+    with strategy.scope():
+        model = net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain = net()
+    plain.load_state_dict(model.state_dict())
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(2)
+    for rows in (6, 6, 8):   # a new shape at the first and third steps
+        x, y = (torch.randn(rows, n, generator=g, dtype=torch.float64) for n in (4, 2))
+
+        def step(x, y):
+            optimizer.zero_grad()
+            loss = strategy.forward_backward(model, x, y, loss_fn=nn.functional.mse_loss)
+            optimizer.step()
+            return loss
+        strategy.run(step, args=(x, y))
+        plain_optimizer.zero_grad()
+        for part_x, part_y in zip(x.chunk(2), y.chunk(2)):   # the micro-batches, each with its batch statistics
+            (nn.functional.mse_loss(plain(part_x), part_y) * (len(part_x) / rows)).backward()
+        plain_optimizer.step()
+        for name, value in plain.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-12, atol=1e-12, msg=name)
+
+
 def test_split_points_of_a_traced_model_are_checked_or_derived_from_its_longest_module_list() -> None:
     from tests.multi_worker.pp_script import Tokens
     assert traced_split_points(Tokens(), None, 2) == ["blocks.2"]

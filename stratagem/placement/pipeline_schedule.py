@@ -153,7 +153,7 @@ class PipelineSchedules:
         layout = self.split.layout
         group = self.pipe.group.group
         micro = tuple(x.narrow(0, 0, x.shape[0] // self.num_microbatches) for x in inputs)   # (padded: divides)
-        stages = [PipelineStage(module, s, layout.num_stages, self.device, group=group)
+        stages = [_without_side_effects(PipelineStage(module, s, layout.num_stages, self.device, group=group))
                   for s, module in sorted(self.split.modules_for(micro).items())]
         cls = getattr(schedules, SCHEDULES[self.schedule][0])
         if SCHEDULES[self.schedule][2] == 1:
@@ -190,6 +190,33 @@ class PipelineSchedules:
                                                        src=self.last_rank)
             outputs = tuple(o.to(self.device) for o in outputs)
         return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _without_side_effects(stage: PipelineStage) -> PipelineStage:
+    """``stage``, whose shape inference leaves the module's buffers and the random generators as they were.
+
+    A new stage learns its output shapes by running its module once, before the schedule's
+    real forwards, on uninitialised tensors of the micro-batch's shape: that run would move
+    BatchNorm's running statistics (by garbage) and draw dropout masks the real forwards
+    then do not get. The buffers are copied back and the generators forked around it.
+    """
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:
+        return stage
+    devices = [stage.device] if torch.device(stage.device).type == "cuda" else []
+
+    def isolated(*args: Any, **kwargs: Any) -> Any:
+        saved = [(buffer, buffer.detach().clone()) for buffer in stage.submod.buffers()]
+        try:
+            with torch.random.fork_rng(devices=devices):
+                return infer(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
+
+    stage._forward_metadata_inference = isolated
+    return stage
 
 
 def _in_order(parts: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
