@@ -38,7 +38,7 @@ from torch import nn
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.roots import RootsPlacement
+from stratagem.placement.roots import RootsPlacement, sum_gradients_over
 from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
 from stratagem.placement.pipeline_trace import TracedStages, even_edges, traced_split_points
 
@@ -297,8 +297,7 @@ class PipelinePlacement(RootsPlacement):
         groups = optimizer.param_groups
         every = [group["params"] for group in groups]
         own = [[p for p in params if not p.is_meta] for params in every]
-        if self.data.num_workers > 1:
-            sum_over(self.data, [p for params in own for p in params])
+        sum_gradients_over(self.data, [p for params in own for p in params])
         pre, post = step_hooks(optimizer)
         run_hooks(pre, optimizer)
         try:
@@ -369,24 +368,6 @@ class PipelinePlacement(RootsPlacement):
                 f"whole model created in the PipelineStrategy's scope in sg.Checkpoint (one logical copy)")
         return None if state is None else (state, {})
 
-
-def sum_over(axis: Collective, params: list[torch.Tensor]) -> None:
-    """Sum the gradients of ``params`` over ``axis`` in place (zeros where a peer has none)."""
-    if not params:   # stages without parameters: so are the data-axis peers'
-        return
-    group = axis.group
-    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-    group.all_reduce(present, "optimizer.step (which gradients exist on the data axis)")
-    for p, count in zip(params, present.tolist()):
-        if count and p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params if p.grad is not None]
-    for dtype in dict.fromkeys(g.dtype for g in grads):
-        same = [g for g in grads if g.dtype == dtype]
-        flat = group.all_reduce(torch.cat([g.reshape(-1) for g in same]),
-                                "optimizer.step (gradients over the data axis)")
-        for g, part in zip(same, flat.split([g.numel() for g in same])):
-            g.copy_(part.view_as(g))
 
 
 def _whole_state(placement_ref: Any, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:

@@ -193,29 +193,34 @@ class PipelineSchedules:
 
 
 def _without_side_effects(stage: PipelineStage) -> PipelineStage:
-    """``stage``, whose shape inference leaves the module's buffers and the random generators as they were.
+    """``stage``, whose shape inference leaves the module's buffers as they were.
 
-    A new stage learns its output shapes by running its module once, before the schedule's
-    real forwards, on uninitialised tensors of the micro-batch's shape: that run would move
-    BatchNorm's running statistics (by garbage) and draw dropout masks the real forwards
-    then do not get. The buffers are copied back and the generators forked around it.
+    A new stage learns its shapes by running its module once, before the schedule's real
+    forwards, on uninitialised tensors of the micro-batch's shape (torch forks the random
+    generators around it): that run would move BatchNorm's running statistics by garbage.
+    The buffers are copied when the inference starts and written back once torch has dropped
+    the inference's graph (writing them earlier would change tensors that graph saved).
     """
     infer = getattr(stage, "_forward_metadata_inference", None)
-    if infer is None:
+    cleanup = getattr(stage, "_post_metadata_inference_cleanup", None)
+    if infer is None or cleanup is None:   # another torch: its inference is its own
         return stage
-    devices = [stage.device] if torch.device(stage.device).type == "cuda" else []
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def isolated(*args: Any, **kwargs: Any) -> Any:
-        saved = [(buffer, buffer.detach().clone()) for buffer in stage.submod.buffers()]
-        try:
-            with torch.random.fork_rng(devices=devices):
-                return infer(*args, **kwargs)
-        finally:
-            with torch.no_grad():
-                for buffer, value in saved:
-                    buffer.copy_(value)
+    def keep_buffers(*args: Any, **kwargs: Any) -> Any:
+        if not saved:
+            saved.extend((buffer, buffer.detach().clone()) for buffer in stage.submod.buffers())
+        return infer(*args, **kwargs)
 
-    stage._forward_metadata_inference = isolated
+    def put_back() -> None:
+        cleanup()
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+        saved.clear()
+
+    stage._forward_metadata_inference = keep_buffers
+    stage._post_metadata_inference_cleanup = put_back
     return stage
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from stratagem.comm.collective import Collective
 from stratagem.placement.base import Placement
@@ -60,3 +61,24 @@ class RootsPlacement(Placement):
         """Modules that placing created in scope are not new models."""
         ids = {id(m) for m in modules}
         self._pending = [m for m in self._pending if id(m) not in ids]
+
+
+def sum_gradients_over(axis: Collective, params: list[torch.Tensor]) -> None:
+    """Sum the gradients of ``params`` over ``axis`` in place: one all-reduce per dtype, zeros
+    where a peer has a gradient and this process none; a DTensor gradient's local shard is summed."""
+    if not params or axis.num_workers == 1:   # (no parameters here: none on the axis peers either)
+        return
+    group = axis.group
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    group.all_reduce(present, "optimizer.step (which gradients exist on the data axis)")
+    for p, count in zip(params, present.tolist()):
+        if count and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    with torch.no_grad():   # to_local() is then the shard's own memory: summed in place
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+        for dtype in dict.fromkeys(g.dtype for g in grads):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = group.all_reduce(torch.cat([g.reshape(-1) for g in same]),
+                                    "optimizer.step (gradients over the data axis)")
+            for g, part in zip(same, flat.split([g.numel() for g in same])):
+                g.copy_(part.view_as(g))

@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.roots import RootsPlacement
+from stratagem.placement.roots import RootsPlacement, sum_gradients_over
 from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
 
 #: plan style names and the torch ParallelStyle each stands for
@@ -183,35 +183,12 @@ class TensorParallelPlacement(RootsPlacement):
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
         self.finalize()
-        self._sum_gradients(optimizer)
+        sum_gradients_over(self.data, [p for g in optimizer.param_groups for p in g["params"]])
         pre, post = step_hooks(optimizer)
         run_hooks(pre, optimizer)
         result = unhooked_step(optimizer._sg_base)(optimizer, closure)
         run_hooks(post, optimizer)
         return result
-
-    def _sum_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.data.num_workers == 1:
-            return
-        group = self.data.group
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        # which parameters have a gradient on some data replica: those missing one here get zeros
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-        group.all_reduce(has, "optimizer.step (which gradients exist on the data axis)")
-        for p, count in zip(params, has.tolist()):
-            if count and p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params if p.grad is not None]
-        with torch.no_grad():   # to_local() is then the shard's own memory: summed in place
-            shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-            for dtype in dict.fromkeys(s.dtype for s in shards):
-                same = [s for s in shards if s.dtype == dtype]
-                flat = torch.cat([s.reshape(-1) for s in same])
-                group.all_reduce(flat, "optimizer.step (gradients over the data axis)")
-                offset = 0
-                for s in same:
-                    s.copy_(flat[offset:offset + s.numel()].view_as(s))
-                    offset += s.numel()
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         optimizer._sg_base.zero_grad(optimizer, set_to_none)
