@@ -11,7 +11,7 @@ from torch import nn
 
 import stratagem as sg
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.pipeline import plan_stages
+from stratagem.placement.pipeline_plan import plan_stages
 from stratagem.placement.pipeline_trace import traced_split_points
 from stratagem.placement.pipeline_schedule import _row_order
 

@@ -31,7 +31,8 @@ from torch.distributed.pipelining import PipelineStage, schedules
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.pipeline import SCHEDULES, SplitModel
+from stratagem.placement.pipeline import SplitModel
+from stratagem.placement.pipeline_plan import SCHEDULES
 
 #: micro-batch shapes kept per model (each holds torch's stages and receive buffers)
 MAX_SHAPES = 8

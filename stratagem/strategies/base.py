@@ -33,6 +33,7 @@ from stratagem.placement import hooks
 from stratagem.placement.base import Placement
 from stratagem.strategies.replica_context import CrossReplicaCollectives, ReplicaContext
 from stratagem.strategies.runner import InlineRunner, ThreadRunner
+from stratagem.training.steps import ModelSteps
 from stratagem.values import DistributedValues, PerReplica, ReduceOp, flatten, map_structure, pack_as, regroup
 
 
@@ -341,8 +342,6 @@ class Strategy:
     def _model_steps(self) -> Any:
         """The per-replica steps ``sg.Model`` runs (train, test, predict): forward, then backward.
         A strategy whose step is shaped otherwise (a pipeline's schedule) gives its own."""
-        from stratagem.training.steps import ModelSteps   # the training package imports strategies
-
         return ModelSteps()
 
     def _check_owned(self, structure: Any, method: str) -> None:

@@ -21,9 +21,11 @@ import torch
 
 from stratagem.comm.options import CommunicationOptions
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.pipeline import PipelinePlacement, check_schedule
+from stratagem.placement.pipeline import PipelinePlacement
+from stratagem.placement.pipeline_plan import check_schedule
 from stratagem.placement.pipeline_schedule import PipelineSchedules, forward_only
 from stratagem.strategies.mesh import MeshStrategy
+from stratagem.training.pipeline_steps import PipelineSteps
 
 
 class PipelineStrategy(MeshStrategy):
@@ -157,8 +159,6 @@ class PipelineStrategy(MeshStrategy):
 
     def _model_steps(self) -> Any:
         """``sg.Model``'s steps: the schedule's forward-and-backward, evaluation by :meth:`predict`."""
-        from stratagem.training.pipeline_steps import PipelineSteps   # the training package imports strategies
-
         return PipelineSteps(self)
 
     def __repr__(self) -> str:
