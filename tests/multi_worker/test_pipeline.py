@@ -15,6 +15,7 @@ import stratagem as sg
 from stratagem.testing import run_local_cluster
 
 from . import pp_script
+from .history import assert_history_matches
 
 pytestmark = pytest.mark.timeout(280)
 SCRIPT = Path(pp_script.__file__)
@@ -139,13 +140,7 @@ def run_and_compare(tmp_path: Path, data: int, pipe: int, cases: list[str], *, f
             assert out["initial"] == outputs[0][case]["initial"], f"{case}: process {rank} did not start alike"
             assert out["optimizer_params"] == out["held_params"] > 0 and out["optimizer_meta_state"] == 0
             held[rank % pipe] = (out["stages"], out["held_params"])
-            assert len(out["history"]) == len(expected)
-            for step, (got, want) in enumerate(zip(out["history"], expected)):
-                assert got["loss"] == pytest.approx(want["loss"], rel=1e-12), f"{case}, process {rank}, step {step}"
-                for name, value in want["params"].items():
-                    torch.testing.assert_close(torch.tensor(got["params"][name], dtype=torch.float64), value,
-                                               rtol=1e-12, atol=1e-12,
-                                               msg=lambda m: f"{case}, process {rank}, step {step}, {name}: {m}")
+            assert_history_matches(out["history"], expected, f"{case}, process {rank}")
             assert out["after_round_trip"] == out["history"][-1]["params"]
             torch.testing.assert_close(torch.tensor(out["predict"], dtype=torch.float64), predicted)
             for index, state in reference_optimizer.state_dict()["state"].items():

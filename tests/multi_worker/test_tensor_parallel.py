@@ -13,6 +13,7 @@ import torch
 from stratagem.testing import run_local_cluster
 
 from . import tp_script
+from .history import assert_history_matches
 
 pytestmark = pytest.mark.timeout(200)
 SCRIPT = Path(tp_script.__file__)
@@ -50,13 +51,7 @@ def run_and_compare(tmp_path: Path, data: int, model: int, optimizer: str) -> li
         assert out["num_replicas"] == data and out["model_rank"] == rank % model
         assert out["sharded"] == "DTensor" and out["local_rows"] == 16 // model
         assert out["initial"] == outputs[0]["initial"], f"process {rank} did not start from the chief's values"
-        assert len(out["history"]) == len(expected)
-        for step, (got, want) in enumerate(zip(out["history"], expected)):
-            assert got["loss"] == pytest.approx(want["loss"], rel=1e-12), f"process {rank}, step {step}"
-            for name, value in want["params"].items():
-                torch.testing.assert_close(torch.tensor(got["params"][name], dtype=torch.float64), value,
-                                           rtol=1e-12, atol=1e-12,
-                                           msg=lambda m: f"process {rank}, step {step}, {name}: {m}")
+        assert_history_matches(out["history"], expected, f"process {rank}")
         assert out["after_round_trip"] == out["history"][-1]["params"]
         for index, state in out["optimizer_state"].items():
             for key, value in state.items():
