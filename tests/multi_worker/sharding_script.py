@@ -49,6 +49,24 @@ def state_bytes(optimizer) -> int:
                for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
+def build_models(strategy, seed):
+    """The SGD and the Adam model with their optimizers, created in ``strategy``'s scope."""
+    with strategy.scope():
+        models = make_model(seed), make_model(seed)
+        optimizers = make_optimizers(*models)
+    return models, optimizers
+
+
+def step(models, optimizers, batch):
+    """One training step of both models (run by ``strategy.run``)."""
+    x, y = batch
+    for model, optimizer in zip(models, optimizers):
+        loss = sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
 def reference():
     """Plain PyTorch, one process, the whole batch: parameters after every step, the optimizers'
     state (and its bytes) after STEPS steps."""
@@ -78,23 +96,12 @@ def main(argv=None):
     rank = strategy.cluster_resolver.worker_rank
 
     def build(seed):
-        with strategy.scope():
-            models = make_model(seed), make_model(seed)
-            optimizers = make_optimizers(*models)
-        return models, optimizers
+        return build_models(strategy, seed)
 
     models, optimizers = build(10 + rank)   # the chief's initial values win
     ref_models = make_model(0), make_model(0)
     for m, r in zip(models, ref_models):
         m.load_state_dict(r.state_dict())   # the same start as the reference (every worker alike)
-
-    def step(models, optimizers, batch):
-        x, y = batch
-        for model, optimizer in zip(models, optimizers):
-            loss = sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
 
     expected, ref_states, full = reference()
     data = list(strategy.experimental_distribute_dataset(make_data()))

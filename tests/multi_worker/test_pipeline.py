@@ -15,7 +15,7 @@ import stratagem as sg
 from stratagem.testing import run_local_cluster
 
 from . import pp_script
-from .history import assert_history_matches
+from .history import assert_history_matches, plain_history
 
 pytestmark = pytest.mark.timeout(280)
 SCRIPT = Path(pp_script.__file__)
@@ -30,14 +30,7 @@ def reference_history(case: str, initial: dict) -> list[dict]:
         model = pp_script.model_for(case)
         model.load_state_dict({k: torch.tensor(v) for k, v in initial.items()})
         optimizer = pp_script.make_optimizer(optimizer_kind, model.parameters())
-        history = []
-        for x, y in pp_script.make_data():
-            optimizer.zero_grad()
-            loss = pp_script.loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step()
-            history.append({"loss": loss.item(), "params": {k: v.clone() for k, v in model.state_dict().items()}})
-        return history, optimizer
+        return plain_history(model, optimizer, pp_script.make_data(), pp_script.loss_fn), optimizer
     finally:
         torch.set_default_dtype(torch.float32)
 

@@ -13,7 +13,7 @@ import torch
 from stratagem.testing import run_local_cluster
 
 from . import tp_script
-from .history import assert_history_matches
+from .history import assert_history_matches, plain_history
 
 pytestmark = pytest.mark.timeout(200)
 SCRIPT = Path(tp_script.__file__)
@@ -26,14 +26,8 @@ def reference_history(optimizer_kind: str, initial: dict) -> list[dict]:
         model = tp_script.MegatronMLP()
         model.load_state_dict({k: torch.tensor(v) for k, v in initial.items()})
         optimizer = tp_script.make_optimizer(optimizer_kind, model.parameters())
-        history = []
-        for x, y in tp_script.make_data():
-            optimizer.zero_grad()
-            loss = tp_script.per_example_loss(model(x), y).mean()
-            loss.backward()
-            optimizer.step()
-            history.append({"loss": loss.item(), "params": {k: v.clone() for k, v in model.state_dict().items()}})
-        return history, optimizer
+        return plain_history(model, optimizer, tp_script.make_data(),
+                             lambda out, y: tp_script.per_example_loss(out, y).mean()), optimizer
     finally:
         torch.set_default_dtype(torch.float32)
 

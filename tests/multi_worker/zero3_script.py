@@ -28,10 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import stratagem as sg  # noqa: E402
-from tests.multi_worker.sharding_script import STEPS, make_data, make_model, make_optimizers, reference  # noqa: E402
+from tests.multi_worker.sharding_script import STEPS, build_models, make_data, make_model, reference, step  # noqa: E402
 
 
 def local_bytes(tensors) -> int:
@@ -48,20 +47,6 @@ def main(argv=None):
     strategy = sg.MultiWorkerMirroredStrategy(sharding="parameters", communication_options=options)
     rank = strategy.cluster_resolver.worker_rank
 
-    def build(strategy, seed):
-        with strategy.scope():
-            models = make_model(seed), make_model(seed)
-            optimizers = make_optimizers(*models)
-        return models, optimizers
-
-    def step(models, optimizers, batch):
-        x, y = batch
-        for model, optimizer in zip(models, optimizers):
-            loss = sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-
     def error(models, want) -> float:
         worst = 0.0
         for m, w in zip(models, want):
@@ -75,7 +60,7 @@ def main(argv=None):
             strategy.run(step, args=(models, optimizers, data[i]))
 
     def restored(strategy, path, seed):
-        models, optimizers = build(strategy, seed)
+        models, optimizers = build_models(strategy, seed)
         sg.Checkpoint(model_sgd=models[0], model_adam=models[1], sgd=optimizers[0],
                       adam=optimizers[1]).restore(path)
         return models, optimizers
@@ -94,7 +79,7 @@ def main(argv=None):
         result["stage2_error"] = error(in_stage2[0], expected[STEPS + 1])
         return finish(args.out, rank, result)
 
-    models, optimizers = build(strategy, 10 + rank)   # the chief's initial values win
+    models, optimizers = build_models(strategy, 10 + rank)   # the chief's initial values win
     for m, r in zip(models, (make_model(0), make_model(0))):
         m.load_state_dict(r.state_dict())   # the same start as the reference (every worker alike)
     data = list(strategy.experimental_distribute_dataset(make_data()))
