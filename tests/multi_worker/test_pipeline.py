@@ -191,3 +191,20 @@ def test_example_runs_as_its_docstring_says() -> None:
 
 def test_four_stages_processes_with_middle_stages(tmp_path: Path) -> None:
     run_and_compare(tmp_path, 1, 4, ["1f1b:sgd", "zero_bubble:adam"])
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_pipeline_peer_lost_mid_training_stops_the_other_with_a_clear_error(tmp_path: Path, how: str) -> None:
+    """SIGKILL or SIGSTOP of the second stage's process at step 3: the first stage's step fails with an
+    UnavailableError naming it, within the communication timeout, and applies nothing to its stage."""
+    from . import pp_fault_script
+
+    results = run_local_cluster(Path(pp_fault_script.__file__), 2, args=[str(tmp_path), how], timeout=150)
+    first, second = results
+    assert "losing at step 3" in second.output and "step 3 done" not in second.output
+    assert first.returncode == 3, first.output
+    out = json.loads((tmp_path / "rank0.json").read_text())
+    assert out["step"] == 3 and out["type"] == "UnavailableError", out
+    assert "the pipeline schedule" in out["error"] and "worker 1" in out["error"], out["error"]
+    assert out["seconds"] < pp_fault_script.TIMEOUT + 60, out
+    assert out["unchanged"], "the failed step changed the first stage's parameters"
