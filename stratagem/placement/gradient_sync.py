@@ -147,6 +147,8 @@ class GradientSync:
             grad = p.grad
             if grad is None or grad is self._local[replica].get(index):
                 return None   # nothing, or this replica's unsynced accumulation: keep adding to it
+            if grad._base is not None:   # a view of a pack of gradients, which this backward refills
+                grad = grad.clone()
             self._set_aside[replica][index] = grad   # global: this backward adds its own part alone
             self._local[replica].pop(index, None)
             p.grad = None
