@@ -29,6 +29,7 @@ from stratagem.data.from_function import DistributedDatasetsFromFunction
 from stratagem.data.input import DistributedDataset, ValueContext
 from stratagem.devices import Topology
 from stratagem.errors import ContextError, InvalidArgumentError
+from stratagem.nn import loss_check
 from stratagem.placement import hooks
 from stratagem.placement.base import Placement
 from stratagem.strategies.replica_context import CrossReplicaCollectives, ReplicaContext
@@ -194,7 +195,8 @@ class Strategy:
             try:
                 per_replica_args = [self._select_replica(i, (tuple(args), kwargs))
                                     for i in range(self._topology.num_local_replicas)]
-                results = self._runner.run(fn, per_replica_args, _global_batch_size_of((args, kwargs)))
+                with loss_check.watching(self):   # a per-replica mean loss under summed gradients
+                    results = self._runner.run(fn, per_replica_args, _global_batch_size_of((args, kwargs)))
             except BaseException:
                 placement.after_run(failed=True)
                 raise
