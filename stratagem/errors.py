@@ -54,8 +54,3 @@ class CheckpointError(StratagemError, RuntimeError):
 
 class MissingDependencyError(StratagemError, ImportError):
     """An optional package a feature needs is not installed: the message names the pip command."""
-
-
-class LossScalingWarning(UserWarning):
-    """A loss given to ``backward()`` inside ``strategy.run`` looks like a per-replica mean,
-    while the strategy sums the replicas' gradients: the message names the fix."""

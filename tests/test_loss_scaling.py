@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import stratagem as sg
-from stratagem.errors import InvalidArgumentError, LossScalingWarning
+from stratagem.errors import InvalidArgumentError
+from stratagem.nn import LossScalingWarning
 from stratagem.nn import loss_check
 
 pytestmark = pytest.mark.timeout(120)

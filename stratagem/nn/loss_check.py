@@ -31,7 +31,7 @@ A mean that nothing scales is the trap. With no other factor than ones >= 1 on i
 Where a correct loss could look the same -- a mean weighted by an unknown factor below 1
 (``loss / accumulation_steps``, a token count over a global token count) or a mean term added
 to a scaled one (an unscaled regularization term) -- it warns once per strategy with
-:class:`~stratagem.errors.LossScalingWarning`. Sums, custom autograd functions and anything
+:class:`LossScalingWarning`. Sums, custom autograd functions and anything
 else unrecognised pass: the check refuses only what it recognises.
 """
 
@@ -48,9 +48,9 @@ import torch
 
 from stratagem import _context
 from stratagem._frames import warn_at_users_line
-from stratagem.errors import InvalidArgumentError, LossScalingWarning
+from stratagem.errors import InvalidArgumentError
 
-__all__ = ["MAX_NODES", "mark", "watching"]
+__all__ = ["LossScalingWarning", "MAX_NODES", "mark", "watching"]
 
 #: the most autograd nodes one check looks at
 MAX_NODES = 32
@@ -71,6 +71,17 @@ _TORCH_NAMES = {
     "BinaryCrossEntropyBackward0": "F.binary_cross_entropy(...)", "SmoothL1LossBackward0": "F.smooth_l1_loss(...)",
     "HuberLossBackward0": "F.huber_loss(...)", "SoftMarginLossBackward0": "F.soft_margin_loss(...)",
     "MultiMarginLossBackward0": "F.multi_margin_loss(...)"}
+
+
+class LossScalingWarning(UserWarning):
+    """A loss given to ``backward()`` inside ``strategy.run`` looks like a per-replica mean while
+    the strategy sums the replicas' gradients; the message names the fix.
+
+    Example::
+
+        import warnings, stratagem as sg
+        warnings.filterwarnings("error", category=sg.nn.LossScalingWarning)   # make it an error
+    """
 
 
 def mark(loss: torch.Tensor, how: str) -> torch.Tensor:

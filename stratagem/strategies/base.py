@@ -188,15 +188,14 @@ class Strategy:
                 f"args must be a tuple or list of positional arguments, got {type(args).__name__}; "
                 f"write args=(x,) for a single argument")
         kwargs = {} if kwargs is None else kwargs
-        with self._enter_cross_replica("run"), label("stratagem.run"):
+        with self._enter_cross_replica("run"), label("stratagem.run"), loss_check.watching(self):
             self._check_owned((args, kwargs), "run")
             placement = self._placement
             placement.before_run()
             try:
                 per_replica_args = [self._select_replica(i, (tuple(args), kwargs))
                                     for i in range(self._topology.num_local_replicas)]
-                with loss_check.watching(self):   # a per-replica mean loss under summed gradients
-                    results = self._runner.run(fn, per_replica_args, _global_batch_size_of((args, kwargs)))
+                results = self._runner.run(fn, per_replica_args, _global_batch_size_of((args, kwargs)))
             except BaseException:
                 placement.after_run(failed=True)
                 raise

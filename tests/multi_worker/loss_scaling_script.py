@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import stratagem as sg
-from stratagem.errors import InvalidArgumentError, LossScalingWarning
+from stratagem.errors import InvalidArgumentError
+from stratagem.nn import LossScalingWarning
 
 
 def main(out: Path) -> None:
