@@ -241,3 +241,12 @@ def test_the_helpers_refuse_what_is_not_a_loss() -> None:
         sg.nn.skip_loss_scaling_check(1.0)
     assert sg.nn.mean_over_replicas(torch.tensor(3.0)).item() == 3.0   # one replica: unchanged
 
+
+
+def test_losses_stacked_together_are_terms() -> None:
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+    model, _, batch = _setup(strategy)
+    scaled = lambda m, x, y: torch.stack([_average(m, x, y), _average(m, x * 2, y)]).mean()
+    assert _backward(strategy, model, batch, scaled) == []
+    with pytest.raises(InvalidArgumentError, match="per-replica mean loss"):
+        _backward(strategy, model, batch, lambda m, x, y: torch.stack([_mean_ce(m, x, y), _mean_ce(m, x, y)]).sum())

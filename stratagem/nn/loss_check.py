@@ -131,14 +131,24 @@ def _terms(roots: list[Any]) -> list[_Term]:
         elif name in _MEANS or name in _SUMS:
             sizes = tuple(getattr(node, "_saved_self_sym_sizes", ()))
             numel = math.prod(sizes)
-            if numel == 1:   # a scalar reduced: nothing reduced
-                todo += [(n, factors, unsure) for n in inputs]
+            if numel == 1 or (len(sizes) == 1 and _stacked(inputs)):
+                # a scalar reduced (nothing reduced), or a reduction of scalar losses stacked
+                # together (torch.stack([a, b]).mean()): each of them is a term
+                todo += [(n, factors, unsure) for n in _stacked(inputs) or inputs]
             else:
                 kind = "mean" if name in _MEANS else "sum"
                 terms.append(_Term(kind, node, sizes[0] if sizes else 1, numel, factors, unsure))
         else:
             terms.append(_loss_term(node, factors, unsure))
     return terms
+
+
+def _stacked(inputs: list[Any]) -> list[Any]:
+    """The nodes stacked together by ``torch.stack`` of scalars, if that made ``inputs[0]``."""
+    node = inputs[0] if len(inputs) == 1 else None
+    if node is None or node.name() != "StackBackward0":
+        return []
+    return [n for n, _ in node.next_functions]
 
 
 def _scaled(node: Any, divide: bool, inputs: list[Any], factors: list[float], unsure: bool) -> list:
