@@ -21,12 +21,15 @@ few nodes of the autograd graph nearest the loss -- the scalar arithmetic
   reaching one means the loss was scaled on purpose;
 - a reduction is a *mean* (``Tensor.mean``, a torch loss with ``reduction="mean"``, a sum
   divided by its rows) or a *sum*;
-- a factor on the way to it is read (a CPU number: never a device synchronisation): one of
-  ``1/num_replicas_in_sync`` (DDP's average), ``1/global_batch_size``, or
-  ``rows/global_batch_size`` scales the term for the global batch.
+- a factor on the way to it is read: one of ``1/num_replicas_in_sync`` (DDP's average),
+  ``1/global_batch_size``, or ``rows/global_batch_size`` scales the term for the global batch.
+  Only CPU numbers are read (a Python number is one, also beside a GPU tensor), never a
+  device's tensor, which would synchronise: a factor held on a GPU (a ``GradScaler``'s scale
+  there) is one the check cannot place, so a mean under it warns instead of raising.
 
 A mean that nothing scales is the trap. With no other factor than ones >= 1 on its way (a
-``GradScaler``'s scale, a weight) and no scaled term beside it, the verdict is exact and
+CPU ``GradScaler``'s scale, a weight), no scaled term beside it, and the whole scalar part of
+the graph seen within :data:`MAX_NODES` nodes, the verdict is exact and
 ``backward()`` raises :class:`~stratagem.errors.InvalidArgumentError` naming both fixes.
 Where a correct loss could look the same -- a mean weighted by an unknown factor below 1
 (``loss / accumulation_steps``, a token count over a global token count) or a mean term added
@@ -38,9 +41,9 @@ else unrecognised pass: the check refuses only what it recognises.
 from __future__ import annotations
 
 import math
-from collections import deque
 import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +83,8 @@ class LossScalingWarning(UserWarning):
     Example::
 
         import warnings, stratagem as sg
-        warnings.filterwarnings("error", category=sg.nn.LossScalingWarning)   # make it an error
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", sg.nn.LossScalingWarning)   # an error inside this block
     """
 
 
@@ -219,6 +223,7 @@ def _classify(term: _Term, num_replicas: int, global_batch: int | None) -> str:
         if not means:
             return "neutral"
         factors.remove(means[0])
+        term.factors = factors   # the division that made the mean is not a weight
     # a mean's share of the global batch: DDP's 1/N, or rows/global batch (also split in two
     # factors: * rows, then / global batch)
     shares = [1 / num_replicas] + ([1 / global_batch, term.rows / global_batch] if global_batch else [])
@@ -263,7 +268,7 @@ def check(roots: list[Any], strategy: Any, num_replicas: int, global_batch: int 
         raise InvalidArgumentError(
             f"loss.backward() in a replica of {strategy!r} got a per-replica mean loss: "
             f"{_describe(term)}. {_advice(num_replicas)}")
-    mixed = "good" in verdicts   # (or the walk stopped before seeing everything)
+    mixed = "good" in verdicts
     for term, verdict in judged:
         if verdict in ("trap", "doubt"):
             _watch.warn_once(strategy, (
