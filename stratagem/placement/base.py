@@ -36,6 +36,10 @@ class Placement(abc.ABC):
 
     #: Prefix of the names of optimizer classes made by this placement (``MirroredSGD``).
     kind = "Distributed"
+    #: Whether a loss given to ``backward()`` inside ``strategy.run`` must be scaled for the global
+    #: batch, and is checked (:mod:`stratagem.nn.loss_check`): the replicas' gradients are summed.
+    #: False where the strategy's own schedule runs the backward passes (the pipeline).
+    checks_loss_scaling = True
 
     # -------------------------------------------------------------- modules
 

@@ -29,6 +29,7 @@ from stratagem.data.from_function import DistributedDatasetsFromFunction
 from stratagem.data.input import DistributedDataset, ValueContext
 from stratagem.devices import Topology
 from stratagem.errors import ContextError, InvalidArgumentError
+from stratagem.nn import loss_check
 from stratagem.placement import hooks
 from stratagem.placement.base import Placement
 from stratagem.strategies.replica_context import CrossReplicaCollectives, ReplicaContext
@@ -187,7 +188,7 @@ class Strategy:
                 f"args must be a tuple or list of positional arguments, got {type(args).__name__}; "
                 f"write args=(x,) for a single argument")
         kwargs = {} if kwargs is None else kwargs
-        with self._enter_cross_replica("run"), label("stratagem.run"):
+        with self._enter_cross_replica("run"), label("stratagem.run"), loss_check.watching(self):
             self._check_owned((args, kwargs), "run")
             placement = self._placement
             placement.before_run()
