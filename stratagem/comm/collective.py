@@ -107,6 +107,26 @@ class Collective:
         """
         raise NotImplementedError
 
+    # ------------------------------------------- gradients, when backward ends
+
+    def gradient_ready(self, local_id: int, params: list[torch.Tensor], index: int) -> None:
+        """``params[index].grad`` holds replica ``local_id``'s final contribution for this
+        backward: a collective may start sending it (across workers: its pack)."""
+
+    def sum_gradients(self, local_id: int, params: list[torch.Tensor]) -> None:
+        """On every local replica's thread at the end of its backward: each ``params[i].grad``
+        becomes the sum over every replica of every worker, the same tensor values on each
+        (zeros stand in where a replica has no gradient; None stays where none has one)."""
+        if self.num_local > 1:
+            tag = f"gradient sum at the end of backward ({len(params)} parameters)"
+            everyone = self.exchange(local_id, [p.grad for p in params], tag)
+            if any(g is None for e in everyone for g in e):
+                everyone = zeros_where_missing(self, local_id, params, everyone, tag)
+            self.sum_exchanged(local_id, everyone, ReduceOp.SUM)
+
+    def sum_over_workers(self, params: list[torch.Tensor]) -> None:
+        """One thread: ``params``' gradients summed over the workers (the identity in one process)."""
+
     # ------------------------------------------------ derived collectives
 
     def barrier(self, local_id: int) -> None:
@@ -209,3 +229,19 @@ class Collective:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({[str(d) for d in self.devices]})"
+
+
+def zeros_where_missing(collective: Collective, local_id: int, params: list, everyone: list, tag: str) -> list:
+    """A parameter with a gradient on some replicas gets zeros on the others (exchanged again);
+    returns every replica's gradients of the parameters some replica has one for."""
+    grads = [p.grad for p in params]
+    mixed = any(any(e[i] is None for e in everyone) and any(e[i] is not None for e in everyone)
+                for i in range(len(grads)))
+    if mixed:
+        for i, p in enumerate(params):
+            if p.grad is None and any(e[i] is not None for e in everyone):
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        everyone = collective.exchange(local_id, grads, tag)
+    present = [i for i, g in enumerate(grads) if g is not None]
+    return [[e[i] for i in present] for e in everyone]
