@@ -197,17 +197,12 @@ class ReplicaGradScaler(torch.amp.GradScaler):
 
 def replica_tensors(placement: Any, optimizer: torch.optim.Optimizer, local_id: int) -> list[torch.Tensor]:
     """The tensors whose gradients replica ``local_id`` unscales for ``optimizer``: its own copy
-    of each parameter; replica 0 also takes the parameters no replica computes with (a parameter
-    device apart from the compute devices), in case their ``.grad`` is what the update reads."""
+    of each parameter (the update reads replica 0's: under ``CentralStorageStrategy`` too)."""
     tensors: dict[int, torch.Tensor] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             mine = placement.replica_copy(p, local_id)
             tensors.setdefault(id(mine), mine)
-            if local_id == 0 and mine is not p:
-                copies = placement.all_copies(p)
-                if copies is not None and all(c is not p for c in copies):
-                    tensors.setdefault(id(p), p)
     return list(tensors.values())
 
 
