@@ -109,23 +109,43 @@ class Collective:
 
     # ------------------------------------------- gradients, when backward ends
 
-    def gradient_ready(self, local_id: int, params: list[torch.Tensor], index: int) -> None:
-        """``params[index].grad`` holds replica ``local_id``'s final contribution for this
-        backward: a collective may start sending it (across workers: its pack)."""
+    def gradient_packs(self, params: list[torch.Tensor]) -> Any:
+        """The packs (:class:`~stratagem.comm.gradients.GradientPacks`) that sum ``params``'
+        gradients over the workers, or None in one process."""
+        return None
+
+    @property
+    def overlaps_backward(self) -> bool:
+        """Whether packs leave while backward runs (one local replica, several workers)."""
+        return self.num_local == 1 and self.num_workers > 1
 
     def sum_gradients(self, local_id: int, params: list[torch.Tensor]) -> None:
         """On every local replica's thread at the end of its backward: each ``params[i].grad``
-        becomes the sum over every replica of every worker, the same tensor values on each
-        (zeros stand in where a replica has no gradient; None stays where none has one)."""
+        becomes the sum over every replica of every worker, the same values on each (zeros
+        stand in where a replica has no gradient; None stays where none has one). The local
+        replicas first; then local replica 0's sums over the workers, which the others copy."""
         if self.num_local > 1:
             tag = f"gradient sum at the end of backward ({len(params)} parameters)"
             everyone = self.exchange(local_id, [p.grad for p in params], tag)
             if any(g is None for e in everyone for g in e):
                 everyone = zeros_where_missing(self, local_id, params, everyone, tag)
             self.sum_exchanged(local_id, everyone, ReduceOp.SUM)
+        packs = self.gradient_packs(params)
+        if packs is None:
+            return
+        if local_id == 0:
+            packs.finish()
+        if self.num_local > 1:
+            everyone = self.exchange(local_id, params, "gradient sum (across workers)")
+            if local_id != 0:
+                _copy_gradients(everyone[0], params)
+            self.exchange(local_id, None, "gradient sum (across workers) done")
 
     def sum_over_workers(self, params: list[torch.Tensor]) -> None:
         """One thread: ``params``' gradients summed over the workers (the identity in one process)."""
+        packs = self.gradient_packs(params)
+        if packs is not None:
+            packs.finish()
 
     # ------------------------------------------------ derived collectives
 
@@ -245,3 +265,14 @@ def zeros_where_missing(collective: Collective, local_id: int, params: list, eve
         everyone = collective.exchange(local_id, grads, tag)
     present = [i for i, g in enumerate(grads) if g is not None]
     return [[e[i] for i in present] for e in everyone]
+
+
+def _copy_gradients(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, p0 in zip(targets, sources):
+            if p0.grad is None:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = p0.grad.to(p.device, copy=True)
+            else:
+                p.grad.copy_(p0.grad)

@@ -9,8 +9,9 @@ worker issues the same collectives in the same order (gloo and NCCL need that),
 whatever order the hooks fire in.
 
 ``finish()`` (called when backward ends) launches the packs not yet launched, waits
-only for what is still in flight, and copies each sum into the parameter's ``.grad``
-(the pack is reused by the next backward: ``.grad`` never aliases it).
+only for what is still in flight, and makes each parameter's ``.grad`` the view of its
+sum in the pack (no copy back, like DDP's ``gradient_as_bucket_view``). The gradient sync
+copies such a view before the next backward refills the pack (``gradient_sync.py``).
 
 Each pack carries one extra element per parameter: 1 where this worker has a
 gradient. After the sum, a parameter whose flag is 0 had no gradient on any worker
@@ -134,13 +135,10 @@ class GradientPacks:
                         pack.fill(i)
                     dist.all_reduce(pack.buffer, group=group.group)
                 present = pack.flags.tolist()
-                with torch.no_grad():
-                    for i, p in enumerate(pack.params):
-                        if present[i] == 0:
-                            continue
-                        if p.grad is None or p.grad.shape != p.shape:
-                            p.grad = pack.slot(i).clone()
-                        else:
-                            p.grad.copy_(pack.slot(i))
+                for i, p in enumerate(pack.params):
+                    if present[i] != 0:
+                        # the sum becomes the gradient: a view of the pack, no copy back. The next
+                        # backward sets it aside (a copy: the pack is refilled) or finds it None.
+                        p.grad = pack.slot(i)
                 pack.work, pack.filled, pack.stale = None, 0, False
         self._next_launch = 0

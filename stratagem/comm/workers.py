@@ -287,41 +287,15 @@ class WorkerCollective(Collective):
             everyone = [replica for worker in per_worker for replica in worker]
         return self.local.exchange(local_id, everyone, f"{tag}:workers")[0]
 
-    def _gradient_packs(self, params: list[torch.Tensor]) -> GradientPacks:
-        """The packs that sum ``params``' gradients over workers (made at the first backward)."""
+    def gradient_packs(self, params: list[torch.Tensor]) -> GradientPacks | None:
+        if self.num_workers == 1:
+            return None
         key = id(params[0]) if params else 0
         packs = self._packs.get(key)
         if packs is None or not packs.covers(params):
             packs = GradientPacks(params, self.group, bytes_per_pack=self.options.bytes_per_pack)
             self._packs[key] = packs
         return packs
-
-    def gradient_ready(self, local_id: int, params: list[torch.Tensor], index: int) -> None:
-        if self.num_local == 1 and self.num_workers > 1:   # overlap: the pack leaves while backward runs
-            self._gradient_packs(params).ready(params[index])
-
-    def sum_gradients(self, local_id: int, params: list[torch.Tensor]) -> None:
-        super().sum_gradients(local_id, params)   # the local replicas first
-        if self.num_workers == 1:
-            return
-        if local_id == 0:
-            self._gradient_packs(params).finish()
-        if self.num_local > 1:   # local replicas 1.. take local replica 0's sums
-            everyone = self.local.exchange(local_id, params, "gradient sum (across workers)")
-            if local_id != 0:
-                with torch.no_grad():
-                    for p, p0 in zip(params, everyone[0]):
-                        if p0.grad is None:
-                            p.grad = None
-                        elif p.grad is None:
-                            p.grad = p0.grad.to(p.device, copy=True)
-                        else:
-                            p.grad.copy_(p0.grad)
-            self.local.exchange(local_id, None, "gradient sum (across workers) done")
-
-    def sum_over_workers(self, params: list[torch.Tensor]) -> None:
-        if self.num_workers > 1:
-            self._gradient_packs(params).finish()
 
     # -------------------------------------------------------- process level
 

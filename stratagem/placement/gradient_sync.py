@@ -34,6 +34,7 @@ end sums them on the calling thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, Iterator
 
@@ -137,7 +138,7 @@ class GradientSync:
                 task = self._tasks.get(key)
                 if task is None:
                     task = self._tasks[key] = _Backward(self.syncing(replica))
-                    Variable._execution_engine.queue_callback(lambda: self._backward_done(key))
+                    Variable._execution_engine.queue_callback(functools.partial(self._backward_done, key))
         return task
 
     def _prehook(self, replica: int, index: int, p: torch.Tensor) -> Any:
@@ -146,6 +147,8 @@ class GradientSync:
             grad = p.grad
             if grad is None or grad is self._local[replica].get(index):
                 return None   # nothing, or this replica's unsynced accumulation: keep adding to it
+            if grad._base is not None:   # a view of a pack of gradients, which this backward refills
+                grad = grad.clone()
             self._set_aside[replica][index] = grad   # global: this backward adds its own part alone
             self._local[replica].pop(index, None)
             p.grad = None
@@ -157,8 +160,8 @@ class GradientSync:
         task = self._task(replica)
         task.replicas.add(replica)
         task.accumulated.add((replica, index))
-        if task.sync and self.in_run:
-            self._collective.gradient_ready(replica, self._replicas[replica], index)
+        if task.sync and self.in_run and self._collective.overlaps_backward:   # its pack may leave now
+            self._collective.gradient_packs(self._replicas[replica]).ready(p)
 
     # --------------------------------------------------------- end of backward
 
@@ -171,11 +174,16 @@ class GradientSync:
                 for replica, index in task.accumulated:
                     self._local[replica][index] = self._replicas[replica][index].grad
                 return
-            if self.in_run and len(task.replicas) == 1:
-                (replica,) = task.replicas
-                self._sum(replica, task)
-            else:   # one pass through every replica's graph (outside run): sum them here
+            if not self.in_run or len(task.replicas) > 1:   # one pass through every replica's graph
                 self._sum_all(task)
+                return
+            (replica,) = task.replicas
+            params = self._replicas[replica]
+            parts = self._parts(replica, task)
+            for p, (new, _) in zip(params, parts):
+                p.grad = new
+            self._collective.sum_gradients(replica, params)
+            _add_global_parts(params, parts)
 
     def _parts(self, replica: int, task: _Backward) -> list[Any]:
         """This replica's unsynced contribution per parameter (None: none), and its global part."""
@@ -190,14 +198,6 @@ class GradientSync:
             local.pop(i, None)
             aside.pop(i, None)
         return parts
-
-    def _sum(self, replica: int, task: _Backward) -> None:
-        params = self._replicas[replica]
-        parts = self._parts(replica, task)
-        for p, (new, _) in zip(params, parts):
-            p.grad = new
-        self._collective.sum_gradients(replica, params)
-        _add_global_parts(params, parts)
 
     def _sum_all(self, task: _Backward) -> None:
         replicas = range(len(self._replicas))

@@ -140,6 +140,12 @@ class MirroredPlacement(MirroredOptimizers, Placement):
         if primary.device != self.home:
             with torch.no_grad():
                 primary.data = primary.data.to(self.home)
+        known = self._copies.get(id(primary))
+        if known is not None and known[0] is primary:   # a tied tensor: one copy per replica, shared too
+            for r in range(self.first_copy, self.num_replicas):
+                entries.set_copy(r, key, known[1][r])
+            entries.versions[key] = primary._version
+            return
         all_copies = [primary] * self.first_copy
         for r in range(self.first_copy, self.num_replicas):
             if isinstance(primary, nn.Parameter):
