@@ -30,6 +30,7 @@ def _setup(strategy: sg.Strategy, rows: int = 8) -> tuple[nn.Module, Any, Any]:
     torch.manual_seed(0)
     with strategy.scope():
         model = nn.Linear(4, 3).double()
+        _SCALERS[strategy] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)   # scalers live in scope
     g = torch.Generator().manual_seed(1)
     batch = (torch.randn(rows, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (rows,), generator=g))
     return model, batch, next(iter(strategy.experimental_distribute_dataset([batch])))
@@ -62,9 +63,14 @@ TRAPS = {
     "plus_weight_decay": lambda m, x, y: F.cross_entropy(m(x), y) + 1e-4 * m.weight.pow(2).sum(),
     "two_means": lambda m, x, y: F.cross_entropy(m(x), y) + F.mse_loss(m(x), F.one_hot(y, 3).double()),
     "cast_and_viewed": lambda m, x, y: F.cross_entropy(m(x), y).float().view(1),
-    "grad_scaler": lambda m, x, y: _SCALER.scale(F.cross_entropy(m(x), y)),
+    "grad_scaler": lambda m, x, y: _scaled(F.cross_entropy(m(x), y)),
 }
-_SCALER = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+_SCALERS: dict = {}
+
+
+def _scaled(loss: torch.Tensor) -> torch.Tensor:
+    return _SCALERS[sg.get_strategy()].scale(loss)
+
 
 GOOD = {
     "compute_average_loss": _average,
@@ -73,7 +79,7 @@ GOOD = {
     "average_plus_regularization": lambda m, x, y: _average(m, x, y) + sg.nn.scale_regularization_loss(
         1e-3 * m.weight.pow(2).mean()),
     "accumulation": lambda m, x, y: _average(m, x, y) / 4,
-    "grad_scaler": lambda m, x, y: _SCALER.scale(_average(m, x, y)),
+    "grad_scaler": lambda m, x, y: _scaled(_average(m, x, y)),
     "mean_over_replicas": lambda m, x, y: sg.nn.mean_over_replicas(F.cross_entropy(m(x), y)),
     "mean_over_num_replicas": lambda m, x, y: F.cross_entropy(m(x), y) / sg.get_replica_context().num_replicas_in_sync,
     "mean_times_rows_over_global": lambda m, x, y: F.cross_entropy(m(x), y) * x.shape[0] / 8,
