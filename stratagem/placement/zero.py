@@ -26,6 +26,7 @@ gathers the state on every worker once and lets the chief write it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Any, Iterator
 
@@ -35,9 +36,8 @@ from stratagem._profiling import label
 from stratagem.comm import worker_ops
 from stratagem.comm.scattered_gradients import ScatteredGradients
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.hooks import placement_of, run_hooks, step_hooks
+from stratagem.placement.hooks import placement_of, step_hooks
 from stratagem.placement.mirrored import MirroredPlacement
-from stratagem.placement.mirrored_optimizers import refuse_closure
 from stratagem.placement.sharded_update import ELEMENTWISE, ShardedUpdate
 
 #: ``sharding=`` values, and the ones that exist only as names so far
@@ -129,30 +129,32 @@ class ZeroPlacement(MirroredPlacement):
 
     # ---------------------------------------------------------------- step
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-        refuse_closure(closure)
-        sharded = self.sharded(optimizer)
-        layout: _Layout = optimizer._sg_zero
-        collective, rank = self.collective, self._rank
-        with label("stratagem.optimizer.step"):
-            grads = None   # stage 1: the whole gradients, summed when backward ended
-            if collective.num_workers > 1 and self.stage == "gradients":
-                with label("stratagem.gradients.cross_worker"):
-                    grads = self._reduce_scattered(layout)
-            pre, post = step_hooks(optimizer)
-            if pre:
-                if self.stage == "gradients":
-                    raise InvalidArgumentError(
-                        "optimizer step pre-hooks see whole gradients, which sharding='gradients' never "
-                        "forms; remove the hook or use sharding='optimizer'")
-                run_hooks(pre, optimizer)
-            with label("stratagem.optimizer.update"):
-                sharded.step(rank, grads)
-            if collective.num_workers > 1:
-                with label("stratagem.parameters.all_gather"):
-                    self._gather_parameters(layout)
-            if post:
-                run_hooks(post, optimizer)
+    # the primitives of placement/step.py (optimizer_step is the mirrored placement's: the order)
+
+    def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any:
+        """Stage 1: the whole sums, in ``.grad`` since backward ended. Stage 2: this worker's range
+        of the sum (the packs reduce-scattered during backward)."""
+        self.sharded(optimizer)
+        if self.stage != "gradients":
+            return None
+        if step_hooks(optimizer)[0]:
+            raise InvalidArgumentError(
+                "optimizer step pre-hooks see whole gradients, which sharding='gradients' never "
+                "forms; remove the hook or use sharding='optimizer'")
+        if self.collective.num_workers == 1:
+            return None
+        with label("stratagem.gradients.cross_worker"):
+            return self._reduce_scattered(optimizer._sg_zero)
+
+    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any:
+        """This worker's range of the update."""
+        return functools.partial(self.sharded(optimizer).step, self._rank, gradients)
+
+    def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any:
+        """Every worker's updated range reaches every worker (all-gather)."""
+        if self.collective.num_workers > 1:
+            with label("stratagem.parameters.all_gather"):
+                self._gather_parameters(optimizer._sg_zero)
         return None
 
     def _reduce_scattered(self, layout: "_Layout") -> Any:
