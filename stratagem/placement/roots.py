@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from stratagem.comm.collective import Collective
+from stratagem.errors import InvalidArgumentError
 from stratagem.placement.base import Placement
 
 
@@ -57,6 +58,11 @@ class RootsPlacement(Placement):
         self._placed.extend(roots)
         return roots
 
+    def splits_gradients(self, params: list[torch.Tensor]) -> list[bool]:
+        """The parameters of the models placed here (their gradients are split over processes)."""
+        placed = {id(p) for root in self._placed for p in root.parameters()}
+        return [id(p) in placed for p in params]
+
     def _forget_pending(self, modules: Any) -> None:
         """Modules that placing created in scope are not new models."""
         ids = {id(m) for m in modules}
@@ -82,3 +88,55 @@ def sum_gradients_over(axis: Collective, params: list[torch.Tensor]) -> None:
                                     "optimizer.step (gradients over the data axis)")
             for g, part in zip(same, flat.split([g.numel() for g in same])):
                 g.copy_(part.view_as(g))
+
+
+class DataAxisSum:
+    """The sum of gradients over the data axis, once per step: in ``optimizer.step()``, or earlier
+    when clipping needs the whole gradients (:meth:`now`), which the step then leaves as they are.
+
+    A gradient summed early and then accumulated into again (a backward between the clip and
+    the step) would be summed twice or not at all: the step refuses it. A post-accumulate hook
+    on each parameter summed early tells such a gradient from a fresh one (``.grad`` set to
+    None, then a new backward).
+    """
+
+    def __init__(self, axis: Collective):
+        self.axis = axis
+        self._summed: dict[int, tuple[torch.Tensor | None, Any]] = {}   # id(p) -> (its summed .grad, hook)
+        self._mixed: set[int] = set()
+
+    def now(self, params: list[torch.Tensor]) -> None:
+        """Sum those of ``params`` not summed yet this step (a collective over the data axis)."""
+        if self.axis.num_workers == 1:
+            return
+        fresh = [p for p in params if id(p) not in self._summed]
+        sum_gradients_over(self.axis, fresh)
+        for p in fresh:
+            self._summed[id(p)] = (p.grad, p.register_post_accumulate_grad_hook(self._accumulated))
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        entry = self._summed.get(id(param))
+        if entry is not None and param.grad is entry[0]:
+            self._mixed.add(id(param))   # this process's part added to the sum
+        elif entry is not None:
+            self.forget([param])         # the summed gradient was dropped: a fresh one
+
+    def before_step(self, params: list[torch.Tensor]) -> None:
+        """Sum what clipping did not (a collective); then forget this step's sums."""
+        mixed = [p for p in params if id(p) in self._mixed]
+        if mixed:
+            raise InvalidArgumentError(
+                f"{len(mixed)} gradient(s) (shapes {[tuple(p.shape) for p in mixed[:4]]}) were summed over the "
+                f"data axis by clip_grad_norm_/clip_grad_value_ and then accumulated into by another backward "
+                f"before optimizer.step(); clip after the last backward of the step (or call "
+                f"optimizer.zero_grad() before a new one)")
+        sum_gradients_over(self.axis, [p for p in params if id(p) not in self._summed])
+        self.forget(params)
+
+    def forget(self, params: list[torch.Tensor]) -> None:
+        """Drop what is known about ``params``' sums (after the step, or ``zero_grad``)."""
+        for p in params:
+            entry = self._summed.pop(id(p), None)
+            if entry is not None:
+                entry[1].remove()
+            self._mixed.discard(id(p))

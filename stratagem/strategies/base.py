@@ -29,7 +29,7 @@ from stratagem.data.from_function import DistributedDatasetsFromFunction
 from stratagem.data.input import DistributedDataset, ValueContext
 from stratagem.devices import Topology
 from stratagem.errors import ContextError, InvalidArgumentError
-from stratagem.placement import hooks
+from stratagem.placement import clipping, hooks
 from stratagem.placement.base import Placement
 from stratagem.strategies.replica_context import CrossReplicaCollectives, ReplicaContext
 from stratagem.strategies.runner import InlineRunner, ThreadRunner
@@ -333,6 +333,33 @@ class Strategy:
         """Call ``dataset_fn(sg.InputContext)`` per worker; it returns per-replica batches."""
         with self._enter_cross_replica("distribute_datasets_from_function"):
             return DistributedDatasetsFromFunction(self, dataset_fn, options)
+
+    # ------------------------------------------------------------- gradients
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` by the norm of the whole gradients, on every process.
+
+        The same as torch's call, which stratagem routes here while a strategy whose processes
+        each hold part of the gradients exists (ZeRO-2/3, tensor and pipeline parallelism: each
+        gradient's parts are measured where they live). Returns the norm plain PyTorch returns
+        for the whole model, as a plain tensor; call it on every process, after the last backward.
+
+        Example::
+
+            import torch, stratagem as sg
+            strategy = sg.OneDeviceStrategy("cpu")
+            with strategy.scope():
+                model = torch.nn.Linear(4, 1)
+            model(torch.ones(2, 4)).sum().backward()
+            norm = strategy.clip_grad_norm_(model.parameters(), max_norm=1.0)
+            assert torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]) <= 1.0 < norm
+        """
+        return clipping.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float, foreach: bool | None = None) -> None:
+        """``torch.nn.utils.clip_grad_value_`` over the whole gradients (see :meth:`clip_grad_norm_`)."""
+        clipping.clip_grad_value_(parameters, clip_value, foreach)
 
     @property
     def collectives(self) -> CrossReplicaCollectives:
