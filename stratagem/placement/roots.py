@@ -11,6 +11,8 @@ process, and every data-parallel group, starts alike).
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any
 
 import torch
@@ -94,32 +96,33 @@ class DataAxisSum:
     """The sum of gradients over the data axis, once per step: in ``optimizer.step()``, or earlier
     when clipping needs the whole gradients (:meth:`now`), which the step then leaves as they are.
 
-    A gradient summed early and then accumulated into again (a backward between the clip and
-    the step) would be summed twice or not at all: the step refuses it. A post-accumulate hook
-    on each parameter summed early tells such a gradient from a fresh one (``.grad`` set to
-    None, then a new backward).
+    A gradient summed early and then accumulated into by another backward before the step
+    would need only the new part summed: the step refuses it instead. A hook on each parameter
+    summed early sees each new gradient arrive: onto a ``.grad`` still there (refused at the
+    step), or onto none (``zero_grad`` dropped the sum: a fresh gradient, summed in the step).
     """
 
     def __init__(self, axis: Collective):
         self.axis = axis
-        self._summed: dict[int, tuple[torch.Tensor | None, Any]] = {}   # id(p) -> (its summed .grad, hook)
+        self._hooks: dict[int, Any] = {}   # id(parameter summed early) -> its hook's handle
         self._mixed: set[int] = set()
 
     def now(self, params: list[torch.Tensor]) -> None:
         """Sum those of ``params`` not summed yet this step (a collective over the data axis)."""
         if self.axis.num_workers == 1:
             return
-        fresh = [p for p in params if id(p) not in self._summed]
+        fresh = [p for p in params if id(p) not in self._hooks]
         sum_gradients_over(self.axis, fresh)
         for p in fresh:
-            self._summed[id(p)] = (p.grad, p.register_post_accumulate_grad_hook(self._accumulated))
+            self._hooks[id(p)] = p.register_hook(functools.partial(self._arriving, weakref.ref(p)))
 
-    def _accumulated(self, param: torch.Tensor) -> None:
-        entry = self._summed.get(id(param))
-        if entry is not None and param.grad is entry[0]:
-            self._mixed.add(id(param))   # this process's part added to the sum
-        elif entry is not None:
-            self.forget([param])         # the summed gradient was dropped: a fresh one
+    def _arriving(self, ref: Any, grad: torch.Tensor) -> None:
+        param = ref()   # (before the new gradient is added to param.grad)
+        if param is not None and id(param) in self._hooks:
+            if param.grad is not None:
+                self._mixed.add(id(param))
+            else:
+                self.forget([param])
 
     def before_step(self, params: list[torch.Tensor]) -> None:
         """Sum what clipping did not (a collective); then forget this step's sums."""
@@ -130,13 +133,13 @@ class DataAxisSum:
                 f"data axis by clip_grad_norm_/clip_grad_value_ and then accumulated into by another backward "
                 f"before optimizer.step(); clip after the last backward of the step (or call "
                 f"optimizer.zero_grad() before a new one)")
-        sum_gradients_over(self.axis, [p for p in params if id(p) not in self._summed])
+        sum_gradients_over(self.axis, [p for p in params if id(p) not in self._hooks])
         self.forget(params)
 
     def forget(self, params: list[torch.Tensor]) -> None:
         """Drop what is known about ``params``' sums (after the step, or ``zero_grad``)."""
         for p in params:
-            entry = self._summed.pop(id(p), None)
-            if entry is not None:
-                entry[1].remove()
+            handle = self._hooks.pop(id(p), None)
+            if handle is not None:
+                handle.remove()
             self._mixed.discard(id(p))
