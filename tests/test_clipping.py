@@ -77,7 +77,7 @@ def test_one_process_meshes_clip_as_plain_pytorch(kind: str, norm_type: float) -
     torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(whole(p.grad), q.grad, rtol=1e-13, atol=1e-15)
-    strategy.clip_grad_value_(model.parameters(), 0.004)
+    sg.nn.clip_grad_value_(model.parameters(), 0.004)
     torch.nn.utils.clip_grad_value_(plain.parameters(), 0.004)
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(whole(p.grad), q.grad, rtol=1e-13, atol=1e-15)
@@ -92,7 +92,7 @@ def test_refusals_name_the_way() -> None:
     with pytest.raises(InvalidArgumentError, match="norm_type=0.0"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=0)
     with pytest.raises(InvalidArgumentError, match="norm_type=-inf"):
-        strategy.clip_grad_norm_(model.parameters(), 1.0, norm_type=-math.inf)
+        sg.nn.clip_grad_norm_(model.parameters(), 1.0, norm_type=-math.inf)
     with pytest.raises(InvalidArgumentError, match=r"get_total_norm.*torch.nn.utils.clip_grad_norm_\(parameters"):
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, torch.tensor(3.0))
     with pytest.raises(RuntimeError, match="non-finite"):

@@ -168,20 +168,45 @@ def _routed_with_norm(parameters: Any, max_norm: float, total_norm: torch.Tensor
         raise InvalidArgumentError(
             f"clip_grads_with_norm_ scales by a norm computed elsewhere, but {type(owner).__name__} holds these "
             f"gradients over several processes, so a norm of this process's p.grad (get_total_norm) is only its "
-            f"part; call torch.nn.utils.clip_grad_norm_(parameters, max_norm) or strategy.clip_grad_norm_, "
+            f"part; call torch.nn.utils.clip_grad_norm_(parameters, max_norm) (or sg.nn.clip_grad_norm_), "
             f"which measure the global norm (max_norm=float('inf') only measures it)")
     return _torch_with_norm(params, max_norm, total_norm, foreach)
 
 
 def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` by the global norm, whether or not torch's is routed here."""
+    """``torch.nn.utils.clip_grad_norm_`` by the norm of the whole gradients, returned on every process.
+
+    The same as torch's call, which stratagem routes here while a strategy whose processes each
+    hold part of the gradients exists (``sharding="gradients"`` or ``"parameters"``, tensor and
+    pipeline parallelism: each gradient's parts are measured where they live, and the p-th
+    powers are summed over the processes). Returns the norm that plain PyTorch returns for the
+    whole model, as a plain tensor. Under those strategies it is a collective: call it on every
+    process, after the step's last backward. Other parameters get torch's own code.
+
+    Example::
+
+        import torch, stratagem as sg
+        model = torch.nn.Linear(4, 1)
+        model(torch.ones(2, 4)).sum().backward()
+        norm = sg.nn.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        assert norm > 1.0 and torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]) <= 1.0
+    """
     with torch.no_grad():
         return _routed_norm(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
 def clip_grad_value_(parameters: Any, clip_value: float, foreach: bool | None = None) -> None:
-    """``torch.nn.utils.clip_grad_value_`` on the whole gradients, whether or not torch's is routed here."""
+    """``torch.nn.utils.clip_grad_value_`` over the whole gradients (see :func:`clip_grad_norm_`).
+
+    Example::
+
+        import torch, stratagem as sg
+        model = torch.nn.Linear(4, 1)
+        model(torch.ones(2, 4)).sum().backward()
+        sg.nn.clip_grad_value_(model.parameters(), 0.5)
+        assert model.weight.grad.max() == 0.5
+    """
     with torch.no_grad():
         _routed_value(parameters, clip_value, foreach)
 

@@ -29,7 +29,7 @@ from stratagem.data.from_function import DistributedDatasetsFromFunction
 from stratagem.data.input import DistributedDataset, ValueContext
 from stratagem.devices import Topology
 from stratagem.errors import ContextError, InvalidArgumentError
-from stratagem.placement import clipping, hooks
+from stratagem.placement import hooks
 from stratagem.placement.base import Placement
 from stratagem.strategies.replica_context import CrossReplicaCollectives, ReplicaContext
 from stratagem.strategies.runner import InlineRunner, ThreadRunner
@@ -214,6 +214,40 @@ class Strategy:
             return leaf
         return map_structure(pick, structure)
 
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Backward passes inside skip the gradient exchange (gradient accumulation without waste).
+
+        DistributedDataParallel's ``no_sync()``: when ``backward()`` returns inside it, each
+        parameter's ``.grad`` holds this replica's own accumulation; the next ``backward()``
+        outside it sums everything accumulated since over every replica and worker, so k
+        micro-steps cost one exchange and ``.grad`` is then exactly the global batch's. Use it
+        inside ``run`` (every replica must do the same) or around it. Setting
+        ``model.require_backward_grad_sync = False`` on a model created in scope (DDP's
+        attribute, as nanoGPT's loop does) has the same effect until it is set back to True.
+
+        Example::
+
+            import torch, stratagem as sg
+            strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+            with strategy.scope():
+                model = torch.nn.Linear(4, 1)
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+            def step(micro_batches):
+                optimizer.zero_grad()
+                for k, x in enumerate(micro_batches):
+                    loss = sg.nn.compute_average_loss(model(x).pow(2).sum(1)) / len(micro_batches)
+                    if k < len(micro_batches) - 1:
+                        with strategy.no_sync():
+                            loss.backward()       # this replica's part only
+                    else:
+                        loss.backward()           # one exchange: .grad is the whole batch's
+                optimizer.step()
+
+            strategy.run(step, args=([torch.ones(8, 4), torch.ones(8, 4)],))
+        """
+        return self._placement.no_sync()
+
     # ---------------------------------------------------- cross-replica API
 
     def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: int | None = None) -> Any:
@@ -333,33 +367,6 @@ class Strategy:
         """Call ``dataset_fn(sg.InputContext)`` per worker; it returns per-replica batches."""
         with self._enter_cross_replica("distribute_datasets_from_function"):
             return DistributedDatasetsFromFunction(self, dataset_fn, options)
-
-    # ------------------------------------------------------------- gradients
-
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` by the norm of the whole gradients, on every process.
-
-        The same as torch's call, which stratagem routes here while a strategy whose processes
-        each hold part of the gradients exists (ZeRO-2/3, tensor and pipeline parallelism: each
-        gradient's parts are measured where they live). Returns the norm plain PyTorch returns
-        for the whole model, as a plain tensor; call it on every process, after the last backward.
-
-        Example::
-
-            import torch, stratagem as sg
-            strategy = sg.OneDeviceStrategy("cpu")
-            with strategy.scope():
-                model = torch.nn.Linear(4, 1)
-            model(torch.ones(2, 4)).sum().backward()
-            norm = strategy.clip_grad_norm_(model.parameters(), max_norm=1.0)
-            assert torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]) <= 1.0 < norm
-        """
-        return clipping.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
-
-    def clip_grad_value_(self, parameters: Any, clip_value: float, foreach: bool | None = None) -> None:
-        """``torch.nn.utils.clip_grad_value_`` over the whole gradients (see :meth:`clip_grad_norm_`)."""
-        clipping.clip_grad_value_(parameters, clip_value, foreach)
 
     @property
     def collectives(self) -> CrossReplicaCollectives:

@@ -3,7 +3,7 @@ and in plain PyTorch (the oracle).
 
 Each entry of :data:`STEPS` is one training step: backward, one clipping call, the update.
 Every ``max_norm`` but one clips (the gradients' norms are larger). ``"first"``: only the first
-layer's parameters are clipped; ``"api"``: ``strategy.clip_grad_norm_``, or torch's
+layer's parameters are clipped; ``"api"``: ``sg.nn.clip_grad_norm_``, or torch's
 ``clip_grad_value_`` imported (bound) before any strategy existed; ``"nonfinite"``: the loss
 times inf, so ``clip_grad_norm_(error_if_nonfinite=True)`` raises torch's RuntimeError on every
 process and the step is skipped; ``"again"`` (last): half the loss is back-propagated once more
@@ -19,9 +19,11 @@ from typing import Any, Callable
 import torch
 from torch.nn.utils import clip_grad_value_ as clip_grad_value_bound_early   # still routed by stratagem
 
+import stratagem as sg
+
 STEPS: tuple[dict, ...] = (
     {"max_norm": 0.05},
-    {"max_norm": 0.02, "norm_type": math.inf, "api": "strategy"},
+    {"max_norm": 0.02, "norm_type": math.inf, "api": "sg.nn"},
     {"clip_value": 0.01, "api": "early"},
     {"max_norm": 100.0, "foreach": False},   # does not clip
     {"max_norm": 0.03, "norm_type": 1.0, "first": True},
@@ -30,15 +32,14 @@ STEPS: tuple[dict, ...] = (
 )
 
 
-def clip(model: torch.nn.Module, how: dict, strategy: Any = None) -> float | None:
+def clip(model: torch.nn.Module, how: dict) -> float | None:
     """One step's clipping of ``model``'s gradients: the norm returned (None for clip_grad_value_)."""
     params = list(model.parameters())[:2] if how.get("first") else model.parameters()
     if "clip_value" in how:
         fn = clip_grad_value_bound_early if how.get("api") == "early" else torch.nn.utils.clip_grad_value_
         fn(params, how["clip_value"])
         return None
-    fn = strategy.clip_grad_norm_ if how.get("api") == "strategy" and strategy is not None else \
-        torch.nn.utils.clip_grad_norm_
+    fn = sg.nn.clip_grad_norm_ if how.get("api") == "sg.nn" else torch.nn.utils.clip_grad_norm_
     norm = fn(params, how["max_norm"], how.get("norm_type", 2.0), error_if_nonfinite=bool(how.get("nonfinite")),
               foreach=how.get("foreach"))
     assert type(norm) is torch.Tensor, type(norm)   # a plain tensor, the same on every process
@@ -46,13 +47,13 @@ def clip(model: torch.nn.Module, how: dict, strategy: Any = None) -> float | Non
 
 
 def train_step(how: dict, backward: Callable[[float], Any], model: torch.nn.Module,
-               optimizer: torch.optim.Optimizer, strategy: Any = None) -> dict:
+               optimizer: torch.optim.Optimizer) -> dict:
     """One entry of STEPS; ``backward(scale)`` back-propagates ``scale`` times the step's loss.
     Returns the norm, or the error that skipped the step (its message)."""
     optimizer.zero_grad()
     try:
         backward(math.inf if how.get("nonfinite") else 1.0)
-        norm = clip(model, how, strategy)
+        norm = clip(model, how)
         if how.get("again"):
             backward(0.5)
         optimizer.step()

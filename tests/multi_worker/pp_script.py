@@ -147,7 +147,7 @@ def clipping(case: str, mesh: dict) -> dict:
 
     def step(how, x, y):
         return clips.train_step(how, lambda scale: strategy.forward_backward(
-            model, x, y, loss_fn=lambda output, target: scale * loss_fn(output, target)), model, optimizer, strategy)
+            model, x, y, loss_fn=lambda output, target: scale * loss_fn(output, target)), model, optimizer)
     for how, (x, y) in zip(clips.STEPS, strategy.experimental_distribute_dataset(clip_data())):
         out["steps"].append({**strategy.run(step, args=(how, x, y)), "params": listed(model.state_dict())})
     return out

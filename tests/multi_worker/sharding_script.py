@@ -8,8 +8,8 @@ test then reads from OUT_DIR/rankR.json:
 - ``sg.Checkpoint`` saved under sharding (OUT_DIR/ckpt), restored into a fresh model and
   optimizer under the same strategy, training on exactly as the original; and one saved
   without sharding (OUT_DIR/plain, when the test wrote it) restored under sharding;
-- under ``sharding="gradients"``, gradient clipping (the steps of clips.py): the norms and the
-  parameters of every step as plain PyTorch's.
+- gradient clipping (the steps of clips.py): the norms and the parameters of every step as plain
+  PyTorch's.
 
 Usage: python sharding_script.py OUT_DIR --sharding optimizer|gradients
 """
@@ -163,7 +163,7 @@ def main(argv=None):
             older_refused = False
         except sg.errors.InvalidArgumentError as error:
             older_refused = "another optimizer was created in scope over these parameters" in str(error)
-    clipped = clipping(strategy, build) if args.sharding == "gradients" else None
+    clipped = clipping(strategy, build)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"clipping": clipped, "worst": worst, "state_error": state_error, "state_bytes": mine, "full_bytes": full,
                    "resumed_equal": resumed_equal, "plain_error": plain_error,
@@ -188,7 +188,7 @@ def clipping(strategy, build) -> dict:
     def step(how, batch):
         x, y = batch
         return [clips.train_step(how, lambda scale, m=m: (scale * sg.nn.compute_average_loss(
-            F.cross_entropy(m(x), y, reduction="none"))).backward(), m, o, strategy)
+            F.cross_entropy(m(x), y, reduction="none"))).backward(), m, o)
             for m, o in zip(models, optimizers)]
     for how, batch, (x, y) in zip(clips.STEPS, strategy.experimental_distribute_dataset(batches), batches):
         got = strategy.run(step, args=(how, batch))

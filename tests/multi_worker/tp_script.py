@@ -76,7 +76,7 @@ def clipping(strategy, kind: str) -> dict:
     def step(how, batch):
         x, y = batch
         return clips.train_step(how, lambda scale: (scale * sg.nn.compute_average_loss(
-            per_example_loss(model(x), y))).backward(), model, optimizer, strategy)
+            per_example_loss(model(x), y))).backward(), model, optimizer)
     for how, batch in zip(clips.STEPS, strategy.experimental_distribute_dataset(make_data(len(clips.STEPS)))):
         out["steps"].append({**strategy.run(step, args=(how, batch)), "params": listed(model.state_dict())})
     return out
