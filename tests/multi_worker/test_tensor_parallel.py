@@ -52,7 +52,7 @@ def run_and_compare(tmp_path: Path, data: int, model: int, optimizer: str) -> li
             for key, value in state.items():
                 torch.testing.assert_close(torch.tensor(value, dtype=torch.float64), want_state[int(index)][key],
                                            rtol=1e-12, atol=1e-12)
-        check_clipping(out["clipping"], tp_script.MegatronMLP, lambda params: tp_script.make_optimizer(optimizer, params),
+        check_clipping(out["clipping"], tp_script.NormedMLP, lambda params: tp_script.make_optimizer(optimizer, params),
                        tp_script.make_data(len(clips.STEPS)), lambda out, y: tp_script.per_example_loss(out, y).mean(),
                        f"process {rank}", refused_again=data > 1)
         errors = out["errors"]

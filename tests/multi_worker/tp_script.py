@@ -35,6 +35,17 @@ class MegatronMLP(nn.Module):
         return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
+class NormedMLP(MegatronMLP):
+    """The block and a LayerNorm the plan leaves whole (its parameters replicated on the model axis)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(super().forward(x))
+
+
 PLAN = {"fc1": "colwise", "fc2": "rowwise"}
 
 
@@ -69,7 +80,7 @@ def error_of(fn):
 def clipping(strategy, kind: str) -> dict:
     """clips.STEPS on a fresh model: its initial parameters, each step's norm (or error) and parameters."""
     with strategy.scope():
-        model = MegatronMLP()
+        model = NormedMLP()
         optimizer = make_optimizer(kind, model.parameters())
     out = {"initial": listed(model.state_dict()), "steps": []}
 
