@@ -73,6 +73,7 @@ class PipelinePlacement(RootsPlacement):
     """Stages of ``nn.Sequential`` models over the pipe axis; gradients summed over the data axis."""
 
     kind = "Pipeline"
+    checks_loss_scaling = False   # forward_backward weighs the micro-batches' mean losses itself
 
     def __init__(self, strategy: Any, *, config: dict[str, Any], pipe_rank: int, pipe: Collective,
                  data: Collective, everyone: Collective, device: torch.device):

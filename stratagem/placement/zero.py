@@ -118,6 +118,13 @@ class ZeroPlacement(MirroredPlacement):
                 optimizer._sg_zero = layout
         return sharded
 
+    def grad_scaler_refusal(self) -> str | None:
+        if self.stage == "optimizer":
+            return None   # whole gradients on every worker, as without sharding
+        return (f"with sharding={self.stage!r} each worker only ever holds its share of the summed "
+                f"gradients, inside optimizer.step(), where GradScaler.unscale_ cannot see them; use "
+                f"sharding='optimizer' for float16 with a GradScaler")
+
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         super()._prepare_optimizer(optimizer)
         if self.stage == "gradients":   # the packs' hooks must exist before the first backward

@@ -211,7 +211,8 @@ def accumulated(strategy, build, data, want) -> float:
 
     def step(batch, other):
         for model, optimizer in zip(models, optimizers):
-            F.cross_entropy(model(other[0]), other[1]).backward()
+            per_example = F.cross_entropy(model(other[0]), other[1], reduction="none")
+            sg.nn.compute_average_loss(per_example, global_batch_size=10).backward()
             optimizer.zero_grad()
             x, y = batch
             for part in (slice(0, 2), slice(2, None)):
