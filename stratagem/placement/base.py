@@ -96,6 +96,19 @@ class Placement(abc.ABC):
         checkpoint assembles the logical state from ``skeleton`` and calls ``load_state_dict``."""
         return None
 
+    # ------------------------------------------------------------ gradients
+
+    def splits_gradients(self, params: list[torch.Tensor]) -> list[bool]:
+        """For each of ``params``: whether no process's ``.grad`` holds its whole gradient between
+        backward and step, by this placement's design (clipping then asks :meth:`gradient_parts`;
+        :mod:`stratagem.placement.clipping`). Default: never."""
+        return [False] * len(params)
+
+    def gradient_parts(self, params: list[torch.Tensor]) -> Any:
+        """This process's parts of the whole gradients of ``params`` (all split by this placement), as a
+        :class:`~stratagem.placement.clipping.GradientParts`: a collective, every process calls it."""
+        raise NotImplementedError(f"{type(self).__name__} keeps whole gradients")
+
     # ----------------------------------------------------------- optimizers
 
     @abc.abstractmethod

@@ -187,8 +187,8 @@ class ReplicaGradScaler(torch.amp.GradScaler):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
-            f"a GradScaler created in a strategy's scope cannot be pickled or deep-copied; save its "
-            f"state_dict() instead (one logical scaler)")
+            "a GradScaler created in a strategy's scope cannot be pickled or deep-copied; save its "
+            "state_dict() instead (one logical scaler)")
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(device={self._device!r}, enabled={self._enabled}, created in the "
