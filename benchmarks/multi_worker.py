@@ -20,6 +20,7 @@ ratio ours / DDP is the median over rounds of the ratio measured in the same rou
 
     python benchmarks/multi_worker.py                  # 4 rounds, both models, bandwidth
     python benchmarks/multi_worker.py --quick          # smoke test
+    python benchmarks/multi_worker.py --accumulate 4 --bw-steps 0   # 4 micro-batches, one exchange
     python benchmarks/multi_worker.py --profile        # torch.profiler tables of both ranks' steps
 """
 
@@ -77,9 +78,11 @@ def rank_main(args: argparse.Namespace) -> dict:
 
         def step(i: int) -> None:
             x, y = local[i % len(local)]
-            loss = F.cross_entropy(ddp(x), y)
             opt.zero_grad()
-            loss.backward()
+            k = args.accumulate
+            for m, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):   # DDP's exchange at the last only
+                with ddp.no_sync() if m < k - 1 else contextlib.nullcontext():
+                    (F.cross_entropy(ddp(xm), ym) / k).backward()
             opt.step()
         return model, step
 
@@ -92,9 +95,13 @@ def rank_main(args: argparse.Namespace) -> dict:
 
         def replica_step(batch: Any) -> Any:
             x, y = batch
-            loss = sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
             opt.zero_grad()
-            loss.backward()
+            k = args.accumulate
+            for m, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):   # one exchange, at the last
+                loss = sg.nn.compute_average_loss(F.cross_entropy(model(xm), ym, reduction="none"),
+                                                  global_batch_size=GLOBAL_BATCH)
+                with strategy.no_sync() if m < k - 1 else contextlib.nullcontext():
+                    loss.backward()
             opt.step()
             return loss
         return model, lambda i: strategy.run(replica_step, args=(next(iterator),))
@@ -199,7 +206,8 @@ def run_ranks(args: argparse.Namespace, child: str, profile: bool = False) -> li
     timeout = 90 + (args.steps + args.warmup) * per_step * (2 if child.startswith("ab") else 1)
     argv = ["--child", child, "--port", str(port), "--steps", str(args.bw_steps if child.startswith("bw") else
             args.steps), "--warmup", str(args.warmup), "--distinct", str(args.distinct), "--seed", str(args.seed),
-            "--max-other-load", str(args.max_other_load)] + (["--profile"] if profile else [])
+            "--max-other-load", str(args.max_other_load), "--accumulate", str(args.accumulate)] + \
+        (["--profile"] if profile else [])
     with h.Processes() as procs:
         for rank in range(WORLD):
             tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}})
@@ -311,6 +319,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--retries", type=int, help="repeats of a measurement with no undisturbed step (default 1)")
     p.add_argument("--max-wait", type=float, help="seconds in all to wait for a quiet machine (default 90)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--accumulate", type=int, default=1, metavar="K",
+                   help="each step accumulates K micro-batches, exchanging gradients at the last only "
+                        "(DDP's no_sync(), strategy.no_sync())")
     p.add_argument("--quick", action="store_true", help="smoke test: 1 round, 4 steps")
     p.add_argument("--json", metavar="PATH", help="also write every raw measurement here")
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of DDP's and ours' steps")
@@ -351,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
               f"round(s) of {args.warmup} warm-up + {args.steps} steps, load {h.loadavg()}")
         rounds = h.Rounds(configs, args.rounds, h.Quiet(args.max_wait, args.max_other_load))
         rounds.run(lambda config, rnd: measure(args, config))
-        print(f"\n{WORLD} worker processes x 1 intra-op thread, gloo over loopback, global batch {GLOBAL_BATCH}; "
-              f"{args.rounds} round(s) x {args.steps} steps (+{args.warmup} warm-up); commit {h.git_commit()}")
+        print(f"\n{WORLD} worker processes x 1 intra-op thread, gloo over loopback, global batch {GLOBAL_BATCH}"
+              + (f" in {args.accumulate} accumulated micro-batches" if args.accumulate > 1 else "")
+              + f"; {args.rounds} round(s) x {args.steps} steps (+{args.warmup} warm-up); commit {h.git_commit()}")
         print("\n".join(report(args, rounds)))
         raw, errors = {"results": rounds.results, "errors": rounds.errors}, rounds.errors
     warning = h.load_warning()
