@@ -1,0 +1,116 @@
+"""Activation recomputation (``torch.utils.checkpoint``) and ``torch.compile`` on models created in a
+strategy's scope train exactly as plain single-device PyTorch does (float64), on replica threads
+that each compute with their own copies of the parameters.
+
+The two-worker cases are in ``tests/multi_worker/test_recompute_compile.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import stratagem as sg
+from multi_worker import tiny_gpt
+
+pytestmark = pytest.mark.timeout(120)
+
+STRATEGIES: dict[str, Callable[[], sg.Strategy]] = {
+    "mirrored": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"]),
+    "central_storage": lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+}
+EXACT = 1e-12        # checkpointing recomputes the same float64 operations
+COMPILED = 1e-9      # inductor fuses float64 operations in another order than eager PyTorch
+
+
+def train(strategy: sg.Strategy, batch_sizes: list[int], *, tolerance: float, recompute: str | None = None,
+          shared_blocks: bool = False, compile_model: bool = False, compile_step: bool = False,
+          after_each_step: Callable[[int], None] = lambda step: None) -> None:
+    """Train TinyGPT in ``strategy`` and compare the loss and every parameter with plain PyTorch
+    (no recomputation, not compiled) after every step."""
+    batches = tiny_gpt.make_batches(batch_sizes)
+    expected = tiny_gpt.plain_history(tiny_gpt.make_model(shared_blocks=shared_blocks), batches)
+    with strategy.scope():
+        model = tiny_gpt.make_model(recompute=recompute, shared_blocks=shared_blocks)
+        optimizer = tiny_gpt.make_optimizer(model)
+    forward = torch.compile(model) if compile_model else model
+    own_gradients: dict[int, bool] = {}
+
+    def step(batch):
+        x, y = batch
+        loss = sg.nn.compute_average_loss(tiny_gpt.per_example_loss(forward(x), y))
+        optimizer.zero_grad()
+        loss.backward()
+        # each replica's backward reached its own copies of the parameters (on logical CPU
+        # devices they share memory: gradients sent to another replica's copy would show here)
+        own_gradients[sg.get_replica_context().replica_id_in_sync_group] = all(
+            p.grad is not None for p in model.parameters())
+        optimizer.step()
+        return loss.detach()
+
+    if compile_step:
+        step = torch.compile(step)
+    for i, (batch, want) in enumerate(zip(strategy.experimental_distribute_dataset(batches), expected)):
+        own_gradients.clear()
+        loss = strategy.reduce("sum", strategy.run(step, args=(batch,)), axis=None)
+        assert own_gradients == {r: True for r in range(strategy.num_replicas_in_sync)}, (i, own_gradients)
+        assert loss.item() == pytest.approx(want["loss"], rel=tolerance), f"step {i}"
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(value, want["params"][name], rtol=tolerance, atol=tolerance,
+                                       msg=lambda m: f"step {i}, {name}: {m}")
+        after_each_step(i)
+
+
+@pytest.mark.parametrize("recompute", ["nonreentrant", "reentrant"])
+@pytest.mark.parametrize("kind", sorted(STRATEGIES))
+def test_checkpointed_blocks_match_plain_pytorch(kind: str, recompute: str) -> None:
+    # 5 rows over 2 replicas: an uneven last batch
+    train(STRATEGIES[kind](), [8, 8, 5], tolerance=EXACT, recompute=recompute)
+
+
+def test_reentrant_checkpoint_of_a_block_used_twice() -> None:
+    """One block applied twice: its parameters get gradients from two nested backward passes."""
+    train(STRATEGIES["mirrored"](), [8, 8, 5], tolerance=EXACT, recompute="reentrant", shared_blocks=True)
+
+
+def _count_compiled_graphs() -> Callable[[int], None]:
+    """Start from an empty dynamo cache; the check run after each step: every replica thread
+    compiled the model once at the first step, and nothing was compiled again after it (a
+    recompilation at every step ends in a silent fallback to eager)."""
+    torch._dynamo.reset()
+    counters.clear()
+    seen: list[int] = []
+
+    def check(step: int) -> None:
+        seen.append(counters["stats"]["unique_graphs"])
+        assert seen[0] > 0, "nothing was compiled"
+        assert seen[-1] == seen[0], f"recompiled after the first step: graphs per step {seen}"
+    return check
+
+
+@pytest.mark.timeout(600)
+def test_compiled_model_under_mirrored() -> None:
+    check = _count_compiled_graphs()
+    train(STRATEGIES["mirrored"](), [8, 8, 8], tolerance=COMPILED, compile_model=True, after_each_step=check)
+    assert counters["stats"]["unique_graphs"] == 2    # one graph per replica thread: each its own parameters
+
+
+@pytest.mark.timeout(600)
+def test_compiled_checkpointed_model_under_central_storage() -> None:
+    """torchtitan's order: blocks checkpointed, then the model compiled."""
+    check = _count_compiled_graphs()
+    train(STRATEGIES["central_storage"](), [8, 8, 8], tolerance=COMPILED, recompute="nonreentrant",
+          compile_model=True, after_each_step=check)
+
+
+@pytest.mark.timeout(600)
+def test_compiled_training_step_under_mirrored() -> None:
+    """``torch.compile`` of the whole step: forward and loss compiled; zero_grad, backward and the
+    strategy's optimizer step run eagerly (graph breaks, as zero_grad and backward are in plain
+    PyTorch too)."""
+    check = _count_compiled_graphs()
+    train(STRATEGIES["mirrored"](), [8, 8, 8], tolerance=COMPILED, compile_step=True, after_each_step=check)
