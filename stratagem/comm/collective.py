@@ -107,6 +107,46 @@ class Collective:
         """
         raise NotImplementedError
 
+    # ------------------------------------------- gradients, when backward ends
+
+    def gradient_packs(self, params: list[torch.Tensor]) -> Any:
+        """The packs (:class:`~stratagem.comm.gradients.GradientPacks`) that sum ``params``'
+        gradients over the workers, or None in one process."""
+        return None
+
+    @property
+    def overlaps_backward(self) -> bool:
+        """Whether packs leave while backward runs (one local replica, several workers)."""
+        return self.num_local == 1 and self.num_workers > 1
+
+    def sum_gradients(self, local_id: int, params: list[torch.Tensor]) -> None:
+        """On every local replica's thread at the end of its backward: each ``params[i].grad``
+        becomes the sum over every replica of every worker, the same values on each (zeros
+        stand in where a replica has no gradient; None stays where none has one). The local
+        replicas first; then local replica 0's sums over the workers, which the others copy."""
+        if self.num_local > 1:
+            tag = f"gradient sum at the end of backward ({len(params)} parameters)"
+            everyone = self.exchange(local_id, [p.grad for p in params], tag)
+            if any(g is None for e in everyone for g in e):
+                everyone = zeros_where_missing(self, local_id, params, everyone, tag)
+            self.sum_exchanged(local_id, everyone, ReduceOp.SUM)
+        packs = self.gradient_packs(params)
+        if packs is None:
+            return
+        if local_id == 0:
+            packs.finish()
+        if self.num_local > 1:
+            everyone = self.exchange(local_id, params, "gradient sum (across workers)")
+            if local_id != 0:
+                _copy_gradients(everyone[0], params)
+            self.exchange(local_id, None, "gradient sum (across workers) done")
+
+    def sum_over_workers(self, params: list[torch.Tensor]) -> None:
+        """One thread: ``params``' gradients summed over the workers (the identity in one process)."""
+        packs = self.gradient_packs(params)
+        if packs is not None:
+            packs.finish()
+
     # ------------------------------------------------ derived collectives
 
     def barrier(self, local_id: int) -> None:
@@ -209,3 +249,30 @@ class Collective:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({[str(d) for d in self.devices]})"
+
+
+def zeros_where_missing(collective: Collective, local_id: int, params: list, everyone: list, tag: str) -> list:
+    """A parameter with a gradient on some replicas gets zeros on the others (exchanged again);
+    returns every replica's gradients of the parameters some replica has one for."""
+    grads = [p.grad for p in params]
+    mixed = any(any(e[i] is None for e in everyone) and any(e[i] is not None for e in everyone)
+                for i in range(len(grads)))
+    if mixed:
+        for i, p in enumerate(params):
+            if p.grad is None and any(e[i] is not None for e in everyone):
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        everyone = collective.exchange(local_id, grads, tag)
+    present = [i for i, g in enumerate(grads) if g is not None]
+    return [[e[i] for i in present] for e in everyone]
+
+
+def _copy_gradients(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, p0 in zip(targets, sources):
+            if p0.grad is None:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = p0.grad.to(p.device, copy=True)
+            else:
+                p.grad.copy_(p0.grad)

@@ -2,17 +2,16 @@
 
 Gradients are fused into packs (buckets) of about ``bytes_per_pack`` bytes, formed
 in *reverse* parameter order because backward produces the last layers' gradients
-first. With ``overlap=True`` an autograd hook on each parameter copies its gradient
-into its pack as soon as it is accumulated; when a pack is complete it is
+first. ``ready(param)`` (called by the gradient sync's hook as soon as a parameter's
+gradient is accumulated) copies it into its pack; when a pack is complete it is
 all-reduced asynchronously. Packs are always launched in index order, so every
 worker issues the same collectives in the same order (gloo and NCCL need that),
 whatever order the hooks fire in.
 
-``finish()`` (called by ``optimizer.step()``) launches the packs not yet launched,
-waits only for what is still in flight, and makes each parameter's ``.grad`` the view
-of its sum in the pack (no copy back). ``zero_grad(set_to_none=False)`` gives such
-parameters fresh zero gradients, so that a later backward never writes into a pack
-that is being all-reduced.
+``finish()`` (called when backward ends) launches the packs not yet launched, waits
+only for what is still in flight, and makes each parameter's ``.grad`` the view of its
+sum in the pack (no copy back, like DDP's ``gradient_as_bucket_view``). The gradient sync
+copies such a view before the next backward refills the pack (``gradient_sync.py``).
 
 Each pack carries one extra element per parameter: 1 where this worker has a
 gradient. After the sum, a parameter whose flag is 0 had no gradient on any worker
@@ -67,8 +66,7 @@ class _Pack:
 class GradientPacks:
     """Sums the gradients of ``params`` over workers through ``group``."""
 
-    def __init__(self, params: Sequence[torch.Tensor], group: Any, *, bytes_per_pack: int = 0,
-                 overlap: bool = True):
+    def __init__(self, params: Sequence[torch.Tensor], group: Any, *, bytes_per_pack: int = 0):
         self._group = group
         cap = bytes_per_pack or DEFAULT_BYTES_PER_PACK
         first_cap = min(cap, FIRST_PACK_BYTES) if not bytes_per_pack else cap
@@ -88,12 +86,6 @@ class GradientPacks:
         if current:
             self._add_pack(current)
         self._next_launch = 0
-        self._hooks = []
-        if overlap:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params()]
-
-    def _params(self) -> list[torch.Tensor]:
-        return [p for pack in self.packs for p in pack.params]
 
     def _add_pack(self, params: list[torch.Tensor]) -> None:
         for i, p in enumerate(params):
@@ -105,7 +97,7 @@ class GradientPacks:
 
     # ---------------------------------------------------------------- backward
 
-    def _on_grad(self, param: torch.Tensor) -> None:
+    def ready(self, param: torch.Tensor) -> None:
         k, i = self._where[id(param)]
         pack = self.packs[k]
         if pack.work is not None or k < self._next_launch:
@@ -146,12 +138,7 @@ class GradientPacks:
                 for i, p in enumerate(pack.params):
                     if present[i] != 0:
                         # the sum becomes the gradient: a view of the pack, no copy back. The next
-                        # backward writes a new .grad (zero_grad sets None) that fill() copies in.
+                        # backward sets it aside (a copy: the pack is refilled) or finds it None.
                         p.grad = pack.slot(i)
                 pack.work, pack.filled, pack.stale = None, 0, False
         self._next_launch = 0
-
-    def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []

@@ -287,28 +287,15 @@ class WorkerCollective(Collective):
             everyone = [replica for worker in per_worker for replica in worker]
         return self.local.exchange(local_id, everyone, f"{tag}:workers")[0]
 
-    def gradient_packs(self, params: list[torch.Tensor]) -> GradientPacks:
-        """The packs that sum ``params``' gradients over workers (made at the first step)."""
+    def gradient_packs(self, params: list[torch.Tensor]) -> GradientPacks | None:
+        if self.num_workers == 1:
+            return None
         key = id(params[0]) if params else 0
         packs = self._packs.get(key)
         if packs is None or not packs.covers(params):
-            packs = GradientPacks(params, self.group, bytes_per_pack=self.options.bytes_per_pack,
-                                  overlap=self.num_local == 1)
+            packs = GradientPacks(params, self.group, bytes_per_pack=self.options.bytes_per_pack)
             self._packs[key] = packs
         return packs
-
-    def share_gradients(self, local_id: int, params: list[torch.Tensor]) -> None:
-        """Local replicas 1.. take local replica 0's gradients (summed over workers)."""
-        if self.num_local > 1:
-            everyone = self.local.exchange(local_id, params, "optimizer.step (cross-worker gradients)")
-            if local_id != 0:
-                for p, p0 in zip(params, everyone[0]):
-                    if p0.grad is not None:
-                        if p.grad is None:
-                            p.grad = p0.grad.to(p.device, copy=True)
-                        else:
-                            p.grad.copy_(p0.grad)
-            self.local.exchange(local_id, None, "optimizer.step (cross-worker gradients done)")
 
     # -------------------------------------------------------- process level
 

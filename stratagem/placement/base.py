@@ -59,6 +59,11 @@ class Placement(abc.ABC):
     def replica_copy(self, tensor: torch.Tensor, local_id: int) -> torch.Tensor:
         return tensor
 
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """``strategy.no_sync()``: backward passes inside skip the gradient exchange (the default:
+        nothing to skip)."""
+        return contextlib.nullcontext()
+
     def all_copies(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """Every local replica's copy of a placed tensor, else None."""
         return None

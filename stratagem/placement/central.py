@@ -16,9 +16,9 @@ and mirrors only the computation. Here:
   its state lives once, beside them. One logical step, ``optimizer.step()`` on every
   replica's thread inside ``run``:
 
-  1. the replicas exchange their gradients, and each thread sums one range of them, in
-     replica order, into the primaries' ``.grad`` on the parameter device (a parameter no
-     replica has a gradient for gets ``None``);
+  1. the gradients were summed over the replicas when backward ended (:mod:`.gradient_sync`:
+     every replica's ``.grad`` holds the sum); where replica 0 computes with a copy (a GPU),
+     its sums are copied into the primaries' ``.grad`` on the parameter device;
   2. the user's step pre-hooks run once, on replica 0, seeing the summed gradients;
   3. the update is applied once to the primaries: split by ranges between the replica
      threads for element-wise optimizers on a CPU parameter device
@@ -47,12 +47,6 @@ from stratagem.placement.mirrored import MirroredPlacement
 from stratagem.placement.mirrored_optimizers import refuse_closure
 from stratagem.placement.sharded_update import ShardedUpdate
 
-#: one parameter's gradient sum: the primary's ``.grad`` to write, the replicas' gradients to
-#: add in replica order, and whether the first of them is copied (else ``target`` is replica
-#: 0's own gradient, summed in place)
-_Sum = tuple[torch.Tensor, list[torch.Tensor], bool]
-
-
 class CentralPlacement(MirroredPlacement):
     """Variables once on the parameter device; each compute replica computes with its copy."""
 
@@ -64,7 +58,6 @@ class CentralPlacement(MirroredPlacement):
         same = [_same_memory(d, self.home) for d in self.devices]
         self.first_copy = 1 if same[0] else 0
         self.shares_parameters = self.num_replicas > 1 and all(same)
-        self._plans: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
 
     # ------------------------------------------------------------- optimizers
 
@@ -126,13 +119,11 @@ class CentralPlacement(MirroredPlacement):
         mine = self._replica_params(primaries, local_id)
         sharded = self.sharded(optimizer)
         result = None
-        with label("stratagem.optimizer.step"):
-            with label("stratagem.gradients.local_reduce"):  # 1.
-                everyone = exchange(local_id, [p.grad for p in mine], f"optimizer.step ({len(mine)} parameters)")
-                sums = self._prepare_sums(primaries, everyone, keep_own=False) if local_id == 0 else None
-                sums = exchange(local_id, sums, "optimizer.step (gradient sums prepared)")[0]
-                self._sum_ranges(sums, self._plan(sums)[local_id])
-                exchange(local_id, None, "optimizer.step (gradients summed)")
+        with label("stratagem.optimizer.step"):  # the gradients were summed when backward ended
+            if self.first_copy == 0:  # 1. replica 0 computes with a copy: its sums reach the primaries
+                if local_id == 0:
+                    self._gradients_to_primaries(primaries, mine)
+                exchange(local_id, None, "optimizer.step (gradients on the parameter device)")
             pre, post = step_hooks(optimizer)
             if pre:  # 2.
                 self._once(local_id, "optimizer step pre-hooks", run_hooks, pre, optimizer)
@@ -160,8 +151,7 @@ class CentralPlacement(MirroredPlacement):
     def _cross_replica_step(self, optimizer: torch.optim.Optimizer) -> Any:
         primaries = _params(optimizer)
         replicas = [self._replica_params(primaries, r) for r in range(self.num_replicas)]
-        sums = self._prepare_sums(primaries, [[p.grad for p in ps] for ps in replicas], keep_own=True)
-        self._sum_ranges(sums, [(i, 0, -1) for i, s in enumerate(sums) if s is not None])
+        self._gradients_to_primaries(primaries, replicas[0])
         pre, post = step_hooks(optimizer)
         run_hooks(pre, optimizer)
         sharded = self.sharded(optimizer)
@@ -177,71 +167,23 @@ class CentralPlacement(MirroredPlacement):
         self.record_updates()
         return result
 
-    # ---------------------------------------------------------- gradient sums
-
-    def _prepare_sums(self, primaries: list[torch.Tensor], everyone: list[list[Any]],
-                      keep_own: bool) -> list[_Sum | None]:
-        """Give each primary a ``.grad`` to receive the sum of the replicas' gradients.
-
-        A primary that no replica has a gradient for gets ``None`` inside ``run`` (as plain
-        PyTorch leaves a parameter that took no part) and keeps its own outside it
-        (``keep_own``: a backward pass outside ``run`` wrote it).
-        """
-        sums: list[_Sum | None] = []
-        for i, primary in enumerate(primaries):
-            grads = [theirs[i] for theirs in everyone]
-            present = [g for g in grads if g is not None]
-            own = primary.grad
-            if not present:
-                if not keep_own:
-                    primary.grad = None
-                sums.append(None)
-            elif grads[0] is not None and grads[0] is own:   # replica 0 computes with the primary
-                sums.append((own, present[1:], False))
-            else:
-                if own is None or own.shape != primary.shape or own.dtype != present[0].dtype \
-                        or own.device != primary.device or any(own is g for g in grads):
-                    own = torch.empty_like(primary, dtype=present[0].dtype)
-                    primary.grad = own
-                sums.append((own, present, True))
-        return sums
-
-    def _plan(self, sums: list[_Sum | None]) -> list[list[tuple[int, int, int]]]:
-        """For each replica thread, the (parameter index, start, stop) ranges it sums."""
-        numels = tuple(0 if s is None else s[0].numel() for s in sums)
-        plan = self._plans.get(numels)
-        if plan is None:
-            n, total = self.num_replicas, sum(numels)
-            bounds = [total * r // n for r in range(n + 1)]
-            plan = [[] for _ in range(n)]
-            offset = 0
-            for i, numel in enumerate(numels):
-                for r in range(n):
-                    lo, hi = max(bounds[r], offset), min(bounds[r + 1], offset + numel)
-                    if lo < hi:
-                        plan[r].append((i, lo - offset, hi - offset))
-                offset += numel
-            self._plans[numels] = plan
-        return plan
+    # ---------------------------------------------------------- gradients
 
     @staticmethod
-    def _sum_ranges(sums: list[_Sum | None], ranges: list[tuple[int, int, int]]) -> None:
-        """Sum the replicas' gradients into the primaries' over ``ranges`` (stop -1: all of it)."""
+    def _gradients_to_primaries(primaries: list[torch.Tensor], replica0: list[torch.Tensor]) -> None:
+        """The primaries' ``.grad``: replica 0's (every replica holds the same sum since backward
+        ended); a copy on the parameter device where replica 0 computes with a copy (a GPU). A
+        primary keeps its own gradient where replica 0 has none (a backward outside ``run``
+        computes with the primaries themselves)."""
         with torch.no_grad():
-            for i, start, stop in ranges:
-                target, sources, copy_first = sums[i]
-                if stop == -1 or not (target.is_contiguous() and all(s.is_contiguous() for s in sources)):
-                    if start != 0:
-                        continue  # no flat view (e.g. channels_last): the range at 0 sums all of it
-                    pieces, whole = sources, target
+            for primary, param in zip(primaries, replica0):
+                grad = param.grad
+                if param is primary or grad is None:
+                    continue
+                if primary.grad is None or primary.grad.shape != primary.shape:
+                    primary.grad = grad.to(primary.device, copy=True)
                 else:
-                    pieces = [s.view(-1)[start:stop] for s in sources]
-                    whole = target.view(-1)[start:stop]
-                if copy_first:
-                    whole.copy_(pieces[0])
-                    pieces = pieces[1:]
-                for piece in pieces:  # in replica order, like the cross-device ops
-                    whole.add_(piece.to(whole.device))
+                    primary.grad.copy_(grad)
 
     def _refresh(self, primaries: list[torch.Tensor], params: list[torch.Tensor]) -> None:
         """Copy the primaries' current values into one replica's copies (shared memory: nothing to do).
@@ -261,6 +203,8 @@ class CentralPlacement(MirroredPlacement):
         ctx = self.own_replica_context()
         replicas = list(range(self.num_replicas)) if ctx is None else [ctx.local_replica_id]
         tensors = {id(p): p for r in replicas for p in self._replica_params(primaries, r)}
+        if self.gradients is not None:
+            self.gradients.forget(list(tensors.values()))
         if replicas[0] == 0:   # the sums on the parameter device: replica 0 clears them
             tensors.update((id(p), p) for p in primaries)
         for p in tensors.values():

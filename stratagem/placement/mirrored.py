@@ -22,6 +22,7 @@ With one device this placement only moves tensors to that device.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -36,6 +37,7 @@ from stratagem.comm.collective import Collective
 from stratagem.devices import Topology
 from stratagem.errors import ContextError, InvalidArgumentError
 from stratagem.placement.base import Placement
+from stratagem.placement.gradient_sync import GradientSync
 from stratagem.placement.hooks import adopt, placement_of
 from stratagem.placement.mirrored_dict import MirroredDict
 from stratagem.placement.mirrored_optimizers import MirroredOptimizers
@@ -64,6 +66,14 @@ class MirroredPlacement(MirroredOptimizers, Placement):
         self._copies: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
         self._build_lock = threading.Lock()  # replica threads share one set of twins
         self._unscoped_check: Any = None
+        self._placed: list[nn.Module] = []   # in placing order (the same on every worker)
+        self._owners: list[nn.Module] = []   # placed modules and their parents: DDP's sync attribute
+        self._layout = 0   # bumped whenever the placed parameters change
+        #: sums gradients when backward ends (None: one replica in all, nothing to sum)
+        self.gradients = GradientSync(self) if self.syncs_gradients() else None
+
+    def syncs_gradients(self) -> bool:
+        return self.collective.num_replicas > 1
 
     @property
     def strategy(self) -> Any:
@@ -92,12 +102,21 @@ class MirroredPlacement(MirroredOptimizers, Placement):
             for module in unique:
                 self._place_module(module)
             self.collective.agree_on_modules(unique)
+            self._hook_gradients()
         if self._pending_optimizers:
             optimizers, self._pending_optimizers = self._pending_optimizers, []
             for optimizer in optimizers:
                 self._prepare_optimizer(optimizer)
 
+    def on_submodule_registered(self, module: nn.Module) -> None:
+        if self.gradients is not None and all(m is not module for m in self._owners):
+            self._owners.append(module)
+
     def _place_module(self, module: nn.Module) -> None:
+        if all(m is not module for m in self._placed):
+            self._placed.append(module)
+            self._owners.append(module)
+        self._layout += 1
         first = self.home
         for attr in ("_parameters", "_buffers"):
             entries = module.__dict__[attr]
@@ -121,10 +140,10 @@ class MirroredPlacement(MirroredOptimizers, Placement):
         if primary.device != self.home:
             with torch.no_grad():
                 primary.data = primary.data.to(self.home)
-        existing = self.all_copies(primary)
-        if existing is not None:  # one tensor in several modules (tied weights): one copy per replica,
-            for r in range(self.first_copy, self.num_replicas):   # else their gradients would part
-                entries.set_copy(r, key, existing[r])
+        known = self._copies.get(id(primary))
+        if known is not None and known[0] is primary:   # a tied tensor: one copy per replica, shared too
+            for r in range(self.first_copy, self.num_replicas):
+                entries.set_copy(r, key, known[1][r])
             entries.versions[key] = primary._version
             return
         all_copies = [primary] * self.first_copy
@@ -140,6 +159,7 @@ class MirroredPlacement(MirroredOptimizers, Placement):
             all_copies.append(copy)
         self._copies[id(primary)] = (primary, tuple(all_copies))
         entries.versions[key] = primary._version
+        self._layout += 1
 
     def all_copies(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         entry = self._copies.get(id(tensor))
@@ -151,16 +171,43 @@ class MirroredPlacement(MirroredOptimizers, Placement):
         copies = self.all_copies(tensor)
         return tensor if copies is None else copies[local_id]
 
+    # -------------------------------------------------------------- gradients
+
+    def _hook_gradients(self) -> None:
+        """Give the gradient sync every replica's tensor of every placed parameter."""
+        if self.gradients is None:
+            return
+        primaries = list({id(p): p for m in self._placed for p in dict.values(m.__dict__["_parameters"])
+                          if p is not None}.values())
+        replicas = [[self.replica_copy(p, r) for p in primaries] for r in range(self.num_replicas)]
+        self.gradients.update(self._layout, replicas)
+
+    def requires_sync(self) -> bool:
+        """False while a user set DistributedDataParallel's ``require_backward_grad_sync = False``
+        on a model created in scope (nanoGPT's accumulation idiom)."""
+        return all(m.__dict__.get("require_backward_grad_sync", True) for m in self._owners)
+
+    def no_sync(self) -> Any:
+        if self.gradients is None:
+            return contextlib.nullcontext()
+        ctx = self.own_replica_context()
+        return self.gradients.no_sync(None if ctx is None else ctx.local_replica_id)
+
     # -------------------------------------------------------------------- run
 
     def before_run(self) -> None:
         self.finalize()
         for entries in self._dicts:
             entries.push_modified()
+        if self.gradients is not None:
+            self._hook_gradients()
+            self.gradients.in_run = True
         if self.num_replicas > self.first_copy:  # some replica computes with copies
             _unscoped_check.acquire()
 
     def after_run(self, failed: bool = False) -> None:
+        if self.gradients is not None:
+            self.gradients.in_run = False
         if self.num_replicas > self.first_copy:
             _unscoped_check.release()
         written = self.record_updates()

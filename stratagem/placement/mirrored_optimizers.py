@@ -5,26 +5,22 @@ parameters (replica 0's twin is the user's optimizer itself); twins are built wh
 the optimizer is finished and share its hyperparameters, which a scheduler changes
 on the user's object and are copied to the twins before every step.
 
-One logical step, ``optimizer.step()`` called on every replica's thread inside
-``run`` (:meth:`MirroredOptimizers.optimizer_step`):
+Gradients are summed over every replica and worker when backward ends
+(:mod:`.gradient_sync`), so ``optimizer.step()``, called on every replica's thread inside
+``run`` (:meth:`MirroredOptimizers.optimizer_step`), only applies them:
 
-1. the local replicas exchange their gradients; a parameter with a gradient on some
-   replicas but not others gets zeros where it is missing (and the exchange is
-   repeated); the collective sums them in place, each thread its share;
-2. across workers, local replica 0 sums the result over the workers in packs
-   (most of which were launched during backward) and the other local replicas copy it;
-3. the user's step pre-hooks run once, on replica 0, seeing the summed gradients
+1. the user's step pre-hooks run once, on replica 0, seeing the summed gradients
    (gradients a hook changed are copied to the other replicas);
-4. the update: for element-wise optimizers on several CPU replicas, each thread updates
+2. the update: for element-wise optimizers on several CPU replicas, each thread updates
    one range of replica 0's parameters (:mod:`.sharded_update`); otherwise, where the
    replicas' parameters share one memory (logical CPU devices), replica 0's optimizer
    applies it once while the others wait; else every twin applies it to its own copy
    (GPUs);
-5. the post-hooks run once, on replica 0, after every copy is updated (parameters a
+3. the post-hooks run once, on replica 0, after every copy is updated (parameters a
    hook changed are copied to the other replicas).
 
-Without hooks, steps 3 and 5 cost nothing. Called in cross-replica context,
-``step()`` sums the twins' gradients and updates every copy itself.
+Without hooks, steps 1 and 3 cost nothing. Called in cross-replica context,
+``step()`` updates every copy itself.
 """
 
 from __future__ import annotations
@@ -39,8 +35,6 @@ from stratagem._profiling import label
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.hooks import run_hooks, step_hooks, unhooked_step
 from stratagem.placement.sharded_update import ShardedUpdate
-from stratagem.comm.replicas import sum_into
-from stratagem.values import ReduceOp
 
 
 class MirroredOptimizers:
@@ -110,31 +104,16 @@ class MirroredOptimizers:
         ctx = self.own_replica_context()
         if ctx is None:
             return self._cross_replica_step(optimizer, twins)
-        local_id, collective, n = ctx.local_replica_id, self.collective, self.num_replicas
+        local_id, collective = ctx.local_replica_id, self.collective
         twin = twins[local_id]
         params = [p for group in twin.param_groups for p in group["params"]]
         sharded = self.sharded(optimizer)
         shared = self.shares_parameters  # one memory: the update is applied once, from replica 0's gradients
-        with label("stratagem.optimizer.step"):
-            if n > 1:  # 1. sum over local replicas
-                with label("stratagem.gradients.local_reduce"):
-                    tag = f"optimizer.step ({len(params)} parameters)"
-                    grads = [p.grad for p in params]
-                    everyone = collective.exchange(local_id, grads, tag)
-                    if any(g is None for e in everyone for g in e):
-                        everyone = _zeros_where_missing(collective, local_id, params, everyone, tag)
-                    collective.sum_exchanged(local_id, everyone, ReduceOp.SUM,
-                                             copy_back=sharded is None and not shared)
-            if collective.num_workers > 1:  # 2. sum over workers
-                with label("stratagem.gradients.cross_worker"):
-                    if local_id == 0:
-                        collective.gradient_packs(params).finish()
-                    if not shared:
-                        collective.share_gradients(local_id, params)
+        with label("stratagem.optimizer.step"):  # the gradients were summed when backward ended
             pre, post = step_hooks(optimizer)
-            if pre:  # 3.
+            if pre:  # 1.
                 self._run_hooks_once(pre, optimizer, local_id, params, grads=True)
-            with label("stratagem.optimizer.update"):  # 4.
+            with label("stratagem.optimizer.update"):  # 2.
                 if sharded is not None:
                     sharded.step(local_id)
                     collective.exchange(local_id, None, "optimizer.step (parameters updated)")
@@ -146,7 +125,7 @@ class MirroredOptimizers:
                     if twin is not optimizer:
                         _copy_hyperparameters(optimizer, twin)
                     result = unhooked_step(optimizer._sg_base)(twin)
-            if post:  # 5.
+            if post:  # 3.
                 if sharded is None and not shared:
                     collective.exchange(local_id, None, "optimizer.step (parameters updated)")
                 self._run_hooks_once(post, optimizer, local_id, params, grads=False)
@@ -180,19 +159,8 @@ class MirroredOptimizers:
             self.collective.exchange(local_id, None, "optimizer step hooks (copied)")
 
     def _cross_replica_step(self, optimizer: torch.optim.Optimizer, twins: list) -> Any:
-        if len(twins) > 1:
-            per_twin = [[p for g in t.param_groups for p in g["params"]] for t in twins]
-            with torch.no_grad():
-                for i in range(len(per_twin[0])):
-                    grads = [params[i].grad for params in per_twin]
-                    if all(g is None for g in grads):
-                        continue
-                    for params in per_twin:
-                        if params[i].grad is None:
-                            params[i].grad = torch.zeros_like(params[i])
-                    acc = sum_into(per_twin[0][i].grad, [params[i].grad for params in per_twin[1:]])
-                    for params in per_twin[1:]:
-                        params[i].grad.copy_(acc)
+        """``step()`` outside ``run``: the gradients were summed when backward ended (a backward
+        pass outside ``run`` reaches every replica's tensors)."""
         pre, post = step_hooks(optimizer)
         run_hooks(pre, optimizer)
         shared = self.shares_parameters
@@ -231,15 +199,9 @@ class MirroredOptimizers:
         twins = self.twins(optimizer)
         ctx = self.own_replica_context()
         mine = [twins[ctx.local_replica_id]] if ctx is not None else twins
-        if not set_to_none and self.collective.num_workers > 1:
-            # gradients may be views of packs being all-reduced: give them fresh zeros instead
-            for twin in mine:
-                for group in twin.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            p.grad = torch.zeros_like(p)
-            return
         for twin in mine:
+            if self.gradients is not None:
+                self.gradients.forget([p for group in twin.param_groups for p in group["params"]])
             optimizer._sg_base.zero_grad(twin, set_to_none)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
@@ -277,21 +239,6 @@ def refuse_closure(closure: Any) -> None:
         raise InvalidArgumentError(
             "optimizer.step(closure) is not supported for optimizers created in a strategy's "
             "scope: compute the loss and call loss.backward() before optimizer.step()")
-
-
-def _zeros_where_missing(collective: Any, local_id: int, params: list, everyone: list, tag: str) -> list:
-    """A parameter with a gradient on some replicas gets zeros on the others (exchanged again)."""
-    grads = [p.grad for p in params]
-    mixed = any(any(e[i] is None for e in everyone) and any(e[i] is not None for e in everyone)
-                for i in range(len(grads)))
-    if mixed:
-        for i, p in enumerate(params):
-            if p.grad is None and any(e[i] is not None for e in everyone):
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        everyone = collective.exchange(local_id, grads, tag)
-    present = [i for i, g in enumerate(grads) if g is not None]
-    return [[e[i] for i in present] for e in everyone]
 
 
 def _copy_hyperparameters(source: torch.optim.Optimizer, twin: torch.optim.Optimizer) -> None:

@@ -9,7 +9,8 @@ holds the whole model for the next forward pass.
 Stages (``MultiWorkerMirroredStrategy(sharding=...)``):
 
 - ``"optimizer"`` (ZeRO-1): gradients are all-reduced as without sharding (in packs
-  launched during backward), each worker updates its range from the summed gradient;
+  launched during backward; ``.grad`` is the whole sum when backward returns), each worker
+  updates its range from the summed gradient;
 - ``"gradients"`` (ZeRO-2): the gradients are reduce-scattered in packs launched during
   backward (:mod:`stratagem.comm.scattered_gradients`), so each worker only ever receives the
   summed gradient of its own range, and the local gradients are freed pack by pack.
@@ -64,11 +65,15 @@ class ZeroPlacement(MirroredPlacement):
     kind = "Mirrored"
 
     def __init__(self, strategy: Any, topology: Any, collective: Any, *, stage: str):
+        self.stage = stage
         super().__init__(strategy, topology, collective)
         check_sharding(stage, self.num_replicas)
-        self.stage = stage
         # id(parameter) -> the packs whose hooks take its gradients (sharding="gradients")
         self._scattered_by_param: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def syncs_gradients(self) -> bool:
+        """Stage 1 sums whole gradients when backward ends; stage 2 reduce-scatters them instead."""
+        return super().syncs_gradients() and self.stage == "optimizer"
 
     @property
     def _rank(self) -> int:
@@ -122,15 +127,11 @@ class ZeroPlacement(MirroredPlacement):
         sharded = self.sharded(optimizer)
         layout: _Layout = optimizer._sg_zero
         collective, rank = self.collective, self._rank
-        params = layout.params
         with label("stratagem.optimizer.step"):
-            grads = None
-            if collective.num_workers > 1:
+            grads = None   # stage 1: the whole gradients, summed when backward ended
+            if collective.num_workers > 1 and self.stage == "gradients":
                 with label("stratagem.gradients.cross_worker"):
-                    if self.stage == "optimizer":
-                        collective.gradient_packs(params).finish()
-                    else:
-                        grads = self._reduce_scattered(layout)
+                    grads = self._reduce_scattered(layout)
             pre, post = step_hooks(optimizer)
             if pre:
                 if self.stage == "gradients":

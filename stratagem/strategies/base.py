@@ -214,6 +214,40 @@ class Strategy:
             return leaf
         return map_structure(pick, structure)
 
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Backward passes inside skip the gradient exchange (gradient accumulation without waste).
+
+        DistributedDataParallel's ``no_sync()``: when ``backward()`` returns inside it, each
+        parameter's ``.grad`` holds this replica's own accumulation; the next ``backward()``
+        outside it sums everything accumulated since over every replica and worker, so k
+        micro-steps cost one exchange and ``.grad`` is then exactly the global batch's. Use it
+        inside ``run`` (every replica must do the same) or around it. Setting
+        ``model.require_backward_grad_sync = False`` on a model created in scope (DDP's
+        attribute, as nanoGPT's loop does) has the same effect until it is set back to True.
+
+        Example::
+
+            import torch, stratagem as sg
+            strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+            with strategy.scope():
+                model = torch.nn.Linear(4, 1)
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+            def step(micro_batches):
+                optimizer.zero_grad()
+                for k, x in enumerate(micro_batches):
+                    loss = sg.nn.compute_average_loss(model(x).pow(2).sum(1)) / len(micro_batches)
+                    if k < len(micro_batches) - 1:
+                        with strategy.no_sync():
+                            loss.backward()       # this replica's part only
+                    else:
+                        loss.backward()           # one exchange: .grad is the whole batch's
+                optimizer.step()
+
+            strategy.run(step, args=([torch.ones(8, 4), torch.ones(8, 4)],))
+        """
+        return self._placement.no_sync()
+
     # ---------------------------------------------------- cross-replica API
 
     def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: int | None = None) -> Any:
