@@ -29,16 +29,16 @@ COMPILED = 1e-9      # inductor fuses float64 operations in another order than e
 
 def train(strategy: sg.Strategy, batch_sizes: list[int], *, tolerance: float, recompute: str | None = None,
           shared_blocks: bool = False, compile_model: bool = False, compile_step: bool = False,
-          after_each_step: Callable[[int], None] = lambda step: None) -> None:
-    """Train TinyGPT in ``strategy`` and compare the loss and every parameter with plain PyTorch
-    (no recomputation, not compiled) after every step."""
+          clip: float | None = None, after_each_step: Callable[[int], None] = lambda step: None) -> None:
+    """Train TinyGPT in ``strategy`` and compare the loss, every parameter and the gradient norm
+    ``clip_grad_norm_`` returns (with ``clip``) with plain PyTorch (no recomputation, not
+    compiled) after every step."""
     batches = tiny_gpt.make_batches(batch_sizes)
-    expected = tiny_gpt.plain_history(tiny_gpt.make_model(shared_blocks=shared_blocks), batches)
+    expected = tiny_gpt.plain_history(tiny_gpt.make_model(shared_blocks=shared_blocks), batches, clip=clip)
     with strategy.scope():
         model = tiny_gpt.make_model(recompute=recompute, shared_blocks=shared_blocks)
         optimizer = tiny_gpt.make_optimizer(model)
     forward = torch.compile(model) if compile_model else model
-    own_gradients: dict[int, bool] = {}
 
     def step(batch):
         x, y = batch
@@ -47,34 +47,49 @@ def train(strategy: sg.Strategy, batch_sizes: list[int], *, tolerance: float, re
         loss.backward()
         # each replica's backward reached its own copies of the parameters (on logical CPU
         # devices they share memory: gradients sent to another replica's copy would show here)
-        own_gradients[sg.get_replica_context().replica_id_in_sync_group] = all(
-            p.grad is not None for p in model.parameters())
+        own_gradients = all(p.grad is not None for p in model.parameters())
+        norm = None
+        if clip is not None:   # the gradients are the global batch's: the norm is plain PyTorch's
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
-        return loss.detach()
+        return loss.detach(), own_gradients, norm
 
     if compile_step:
         step = torch.compile(step)
     for i, (batch, want) in enumerate(zip(strategy.experimental_distribute_dataset(batches), expected)):
-        own_gradients.clear()
-        loss = strategy.reduce("sum", strategy.run(step, args=(batch,)), axis=None)
-        assert own_gradients == {r: True for r in range(strategy.num_replicas_in_sync)}, (i, own_gradients)
+        losses, own_gradients, norms = strategy.run(step, args=(batch,))
+        assert all(strategy.experimental_local_results(own_gradients)), i
+        loss = strategy.reduce("sum", losses, axis=None)
         assert loss.item() == pytest.approx(want["loss"], rel=tolerance), f"step {i}"
+        if clip is not None:
+            assert want["norm"] > clip, "the test should clip"
+            for replica, norm in enumerate(strategy.experimental_local_results(norms)):
+                assert norm.item() == pytest.approx(want["norm"], rel=tolerance), f"step {i}, replica {replica}"
         for name, value in model.state_dict().items():
             torch.testing.assert_close(value, want["params"][name], rtol=tolerance, atol=tolerance,
                                        msg=lambda m: f"step {i}, {name}: {m}")
         after_each_step(i)
 
 
+# the loop as written without a strategy: zero_grad, backward, step; and with clip_grad_norm_
+# between backward and step (the gradient norm is about 5: clipping to 2 always acts)
+LOOPS = pytest.mark.parametrize("clip", [None, 2.0], ids=["textbook", "clipped"])
+
+
+@LOOPS
 @pytest.mark.parametrize("recompute", ["nonreentrant", "reentrant"])
 @pytest.mark.parametrize("kind", sorted(STRATEGIES))
-def test_checkpointed_blocks_match_plain_pytorch(kind: str, recompute: str) -> None:
+def test_checkpointed_blocks_match_plain_pytorch(kind: str, recompute: str, clip: float | None) -> None:
     # 5 rows over 2 replicas: an uneven last batch
-    train(STRATEGIES[kind](), [8, 8, 5], tolerance=EXACT, recompute=recompute)
+    train(STRATEGIES[kind](), [8, 8, 5], tolerance=EXACT, recompute=recompute, clip=clip)
 
 
-def test_reentrant_checkpoint_of_a_block_used_twice() -> None:
-    """One block applied twice: its parameters get gradients from two nested backward passes."""
-    train(STRATEGIES["mirrored"](), [8, 8, 5], tolerance=EXACT, recompute="reentrant", shared_blocks=True)
+@LOOPS
+def test_reentrant_checkpoint_of_a_block_used_twice(clip: float | None) -> None:
+    """One block applied twice: its parameters get gradients from two nested backward passes,
+    each of which ends (and sums the gradients it accumulated) before the outer one does."""
+    train(STRATEGIES["mirrored"](), [8, 8, 5], tolerance=EXACT, recompute="reentrant", shared_blocks=True,
+          clip=clip)
 
 
 def _count_compiled_graphs() -> Callable[[int], None]:
@@ -109,8 +124,9 @@ def test_compiled_checkpointed_model_under_central_storage() -> None:
 
 @pytest.mark.timeout(600)
 def test_compiled_training_step_under_mirrored() -> None:
-    """``torch.compile`` of the whole step: forward and loss compiled; zero_grad, backward and the
-    strategy's optimizer step run eagerly (graph breaks, as zero_grad and backward are in plain
-    PyTorch too)."""
+    """``torch.compile`` of the whole step: forward, loss and clipping compiled; zero_grad,
+    backward (with the strategy's gradient hooks) and the strategy's optimizer step run eagerly
+    (graph breaks, as zero_grad and backward are in plain PyTorch too)."""
     check = _count_compiled_graphs()
-    train(STRATEGIES["mirrored"](), [8, 8, 8], tolerance=COMPILED, compile_step=True, after_each_step=check)
+    train(STRATEGIES["mirrored"](), [8, 8, 8], tolerance=COMPILED, compile_step=True, clip=2.0,
+          after_each_step=check)

@@ -16,6 +16,7 @@ from .history import assert_history_matches
 
 SCRIPT = Path(__file__).with_name("recompute_script.py")   # imports tiny_gpt from its folder
 BATCHES = [8, 8, 6]   # 6 rows over 2 workers with 2 replicas each: 2/2/1/1
+CLIP = 2.0            # recompute_script.CLIP
 
 
 def run_and_compare(tmp_path: Path, modes: list[str], replicas_per_worker: int, timeout: float) -> None:
@@ -30,11 +31,18 @@ def run_and_compare(tmp_path: Path, modes: list[str], replicas_per_worker: int, 
         for mode in modes:
             got, chief = out["modes"][mode], outputs[0]["modes"][mode]
             assert got["initial"] == chief["initial"], f"worker {rank} did not start from the chief's values"
-            model = tiny_gpt.make_model(shared_blocks=mode == "shared")
+            kind, _, clip = mode.partition("+")
+            model = tiny_gpt.make_model(shared_blocks=kind == "shared")
             model.load_state_dict({k: torch.tensor(v, dtype=tiny_gpt.DTYPE) for k, v in chief["initial"].items()})
-            expected = tiny_gpt.plain_history(model, tiny_gpt.make_batches(BATCHES))
+            expected = tiny_gpt.plain_history(model, tiny_gpt.make_batches(BATCHES), clip=CLIP if clip else None,
+                                              twice=kind == "twice")
             where = f"worker {rank}, {mode}"
-            if mode == "compile":
+            if clip:   # every replica's clip_grad_norm_ saw the global batch's gradient norm
+                for step, (got_step, want) in enumerate(zip(got["history"], expected)):
+                    assert want["norm"] > CLIP
+                    assert got_step["norms"] == pytest.approx([want["norm"]] * replicas_per_worker, rel=1e-9), \
+                        f"{where}, step {step}"
+            if kind == "compile":
                 # inductor fuses float64 operations in another order than eager PyTorch
                 _assert_close_history(got["history"], expected, where, tolerance=1e-9)
                 # steps 0 and 1 have the same shapes: nothing compiled again (the last, smaller batch may be)
@@ -55,9 +63,11 @@ def _assert_close_history(history: list[dict], expected: list[dict], where: str,
 
 @pytest.mark.timeout(450)
 def test_two_workers_checkpointed_and_compiled(tmp_path: Path) -> None:
-    run_and_compare(tmp_path, ["reentrant", "nonreentrant", "shared", "compile"], replicas_per_worker=1, timeout=400)
+    run_and_compare(tmp_path, ["reentrant", "nonreentrant+clip", "shared+clip", "twice+clip", "compile"],
+                    replicas_per_worker=1, timeout=400)
 
 
 @pytest.mark.timeout(600)
 def test_two_workers_two_replicas_compiled_and_checkpointed(tmp_path: Path) -> None:
-    run_and_compare(tmp_path, ["compile", "reentrant"], replicas_per_worker=2, timeout=560)
+    run_and_compare(tmp_path, ["compile+clip", "reentrant", "shared+clip", "twice"], replicas_per_worker=2,
+                    timeout=560)

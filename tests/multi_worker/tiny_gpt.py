@@ -89,18 +89,25 @@ def per_example_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return losses.view(targets.shape).mean(dim=1)
 
 
-def plain_history(model: nn.Module, batches, *, clip: float | None = None) -> list[dict]:
-    """Plain single-device PyTorch on each whole batch: loss and parameters after every step."""
+def bigram_logits(model: TinyGPT, idx: torch.Tensor) -> torch.Tensor:
+    """The model without position embedding and blocks: a second loss that reaches only some parameters."""
+    return model.head(model.ln(model.tok(idx)))
+
+
+def plain_history(model: nn.Module, batches, *, clip: float | None = None, twice: bool = False) -> list[dict]:
+    """Plain single-device PyTorch on each whole batch: loss and parameters after every step
+    (``twice``: a second backward, of the bigram loss, accumulates before the step)."""
     optimizer = make_optimizer(model)
     history = []
     for x, y in batches:
         optimizer.zero_grad()
         loss = per_example_loss(model(x), y).mean()
         loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if twice:
+            per_example_loss(bigram_logits(model, x), y).mean().backward()
+        norm = None if clip is None else torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
         optimizer.step()
-        history.append(snapshot(model, loss))
+        history.append({**snapshot(model, loss), "norm": norm})
     return history
 
 
