@@ -87,6 +87,8 @@ def worker(out: str, stage: str, steps: str = "0") -> None:
         nonlocal local_grads
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), y)
+        if stage != "ddp":   # DDP averages the workers' gradients; stratagem sums them
+            loss = sg.nn.mean_over_replicas(loss)
         loss.backward()
         local_grads = _storage_bytes([_local(p.grad) for p in params])
         optimizer.step()

@@ -242,7 +242,7 @@ def step(batch, zero_first):
     x, y = batch
     if zero_first:   # the usual order: its zero_grad would race the other replica's backward
         optimizer.zero_grad()
-    F.cross_entropy(model(x), y).backward()
+    sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none")).backward()
     optimizer.step()
 for zero_first in (True, False):
     for _ in range(3):
@@ -257,7 +257,8 @@ optimizer.zero_grad()
 with strategy.scope():
     scoped = torch.optim.SGD(model.parameters(), lr=0.1)
 for batch in strategy.experimental_distribute_dataset(data):
-    strategy.run(lambda b: (scoped.zero_grad(), F.cross_entropy(model(b[0]), b[1]).backward(), scoped.step()), args=(batch,))
+    strategy.run(lambda b: (scoped.zero_grad(), sg.nn.compute_average_loss(
+        F.cross_entropy(model(b[0]), b[1], reduction="none")).backward(), scoped.step()), args=(batch,))
 print("SCOPED OK")
 """
 

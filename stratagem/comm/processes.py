@@ -208,12 +208,13 @@ class WorkerGroup:
 
     # ------------------------------------------------------------ collectives
 
-    def all_reduce(self, tensor: torch.Tensor, what: str = "all_reduce") -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, what: str = "all_reduce", *, op: str = "sum") -> torch.Tensor:
+        """Sum (``op="max"``: the maximum of) ``tensor`` over the workers, in place."""
         if self.solo:
             return tensor
         carrier = tensor if tensor.device == self.device else tensor.to(self.device)
         with self.guard(what):
-            dist.all_reduce(carrier, group=self.group)
+            dist.all_reduce(carrier, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
         if carrier is not tensor:
             tensor.copy_(carrier)
         return tensor

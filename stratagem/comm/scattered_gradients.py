@@ -209,6 +209,17 @@ class ScatteredGradients:
         self._reset()
         return shard, flags[:len(self._params)]
 
+    def takes(self, param: torch.Tensor) -> bool:
+        """Whether this (open) set of packs takes ``param``'s gradients during backward."""
+        where = self._where.get(id(param))
+        return not self.closed and where is not None and \
+            self._params[self.spans[where[0]].indices[where[1]]] is param
+
+    def pending(self) -> bool:
+        """Whether gradients arrived since the last ``finish`` (on this worker: ask every worker)."""
+        return any(self._present) or any(span.launched or span.buffer is not None or span.late is not None
+                                          for span in self.spans) or any(p.grad is not None for p in self._params)
+
     def discard(self) -> None:
         """Drop this step's gradients (``zero_grad`` before a step): the other workers, which
         have gradients pending too, run the same collectives as ``finish``; nothing is kept."""

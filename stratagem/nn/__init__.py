@@ -1,6 +1,11 @@
-"""Loss helpers that make per-replica losses add up to the single-device loss."""
+"""Loss helpers that make per-replica losses add up to the single-device loss, and gradient
+clipping by the global norm where no process holds a whole gradient."""
 
 from stratagem.ps.embedding import embedding_lookup
-from stratagem.nn.losses import compute_average_loss, scale_regularization_loss
+from stratagem.nn.loss_check import LossScalingWarning
+from stratagem.nn.losses import (compute_average_loss, mean_over_replicas, scale_regularization_loss,
+                                 skip_loss_scaling_check)
+from stratagem.placement.clipping import clip_grad_norm_, clip_grad_value_
 
-__all__ = ["compute_average_loss", "embedding_lookup", "scale_regularization_loss"]
+__all__ = ["LossScalingWarning", "clip_grad_norm_", "clip_grad_value_", "compute_average_loss", "embedding_lookup",
+           "mean_over_replicas", "scale_regularization_loss", "skip_loss_scaling_check"]

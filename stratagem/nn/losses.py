@@ -1,4 +1,10 @@
-"""Per-replica losses whose gradients, summed over replicas, equal the single-device ones."""
+"""Per-replica losses whose gradients, summed over replicas, equal the single-device ones.
+
+A synchronous strategy sums the replicas' gradients, so a replica's loss is its share of the
+global batch's loss. The losses these functions return are marked as scaled, and a loss that
+is a per-replica mean instead is refused (or warned about) at ``backward()``
+(:mod:`stratagem.nn.loss_check`).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import torch
 
 from stratagem import _context
 from stratagem.errors import InvalidArgumentError
+from stratagem.nn.loss_check import mark
 
 
 def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int | None = None,
@@ -36,7 +43,7 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
         global_batch_size = _current_global_batch_size(per_example_loss.shape[0])
     elif not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size <= 0:
         raise InvalidArgumentError(f"global_batch_size must be a positive int or None, got {global_batch_size!r}")
-    return loss.sum() / global_batch_size
+    return mark(loss.sum() / global_batch_size, "compute_average_loss")
 
 
 def _current_global_batch_size(local_size: int) -> int:
@@ -49,7 +56,56 @@ def _current_global_batch_size(local_size: int) -> int:
 
 
 def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor:
-    """``regularization_loss / num_replicas_in_sync``: added on every replica, it sums to one copy."""
+    """``regularization_loss / num_replicas_in_sync``: added on every replica, it sums to one copy.
+
+    Example::
+
+        import torch, stratagem as sg
+        weight = torch.ones(3, requires_grad=True)
+        loss = sg.nn.scale_regularization_loss(1e-4 * weight.pow(2).sum())   # one replica: unchanged
+    """
+    return mark(regularization_loss / _num_replicas(), "scale_regularization_loss")
+
+
+def mean_over_replicas(loss: torch.Tensor) -> torch.Tensor:
+    """``loss / num_replicas_in_sync``: DistributedDataParallel's averaging, for a per-replica mean.
+
+    DDP averages the replicas' gradients; stratagem sums them. Dividing each replica's mean
+    loss by the number of replicas gives DDP's result: exactly the single-device gradient when
+    every replica's batch has the same size, and, for an uneven last batch, the average of the
+    replicas' means (an example of a smaller batch weighs more, as under DDP).
+    :func:`compute_average_loss` is exact for uneven batches too.
+
+    Example::
+
+        import torch, torch.nn.functional as F, stratagem as sg
+        logits, labels = torch.randn(4, 3, requires_grad=True), torch.tensor([0, 1, 2, 0])
+        loss = sg.nn.mean_over_replicas(F.cross_entropy(logits, labels))   # one replica: unchanged
+        loss.backward()
+    """
+    return mark(loss / _num_replicas(), "mean_over_replicas")
+
+
+def skip_loss_scaling_check(loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` unchanged, let through the check that refuses a per-replica mean loss.
+
+    Inside ``strategy.run`` with several replicas in sync, ``backward()`` of a loss that is a
+    mean over the replica's own examples raises (the replicas' gradients are summed, so it would
+    train with N times the gradient). Use this only where the loss is scaled on purpose in a
+    way the check cannot see, e.g. gradients divided by hand before ``optimizer.step()``.
+
+    Example::
+
+        import torch, stratagem as sg
+        x = torch.ones(2, 3, requires_grad=True)
+        loss = sg.nn.skip_loss_scaling_check(x.pow(2).mean())
+        loss.backward()
+    """
+    if not isinstance(loss, torch.Tensor):
+        raise InvalidArgumentError(f"skip_loss_scaling_check needs the loss tensor, got {type(loss).__name__}")
+    return mark(loss, "skip_loss_scaling_check")
+
+
+def _num_replicas() -> int:
     ctx = _context.get_replica_context()
-    num_replicas = ctx.num_replicas_in_sync if ctx is not None else _context.get_strategy().num_replicas_in_sync
-    return regularization_loss / num_replicas
+    return ctx.num_replicas_in_sync if ctx is not None else _context.get_strategy().num_replicas_in_sync

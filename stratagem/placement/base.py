@@ -15,6 +15,8 @@ created there (``on_optimizer_created``). The placement then owns them:
   a subclass (named after the placement, e.g. ``MirroredSGD``) whose ``step``,
   ``zero_grad``, state dicts, ``add_param_group`` and pickling call the
   ``optimizer_*`` methods below.
+- ``grad_scaler_refusal()``: whether a ``torch.amp.GradScaler`` created in scope can be made
+  replica-aware (:mod:`stratagem.placement.grad_scaler`).
 
 Implementations: :class:`~stratagem.placement.mirrored.MirroredPlacement` (a copy per
 local replica; also one device) and the parameter-server placement (variables on
@@ -36,6 +38,10 @@ class Placement(abc.ABC):
 
     #: Prefix of the names of optimizer classes made by this placement (``MirroredSGD``).
     kind = "Distributed"
+    #: Whether a loss given to ``backward()`` inside ``strategy.run`` must be scaled for the global
+    #: batch, and is checked (:mod:`stratagem.nn.loss_check`): the replicas' gradients are summed.
+    #: False where the strategy's own schedule runs the backward passes (the pipeline).
+    checks_loss_scaling = True
 
     # -------------------------------------------------------------- modules
 
@@ -90,6 +96,19 @@ class Placement(abc.ABC):
         checkpoint assembles the logical state from ``skeleton`` and calls ``load_state_dict``."""
         return None
 
+    # ------------------------------------------------------------ gradients
+
+    def splits_gradients(self, params: list[torch.Tensor]) -> list[bool]:
+        """For each of ``params``: whether no process's ``.grad`` holds its whole gradient between
+        backward and step, by this placement's design (clipping then asks :meth:`gradient_parts`;
+        :mod:`stratagem.placement.clipping`). Default: never."""
+        return [False] * len(params)
+
+    def gradient_parts(self, params: list[torch.Tensor]) -> Any:
+        """This process's parts of the whole gradients of ``params`` (all split by this placement), as a
+        :class:`~stratagem.placement.clipping.GradientParts`: a collective, every process calls it."""
+        raise NotImplementedError(f"{type(self).__name__} keeps whole gradients")
+
     # ----------------------------------------------------------- optimizers
 
     @abc.abstractmethod
@@ -112,6 +131,16 @@ class Placement(abc.ABC):
 
     @abc.abstractmethod
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None: ...
+
+    # ------------------------------------------------------------ GradScaler
+
+    def grad_scaler_refusal(self) -> str | None:
+        """Why a ``torch.amp.GradScaler`` created in this scope cannot work here, or None when it
+        can: when each replica's copy of every parameter has a gradient that ``unscale_`` and its
+        inf check can read after backward (then :mod:`stratagem.placement.grad_scaler` makes one
+        decision for all replicas). Refused by default."""
+        return ("its replicas do not each hold a gradient for every parameter after backward "
+                "(the model, its gradients or its steps are split between processes)")
 
     def optimizer_reduce(self, optimizer: torch.optim.Optimizer) -> Any:
         """``__reduce_ex__`` of a scoped optimizer: by default it cannot be pickled."""

@@ -14,7 +14,7 @@ and mirrors only the computation. Here:
   Buffers keep one copy per replica and read, outside ``run``, as their mean over replicas.
 - **Optimizers.** An optimizer created in scope is the user's object over the primaries;
   its state lives once, beside them. One logical step, ``optimizer.step()`` on every
-  replica's thread inside ``run``:
+  replica's thread inside ``run``, in the order of :mod:`~stratagem.placement.step`:
 
   1. the gradients were summed over the replicas when backward ended (:mod:`.gradient_sync`:
      every replica's ``.grad`` holds the sum); where replica 0 computes with a copy (a GPU),
@@ -23,8 +23,8 @@ and mirrors only the computation. Here:
   3. the update is applied once to the primaries: split by ranges between the replica
      threads for element-wise optimizers on a CPU parameter device
      (:mod:`~stratagem.placement.sharded_update`), else by replica 0's thread;
-  4. the post-hooks run once, on replica 0;
-  5. every replica with a copy of its own copies the new values into it (its own thread).
+  4. every replica with a copy of its own copies the new values into it (its own thread);
+  5. the post-hooks run once, on replica 0 (parameters they change reach the copies).
 
   Called outside ``run``, ``step()`` does the same on the calling thread.
 
@@ -34,17 +34,16 @@ placement only moves tensors there, as ``OneDeviceStrategy`` does.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
-from stratagem._profiling import label
 from stratagem.comm.collective import Collective
 from stratagem.devices import Device, Topology
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.hooks import adopt, run_hooks, step_hooks, unhooked_step
+from stratagem.placement.hooks import adopt, unhooked_step
 from stratagem.placement.mirrored import MirroredPlacement
-from stratagem.placement.mirrored_optimizers import refuse_closure
 from stratagem.placement.sharded_update import ShardedUpdate
 
 class CentralPlacement(MirroredPlacement):
@@ -109,63 +108,52 @@ class CentralPlacement(MirroredPlacement):
                     optimizer._sg_sharded = sharded
         return sharded
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-        refuse_closure(closure)
-        ctx = self.own_replica_context()
-        if ctx is None:
-            return self._cross_replica_step(optimizer)
-        local_id, exchange = ctx.local_replica_id, self.collective.exchange
-        primaries = _params(optimizer)
-        mine = self._replica_params(primaries, local_id)
+    # the primitives of placement/step.py (optimizer_step is the mirrored placement's: the order)
+
+    def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any:
+        """Where replica 0 computes with a copy (a GPU), its sums reach the primaries' ``.grad``."""
+        if self.first_copy == 0:
+            if replica in (None, 0):
+                primaries = _params(optimizer)
+                self._gradients_to_primaries(primaries, self._replica_params(primaries, 0))
+            if replica is not None:
+                self.collective.exchange(replica, None, "optimizer.step (gradients on the parameter device)")
+        return None
+
+    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any:
+        """The update of the primaries: this thread's range (split updates), else replica 0's."""
         sharded = self.sharded(optimizer)
-        result = None
-        with label("stratagem.optimizer.step"):  # the gradients were summed when backward ended
-            if self.first_copy == 0:  # 1. replica 0 computes with a copy: its sums reach the primaries
-                if local_id == 0:
-                    self._gradients_to_primaries(primaries, mine)
-                exchange(local_id, None, "optimizer.step (gradients on the parameter device)")
-            pre, post = step_hooks(optimizer)
-            if pre:  # 2.
-                self._once(local_id, "optimizer step pre-hooks", run_hooks, pre, optimizer)
-            with label("stratagem.optimizer.update"):  # 3.
-                if sharded is not None:
-                    sharded.step(local_id)
-                    exchange(local_id, None, "optimizer.step (parameters updated)")
-                else:  # replica 0 alone (inline: the update stays 3 frames under optimizer.step())
-                    result = unhooked_step(optimizer._sg_base)(optimizer) if local_id == 0 else None
-                    result = exchange(local_id, result, "optimizer.step (parameters updated)")[0]
-            if post:  # 4.
-                self._once(local_id, "optimizer step post-hooks", run_hooks, post, optimizer)
-            self._refresh(primaries, mine)  # 5.
-        return result
-
-    def _once(self, local_id: int, tag: str, fn: Any, *args: Any) -> None:
-        """``fn(*args)`` on replica 0 while the others wait.
-
-        (If it raises, replica 0 leaves without the exchange and the runner aborts the others.)
-        """
-        if local_id == 0:
-            fn(*args)
-        self.collective.exchange(local_id, None, tag)
-
-    def _cross_replica_step(self, optimizer: torch.optim.Optimizer) -> Any:
-        primaries = _params(optimizer)
-        replicas = [self._replica_params(primaries, r) for r in range(self.num_replicas)]
-        self._gradients_to_primaries(primaries, replicas[0])
-        pre, post = step_hooks(optimizer)
-        run_hooks(pre, optimizer)
-        sharded = self.sharded(optimizer)
-        result = None
         if sharded is not None:
-            for replica in range(self.num_replicas):
-                sharded.step(replica)
-        else:
-            result = unhooked_step(optimizer._sg_base)(optimizer)
-        run_hooks(post, optimizer)
-        for params in replicas:
-            self._refresh(primaries, params)
-        self.record_updates()
+            if replica is None:
+                return functools.partial(_every_range, sharded, self.num_replicas)
+            return functools.partial(sharded.step, replica)
+        if replica in (None, 0):
+            return functools.partial(unhooked_step(optimizer._sg_base), optimizer)
+        return _nothing
+
+    def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any:
+        """The replicas meet (replica 0's result for everyone); each copies the new values into
+        its own copy (every replica's, outside ``run``)."""
+        if replica is not None and self.num_replicas > 1:
+            result = self.collective.exchange(replica, result, "optimizer.step (parameters updated)")[0]
+        primaries = _params(optimizer)
+        for r in range(self.num_replicas) if replica is None else (replica,):
+            self._refresh(primaries, self._replica_params(primaries, r))
         return result
+
+    def hooked_tensors(self, optimizer: torch.optim.Optimizer, replica: int) -> list[torch.Tensor]:
+        return _params(optimizer)   # the hooks see the primaries, which the update reads
+
+    def copy_changed(self, optimizer: torch.optim.Optimizer, replica: int | None, changed: list[int],
+                     grads: bool) -> None:
+        """Parameters a post-hook changed reach the replicas' copies (gradients: the update read
+        the primaries' own)."""
+        if grads:
+            return
+        primaries = _params(optimizer)
+        chosen = [primaries[i] for i in changed]
+        for r in range(self.num_replicas) if replica is None else (replica,):
+            self._refresh(chosen, [self._replica_params(primaries, r)[i] for i in changed])
 
     # ---------------------------------------------------------- gradients
 
@@ -226,6 +214,15 @@ class CentralPlacement(MirroredPlacement):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         self._check_placed(params)   # before the group is added: a refused group leaves no trace
         super().optimizer_add_param_group(optimizer, {**param_group, "params": params})
+
+def _every_range(sharded: ShardedUpdate, num_replicas: int) -> None:
+    for replica in range(num_replicas):
+        sharded.step(replica)
+
+
+def _nothing() -> None:
+    return None
+
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]

@@ -19,7 +19,10 @@ tensors), and is handed to torch's FSDP2 ``fully_shard``:
 
 Optimizers created in scope are torch's own over the DTensor parameters: each worker's
 update touches only its shards, and its state holds only its shards. ``step`` adds nothing
-else: the gradients were summed during backward.
+else: the gradients were summed during backward. ``clip_grad_norm_`` over the model's
+parameters measures every worker's shards and returns the global norm as a plain tensor
+(:mod:`stratagem.placement.clipping`; torch's own returns a DTensor, whose inf-norm is
+each worker's partial maximum).
 
 State: a placed module's ``state_dict()`` holds full tensors (``DTensor.full_tensor``, an
 all-gather: every worker calls it), ``load_state_dict`` takes full tensors and keeps each
@@ -42,6 +45,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from stratagem.errors import InvalidArgumentError
+from stratagem.placement import clipping
 from stratagem.placement.roots import RootsPlacement
 from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
 # full tensors out of DTensors in state dicts, and back into each process's shards: the same
@@ -72,6 +76,7 @@ class FullyShardedPlacement(RootsPlacement):
         self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sharded_ids: set[int] = set()
         self._stash: dict[int, dict] = {}   # chief, while a checkpoint is written: gathered states
+        clipping.register(self)
 
     @property
     def strategy(self) -> Any:
@@ -167,9 +172,15 @@ class FullyShardedPlacement(RootsPlacement):
         run_hooks(post, optimizer)
         return result
 
-    # zero_grad, and state dicts of full tensors (each worker loads its shards): as under tensor
-    # parallelism, whose optimizers are torch's over DTensor parameters too
-    optimizer_zero_grad = TensorParallelPlacement.optimizer_zero_grad
+    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        optimizer._sg_base.zero_grad(optimizer, set_to_none)
+
+    def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
+        """Clipping: each worker's shards of the gradients (summed over the workers in backward)."""
+        return clipping.shard_parts(params, self.collective.group)
+
+    # state dicts of full tensors (each worker loads its shards): as under tensor parallelism,
+    # whose optimizers are torch's over DTensor parameters too
     optimizer_state_dict = TensorParallelPlacement.optimizer_state_dict
     optimizer_load_state_dict = TensorParallelPlacement.optimizer_load_state_dict
 

@@ -1,7 +1,7 @@
 """How a scope sees what is created in it, and the class of optimizers created there.
 
-While at least one non-default strategy's scope is open (on any thread), two things
-are installed in torch, and both are removed when the last such scope closes:
+While at least one non-default strategy's scope is open (on any thread), these are
+installed in torch, and all are removed when the last such scope closes:
 
 - module registration hooks (``register_module_parameter_registration_hook`` and the
   buffer one), which report each module that registers a tensor on a thread whose
@@ -10,7 +10,11 @@ are installed in torch, and both are removed when the last such scope closes:
   hook: this is the one patch, and it is only in place while a scope is open). It
   calls the original ``__init__`` and, only for an optimizer created on a thread
   inside a scope, hands it to that strategy's placement. Optimizers created outside
-  every scope are never touched.
+  every scope are never touched;
+- the same for ``torch.amp.GradScaler.__init__``: a scaler created in scope is handed to
+  :func:`stratagem.placement.grad_scaler.adopt` (one decision for every replica); and
+  ``scale`` / ``unscale_`` / ``step`` / ``update`` refuse, inside a multi-replica ``run``, a
+  scaler created outside every scope (:func:`~stratagem.placement.grad_scaler.refuse_unscoped`).
 
 An optimizer created in scope then has its class replaced by a subclass of its own
 class, named after the placement (``MirroredSGD``, ``ParameterServerAdam``), so that
@@ -25,6 +29,7 @@ the update to every copy through :func:`unhooked_step`, which skips torch's wrap
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from typing import Any, Callable
@@ -34,12 +39,16 @@ from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from stratagem import _context
+from stratagem.placement import grad_scaler
 
 _lock = threading.Lock()
 _internal = threading.local()   # set while stratagem builds optimizers of its own
 _users = 0
 _installed: list[Any] = []   # the registration hooks' handles while scopes are open
 _original_init = torch.optim.Optimizer.__init__
+_original_scaler_init = torch.amp.GradScaler.__init__
+_SCALER_METHODS = ("scale", "unscale_", "step", "update")
+_original_scaler_methods = {name: getattr(torch.amp.GradScaler, name) for name in _SCALER_METHODS}
 
 
 class internal_optimizers:
@@ -82,6 +91,33 @@ def _optimizer_init(self: torch.optim.Optimizer, params: Any, defaults: dict) ->
     placement.on_optimizer_created(self)
 
 
+def _grad_scaler_init(self: torch.amp.GradScaler, *args: Any, **kwargs: Any) -> None:
+    _original_scaler_init(self, *args, **kwargs)
+    placement = _scoped_placement()
+    if placement is not None and not isinstance(self, grad_scaler.ReplicaGradScaler):
+        grad_scaler.adopt(self, placement)
+
+
+def _checked_scaler_method(name: str) -> Callable[..., Any]:
+    original = _original_scaler_methods[name]
+
+    @functools.wraps(original)
+    def method(self: torch.amp.GradScaler, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(self, grad_scaler.ReplicaGradScaler):
+            grad_scaler.refuse_unscoped(self, name)
+        return original(self, *args, **kwargs)
+    return method
+
+
+_checked_scaler_methods = {name: _checked_scaler_method(name) for name in _SCALER_METHODS}
+
+
+def _patch_grad_scaler(install: bool) -> None:
+    torch.amp.GradScaler.__init__ = _grad_scaler_init if install else _original_scaler_init
+    for name in _SCALER_METHODS:
+        setattr(torch.amp.GradScaler, name, (_checked_scaler_methods if install else _original_scaler_methods)[name])
+
+
 def scope_opened() -> None:
     """A non-default scope was entered on some thread: install the hooks if first."""
     global _users
@@ -91,6 +127,7 @@ def scope_opened() -> None:
                              nn.modules.module.register_module_buffer_registration_hook(_on_tensor_registered),
                              nn.modules.module.register_module_module_registration_hook(_on_submodule_registered)]
             torch.optim.Optimizer.__init__ = _optimizer_init
+            _patch_grad_scaler(True)
         _users += 1
 
 
@@ -105,11 +142,13 @@ def scope_closed() -> None:
             _installed.clear()
             if torch.optim.Optimizer.__init__ is _optimizer_init:
                 torch.optim.Optimizer.__init__ = _original_init
+            _patch_grad_scaler(False)
 
 
 def hooks_installed() -> bool:
     """Whether stratagem has anything installed in torch right now (for tests)."""
-    return torch.optim.Optimizer.__init__ is _optimizer_init or bool(_installed)
+    return torch.optim.Optimizer.__init__ is _optimizer_init or bool(_installed) or \
+        torch.amp.GradScaler.__init__ is _grad_scaler_init
 
 
 # ------------------------------------------------------------ the optimizer class

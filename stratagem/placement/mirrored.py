@@ -239,6 +239,9 @@ class MirroredPlacement(MirroredOptimizers, Placement):
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self._build_twins(optimizer)
 
+    def grad_scaler_refusal(self) -> str | None:
+        return None   # every replica's copy has its .grad (also under CentralPlacement)
+
 
 class _UnscopedModuleCheck:
     """While multi-replica runs are active, refuse modules whose parameters are not mirrored,

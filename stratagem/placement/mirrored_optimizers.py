@@ -6,35 +6,28 @@ the optimizer is finished and share its hyperparameters, which a scheduler chang
 on the user's object and are copied to the twins before every step.
 
 Gradients are summed over every replica and worker when backward ends
-(:mod:`.gradient_sync`), so ``optimizer.step()``, called on every replica's thread inside
-``run`` (:meth:`MirroredOptimizers.optimizer_step`), only applies them:
-
-1. the user's step pre-hooks run once, on replica 0, seeing the summed gradients
-   (gradients a hook changed are copied to the other replicas);
-2. the update: for element-wise optimizers on several CPU replicas, each thread updates
-   one range of replica 0's parameters (:mod:`.sharded_update`); otherwise, where the
-   replicas' parameters share one memory (logical CPU devices), replica 0's optimizer
-   applies it once while the others wait; else every twin applies it to its own copy
-   (GPUs);
-3. the post-hooks run once, on replica 0, after every copy is updated (parameters a
-   hook changed are copied to the other replicas).
-
-Without hooks, steps 1 and 3 cost nothing. Called in cross-replica context,
-``step()`` updates every copy itself.
+(:mod:`.gradient_sync`); ``optimizer.step()`` follows the order of :mod:`.step` (hooks once,
+the update, hooks once) with this placement's primitives. The update: for element-wise
+optimizers on several CPU replicas, each thread updates one range of replica 0's parameters
+(:mod:`.sharded_update`); otherwise, where the replicas' parameters share one memory (logical
+CPU devices), replica 0's optimizer applies it once while the others wait; else every twin
+applies it to its own copy (GPUs). Called in cross-replica context, ``step()`` updates every
+copy itself.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from typing import Any
 
 import torch
 
 from stratagem import _context
-from stratagem._profiling import label
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.hooks import run_hooks, step_hooks, unhooked_step
+from stratagem.placement.hooks import unhooked_step
 from stratagem.placement.sharded_update import ShardedUpdate
+from stratagem.placement.step import synchronous_step
 
 
 class MirroredOptimizers:
@@ -98,100 +91,68 @@ class MirroredOptimizers:
         ctx = frame.replica_context if frame is not None else None
         return ctx if ctx is not None and ctx.strategy is self.strategy else None
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-        refuse_closure(closure)
-        twins = self.twins(optimizer)
-        ctx = self.own_replica_context()
-        if ctx is None:
-            return self._cross_replica_step(optimizer, twins)
-        local_id, collective = ctx.local_replica_id, self.collective
-        twin = twins[local_id]
-        params = [p for group in twin.param_groups for p in group["params"]]
-        sharded = self.sharded(optimizer)
-        shared = self.shares_parameters  # one memory: the update is applied once, from replica 0's gradients
-        with label("stratagem.optimizer.step"):  # the gradients were summed when backward ended
-            pre, post = step_hooks(optimizer)
-            if pre:  # 1.
-                self._run_hooks_once(pre, optimizer, local_id, params, grads=True)
-            with label("stratagem.optimizer.update"):  # 2.
-                if sharded is not None:
-                    sharded.step(local_id)
-                    collective.exchange(local_id, None, "optimizer.step (parameters updated)")
-                    result = None
-                elif shared:
-                    result = unhooked_step(optimizer._sg_base)(optimizer) if local_id == 0 else None
-                    collective.exchange(local_id, None, "optimizer.step (parameters updated)")
-                else:
-                    if twin is not optimizer:
-                        _copy_hyperparameters(optimizer, twin)
-                    result = unhooked_step(optimizer._sg_base)(twin)
-            if post:  # 3.
-                if sharded is None and not shared:
-                    collective.exchange(local_id, None, "optimizer.step (parameters updated)")
-                self._run_hooks_once(post, optimizer, local_id, params, grads=False)
+    #: one logical step, in the order of placement/step.py (a function of this placement: no extra frame)
+    optimizer_step = synchronous_step
+
+    # the primitives of placement/step.py
+
+    def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any:
+        return None   # every replica's .grad holds the sum since backward ended
+
+    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any:
+        """This replica's share of the update: its range (split updates), replica 0's one update
+        where the replicas share one memory, else its twin on its own copy."""
+        twins, sharded = self.twins(optimizer), self.sharded(optimizer)
+        if replica is None:
+            return functools.partial(self._update_every_copy, optimizer, twins, sharded)
+        if sharded is not None:
+            return functools.partial(sharded.step, replica)
+        if self.shares_parameters:
+            return functools.partial(unhooked_step(optimizer._sg_base), optimizer) if replica == 0 else _nothing
+        twin = twins[replica]
+        if twin is not optimizer:
+            _copy_hyperparameters(optimizer, twin)
+        return functools.partial(unhooked_step(optimizer._sg_base), twin)
+
+    def _update_every_copy(self, optimizer: torch.optim.Optimizer, twins: list, sharded: Any) -> Any:
+        if sharded is not None:
+            for replica in range(len(twins)):
+                sharded.step(replica)
+            return None
+        result = None
+        for twin in twins[:1] if self.shares_parameters else twins:
+            if twin is not optimizer:
+                _copy_hyperparameters(optimizer, twin)
+            result = unhooked_step(optimizer._sg_base)(twin)
         return result
 
-    def _run_hooks_once(self, hooks: list, optimizer: torch.optim.Optimizer, local_id: int,
-                        params: list[torch.Tensor], *, grads: bool) -> None:
-        """Run ``hooks`` on replica 0 while the others wait; spread what they changed."""
-        def watched(p: torch.Tensor) -> Any:
-            t = p.grad if grads else p
-            return None if t is None else (id(t), t._version)
+    def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any:
+        if replica is not None and self.num_replicas > 1:
+            self.collective.exchange(replica, None, "optimizer.step (parameters updated)")
+        return result
 
-        changed = None
-        if local_id == 0:
-            before = [watched(p) for p in params]
-            try:
-                run_hooks(hooks, optimizer)
-            finally:
-                changed = [i for i, (p, b) in enumerate(zip(params, before)) if watched(p) != b]
-        changed = self.collective.exchange(local_id, changed, "optimizer step hooks")[0]
-        if changed and local_id != 0 and not self.shares_parameters:  # (shared: nothing to copy)
-            primaries = [p for group in optimizer.param_groups for p in group["params"]]
-            with torch.no_grad():
+    def hooked_tensors(self, optimizer: torch.optim.Optimizer, replica: int) -> list[torch.Tensor]:
+        twin = self.twins(optimizer)[replica]
+        return [p for group in twin.param_groups for p in group["params"]]
+
+    def copy_changed(self, optimizer: torch.optim.Optimizer, replica: int | None, changed: list[int],
+                     grads: bool) -> None:
+        """Replica 0's gradients or parameters that a hook changed, copied to ``replica`` (None:
+        every other replica). Shared memory: parameters need nothing, and the update reads replica
+        0's gradients."""
+        if self.shares_parameters or replica == 0:
+            return
+        primaries = self.hooked_tensors(optimizer, 0)
+        targets = range(1, self.num_replicas) if replica is None else (replica,)
+        with torch.no_grad():
+            for r in targets:
+                params = self.hooked_tensors(optimizer, r)
                 for i in changed:
                     source, target = primaries[i], params[i]
                     if grads:
                         target.grad = None if source.grad is None else source.grad.to(target.device, copy=True)
                     else:
                         target.copy_(source)
-        if changed:
-            self.collective.exchange(local_id, None, "optimizer step hooks (copied)")
-
-    def _cross_replica_step(self, optimizer: torch.optim.Optimizer, twins: list) -> Any:
-        """``step()`` outside ``run``: the gradients were summed when backward ended (a backward
-        pass outside ``run`` reaches every replica's tensors)."""
-        pre, post = step_hooks(optimizer)
-        run_hooks(pre, optimizer)
-        shared = self.shares_parameters
-        if len(twins) > 1 and pre and not shared:  # a hook may have changed the primary gradients
-            self._copy_from_primary(twins, grads=True)
-        result = None
-        sharded = self.sharded(optimizer)
-        if sharded is not None:
-            for replica in range(len(twins)):
-                sharded.step(replica)
-        else:
-            step = unhooked_step(optimizer._sg_base)
-            for twin in twins[:1] if shared else twins:
-                if twin is not optimizer:
-                    _copy_hyperparameters(optimizer, twin)
-                result = step(twin)
-        run_hooks(post, optimizer)
-        if len(twins) > 1 and post and not shared:
-            self._copy_from_primary(twins, grads=False)
-        self.record_updates()
-        return result
-
-    def _copy_from_primary(self, twins: list, *, grads: bool) -> None:
-        primaries = [p for g in twins[0].param_groups for p in g["params"]]
-        with torch.no_grad():
-            for twin in twins[1:]:
-                for source, target in zip(primaries, [p for g in twin.param_groups for p in g["params"]]):
-                    if not grads:
-                        target.copy_(source)
-                    elif source.grad is not None:
-                        target.grad = source.grad.to(target.device, copy=True)
 
     # ------------------------------------------------------ everything else
 
@@ -234,11 +195,8 @@ class MirroredOptimizers:
             self.twins(optimizer)
 
 
-def refuse_closure(closure: Any) -> None:
-    if closure is not None:
-        raise InvalidArgumentError(
-            "optimizer.step(closure) is not supported for optimizers created in a strategy's "
-            "scope: compute the loss and call loss.backward() before optimizer.step()")
+def _nothing() -> None:
+    return None
 
 
 def _copy_hyperparameters(source: torch.optim.Optimizer, twin: torch.optim.Optimizer) -> None:

@@ -16,7 +16,10 @@ still list every parameter of the model (those of other stages as meta placehold
 get no gradient, no state and no update), so that their state dicts count parameters as a
 plain optimizer over the whole model does. ``step`` first sums this process's gradients
 over the data axis (each data group's loss is already weighted by its share of the global
-batch), then runs the update over this process's parameters only.
+batch), then runs the update over this process's parameters only. ``clip_grad_norm_`` over
+the model's parameters does that sum earlier (the step then skips it) and clips by the norm
+of the whole model's gradients, each stage's measured where it lives
+(:mod:`stratagem.placement.clipping`).
 
 State: a split model's ``state_dict()`` and its optimizer's read as the whole logical
 model on every process (the pipe axis gathers the stages: a collective, so every process
@@ -38,7 +41,8 @@ from torch import nn
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.roots import RootsPlacement, sum_gradients_over
+from stratagem.placement import clipping
+from stratagem.placement.roots import DataAxisSum, RootsPlacement
 from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
 from stratagem.placement.pipeline_plan import StageLayout, plan_stages
 from stratagem.placement.pipeline_trace import TracedStages
@@ -69,6 +73,7 @@ class PipelinePlacement(RootsPlacement):
     """Stages of ``nn.Sequential`` models over the pipe axis; gradients summed over the data axis."""
 
     kind = "Pipeline"
+    checks_loss_scaling = False   # forward_backward weighs the micro-batches' mean losses itself
 
     def __init__(self, strategy: Any, *, config: dict[str, Any], pipe_rank: int, pipe: Collective,
                  data: Collective, everyone: Collective, device: torch.device):
@@ -85,6 +90,8 @@ class PipelinePlacement(RootsPlacement):
         self._hooks: dict[int, list[int]] = {}     # id(traced model) -> its forward pre-hooks set here
         # id(model or optimizer) -> its whole state dict, gathered for the chief's checkpoint
         self._gathered: dict[int, dict] = {}
+        self._data_sum = DataAxisSum(data)
+        clipping.register(self)
 
     @property
     def strategy(self) -> Any:
@@ -196,7 +203,7 @@ class PipelinePlacement(RootsPlacement):
         groups = optimizer.param_groups
         every = [group["params"] for group in groups]
         own = [[p for p in params if not p.is_meta] for params in every]
-        sum_gradients_over(self.data, [p for params in own for p in params])
+        self._data_sum.before_step([p for params in own for p in params])
         pre, post = step_hooks(optimizer)
         run_hooks(pre, optimizer)
         try:
@@ -210,7 +217,16 @@ class PipelinePlacement(RootsPlacement):
         return result
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        self._data_sum.forget([p for group in optimizer.param_groups for p in group["params"]])
         optimizer._sg_base.zero_grad(optimizer, set_to_none)
+
+    def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
+        """Clipping: this process's stages' gradients, summed over the data axis now (not again in
+        the step); the pipe axis holds the others."""
+        own = [p for p in params if not p.is_meta]
+        self._data_sum.now(own)
+        grads = [p.grad for p in own if p.grad is not None]
+        return clipping.GradientParts(grads, grads, self.pipe.group)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """The whole model's optimizer state: each stage's, gathered over the pipe axis (every process calls it)."""

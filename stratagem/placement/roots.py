@@ -11,6 +11,8 @@ process, and every data-parallel group, starts alike).
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from stratagem.comm.collective import Collective
+from stratagem.errors import InvalidArgumentError
 from stratagem.placement.base import Placement
 
 
@@ -57,6 +60,11 @@ class RootsPlacement(Placement):
         self._placed.extend(roots)
         return roots
 
+    def splits_gradients(self, params: list[torch.Tensor]) -> list[bool]:
+        """The parameters of the models placed here (their gradients are split over processes)."""
+        placed = {id(p) for root in self._placed for p in root.parameters()}
+        return [id(p) in placed for p in params]
+
     def _forget_pending(self, modules: Any) -> None:
         """Modules that placing created in scope are not new models."""
         ids = {id(m) for m in modules}
@@ -82,3 +90,56 @@ def sum_gradients_over(axis: Collective, params: list[torch.Tensor]) -> None:
                                     "optimizer.step (gradients over the data axis)")
             for g, part in zip(same, flat.split([g.numel() for g in same])):
                 g.copy_(part.view_as(g))
+
+
+class DataAxisSum:
+    """The sum of gradients over the data axis, once per step: in ``optimizer.step()``, or earlier
+    when clipping needs the whole gradients (:meth:`now`), which the step then leaves as they are.
+
+    A gradient summed early and then accumulated into by another backward before the step
+    would need only the new part summed: the step refuses it instead. A hook on each parameter
+    summed early sees each new gradient arrive: onto a ``.grad`` still there (refused at the
+    step), or onto none (``zero_grad`` dropped the sum: a fresh gradient, summed in the step).
+    """
+
+    def __init__(self, axis: Collective):
+        self.axis = axis
+        self._hooks: dict[int, Any] = {}   # id(parameter summed early) -> its hook's handle
+        self._mixed: set[int] = set()
+
+    def now(self, params: list[torch.Tensor]) -> None:
+        """Sum those of ``params`` not summed yet this step (a collective over the data axis)."""
+        if self.axis.num_workers == 1:
+            return
+        fresh = [p for p in params if id(p) not in self._hooks]
+        sum_gradients_over(self.axis, fresh)
+        for p in fresh:
+            self._hooks[id(p)] = p.register_hook(functools.partial(self._arriving, weakref.ref(p)))
+
+    def _arriving(self, ref: Any, grad: torch.Tensor) -> None:
+        param = ref()   # (before the new gradient is added to param.grad)
+        if param is not None and id(param) in self._hooks:
+            if param.grad is not None:
+                self._mixed.add(id(param))
+            else:
+                self.forget([param])
+
+    def before_step(self, params: list[torch.Tensor]) -> None:
+        """Sum what clipping did not (a collective); then forget this step's sums."""
+        mixed = [p for p in params if id(p) in self._mixed]
+        if mixed:
+            raise InvalidArgumentError(
+                f"{len(mixed)} gradient(s) (shapes {[tuple(p.shape) for p in mixed[:4]]}) were summed over the "
+                f"data axis by clip_grad_norm_/clip_grad_value_ and then accumulated into by another backward "
+                f"before optimizer.step(); clip after the last backward of the step (or call "
+                f"optimizer.zero_grad() before a new one)")
+        sum_gradients_over(self.axis, [p for p in params if id(p) not in self._hooks])
+        self.forget(params)
+
+    def forget(self, params: list[torch.Tensor]) -> None:
+        """Drop what is known about ``params``' sums (after the step, or ``zero_grad``)."""
+        for p in params:
+            handle = self._hooks.pop(id(p), None)
+            if handle is not None:
+                handle.remove()
+            self._mixed.discard(id(p))

@@ -12,7 +12,10 @@ modules, so that a wrong plan raises the same InvalidArgumentError on every proc
 
 Optimizers created in scope keep torch's own update over the DTensor parameters; their
 ``step`` first sums each gradient's local shard over the data axis (one all-reduce per
-dtype), as the data-parallel strategies sum over replicas.
+dtype), as the data-parallel strategies sum over replicas. ``clip_grad_norm_`` over the
+model's parameters does that sum earlier (the step then skips it) and clips by the norm of
+the whole gradients, the shards measured on every process of the model axis
+(:mod:`stratagem.placement.clipping`).
 
 State: a placed module's ``state_dict()`` holds full tensors (``DTensor.full_tensor``,
 a collective over the model axis: every process calls it), and ``load_state_dict``
@@ -39,7 +42,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.roots import RootsPlacement, sum_gradients_over
+from stratagem.placement import clipping
+from stratagem.placement.roots import DataAxisSum, RootsPlacement
 from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
 
 #: plan style names and the torch ParallelStyle each stands for
@@ -74,12 +78,14 @@ class TensorParallelPlacement(RootsPlacement):
     kind = "TensorParallel"
 
     def __init__(self, strategy: Any, mesh: DeviceMesh, plan: dict[str, Any], data: Collective,
-                 everyone: Collective, device: torch.device):
+                 everyone: Collective, device: torch.device, *, model: Collective):
         self._strategy_ref = weakref.ref(strategy)
         self.mesh = mesh
         self.device = device       # this process's device: modules move there, then are split
         self.plan = check_plan(plan)
         self.data = data           # the data axis (this process's data-parallel peers)
+        self.model = model         # the model axis (this process's model group: the shards of its gradients)
+        self._data_sum = DataAxisSum(data)
         self.everyone = everyone   # every process (start-up agreement)
         self._start_roots()
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -88,6 +94,7 @@ class TensorParallelPlacement(RootsPlacement):
         self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # id(module or optimizer) -> (it, its full state dict): gathered for the chief's checkpoint
         self._gathered: dict[int, tuple[Any, dict]] = {}
+        clipping.register(self)
 
     @property
     def strategy(self) -> Any:
@@ -183,7 +190,7 @@ class TensorParallelPlacement(RootsPlacement):
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
         self.finalize()
-        sum_gradients_over(self.data, [p for g in optimizer.param_groups for p in g["params"]])
+        self._data_sum.before_step([p for g in optimizer.param_groups for p in g["params"]])
         pre, post = step_hooks(optimizer)
         run_hooks(pre, optimizer)
         result = unhooked_step(optimizer._sg_base)(optimizer, closure)
@@ -191,7 +198,14 @@ class TensorParallelPlacement(RootsPlacement):
         return result
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        self._data_sum.forget([p for g in optimizer.param_groups for p in g["params"]])
         optimizer._sg_base.zero_grad(optimizer, set_to_none)
+
+    def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
+        """Clipping: the gradients summed over the data axis now (not again in the step); each
+        process's shards along the model axis (replicated gradients count once)."""
+        self._data_sum.now(params)
+        return clipping.shard_parts(params, self.model.group)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         state = optimizer._sg_base.state_dict(optimizer)

@@ -14,6 +14,9 @@ Stages (``MultiWorkerMirroredStrategy(sharding=...)``):
 - ``"gradients"`` (ZeRO-2): the gradients are reduce-scattered in packs launched during
   backward (:mod:`stratagem.comm.scattered_gradients`), so each worker only ever receives the
   summed gradient of its own range, and the local gradients are freed pack by pack.
+  ``param.grad`` is None after backward; ``clip_grad_norm_`` over the parameters finishes the
+  packs early, measures every worker's range and scales this worker's, which the step then
+  applies (:mod:`stratagem.placement.clipping`).
 
 Stage 3 (``"parameters"``) is :mod:`stratagem.placement.fully_sharded`.
 
@@ -26,6 +29,7 @@ gathers the state on every worker once and lets the chief write it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Any, Iterator
 
@@ -35,9 +39,9 @@ from stratagem._profiling import label
 from stratagem.comm import worker_ops
 from stratagem.comm.scattered_gradients import ScatteredGradients
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.hooks import placement_of, run_hooks, step_hooks
+from stratagem.placement import clipping
+from stratagem.placement.hooks import placement_of, step_hooks
 from stratagem.placement.mirrored import MirroredPlacement
-from stratagem.placement.mirrored_optimizers import refuse_closure
 from stratagem.placement.sharded_update import ELEMENTWISE, ShardedUpdate
 
 #: ``sharding=`` values, and the ones that exist only as names so far
@@ -68,8 +72,10 @@ class ZeroPlacement(MirroredPlacement):
         self.stage = stage
         super().__init__(strategy, topology, collective)
         check_sharding(stage, self.num_replicas)
-        # id(parameter) -> the packs whose hooks take its gradients (sharding="gradients")
-        self._scattered_by_param: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # id(parameter) -> the layout whose packs take its gradients (sharding="gradients")
+        self._layout_by_param: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        if stage == "gradients":
+            clipping.register(self)   # no worker holds a whole gradient: clipping asks this placement
 
     def syncs_gradients(self) -> bool:
         """Stage 1 sums whole gradients when backward ends; stage 2 reduce-scatters them instead."""
@@ -100,17 +106,24 @@ class ZeroPlacement(MirroredPlacement):
                 layout = _Layout(params, sharded, self._rank)
                 if self.stage == "gradients" and self.collective.num_workers > 1:
                     for p in params:   # one set of hooks per parameter: the newest optimizer's
-                        older = self._scattered_by_param.get(id(p))
+                        older = self._layout_by_param.get(id(p))
                         if older is not None:
-                            older.close()
+                            older.scattered.close()
                     layout.scattered = ScatteredGradients(
                         params, layout.offsets, layout.bounds, self._rank, self.collective.group,
                         bytes_per_pack=self.collective.options.bytes_per_pack)
                     for p in params:
-                        self._scattered_by_param[id(p)] = layout.scattered
+                        self._layout_by_param[id(p)] = layout
                 optimizer._sg_sharded = sharded
                 optimizer._sg_zero = layout
         return sharded
+
+    def grad_scaler_refusal(self) -> str | None:
+        if self.stage == "optimizer":
+            return None   # whole gradients on every worker, as without sharding
+        return (f"with sharding={self.stage!r} each worker only ever holds its share of the summed "
+                f"gradients, inside optimizer.step(), where GradScaler.unscale_ cannot see them; use "
+                f"sharding='optimizer' for float16 with a GradScaler")
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         super()._prepare_optimizer(optimizer)
@@ -122,36 +135,39 @@ class ZeroPlacement(MirroredPlacement):
 
     # ---------------------------------------------------------------- step
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-        refuse_closure(closure)
-        sharded = self.sharded(optimizer)
-        layout: _Layout = optimizer._sg_zero
-        collective, rank = self.collective, self._rank
-        with label("stratagem.optimizer.step"):
-            grads = None   # stage 1: the whole gradients, summed when backward ended
-            if collective.num_workers > 1 and self.stage == "gradients":
-                with label("stratagem.gradients.cross_worker"):
-                    grads = self._reduce_scattered(layout)
-            pre, post = step_hooks(optimizer)
-            if pre:
-                if self.stage == "gradients":
-                    raise InvalidArgumentError(
-                        "optimizer step pre-hooks see whole gradients, which sharding='gradients' never "
-                        "forms; remove the hook or use sharding='optimizer'")
-                run_hooks(pre, optimizer)
-            with label("stratagem.optimizer.update"):
-                sharded.step(rank, grads)
-            if collective.num_workers > 1:
-                with label("stratagem.parameters.all_gather"):
-                    self._gather_parameters(layout)
-            if post:
-                run_hooks(post, optimizer)
+    # the primitives of placement/step.py (optimizer_step is the mirrored placement's: the order)
+
+    def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any:
+        """Stage 1: the whole sums, in ``.grad`` since backward ended. Stage 2: this worker's range
+        of the sum (the packs reduce-scattered during backward)."""
+        self.sharded(optimizer)
+        if self.stage != "gradients":
+            return None
+        if step_hooks(optimizer)[0]:
+            raise InvalidArgumentError(
+                "optimizer step pre-hooks see whole gradients, which sharding='gradients' never "
+                "forms; remove the hook or use sharding='optimizer'")
+        if self.collective.num_workers == 1:
+            return None
+        with label("stratagem.gradients.cross_worker"):
+            return self._reduce_scattered(optimizer._sg_zero)
+
+    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any:
+        """This worker's range of the update."""
+        return functools.partial(self.sharded(optimizer).step, self._rank, gradients)
+
+    def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any:
+        """Every worker's updated range reaches every worker (all-gather)."""
+        if self.collective.num_workers > 1:
+            with label("stratagem.parameters.all_gather"):
+                self._gather_parameters(optimizer._sg_zero)
         return None
 
     def _reduce_scattered(self, layout: "_Layout") -> Any:
         """Sum the gradients over workers, each worker receiving its own range only (the packs
         of :mod:`stratagem.comm.scattered_gradients`, launched during backward)."""
-        shard, exists = layout.scattered.finish()
+        shard, exists = self._summed(layout)
+        layout.summed = None
         base = layout.bounds[self._rank]
 
         def piece(index: int, start: int, stop: int) -> torch.Tensor | None:
@@ -161,10 +177,44 @@ class ZeroPlacement(MirroredPlacement):
             return shard[lo:lo + stop - start]
         return piece
 
+    def _summed(self, layout: "_Layout") -> tuple[torch.Tensor, list[int]]:
+        """This worker's range of the step's summed gradients, and which exist: the packs finished
+        at the first ask of the step (clipping, else the step), kept until the step uses them. A
+        later ask first adds what backward reduced since, if any worker has some (a collective)."""
+        if layout.summed is None:
+            layout.summed = layout.scattered.finish()
+            return layout.summed
+        pending = torch.tensor([int(layout.scattered.pending())], dtype=torch.int32)
+        if self.collective.group.all_reduce(pending, "gradients since clipping (sharding='gradients')").item():
+            shard, exists = layout.scattered.finish()
+            layout.summed[0].add_(shard)
+            layout.summed = (layout.summed[0], [max(a, b) for a, b in zip(layout.summed[1], exists)])
+        return layout.summed
+
+    def splits_gradients(self, params: list[torch.Tensor]) -> list[bool]:
+        """The parameters whose gradients packs take during backward (several workers)."""
+        found = [self._layout_by_param.get(id(p)) for p in params]
+        return [layout is not None and layout.scattered.takes(p) for layout, p in zip(found, params)]
+
+    def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
+        """Clipping: the pieces of this worker's range of the summed gradients that belong to
+        ``params`` (the packs finished now, the range kept for the step)."""
+        chosen = {id(p) for p in params}
+        parts = []
+        for layout in dict.fromkeys(self._layout_by_param[id(p)] for p in params):
+            shard, exists = self._summed(layout)
+            base, top = layout.bounds[self._rank], layout.bounds[self._rank + 1]
+            for index, (p, offset) in enumerate(zip(layout.params, layout.offsets)):
+                a, b = max(offset, base), min(offset + p.numel(), top)
+                if id(p) in chosen and exists[index] and a < b:
+                    parts.append(shard[a - base:b - base])
+        return clipping.GradientParts(parts, parts, self.collective.group)
+
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         super().optimizer_zero_grad(optimizer, set_to_none)
         layout = optimizer.__dict__.get("_sg_zero")
         if layout is not None and layout.scattered is not None:
+            layout.summed = None             # a clip's sum that no step used
             layout.scattered.discard()   # gradients reduced during a backward that no step followed
 
     def _gather_parameters(self, layout: "_Layout") -> None:
@@ -247,6 +297,7 @@ class _Layout:
         self._views = [view for _, _, view, _, _ in sharded.pieces[rank]]
         self._empty = params[0].new_empty(0) if params else torch.empty(0)
         self.scattered: ScatteredGradients | None = None   # sharding="gradients", several workers
+        self.summed: tuple[torch.Tensor, list[int]] | None = None   # the step's range of the sum, once finished
 
     def own_range(self) -> torch.Tensor:
         """This worker's range of the parameters, one flat tensor."""

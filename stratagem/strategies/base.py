@@ -29,6 +29,7 @@ from stratagem.data.from_function import DistributedDatasetsFromFunction
 from stratagem.data.input import DistributedDataset, ValueContext
 from stratagem.devices import Topology
 from stratagem.errors import ContextError, InvalidArgumentError
+from stratagem.nn import loss_check
 from stratagem.placement import hooks
 from stratagem.placement.base import Placement
 from stratagem.strategies.replica_context import CrossReplicaCollectives, ReplicaContext
@@ -187,7 +188,7 @@ class Strategy:
                 f"args must be a tuple or list of positional arguments, got {type(args).__name__}; "
                 f"write args=(x,) for a single argument")
         kwargs = {} if kwargs is None else kwargs
-        with self._enter_cross_replica("run"), label("stratagem.run"):
+        with self._enter_cross_replica("run"), label("stratagem.run"), loss_check.watching(self):
             self._check_owned((args, kwargs), "run")
             placement = self._placement
             placement.before_run()
@@ -215,15 +216,13 @@ class Strategy:
         return map_structure(pick, structure)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        """Backward passes inside skip the gradient exchange (gradient accumulation without waste).
+        """Backward passes inside skip the gradient exchange (accumulation without waste).
 
-        DistributedDataParallel's ``no_sync()``: when ``backward()`` returns inside it, each
-        parameter's ``.grad`` holds this replica's own accumulation; the next ``backward()``
-        outside it sums everything accumulated since over every replica and worker, so k
-        micro-steps cost one exchange and ``.grad`` is then exactly the global batch's. Use it
-        inside ``run`` (every replica must do the same) or around it. Setting
-        ``model.require_backward_grad_sync = False`` on a model created in scope (DDP's
-        attribute, as nanoGPT's loop does) has the same effect until it is set back to True.
+        DistributedDataParallel's ``no_sync()``: inside it ``.grad`` holds this replica's own
+        accumulation; the next ``backward()`` outside it sums everything accumulated since over
+        every replica and worker (k micro-steps, one exchange; ``.grad`` is then the global
+        batch's). Every replica must do the same. ``model.require_backward_grad_sync = False``
+        on a model created in scope (DDP's attribute, nanoGPT's idiom) does the same.
 
         Example::
 
@@ -231,20 +230,14 @@ class Strategy:
             strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
             with strategy.scope():
                 model = torch.nn.Linear(4, 1)
-                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
-            def step(micro_batches):
-                optimizer.zero_grad()
-                for k, x in enumerate(micro_batches):
-                    loss = sg.nn.compute_average_loss(model(x).pow(2).sum(1)) / len(micro_batches)
-                    if k < len(micro_batches) - 1:
-                        with strategy.no_sync():
-                            loss.backward()       # this replica's part only
-                    else:
-                        loss.backward()           # one exchange: .grad is the whole batch's
-                optimizer.step()
+            def step(x):
+                with strategy.no_sync():
+                    sg.nn.compute_average_loss(model(x).pow(2).sum(1)).backward()  # own part
+                sg.nn.compute_average_loss(model(x).pow(2).sum(1)).backward()      # one exchange
+                return model.weight.grad
 
-            strategy.run(step, args=([torch.ones(8, 4), torch.ones(8, 4)],))
+            strategy.run(step, args=(torch.ones(8, 4),))
         """
         return self._placement.no_sync()
 

@@ -8,7 +8,8 @@
   count is lowered for the duration of the run and restored after).
 
 Both push the replica's context frame for the call (so ``sg.get_replica_context()``
-works inside), refuse a ``run`` that nests in or overlaps another run of the same
+works inside), run ``fn`` under the caller's per-thread modes (grad mode and autocast: a
+replica thread takes the caller's, as in ``torch.nn.DataParallel``), refuse a ``run`` that nests in or overlaps another run of the same
 strategy, and re-raise a replica's exception in the caller with the replica named
 in a note. With threads, a replica that raises aborts the collective, so replicas
 waiting in a collective stop instead of hanging; the first real error is raised.
@@ -85,10 +86,11 @@ class ThreadRunner:
             task = inbox.get()
             if task is None:
                 return
-            fn, args, kwargs, grad_enabled = task
+            fn, args, kwargs, (grad_enabled, autocast) = task
             _context.push(ctx.strategy, ctx)
-            try:  # grad mode is per thread: the caller's holds for every replica (as in DataParallel)
-                with _on_device(ctx), torch.set_grad_enabled(grad_enabled), label("stratagem.replica_fn"):
+            try:  # grad mode and autocast are per thread: the caller's hold for every replica
+                with _on_device(ctx), torch.set_grad_enabled(grad_enabled), _autocast(autocast), \
+                        label("stratagem.replica_fn"):
                     outcome = (True, fn(*args, **kwargs))
             except BaseException as error:  # noqa: BLE001 - reported by run()
                 self._collective.abort()
@@ -114,8 +116,9 @@ class ThreadRunner:
             adjust = self._cpu and main_threads != self._threads_per_replica
             if adjust:
                 torch.set_num_threads(self._threads_per_replica)
+            modes = (torch.is_grad_enabled(), _caller_autocast())
             for r in range(1, n):
-                self._inbox[r].put((fn, *per_replica_args[r], torch.is_grad_enabled()))
+                self._inbox[r].put((fn, *per_replica_args[r], modes))
             outcomes: list[tuple[bool, Any]] = [None] * n  # type: ignore[list-item]
             ctx = self._contexts[0]
             args, kwargs = per_replica_args[0]
@@ -149,6 +152,35 @@ def _results(outcomes: list[tuple[bool, Any]], contexts: list[ReplicaContext]) -
     if any(not ok for ok, _ in outcomes):  # pragma: no cover - aborted without a cause
         raise ContextError("a replica was aborted without an error; this is a bug in stratagem")
     return [value for _, value in outcomes]
+
+
+#: the device types whose autocast state a replica thread takes from the caller
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _caller_autocast() -> tuple:
+    """The caller's autocast state: ``((device_type, dtype) for each enabled device type,
+    cache_enabled)``, or ``()`` when autocast is off everywhere (the usual case: nothing to enter)."""
+    enabled = tuple((device_type, torch.get_autocast_dtype(device_type))
+                    for device_type in AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(device_type))
+    return (enabled, torch.is_autocast_cache_enabled()) if enabled else ()
+
+
+def _autocast(state: tuple) -> contextlib.AbstractContextManager:
+    """Enter on a replica thread the autocast state :func:`_caller_autocast` read on the caller's."""
+    return _Autocast(*state) if state else contextlib.nullcontext()
+
+
+class _Autocast(contextlib.ExitStack):
+    def __init__(self, enabled: tuple[tuple[str, torch.dtype], ...], cache_enabled: bool):
+        super().__init__()
+        self._enabled, self._cache_enabled = enabled, cache_enabled
+
+    def __enter__(self) -> "_Autocast":
+        super().__enter__()
+        for device_type, dtype in self._enabled:
+            self.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self._cache_enabled))
+        return self
 
 
 def _on_device(ctx: ReplicaContext) -> contextlib.AbstractContextManager:

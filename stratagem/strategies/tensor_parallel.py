@@ -50,7 +50,8 @@ class TensorParallelStrategy(MeshStrategy):
         data_size, model_size = self._start_mesh(mesh, cluster_resolver, communication_options)
         data = self._axis_collective("data")
         self._configure(self._data_topology(), data, TensorParallelPlacement(
-            self, self.mesh, plan, data, self._full, self._mesh_device.torch_device))
+            self, self.mesh, plan, data, self._full, self._mesh_device.torch_device,
+            model=self._axis_collective("model")))
         self._check_same_configuration({"mesh": (data_size, model_size),
                                         "plan": {k: re.sub(r" at 0x[0-9a-f]+", "", str(v)) for k, v in plan.items()}})
 

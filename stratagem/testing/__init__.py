@@ -55,12 +55,13 @@ class TaskResult:
 
 def run_local_cluster(script: "str | Path", num_workers: int, *, args: Sequence[str] = (),
                       chief: bool = False, timeout: float = 120, env: dict[str, str] | None = None,
-                      kill_after: dict[str, float] | None = None,
-                      stop_after: dict[str, float] | None = None) -> list[TaskResult]:
+                      kill_after: dict[str, "float | str"] | None = None,
+                      stop_after: dict[str, "float | str"] | None = None) -> list[TaskResult]:
     """Run ``script`` once per task of a local cluster; return each task's exit code and output.
 
-    ``kill_after={"worker 1": 3.0}`` SIGKILLs that task after 3 s; ``stop_after`` SIGSTOPs it
-    (a hung peer). Failure tests use them.
+    ``kill_after={"worker 1": 3.0}`` SIGKILLs that task after 3 s, ``kill_after={"worker 1":
+    "reached step 1"}`` once its output contains that text (observable progress: what a fault test
+    should wait for, whatever the machine's load); ``stop_after`` SIGSTOPs it (a hung peer).
     Raises ``TimeoutError`` (after killing everything) when the deadline passes.
     """
     cluster = local_cluster(num_workers, chief=chief)
@@ -91,8 +92,10 @@ def run_local_cluster(script: "str | Path", num_workers: int, *, args: Sequence[
                     proc.wait()
                 raise TimeoutError(f"the cluster did not finish within {timeout} s; outputs:\n" +
                                    "\n".join(f"--- {n} ---\n{_read(log)}" for (n, _), log in zip(procs, logs)))
-            for name, proc in procs:
-                if name in kills and now - started >= kills[name][0]:
+            for (name, proc), log in zip(procs, logs):
+                when = kills[name][0] if name in kills else None
+                if when is not None and (now - started >= when if not isinstance(when, str)
+                                         else when in _peek(log)):
                     sig = kills.pop(name)[1]
                     _kill(proc, sig)
                     if sig == signal.SIGSTOP:
@@ -109,6 +112,12 @@ def run_local_cluster(script: "str | Path", num_workers: int, *, args: Sequence[
     for log in logs:
         log.close()
     return results
+
+
+def _peek(log) -> str:
+    """What the task wrote so far, without moving the file offset it shares with the task."""
+    fd = log.fileno()
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
 
 def _read(log) -> str:

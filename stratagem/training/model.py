@@ -28,12 +28,14 @@ from stratagem import _context
 from stratagem import metrics as metrics_module
 from stratagem.callbacks import BackupAndRestore
 from stratagem.errors import InvalidArgumentError, StratagemError
+from stratagem.mixed_precision import Policy, as_policy, global_policy
 from stratagem.training import losses as losses_module
 from stratagem.training.callback_list import CallbackList, History
 from stratagem.training.checkpoint import Checkpoint
 from stratagem.training.epochs import EpochBatches, ReplicatedEpochs, global_rows, length, step_logs
 from stratagem.training.inputs import as_batches, split_validation
 from stratagem.training.progress import ProgressLogger
+from stratagem.training.steps import StepPrecision
 from stratagem.values import flatten, map_structure, pack_as, select_replica
 
 __all__ = ["Model", "NotCompiledError"]
@@ -57,7 +59,8 @@ class Model:
     ``strategy`` defaults to the strategy whose scope is active when the ``Model`` is
     created (the default strategy outside every scope); the module must have been created
     in that strategy's scope. Callbacks may read and set ``model.stop_training`` and read
-    ``optimizer``, ``module``, ``strategy``, ``history``, ``loss``, ``metrics``.
+    ``optimizer``, ``module``, ``strategy``, ``history``, ``loss``, ``metrics``,
+    ``dtype_policy`` and ``loss_scaler``.
 
     Example::
 
@@ -84,6 +87,9 @@ class Model:
         self.compiled_metrics: list[Any] = []
         self._loss_fn: Any = None
         self._loss_tracker: Any = None
+        self.dtype_policy = Policy("float32")
+        self.loss_scaler: torch.amp.GradScaler | None = None   # "mixed_float16": created in scope
+        self._precision = StepPrecision(self.dtype_policy)
         self.stop_training = False
         self.history: History | None = None
 
@@ -108,14 +114,17 @@ class Model:
 
     # ----------------------------------------------------------------- compile
 
-    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: Sequence[Any] | None = None) -> None:
+    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: Sequence[Any] | None = None, *,
+                mixed_precision: Any = None) -> None:
         """Set the optimizer, the loss and the metrics; created in the strategy's scope.
 
         ``optimizer``: a torch optimizer over the module's parameters (created in scope),
         or ``"sgd"``, ``"adam"``, ``"adamw"``, ``"rmsprop"`` (Keras's learning rates).
         ``loss``: see :mod:`stratagem.training.losses` (names, ``sg.losses`` objects,
         ``torch.nn`` losses, callables). ``metrics``: names (``"accuracy"``, ``"mae"``, ...)
-        or ``sg.metrics`` objects.
+        or ``sg.metrics`` objects. ``mixed_precision``: Keras's policy, ``"mixed_bfloat16"``,
+        ``"mixed_float16"`` (with loss scaling) or ``"float32"``; by default
+        ``sg.mixed_precision.global_policy()`` (:mod:`stratagem.mixed_precision`).
         """
         if loss is None:
             raise InvalidArgumentError("compile needs a loss: a name like 'mse', an sg.losses object, a "
@@ -123,10 +132,18 @@ class Model:
         if metrics is not None and (isinstance(metrics, (str, dict)) or not isinstance(metrics, Iterable)):
             raise InvalidArgumentError(f"metrics must be a list, e.g. metrics=['accuracy'], got {metrics!r}")
         loss_fn = losses_module.get(loss)
+        policy = global_policy() if mixed_precision is None else as_policy(mixed_precision)
+        if policy.compute_dtype is not None and not self.strategy._model_steps().supports_mixed_precision:
+            raise InvalidArgumentError(f"compile(mixed_precision={policy.name!r}) is not supported under "
+                                       f"{self.strategy!r}; compile with mixed_precision='float32'")
+        device_type = next((p.device.type for p in self.module.parameters()), "cpu")
         with self.strategy.scope():   # nothing is kept unless everything resolves
             compiled_metrics = [metrics_module.get(m, loss=loss) for m in (metrics or [])]
             loss_tracker = metrics_module.Mean(name="loss")
+            scaler = torch.amp.GradScaler(device_type) if policy.loss_scaling else None
             self.optimizer = self._make_optimizer(optimizer)
+        self.dtype_policy, self.loss_scaler = policy, scaler
+        self._precision = StepPrecision(policy, device_type, scaler)
         self.loss, self._loss_fn = loss, loss_fn
         self._loss_tracker, self.compiled_metrics = loss_tracker, compiled_metrics
 
@@ -148,7 +165,7 @@ class Model:
         ``step(batch) -> (loss, rows)`` -- forward, loss, backward, optimizer step, metrics."""
         self._require_compiled("fit")
         return self.strategy._model_steps().train(self.module, self.optimizer, self._loss_fn, self._loss_tracker,
-                                                  self.compiled_metrics)
+                                                  self.compiled_metrics, self._precision)
 
     def _require_compiled(self, method: str) -> None:
         if self.optimizer is None:
@@ -214,6 +231,8 @@ class Model:
         for callback in callback_list.callbacks:
             if isinstance(callback, BackupAndRestore):
                 state = {"model": self.module, "optimizer": self.optimizer}
+                if self.loss_scaler is not None:
+                    state["loss_scaler"] = self.loss_scaler
                 if dataset is not None:
                     state["data"] = dataset
                 epoch, _ = callback.restore(Checkpoint(**state))
@@ -257,7 +276,8 @@ class Model:
                           progress: ProgressLogger) -> dict:
         strategy = self.strategy
         call = callback_list.call if callback_list is not None else (lambda *args: None)
-        step_fn = strategy._model_steps().test(self.module, self._loss_fn, self._loss_tracker, self.compiled_metrics)
+        step_fn = strategy._model_steps().test(self.module, self._loss_fn, self._loss_tracker, self.compiled_metrics,
+                                               self._precision)
         self.reset_metrics()
         batch_logs = step_logs(self, callback_list, progress, "on_test_batch_end", steps or length(data))
         call("on_test_begin", None)
@@ -291,7 +311,7 @@ class Model:
         callback_list = CallbackList(callbacks or [], model=self,
                                      params={"epochs": 1, "steps": steps or length(data), "verbose": verbose})
         progress = ProgressLogger(verbose, chief=self._is_chief())
-        step_fn = strategy._model_steps().predict(self.module)
+        step_fn = strategy._model_steps().predict(self.module, self._precision)
         num_local = strategy.topology.num_local_replicas
         outputs: list[Any] = []
         callback_list.call("on_predict_begin", None)

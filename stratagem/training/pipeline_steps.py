@@ -27,7 +27,7 @@ import torch
 from stratagem.errors import InvalidArgumentError
 from stratagem.nn.losses import _current_global_batch_size
 from stratagem.training.inputs import unpack
-from stratagem.training.steps import ModelSteps, per_example_losses, update_metrics
+from stratagem.training.steps import ModelSteps, StepPrecision, per_example_losses, update_metrics
 from stratagem.values import flatten, map_structure
 
 __all__ = ["PipelineSteps"]
@@ -36,11 +36,14 @@ __all__ = ["PipelineSteps"]
 class PipelineSteps(ModelSteps):
     """The train / test / predict steps of ``Model`` under a ``PipelineStrategy``."""
 
+    supports_mixed_precision = False   # (compile refuses a mixed policy: the schedule runs the forward)
+
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
 
     def train(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-              loss_tracker: Any, metrics: Sequence[Any]) -> Callable[[Any], tuple[torch.Tensor, int]]:
+              loss_tracker: Any, metrics: Sequence[Any],
+              precision: StepPrecision | None = None) -> Callable[[Any], tuple[torch.Tensor, int]]:
         strategy = self.strategy
 
         def train_step(batch: Any) -> tuple[torch.Tensor, int]:
@@ -62,7 +65,7 @@ class PipelineSteps(ModelSteps):
         return train_step
 
     def test(self, module: torch.nn.Module, loss_fn: Callable, loss_tracker: Any,
-             metrics: Sequence[Any]) -> Callable[[Any], None]:
+             metrics: Sequence[Any], precision: StepPrecision | None = None) -> Callable[[Any], None]:
         strategy = self.strategy
 
         def test_step(batch: Any) -> None:
@@ -73,7 +76,7 @@ class PipelineSteps(ModelSteps):
             update_metrics(loss_tracker, metrics, parts.y, y_pred, losses, weights)
         return test_step
 
-    def predict(self, module: torch.nn.Module) -> Callable[[Any], Any]:
+    def predict(self, module: torch.nn.Module, precision: StepPrecision | None = None) -> Callable[[Any], Any]:
         strategy = self.strategy
         return lambda batch: strategy.predict(module, unpack(batch).x)
 

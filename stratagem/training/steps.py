@@ -9,19 +9,64 @@ The loss of a step is Keras's ``sum_over_batch_size``: per-example losses, weigh
 ``sample_weight``, summed, divided by the *global* batch size
 (:func:`sg.nn.compute_average_loss <stratagem.nn.compute_average_loss>`). Summed over
 replicas, the gradients are then those of the whole batch on one device.
+
+Under a mixed-precision policy (:class:`StepPrecision`) the forward pass runs under
+``torch.autocast``, the loss and the metrics see the outputs in float32, and with
+``"mixed_float16"`` the loss is scaled by the model's ``GradScaler`` (created in the
+strategy's scope: one skip decision for every replica).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from stratagem.errors import InvalidArgumentError
+from stratagem.mixed_precision import Policy
 from stratagem.nn.losses import compute_average_loss
 from stratagem.training.inputs import unpack
+from stratagem.values import map_structure
 
-__all__ = ["ModelSteps", "make_predict_step", "make_test_step", "make_train_step", "per_example_losses"]
+__all__ = ["ModelSteps", "StepPrecision", "make_predict_step", "make_test_step", "make_train_step",
+           "per_example_losses"]
+
+
+@dataclass(frozen=True)
+class StepPrecision:
+    """How a step computes: the policy, the device type autocast acts on, the loss scaler."""
+
+    policy: Policy
+    device_type: str = "cpu"
+    loss_scaler: Any = None   # a torch.amp.GradScaler created in scope ("mixed_float16")
+
+    def forward(self, module: torch.nn.Module, x: Any) -> Any:
+        """The module's outputs, computed under autocast and read in float32."""
+        if self.policy.compute_dtype is None:
+            return module(x)
+        with self.policy.autocast(self.device_type):
+            outputs = module(x)
+        return map_structure(_to_float32, outputs)
+
+    def backward_and_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        scaler = self.loss_scaler
+        if scaler is None:
+            loss.backward()
+            optimizer.step()   # in scope: the same update on every replica
+            return
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)   # skipped on every replica when any gradient is inf or NaN
+        scaler.update()
+
+
+_FULL = StepPrecision(Policy("float32"))
+
+
+def _to_float32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+        return value.float()
+    return value
 
 
 def per_example_losses(loss_fn: Callable, y: Any, y_pred: torch.Tensor,
@@ -62,38 +107,38 @@ def update_metrics(loss_tracker: Any, metrics: Sequence[Any], y: Any, y_pred: to
 
 
 def make_train_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-                    loss_tracker: Any, metrics: Sequence[Any]) -> Callable[[Any], tuple[torch.Tensor, int]]:
+                    loss_tracker: Any, metrics: Sequence[Any],
+                    precision: StepPrecision = _FULL) -> Callable[[Any], tuple[torch.Tensor, int]]:
     """``step(batch) -> (loss, rows)``: forward, backward, optimizer step, metrics."""
     def train_step(batch: Any) -> tuple[torch.Tensor, int]:
         parts = unpack(batch)
-        y_pred = module(parts.x)
+        y_pred = precision.forward(module, parts.x)
         losses, weights = per_example_losses(loss_fn, parts.y, y_pred, parts.sample_weight)
         loss = compute_average_loss(losses, sample_weight=weights)
         optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()   # in scope: gradients summed over replicas, the same update everywhere
+        precision.backward_and_step(loss, optimizer)
         update_metrics(loss_tracker, metrics, parts.y, y_pred, losses, weights)
         return loss.detach(), int(y_pred.shape[0])
     return train_step
 
 
 def make_test_step(module: torch.nn.Module, loss_fn: Callable, loss_tracker: Any,
-                   metrics: Sequence[Any]) -> Callable[[Any], None]:
+                   metrics: Sequence[Any], precision: StepPrecision = _FULL) -> Callable[[Any], None]:
     """``step(batch)``: forward and metrics, no gradients."""
     def test_step(batch: Any) -> None:
         parts = unpack(batch)
         with torch.no_grad():
-            y_pred = module(parts.x)
+            y_pred = precision.forward(module, parts.x)
             losses, weights = per_example_losses(loss_fn, parts.y, y_pred, parts.sample_weight)
         update_metrics(loss_tracker, metrics, parts.y, y_pred, losses, weights)
     return test_step
 
 
-def make_predict_step(module: torch.nn.Module) -> Callable[[Any], torch.Tensor]:
+def make_predict_step(module: torch.nn.Module, precision: StepPrecision = _FULL) -> Callable[[Any], torch.Tensor]:
     """``step(batch) -> outputs``: the module's outputs for the batch's inputs."""
     def predict_step(batch: Any) -> torch.Tensor:
         with torch.no_grad():
-            return module(unpack(batch).x)
+            return precision.forward(module, unpack(batch).x)
     return predict_step
 
 
@@ -102,13 +147,17 @@ class ModelSteps:
     (the module's forward, then ``loss.backward()``) unless the strategy's step is shaped
     otherwise (:class:`~stratagem.training.pipeline_steps.PipelineSteps`)."""
 
+    #: whether these steps run a mixed-precision policy (``compile(..., mixed_precision=...)``)
+    supports_mixed_precision = True
+
     def train(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-              loss_tracker: Any, metrics: Sequence[Any]) -> Callable[[Any], tuple[torch.Tensor, int]]:
-        return make_train_step(module, optimizer, loss_fn, loss_tracker, metrics)
+              loss_tracker: Any, metrics: Sequence[Any],
+              precision: StepPrecision = _FULL) -> Callable[[Any], tuple[torch.Tensor, int]]:
+        return make_train_step(module, optimizer, loss_fn, loss_tracker, metrics, precision)
 
     def test(self, module: torch.nn.Module, loss_fn: Callable, loss_tracker: Any,
-             metrics: Sequence[Any]) -> Callable[[Any], None]:
-        return make_test_step(module, loss_fn, loss_tracker, metrics)
+             metrics: Sequence[Any], precision: StepPrecision = _FULL) -> Callable[[Any], None]:
+        return make_test_step(module, loss_fn, loss_tracker, metrics, precision)
 
-    def predict(self, module: torch.nn.Module) -> Callable[[Any], Any]:
-        return make_predict_step(module)
+    def predict(self, module: torch.nn.Module, precision: StepPrecision = _FULL) -> Callable[[Any], Any]:
+        return make_predict_step(module, precision)

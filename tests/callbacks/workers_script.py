@@ -85,7 +85,7 @@ def train(out: Path) -> None:
     def step(batch):
         x, y = batch
         optimizer.zero_grad()
-        loss = F.mse_loss(module(x), y)
+        loss = sg.nn.compute_average_loss(F.mse_loss(module(x), y, reduction="none"))
         loss.backward()
         optimizer.step()
         return loss
@@ -99,7 +99,7 @@ def train(out: Path) -> None:
         for callback in callbacks:
             callback.on_epoch_begin(epoch)
         for index, batch in enumerate(loader):
-            loss = strategy.reduce("MEAN", strategy.run(step, args=(batch,)), axis=None)
+            loss = strategy.reduce("SUM", strategy.run(step, args=(batch,)), axis=None)
             for callback in callbacks:
                 callback.on_train_batch_end(index, {"loss": loss.item()})
         logs = {"loss": loss.item(), "val_loss": VAL_LOSS[rank][epoch]}

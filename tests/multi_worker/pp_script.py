@@ -1,13 +1,15 @@
 """Trains an MLP under PipelineStrategy with several schedules; the test compares each with plain PyTorch.
 
-Usage (one process per task, with TF_CONFIG): python pp_script.py OUT_DIR --mesh D,P --cases NAME,... [--fit]
+Usage (one process per task, with TF_CONFIG):
+python pp_script.py OUT_DIR --mesh D,P --cases NAME,... [--fit] [--clip NAME,...]
 
 Each case is ``schedule:optimizer`` (e.g. ``gpipe:sgd``, ``zero_bubble:adam``) or ``split:...`` for the
 split-points variant. Writes OUT_DIR/rank{R}.json: per case the initial parameters, the reduced loss
 and the whole model's state_dict after every step, the stages held and the optimizer's parameter
 count; then the errors of the misuse cases. ``--fit``: also sg.Model.fit (sample weights, a metric,
 validation, a BackupAndRestore backup in the middle of an epoch, the job stopped there and resumed, a
-ModelCheckpoint), evaluate and predict, under the strategy (see :func:`fit`).
+ModelCheckpoint), evaluate and predict, under the strategy (see :func:`fit`). ``--clip``: for each case
+(``schedule:optimizer``), a fresh model's steps with gradient clipping (clips.py: norms and parameters).
 """
 
 import argparse
@@ -20,8 +22,10 @@ from torch import nn
 import stratagem as sg
 
 try:   # run as a script (the processes), or imported by the test
+    import clips
     from tp_script import error_of, listed
 except ImportError:
+    from . import clips
     from .tp_script import error_of, listed
 
 #: batch sizes of the steps: divisible by 4, not divisible, then a smaller last batch
@@ -130,6 +134,27 @@ def train(case: str, mesh: dict) -> dict:
     out["restored_optimizer"] = optimizer_state(restored_optimizer)
     out["restored_stages"] = other.stages_of(restored)
     return out
+
+
+def clipping(case: str, mesh: dict) -> dict:
+    """clips.STEPS on a fresh model: its initial parameters, each step's norm (or error) and parameters."""
+    schedule, kind = case.split(":")
+    strategy = sg.experimental.PipelineStrategy(mesh, num_microbatches=NUM_MICROBATCHES, schedule=schedule)
+    with strategy.scope():
+        model = make_model()
+        optimizer = make_optimizer(kind, model.parameters())
+    out = {"initial": listed(model.state_dict()), "steps": []}
+
+    def step(how, x, y):
+        return clips.train_step(how, lambda scale: strategy.forward_backward(
+            model, x, y, loss_fn=lambda output, target: scale * loss_fn(output, target)), model, optimizer)
+    for how, (x, y) in zip(clips.STEPS, strategy.experimental_distribute_dataset(clip_data())):
+        out["steps"].append({**strategy.run(step, args=(how, x, y)), "params": listed(model.state_dict())})
+    return out
+
+
+def clip_data():
+    return make_data((8,) * len(clips.STEPS))
 
 
 def optimizer_state(optimizer):
@@ -247,6 +272,7 @@ if __name__ == "__main__":
     parser.add_argument("--mesh", default="1,2")
     parser.add_argument("--cases", default="gpipe:sgd")
     parser.add_argument("--fit", action="store_true")
+    parser.add_argument("--clip", default="")
     args = parser.parse_args()
     d, p = (int(v) for v in args.mesh.split(","))
     torch.set_default_dtype(torch.float64)
@@ -255,6 +281,7 @@ if __name__ == "__main__":
     result = {case: train(case, {"data": d, "pipe": p}) for case in args.cases.split(",")}
     if args.fit:
         result["fit"] = fit({"data": d, "pipe": p}, os.path.join(args.out, "fit"))
+    result["clipping"] = {case: clipping(case, {"data": d, "pipe": p}) for case in args.clip.split(",") if case}
     result["errors"] = errors({"data": d, "pipe": p}, d * p)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -7,7 +7,9 @@ test then reads from OUT_DIR/rankR.json:
 - ``optimizer.state_dict()`` (gathered) equal to plain PyTorch's;
 - ``sg.Checkpoint`` saved under sharding (OUT_DIR/ckpt), restored into a fresh model and
   optimizer under the same strategy, training on exactly as the original; and one saved
-  without sharding (OUT_DIR/plain, when the test wrote it) restored under sharding.
+  without sharding (OUT_DIR/plain, when the test wrote it) restored under sharding;
+- gradient clipping (the steps of clips.py): the norms and the parameters of every step as plain
+  PyTorch's.
 
 Usage: python sharding_script.py OUT_DIR --sharding optimizer|gradients
 """
@@ -24,6 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import stratagem as sg
+
+try:   # run as a script (the processes), or imported (the test, zero3_script)
+    import clips
+except ImportError:
+    from . import clips
 
 STEPS = 4
 
@@ -156,12 +163,42 @@ def main(argv=None):
             older_refused = False
         except sg.errors.InvalidArgumentError as error:
             older_refused = "another optimizer was created in scope over these parameters" in str(error)
+    clipped = clipping(strategy, build)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"worst": worst, "state_error": state_error, "state_bytes": mine, "full_bytes": full,
+        json.dump({"clipping": clipped, "worst": worst, "state_error": state_error, "state_bytes": mine, "full_bytes": full,
                    "resumed_equal": resumed_equal, "plain_error": plain_error,
                    "accumulated_error": accumulated_error, "older_refused": older_refused, "num_replicas": strategy.num_replicas_in_sync}, f)
     print(f"rank {rank} done", flush=True)
     dist.barrier()   # leave together (as collectives_script.py): a worker exiting alone once aborted at exit
+
+
+def clipping(strategy, build) -> dict:
+    """The steps of clips.STEPS for both models under ``strategy`` and in plain PyTorch: each step's
+    norms (both), and the parameters' largest difference over every step."""
+    g = torch.Generator().manual_seed(8)
+    batches = [(torch.randn(10, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (10,), generator=g))
+               for _ in clips.STEPS]
+    models, optimizers = build(40)
+    plain = make_model(0), make_model(0)
+    plain_optimizers = make_optimizers(*plain)
+    for m, r in zip(models, plain):
+        m.load_state_dict(r.state_dict())
+    out = {"got": [[], []], "want": [[], []], "worst": 0.0}
+
+    def step(how, batch):
+        x, y = batch
+        return [clips.train_step(how, lambda scale, m=m: (scale * sg.nn.compute_average_loss(
+            F.cross_entropy(m(x), y, reduction="none"))).backward(), m, o)
+            for m, o in zip(models, optimizers)]
+    for how, batch, (x, y) in zip(clips.STEPS, strategy.experimental_distribute_dataset(batches), batches):
+        got = strategy.run(step, args=(how, batch))
+        for i, (m, o) in enumerate(zip(plain, plain_optimizers)):
+            out["want"][i].append(clips.train_step(how, lambda scale: (scale * F.cross_entropy(m(x), y)).backward(), m, o))
+            out["got"][i].append(got[i])
+            want = m.state_dict()
+            for key, value in models[i].state_dict().items():   # (a collective under sharding="parameters")
+                out["worst"] = max(out["worst"], (value - want[key]).abs().max().item())
+    return out
 
 
 def accumulated(strategy, build, data, want) -> float:
@@ -174,7 +211,8 @@ def accumulated(strategy, build, data, want) -> float:
 
     def step(batch, other):
         for model, optimizer in zip(models, optimizers):
-            F.cross_entropy(model(other[0]), other[1]).backward()
+            per_example = F.cross_entropy(model(other[0]), other[1], reduction="none")
+            sg.nn.compute_average_loss(per_example, global_batch_size=10).backward()
             optimizer.zero_grad()
             x, y = batch
             for part in (slice(0, 2), slice(2, None)):

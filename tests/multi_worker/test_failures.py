@@ -43,7 +43,7 @@ def test_hung_worker_makes_the_others_raise_unavailable_after_the_timeout(tmp_pa
     started = time.monotonic()
     results = run_local_cluster(SCRIPT, 2, args=[str(tmp_path), "--timeout", "6",
                                                  "--batches", "12", "--repeat", "1000000"],
-                                stop_after={"worker 1": 6.0}, timeout=90)
+                                stop_after={"worker 1": "rank 1 reached step 1"}, timeout=90)
     elapsed = time.monotonic() - started
     survivor = {r.task: r for r in results}["worker 0"]
     assert survivor.returncode != 0, survivor.output

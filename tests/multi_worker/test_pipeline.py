@@ -1,4 +1,5 @@
-"""PipelineStrategy equals single-process PyTorch (float64) for every schedule, and refuses misuse everywhere."""
+"""PipelineStrategy equals single-process PyTorch (float64) for every schedule, also clipping gradients by their
+global norm, and refuses misuse everywhere."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import stratagem as sg
 from stratagem.testing import run_local_cluster
 
 from . import pp_script
-from .history import assert_history_matches, plain_history
+from .history import assert_history_matches, check_clipping, plain_history
 
 pytestmark = pytest.mark.timeout(280)
 SCRIPT = Path(pp_script.__file__)
@@ -110,11 +111,12 @@ def check_fit(outputs: list[dict], printed: list[str]) -> None:
         assert ("Epoch 2/2" in printed[rank]) == (rank == 0), printed[rank][-2000:]
 
 
-def run_and_compare(tmp_path: Path, data: int, pipe: int, cases: list[str], *, fit: bool = False) -> list[dict]:
+def run_and_compare(tmp_path: Path, data: int, pipe: int, cases: list[str], *, fit: bool = False,
+                    clip: tuple[str, ...] = ()) -> list[dict]:
     workers = data * pipe
     results = run_local_cluster(SCRIPT, workers, args=[str(tmp_path), "--mesh", f"{data},{pipe}",
-                                                       "--cases", ",".join(cases), *(["--fit"] if fit else [])],
-                                timeout=250)
+                                                       "--cases", ",".join(cases), *(["--fit"] if fit else []),
+                                                       "--clip", ",".join(clip)], timeout=250)
     for r in results:
         assert r.returncode == 0, f"{r.task} failed:\n{r.output[-5000:]}"
     outputs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(workers)]
@@ -149,6 +151,11 @@ def run_and_compare(tmp_path: Path, data: int, pipe: int, cases: list[str], *, f
         stages = sorted(s for s, _ in held.values() for s in s)
         assert stages == list(range(len(stages))) and len(stages) >= pipe
         assert sum(count for _, count in held.values()) == total
+    for case in clip:   # clip_grad_norm_ / clip_grad_value_ between forward_backward and step
+        for rank, result in enumerate(outputs):
+            check_clipping(result["clipping"][case], pp_script.make_model,
+                           lambda params: pp_script.make_optimizer(case.split(":")[1], params), pp_script.clip_data(),
+                           pp_script.loss_fn, f"clipping {case}, process {rank}", refused_again=data > 1)
     for rank, result in enumerate(outputs):
         errors = result["errors"]
         assert "'fc9' names no child" in errors["missing"]
@@ -172,11 +179,11 @@ def run_and_compare(tmp_path: Path, data: int, pipe: int, cases: list[str], *, f
 def test_every_schedule_on_two_stages_processes(tmp_path: Path) -> None:
     run_and_compare(tmp_path, 1, 2, ["gpipe:sgd", "1f1b:adam", "interleaved:sgd", "zero_bubble:adam",
                                      "split:adam", "traced-gpipe:sgd", "traced-1f1b:adam", "traced-interleaved:sgd"],
-                    fit=True)
+                    fit=True, clip=("1f1b:sgd", "interleaved:adam"))
 
 
 def test_pipeline_by_data_on_a_two_by_two_mesh(tmp_path: Path) -> None:
-    run_and_compare(tmp_path, 2, 2, ["interleaved:adam", "traced-1f1b:sgd"], fit=True)
+    run_and_compare(tmp_path, 2, 2, ["interleaved:adam", "traced-1f1b:sgd"], fit=True, clip=("gpipe:adam",))
 
 
 def test_example_runs_as_its_docstring_says() -> None:

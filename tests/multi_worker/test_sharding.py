@@ -15,7 +15,7 @@ import stratagem as sg
 from stratagem.errors import InvalidArgumentError
 from stratagem.testing import run_local_cluster
 
-from . import sharding_script
+from . import clips, sharding_script
 
 pytestmark = pytest.mark.timeout(200)
 SCRIPT = Path(sharding_script.__file__)
@@ -50,11 +50,19 @@ def test_two_workers_match_one_process_with_half_the_state(tmp_path: Path, stage
         assert out["plain_error"] < 1e-12, f"worker {rank}: restored from a plain checkpoint: {out['plain_error']}"
         assert out["accumulated_error"] < 1e-12, f"worker {rank}: two backward passes: {out['accumulated_error']}"
         assert out["older_refused"] in ((None,) if stage == "optimizer" else (True,)), out["older_refused"]
+        check_clipping(out["clipping"], f"worker {rank}")
         for mine, full in zip(out["state_bytes"], out["full_bytes"]):
             assert 0 < mine <= full // 2 + 8 * 8, (rank, mine, full)   # half, within one element per piece
     assert sum(o["state_bytes"][0] for o in outputs) == outputs[0]["full_bytes"][0]
 
     restores_as_plain_pytorch(tmp_path / "ckpt")
+
+
+def check_clipping(out: dict, where: str) -> None:
+    """clip_grad_norm_ / clip_grad_value_ between backward and step: plain PyTorch's norms and parameters."""
+    for got, want in zip(out["got"], out["want"]):   # the SGD model, the Adam model
+        clips.check(got, want, where)
+    assert out["worst"] < 1e-12, f"{where}: clipped training differs from plain PyTorch by {out['worst']}"
 
 
 def restores_as_plain_pytorch(path: Path) -> None:

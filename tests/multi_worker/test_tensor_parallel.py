@@ -1,4 +1,5 @@
-"""TensorParallelStrategy equals single-process PyTorch (float64), and refuses misuse on every process."""
+"""TensorParallelStrategy equals single-process PyTorch (float64), also clipping gradients by their global
+norm, and refuses misuse on every process."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 
 from stratagem.testing import run_local_cluster
 
-from . import tp_script
-from .history import assert_history_matches, plain_history
+from . import clips, tp_script
+from .history import assert_history_matches, check_clipping, plain_history
 
 pytestmark = pytest.mark.timeout(200)
 SCRIPT = Path(tp_script.__file__)
@@ -51,6 +52,9 @@ def run_and_compare(tmp_path: Path, data: int, model: int, optimizer: str) -> li
             for key, value in state.items():
                 torch.testing.assert_close(torch.tensor(value, dtype=torch.float64), want_state[int(index)][key],
                                            rtol=1e-12, atol=1e-12)
+        check_clipping(out["clipping"], tp_script.NormedMLP, lambda params: tp_script.make_optimizer(optimizer, params),
+                       tp_script.make_data(len(clips.STEPS)), lambda out, y: tp_script.per_example_loss(out, y).mean(),
+                       f"process {rank}", refused_again=data > 1)
         errors = out["errors"]
         assert "no module created in scope has that name" in errors["missing"] and "'fc1'" in errors["missing"]
         assert "unknown style 'diagonal'" in errors["style"]

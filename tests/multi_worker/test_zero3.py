@@ -1,6 +1,6 @@
 """ZeRO stage 3 (MultiWorkerMirroredStrategy(sharding="parameters"), on FSDP2): equivalence with plain
 PyTorch (float64, SGD with momentum and Adam), parameters and optimizer state per worker halved,
-reduce / metrics / fit, checkpoints across layouts (stage 3 <-> no sharding <-> stage 2, 2 -> 3
+reduce / metrics / fit, clipping, checkpoints across layouts (stage 3 <-> no sharding <-> stage 2, 2 -> 3
 workers), and the refusals."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.testing import run_local_cluster
 
 from . import zero3_script
-from .test_sharding import restores_as_plain_pytorch, save_plain
+from .test_sharding import check_clipping, restores_as_plain_pytorch, save_plain
 
 pytestmark = pytest.mark.timeout(240)
 SCRIPT = Path(zero3_script.__file__)
@@ -56,6 +56,7 @@ def test_two_workers_match_one_process_and_checkpoints_cross_layouts(tmp_path: P
         assert out["reduced"] == 3.0
         assert out["metric"] == pytest.approx(2 / 3)   # rows [0] and [1, 1]
         assert len(out["fit_loss"]) == 2 and all(loss == loss for loss in out["fit_loss"])
+        check_clipping(out["clipping"], f"worker {rank}")
     assert outputs[0]["fit_loss"] == outputs[1]["fit_loss"]
     torch.testing.assert_close(outputs[0]["fit_loss"], zero3_script.fit(sg.OneDeviceStrategy("cpu")), rtol=1e-5, atol=0)
     assert sum(o["param_bytes"] for o in outputs) == outputs[0]["full_param_bytes"]

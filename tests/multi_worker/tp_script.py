@@ -3,7 +3,8 @@
 Usage (one process per task, with TF_CONFIG): python tp_script.py OUT_DIR --mesh D,T --optimizer sgd|adam
 
 Writes OUT_DIR/rank{R}.json: the initial and per-step full parameters (state_dict), the reduced
-losses, the optimizer's state after a state-dict round trip, and the errors of the misuse cases.
+losses, the optimizer's state after a state-dict round trip, a fresh model's steps with gradient
+clipping (clips.py: norms and parameters), and the errors of the misuse cases.
 """
 
 import argparse
@@ -16,6 +17,11 @@ from torch import nn
 
 import stratagem as sg
 
+try:   # run as a script (the processes), or imported (the test, pp_script)
+    import clips
+except ImportError:
+    from . import clips
+
 
 class MegatronMLP(nn.Module):
     """The book's MLP block: fc1 split by columns, fc2 by rows (one all-reduce per forward)."""
@@ -27,6 +33,17 @@ class MegatronMLP(nn.Module):
 
     def forward(self, x):
         return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class NormedMLP(MegatronMLP):
+    """The block and a LayerNorm the plan leaves whole (its parameters replicated on the model axis)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(super().forward(x))
 
 
 PLAN = {"fc1": "colwise", "fc2": "rowwise"}
@@ -58,6 +75,22 @@ def error_of(fn):
     except sg.errors.StratagemError as error:
         return f"{type(error).__name__}: {error}"
     return None
+
+
+def clipping(strategy, kind: str) -> dict:
+    """clips.STEPS on a fresh model: its initial parameters, each step's norm (or error) and parameters."""
+    with strategy.scope():
+        model = NormedMLP()
+        optimizer = make_optimizer(kind, model.parameters())
+    out = {"initial": listed(model.state_dict()), "steps": []}
+
+    def step(how, batch):
+        x, y = batch
+        return clips.train_step(how, lambda scale: (scale * sg.nn.compute_average_loss(
+            per_example_loss(model(x), y))).backward(), model, optimizer)
+    for how, batch in zip(clips.STEPS, strategy.experimental_distribute_dataset(make_data(len(clips.STEPS)))):
+        out["steps"].append({**strategy.run(step, args=(how, batch)), "params": listed(model.state_dict())})
+    return out
 
 
 def main() -> None:
@@ -95,6 +128,8 @@ def main() -> None:
     result["optimizer_state"] = {str(k): listed({n: v for n, v in s.items() if v.dim()})
                                  for k, s in optimizer.state_dict()["state"].items()}
     result["after_round_trip"] = listed(model.state_dict())
+
+    result["clipping"] = clipping(strategy, args.optimizer)
 
     def make(plan, width=8, hidden=16):
         other = sg.experimental.TensorParallelStrategy(mesh={"data": d, "model": t}, plan=plan)

@@ -10,7 +10,8 @@ each worker, what the test then reads from OUT_DIR/rankR.json:
   stage 2 (a second strategy in the same processes), one written under stage 2 restored under
   stage 3, and one written without sharding by the test (OUT_DIR/plain) restored here: each
   then trains on exactly as the original did;
-- ``sg.Model.fit`` for two epochs in float32 (gradients summed with ReduceOp.SUM under gloo).
+- ``sg.Model.fit`` for two epochs in float32 (gradients summed with ReduceOp.SUM under gloo);
+- gradient clipping (the steps of clips.py): the norms and parameters of every step as plain PyTorch's.
 
 With ``--restore DIR`` (another number of workers): only restores DIR under stage 3 and under
 stage 2, takes the two steps after it and checks them against plain PyTorch.
@@ -30,7 +31,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import stratagem as sg  # noqa: E402
-from tests.multi_worker.sharding_script import STEPS, build_models, make_data, make_model, reference, step  # noqa: E402
+from tests.multi_worker.sharding_script import (STEPS, build_models, clipping, make_data, make_model,  # noqa: E402
+                                                reference, step)
 
 
 def local_bytes(tensors) -> int:
@@ -135,6 +137,7 @@ def main(argv=None):
     result["back_error"] = error(back[0], after)
 
     result["fit_loss"] = fit(strategy)
+    result["clipping"] = clipping(strategy, lambda seed: build_models(strategy, seed))
     return finish(args.out, rank, result)
 
 

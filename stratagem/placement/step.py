@@ -1,0 +1,107 @@
+"""The order of one synchronous optimizer step, written once.
+
+Every synchronous placement (mirrored, central storage, ZeRO) steps a scoped optimizer in the
+same order; only the primitives differ. By the time ``optimizer.step()`` runs, the gradients
+were summed over every replica and worker when backward ended (:mod:`.gradient_sync`), or,
+under ZeRO stage 2, reduce-scattered during backward:
+
+1. ``prepare_gradients`` -- the summed gradients where the update reads them (central storage
+   with GPU replicas: the parameter device; ZeRO stage 2: this worker's range of the sum);
+2. the user's step pre-hooks, once (replica 0 while the others wait), seeing the summed
+   gradients; gradients a hook changed reach the other replicas (``copy_changed``);
+3. ``update_call`` -- the update, called here so that the torch call stays three frames under
+   ``optimizer.step()``: this replica's range (split updates), replica 0's single update on
+   shared memory, or this replica's twin on its own copy;
+4. ``after_update`` -- the replicas meet; the new values reach every copy (central storage: its
+   replicas' copies; ZeRO: the all-gather of the ranges);
+5. the post-hooks, once, seeing the updated parameters; parameters a hook changed reach the
+   other replicas.
+
+Called outside ``run`` (``replica`` None) the same order runs on the calling thread for every
+local replica.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from stratagem import _context
+from stratagem._profiling import label
+from stratagem.errors import InvalidArgumentError
+from stratagem.placement.hooks import run_hooks, step_hooks
+
+
+class SynchronousPlacement(Protocol):
+    """The primitives :func:`synchronous_step` asks of a placement."""
+
+    strategy: Any
+    collective: Any
+    num_replicas: int
+
+    def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any: ...
+    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any: ...
+    def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any: ...
+    def hooked_tensors(self, optimizer: torch.optim.Optimizer, replica: int) -> list[torch.Tensor]: ...
+    def copy_changed(self, optimizer: torch.optim.Optimizer, replica: int | None, changed: list[int],
+                     grads: bool) -> None: ...
+    def record_updates(self) -> list[str]: ...
+
+
+def synchronous_step(placement: SynchronousPlacement, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+    """One logical step of ``optimizer``: the order above, on this replica's thread (or outside
+    ``run``, for every replica)."""
+    refuse_closure(closure)
+    replica = stepping_replica(placement)
+    pre, post = step_hooks(optimizer)
+    with label("stratagem.optimizer.step"):
+        gradients = placement.prepare_gradients(optimizer, replica)
+        if pre:
+            _hooks_once(placement, pre, optimizer, replica, grads=True)
+        with label("stratagem.optimizer.update"):
+            result = placement.update_call(optimizer, replica, gradients)()
+        result = placement.after_update(optimizer, replica, result)
+        if post:
+            _hooks_once(placement, post, optimizer, replica, grads=False)
+    if replica is None:
+        placement.record_updates()
+    return result
+
+
+def stepping_replica(placement: Any) -> int | None:
+    """The calling thread's local replica id if it is a replica of ``placement``'s strategy, else None."""
+    frame = _context.current_frame()
+    ctx = frame.replica_context if frame is not None else None
+    return ctx.local_replica_id if ctx is not None and ctx.strategy is placement.strategy else None
+
+
+def _hooks_once(placement: SynchronousPlacement, hooks: list, optimizer: torch.optim.Optimizer,
+                replica: int | None, *, grads: bool) -> None:
+    """Run ``hooks`` once (replica 0 while the others wait); spread what they changed."""
+    def watched(p: torch.Tensor) -> Any:
+        t = p.grad if grads else p
+        return None if t is None else (id(t), t._version)
+
+    tensors = placement.hooked_tensors(optimizer, 0 if replica is None else replica)
+    changed = None
+    if replica in (None, 0):
+        before = [watched(p) for p in tensors]
+        try:
+            run_hooks(hooks, optimizer)
+        finally:
+            changed = [i for i, (p, b) in enumerate(zip(tensors, before)) if watched(p) != b]
+    several = replica is not None and placement.num_replicas > 1
+    if several:
+        changed = placement.collective.exchange(replica, changed, "optimizer step hooks")[0]
+    if changed:
+        placement.copy_changed(optimizer, replica, changed, grads)
+        if several:
+            placement.collective.exchange(replica, None, "optimizer step hooks (copied)")
+
+
+def refuse_closure(closure: Any) -> None:
+    if closure is not None:
+        raise InvalidArgumentError(
+            "optimizer.step(closure) is not supported for optimizers created in a strategy's "
+            "scope: compute the loss and call loss.backward() before optimizer.step()")
