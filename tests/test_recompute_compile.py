@@ -22,7 +22,16 @@ pytestmark = pytest.mark.timeout(120)
 STRATEGIES: dict[str, Callable[[], sg.Strategy]] = {
     "mirrored": lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"]),
     "central_storage": lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+    # the path GPUs take (see tests/test_equivalence.py): every replica, the first too, computes
+    # with a copy of its own, refreshed after each update
+    "central_storage_copies": lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1"]),
 }
+
+
+def make_strategy(kind: str, monkeypatch: pytest.MonkeyPatch) -> sg.Strategy:
+    if kind == "central_storage_copies":
+        monkeypatch.setattr("stratagem.placement.central._same_memory", lambda device, home: False)
+    return STRATEGIES[kind]()
 EXACT = 1e-12        # checkpointing recomputes the same float64 operations
 COMPILED = 1e-9      # inductor fuses float64 operations in another order than eager PyTorch
 
@@ -79,9 +88,10 @@ LOOPS = pytest.mark.parametrize("clip", [None, 2.0], ids=["textbook", "clipped"]
 @LOOPS
 @pytest.mark.parametrize("recompute", ["nonreentrant", "reentrant"])
 @pytest.mark.parametrize("kind", sorted(STRATEGIES))
-def test_checkpointed_blocks_match_plain_pytorch(kind: str, recompute: str, clip: float | None) -> None:
+def test_checkpointed_blocks_match_plain_pytorch(kind: str, recompute: str, clip: float | None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     # 5 rows over 2 replicas: an uneven last batch
-    train(STRATEGIES[kind](), [8, 8, 5], tolerance=EXACT, recompute=recompute, clip=clip)
+    train(make_strategy(kind, monkeypatch), [8, 8, 5], tolerance=EXACT, recompute=recompute, clip=clip)
 
 
 @LOOPS
@@ -115,10 +125,11 @@ def test_compiled_model_under_mirrored() -> None:
 
 
 @pytest.mark.timeout(600)
-def test_compiled_checkpointed_model_under_central_storage() -> None:
+@pytest.mark.parametrize("kind", ["central_storage", "central_storage_copies"])
+def test_compiled_checkpointed_model_under_central_storage(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """torchtitan's order: blocks checkpointed, then the model compiled."""
     check = _count_compiled_graphs()
-    train(STRATEGIES["central_storage"](), [8, 8, 8], tolerance=COMPILED, recompute="nonreentrant",
+    train(make_strategy(kind, monkeypatch), [8, 8, 8], tolerance=COMPILED, recompute="nonreentrant",
           compile_model=True, after_each_step=check)
 
 
