@@ -43,6 +43,11 @@ from torch.autograd import Variable
 
 from stratagem._profiling import label
 
+# The hooks below run inside backward. When backward is called from a compiled function (a
+# graph break), dynamo would try to compile each hook as it fires -- once per parameter and
+# replica, until its recompile limit -- and trace into the replicas' exchange: they run eagerly.
+_eager = torch.compiler.disable(reason="stratagem: gradient hooks run eagerly (they exchange gradients)")
+
 
 class _Backward:
     """What one backward pass (one autograd graph task) did to this placement's tensors."""
@@ -142,6 +147,7 @@ class GradientSync:
         return task
 
     def _prehook(self, replica: int, index: int, p: torch.Tensor) -> Any:
+        @_eager
         def set_aside(grad_outputs: Any) -> None:
             self._task(replica)
             grad = p.grad
@@ -155,6 +161,7 @@ class GradientSync:
             return None
         return set_aside
 
+    @_eager
     def _accumulated(self, p: torch.Tensor) -> None:
         replica, index = self._where[id(p)]
         task = self._task(replica)
@@ -165,6 +172,7 @@ class GradientSync:
 
     # --------------------------------------------------------- end of backward
 
+    @_eager
     def _backward_done(self, key: int) -> None:
         task = self._tasks.pop(key)
         if not task.accumulated:
@@ -194,6 +202,11 @@ class GradientSync:
             if (replica, i) in task.accumulated or (grad is not None and grad is local.get(i)):
                 parts.append((grad, aside.pop(i, None)))
             else:
+                if grad is not None and grad._base is not None:
+                    # a global part that this backward did not touch (a second backward reaching
+                    # only some parameters; a reentrant checkpoint's nested backward) but still a
+                    # view of a pack of gradients, which this sum refills
+                    grad = grad.clone()
                 parts.append((None, grad))
             local.pop(i, None)
             aside.pop(i, None)

@@ -154,6 +154,8 @@ def hooks_installed() -> bool:
 # ------------------------------------------------------------ the optimizer class
 
 _CLASSES: dict[tuple[type, str], type] = {}
+_not_compiled = torch.compiler.disable(
+    reason="stratagem: a strategy's optimizer step synchronizes replicas and workers; it runs eagerly")
 
 
 def distributed_class(base: type, kind: str) -> type:
@@ -162,12 +164,17 @@ def distributed_class(base: type, kind: str) -> type:
     if cls is not None:
         return cls
 
+    # in a compiled training step, dynamo runs these as they are (a graph break, as at a plain
+    # optimizer's zero_grad) instead of tracing the replicas' exchanges, barriers and
+    # thread-local replica lookups
+    @_not_compiled
     def step(self, closure=None):
         return self._sg_placement.optimizer_step(self, closure)
     # torch wraps an optimizer class's step to run the hooks (at __init__, and again in
     # load_state_dict); ours fires them itself, once per logical step: never wrap it
     step.hooked = True
 
+    @_not_compiled
     def zero_grad(self, set_to_none: bool = True):
         self._sg_placement.optimizer_zero_grad(self, set_to_none)
 

@@ -254,18 +254,25 @@ class _UnscopedModuleCheck:
     wrong result). Both are refused at their first use inside ``run``: the forward pre-hook,
     torch's global optimizer step pre-hook, and ``Optimizer.zero_grad`` wrapped while such
     runs are active (torch has no zero_grad hook).
+
+    The forward pre-hook, once installed, stays (outside such runs it returns at once):
+    ``torch.compile`` guards on the keys of torch's global hook dict, and a hook registered
+    anew at every run would make a compiled model recompile at every step, then silently
+    fall back to eager once ``torch._dynamo.config.recompile_limit`` is reached.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._users = 0
         self._handles: list[Any] = []
+        self._module_hook: Any = None
 
     def acquire(self) -> None:
         with self._lock:
+            if self._module_hook is None:
+                self._module_hook = nn.modules.module.register_module_forward_pre_hook(_forbid_unscoped)
             if self._users == 0:
-                self._handles = [nn.modules.module.register_module_forward_pre_hook(_forbid_unscoped),
-                                 register_optimizer_step_pre_hook(_forbid_unscoped_optimizer)]
+                self._handles = [register_optimizer_step_pre_hook(_forbid_unscoped_optimizer)]
                 torch.optim.Optimizer.zero_grad = _checked_zero_grad
             self._users += 1
 
