@@ -38,6 +38,13 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.values import ReduceOp
 
 
+def range_bounds(total: int, parts: int, start: int = 0) -> list[int]:
+    """Where ``parts`` contiguous ranges of ``total`` elements (from ``start``) begin and end:
+    ``parts + 1`` bounds, later ranges taking the extra elements. The one cut of flat parameters
+    and gradients into ranges (threads' shares of a sum or an update, workers' ZeRO ranges)."""
+    return [start + total * r // parts for r in range(parts + 1)]
+
+
 def check_gatherable(shapes: Sequence[Sequence[tuple[int, ...]]], dtypes: Sequence[Sequence[torch.dtype]],
                      axis: int) -> None:
     """Every replica's tensors agree in number, dtype and every dimension but ``axis``."""

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from stratagem.comm.collective import Collective
+from stratagem.comm.collective import Collective, range_bounds
 from stratagem.comm.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                              ReductionToOneDevice)
 from stratagem.comm.sync import ReplicaSync
@@ -160,9 +160,9 @@ class RangeCollective(ReplicaCollective):
         plan = self._plans.get((n,) + numels)
         if plan is None:
             total, packs = sum(numels), self.options.num_packs
-            pack_bounds = [total * k // packs for k in range(packs + 1)]
-            bounds = [(lo + (hi - lo) * r // n, lo + (hi - lo) * (r + 1) // n)
-                      for lo, hi in zip(pack_bounds, pack_bounds[1:]) for r in range(n)]
+            pack_bounds = range_bounds(total, packs)
+            bounds = [(cut[r], cut[r + 1]) for lo, hi in zip(pack_bounds, pack_bounds[1:])
+                      for cut in [range_bounds(hi - lo, n, lo)] for r in range(n)]
             plan = [[] for _ in range(n)]
             offset = 0
             for i, numel in enumerate(numels):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from stratagem.comm.collective import range_bounds
 from stratagem.comm.cross_device_ops import RingAllReduce
 from stratagem.comm.replicas import ReplicaCollective
 from stratagem.values import ReduceOp
@@ -49,7 +50,7 @@ class RingCollective(ReplicaCollective):
         if plan is None:
             numels = tuple(t.numel() for t in everyone[0])
             total = sum(numels)
-            bounds = [total * c // n for c in range(n + 1)]
+            bounds = range_bounds(total, n)
             plan = [[] for _ in range(n)]
             offset = 0
             for i, numel in enumerate(numels):

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratagem.comm.collective import range_bounds
 from stratagem.placement.hooks import internal_optimizers, unhooked_step
 
 #: Optimizers whose update of an element depends only on that element's history.
@@ -33,7 +34,7 @@ class ShardedUpdate:
         base = optimizer._sg_base
         entries = [(g, p) for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
         total = sum(p.numel() for _, p in entries)
-        bounds = [total * r // num_replicas for r in range(num_replicas + 1)]
+        bounds = range_bounds(total, num_replicas)
         self.pieces: list[list[tuple[int, int, nn.Parameter, int, int]]] = [[] for _ in range(num_replicas)]
         self.optimizers: list[torch.optim.Optimizer | None] = []
         self._copies = [copies(p) for _, p in entries]

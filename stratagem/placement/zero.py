@@ -37,6 +37,7 @@ import torch
 
 from stratagem._profiling import label
 from stratagem.comm import worker_ops
+from stratagem.comm.collective import range_bounds
 from stratagem.comm.scattered_gradients import ScatteredGradients
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
@@ -292,7 +293,7 @@ class _Layout:
             total += p.numel()
         self.total = total
         workers = len(sharded.optimizers)
-        self.bounds = [total * r // workers for r in range(workers + 1)]
+        self.bounds = range_bounds(total, workers)
         self.sizes = [self.bounds[r + 1] - self.bounds[r] for r in range(workers)]
         self._views = [view for _, _, view, _, _ in sharded.pieces[rank]]
         self._empty = params[0].new_empty(0) if params else torch.empty(0)
