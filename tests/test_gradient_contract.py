@@ -215,3 +215,27 @@ def test_tied_weights_have_one_copy_per_replica() -> None:
         return torch.tensor([float(len(list(model.parameters()))), float(model.head.weight is model.wte.weight)])
     result = strategy.run(count, args=(None,))
     assert [c.tolist() for c in result.values] == [[len(list(model.parameters())), 1.0]] * 2
+
+
+def test_a_parameter_unfrozen_after_placement_is_summed_on_every_replica() -> None:
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+    model = _linear(strategy)
+    model.bias.requires_grad_(False)
+    x = torch.arange(12, dtype=torch.float64).view(4, 3)
+
+    def step(xs):
+        model.zero_grad()
+        model(xs).sum().backward()
+        return model.weight.grad.clone(), (model.bias.grad is None)
+    strategy.run(step, args=(_halves(strategy, x),))
+    model.bias.requires_grad_(True)   # fine-tuning: unfrozen outside run
+    weight, _ = strategy.run(step, args=(_halves(strategy, x),))
+
+    def bias_grad(xs):
+        model.zero_grad()
+        model(xs).sum().backward()
+        return model.bias.grad.clone()
+    for g in strategy.run(bias_grad, args=(_halves(strategy, x),)).values:
+        torch.testing.assert_close(g, torch.full((2,), 4.0, dtype=torch.float64))
+    for g in weight.values:
+        torch.testing.assert_close(g, x.sum(0).expand(2, 3))

@@ -69,6 +69,7 @@ class MirroredPlacement(MirroredOptimizers, Placement):
         self._placed: list[nn.Module] = []   # in placing order (the same on every worker)
         self._owners: list[nn.Module] = []   # placed modules and their parents: DDP's sync attribute
         self._layout = 0   # bumped whenever the placed parameters change
+        self._hooked: tuple[int, list, Any] = (-1, [], None)   # (layout, primaries, their requires_grad)
         #: sums gradients when backward ends (None: one replica in all, nothing to sum)
         self.gradients = GradientSync(self) if self.syncs_gradients() else None
 
@@ -174,13 +175,25 @@ class MirroredPlacement(MirroredOptimizers, Placement):
     # -------------------------------------------------------------- gradients
 
     def _hook_gradients(self) -> None:
-        """Give the gradient sync every replica's tensor of every placed parameter."""
+        """Give the gradient sync every replica's tensor of every placed parameter (again when a
+        parameter was added, replaced, frozen or unfrozen: only tensors requiring grad are hooked,
+        and each replica's copy follows its primary's ``requires_grad``)."""
         if self.gradients is None:
             return
-        primaries = list({id(p): p for m in self._placed for p in dict.values(m.__dict__["_parameters"])
-                          if p is not None}.values())
-        replicas = [[self.replica_copy(p, r) for p in primaries] for r in range(self.num_replicas)]
-        self.gradients.update(self._layout, replicas)
+        if self._hooked[0] != self._layout:
+            primaries = list({id(p): p for m in self._placed for p in dict.values(m.__dict__["_parameters"])
+                              if p is not None}.values())
+            self._hooked = (self._layout, primaries, None)
+        _, primaries, flags = self._hooked
+        now = [p.requires_grad for p in primaries]
+        if now != flags:
+            replicas = [[self.replica_copy(p, r) for p in primaries] for r in range(self.num_replicas)]
+            for p, *copies in zip(primaries, *replicas):
+                for copy in copies:
+                    if copy.requires_grad != p.requires_grad:
+                        copy.requires_grad_(p.requires_grad)
+            self._hooked = (self._layout, primaries, now)
+            self.gradients.update((self._layout, tuple(now)), replicas)
 
     def requires_sync(self) -> bool:
         """False while a user set DistributedDataParallel's ``require_backward_grad_sync = False``
