@@ -239,3 +239,19 @@ def test_a_parameter_unfrozen_after_placement_is_summed_on_every_replica() -> No
         torch.testing.assert_close(g, torch.full((2,), 4.0, dtype=torch.float64))
     for g in weight.values:
         torch.testing.assert_close(g, x.sum(0).expand(2, 3))
+
+
+def test_two_backward_passes_outside_run_accumulate_like_plain_pytorch() -> None:
+    """The second pass reaches only one of two modules: the other keeps its gradient, not twice it."""
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        torch.manual_seed(0)
+        a, b = nn.Linear(3, 1).double(), nn.Linear(3, 1).double()
+    x = torch.arange(12, dtype=torch.float64).view(4, 3)
+    xs = _halves(strategy, x)
+    both = strategy.run(lambda v: a(v).sum() + b(v).sum(), args=(xs,))
+    strategy.reduce("sum", both, axis=None).backward()
+    only_a = strategy.run(lambda v: a(v).sum(), args=(xs,))
+    strategy.reduce("sum", only_a, axis=None).backward()
+    torch.testing.assert_close(a.weight.grad, 2 * x.sum(0, keepdim=True))
+    torch.testing.assert_close(b.weight.grad, x.sum(0, keepdim=True))

@@ -215,6 +215,9 @@ class GradientSync:
     def _sum_all(self, task: _Backward) -> None:
         replicas = range(len(self._replicas))
         parts = [self._parts(r, task) for r in replicas]
+        for r in replicas:   # .grad: the new contributions only (the global parts are added last)
+            for p, (new, _) in zip(self._replicas[r], parts[r]):
+                p.grad = new
         with torch.no_grad():
             for i in range(len(self._replicas[0])):
                 news = [parts[r][i][0] for r in replicas]
