@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import stratagem as sg
+from multi_worker.amp_script import scaled_step
 from stratagem.errors import ContextError, InvalidArgumentError
 
 pytestmark = pytest.mark.timeout(120)
@@ -95,13 +96,7 @@ def _plain_history(model: nn.Module, data: list, *, clip: float | None) -> tuple
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
     history = []
     for x, y in data:
-        optimizer.zero_grad()
-        scaler.scale(F.cross_entropy(model(x), y)).backward()
-        scaler.unscale_(optimizer)
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        scaler.step(optimizer)
-        scaler.update()
+        scaled_step(model, optimizer, scaler, F.cross_entropy(model(x), y), clip)
         history.append((scaler.get_scale(), [p.detach().clone() for p in model.parameters()]))
     return history, scaler.state_dict()
 
@@ -126,13 +121,7 @@ def test_grad_scaler_in_scope_equals_plain_pytorch(kind: str, clip: float | None
     def step(batch):
         x, y = batch
         loss = sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
-        optimizer.zero_grad()
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        scaler.step(optimizer)
-        scaler.update()
+        scaled_step(model, optimizer, scaler, loss, clip)
         return torch.tensor(scaler.get_scale())
 
     for i, batch_ in enumerate(strategy.experimental_distribute_dataset(data)):

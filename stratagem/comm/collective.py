@@ -135,7 +135,7 @@ class Collective:
             tag = f"gradient sum at the end of backward ({len(params)} parameters)"
             everyone = self.exchange(local_id, [p.grad for p in params], tag)
             if any(g is None for e in everyone for g in e):
-                everyone = zeros_where_missing(self, local_id, params, everyone, tag)
+                everyone = _zeros_where_missing(self, local_id, params, everyone, tag)
             self.sum_exchanged(local_id, everyone, ReduceOp.SUM)
         packs = self.gradient_packs(params)
         if packs is None:
@@ -145,7 +145,7 @@ class Collective:
         if self.num_local > 1:
             everyone = self.exchange(local_id, params, "gradient sum (across workers)")
             if local_id != 0:
-                _copy_gradients(everyone[0], params)
+                copy_gradients(everyone[0], params)
             self.exchange(local_id, None, "gradient sum (across workers) done")
 
     def sum_over_workers(self, params: list[torch.Tensor]) -> None:
@@ -258,7 +258,7 @@ class Collective:
         return f"{type(self).__name__}({[str(d) for d in self.devices]})"
 
 
-def zeros_where_missing(collective: Collective, local_id: int, params: list, everyone: list, tag: str) -> list:
+def _zeros_where_missing(collective: Collective, local_id: int, params: list, everyone: list, tag: str) -> list:
     """A parameter with a gradient on some replicas gets zeros on the others (exchanged again);
     returns every replica's gradients of the parameters some replica has one for."""
     grads = [p.grad for p in params]
@@ -274,7 +274,8 @@ def zeros_where_missing(collective: Collective, local_id: int, params: list, eve
     return [[e[i] for i in present] for e in everyone]
 
 
-def _copy_gradients(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+def copy_gradients(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+    """Each target's ``.grad`` becomes a copy of its source's (None where the source has none)."""
     with torch.no_grad():
         for p, p0 in zip(targets, sources):
             if p0.grad is None:

@@ -42,6 +42,7 @@ import torch
 from torch.autograd import Variable
 
 from stratagem._profiling import label
+from stratagem.comm.collective import copy_gradients
 
 # The hooks below run inside backward. When backward is called from a compiled function (a
 # graph break), dynamo would try to compile each hook as it fires -- once per parameter and
@@ -232,10 +233,8 @@ class GradientSync:
         if self._collective.num_workers > 1:
             first = self._replicas[0]
             self._collective.sum_over_workers(first)
-            with torch.no_grad():
-                for tensors in self._replicas[1:]:
-                    for p, p0 in zip(tensors, first):
-                        p.grad = None if p0.grad is None else p0.grad.to(p.device, copy=True)
+            for tensors in self._replicas[1:]:
+                copy_gradients(first, tensors)
         for r in replicas:
             _add_global_parts(self._replicas[r], parts[r])
 

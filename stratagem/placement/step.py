@@ -27,7 +27,6 @@ from typing import Any, Protocol
 
 import torch
 
-from stratagem import _context
 from stratagem._profiling import label
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.hooks import run_hooks, step_hooks
@@ -40,6 +39,7 @@ class SynchronousPlacement(Protocol):
     collective: Any
     num_replicas: int
 
+    def own_replica_context(self) -> Any: ...
     def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any: ...
     def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any: ...
     def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any: ...
@@ -53,7 +53,8 @@ def synchronous_step(placement: SynchronousPlacement, optimizer: torch.optim.Opt
     """One logical step of ``optimizer``: the order above, on this replica's thread (or outside
     ``run``, for every replica)."""
     refuse_closure(closure)
-    replica = stepping_replica(placement)
+    ctx = placement.own_replica_context()
+    replica = None if ctx is None else ctx.local_replica_id
     pre, post = step_hooks(optimizer)
     with label("stratagem.optimizer.step"):
         gradients = placement.prepare_gradients(optimizer, replica)
@@ -67,13 +68,6 @@ def synchronous_step(placement: SynchronousPlacement, optimizer: torch.optim.Opt
     if replica is None:
         placement.record_updates()
     return result
-
-
-def stepping_replica(placement: Any) -> int | None:
-    """The calling thread's local replica id if it is a replica of ``placement``'s strategy, else None."""
-    frame = _context.current_frame()
-    ctx = frame.replica_context if frame is not None else None
-    return ctx.local_replica_id if ctx is not None and ctx.strategy is placement.strategy else None
 
 
 def _hooks_once(placement: SynchronousPlacement, hooks: list, optimizer: torch.optim.Optimizer,

@@ -21,6 +21,17 @@ BATCH = 12
 STEPS = 7
 
 
+def scaled_step(model, optimizer, scaler, loss, clip=None):
+    """The GradScaler loop of torch's AMP recipe: scale, backward, unscale, clip, step, update."""
+    optimizer.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    scaler.step(optimizer)
+    scaler.update()
+
+
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -77,13 +88,7 @@ def main(argv=None):
     def step(batch):
         x, y = batch
         loss = sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
-        optimizer.zero_grad()
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        if args.clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        scaler.step(optimizer)
-        scaler.update()
+        scaled_step(model, optimizer, scaler, loss, args.clip)
         return torch.tensor(scaler.get_scale())
 
     data = make_data(strategy.cluster_resolver.num_workers, parse_poison(args.poison))

@@ -26,13 +26,7 @@ def plain_history(initial: dict, num_workers: int, poison: str, clip: float | No
     scaler = amp_script.make_scaler()
     history = []
     for x, y in amp_script.make_data(num_workers, amp_script.parse_poison(poison)):
-        optimizer.zero_grad()
-        scaler.scale(F.cross_entropy(model(x), y)).backward()
-        scaler.unscale_(optimizer)
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        scaler.step(optimizer)
-        scaler.update()
+        amp_script.scaled_step(model, optimizer, scaler, F.cross_entropy(model(x), y), clip)
         history.append((scaler.get_scale(), {k: v.clone() for k, v in model.state_dict().items()}))
     return history, scaler.state_dict()
 
