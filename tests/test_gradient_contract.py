@@ -255,3 +255,21 @@ def test_two_backward_passes_outside_run_accumulate_like_plain_pytorch() -> None
     strategy.reduce("sum", only_a, axis=None).backward()
     torch.testing.assert_close(a.weight.grad, 2 * x.sum(0, keepdim=True))
     torch.testing.assert_close(b.weight.grad, x.sum(0, keepdim=True))
+
+
+def test_a_replica_failing_before_its_backward_stops_the_others_waiting_at_the_end_of_theirs() -> None:
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+    model = _linear(strategy)
+    x = torch.ones(4, 3, dtype=torch.float64)
+
+    def step(xs):
+        if sg.get_replica_context().replica_id_in_sync_group == 1:
+            raise ValueError("bad batch on replica 1")
+        model(xs).sum().backward()   # waits for replica 1 in the gradient sum: must not hang
+    with pytest.raises(ValueError, match="bad batch on replica 1"):
+        strategy.run(step, args=(_halves(strategy, x),))
+    model.zero_grad()
+    grads = strategy.run(lambda xs: (model(xs).sum().backward(), model.weight.grad.clone())[1],
+                         args=(_halves(strategy, x),))
+    for g in grads.values:   # the next run works and sums as usual
+        torch.testing.assert_close(g, x.sum(0).expand(2, 3))
