@@ -52,6 +52,30 @@ class GuardedSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+def wait_until(condition, seconds=120.0):
+    """Waits for observable progress (never a fixed sleep); fails loudly past ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no progress in {seconds:.0f} s")
+        time.sleep(0.05)
+
+
+def workers_seen(coordinator, step, want, seconds=120.0):
+    """Schedules short steps until every worker in ``want`` has run one; {worker: pid}."""
+    pids = {}
+    deadline = time.monotonic() + seconds
+    while not want <= pids.keys():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers {sorted(want - pids.keys())} ran nothing in {seconds:.0f} s")
+        values = [coordinator.schedule(step, args=(0.05,)) for _ in range(4)]
+        coordinator.join()
+        for value in values:
+            _, worker, pid = value.fetch()
+            pids[worker] = pid
+    return pids
+
+
 def failure(error):
     """What the test checks of an error: its text, and the whole remote traceback."""
     return {"text": f"{type(error).__name__}: {error}",
@@ -91,27 +115,19 @@ def main():
     def bad_step():
         check_batch(torch.ones(3, 4))
 
-    pids = {}
-    first = [coordinator.schedule(step, args=(0.0,)) for _ in range(4)]
-    coordinator.join()
-    for value in first:
-        _, worker, pid = value.fetch()
-        pids[worker] = pid
+    pids = workers_seen(coordinator, step, want={0, 1})
     report["worker_pids"] = pids
 
     if args.mode in ("kill-worker", "stop-worker"):
         values = [coordinator.schedule(step, args=(0.3,)) for _ in range(20)]
-        time.sleep(0.5)
+        wait_until(lambda: any(v.status == sg.coordinator.RemoteValueStatus.READY for v in values))
         os.kill(pids[1], signal.SIGKILL if args.mode == "kill-worker" else signal.SIGSTOP)
         started = time.time()
         coordinator.join()
         report["join_seconds"] = time.time() - started
         report["ran"] = [v.fetch()[1] for v in values]
         if args.mode == "kill-worker":  # the launcher restarts it: it must get work again
-            time.sleep(3.0)
-            later = [coordinator.schedule(step, args=(0.2,)) for _ in range(16)]
-            coordinator.join()
-            report["after_restart"] = [v.fetch()[1] for v in later]
+            report["after_restart"] = sorted(workers_seen(coordinator, step, want={1}))
         else:
             os.kill(pids[1], signal.SIGCONT)
     elif args.mode == "user-error":
