@@ -69,6 +69,7 @@ _EXPORTS: dict[str, str] = {
     "MinSizePartitioner": "stratagem.ps.partitioners", "ShardedVariable": "stratagem.ps.variables",
     # long jobs
     "Checkpoint": "stratagem.training", "CheckpointManager": "stratagem.training",
+    "latest_checkpoint": "stratagem.training",
     "PreemptionWatcher": "stratagem.preemption",
     "SidecarEvaluator": "stratagem.training.sidecar",
     # Keras-style training
@@ -117,7 +118,7 @@ if TYPE_CHECKING:   # what the names are, for type checkers and editors
     from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
     from stratagem.strategies.one_device import OneDeviceStrategy
     from stratagem.strategies.replica_context import ReplicaContext
-    from stratagem.training import Checkpoint, CheckpointManager
+    from stratagem.training import Checkpoint, CheckpointManager, latest_checkpoint
     from stratagem.training import losses
     from stratagem.training.model import Model
     from stratagem.training.sidecar import SidecarEvaluator

@@ -8,6 +8,7 @@ A Keras-style ``fit`` calls every callback's hooks; a custom loop calls the ones
 - :class:`EarlyStopping` -- stop when a monitored value stops improving, on every worker at once;
 - :class:`LearningRateScheduler` -- set the learning rate at the start of every epoch;
 - :class:`CSVLogger` -- one CSV row per epoch;
+- :class:`LambdaCallback` -- functions called at the hooks;
 - :class:`TensorBoard` -- scalar summaries for TensorBoard.
 
 In a multi-worker job every worker runs every callback; files and summaries are written
@@ -19,8 +20,9 @@ from stratagem.callbacks.base import Callback
 from stratagem.callbacks.checkpoint import ModelCheckpoint
 from stratagem.callbacks.csv_logger import CSVLogger
 from stratagem.callbacks.early_stopping import EarlyStopping
+from stratagem.callbacks.lambda_callback import LambdaCallback
 from stratagem.callbacks.schedule import LearningRateScheduler
 from stratagem.callbacks.tensorboard import TensorBoard
 
-__all__ = ["BackupAndRestore", "CSVLogger", "Callback", "EarlyStopping", "LearningRateScheduler", "ModelCheckpoint",
+__all__ = ["BackupAndRestore", "CSVLogger", "Callback", "EarlyStopping", "LambdaCallback", "LearningRateScheduler", "ModelCheckpoint",
            "TensorBoard"]

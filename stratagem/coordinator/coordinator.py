@@ -96,6 +96,9 @@ def _call_weak(method: weakref.WeakMethod, *args: Any) -> None:
 class ClusterCoordinator:
     """Schedules functions onto the worker tasks of a ParameterServerStrategy.
 
+    One per strategy: creating it again returns the strategy's live coordinator (TensorFlow
+    does the same), so code after a parameter-server ``Model.fit`` may ask for it.
+
     Example (inside a script run by ``stratagem launch --workers 2 --ps 1 train.py``)::
 
         # strategy = sg.ParameterServerStrategy(sg.cluster.TFConfigClusterResolver())
@@ -115,9 +118,23 @@ class ClusterCoordinator:
     it fails too; shorter stalls only delay the steps.
     """
 
+    def __new__(cls, strategy: ParameterServerStrategy, **options: Any) -> "ClusterCoordinator":
+        # TensorFlow's behaviour: a strategy has one coordinator; asking again (after a
+        # parameter-server ``Model.fit`` made one, say) hands back the live one
+        existing = getattr(strategy, "coordinator", None) if isinstance(strategy, ParameterServerStrategy) else None
+        if existing is not None and not existing._stopping.is_set():
+            if options:
+                raise InvalidArgumentError(
+                    f"{strategy!r} already has a ClusterCoordinator, so {', '.join(sorted(options))} cannot be "
+                    f"set again; use strategy.coordinator, or pass the options to the first ClusterCoordinator")
+            return existing
+        return super().__new__(cls)
+
     def __init__(self, strategy: ParameterServerStrategy, *,
                  worker_timeout: float = DEFAULT_WORKER_TIMEOUT_SECONDS, max_queued: int | None = None,
                  ps_timeout: float = DEFAULT_PS_TIMEOUT_SECONDS):
+        if getattr(self, "strategy", None) is strategy:
+            return   # the strategy's live coordinator, handed back by __new__
         if not isinstance(strategy, ParameterServerStrategy):
             raise InvalidArgumentError(
                 f"ClusterCoordinator needs a sg.ParameterServerStrategy, got {type(strategy).__name__}")

@@ -24,12 +24,10 @@ then gathers the merged states of all workers (MultiWorkerMirroredStrategy: one
 sum and cat states that is the value computed on all predictions at once.
 
 ``result()`` in the replica context of a strategy with more than one replica in sync
-raises :class:`~stratagem.errors.ContextError`: a replica sees only its own part, and a
-global value there would need every replica to call it (a collective). With one replica
-in sync the replica's value is the global value and is returned.
-
-torchmetrics is imported where a metric is built, not here: the parameter-server closure
-code imports this module, and must stay light.
+raises :class:`~stratagem.errors.ContextError`: a replica sees only its own part.
+Calling the metric (Keras's ``metric(y_true, y_pred)``) there updates, then meets the
+other replicas once (``merge_call``) to return the global value. torchmetrics is imported
+where a metric is built, not here (parameter-server closures import this module).
 """
 
 from __future__ import annotations
@@ -138,6 +136,16 @@ class Metric:
             state.to(tensors[-1].device)
         with torch.no_grad():
             self._update(state, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Keras's ``metric(y_true, y_pred, sample_weight=None)``: :meth:`update_state`, then the
+        value so far over every replica and worker (inside ``run`` every replica must call it)."""
+        self.update_state(*args, **kwargs)
+        frame = _context.current_frame()
+        if (not self._worker_copy and frame is not None and frame.replica_context is not None
+                and frame.strategy is self._strategy and self._strategy.num_replicas_in_sync > 1):
+            return frame.replica_context.merge_call(lambda _: self.result())
+        return self.result()
 
     def result(self) -> torch.Tensor:
         """The value over every replica and worker (see the module docstring for where it may be read)."""
@@ -326,10 +334,8 @@ def _registry(strategy: Any) -> "weakref.WeakValueDictionary[str, Metric]":
 
 
 def results(metrics: Iterable[Metric]) -> list[torch.Tensor]:
-    """``[m.result() for m in metrics]`` with one exchange between workers for all of them
-    (MultiWorkerMirroredStrategy: one ``all_gather_object`` instead of one per metric; a
-    progress bar reading several metrics every step). Like ``result()``, a collective there:
-    every worker calls it with the same metrics in the same order.
+    """``[m.result() for m in metrics]`` with one exchange between workers for all of them (a
+    collective: every worker calls it with the same metrics in the same order).
 
     Example::
 

@@ -108,8 +108,9 @@ class ParameterServerStrategy(Strategy):
 
     def attach_coordinator(self, coordinator: Any) -> None:
         """Called by :class:`~stratagem.ClusterCoordinator`: one coordinator per strategy."""
-        if self._coordinator is not None:
-            raise InvalidArgumentError("this strategy already has a ClusterCoordinator; create only one")
+        if self._coordinator is not None and not self._coordinator._stopping.is_set():
+            raise InvalidArgumentError("this strategy already has a live ClusterCoordinator; use "
+                                       "strategy.coordinator (ClusterCoordinator(strategy) returns it too)")
         self._coordinator = coordinator
 
     def __repr__(self) -> str:

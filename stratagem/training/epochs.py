@@ -37,15 +37,28 @@ class ReplicatedEpochs:
         self._batch_logs = step_logs(self.model, callback_list, progress, "on_train_batch_end", self.steps)
 
     def run_epoch(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
+        """Every batch, one ``strategy.run``; the batch callbacks (and ``stop_training``) once
+        per ``steps_per_execution`` steps, with the last step's index and logs, as in Keras."""
         model, strategy, step_fn = self.model, self.model.strategy, self._step_fn
+        every, rows, pending, step = model.steps_per_execution, 0, 0, -1
         for step, batch in enumerate(self._batches.epoch()):
-            callback_list.call("on_train_batch_begin", step, None)
+            if pending == 0:
+                callback_list.call("on_train_batch_begin", step, None)
             strategy.run(step_fn, args=(batch,))
-            logs = self._batch_logs(step)
-            callback_list.call("on_train_batch_end", step, logs)
-            progress.step(global_rows(batch), logs)
-            if model.stop_training:
-                break
+            rows, pending = rows + global_rows(batch), pending + 1
+            if pending == every or step + 1 == self.steps:
+                self._end_execution(step, rows, pending, callback_list, progress)
+                rows = pending = 0
+                if model.stop_training:
+                    return
+        if pending:   # the input ended inside an execution
+            self._end_execution(step, rows, pending, callback_list, progress)
+
+    def _end_execution(self, step: int, rows: int, steps: int, callback_list: CallbackList,
+                       progress: ProgressLogger) -> None:
+        logs = self._batch_logs(step)
+        callback_list.call("on_train_batch_end", step, logs)
+        progress.step(rows, logs, steps)
 
 
 def step_logs(model: Any, callback_list: CallbackList | None, progress: ProgressLogger, hook: str,

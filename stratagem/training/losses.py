@@ -32,24 +32,102 @@ import torch.nn.functional as F
 from stratagem.errors import InvalidArgumentError
 
 __all__ = ["BinaryCrossentropy", "CategoricalCrossentropy", "Loss", "MeanAbsoluteError", "MeanSquaredError",
-           "SparseCategoricalCrossentropy", "get"]
+           "Reduction", "SparseCategoricalCrossentropy", "get"]
 
 _EPSILON = 1e-7   # Keras's clipping of probabilities
 
 
+class Reduction:
+    """Keras's names for how a loss object called directly reduces its per-example values.
+
+    ``NONE``: one value per example (what a custom training loop passes to
+    :func:`sg.nn.compute_average_loss <stratagem.nn.compute_average_loss>`); ``SUM``: their
+    sum; ``SUM_OVER_BATCH_SIZE`` (Keras's default; ``AUTO`` and ``"mean"`` are the same): their
+    mean over this batch -- under a strategy with several replicas that is each replica's own
+    mean, which is why TensorFlow's custom-loop tutorial asks for ``NONE``;
+    ``"mean_with_sample_weight"``: the weighted sum over the sum of the weights.
+    ``sg.Model.compile`` always works per example, whatever the reduction.
+
+    Example::
+
+        import torch, stratagem as sg
+        loss = sg.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=sg.losses.Reduction.NONE)
+        assert loss(torch.tensor([0, 1]), torch.zeros(2, 3)).shape == (2,)
+    """
+
+    AUTO = "auto"
+    NONE = "none"
+    SUM = "sum"
+    SUM_OVER_BATCH_SIZE = "sum_over_batch_size"
+
+    ALL = ("auto", "none", "sum", "sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+    @classmethod
+    def validate(cls, reduction: Any) -> str:
+        """``reduction`` as one of :attr:`ALL` (``None`` is ``"none"``); a clear error otherwise."""
+        name = "none" if reduction is None else reduction
+        if name not in cls.ALL:
+            raise InvalidArgumentError(
+                f"unknown loss reduction {reduction!r}; use one of {', '.join(map(repr, cls.ALL))} or None "
+                f"(sg.losses.Reduction.NONE / SUM / SUM_OVER_BATCH_SIZE)")
+        return name
+
+
 class Loss:
-    """A per-example loss: ``loss(y_true, y_pred)`` returns one value per example."""
+    """A loss object, Keras's way: ``loss(y_true, y_pred, sample_weight=None)`` reduced by ``reduction``.
+
+    Subclasses define ``call(y_true, y_pred)``, the loss of every example (extra dimensions
+    are averaged). ``reduction`` is one of :class:`Reduction`'s names (default
+    ``"sum_over_batch_size"``, as in Keras); ``compile`` uses the per-example values whatever
+    it is.
+
+    Example::
+
+        import torch, stratagem as sg
+        loss = sg.losses.MeanSquaredError()                  # the batch's mean, as in Keras
+        assert loss(torch.zeros(2, 2), torch.ones(2, 2)).item() == 1.0
+        per_example = sg.losses.MeanSquaredError(reduction="none")
+        assert per_example(torch.zeros(2, 2), torch.ones(2, 2)).tolist() == [1.0, 1.0]
+    """
 
     name = "loss"
+    _ARGUMENTS = ("reduction", "name")
 
-    def __call__(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+    def __init__(self, reduction: Any = Reduction.SUM_OVER_BATCH_SIZE, name: str | None = None,
+                 **unknown: Any) -> None:
+        self._refuse(unknown)
+        self.reduction = Reduction.validate(reduction)
+        if name is not None:
+            self.name = name
+
+    def _refuse(self, unknown: dict) -> None:
+        if unknown:
+            raise TypeError(f"sg.losses.{type(self).__name__}() got unexpected argument(s) "
+                            f"{', '.join(sorted(unknown))}; it takes {', '.join(self._ARGUMENTS)}")
+
+    def __call__(self, y_true: torch.Tensor, y_pred: torch.Tensor, sample_weight: Any = None) -> torch.Tensor:
+        values = self.per_example(y_true, y_pred)
+        weighted = values
+        if sample_weight is not None:
+            sample_weight = torch.as_tensor(sample_weight, dtype=values.dtype, device=values.device)
+            weighted = values * sample_weight.reshape(values.shape)
+        if self.reduction == "none":
+            return weighted
+        if self.reduction == "sum":
+            return weighted.sum()
+        if self.reduction == "mean_with_sample_weight" and sample_weight is not None:
+            return weighted.sum() / sample_weight.sum()
+        return weighted.sum() / max(values.numel(), 1)
+
+    def per_example(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        """One loss value per example, whatever ``reduction`` is."""
         return _per_example(self.call(y_true, y_pred))
 
     def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"{type(self).__name__}(reduction={self.reduction!r})"
 
 
 class MeanSquaredError(Loss):
@@ -58,7 +136,7 @@ class MeanSquaredError(Loss):
     Example::
 
         import torch, stratagem as sg
-        loss = sg.losses.MeanSquaredError()
+        loss = sg.losses.MeanSquaredError(reduction="none")
         assert loss(torch.zeros(2, 2), torch.ones(2, 2)).tolist() == [1.0, 1.0]
     """
 
@@ -78,7 +156,11 @@ class MeanAbsoluteError(Loss):
 
 
 class _Crossentropy(Loss):
-    def __init__(self, from_logits: bool = False) -> None:
+    _ARGUMENTS = ("from_logits", "reduction", "name")
+
+    def __init__(self, from_logits: bool = False, reduction: Any = Reduction.SUM_OVER_BATCH_SIZE,
+                 name: str | None = None, **unknown: Any) -> None:
+        super().__init__(reduction, name, **unknown)
         self.from_logits = bool(from_logits)
 
     def _check_probabilities(self, y_pred: torch.Tensor) -> None:
@@ -90,7 +172,7 @@ class _Crossentropy(Loss):
                 f"or end the model with a softmax / sigmoid")
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(from_logits={self.from_logits})"
+        return f"{type(self).__name__}(from_logits={self.from_logits}, reduction={self.reduction!r})"
 
 
 class BinaryCrossentropy(_Crossentropy):
@@ -99,7 +181,7 @@ class BinaryCrossentropy(_Crossentropy):
     Example::
 
         import torch, stratagem as sg
-        loss = sg.losses.BinaryCrossentropy(from_logits=True)
+        loss = sg.losses.BinaryCrossentropy(from_logits=True, reduction="none")
         print(loss(torch.tensor([[1.0], [0.0]]), torch.tensor([[2.0], [-2.0]])))
     """
 
@@ -135,7 +217,7 @@ class SparseCategoricalCrossentropy(_Crossentropy):
     Example::
 
         import torch, stratagem as sg
-        loss = sg.losses.SparseCategoricalCrossentropy(from_logits=True)
+        loss = sg.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
         assert loss(torch.tensor([0, 1]), torch.zeros(2, 3)).shape == (2,)
     """
 
@@ -177,7 +259,7 @@ def get(identifier: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                 f"(torch.nn.CrossEntropyLoss()), or a function fn(y_true, y_pred) -> per-example losses")
         return cls()
     if isinstance(identifier, Loss):
-        return identifier
+        return _TorchOrder(lambda y_pred, y_true: identifier.per_example(y_true, y_pred), identifier.name)
     if isinstance(identifier, torch.nn.Module) and hasattr(identifier, "reduction"):
         module = copy.copy(identifier)
         module.reduction = "none"

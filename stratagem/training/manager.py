@@ -23,7 +23,9 @@ from pathlib import Path
 
 from stratagem.errors import CheckpointError, InvalidArgumentError
 from stratagem.training.checkpoint import Checkpoint
-from stratagem.training.storage import remove_stale_temporaries
+from stratagem.training.storage import MANIFEST, remove_stale_temporaries
+
+__all__ = ["CheckpointManager", "latest_checkpoint"]
 
 
 class CheckpointManager:
@@ -169,3 +171,37 @@ def _remove(path: Path) -> None:
     doomed = path.with_name(f"{path.name}.tmp-deleting-{secrets.token_hex(4)}")
     os.rename(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def latest_checkpoint(checkpoint_dir: "str | os.PathLike") -> str | None:
+    """The path of the most recently saved checkpoint in ``checkpoint_dir``, or None.
+
+    TensorFlow's ``tf.train.latest_checkpoint``: pass what it returns to
+    ``Checkpoint.restore``. Any complete checkpoint directly inside ``checkpoint_dir``
+    counts (``CheckpointManager``'s ``ckpt-<n>``, or ``Checkpoint.save(dir + "/ckpt")``);
+    the newest is the one whose manifest was written last (the higher number on a tie).
+    Half-written or half-deleted checkpoints are never returned.
+
+    Example::
+
+        import os, tempfile, torch, stratagem as sg
+        directory = tempfile.mkdtemp()
+        assert sg.latest_checkpoint(directory) is None
+        ckpt = sg.Checkpoint(model=torch.nn.Linear(2, 2))
+        ckpt.save(os.path.join(directory, "ckpt"))
+        ckpt.restore(sg.latest_checkpoint(directory))
+    """
+    directory = Path(checkpoint_dir)
+    if not directory.is_dir():
+        return None
+    found = []
+    for entry in directory.iterdir():
+        if ".tmp-" in entry.name or ".old-" in entry.name:
+            continue
+        try:
+            written = (entry / MANIFEST).stat().st_mtime_ns
+        except OSError:   # not a checkpoint, or one being deleted
+            continue
+        number = re.search(r"-(\d+)$", entry.name)
+        found.append((written, int(number.group(1)) if number else -1, entry.name))
+    return str(directory / max(found)[2]) if found else None

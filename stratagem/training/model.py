@@ -90,6 +90,7 @@ class Model:
         self.dtype_policy = Policy("float32")
         self.loss_scaler: torch.amp.GradScaler | None = None   # "mixed_float16": created in scope
         self._precision = StepPrecision(self.dtype_policy)
+        self.steps_per_execution = 1
         self.stop_training = False
         self.history: History | None = None
 
@@ -115,7 +116,8 @@ class Model:
     # ----------------------------------------------------------------- compile
 
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, metrics: Sequence[Any] | None = None, *,
-                mixed_precision: Any = None) -> None:
+                mixed_precision: Any = None, steps_per_execution: int = 1, jit_compile: Any = None,
+                run_eagerly: bool = False) -> None:
         """Set the optimizer, the loss and the metrics; created in the strategy's scope.
 
         ``optimizer``: a torch optimizer over the module's parameters (created in scope),
@@ -125,6 +127,10 @@ class Model:
         or ``sg.metrics`` objects. ``mixed_precision``: Keras's policy, ``"mixed_bfloat16"``,
         ``"mixed_float16"`` (with loss scaling) or ``"float32"``; by default
         ``sg.mixed_precision.global_policy()`` (:mod:`stratagem.mixed_precision`).
+        ``steps_per_execution``: steps per call of the batch callbacks (and, under a
+        parameter-server strategy, per scheduled function: fewer round trips), as Keras.
+        ``jit_compile=True``: the forward runs through ``torch.compile`` (``None``/``"auto"``:
+        eager). ``run_eagerly`` is accepted for Keras code; steps always run eagerly otherwise.
         """
         if loss is None:
             raise InvalidArgumentError("compile needs a loss: a name like 'mse', an sg.losses object, a "
@@ -136,6 +142,13 @@ class Model:
         if policy.compute_dtype is not None and not self.strategy._model_steps().supports_mixed_precision:
             raise InvalidArgumentError(f"compile(mixed_precision={policy.name!r}) is not supported under "
                                        f"{self.strategy!r}; compile with mixed_precision='float32'")
+        _check_count("steps_per_execution", steps_per_execution, minimum=1)
+        if jit_compile not in (None, True, False, "auto"):
+            raise InvalidArgumentError(f"jit_compile must be True, False, None or 'auto', got {jit_compile!r}")
+        jit_compile = jit_compile is True and not run_eagerly
+        if jit_compile and not self.strategy._model_steps().supports_jit_compile:
+            raise InvalidArgumentError(f"compile(jit_compile=True) is not supported under {self.strategy!r}; "
+                                       f"compile with jit_compile=False")
         device_type = next((p.device.type for p in self.module.parameters()), "cpu")
         with self.strategy.scope():   # nothing is kept unless everything resolves
             compiled_metrics = [metrics_module.get(m, loss=loss) for m in (metrics or [])]
@@ -143,7 +156,8 @@ class Model:
             scaler = torch.amp.GradScaler(device_type) if policy.loss_scaling else None
             self.optimizer = self._make_optimizer(optimizer)
         self.dtype_policy, self.loss_scaler = policy, scaler
-        self._precision = StepPrecision(policy, device_type, scaler)
+        self._precision = StepPrecision(policy, device_type, scaler, jit_compile)
+        self.steps_per_execution = steps_per_execution
         self.loss, self._loss_fn = loss, loss_fn
         self._loss_tracker, self.compiled_metrics = loss_tracker, compiled_metrics
 

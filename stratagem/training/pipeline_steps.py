@@ -37,6 +37,7 @@ class PipelineSteps(ModelSteps):
     """The train / test / predict steps of ``Model`` under a ``PipelineStrategy``."""
 
     supports_mixed_precision = False   # (compile refuses a mixed policy: the schedule runs the forward)
+    supports_jit_compile = False
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy

@@ -86,12 +86,12 @@ class ProgressLogger:
 
             self._bar = tqdm(total=total, desc=desc, unit="step", file=file, dynamic_ncols=True, leave=True)
 
-    def step(self, samples: int, logs: dict | None) -> None:
+    def step(self, samples: int, logs: dict | None, steps: int = 1) -> None:
         if self._bar is None:
             return
         self._samples += samples
         self._bar.set_postfix_str(self._postfix(logs), refresh=False)
-        self._bar.update(1)
+        self._bar.update(steps)
 
     def end(self, logs: dict | None) -> None:
         if self._bar is None:

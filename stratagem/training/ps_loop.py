@@ -8,9 +8,9 @@ pickle) and read over and over; a function ``dataset_fn(input_context)`` is call
 each worker, as ``coordinator.create_per_worker_dataset`` does (TensorFlow's
 ``DatasetCreator``).
 
-Per epoch: ``steps_per_epoch`` steps are scheduled (``on_train_batch_begin`` for each as
-it is queued), then their results are fetched in order (``on_train_batch_end`` with that
-step's loss), then ``join``. The epoch logs are the metrics' global values, read on the
+Per epoch: ``steps_per_epoch`` steps are scheduled, ``steps_per_execution`` per function
+(``on_train_batch_begin`` for each as it is queued), then their results are fetched in
+order (``on_train_batch_end`` with its last step's loss), then ``join``. The epoch logs are the metrics' global values, read on the
 coordinator after the join. ``stop_training`` set during an epoch ends training after
 that epoch's scheduled steps (they are already queued). Validation runs on the coordinator.
 """
@@ -54,27 +54,35 @@ class ScheduledEpochs:
         dataset_fn = _dataset_fn(x, y, sample_weight, batch_size, shuffle)
         self._iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
         self._step_fn = functools.partial(_scheduled_step, model.make_train_function())
+        self._every = model.steps_per_execution
 
     def prepare(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
         pass
 
     def run_epoch(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
-        coordinator = self._coordinator
+        coordinator, every = self._coordinator, self._every
         scheduled = []
-        for step in range(self.steps):
-            callback_list.call("on_train_batch_begin", step, None)
-            scheduled.append(coordinator.schedule(self._step_fn, args=(self._iterator,)))
-        for step, value in enumerate(scheduled):
+        for first in range(0, self.steps, every):
+            count = min(every, self.steps - first)
+            callback_list.call("on_train_batch_begin", first, None)
+            scheduled.append((first + count - 1, count,
+                              coordinator.schedule(self._step_fn, args=(self._iterator, count))))
+        for step, count, value in scheduled:
             loss, rows = value.fetch()
-            logs = {"loss": float(loss)}   # this step's own: the metrics' global values need the join
+            logs = {"loss": float(loss)}   # the last step's own: the metrics' global values need the join
             callback_list.call("on_train_batch_end", step, logs)
-            progress.step(rows, logs)
+            progress.step(rows, logs, count)
         coordinator.join()
 
 
-def _scheduled_step(train_step: Any, iterator: Any) -> tuple[torch.Tensor, int]:
-    """What runs on a worker: the next batch of its own input, one training step."""
-    return train_step(next(iterator))
+def _scheduled_step(train_step: Any, iterator: Any, count: int = 1) -> tuple[torch.Tensor, int]:
+    """What runs on a worker: ``count`` steps (``steps_per_execution``) on the next batches of
+    its own input; the last step's loss and the rows of all of them."""
+    rows = 0
+    for _ in range(count):
+        loss, done = train_step(next(iterator))
+        rows += done
+    return loss, rows
 
 
 def _dataset_fn(x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool) -> Any:

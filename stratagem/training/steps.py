@@ -18,6 +18,9 @@ strategy's scope: one skip decision for every replica).
 
 from __future__ import annotations
 
+import threading
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -29,7 +32,7 @@ from stratagem.nn.losses import compute_average_loss
 from stratagem.training.inputs import unpack
 from stratagem.values import map_structure
 
-__all__ = ["ModelSteps", "StepPrecision", "make_predict_step", "make_test_step", "make_train_step",
+__all__ = ["ModelSteps", "StepPrecision", "compiled", "make_predict_step", "make_test_step", "make_train_step",
            "per_example_losses"]
 
 
@@ -40,9 +43,12 @@ class StepPrecision:
     policy: Policy
     device_type: str = "cpu"
     loss_scaler: Any = None   # a torch.amp.GradScaler created in scope ("mixed_float16")
+    jit_compile: bool = False   # compile(jit_compile=True): the forward through torch.compile
 
     def forward(self, module: torch.nn.Module, x: Any) -> Any:
         """The module's outputs, computed under autocast and read in float32."""
+        if self.jit_compile:
+            module = compiled(module)
         if self.policy.compute_dtype is None:
             return module(x)
         with self.policy.autocast(self.device_type):
@@ -61,6 +67,22 @@ class StepPrecision:
 
 
 _FULL = StepPrecision(Policy("float32"))
+_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
+_COMPILING = threading.Lock()
+
+
+def compiled(module: torch.nn.Module) -> Callable:
+    """``torch.compile(module)``, made once per module in this process (a parameter-server
+    worker compiles its own on its first step); replica threads share it."""
+    with _COMPILING:
+        found = _COMPILED.get(module)
+        if found is None:
+            # stratagem's placement hooks are global module hooks, written to run twice harmlessly
+            # (once for the OptimizedModule, once for the module): torch's warning about it is noise
+            warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks",
+                                    category=UserWarning)
+            found = _COMPILED[module] = torch.compile(module)
+        return found
 
 
 def _to_float32(value: Any) -> Any:
@@ -149,6 +171,8 @@ class ModelSteps:
 
     #: whether these steps run a mixed-precision policy (``compile(..., mixed_precision=...)``)
     supports_mixed_precision = True
+    #: whether they run the forward through torch.compile (``compile(..., jit_compile=True)``)
+    supports_jit_compile = True
 
     def train(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
               loss_tracker: Any, metrics: Sequence[Any],

@@ -29,6 +29,19 @@ def main() -> None:
                         validation_data=(x[:100], y[:100]), verbose=2)
     report.update(history=history.history, before=before,
                   after=model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True))
+    # TensorFlow hands back the strategy's coordinator after a parameter-server fit
+    report["same_coordinator"] = sg.ClusterCoordinator(strategy) is strategy.coordinator
+    # several steps per scheduled function; the batch callbacks see each function once
+    seen = []
+    counter = sg.callbacks.LambdaCallback(on_train_batch_end=lambda step, logs: seen.append(step))
+    model.compile(torch.optim.Adam(model.module.parameters(), lr=0.02),
+                  sg.losses.SparseCategoricalCrossentropy(from_logits=True), steps_per_execution=4)
+    scheduled = []
+    original = strategy.coordinator.schedule
+    strategy.coordinator.schedule = lambda *a, **k: scheduled.append(1) or original(*a, **k)
+    more = model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=10, callbacks=[counter], verbose=0)
+    strategy.coordinator.schedule = original
+    report.update(execution_steps=seen, scheduled=len(scheduled), more_loss=more.history["loss"])
     predicted = model.predict(x, batch_size=64)
     with torch.no_grad():
         expected = model.module(torch.from_numpy(x))

@@ -24,5 +24,9 @@ def test_fit_schedules_steps_through_the_coordinator(tmp_path: Path) -> None:
     assert len(history["loss"]) == 3 and history["loss"][-1] < history["loss"][0]
     assert report["after"]["loss"] < report["before"]["loss"] and report["after"]["accuracy"] > 0.8
     assert report["predict_matches"]
+    assert report["same_coordinator"]
+    # steps_per_execution=4 over 10 steps: 3 functions (4 + 4 + 2 steps), callbacks at their last steps
+    assert report["scheduled"] == 3 and report["execution_steps"] == [3, 7, 9], report
+    assert report["more_loss"][0] < report["history"]["loss"][0]
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "Epoch " in line]
     assert len(lines) == 3 and "Epoch 3/3 25/25 steps (100%) loss: " in lines[-1], lines
