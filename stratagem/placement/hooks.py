@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -44,6 +45,7 @@ from stratagem.placement import grad_scaler
 _lock = threading.Lock()
 _internal = threading.local()   # set while stratagem builds optimizers of its own
 _users = 0
+_module_placements: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
 _installed: list[Any] = []   # the registration hooks' handles while scopes are open
 _original_init = torch.optim.Optimizer.__init__
 _original_scaler_init = torch.amp.GradScaler.__init__
@@ -71,7 +73,18 @@ def _scoped_placement() -> Any:
 def _on_tensor_registered(module: nn.Module, name: str, tensor: Any) -> None:
     placement = _scoped_placement()
     if placement is not None:
+        _module_placements[module] = placement
         placement.on_module_registered(module)
+    return None
+
+
+def module_placement(module: nn.Module) -> Any:
+    """The placement of the strategy in whose scope ``module`` (or a submodule) registered a
+    tensor, else None."""
+    for submodule in module.modules():
+        found = _module_placements.get(submodule)
+        if found is not None:
+            return found
     return None
 
 

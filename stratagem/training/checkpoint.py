@@ -31,7 +31,7 @@ from torch import nn
 from stratagem import _context
 from stratagem.data.position import PositionedDataset, TrackedIterator
 from stratagem.errors import CheckpointError, ContextError, InvalidArgumentError
-from stratagem.placement.hooks import placement_of
+from stratagem.placement.hooks import module_placement, placement_of
 from stratagem.training.chief_copy import ChiefCopy, open_checkpoint
 from stratagem.training.pieces import PlacedRestore, assemble
 from stratagem.training.storage import (BackgroundWriter, CheckpointReader, DirectoryWriter, check_loadable,
@@ -39,6 +39,7 @@ from stratagem.training.storage import (BackgroundWriter, CheckpointReader, Dire
 from stratagem.training.validate import problems_with
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+_MODEL_PARTS = ("optimizer", "loss_scaler")   # what an sg.Model adds beside its module
 _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
@@ -46,6 +47,8 @@ def kind_of(name: str, obj: Any) -> str:
     """What a trackable is: module, optimizer, scheduler, tensor, int, dataset or stateful."""
     if isinstance(obj, bool):
         raise InvalidArgumentError(f"Checkpoint({name}=...) got a bool; track an int (0 or 1) instead")
+    if callable(getattr(obj, "checkpoint_parts", None)):   # an sg.Model: its module, optimizer, scaler
+        return "model"
     refusal = getattr(type(obj), "_sg_checkpoint_refusal", None)   # a type that says why it has no state
     if refusal:
         raise InvalidArgumentError(f"Checkpoint cannot track {name}, {refusal}")
@@ -98,6 +101,11 @@ class Checkpoint:
                     f"Checkpoint cannot track a name {name!r}: names start with a letter and use letters, "
                     f"digits and underscores (and 'manifest' is taken)")
             kinds[name] = kind_of(name, obj)
+        for name, obj in trackables.items():
+            clash = [f"{name}_{part}" for part in _MODEL_PARTS if kinds[name] == "model" and f"{name}_{part}" in kinds]
+            if clash:
+                raise InvalidArgumentError(f"Checkpoint tracks the sg.Model {name!r} as {name}, {name}_optimizer and "
+                                           f"{name}_loss_scaler; rename the other trackable {clash[0]!r}")
         object.__setattr__(self, "_objects", dict(trackables))
         object.__setattr__(self, "_kinds", kinds)
         object.__setattr__(self, "_scope_strategy", _context.get_strategy() if _context.has_strategy() else None)
@@ -121,6 +129,19 @@ class Checkpoint:
                                        f"{type(value).__name__}")
         self._objects[name] = value
 
+    def _tracked(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """What is saved, by name: the trackables, each ``sg.Model`` as its parts as they are now
+        (``model``: its module; ``model_optimizer``, ``model_loss_scaler`` once compiled)."""
+        objects, kinds = {}, {}
+        for name, obj in self._objects.items():
+            if self._kinds[name] != "model":
+                objects[name], kinds[name] = obj, self._kinds[name]
+                continue
+            for part, value in obj.checkpoint_parts().items():
+                key = name if part == "module" else f"{name}_{part}"
+                objects[key], kinds[key] = value, kind_of(key, value)
+        return objects, kinds
+
     @property
     def trackables(self) -> dict[str, Any]:
         """The tracked objects by name (a copy: change ints through attributes)."""
@@ -132,8 +153,10 @@ class Checkpoint:
     def strategy(self) -> Any:
         """Whose workers save together: that of a tracked scoped optimizer or distributed dataset,
         else the strategy whose scope was open when the checkpoint was made, else the current one."""
-        for obj in self._objects.values():
+        for obj in self._tracked()[0].values():
             placement = placement_of(obj) if isinstance(obj, torch.optim.Optimizer) else None
+            if isinstance(obj, nn.Module):   # a module made in a scope (no optimizer tracked beside it)
+                placement = module_placement(obj)
             if placement is not None:
                 return placement.strategy
             if isinstance(obj, (PositionedDataset, TrackedIterator)):
@@ -176,7 +199,8 @@ class Checkpoint:
                 f"Checkpoint.save(blocking=False) needs one worker, and this strategy has {savers.num_workers}: "
                 f"the workers must agree that a checkpoint is complete, which a thread cannot do beside the "
                 f"training steps' collectives; save with blocking=True")
-        positions = {name: obj.state_dict() for name, obj in self._objects.items() if self._kinds[name] == "dataset"}
+        objects, kinds = self._tracked()
+        positions = {name: obj.state_dict() for name, obj in objects.items() if kinds[name] == "dataset"}
         if topology.num_workers > 1:
             everyone = collective.all_gather_object(positions, "Checkpoint.save (dataset positions)")
             positions = {name: [worker[name] for worker in everyone] for name in positions}
@@ -184,12 +208,14 @@ class Checkpoint:
             positions = {name: [state] for name, state in positions.items()}
         outcome: tuple[str, str] | None = None
         failure = None
-        with strategy.placement.prepare_checkpoint(self._objects):   # every worker: state spread over them
+        with strategy.placement.prepare_checkpoint(objects):   # every worker: state spread over them
             if savers.worker_index == 0:
                 try:
-                    outcome = ("ok", str(self._write(Path(path), positions, strategy, blocking)))
+                    outcome = ("ok", str(self._write(Path(path), objects, kinds, positions, strategy, blocking)))
                 except Exception as err:   # told to every worker, then raised everywhere
                     outcome, failure = ("error", f"{type(err).__name__}: {err}"), err
+        if savers.worker_index != 0:   # nothing written here, but the directory a worker names exists
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
         if savers.num_workers > 1:
             outcome = savers.broadcast_object(outcome)
         if failure is not None:
@@ -207,24 +233,24 @@ class Checkpoint:
             object.__setattr__(self, "_staging", pending.values)
             pending.wait()
 
-    def _write(self, path: Path, positions: dict[str, list], strategy: Any, blocking: bool = True) -> Path:
+    def _write(self, path: Path, objects: dict[str, Any], kinds: dict[str, str], positions: dict[str, list],
+               strategy: Any, blocking: bool = True) -> Path:
         writer = DirectoryWriter(path) if blocking else BackgroundWriter(path, self._staging)
         if not blocking:
             object.__setattr__(self, "_pending", writer)
         try:
-            objects = {name: self._write_object(writer, name, obj, positions, strategy)
-                       for name, obj in self._objects.items()}
+            entries = {name: self._write_object(writer, name, obj, kinds[name], positions, strategy)
+                       for name, obj in objects.items()}
             info = {"strategy": type(strategy).__name__, "num_replicas_in_sync": strategy.num_replicas_in_sync,
                     "num_workers": strategy.topology.num_workers, "torch": torch.__version__,
                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            return writer.commit(objects, info)
+            return writer.commit(entries, info)
         except BaseException:
             writer.abort()
             raise
 
-    def _write_object(self, writer: DirectoryWriter, name: str, obj: Any, positions: dict[str, list],
+    def _write_object(self, writer: DirectoryWriter, name: str, obj: Any, kind: str, positions: dict[str, list],
                       strategy: Any) -> dict[str, Any]:
-        kind = self._kinds[name]
         entry: dict[str, Any] = {"kind": kind, "type": type(obj).__name__}
         if kind == "int":
             entry["value"] = int(obj)
@@ -279,15 +305,16 @@ class Checkpoint:
 
     def _read(self, reader: "CheckpointReader | ChiefCopy", topology: Any) -> dict[str, Any]:
         saved = reader.manifest["objects"]
-        missing = [name for name in self._objects if name not in saved]
+        objects, kinds = self._tracked()
+        missing = [name for name in objects if name not in saved]
         if missing:
             raise CheckpointError(
                 f"checkpoint {reader.path} holds no {', '.join(map(repr, missing))} (it holds "
                 f"{', '.join(map(repr, saved))}); track the same names as the job that saved it")
-        names = _parameter_names(self._objects, self._kinds)
+        names = _parameter_names(objects, kinds)
         loaded = {}
-        for name, obj in self._objects.items():
-            entry, kind = saved[name], self._kinds[name]
+        for name, obj in objects.items():
+            entry, kind = saved[name], kinds[name]
             if entry.get("kind") != kind:
                 raise CheckpointError(f"checkpoint {reader.path}: {name!r} was saved as a {entry.get('kind')}, "
                                       f"but here it is a {kind} ({type(obj).__name__})")
@@ -319,8 +346,9 @@ class Checkpoint:
 
     def _apply(self, loaded: dict[str, Any]) -> None:
         order = ("module", "tensor", "optimizer", "scheduler", "stateful", "int", "dataset")
-        for name in sorted(loaded, key=lambda n: order.index(self._kinds[n])):
-            kind, obj, value = self._kinds[name], self._objects[name], loaded[name]
+        objects, kinds = self._tracked()
+        for name in sorted(loaded, key=lambda n: order.index(kinds[n])):
+            kind, obj, value = kinds[name], objects[name], loaded[name]
             if isinstance(value, PlacedRestore):
                 value.apply()
             elif kind == "int":

@@ -99,6 +99,8 @@ class CheckpointManager:
             checkpoint_number = savers.broadcast_object(checkpoint_number)
         if self.checkpoint.is_writer:
             self.finished_mark.unlink(missing_ok=True)
+        else:   # the chief writes; the directory exists on every worker (a tutorial's temporary one too)
+            self.directory.mkdir(parents=True, exist_ok=True)
         path = self.checkpoint.save(self.directory / f"{self._name}-{checkpoint_number}")
         if self.checkpoint.is_writer:
             remove_stale_temporaries(self.directory, f"{self._name}-")

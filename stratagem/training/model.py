@@ -240,13 +240,22 @@ class Model:
         callback_list.call("on_train_end", logs)
         return history
 
+    def checkpoint_parts(self) -> dict[str, Any]:
+        """What ``sg.Checkpoint(model=model)`` saves of it: ``module``, and once compiled
+        ``optimizer`` (and ``loss_scaler`` under ``"mixed_float16"``)."""
+        parts: dict[str, Any] = {"module": self.module}
+        if self.optimizer is not None:
+            parts["optimizer"] = self.optimizer
+        if self.loss_scaler is not None:
+            parts["loss_scaler"] = self.loss_scaler
+        return parts
+
     def _restore_backup(self, callback_list: CallbackList, dataset: Any, initial_epoch: int) -> int:
         """A ``BackupAndRestore`` among the callbacks: restore model, optimizer and input position."""
         for callback in callback_list.callbacks:
             if isinstance(callback, BackupAndRestore):
-                state = {"model": self.module, "optimizer": self.optimizer}
-                if self.loss_scaler is not None:
-                    state["loss_scaler"] = self.loss_scaler
+                parts = self.checkpoint_parts()
+                state = {"model": parts.pop("module"), **parts}
                 if dataset is not None:
                     state["data"] = dataset
                 epoch, _ = callback.restore(Checkpoint(**state))
