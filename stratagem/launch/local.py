@@ -63,7 +63,7 @@ from typing import TextIO
 
 from stratagem.cluster import ClusterSpec
 from stratagem.cluster.joined import JOINED_VARIABLE, joined_tasks
-from stratagem.cluster.spec import validate_address
+from stratagem.cluster.spec import is_wildcard_host, validate_address
 from stratagem.cluster.torchrun import TORCHRUN_VARIABLES
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.launch.output import TaskOutput
@@ -161,7 +161,8 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     its task. ``server_command`` replaces ``stratagem server`` for the workers and
     parameter servers of parameter-server training.
 
-    Bad arguments (a missing script, no task to run, a busy port) raise
+    Bad arguments (a missing script, no task to run, a busy port, a wildcard ``host``
+    such as "0.0.0.0") raise
     :class:`~stratagem.errors.InvalidArgumentError` or
     :class:`~stratagem.errors.ClusterConfigError` before anything starts.
     """
@@ -193,6 +194,12 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     if not isinstance(host, str) or not host:
         raise InvalidArgumentError(f"--host must be a host name or IP address, got {host!r}.")
     validate_address(format_address(host, 1), where=f"--host {host!r}")
+    if is_wildcard_host(host):  # as a parameter server refuses it, for every kind of job
+        raise ClusterConfigError(
+            f"--host {host!r} means every interface: the tasks' sockets (gloo's, the rendezvous "
+            "store's, the servers') would accept connections from any host that reaches this "
+            "one. A local launch runs every task on this machine: keep the default loopback "
+            "address '127.0.0.1', or give one address of this machine.")
     if isinstance(grace_period, bool) or not isinstance(grace_period, (int, float)) \
             or not grace_period >= 0:
         raise InvalidArgumentError(
