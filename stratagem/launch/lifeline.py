@@ -13,9 +13,10 @@ groups writing one checkpoint directory. Two mechanisms close that gap:
   launcher's process group does not reach it. It reads a pipe whose other end only the
   launcher holds; the launcher writes each task's process group to it when the task starts
   and again when the group is gone. When the pipe reaches end-of-file, the launcher has
-  exited: whatever groups it has not said are gone get SIGTERM (a
-  :class:`~stratagem.PreemptionWatcher` saves, as when the launcher is stopped), up to the
-  grace period to exit, then SIGKILL, and the reaper exits. When the launcher ends
+  exited: whatever groups it has not said are gone get SIGTERM, up to the grace period to
+  exit, then SIGKILL, and the reaper exits. (The tasks' output went to the launcher: a task
+  that prints after its death gets a broken pipe. A job stopped with SIGTERM, not SIGKILL,
+  keeps its output and the tasks' chance to save.) When the launcher ends
   normally it has stopped and forgotten every group, and the reaper exits at once.
 - **A parent-death signal** (Linux, :func:`die_with_parent`). Each task is started with
   ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, so that the kernel sends the task itself SIGTERM
