@@ -40,7 +40,7 @@ __all__ = ["agree", "in_replica_context", "read_everywhere", "write_everywhere"]
 def write_everywhere(strategy: Any, filepath: Any, make_payload: Callable[[], Any], *, overwrite: bool,
                      what: str) -> None:
     """``torch.save(make_payload(), filepath)`` by the workers that write (module docstring)."""
-    path = Path(os.fspath(filepath)).absolute()
+    path = Path(os.path.abspath(os.fspath(filepath)))
     workers = strategy.checkpoint_collective
     refusal = None
     if path.is_dir():
