@@ -155,7 +155,7 @@ class ModelIO:
             model = sg.Model(torch.nn.Linear(3, 2))
             weight, bias = model.get_weights()
             model.set_weights([weight * 0, bias])
-            assert float(model.module.weight.abs().sum()) == 0.0
+            assert float(model.module.weight.detach().abs().sum()) == 0.0
         """
         state = architecture.logical_module(self.module).state_dict()
         arrays = []

@@ -195,6 +195,22 @@ def test_central_storage_and_include_optimizer_false(tmp_path: Path) -> None:
     train(loaded, seed=2, epochs=1)
 
 
+def test_mixed_precision_policy_and_loss_scale_come_back(tmp_path: Path) -> None:
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = sg.Model(torch.nn.Sequential(torch.nn.Linear(FEATURES, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)))
+        model.compile("adam", loss=sg.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      mixed_precision="mixed_float16")
+    x, y, _ = data(rows=100)
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    model.loss_scaler.update(1024.0)   # a scale of its own, to see it restored
+    model.save(tmp_path / "model.pt")
+    with strategy.scope():
+        loaded = sg.models.load_model(tmp_path / "model.pt")
+    assert loaded.dtype_policy.name == "mixed_float16" and loaded.loss_scaler.get_scale() == 1024.0
+    loaded.fit(x, y, batch_size=10, epochs=1, verbose=0)
+
+
 def test_overwrite_false_refuses_an_existing_file(tmp_path: Path) -> None:
     model = build(sg.get_strategy())
     path = tmp_path / "model.pt"
