@@ -11,7 +11,8 @@ Writing (:func:`write_everywhere`), every worker calls it with its own path:
    multi-worker tutorials save each non-chief worker's copy to a temporary directory and
    delete it), a worker given the chief's path writes nothing. Each write is atomic: a
    temporary file in the same directory (created if missing), fsynced, renamed over the
-   path, the directory fsynced -- a crash leaves the old file or the new one, never half;
+   path, the directory fsynced -- a crash leaves the old file or the new one, never half (and
+   the next write to the path removes the temporary file a killed writer left);
 4. the workers gather the outcomes: when ``save`` returns on any worker, every file is
    complete -- or every worker raises, naming the worker that failed.
 
@@ -22,6 +23,7 @@ compare the files' sha256. The chief's file is the truth: a worker that sees non
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import secrets
@@ -56,27 +58,20 @@ def write_everywhere(strategy: Any, filepath: Any, make_payload: Callable[[], An
     if refused:
         raise InvalidArgumentError(f"{what}: " + "; ".join(
             problem if len(everyone) == 1 else f"worker {index}: {problem}" for index, problem in refused))
-    payload = make_payload()
-    failure: BaseException | None = None
-    outcome = None
-    if workers.worker_index in writers:
-        try:
+    error: BaseException | None = None
+    try:
+        payload = make_payload()   # every worker: it may be a collective
+        if workers.worker_index in writers:
             _atomic_save(path, payload)
-        except Exception as err:   # told to every worker, then raised everywhere
-            failure, outcome = err, f"{type(err).__name__}: {err}"
-    outcomes = [outcome]
-    if workers.num_workers > 1:
-        outcomes = workers.all_gather_object(outcome, f"{what} (written)")
-    if failure is not None:
-        raise failure
-    failed = [(index, problem) for index, problem in enumerate(outcomes) if problem is not None]
-    if failed:
-        raise CheckpointError(f"{what}: " + "; ".join(f"worker {index} could not write {everyone[index][0]}: {problem}"
-                                                      for index, problem in failed))
+    except Exception as err:   # told to every worker, then raised everywhere
+        error = err
+    agree(strategy, error, what)
 
 
 def _atomic_save(path: Path, payload: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):   # a writer killed mid-write left it
+        stale.unlink(missing_ok=True)
     temporary = path.parent / f".{path.name}.tmp-{secrets.token_hex(4)}"
     try:
         with open(temporary, "wb", buffering=1 << 20) as f:

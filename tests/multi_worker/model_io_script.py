@@ -3,12 +3,16 @@ load_weights and learning_rate, TensorFlow's multi-worker tutorial flow included
 
 Run by tests/multi_worker/test_model_io.py as `python model_io_script.py OUT [--sharding optimizer]` in
 each task of a local cluster. Writes OUT/worker<i>.pt with what it saw; the test loads OUT/model.pt.
+With `--absent --timeout S`: worker 1 never calls save, and worker 0's save must raise
+UnavailableError within about S seconds, writing nothing (OUT/absent.json says what it saw).
 """
 
 import argparse
+import json
 import os
 import shutil
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -68,13 +72,40 @@ def write_filepath(filepath, task_type, task_id):
     return os.path.join(dirpath, base)
 
 
+def absent(out: str, timeout: float) -> None:
+    """Worker 1 does not call save: worker 0's save raises within the timeout; both then leave."""
+    options = sg.CommunicationOptions(timeout_seconds=timeout)
+    strategy = sg.MultiWorkerMirroredStrategy(communication_options=options)
+    model = build(strategy)
+    done = os.path.join(out, "absent-done")
+    if strategy.topology.worker_index == 0:
+        started, error = time.monotonic(), None
+        try:
+            model.save(os.path.join(out, "absent.pt"))
+        except sg.errors.UnavailableError as failure:
+            error = str(failure)
+        with open(os.path.join(out, "absent.json"), "w") as f:
+            json.dump({"error": error, "seconds": time.monotonic() - started}, f)
+        open(done, "w").close()
+    else:
+        print("not saving", flush=True)
+        deadline = time.monotonic() + 200
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    os._exit(0)   # the process group is broken: leave without its teardown
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--sharding", default=None)
+    parser.add_argument("--absent", action="store_true")
+    parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = args.out
+    if args.absent:
+        return absent(out, args.timeout)
     strategy = sg.MultiWorkerMirroredStrategy(sharding=args.sharding)
     index = strategy.topology.worker_index
     report = {"module_file": sg.__file__}

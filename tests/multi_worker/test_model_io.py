@@ -4,6 +4,7 @@ temporary-directory pattern works; resuming, save_weights / load_weights and lea
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -66,6 +67,16 @@ def test_two_workers_save_one_copy_that_loads_under_mirrored(tmp_path: Path, sha
     assert torch.equal(loaded.predict(x, batch_size=100), expected)   # float64, bit for bit, on both replicas
     torch.testing.assert_close(chief["predict_after_load_weights"], _forward(chief["uninterrupted"], x),
                                rtol=1e-12, atol=1e-12)
+
+
+def test_a_worker_that_does_not_save_fails_the_save_in_bounded_time(tmp_path: Path) -> None:
+    results = run_local_cluster(SCRIPT, 2, args=[str(tmp_path), "--absent", "--timeout", "10"], timeout=200)
+    for r in results:
+        assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
+    seen = json.loads((tmp_path / "absent.json").read_text())
+    assert seen["error"] is not None and "model.save" in seen["error"], seen
+    assert seen["seconds"] < 90, seen   # the 10 s timeout, not gloo's 30 minutes
+    assert not (tmp_path / "absent.pt").exists() and not list(tmp_path.glob(".absent.pt.tmp-*"))
 
 
 def _forward(state: dict, x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 
 import stratagem as sg
 from stratagem.errors import CheckpointError, ContextError, InvalidArgumentError
+from stratagem.testing import run_local_cluster
 
 from .common import CLASSES, FEATURES, data
 
@@ -228,6 +229,18 @@ def test_overwrite_false_refuses_an_existing_file(tmp_path: Path) -> None:
         model.save(tmp_path)
     model.save(tmp_path / "new" / "dir" / "model.pt")   # missing directories are created
     assert (tmp_path / "new" / "dir" / "model.pt").is_file()
+
+
+def test_a_writer_killed_mid_save_leaves_the_previous_file(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    [result] = run_local_cluster(Path(__file__).parent / "save_loop_script.py", 1, args=[str(path)],
+                                 kill_after={"worker 0": "saved 2"}, timeout=100)
+    assert result.returncode == -9, result.output   # SIGKILLed, most often in the middle of a save
+    loaded = sg.models.load_model(path)
+    versions = {float(v) for p in loaded.module.parameters() for v in p.detach().unique()}
+    assert len(versions) == 1 and min(versions) >= 2, versions   # one whole version, never a mix
+    loaded.save(path)   # the next save removes what the killed one left
+    assert sorted(os.listdir(tmp_path)) == ["model.pt"]
 
 
 def test_saving_refuses_what_cannot_be_stored_by_name(tmp_path: Path) -> None:
