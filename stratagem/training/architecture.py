@@ -226,7 +226,7 @@ def _admitted(module: str, name: str, path: str) -> Any:
     qualified = f"{module}.{name}"
     fix = (f"If you trust this file, load it with sg.models.load_model(path, safe_mode=False); if the name is "
            f"your own, pass custom_objects={{{name.rpartition('.')[2]!r}: <the object>}}")
-    torch_or_ours = module == "torch" or module.startswith(("torch.", "stratagem."))
+    torch_or_ours = (module == "torch" or module.startswith(("torch.", "stratagem."))) and "__main__" not in module
     try:
         obj = _lookup(module, name, allow_import=torch_or_ours)
     except ImportError:
@@ -242,8 +242,9 @@ def _admitted(module: str, name: str, path: str) -> Any:
     if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) or \
             any(obj is value for value in _ADMITTED_VALUES):
         return obj
-    if module in _FUNCTION_MODULES and not name.startswith("_") and (inspect.isfunction(obj) or inspect.isbuiltin(obj)):
-        return obj
+    if module in _FUNCTION_MODULES and "." not in name and not name.startswith("_") and \
+            getattr(obj, "__module__", None) in _FUNCTION_MODULES and (inspect.isfunction(obj) or inspect.isbuiltin(obj)):
+        return obj   # a function defined there (not one reached through it: F.torch.load)
     raise InvalidArgumentError(
         f"load_model(safe_mode=True) refused to load {path}: it names {qualified}, which is not a torch.nn.Module, "
         f"optimizer, loss or metric class nor a torch.nn.functional function (a file naming any other global "

@@ -278,31 +278,41 @@ def test_a_metric_stored_by_name_only_needs_custom_objects(tmp_path: Path) -> No
 # ---------------------------------------------------------------------- safe_mode
 
 
-class _Planted:
-    def __init__(self, call, *args):
-        self.call, self.args = call, args
-
-    def __reduce__(self):
-        return (self.call, self.args)
+def planted_call(module: str, name: str, argument: str) -> bytes:
+    """A pickle that calls ``module.name(argument)`` when loaded (what a malicious file holds)."""
+    text = lambda value: b"\x8c" + bytes([len(value)]) + value.encode()   # noqa: E731 (SHORT_BINUNICODE)
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(argument) + b"\x85R."   # STACK_GLOBAL, REDUCE
 
 
-@pytest.mark.parametrize("where", ["architecture", "loss", "optimizer class"])
-def test_safe_mode_refuses_a_planted_global(tmp_path: Path, where: str) -> None:
+PLANTED = {"os.system": ("posix", "system"), "eval": ("builtins", "eval"),
+           "torch.load through F": ("torch.nn.functional", "torch.load"), "marshal": ("marshal", "loads")}
+
+
+@pytest.mark.parametrize("where", ["architecture", "loss", "optimizer class", "metric"])
+@pytest.mark.parametrize("planted", sorted(PLANTED))
+def test_safe_mode_refuses_a_planted_global(tmp_path: Path, where: str, planted: str) -> None:
     marker = tmp_path / "ran"
     model = build(sg.get_strategy())
     model.save(tmp_path / "model.pt")
     content = torch.load(tmp_path / "model.pt", weights_only=True)
-    planted = pickle.dumps(_Planted(os.system, f"touch {marker}"), protocol=4)
+    module, name = PLANTED[planted]
+    data = planted_call(module, name, f"touch {marker}" if name == "system" else str(tmp_path / "model.pt"))
+    if name == "system":   # the pickle really runs it when nothing stops it
+        pickle.loads(data)
+        assert marker.exists()
+        marker.unlink()
     if where == "architecture":
-        content["architecture"] = planted
+        content["architecture"] = data
     elif where == "loss":
-        content["compile"]["loss"] = {"pickle": planted}
+        content["compile"]["loss"] = {"pickle": data}
+    elif where == "metric":
+        content["compile"]["metrics"][0] = {"pickle": data}
     else:
-        content["compile"]["optimizer"]["class"] = pickle.dumps(_Planted(eval, "print('ran')"), protocol=4)
+        content["compile"]["optimizer"]["class"] = data
     torch.save(content, tmp_path / "planted.pt")
     torch.load(tmp_path / "planted.pt", weights_only=True)   # the outer file stays weights-only
-    with pytest.raises(InvalidArgumentError, match=r"refused to load .*planted\.pt: it names (posix\.system|"
-                                                   r"builtins\.eval).*safe_mode=False"):
+    with pytest.raises(InvalidArgumentError, match=rf"refused to load .*planted\.pt: it names {module}\.{name}, "
+                                                   rf".*safe_mode=False"):
         sg.models.load_model(tmp_path / "planted.pt")
     assert not marker.exists()
 
