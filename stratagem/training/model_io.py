@@ -37,7 +37,8 @@ class ModelIO:
 
     # ----------------------------------------------------------------- files
 
-    def save(self, filepath: "str | os.PathLike", overwrite: bool = True, include_optimizer: bool = True) -> None:
+    def save(self, filepath: "str | os.PathLike", overwrite: bool = True, include_optimizer: bool = True,
+             **keras_options: Any) -> None:
         """Save the model to one file: architecture, weights, optimizer state and compile state.
 
         ``sg.models.load_model(filepath)`` rebuilds it under the strategy active there (any
@@ -63,13 +64,14 @@ class ModelIO:
             plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
             plain.load_state_dict(torch.load(path, weights_only=True)["state_dict"])
         """
+        _refuse("save", keras_options)
         self._outside_run("save")
         module = architecture.logical_module(self.module)
         write_everywhere(self.strategy, filepath,
                          lambda: model_file.model_payload(self, module, include_optimizer=bool(include_optimizer)),
                          overwrite=overwrite, what="model.save")
 
-    def save_weights(self, filepath: "str | os.PathLike", overwrite: bool = True) -> None:
+    def save_weights(self, filepath: "str | os.PathLike", overwrite: bool = True, **keras_options: Any) -> None:
         """Save the module's weights: its state_dict, one logical copy, as ``torch.save`` writes it
         (``plain_module.load_state_dict(torch.load(filepath, weights_only=True))``). Every worker
         calls it; the chief writes.
@@ -84,15 +86,17 @@ class ModelIO:
             other.load_weights(path)
             assert torch.equal(other.module.weight, model.module.weight)
         """
+        _refuse("save_weights", keras_options)
         self._outside_run("save_weights")
         module = architecture.logical_module(self.module)
         write_everywhere(self.strategy, filepath, lambda: model_file.weights_payload(module), overwrite=overwrite,
                          what="model.save_weights")
 
-    def load_weights(self, filepath: "str | os.PathLike") -> None:
+    def load_weights(self, filepath: "str | os.PathLike", **keras_options: Any) -> None:
         """Load weights saved by ``save_weights`` or ``save`` (or a ``torch.save``-d state_dict)
         into every replica and worker. Names and shapes are checked first (on every worker);
         nothing changes unless all match."""
+        _refuse("load_weights", keras_options)
         self._outside_run("load_weights")
         module = architecture.logical_module(self.module)
         path = str(filepath)
@@ -221,6 +225,15 @@ class ModelIO:
                                   positions=positions, expand_nested=expand_nested, show_trainable=show_trainable,
                                   layer_range=layer_range):
             (print_fn or print)(line)
+
+
+def _refuse(method: str, options: dict[str, Any]) -> None:
+    """Keras options with no meaning here (``save_format``, ``skip_mismatch``, ...): an error, never ignored."""
+    if options:
+        raise InvalidArgumentError(
+            f"model.{method} got {', '.join(sorted(options))}, which stratagem does not take: it writes and reads "
+            f"one file that torch.load reads (no save formats or options), and loads weights only when every "
+            f"name and shape matches; remove {', '.join(f'{name}=' for name in sorted(options))}")
 
 
 def _check_matches(module: nn.Module, state: dict[str, torch.Tensor], path: str) -> None:

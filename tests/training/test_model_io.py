@@ -225,6 +225,10 @@ def test_overwrite_false_refuses_an_existing_file(tmp_path: Path) -> None:
     assert path.read_bytes() == before
     model.save(path)   # overwrite=True (the default) replaces it atomically
     assert path.read_bytes() != before and sorted(os.listdir(tmp_path)) == ["model.pt"]
+    with pytest.raises(InvalidArgumentError, match="got save_format, which stratagem does not take.*remove save_format="):
+        model.save(path, save_format="tf")
+    with pytest.raises(InvalidArgumentError, match="remove skip_mismatch="):
+        model.load_weights(path, skip_mismatch=True)
     with pytest.raises(InvalidArgumentError, match="is a directory"):
         model.save(tmp_path)
     model.save(tmp_path / "new" / "dir" / "model.pt")   # missing directories are created
