@@ -113,11 +113,15 @@ def test_saved_under_mirrored_loads_under_one_device_and_in_plain_pytorch(tmp_pa
     assert logs == pytest.approx(model.evaluate(*arrays(), batch_size=20, verbose=0, return_dict=True), rel=1e-12)
 
 
-def test_the_stored_module_is_the_clean_logical_one(tmp_path: Path) -> None:
-    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+@pytest.mark.parametrize("make", [lambda: sg.MirroredStrategy(["cpu:0", "cpu:1"]),
+                                  lambda: sg.CentralStorageStrategy(["cpu:0", "cpu:1"])], ids=["mirrored", "central"])
+def test_the_stored_module_is_the_clean_logical_one(tmp_path: Path, make) -> None:
+    strategy = make()
     model = build(strategy)
     train(model, seed=1, epochs=1)
     model.save(tmp_path / "model.pt")
+    architecture = torch.load(tmp_path / "model.pt", weights_only=True)["architecture"]
+    assert b"stratagem" not in architecture and b"Mirrored" not in architecture   # no class or hook of ours
     loaded = sg.models.load_model(tmp_path / "model.pt", compile=False)   # the default strategy: plain module
     assert loaded.optimizer is None
     for module in loaded.module.modules():   # plain dicts, no hooks of a strategy

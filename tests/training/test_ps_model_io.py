@@ -33,6 +33,7 @@ def test_save_and_load_model_under_parameter_servers(tmp_path: Path) -> None:
             assert torch.equal(loaded["state"][index][key], value), (index, key)
     assert report["loaded_changed"] and len(report["loaded_trained"]) == 1   # and it trains there
 
+    assert b"stratagem" not in torch.load(tmp_path / "model.pt", weights_only=True)["architecture"]   # no ps hooks
     model = sg.models.load_model(tmp_path / "model.pt")   # here: the default strategy
     for name, value in model.module.state_dict().items():
         assert torch.equal(value, report["saved"][name]), name
