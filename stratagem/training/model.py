@@ -29,11 +29,13 @@ from stratagem import metrics as metrics_module
 from stratagem.callbacks import BackupAndRestore
 from stratagem.errors import InvalidArgumentError, StratagemError
 from stratagem.mixed_precision import Policy, as_policy, global_policy
+from stratagem.placement.learning_rate import with_learning_rate
 from stratagem.training import losses as losses_module
 from stratagem.training.callback_list import CallbackList, History
 from stratagem.training.checkpoint import Checkpoint
 from stratagem.training.epochs import EpochBatches, ReplicatedEpochs, global_rows, length, step_logs
 from stratagem.training.inputs import as_batches, split_validation
+from stratagem.training.model_io import ModelIO
 from stratagem.training.progress import ProgressLogger
 from stratagem.training.steps import StepPrecision
 from stratagem.values import flatten, map_structure, pack_as, select_replica
@@ -53,14 +55,15 @@ class NotCompiledError(StratagemError, RuntimeError):
     """``fit`` or ``evaluate`` was called before ``compile``."""
 
 
-class Model:
+class Model(ModelIO):
     """A module with Keras's training API, distributed by a strategy.
 
     ``strategy`` defaults to the strategy whose scope is active when the ``Model`` is
     created (the default strategy outside every scope); the module must have been created
     in that strategy's scope. Callbacks may read and set ``model.stop_training`` and read
     ``optimizer``, ``module``, ``strategy``, ``history``, ``loss``, ``metrics``,
-    ``dtype_policy`` and ``loss_scaler``.
+    ``dtype_policy`` and ``loss_scaler``. Saving and inspecting (``save``, ``save_weights``,
+    ``load_weights``, ``summary``, ``weights``, ``get_weights``, ...): :class:`ModelIO`.
 
     Example::
 
@@ -154,7 +157,7 @@ class Model:
             compiled_metrics = [metrics_module.get(m, loss=loss) for m in (metrics or [])]
             loss_tracker = metrics_module.Mean(name="loss")
             scaler = torch.amp.GradScaler(device_type) if policy.loss_scaling else None
-            self.optimizer = self._make_optimizer(optimizer)
+            self.optimizer = with_learning_rate(self._make_optimizer(optimizer))   # Keras's learning_rate
         self.dtype_policy, self.loss_scaler = policy, scaler
         self._precision = StepPrecision(policy, device_type, scaler, jit_compile)
         self.steps_per_execution = steps_per_execution
