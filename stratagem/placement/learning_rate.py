@@ -21,7 +21,6 @@ An optimizer whose class or instance has an attribute of that name already keeps
 
 from __future__ import annotations
 
-import copyreg
 import math
 from typing import Any
 
@@ -145,7 +144,7 @@ def with_learning_rate(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
     keras_cls = _PLAIN.get(cls)
     if keras_cls is None:
         def __reduce_ex__(self: Any, protocol: int) -> Any:
-            return (copyreg.__newobj__, (cls,), self.__getstate__())
+            return (_as_plain, (cls, self.__getstate__()))
 
         keras_cls = type(cls.__name__, (cls,), {
             **rate_attributes(cls), "__reduce_ex__": __reduce_ex__, "_sg_plain_class": cls,
@@ -153,6 +152,13 @@ def with_learning_rate(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
         keras_cls.__qualname__ = cls.__qualname__
         _PLAIN[cls] = keras_cls
     optimizer.__class__ = keras_cls
+    return optimizer
+
+
+def _as_plain(cls: type, state: dict) -> torch.optim.Optimizer:
+    """An optimizer of the user's own class ``cls`` with ``state`` (how the rate's subclass pickles)."""
+    optimizer = cls.__new__(cls)
+    optimizer.__setstate__(state)
     return optimizer
 
 
