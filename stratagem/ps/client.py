@@ -12,8 +12,10 @@ Example::
     >>> import torch
     >>> from stratagem.ps import ParameterServer, ParameterServerClient
     >>> from stratagem.rpc import RpcServer
-    >>> server = RpcServer("127.0.0.1:0", ParameterServer(name="ps 0").handlers(), "token").start()
-    >>> client = ParameterServerClient(server.address, "token", task="ps 0")
+    >>> import secrets
+    >>> token = secrets.token_urlsafe(32)
+    >>> server = RpcServer("127.0.0.1:0", ParameterServer(name="ps 0").handlers(), token).start()
+    >>> client = ParameterServerClient(server.address, token, task="ps 0")
     >>> client.call("create", var_id="dense/kernel", value=torch.zeros(2, 2),
     ...             optimizer_spec=(torch.optim.SGD, {"lr": 0.5}))
     >>> client.call("push", grads={"dense/kernel": torch.ones(2, 2)})

@@ -24,8 +24,10 @@ Example::
 
     >>> import torch
     >>> from stratagem.rpc import RpcClient, RpcServer
-    >>> server = RpcServer("127.0.0.1:0", {"double": lambda t: 2 * t}, "token").start()
-    >>> client = RpcClient(server.address, "token", task="demo")
+    >>> import secrets
+    >>> token = secrets.token_urlsafe(32)   # the same in every task: STRATAGEM_CLUSTER_TOKEN
+    >>> server = RpcServer("127.0.0.1:0", {"double": lambda t: 2 * t}, token).start()
+    >>> client = RpcClient(server.address, token, task="demo")
     >>> client.call("double", torch.ones(2))
     tensor([2., 2.])
     >>> client.close(); server.stop()

@@ -1,9 +1,9 @@
 """Proof of the cluster token on every message, checked before a request's body is read.
 
 Cluster processes accept work only from members of their own cluster, which
-share a secret, ``STRATAGEM_CLUSTER_TOKEN`` (the launcher makes one per job; one read from
-the environment must be random and at least 32 characters long, see
-:func:`check_token_strength`). The token itself never travels. Every request carries, in
+share a secret, ``STRATAGEM_CLUSTER_TOKEN`` (the launcher makes one per job; every token,
+from the environment or given to a server or client, must be random: at least 96 bits by
+the estimate of :mod:`stratagem.rpc.tokens`). The token itself never travels. Every request carries, in
 gRPC metadata:
 
 - ``sg-ts``: the sender's wall-clock time in milliseconds;
@@ -60,7 +60,8 @@ travel in clear (plain HTTP/2). Run clusters on a private network.
 Example::
 
     >>> from stratagem.rpc.auth import Authenticator
-    >>> sender, receiver = Authenticator("s3cret"), Authenticator("s3cret")
+    >>> token = "3d5b0f7e9a1c4d2b8e6f0a3c5d7b9e1f"   # secrets.token_hex(16), say
+    >>> sender, receiver = Authenticator(token), Authenticator(token)
     >>> metadata = dict(sender.sign_request("pull", b"body", to="ps 0", incarnation="1a2b"))
     >>> receiver.verify_header("pull", metadata, to="ps 1", incarnation="1a2b")
     Traceback (most recent call last):
@@ -90,8 +91,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.rpc.errors import AuthenticationError, WrongServerError
+from stratagem.rpc.tokens import MAKE_TOKEN, MIN_TOKEN_BITS, check_token_strength
 
-__all__ = ["Authenticator", "MIN_TOKEN_CHARS", "RequestHeader", "TOKEN_VARIABLE",
+__all__ = ["Authenticator", "MIN_TOKEN_BITS", "RequestHeader", "TOKEN_VARIABLE",
            "check_token_strength", "cluster_token"]
 
 TOKEN_VARIABLE = "STRATAGEM_CLUSTER_TOKEN"
@@ -104,16 +106,12 @@ _TAG_HEX = 32        # the 128-bit GMAC tag
 _REQUEST, _REPLY = b"request", b"reply"
 
 
-MIN_TOKEN_CHARS = 32        # 128 bits as hex, the launcher's kind (it makes 64 hex digits)
-MIN_TOKEN_DISTINCT = 8      # a long run of a few characters ("aaaa...") is not a secret
-_MAKE_TOKEN = "python -c \"import secrets; print(secrets.token_hex(32))\""
-
-
 def cluster_token(environ: Mapping[str, str] | None = None) -> str:
     """The cluster token from ``STRATAGEM_CLUSTER_TOKEN``; a clear error when it is unset or weak.
 
     Every task reads the token here (the coordinator's strategy, ``stratagem server``, the
-    workers), so a weak token stops the task at start-up; see :func:`check_token_strength`.
+    workers), so a weak token stops the task at start-up; see
+    :func:`~stratagem.rpc.tokens.check_token_strength`.
     """
     env = os.environ if environ is None else environ
     token = env.get(TOKEN_VARIABLE, "")
@@ -122,32 +120,10 @@ def cluster_token(environ: Mapping[str, str] | None = None) -> str:
             f"{TOKEN_VARIABLE} is not set: every task of a cluster must be given the same "
             "secret token, which proves to the others that it belongs to the cluster. "
             "`stratagem launch` sets it for local clusters; on a real cluster create one "
-            f"with `{_MAKE_TOKEN}` and put it in the environment of every task "
+            f"with `{MAKE_TOKEN}` and put it in the environment of every task "
             "(coordinator, workers, parameter servers).")
-    check_token_strength(token)
+    check_token_strength(token, source=TOKEN_VARIABLE)
     return token
-
-
-def check_token_strength(token: str) -> None:
-    """Raises ClusterConfigError unless ``token`` is strong enough to keep others out.
-
-    Anyone who guesses the token can run code on every task of the cluster, so it must be
-    random: at least ``MIN_TOKEN_CHARS`` characters (128 bits as hex digits) with at least
-    ``MIN_TOKEN_DISTINCT`` different ones. A random token passes (the chance that 32 random
-    hex digits have fewer than 8 different ones is below 1e-7); "secret" or "aaaa..." does
-    not. The message gives the token's length, never the token.
-    """
-    distinct = len(set(token))
-    if len(token) >= MIN_TOKEN_CHARS and distinct >= MIN_TOKEN_DISTINCT:
-        return
-    what = (f"{len(token)} character{'s' * (len(token) != 1)}" if len(token) < MIN_TOKEN_CHARS
-            else f"only {distinct} different character{'s' * (distinct != 1)}")
-    raise ClusterConfigError(
-        f"{TOKEN_VARIABLE} is too weak: it has {what}, and a cluster token needs at least "
-        f"{MIN_TOKEN_CHARS} characters with at least {MIN_TOKEN_DISTINCT} different ones "
-        "(128 random bits), because whoever guesses it can run code on every task. Make a "
-        f"random one with `{_MAKE_TOKEN}` and give the same one to every task "
-        "(`stratagem launch` makes one per job).")
 
 
 def _field(value: str) -> bytes:
@@ -210,14 +186,18 @@ class RequestHeader:
 class Authenticator:
     """Signs and checks messages with the cluster token (GMAC over bodies, HMAC-SHA256 over the rest).
 
-    One per server or client; thread-safe. The token must be the same in every task.
+    One per server or client; thread-safe. The token must be the same in every task, and
+    random: a weak one (see :func:`~stratagem.rpc.tokens.check_token_strength`) is refused
+    with ClusterConfigError, so every :class:`~stratagem.rpc.server.RpcServer` and
+    :class:`~stratagem.rpc.client.RpcClient` applies the same rule as the environment's token.
     """
 
     def __init__(self, token: str, *, max_skew_s: float = DEFAULT_MAX_SKEW_S) -> None:
-        if not isinstance(token, str) or not token:
+        if not isinstance(token, str):
             raise InvalidArgumentError(
-                f"the cluster token must be a non-empty string, got {type(token).__name__}; "
+                f"the cluster token must be a string, got {type(token).__name__}; "
                 f"use stratagem.rpc.cluster_token() to read {TOKEN_VARIABLE}.")
+        check_token_strength(token, source="the cluster token given to this server or client")
         if not max_skew_s > 0:
             raise InvalidArgumentError(f"max_skew_s must be > 0 seconds, got {max_skew_s!r}.")
         secret = token.encode("utf-8")

@@ -42,6 +42,7 @@ from stratagem.errors import ClusterConfigError, InvalidArgumentError, Unavailab
 from stratagem.rpc.auth import DEFAULT_MAX_SKEW_S, Authenticator
 from stratagem.rpc.codec import Pickler, decode, encode
 from stratagem.rpc.errors import AuthenticationError, MessageTooLargeError, RemoteError, RpcError
+from stratagem.rpc.tokens import check_token_strength
 from stratagem.rpc.transport import (DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HELLO_METHOD,
                                      REPLY_OK, SERVICE, check_max_bytes, size_options)
 
@@ -108,7 +109,9 @@ class RpcClient:
     a deadline: its ``timeout`` or ``default_timeout`` seconds. Thread-safe: threads may
     share one client (calls are multiplexed over one HTTP/2 connection). Requests are
     pickled by ``pickler`` (a :class:`~stratagem.rpc.codec.Pickler` subclass may send some
-    objects by reference).
+    objects by reference). ``token`` must be random (the rule of
+    :func:`~stratagem.rpc.tokens.check_token_strength`, as for ``STRATAGEM_CLUSTER_TOKEN``):
+    a weak one raises ClusterConfigError.
     """
 
     def __init__(self, address: str, token: str, *, task: str | None = None,
@@ -124,6 +127,8 @@ class RpcClient:
         self._bind_lock = threading.Lock()
         self.default_timeout = _check_timeout(default_timeout, "default_timeout")
         self._max_bytes = check_max_bytes(max_message_bytes)
+        if isinstance(token, str):   # (a token of another type: Authenticator says so)
+            check_token_strength(token, source=f"the token given to RpcClient({address!r})")
         self._auth = Authenticator(token, max_skew_s=max_skew_s)
         self._channel = grpc.insecure_channel(address, options=size_options(self._max_bytes) + [
             ("grpc.initial_reconnect_backoff_ms", 100),
