@@ -109,8 +109,9 @@ def call_each(calls: Sequence[tuple[ParameterServerClient, str, Mapping[str, Any
         >>> import torch
         >>> from stratagem.ps import ParameterServer, ParameterServerClient, call_each
         >>> from stratagem.rpc import RpcServer
-        >>> servers = [RpcServer("127.0.0.1:0", ParameterServer().handlers(), "t").start() for _ in range(2)]
-        >>> clients = [ParameterServerClient(s.address, "t", task=f"ps {i}") for i, s in enumerate(servers)]
+        >>> import secrets; token = secrets.token_urlsafe(32)
+        >>> servers = [RpcServer("127.0.0.1:0", ParameterServer().handlers(), token).start() for _ in range(2)]
+        >>> clients = [ParameterServerClient(s.address, token, task=f"ps {i}") for i, s in enumerate(servers)]
         >>> call_each([(c, "create", {"var_id": "v", "value": torch.full((2,), float(i))})
         ...            for i, c in enumerate(clients)])
         [None, None]

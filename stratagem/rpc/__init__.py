@@ -35,7 +35,7 @@ Example::
 
 from stratagem.rpc.auth import TOKEN_VARIABLE, Authenticator, cluster_token
 from stratagem.rpc.codec import decode, encode
-from stratagem.rpc.errors import (AuthenticationError, CodecError, MessageTooLargeError,
+from stratagem.rpc.errors import (AuthenticationError, ClockSkewError, CodecError, MessageTooLargeError,
                                   RemoteError, RpcError)
 from stratagem.rpc.client import RpcClient
 from stratagem.rpc.server import Handler, RpcServer
@@ -43,6 +43,6 @@ from stratagem.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "TOKEN_VARIABLE", "AuthenticationError", "Authenticator",
-    "CodecError", "Handler", "MessageTooLargeError", "RemoteError", "RpcClient", "RpcError",
+    "ClockSkewError", "CodecError", "Handler", "MessageTooLargeError", "RemoteError", "RpcClient", "RpcError",
     "RpcServer", "cluster_token", "decode", "encode",
 ]

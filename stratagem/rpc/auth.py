@@ -31,7 +31,9 @@ reads a byte of the body (:meth:`Authenticator.verify_header`):
 
 1. every field is present and well formed;
 2. the timestamp is within ``max_skew_s`` (default 5 minutes) of the server's clock --
-   cluster hosts need roughly synchronised clocks;
+   cluster hosts need roughly synchronised clocks; a request outside is refused with
+   :class:`~stratagem.rpc.errors.ClockSkewError`, whose message opens with the two clocks
+   (the server also sends its time, ``sg-clock``, so that the client's error can say it);
 3. ``sg-mac`` matches (compared in constant time): the fields come from a token holder;
 4. ``sg-to`` is this server's name: a request captured on its way to another server of the
    cluster is refused;
@@ -90,7 +92,7 @@ from dataclasses import dataclass
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
-from stratagem.rpc.errors import AuthenticationError, WrongServerError
+from stratagem.rpc.errors import AuthenticationError, ClockSkewError, WrongServerError
 from stratagem.rpc.tokens import MAKE_TOKEN, MIN_TOKEN_BITS, check_token_strength
 
 __all__ = ["Authenticator", "MIN_TOKEN_BITS", "RequestHeader", "TOKEN_VARIABLE",
@@ -98,6 +100,7 @@ __all__ = ["Authenticator", "MIN_TOKEN_BITS", "RequestHeader", "TOKEN_VARIABLE",
 
 TOKEN_VARIABLE = "STRATAGEM_CLUSTER_TOKEN"
 TIMESTAMP_KEY, NONCE_KEY, MAC_KEY, IV_KEY = "sg-ts", "sg-nonce", "sg-mac", "sg-iv"
+CLOCK_KEY = "sg-clock"   # a refusal for the time: "<server's time in ms>,<its max skew in ms>"
 TO_KEY, INCARNATION_KEY, LENGTH_KEY, TAG_KEY = "sg-to", "sg-inc", "sg-len", "sg-tag"
 _REQUEST_KEYS = (TIMESTAMP_KEY, NONCE_KEY, TO_KEY, INCARNATION_KEY, LENGTH_KEY, TAG_KEY, MAC_KEY)
 DEFAULT_MAX_SKEW_S = 300.0
@@ -124,6 +127,19 @@ def cluster_token(environ: Mapping[str, str] | None = None) -> str:
             "(coordinator, workers, parameter servers).")
     check_token_strength(token, source=TOKEN_VARIABLE)
     return token
+
+
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
+def skew_message(offset_s: float, here_s: float, max_skew_s: float, here: str, there: str) -> str:
+    """Why a request was refused for the time it was signed at, opening with the cause:
+    ``here``'s clock (reading ``here_s``) is ``offset_s`` seconds ahead of ``there``'s."""
+    return (f"the clocks of {here} and {there} differ by {abs(offset_s):.0f} s ({here} reads "
+            f"{_utc(here_s)}, {there} {_utc(here_s - offset_s)}), more than the {max_skew_s:.0f} s "
+            f"a cluster allows between a request's signature and its check: synchronise the hosts' "
+            f"clocks (NTP: chrony or systemd-timesyncd on every host); the cluster token is not in question")
 
 
 def _field(value: str) -> bytes:
@@ -211,6 +227,11 @@ class Authenticator:
     def __repr__(self) -> str:   # never show the token
         return "Authenticator(token=<hidden>)"
 
+    def clock_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What a server adds to its refusal of a request signed outside the skew window:
+        its time and window, so that the caller's error can name both clocks."""
+        return ((CLOCK_KEY, f"{int(time.time() * 1000)},{self._max_skew_ms}"),)
+
     def _tag(self, kind: bytes, iv_hex: str, body: bytes | memoryview) -> str:
         """The GMAC tag of ``body`` with IV ``iv_hex`` (already checked as hex), hex."""
         return self._body_keys[kind].encrypt(bytes.fromhex(iv_hex), b"", body).hex()
@@ -255,11 +276,10 @@ class Authenticator:
         if not (_is_count(length) and _is_hex(tag, _TAG_HEX)):
             raise AuthenticationError("malformed body length or tag")
         now = time.time()
-        skew_ms = abs(int(now * 1000) - int(stamp))
-        if skew_ms > self._max_skew_ms:
-            raise AuthenticationError(
-                f"stale or future timestamp ({skew_ms / 1000:.0f} s from this host's clock, "
-                f"more than {self._max_skew_ms / 1000:.0f} s): synchronise the hosts' clocks")
+        offset_ms = int(now * 1000) - int(stamp)
+        if abs(offset_ms) > self._max_skew_ms:
+            raise ClockSkewError(skew_message(offset_ms / 1000, now, self._max_skew_ms / 1000,
+                                              "this host", "the sender"), offset_s=offset_ms / 1000)
         expected = self._code(_REQUEST, method, stamp, nonce, sent_to, sent_incarnation, length, tag)
         if not hmac.compare_digest(expected, mac):
             raise AuthenticationError(

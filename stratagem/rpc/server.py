@@ -36,8 +36,8 @@ from stratagem.cluster.spec import validate_address
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.rpc.auth import DEFAULT_MAX_SKEW_S, Authenticator
 from stratagem.rpc.codec import decode, encode
-from stratagem.rpc.errors import (AuthenticationError, MessageTooLargeError, RpcError, WrongServerError,
-                                   describe_exception)
+from stratagem.rpc.errors import (AuthenticationError, ClockSkewError, MessageTooLargeError, RpcError,
+                                   WrongServerError, describe_exception)
 from stratagem.rpc.tokens import check_token_strength
 from stratagem.rpc.transport import (DEFAULT_MAX_MESSAGE_BYTES, HELLO_METHOD, REPLY_ERROR, REPLY_OK,
                                      SERVICE, SMALL_REQUEST_BYTES, STATS_METHOD, check_max_bytes,
@@ -282,6 +282,8 @@ class RpcServer:
             self._refused += 1
         log = logger.info if isinstance(err, WrongServerError) else logger.warning
         log("%s refused a %r request from %s: %s", self.name, method[:100], context.peer(), err)
+        if isinstance(err, ClockSkewError):   # the caller's error names both clocks
+            context.set_trailing_metadata(self._auth.clock_metadata())
         context.abort(code, f"{self.name} refused the request: {err}")
         raise AssertionError("context.abort returns only by raising")
 

@@ -11,7 +11,7 @@ from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.rpc import AuthenticationError, Authenticator, cluster_token
 from stratagem.rpc.auth import MIN_TOKEN_BITS, check_token_strength
 from stratagem.rpc.tokens import token_bits
-from stratagem.rpc.errors import WrongServerError
+from stratagem.rpc.errors import ClockSkewError, WrongServerError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -89,8 +89,10 @@ def test_missing_proof_is_refused() -> None:
 @pytest.mark.parametrize("offset_s", [-600, 600])
 def test_stale_and_future_timestamps_are_refused(offset_s: int) -> None:
     metadata = _signed(timestamp_ms=int((time.time() + offset_s) * 1000))
-    with pytest.raises(AuthenticationError, match="synchronise"):
+    with pytest.raises(ClockSkewError, match=r"^the clocks of this host and the sender differ by 600 s "
+                       r"\(this host reads .* UTC, the sender .* UTC\).*synchronise") as info:
         Authenticator(TOKEN).verify_request("push", metadata, BODY, **BOUND)
+    assert round(info.value.offset_s) == -offset_s   # the server's clock minus the sender's
 
 
 def test_skew_within_the_window_is_accepted() -> None:
