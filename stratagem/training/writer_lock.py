@@ -152,6 +152,7 @@ class WriterLock:
         self.series = series
         self.token = secrets.token_hex(8)
         self.lost: str | None = None   # why it is no longer ours, once known
+        self.held = False                # whether it was ever ours
         self.holders: set[int] = set()   # ids of the live objects that took it
         self.forever = False             # taken without a holder: kept until the process exits
         self.pid = os.getpid()           # (a forked child never releases its parent's lock)
@@ -198,17 +199,24 @@ class WriterLock:
                 owner["renewed_at"] = time.time()
                 self._write(fd, owner)
                 return
+            if owner is not None and (self.held or self.lost):   # ours once: another took it over since
+                self._lose(owner)
+                raise CheckpointError(f"did not write the checkpoint {what}: {self.lost}")
             why = _liveness(owner) if owner is not None and not _is_this_process(owner) else None
             if why is not None:
                 raise CheckpointError(self._refusal(what, owner, why))
-            if self.lost is not None:   # ours once, taken over since, and its new owner is gone too
-                raise CheckpointError(f"cannot write the checkpoint {what}: {self.lost}")
             if owner is not None:
                 logger.warning("took over the checkpoint lock %s from %s, which is gone", self.path,
                                describe_owner(owner))
             self._write(fd, _owner_record(self.token))
+            self.held = True
         finally:
             os.close(fd)
+
+    def _lose(self, owner: dict[str, Any] | None) -> None:
+        self.lost = ("another process took over the checkpoint directory while this one was stopped or out "
+                     f"of reach past its {LEASE_S:g} s lease" + (f" (now {describe_owner(owner)})" if owner else "")
+                     + "; this process no longer writes there")
 
     def check(self, what: str) -> None:
         """Raise CheckpointError unless the lock is still ours (before a checkpoint is renamed into place)."""
@@ -221,10 +229,7 @@ class WriterLock:
         finally:
             os.close(fd)
         if owner.get("holder") != self.token:
-            self.lost = ("another process took over the checkpoint directory while this one was stopped "
-                         f"or out of reach past its {LEASE_S:g} s lease"
-                         + (f" (now {describe_owner(owner)})" if owner else "")
-                         + "; this process no longer writes there")
+            self._lose(owner)
             raise CheckpointError(f"did not write the checkpoint {what}: {self.lost}")
 
     def renew(self) -> None:
