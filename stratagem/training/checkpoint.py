@@ -164,7 +164,10 @@ class Checkpoint:
         Every worker of a multi-worker strategy must call it; only the chief writes.
         ``blocking=False`` (one worker): returns once the state is copied in memory; a thread
         writes the files, and :meth:`wait` -- or the next ``save`` or ``restore`` -- waits for
-        it and raises what it raised.
+        it and raises what it raised. Raises CheckpointError, with the previous checkpoints
+        untouched, when the file system refuses the write (full, read-only) and when another
+        live process writes the same series of checkpoints in that directory (the writer
+        takes a lock there, held while this Checkpoint lives: :mod:`~stratagem.training.writer_lock`).
         """
         self._check_context("save")
         self.wait()

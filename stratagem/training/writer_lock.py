@@ -6,7 +6,7 @@ launcher whose tasks still run, or a job is started twice by hand. Each would th
 writes a series of checkpoints -- the names of a directory that differ only in their digits:
 ``ckpt-1``, ``ckpt-2``, ... (the series ``ckpt-N``), or ``weights.01``, ``weights.02`` -- first
 takes ``<directory>/.<series>.lock`` (``.ckpt-N.lock``), a small JSON file naming it: host, boot
-id, pid, the process's start time, its task and command line, and the last time it renewed its
+id, pid, the process's start time, its task and script, and the last time it renewed its
 lease. Only writers take it (the chief of a multi-worker job, the coordinator of a
 parameter-server job; every :class:`~stratagem.training.storage.DirectoryWriter` asks for it),
 never readers such as a sidecar evaluator.
@@ -33,6 +33,7 @@ is deleted (``CheckpointManager.delete_all``).
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import json
 import logging
@@ -109,7 +110,7 @@ def _owner_record(token: str) -> dict[str, Any]:
         pass
     return {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": os.getpid(), "start_ticks": ticks,
             "started": _when(started) if started else None, "task": task,
-            "command": " ".join(sys.argv)[:300], "taken": _when(now), "renewed_at": now,
+            "command": sys.argv[0][-200:] if sys.argv else None, "taken": _when(now), "renewed_at": now,
             "lease_s": LEASE_S, "holder": token}
 
 
@@ -123,6 +124,23 @@ def describe_owner(owner: dict[str, Any]) -> str:
     started = f", started {owner['started']}" if owner.get("started") else ""
     return (f"pid {owner.get('pid')} on host {owner.get('host')!r}{task}{started}, running "
             f"{owner.get('command')!r}")
+
+
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
+_warned_no_flock: set[str] = set()
+
+
+def _flock(fd: int, path: Path) -> None:
+    """``flock`` the lock file; on a file system without locks, go on without (said once)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as err:
+        if err.errno not in _NO_FLOCK:
+            raise
+        if str(path.parent) not in _warned_no_flock:
+            _warned_no_flock.add(str(path.parent))
+            logger.warning("the file system of %s does not lock files (%s): two processes taking its checkpoint "
+                           "lock at the same moment could both get it", path.parent, err.strerror)
 
 
 def _is_this_process(owner: dict[str, Any]) -> bool:
@@ -163,7 +181,7 @@ class WriterLock:
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                _flock(fd, self.path)
                 if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
                     return fd
             except FileNotFoundError:
@@ -183,11 +201,12 @@ class WriterLock:
         return owner if isinstance(owner, dict) else None
 
     @staticmethod
-    def _write(fd: int, owner: dict[str, Any]) -> None:
+    def _write(fd: int, owner: dict[str, Any], sync: bool = True) -> None:
         data = json.dumps(owner, indent=1).encode()
         os.pwrite(fd, data, 0)   # in place: a full disk still has the blocks it had
         os.ftruncate(fd, len(data))
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
 
     def take(self, what: str) -> None:
         """Take the lock, or check that it is still ours; CheckpointError naming the owner if
@@ -197,7 +216,7 @@ class WriterLock:
             owner = self._read(fd)
             if owner is not None and owner.get("holder") == self.token:
                 owner["renewed_at"] = time.time()
-                self._write(fd, owner)
+                self._write(fd, owner, sync=False)   # (a renewal: only other hosts read it)
                 return
             if owner is not None and (self.held or self.lost):   # ours once: another took it over since
                 self._lose(owner)
@@ -240,7 +259,7 @@ class WriterLock:
                 self._write(fd, _owner_record(self.token))
             elif owner is not None and owner.get("holder") == self.token:
                 owner["renewed_at"] = time.time()
-                self._write(fd, owner)
+                self._write(fd, owner, sync=False)
         finally:
             os.close(fd)
 
