@@ -17,8 +17,8 @@ compressor would see the token (:func:`token_bits`):
 
 The rule (:func:`check_token_strength`) asks for :data:`MIN_TOKEN_BITS` (96) estimated bits.
 A token from ``secrets`` passes: ``secrets.token_urlsafe(32)`` (43 characters, 256 random bits)
-estimates at about 250, ``secrets.token_hex(16)`` (128 bits) at 100 to 128 (below 96 less
-than once in a million). What the estimate cannot see is meaning: a sentence or a word list
+estimates at 235 to 258, ``secrets.token_hex(16)`` (128 bits) at 128 typically and at 98 for the
+lowest of 200,000 draws (a random string has a few short repeats and runs by chance). What the estimate cannot see is meaning: a sentence or a word list
 estimates high and is no secret. Make tokens with a random generator::
 
     python -c "import secrets; print(secrets.token_urlsafe(32))"
