@@ -161,7 +161,10 @@ def test_replayed_and_stale_requests_are_refused(server: ServerProcess) -> None:
     stale = auth.sign_request("echo", body, timestamp_ms=int((time.time() - 600) * 1000), **_bound_to(server))
     with pytest.raises(grpc.RpcError) as info:
         _raw_call(server.address, "echo", body, stale)
-    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "stale" in info.value.details()
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "the clocks of this host and the sender differ by 600 s" in info.value.details()
+    server_ms, window_ms = map(int, dict(info.value.trailing_metadata())["sg-clock"].split(","))
+    assert abs(server_ms / 1000 - time.time()) < 60 and window_ms == 300_000   # the server's clock, for the error
 
 
 def test_client_refuses_an_unsigned_reply_before_unpickling_it(tmp_path: Path) -> None:
