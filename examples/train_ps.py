@@ -5,7 +5,7 @@ stratagem's launcher, which also restarts a task that dies (up to 3 times):
     stratagem launch --workers 2 --ps 2 --max-restarts 3 examples/train_ps.py
 On real hosts, run `stratagem server` on each worker and ps host and this script on the
 chief's host, each with the same TF_CONFIG cluster (its own "task") and the same secret
-STRATAGEM_CLUSTER_TOKEN (e.g. `python -c "import secrets; print(secrets.token_hex(32))"`).
+STRATAGEM_CLUSTER_TOKEN (e.g. `python -c "import secrets; print(secrets.token_urlsafe(32))"`).
 
 The variables live on the parameter servers (the first layer's weight split over both by
 the partitioner); each worker reads its own shard of the data (dataset_fn runs there) and

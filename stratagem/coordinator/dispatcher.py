@@ -40,7 +40,7 @@ from stratagem.errors import ClusterConfigError, UnavailableError
 from stratagem.metrics.base import accept_worker_deltas
 from stratagem.ps.closures import ClosureNotCachedError, ClosurePickler
 from stratagem.rpc import RemoteError, RpcClient
-from stratagem.rpc.errors import AuthenticationError, RpcError
+from stratagem.rpc.errors import AuthenticationError, ClockSkewError, RpcError
 
 if TYPE_CHECKING:
     from stratagem.coordinator.coordinator import ClusterCoordinator
@@ -213,6 +213,8 @@ class _Worker:
         return True
 
     def _token_error(self, error: AuthenticationError) -> AuthenticationError:
+        if isinstance(error, ClockSkewError):   # says the cause first (the clocks) and names the worker
+            return error
         return AuthenticationError(
             f"{self.who} refused the coordinator's requests or its replies failed the check: its "
             "cluster token (STRATAGEM_CLUSTER_TOKEN) differs from the coordinator's. Every task of a "

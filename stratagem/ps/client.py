@@ -12,8 +12,10 @@ Example::
     >>> import torch
     >>> from stratagem.ps import ParameterServer, ParameterServerClient
     >>> from stratagem.rpc import RpcServer
-    >>> server = RpcServer("127.0.0.1:0", ParameterServer(name="ps 0").handlers(), "token").start()
-    >>> client = ParameterServerClient(server.address, "token", task="ps 0")
+    >>> import secrets
+    >>> token = secrets.token_urlsafe(32)
+    >>> server = RpcServer("127.0.0.1:0", ParameterServer(name="ps 0").handlers(), token).start()
+    >>> client = ParameterServerClient(server.address, token, task="ps 0")
     >>> client.call("create", var_id="dense/kernel", value=torch.zeros(2, 2),
     ...             optimizer_spec=(torch.optim.SGD, {"lr": 0.5}))
     >>> client.call("push", grads={"dense/kernel": torch.ones(2, 2)})
@@ -107,8 +109,9 @@ def call_each(calls: Sequence[tuple[ParameterServerClient, str, Mapping[str, Any
         >>> import torch
         >>> from stratagem.ps import ParameterServer, ParameterServerClient, call_each
         >>> from stratagem.rpc import RpcServer
-        >>> servers = [RpcServer("127.0.0.1:0", ParameterServer().handlers(), "t").start() for _ in range(2)]
-        >>> clients = [ParameterServerClient(s.address, "t", task=f"ps {i}") for i, s in enumerate(servers)]
+        >>> import secrets; token = secrets.token_urlsafe(32)
+        >>> servers = [RpcServer("127.0.0.1:0", ParameterServer().handlers(), token).start() for _ in range(2)]
+        >>> clients = [ParameterServerClient(s.address, token, task=f"ps {i}") for i, s in enumerate(servers)]
         >>> call_each([(c, "create", {"var_id": "v", "value": torch.full((2,), float(i))})
         ...            for i, c in enumerate(clients)])
         [None, None]
