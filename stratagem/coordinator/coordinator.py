@@ -59,6 +59,7 @@ from stratagem.coordinator.values import RemoteValue, check_timeout, remaining
 from stratagem.errors import InvalidArgumentError, UnavailableError
 from stratagem.ps.closures import PerWorkerDataset, PerWorkerIterator
 from stratagem.ps.fencing import LeaseExpiredError
+from stratagem.ps.ownership import FencedError
 from stratagem.ps.strategy import ParameterServerStrategy
 from stratagem.rpc import RemoteError
 from stratagem.values import map_structure
@@ -133,7 +134,7 @@ class ClusterCoordinator:
         if ps_timeout < 4:
             raise InvalidArgumentError(
                 f"ps_timeout must be at least 4 seconds (several heartbeats, one a second), got {ps_timeout:g}")
-        self.id = uuid.uuid4().hex[:16]   # names this coordinator's closures on the ps (fences)
+        self.id = strategy.cluster.tenure.id   # names this program's requests and closures on the ps
         self._seq = itertools.count()
         self._fatal: BaseException | None = None
         strategy.attach_coordinator(self)
@@ -141,6 +142,7 @@ class ClusterCoordinator:
         strategy.placement.on_restored = self._variables_restored
         self._queue = _Queue(max_queued)
         self._stopping = threading.Event()
+        strategy.cluster.tenure.on_failure(self._fail)   # another coordinator took the ps over
         self._datasets: dict[str, Callable] = {}
         self._keys: "weakref.WeakKeyDictionary[Callable, str]" = weakref.WeakKeyDictionary()
         self._ps_watch = PsWatchdog(self, ps_timeout)
@@ -318,6 +320,9 @@ class ClusterCoordinator:
         the frames that matter."""
         if isinstance(error, RemoteError):
             error.with_traceback(None)
+        fenced = next((cause for cause in _causes(error) if isinstance(cause, FencedError)), None)
+        if fenced is not None:   # this program was taken over: fatal (the tenure tells _fail)
+            return self.strategy.cluster.tenure.replaced(fenced)
         if self._ps_failure is None and self._ps_in_chain(error):
             self._ps_watch.heartbeat()
         return self._ps_failure or error
