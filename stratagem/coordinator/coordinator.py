@@ -137,6 +137,7 @@ class ClusterCoordinator:
         self.id = strategy.cluster.tenure.id   # names this program's requests and closures on the ps
         self._seq = itertools.count()
         self._fatal: BaseException | None = None
+        self._restores = 0   # times the user restored the variables after a lost ps
         strategy.attach_coordinator(self)
         self.strategy = strategy
         strategy.placement.on_restored = self._variables_restored
@@ -331,7 +332,9 @@ class ClusterCoordinator:
         """The user restored the variables after a ps failure: scheduling may go on."""
         self._ps_watch.restored()
         # the loss was raised to the user, who restored: the errors of steps that failed
-        # before (on the lost ps, or on its empty restart) are not raised again by join()
+        # before (on the lost ps, or on its empty restart) are not raised again by join(),
+        # nor those of steps dispatched before that end later (the dispatcher counts restores)
+        self._restores += 1
         self._queue.errors = []
 
 

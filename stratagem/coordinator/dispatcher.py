@@ -249,7 +249,7 @@ class _Worker:
             closure.value._set_error(lost)
             queue.finished(closure, lost)
             return
-        generation = coordinator._ps_watch.generation
+        generation, restores = coordinator._ps_watch.generation, coordinator._restores
         try:
             coordinator._wait_leased()
             self._prepare()
@@ -268,6 +268,10 @@ class _Worker:
                 raise
             if coordinator._ps_watch.generation != generation:   # it ran into a lost ps
                 error = coordinator._ps_watch.last_failure  # type: ignore[assignment]
+                if coordinator._restores != restores:   # raised and restored since: join() is past it
+                    closure.value._set_error(error)
+                    queue.finished(closure)
+                    return
             else:
                 error = coordinator._classify(error)
                 if coordinator._retry_for_ps(closure, error):   # a ps stalled: run it again

@@ -80,7 +80,11 @@ _FORMER = 8   # identities of earlier owners kept, to name them in refusals
 
 class FencedError(StratagemError, RuntimeError):
     """A request of a coordinator that no longer owns the parameter server (another one took
-    it over), or of none while one does: nothing of it is applied."""
+    it over), or of none while one does: nothing of it is applied. ``owner`` describes the
+    coordinator that owns it now, ``refusal`` which ps refused which request."""
+
+    owner = ""
+    refusal = ""
 
 
 class CoordinatorConflictError(StratagemError, RuntimeError):
@@ -311,10 +315,12 @@ class Ownership:
                 "coordinator may change it (this request names no coordinator); nothing was applied")
         former = self._former.get(str(coordinator))
         who = former[0].describe() if former else f"coordinator {coordinator}"
-        return FencedError(
+        error = FencedError(
             f"{self.name} refused {method!r} from an earlier coordinator, {who}: {owner.describe()} "
             "has taken the parameter servers over since, and the requests of the earlier one are "
             "fenced out; nothing was applied")
+        error.owner, error.refusal = owner.describe(), f"{self.name} refused its {method!r}"
+        return error
 
 
 def _check_lease(lease_s: Any) -> float:

@@ -84,7 +84,7 @@ class Tenure:
     def take(self) -> None:
         """Claims every ps (see the module doc); CoordinatorConflictError when a live
         coordinator holds one, and then nothing was claimed."""
-        replaces = self._judge()
+        replaces, reasons = self._judge()
         request = {"identity": self.identity.as_dict(), "lease_s": self.lease_s}
         try:
             answers = call_each([(client, "claim", {**request, "replaces": replaces[i]})
@@ -94,27 +94,29 @@ class Tenure:
             if conflict is None:
                 raise
             raise CoordinatorConflictError(self._conflict_text(str(conflict))) from None
-        for answer in answers:
+        for answer, reason in zip(answers, reasons):
             previous = answer.get("previous")
             if previous is None:
                 continue
-            who = CoordinatorIdentity.from_dict(previous).describe()
-            self.took_over.append(f"{answer['ps']}: from {who} ({answer['why']}; "
+            who, why = CoordinatorIdentity.from_dict(previous).describe(), reason or answer["why"]
+            self.took_over.append(f"{answer['ps']}: from {who} ({why}; "
                                   f"{answer.get('dropped', 0)} variables of it dropped)")
-            if answer["why"] != "it released it":
+            if why != "it released it":
                 logger.warning("took %s over from %s: %s. Its variables there are dropped; this program "
                                "creates its own (restore them from a checkpoint to go on from it)",
-                               answer["ps"], who, answer["why"])
+                               answer["ps"], who, why)
         threading.Thread(target=self._hold_loop, daemon=True, name="stratagem-ps-tenure").start()
         atexit.register(self.release)
 
     def _owners(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         return call_each([(self.clients[i], "owner", {}) for i in indices], timeout=10.0)
 
-    def _judge(self) -> list[str | None]:
-        """Round 1: per ps, the owner id to replace (None: none); waits for owners whose
-        liveness it cannot see, raises CoordinatorConflictError for a live one."""
+    def _judge(self) -> tuple[list[str | None], list[str | None]]:
+        """Round 1: per ps, the owner id to replace (None: none) and why it is gone if this
+        process saw it end; waits for owners whose liveness it cannot see, raises
+        CoordinatorConflictError for a live one."""
         replaces: list[str | None] = [None] * len(self.clients)
+        reasons: list[str | None] = [None] * len(self.clients)
         watched: dict[int, dict[str, Any]] = {}   # ps -> the owner's state when first seen
         deadline = 0.0
         pending = list(range(len(self.clients)))
@@ -131,8 +133,9 @@ class Tenure:
                             f"{state['ps']} is held by {identity.describe()}, which renewed its lease "
                             f"{state['renewed_ago_s']:.1f} s ago and "
                             f"{state['renewals'] - first['renewals']} times while this program watched"))
-                if identity.id == self.id or not state["live"] or identity.gone_here():
-                    replaces[i] = identity.id
+                gone = None if state["released"] else identity.gone_here()
+                if identity.id == self.id or not state["live"] or gone:
+                    replaces[i], reasons[i] = identity.id, gone
                     watched.pop(i, None)
                     continue
                 if first is None or first["owner"]["id"] != identity.id:
@@ -150,7 +153,7 @@ class Tenure:
                     "have run out"))
             if pending:
                 time.sleep(POLL_SECONDS)
-        return replaces
+        return replaces, reasons
 
     def _conflict_text(self, what: str) -> str:
         return (f"another coordinator drives these parameter servers and is alive: {what}. A cluster "
@@ -178,10 +181,13 @@ class Tenure:
         with self._lock:
             first = self.failure is None
             if first:
+                owner = getattr(fenced, "owner", "") or "another coordinator"
+                refusal = getattr(fenced, "refusal", "") or str(fenced)
                 self.failure = FencedError(
-                    f"this program's coordinator ({self.identity.describe()}) no longer drives the "
-                    f"parameter servers: {fenced} Nothing it sends is applied any more; stop this "
-                    "program (training goes on under the coordinator that took over).")
+                    f"this program ({self.identity.describe()}) no longer drives the parameter servers: "
+                    f"{owner} has taken them over ({refusal}). Nothing this program sends is applied "
+                    "any more: stop it (training goes on under the coordinator that took over).")
+                self.failure.owner, self.failure.refusal = owner, refusal
                 self._stop.set()
             failure, listeners = self.failure, list(self._listeners)
         if first:
