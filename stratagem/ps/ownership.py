@@ -45,7 +45,7 @@ Example::
     >>> ownership.admit(first["id"], "push")
     Traceback (most recent call last):
     ...
-    stratagem.ps.ownership.FencedError: ps 0 refused 'push' from an earlier coordinator ...
+    stratagem.ps.ownership.FencedError: ps 0 refused 'push' from an earlier coordinator, ... nothing was applied
 """
 
 from __future__ import annotations

@@ -58,9 +58,14 @@ def main():
     parser.add_argument("--width", type=int, default=1)
     parser.add_argument("--restore")
     parser.add_argument("--save")
+    parser.add_argument("--wait-for", help="start up, then wait for this file before claiming the servers")
     args = parser.parse_args()
     gate = Path(args.gate)
 
+    sg.ParameterServerStrategy, sg.ClusterCoordinator   # (imported on first use: gRPC takes seconds)
+    if args.wait_for:
+        say("READY")
+        wait_until(lambda: Path(args.wait_for).exists(), 120, args.wait_for)
     started = time.monotonic()
     strategy = sg.ParameterServerStrategy(sg.cluster.TFConfigClusterResolver())
     report = {"mode": args.mode, "pid": os.getpid(), "claim_seconds": time.monotonic() - started,
