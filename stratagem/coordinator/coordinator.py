@@ -22,6 +22,12 @@ seconds is not a loss): from then on nothing more is applied, and ``schedule``, 
 and ``fetch`` raise :class:`~stratagem.errors.UnavailableError` naming it until the user
 restores the variables (``model.load_state_dict`` / ``optimizer.load_state_dict``).
 
+One coordinator drives the parameter servers at a time (the strategy's tenure,
+:mod:`stratagem.ps.tenure`; its id names this coordinator's requests and fences). When another
+program takes them over -- this one was stopped past its lease, say -- every closure fails and
+``schedule``, ``join`` and ``fetch`` raise :class:`~stratagem.ps.ownership.FencedError` naming
+the newcomer: nothing this coordinator sends is applied any more.
+
 Back-pressure: at most ``max_queued`` closures are scheduled and unfinished at once;
 ``schedule`` blocks while that many are, and goes on as they finish. A blocked
 ``schedule`` raises as soon as the coordinator fails (a fatal dispatcher error, a lost
