@@ -306,6 +306,9 @@ class ParameterServer(ShardStates):
                     self._variables.clear()
                 self._warned_dense.clear()
                 self.fences.forget(answer["previous"]["id"])
+                logger.log(logging.INFO if answer["why"] == "it released it" else logging.WARNING,
+                           "%s taken over by a new coordinator (%s) from %s: %s; its %d variables dropped",
+                           self.name, identity.get("id"), answer["previous"]["id"], answer["why"], answer["dropped"])
         return answer
 
     def expire_lease(self, coordinator: str) -> None:
