@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from stratagem.ps.ownership import CHANGES
 from stratagem.rpc.client import RpcClient
 from stratagem.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S
 
@@ -43,13 +44,17 @@ class ParameterServerClient:
 
     ``task`` ("ps 0") names it in errors, and the server there must go by that name (see
     :class:`~stratagem.rpc.client.RpcClient`); without it, any server is accepted.
+    ``coordinator``: the id of the coordinator this client speaks for; requests that change
+    the ps name it (a ps owned by a coordinator refuses the others', see
+    :mod:`stratagem.ps.ownership`).
     """
 
     def __init__(self, address: str, token: str, *, task: str | None = None,
                  default_timeout: float = DEFAULT_TIMEOUT_S,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, coordinator: str | None = None) -> None:
         self.rpc = RpcClient(address, token, task=task, default_timeout=default_timeout,
                              max_message_bytes=max_message_bytes)
+        self.coordinator = coordinator
 
     @property
     def task(self) -> str:
@@ -62,6 +67,8 @@ class ParameterServerClient:
              **kwargs: Any) -> Any:
         """Runs ``method(**kwargs)`` on the ps and returns its result (``writable_reply``:
         see :meth:`stratagem.rpc.RpcClient.call`)."""
+        if self.coordinator is not None and method in CHANGES:
+            kwargs.setdefault("coordinator", self.coordinator)
         return self.rpc.call(method, kwargs, timeout=timeout, writable_reply=writable_reply)
 
     def wait_ready(self, timeout: float = 10.0) -> None:

@@ -41,9 +41,9 @@ runpy.run_module("stratagem", run_name="__main__", alter_sys=True)
 class Cluster:
     """Processes of one test cluster, each logging to its own file under ``tmp_path``."""
 
-    def __init__(self, tmp_path: Path, num_workers: int):
+    def __init__(self, tmp_path: Path, num_workers: int, num_ps: int = 1):
         self.tmp_path = tmp_path
-        self.spec = local_cluster(num_workers, chief=True, num_ps=1)
+        self.spec = local_cluster(num_workers, chief=True, num_ps=num_ps)
         self.token = secrets.token_hex(16)
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -114,8 +114,8 @@ class Cluster:
 def cluster_factory(tmp_path: Path):
     clusters: list[Cluster] = []
 
-    def make(num_workers: int) -> Cluster:
-        clusters.append(Cluster(tmp_path, num_workers))
+    def make(num_workers: int, num_ps: int = 1) -> Cluster:
+        clusters.append(Cluster(tmp_path, num_workers, num_ps))
         return clusters[-1]
 
     yield make
