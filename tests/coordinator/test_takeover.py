@@ -86,7 +86,7 @@ def test_a_live_coordinator_refuses_a_second_then_a_stopped_one_is_taken_over_an
     log = cluster.log("chief b")
     assert "CoordinatorConflictError: another coordinator drives these parameter servers and is alive" in log, log
     assert f"the coordinator of pid {first} on " in log and " UTC, id " in log and "stop that program first" in log
-    assert refused_after < 10, (refused_after, log)   # two renewals seen, a second apart
+    assert refused_after < 30, (refused_after, log)   # two renewals seen, a second apart (slack for a loaded machine)
 
     # the first one stopped (SIGSTOP): not provably gone, so the next waits for its lease to run out
     os.kill(first, signal.SIGSTOP)
