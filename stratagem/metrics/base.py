@@ -181,6 +181,10 @@ class Metric:
         with self._lock:
             self._states.clear()
 
+    def reset_states(self) -> None:
+        """``reset_state()`` under Keras 2's name (TensorFlow's tutorials call ``metric.reset_states()``)."""
+        self.reset_state()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 

@@ -1,0 +1,32 @@
+"""Run a tutorial port as its own process(es) and read the report it writes to OUT/report.pt."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).parent
+
+
+def run_port(script: str, out: Path, *args: str, timeout: float = 200) -> dict[str, Any]:
+    """``python tests/tutorials/<script> OUT args...``: one process, as the tutorial runs."""
+    proc = subprocess.run([sys.executable, str(HERE / script), str(out), *args],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    return {**torch.load(out / "report.pt", weights_only=False), "output": proc.stdout + proc.stderr}
+
+
+def launch_port(script: str, out: Path, *args: str, workers: int, ps: int = 0,
+                timeout: float = 200) -> dict[str, Any]:
+    """``stratagem launch --workers N [--ps M] tests/tutorials/<script> OUT args...``."""
+    command = [sys.executable, "-m", "stratagem", "launch", "--workers", str(workers)]
+    if ps:
+        command += ["--ps", str(ps)]
+    proc = subprocess.run([*command, str(HERE / script), str(out), *args],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    return {**torch.load(out / "report.pt", weights_only=False), "output": proc.stdout + proc.stderr}
