@@ -21,9 +21,9 @@ def _templates(rng: np.random.Generator) -> np.ndarray:
             length, start = rng.integers(8, 16), rng.integers(4, 14)
             at = rng.integers(5, 23)
             if rng.random() < 0.5:
-                templates[c, at - 1:at + 1, start:start + length] = 1.0
+                templates[c, at - 1:at + 2, start:start + length] = 1.0
             else:
-                templates[c, start:start + length, at - 1:at + 1] = 1.0
+                templates[c, start:start + length, at - 1:at + 2] = 1.0
     return templates
 
 
