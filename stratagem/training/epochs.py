@@ -143,7 +143,8 @@ class EpochBatches:
             return
         done = 0
         while done < self._steps:
-            if self._iterator is None:
+            new_pass = self._iterator is None   # else the pass the last epoch stopped in (perhaps at its end)
+            if new_pass:
                 self._iterator = iter(self._dataset)
             fresh = done
             for batch in self._iterator:
@@ -152,7 +153,7 @@ class EpochBatches:
                 if done == self._steps:
                     return
             self._iterator = None
-            if done == fresh:
+            if new_pass and done == fresh:
                 raise InvalidArgumentError(f"the input has no batches, but steps={self._steps} were asked for")
 
 

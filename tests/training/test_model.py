@@ -76,6 +76,13 @@ def test_dataloader_and_iterable_inputs_train_like_arrays() -> None:
     steps = build(sg.get_strategy(), optimizer="sgd")
     history = steps.fit(batches, epochs=2, steps_per_epoch=4, verbose=0)   # 8 steps over 6 batches
     assert len(history.history["loss"]) == 2
+    # an epoch that ends where a pass ends: the next epoch starts a new pass (it raised "no batches")
+    whole = build(sg.get_strategy(), optimizer="sgd")
+    history = whole.fit(batches, epochs=3, steps_per_epoch=len(batches), shuffle=False, verbose=0)
+    assert len(history.history["loss"]) == 3
+    passes = build(sg.get_strategy(), optimizer="sgd")
+    passes.fit(batches, epochs=3, verbose=0)
+    assert_same(state(whole), state(passes))
 
 
 def test_loss_names_objects_and_callables_agree() -> None:
