@@ -197,19 +197,23 @@ class Interrupt(sg.callbacks.Callback):
             raise KeyboardInterrupt("killed on purpose")
 
 
-def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("steps_per_epoch", [None, 7, 5])
+def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path: Path, steps_per_epoch: int | None) -> None:
+    # steps_per_epoch: 7 ends each epoch with a pass over the input, 5 reads on across epochs; the resumed
+    # epoch takes only the rest of its steps (it took steps_per_epoch more, and ended elsewhere)
     x, y, w = data()
 
     def job(callbacks: list) -> sg.Model:
         model = build(sg.MirroredStrategy(["cpu:0", "cpu:1"]))
         torch.manual_seed(5)
-        model.fit(x, y, sample_weight=w, batch_size=16, epochs=3, callbacks=callbacks, verbose=0)
+        model.fit(x, y, sample_weight=w, batch_size=16, epochs=3, steps_per_epoch=steps_per_epoch,
+                  callbacks=callbacks, verbose=0)
         return model
 
     reference = job([])
     backup = lambda: sg.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=4)   # noqa: E731
     with pytest.raises(KeyboardInterrupt):
-        job([backup(), Interrupt(at_step=10)])   # 7 steps per epoch: killed in epoch 1, backup after step 8
+        job([backup(), Interrupt(at_step=10)])   # 7 (5) steps per epoch: killed in epoch 1, backup after step 8
     torch.manual_seed(999)   # the restart's own random state: the backup restores the saved one
     resumed = job([backup()])
     assert_same(state(resumed), state(reference))
