@@ -6,7 +6,7 @@ callbacks (TensorBoard, ModelCheckpoint of the weights every epoch, LearningRate
 callback printing ``model.optimizer.learning_rate``), the latest checkpoint's weights loaded
 back, evaluated, saved with ``model.save`` and loaded with ``sg.models.load_model`` without a
 strategy and in the strategy's scope. Fewer images and epochs than the tutorial, and its
-learning-rate steps one epoch apart so that 4 epochs see them. Writes OUT/report.pt.
+learning-rate steps one epoch apart so that 5 epochs see them. Writes OUT/report.pt.
 """
 
 import os
@@ -73,9 +73,9 @@ checkpoint_prefix = os.path.join(checkpoint_dir, "ckpt_{epoch}")
 
 # Define a function for decaying the learning rate (the tutorial's steps are at epochs 3 and 7)
 def decay(epoch):
-    if epoch < 2:
+    if epoch < 3:
         return 1e-3
-    elif epoch >= 2 and epoch < 3:
+    elif epoch >= 3 and epoch < 4:
         return 1e-4
     else:
         return 1e-5
@@ -96,7 +96,7 @@ callbacks = [
     PrintLR(),
 ]
 
-EPOCHS = 4
+EPOCHS = 5
 history = model.fit(train_dataset, epochs=EPOCHS, callbacks=callbacks)
 report["history"] = history.history
 report["checkpoints"] = sorted(os.listdir(checkpoint_dir))
