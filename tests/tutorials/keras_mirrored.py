@@ -103,8 +103,10 @@ report["checkpoints"] = sorted(os.listdir(checkpoint_dir))
 report["logs"] = sum(len(files) for _, _, files in os.walk(os.path.join(OUT, "logs")))
 trained = {k: v.clone() for k, v in model.module.state_dict().items()}
 
-# the weights of the latest checkpoint (the last epoch's), loaded back, then evaluated
-model.load_weights(sg.latest_checkpoint(checkpoint_dir))
+# the weights of the latest checkpoint (the last epoch's), loaded back, then evaluated.
+# WORKAROUND: the tutorial's model.load_weights(sg.latest_checkpoint(checkpoint_dir)) raises CheckpointError
+# (IsADirectoryError): load_weights reads save_weights' file, and ModelCheckpoint writes an sg.Checkpoint directory
+sg.Checkpoint(model=model.module).restore(sg.latest_checkpoint(checkpoint_dir))
 eval_loss, eval_acc = model.evaluate(eval_dataset)
 print("Eval loss: {}, Eval accuracy: {}".format(eval_loss, eval_acc))
 report["eval"] = (eval_loss, eval_acc)
