@@ -73,7 +73,7 @@ _EXPORTS: dict[str, str] = {
     "PreemptionWatcher": "stratagem.preemption",
     "SidecarEvaluator": "stratagem.training.sidecar",
     # Keras-style training
-    "Model": "stratagem.training.model", "losses": "stratagem.training.losses",
+    "Model": "stratagem.training.model", "losses": "stratagem.training.losses", "models": "stratagem.models",
     "mixed_precision": "stratagem.mixed_precision",
     # submodules
     "callbacks": "stratagem.callbacks", "cluster": "stratagem.cluster", "errors": "stratagem.errors",
@@ -100,7 +100,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:   # what the names are, for type checkers and editors
-    from stratagem import callbacks, cluster, errors, experimental, metrics, mixed_precision, nn
+    from stratagem import callbacks, cluster, errors, experimental, metrics, mixed_precision, models, nn
     from stratagem._context import get_replica_context, get_strategy, has_strategy, in_cross_replica_context
     from stratagem.comm.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                                  ReductionToOneDevice)

@@ -4,7 +4,8 @@ The launcher gives each task ``STRATAGEM_JOINED_DIR``, a folder of its own. A ta
 really trains as part of the cluster leaves a file there, named after itself: a
 multi-worker task once its process group is formed, a parameter server once it holds a
 variable, a parameter-server worker once it ran a step, the coordinator once it made its
-strategy. When the job has ended, the launcher compares the files with its tasks and says
+strategy. While the job runs, the launcher watches for these files to stop a job whose
+tasks never join (its ``--join-timeout``); when the job has ended, the launcher compares the files with its tasks and says
 when the processes trained on their own (a script that never made a multi-worker
 strategy runs N independent trainings that look like one distributed one), or when
 parameter servers never received a variable.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["JOINED_VARIABLE", "joined_tasks", "mark_joined"]
+__all__ = ["JOINED_VARIABLE", "joined_tasks", "mark_joined", "mark_stamp"]
 
 JOINED_VARIABLE = "STRATAGEM_JOINED_DIR"
 _marked: set[tuple[str, str]] = set()
@@ -41,9 +42,26 @@ def mark_joined(task: str) -> None:
         return
     _marked.add((folder, task))
     try:
-        Path(folder, task.replace(" ", "-")).touch()
+        _mark_path(folder, task).touch()
     except OSError:   # the launcher's check is advice; training goes on
         pass
+
+
+def _mark_path(folder: str | os.PathLike[str], task: str) -> Path:
+    return Path(folder, task.replace(" ", "-"))
+
+
+def mark_stamp(folder: str | os.PathLike[str], task: str) -> tuple[int, int] | None:
+    """When ``task`` last marked ``folder``: its file's (inode, mtime in ns), None if never.
+
+    A new process of the task marks again (the mtime changes): a launcher compares the stamp
+    with the one it saw when it started the process to tell whether that process joined.
+    """
+    try:
+        stat = _mark_path(folder, task).stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
 
 
 def joined_tasks(folder: str | os.PathLike[str]) -> set[str]:

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Union
 
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 
-__all__ = ["ClusterSpec", "validate_address"]
+__all__ = ["ClusterSpec", "is_wildcard_host", "validate_address"]
 
 # Job names end up in device strings ("/job:worker/task:0"), hence TensorFlow's rule for them.
 _JOB_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
@@ -91,6 +92,27 @@ def validate_address(address: object, where: str) -> str:
             f"{where}: port {port!r} in {address!r} is not an integer from 0 to 65535; "
             f"write it like {example}.")
     return address
+
+
+def is_wildcard_host(host: str) -> bool:
+    """Whether ``host`` (of a "host:port"; brackets allowed) means every interface.
+
+    >>> [is_wildcard_host(h) for h in ("0.0.0.0", "[::]", "0", "127.0.0.1", "localhost")]
+    [True, True, True, False, False]
+    """
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if bare in ("", "*"):
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_unspecified
+    except ValueError:
+        pass
+    if not bare.replace(".", "").isalnum():
+        return False
+    try:  # the short forms the socket calls accept: "0", "0.0", "0x0"
+        return socket.inet_aton(bare) == bytes(4)
+    except OSError:
+        return False
 
 
 def _task_index(key: object, job: str) -> int:

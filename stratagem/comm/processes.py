@@ -31,8 +31,11 @@ addresses, heartbeats) or take a rank's place at the rendezvous, and gloo's (or
 NCCL's) connections between the workers carry tensors unauthenticated and
 unencrypted. The cluster token that guards parameter-server traffic
 (``STRATAGEM_CLUSTER_TOKEN``) does not cover it. Run multi-worker training only on a
-network that only the cluster's hosts can reach; gloo listens on the address its host
-name resolves to (``GLOO_SOCKET_IFNAME`` picks an interface).
+network that only the cluster's hosts can reach.
+
+**Where gloo listens.** Before the first group, :func:`~stratagem.comm.binding.bind_gloo`
+points gloo at the interface of this task's address in the cluster spec (loopback for a
+loopback cluster), unless ``GLOO_SOCKET_IFNAME`` is set; a wildcard address is refused.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.cluster.joined import mark_joined
+from stratagem.comm.binding import bind_gloo
 from stratagem.comm.options import CommunicationImplementation, CommunicationOptions
 from stratagem.errors import InvalidArgumentError, UnavailableError
 
@@ -86,6 +90,7 @@ class WorkerGroup:
         self.rank = rank
         self.world_size = resolver.num_workers
         self.names = task_names(resolver)
+        bind_gloo(resolver, self.names[rank])  # before any group, the lone one included
         self.timeout = options.timeout_seconds or DEFAULT_TIMEOUT_SECONDS
         self.backend = _backend(options.implementation, uses_cuda)
         self._stop = threading.Event()

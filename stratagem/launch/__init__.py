@@ -9,6 +9,9 @@ for its task and a cluster token shared by the job, so that the script finds its
   (``local.py``);
 - ``supervisor.py`` -- starts, watches, restarts (a collective group together, servers
   one by one) and stops the processes;
+- ``lifeline.py`` -- the tasks die with the launcher, even when it is killed (a reaper
+  process and a parent-death signal);
+- ``joining.py`` -- the join timeout: tasks that never join their cluster stop the job;
 - ``output.py`` -- every task's output lines, prefixed with the task;
 - :func:`add_launch_parser` -- the ``launch`` subcommand for the ``stratagem`` command
   (``command.py``; ``python -m stratagem.launch`` runs it alone);
@@ -20,6 +23,7 @@ Commands::
     stratagem launch --workers 2 train.py --epochs 3
     stratagem launch --workers 2 --max-restarts 3 --grace-period 30 train.py
     stratagem launch --ps 1 --workers 2 --max-restarts 3 train_ps.py
+    stratagem launch --workers 2 --join-timeout 1800 train.py
     python -m stratagem.launch --chief --workers 2 train.py
 """
 

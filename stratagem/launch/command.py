@@ -16,6 +16,8 @@ Commands::
     stratagem launch --grace-period 30 train.py           # tasks get 30 s to save when stopped
     stratagem launch --workers 2 --evaluator 1 train.py   # an evaluator task runs train.py too
                                                           # (TF_CONFIG task type "evaluator")
+    stratagem launch --join-timeout 1800 train.py         # the tasks may take 30 minutes to
+                                                          # reach their strategy (default: 600 s)
     python -m stratagem.launch --workers 2 train.py       # the same, without the stratagem command
 """
 
@@ -37,7 +39,9 @@ _DESCRIPTION = (
     "prefixed with its task, a failure restarts the job up to --max-restarts times (every "
     "task together, with a new rendezvous; with --ps the failed server alone), a task that "
     "exits with 75 (preempted, after its group saved) restarts the group without spending a "
-    "restart (up to --max-preemptions times), and the exit status is non-zero, naming the task, when the job fails. "
+    "restart (up to --max-preemptions times), tasks that have not joined their cluster after "
+    "--join-timeout seconds stop the job, the tasks die with the launcher (also when it is "
+    "killed), and the exit status is non-zero, naming the task, when the job fails. "
     "Without --ps every worker (and the chief) runs SCRIPT; with --ps, SCRIPT is the coordinator (the chief) and the "
     "workers and parameter servers run `stratagem server`.")
 _DESCRIPTION = textwrap.fill(_DESCRIPTION, width=88)  # the epilog's layout is kept as written
@@ -76,6 +80,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-period", type=float, default=5.0, metavar="S",
                         help="seconds the tasks get to exit after SIGTERM (to save a checkpoint) "
                              "before SIGKILL, when the job is stopped or restarted (default: 5)")
+    parser.add_argument("--join-timeout", type=float, default=600.0, metavar="S",
+                        help="seconds the tasks get, from their start, to join their cluster "
+                             "(the workers' strategy forms its group; with --ps the coordinator's "
+                             "strategy reaches the servers) before the job is stopped with "
+                             "status 1, naming them; 0 waits for ever (default: 600)")
     parser.add_argument("--port-base", type=int, default=None, metavar="P",
                         help="give the tasks the ports P, P+1, ... (chief, workers, ps) "
                              "(default: free ports)")
@@ -94,7 +103,8 @@ def run_launch(args: argparse.Namespace) -> int:
                             max_preemptions=args.max_preemptions,
                             port_base=args.port_base, host=args.host,
                             grace_period=args.grace_period, num_evaluators=args.evaluator,
-                            evaluator_timeout=args.evaluator_timeout)
+                            evaluator_timeout=args.evaluator_timeout,
+                            join_timeout=args.join_timeout)
     except StratagemError as err:
         print(f"stratagem launch: error: {err}", file=sys.stderr)
         return 2

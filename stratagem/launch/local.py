@@ -30,7 +30,17 @@ TF_CONFIG alone and an inherited, stale copy would contradict it.
 
 SIGINT (Ctrl-C) or SIGTERM sent to the launcher stop every task (SIGTERM, then SIGKILL
 after ``grace_period`` seconds) and the launcher returns 130 or 143: a script with a
-:class:`~stratagem.PreemptionWatcher` saves within the grace period.
+:class:`~stratagem.PreemptionWatcher` saves within the grace period. A launcher that dies
+without stopping its tasks (SIGKILL, the OOM killer) takes them with it: they get SIGTERM at
+once, and their process groups (their children too) SIGKILL after the grace period
+(``lifeline.py``).
+
+The join timeout (``join_timeout``, ``--join-timeout``, default 600 s; 0 for none): when the
+tasks of a collective group (two or more) have not all formed their process group, or the
+coordinator of parameter-server training has not made its strategy, that long after they
+started, the launcher stops the job and returns 1, naming them. Without it, a job whose
+tasks all hang before their strategy (a deadlock, a data set that never loads) would wait
+for ever: nobody else is at the rendezvous yet to time out.
 
 Example::
 
@@ -63,7 +73,7 @@ from typing import TextIO
 
 from stratagem.cluster import ClusterSpec
 from stratagem.cluster.joined import JOINED_VARIABLE, joined_tasks
-from stratagem.cluster.spec import validate_address
+from stratagem.cluster.spec import is_wildcard_host, validate_address
 from stratagem.cluster.torchrun import TORCHRUN_VARIABLES
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.launch.output import TaskOutput
@@ -144,7 +154,7 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
                  grace_period: float = 5.0, stdout: TextIO | None = None,
                  stderr: TextIO | None = None,
                  server_command: Sequence[str] | None = None, num_evaluators: int = 0,
-                 evaluator_timeout: float = 600.0) -> int:
+                 evaluator_timeout: float = 600.0, join_timeout: float = 600.0) -> int:
     """Runs ``script`` as a local cluster on ``host``; returns the job's exit status.
 
     The tasks are a chief (with ``chief=True``, or whenever ``num_ps > 0``), ``num_workers``
@@ -154,14 +164,17 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     ``max_restarts`` times; a preempted group restarts without spending one, up to
     ``max_preemptions`` times (the next preemption fails the job with status 75). An evaluator
     (``num_evaluators=1``) runs the script too; the job also needs it to exit 0 within
-    ``evaluator_timeout`` seconds of training's end. The status
+    ``evaluator_timeout`` seconds of training's end. Tasks that have not joined their
+    cluster ``join_timeout`` seconds after they started (0: no limit) stop the job, with
+    status 1. The status
     is 0 when the job succeeded, the failed task's exit code (1 if it was killed by a
     signal) when it failed, 130/143 when the launcher got SIGINT/SIGTERM. Task output goes to ``stdout`` (default
     ``sys.stdout``) and the launcher's messages to ``stderr``, each line prefixed with
     its task. ``server_command`` replaces ``stratagem server`` for the workers and
     parameter servers of parameter-server training.
 
-    Bad arguments (a missing script, no task to run, a busy port) raise
+    Bad arguments (a missing script, no task to run, a busy port, a wildcard ``host``
+    such as "0.0.0.0") raise
     :class:`~stratagem.errors.InvalidArgumentError` or
     :class:`~stratagem.errors.ClusterConfigError` before anything starts.
     """
@@ -193,10 +206,16 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     if not isinstance(host, str) or not host:
         raise InvalidArgumentError(f"--host must be a host name or IP address, got {host!r}.")
     validate_address(format_address(host, 1), where=f"--host {host!r}")
-    if isinstance(grace_period, bool) or not isinstance(grace_period, (int, float)) \
-            or not grace_period >= 0:
-        raise InvalidArgumentError(
-            f"--grace-period (grace_period) must be a number of seconds >= 0, got {grace_period!r}.")
+    if is_wildcard_host(host):  # as a parameter server refuses it, for every kind of job
+        raise ClusterConfigError(
+            f"--host {host!r} means every interface: the tasks' sockets (gloo's, the rendezvous "
+            "store's, the servers') would accept connections from any host that reaches this "
+            "one. A local launch runs every task on this machine: keep the default loopback "
+            "address '127.0.0.1', or give one address of this machine.")
+    for value, flag in ((grace_period, "--grace-period (grace_period)"),
+                        (join_timeout, "--join-timeout (join_timeout)")):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise InvalidArgumentError(f"{flag} must be a number of seconds >= 0, got {value!r}.")
 
     num_tasks = int(chief or num_ps > 0) + num_workers + num_ps + num_evaluators
     if port_base is not None:
@@ -227,7 +246,8 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     output = TaskOutput(sys.stdout if stdout is None else stdout, errors)
     launcher = Supervisor(tasks, environments, max_restarts=max_restarts,
                           max_preemptions=max_preemptions, output=output,
-                          grace_period=float(grace_period), evaluator_timeout=float(evaluator_timeout))
+                          grace_period=float(grace_period), evaluator_timeout=float(evaluator_timeout),
+                          join_timeout=float(join_timeout), joined_folder=joined)
     try:
         with _signals_to(launcher):
             status = launcher.run()

@@ -44,6 +44,15 @@ task that is stopped (SIGSTOP, or a debugger) cannot act on SIGTERM and is kille
 once. SIGINT or SIGTERM sent to the launcher (:meth:`Supervisor.interrupt`) stop the
 job the same way, with status 130 or 143; a signal that comes while the tasks are being
 stopped skips the rest of the grace period.
+
+**Tied to the launcher**: each task gets SIGTERM from the kernel if the launcher dies, and a
+reaper process stops every task's process group (SIGTERM, the grace period, SIGKILL) once
+the launcher has exited without doing it itself (SIGKILL, the OOM killer): ``lifeline.py``.
+
+**The join timeout** (``join_timeout`` seconds, 0 for none): a watched task still running
+without having joined its cluster that long after its start stops the job with status 1,
+naming it (``joining.py`` says which tasks are watched and what joining means). The job
+is not restarted: a start that hangs before its strategy would most likely hang again.
 """
 
 from __future__ import annotations
@@ -58,6 +67,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from stratagem.errors import ClusterConfigError
+from stratagem.launch.joining import JoinWatch, join_timeout_message
+from stratagem.launch.lifeline import Reaper, die_with_parent
 from stratagem.launch.output import TaskOutput
 from stratagem.launch.tasks import Task
 from stratagem.preemption import PREEMPTED_EXIT_CODE
@@ -124,7 +135,8 @@ class Supervisor:
 
     def __init__(self, tasks: Sequence[Task], environments: Environments, *, max_restarts: int,
                  output: TaskOutput, grace_period: float, max_preemptions: int = 100,
-                 evaluator_timeout: float = 600.0) -> None:
+                 evaluator_timeout: float = 600.0, join_timeout: float = 0.0,
+                 joined_folder: str | None = None) -> None:
         width = max(len(f"[{task.name}]") for task in tasks)
         slots = [_Slot(task, env, f"[{task.name}]".ljust(width) + " ")
                  for task, env in zip(tasks, environments(0))]
@@ -142,6 +154,12 @@ class Supervisor:
         self._output = output
         self._grace_period = grace_period
         self._signals: list[int] = []  # signals received by the launcher, in order
+        self._reaper: Reaper | None = None   # while run() runs
+        # The join timeout watches every task of a collective group of 2+, or the coordinator.
+        watched = [slot for slot in self._slots if slot.task.runs_script]
+        self._joining = [] if not (join_timeout and joined_folder) or (len(watched) < 2 and not self._ps_mode) \
+            else watched
+        self._join_watch = JoinWatch(joined_folder or "", join_timeout)
 
     def interrupt(self, signum: int) -> None:
         """Called by a signal handler: stop the job; while stopping, skip the grace period."""
@@ -149,6 +167,7 @@ class Supervisor:
 
     def run(self) -> int:
         trained_at = None   # time.monotonic() when training succeeded
+        self._reaper = Reaper(self._grace_period, on_lost=self._output.say)
         try:
             for slot in self._slots + self._evaluators:
                 self._start(slot)
@@ -173,14 +192,23 @@ class Supervisor:
                     status = self._evaluation_status(trained_at)
                     if status is not None:
                         return status
+                elif late := self._join_watch.late([slot.task.name for slot in self._joining
+                                                    if slot.process.poll() is None]):
+                    return self._fail_to_join(late)
                 time.sleep(_POLL_SECONDS)
         finally:
             self._stop_all(self._slots + self._evaluators)
+            self._reaper.close()
 
     def _start(self, slot: _Slot) -> None:
+        if slot.process is not None:   # its group was killed already
+            self._reaper.forget(slot.process.pid)
+        if slot in self._joining:
+            self._join_watch.started(slot.task.name)
         process = subprocess.Popen(
             slot.task.command, env=slot.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True, bufsize=0)
+            stderr=subprocess.STDOUT, start_new_session=True, bufsize=0, preexec_fn=die_with_parent())
+        self._reaper.watch(process.pid)   # start_new_session: its pid is its process group's id
         reader = threading.Thread(target=self._output.pump, args=(process.stdout, slot.prefix),
                                   name=f"stratagem-launch {slot.task.name}", daemon=True)
         reader.start()
@@ -314,6 +342,13 @@ class Supervisor:
             "sends the tasks SIGTERM (or why the script exits with 75), or raise --max-preemptions")
         return code
 
+    def _fail_to_join(self, late: list[str]) -> int:
+        stopped = [slot.task.name for slot in self._joining
+                   if slot.task.name in late and _is_stopped(slot.process.pid)]
+        self._output.say(join_timeout_message(late, stopped, timeout=self._join_watch.timeout,
+                                              coordinator=self._ps_mode, running=self._count_running()))
+        return 1
+
     def _count_running(self) -> int:
         return sum(1 for slot in self._slots + self._evaluators if slot.process and slot.process.poll() is None)
 
@@ -340,5 +375,6 @@ class Supervisor:
             _signal_group(slot.process.pid, signal.SIGKILL)
         for slot in started:
             slot.process.wait()
+            self._reaper.forget(slot.process.pid)
         for slot in started:
             slot.reader.join(_READER_JOIN_SECONDS)

@@ -19,7 +19,8 @@ installed in torch, and all are removed when the last such scope closes:
 An optimizer created in scope then has its class replaced by a subclass of its own
 class, named after the placement (``MirroredSGD``, ``ParameterServerAdam``), so that
 ``isinstance`` checks and schedulers keep working while ``type(opt).__name__`` and
-``repr(opt)`` say what stratagem changed.
+``repr(opt)`` say what stratagem changed (the class also has Keras's
+``learning_rate``: :mod:`stratagem.placement.learning_rate`).
 
 Step hooks: torch runs an optimizer's step pre/post hooks inside its ``step``
 wrapper. A scoped optimizer's ``step`` is ours; it fires the user's hooks itself,
@@ -41,6 +42,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from stratagem import _context
 from stratagem.placement import grad_scaler
+from stratagem.placement.learning_rate import rate_attributes
 
 _lock = threading.Lock()
 _internal = threading.local()   # set while stratagem builds optimizers of its own
@@ -211,7 +213,7 @@ def distributed_class(base: type, kind: str) -> type:
 
     name = f"{kind}{base.__name__}"
     cls = type(name, (base,), {
-        "step": step, "zero_grad": zero_grad, "state_dict": state_dict,
+        **rate_attributes(base), "step": step, "zero_grad": zero_grad, "state_dict": state_dict,
         "load_state_dict": load_state_dict, "add_param_group": add_param_group,
         "__reduce_ex__": __reduce_ex__, "__repr__": __repr__, "_sg_base": base,
         "__module__": "stratagem.placement",

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from stratagem.cluster.joined import mark_joined
 from stratagem.comm.cross_device_ops import HierarchicalCopyAllReduce
 from stratagem.comm.replicas import ReplicaCollective
 from stratagem.devices import Device, Topology
@@ -89,6 +90,8 @@ class ParameterServerStrategy(Strategy):
         for client in clients:  # the ps tasks may still be starting: wait for them
             client.wait_ready(timeout=STARTUP_TIMEOUT_SECONDS)
         self.cluster = ParameterServerCluster(tuple(spec.job_tasks("worker")), ps_addresses, clients, token)
+        if getattr(cluster_resolver, "task_type", None) == "chief":
+            mark_joined("chief")   # (for stratagem launch's join timeout: the coordinator reached its servers)
         topology = Topology((Device("cpu", 0),))
         collective = ReplicaCollective.create(topology.devices, HierarchicalCopyAllReduce())
         self._configure(topology, collective, ParameterServerPlacement(self, clients, variable_partitioner))

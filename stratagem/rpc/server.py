@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 import grpc
 
 from stratagem._profiling import label
-from stratagem.cluster.spec import validate_address
+from stratagem.cluster.spec import is_wildcard_host, validate_address
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.rpc.auth import DEFAULT_MAX_SKEW_S, Authenticator
 from stratagem.rpc.codec import decode, encode
@@ -49,7 +49,6 @@ logger = logging.getLogger("stratagem.rpc")
 
 Handler = Callable[[Any], Any]
 
-_WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", "*", ""}
 _current = threading.local()   # .context: the gRPC context of the call this thread serves
 
 
@@ -166,7 +165,7 @@ class RpcServer:
                  name: str | None = None) -> None:
         validate_address(address, where="RpcServer address")
         host = address.rpartition(":")[0]
-        if host in _WILDCARD_HOSTS and not allow_wildcard:
+        if is_wildcard_host(host) and not allow_wildcard:
             raise ClusterConfigError(
                 f"RpcServer address {address!r} listens on every interface; give the address "
                 "of this task in the cluster spec (loopback '127.0.0.1:PORT' for a local "

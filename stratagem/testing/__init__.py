@@ -2,7 +2,11 @@
 
 :func:`run_local_cluster` starts one process per task of a loopback cluster, each
 with its TF_CONFIG, waits for all of them with a deadline, and always cleans up:
-on timeout or failure every process group is killed. Ports are free ports.
+on timeout or failure every process group is killed. Ports are free ports. The tasks
+die with the process that started them even when it is killed (a test run stopped
+with SIGKILL, or a timeout that ends the interpreter): SIGKILL from the kernel to each
+task, and from a reaper process to each task's process group
+(:mod:`stratagem.launch.lifeline`).
 
 Example::
 
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from stratagem.launch.lifeline import Reaper, die_with_parent
 from stratagem.launch.ports import free_ports
 
 __all__ = ["TaskResult", "free_ports", "local_cluster", "run_local_cluster"]
@@ -69,6 +74,7 @@ def run_local_cluster(script: "str | Path", num_workers: int, *, args: Sequence[
     procs: list[tuple[str, subprocess.Popen]] = []
     logs: list = []
     base_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    reaper = Reaper(grace_period=0.0)
     try:
         for job, index in tasks:
             task_env = {**base_env, "TF_CONFIG": json.dumps({"cluster": cluster,
@@ -77,7 +83,9 @@ def run_local_cluster(script: "str | Path", num_workers: int, *, args: Sequence[
             log = tempfile.TemporaryFile(mode="w+")  # a file, never a pipe that could fill up
             logs.append(log)
             proc = subprocess.Popen([sys.executable, str(script), *args], env=task_env,
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True, text=True)
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True, text=True,
+                                    preexec_fn=die_with_parent(signal.SIGKILL))
+            reaper.watch(proc.pid)
             procs.append((name, proc))
         deadline = time.monotonic() + timeout
         kills = {name: (after, signal.SIGKILL) for name, after in (kill_after or {}).items()}
@@ -108,6 +116,8 @@ def run_local_cluster(script: "str | Path", num_workers: int, *, args: Sequence[
             if proc.poll() is None:
                 _kill(proc)
             proc.wait()
+            reaper.forget(proc.pid)
+        reaper.close()
     results = [TaskResult(name, proc.returncode, _read(log)) for (name, proc), log in zip(procs, logs)]
     for log in logs:
         log.close()

@@ -13,9 +13,9 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.training.callback_list import CallbackList
 from stratagem.training.inputs import as_batches
 from stratagem.training.progress import ProgressLogger
-from stratagem.values import DistributedValues, flatten
+from stratagem.values import DistributedValues, flatten, pack_as
 
-__all__ = ["EpochBatches", "LazyLogs", "ReplicatedEpochs", "global_rows", "length", "overrides", "step_logs"]
+__all__ = ["EpochBatches", "LazyLogs", "ReplicatedEpochs", "concat", "global_rows", "length", "overrides", "step_logs"]
 
 
 class ReplicatedEpochs:
@@ -161,6 +161,14 @@ class EpochBatches:
             self._iterator = None
             if new_pass and done == fresh:
                 raise InvalidArgumentError(f"the input has no batches, but steps={self._steps} were asked for")
+
+
+def concat(parts: list[Any]) -> Any:
+    """Outputs of several slices (tensors, or equal structures of tensors) joined along rows."""
+    if len(parts) == 1:
+        return parts[0]
+    leaves = [flatten(part) for part in parts]
+    return pack_as(parts[0], [torch.cat(column) for column in zip(*leaves)])
 
 
 def global_rows(batch: Any) -> int:

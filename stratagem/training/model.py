@@ -29,14 +29,16 @@ from stratagem import metrics as metrics_module
 from stratagem.callbacks import BackupAndRestore
 from stratagem.errors import InvalidArgumentError, StratagemError
 from stratagem.mixed_precision import Policy, as_policy, global_policy
+from stratagem.placement.learning_rate import with_learning_rate
 from stratagem.training import losses as losses_module
 from stratagem.training.callback_list import CallbackList, History
 from stratagem.training.checkpoint import Checkpoint
-from stratagem.training.epochs import EpochBatches, ReplicatedEpochs, global_rows, length, step_logs
+from stratagem.training.epochs import EpochBatches, ReplicatedEpochs, concat, global_rows, length, step_logs
 from stratagem.training.inputs import as_batches, split_validation
+from stratagem.training.model_io import ModelIO
 from stratagem.training.progress import ProgressLogger
-from stratagem.training.steps import StepPrecision
-from stratagem.values import flatten, map_structure, pack_as, select_replica
+from stratagem.training.steps import StepPrecision, check_jit_compile
+from stratagem.values import map_structure, select_replica
 
 __all__ = ["Model", "NotCompiledError"]
 
@@ -53,14 +55,15 @@ class NotCompiledError(StratagemError, RuntimeError):
     """``fit`` or ``evaluate`` was called before ``compile``."""
 
 
-class Model:
+class Model(ModelIO):
     """A module with Keras's training API, distributed by a strategy.
 
     ``strategy`` defaults to the strategy whose scope is active when the ``Model`` is
     created (the default strategy outside every scope); the module must have been created
     in that strategy's scope. Callbacks may read and set ``model.stop_training`` and read
     ``optimizer``, ``module``, ``strategy``, ``history``, ``loss``, ``metrics``,
-    ``dtype_policy`` and ``loss_scaler``.
+    ``dtype_policy`` and ``loss_scaler``. Saving and inspecting (``save``, ``save_weights``,
+    ``load_weights``, ``summary``, ``weights``, ``get_weights``, ...): :class:`ModelIO`.
 
     Example::
 
@@ -143,18 +146,13 @@ class Model:
             raise InvalidArgumentError(f"compile(mixed_precision={policy.name!r}) is not supported under "
                                        f"{self.strategy!r}; compile with mixed_precision='float32'")
         _check_count("steps_per_execution", steps_per_execution, minimum=1)
-        if jit_compile not in (None, True, False, "auto"):
-            raise InvalidArgumentError(f"jit_compile must be True, False, None or 'auto', got {jit_compile!r}")
-        jit_compile = jit_compile is True and not run_eagerly
-        if jit_compile and not self.strategy._model_steps().supports_jit_compile:
-            raise InvalidArgumentError(f"compile(jit_compile=True) is not supported under {self.strategy!r}; "
-                                       f"compile with jit_compile=False")
+        jit_compile = check_jit_compile(jit_compile, run_eagerly, self.strategy)
         device_type = next((p.device.type for p in self.module.parameters()), "cpu")
         with self.strategy.scope():   # nothing is kept unless everything resolves
             compiled_metrics = [metrics_module.get(m, loss=loss) for m in (metrics or [])]
             loss_tracker = metrics_module.Mean(name="loss")
             scaler = torch.amp.GradScaler(device_type) if policy.loss_scaling else None
-            self.optimizer = self._make_optimizer(optimizer)
+            self.optimizer = with_learning_rate(self._make_optimizer(optimizer))   # Keras's learning_rate
         self.dtype_policy, self.loss_scaler = policy, scaler
         self._precision = StepPrecision(policy, device_type, scaler, jit_compile)
         self.steps_per_execution = steps_per_execution
@@ -310,12 +308,16 @@ class Model:
         call("on_test_begin", None)
         progress.begin(steps or length(data), "evaluate")
         logs: dict = {}
-        for step, batch in enumerate(EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
-            call("on_test_batch_begin", step, None)
-            strategy.run(step_fn, args=(batch,))
-            logs = batch_logs(step)
-            call("on_test_batch_end", step, logs)
-            progress.step(global_rows(batch), logs)
+        training = self.module.training   # the steps run in eval mode; the mode is put back after
+        try:
+            for step, batch in enumerate(EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
+                call("on_test_batch_begin", step, None)
+                strategy.run(step_fn, args=(batch,))
+                logs = batch_logs(step)
+                call("on_test_batch_end", step, logs)
+                progress.step(global_rows(batch), logs)
+        finally:
+            self.module.train(training)
         logs = self.get_metrics_result()
         progress.end(logs)
         call("on_test_end", logs)
@@ -343,13 +345,17 @@ class Model:
         outputs: list[Any] = []
         callback_list.call("on_predict_begin", None)
         progress.begin(steps or length(data), "predict")
-        for step, batch in enumerate(EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
-            callback_list.call("on_predict_batch_begin", step, None)
-            result = strategy.run(step_fn, args=(batch,))
-            local = [select_replica(i, result) for i in range(num_local)] if num_local > 1 else [result]
-            outputs.append(concat([map_structure(lambda t: t.cpu(), part) for part in local]))
-            callback_list.call("on_predict_batch_end", step, {"outputs": outputs[-1]})
-            progress.step(global_rows(batch), None)
+        training = self.module.training   # the steps run in eval mode; the mode is put back after
+        try:
+            for step, batch in enumerate(EpochBatches(strategy.experimental_distribute_dataset(data), steps).epoch()):
+                callback_list.call("on_predict_batch_begin", step, None)
+                result = strategy.run(step_fn, args=(batch,))
+                local = [select_replica(i, result) for i in range(num_local)] if num_local > 1 else [result]
+                outputs.append(concat([map_structure(lambda t: t.cpu(), part) for part in local]))
+                callback_list.call("on_predict_batch_end", step, {"outputs": outputs[-1]})
+                progress.step(global_rows(batch), None)
+        finally:
+            self.module.train(training)
         progress.end(None)
         callback_list.call("on_predict_end", None)
         if strategy.topology.num_workers > 1:   # every worker's slices of each step, in worker order
@@ -383,14 +389,6 @@ class Model:
 
     def __repr__(self) -> str:
         return f"Model({type(self.module).__name__}, strategy={self.strategy!r})"
-
-
-def concat(parts: list[Any]) -> Any:
-    """Outputs of several slices (tensors, or equal structures of tensors) joined along rows."""
-    if len(parts) == 1:
-        return parts[0]
-    leaves = [flatten(part) for part in parts]
-    return pack_as(parts[0], [torch.cat(column) for column in zip(*leaves)])
 
 
 def _check_count(name: str, value: Any, *, minimum: int) -> None:

@@ -32,7 +32,7 @@ from stratagem.nn.losses import compute_average_loss
 from stratagem.training.inputs import unpack
 from stratagem.values import map_structure
 
-__all__ = ["ModelSteps", "StepPrecision", "compiled", "make_predict_step", "make_test_step", "make_train_step",
+__all__ = ["ModelSteps", "StepPrecision", "check_jit_compile", "compiled", "make_predict_step", "make_test_step", "make_train_step",
            "per_example_losses"]
 
 
@@ -69,6 +69,16 @@ class StepPrecision:
 _FULL = StepPrecision(Policy("float32"))
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
 _COMPILING = threading.Lock()
+
+
+def check_jit_compile(jit_compile: Any, run_eagerly: bool, strategy: Any) -> bool:
+    """``compile(jit_compile=..., run_eagerly=...)`` as one flag: whether to ``torch.compile``."""
+    if jit_compile not in (None, True, False, "auto"):
+        raise InvalidArgumentError(f"jit_compile must be True, False, None or 'auto', got {jit_compile!r}")
+    if jit_compile is True and not run_eagerly and not strategy._model_steps().supports_jit_compile:
+        raise InvalidArgumentError(f"compile(jit_compile=True) is not supported under {strategy!r}; "
+                                   f"compile with jit_compile=False")
+    return jit_compile is True and not run_eagerly
 
 
 def compiled(module: torch.nn.Module) -> Callable:
@@ -133,6 +143,8 @@ def make_train_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, l
                     precision: StepPrecision = _FULL) -> Callable[[Any], tuple[torch.Tensor, int]]:
     """``step(batch) -> (loss, rows)``: forward, backward, optimizer step, metrics."""
     def train_step(batch: Any) -> tuple[torch.Tensor, int]:
+        if not module.training:   # Keras's training=True (dropout, batch statistics)
+            module.train()
         parts = unpack(batch)
         y_pred = precision.forward(module, parts.x)
         losses, weights = per_example_losses(loss_fn, parts.y, y_pred, parts.sample_weight)
@@ -148,6 +160,8 @@ def make_test_step(module: torch.nn.Module, loss_fn: Callable, loss_tracker: Any
                    metrics: Sequence[Any], precision: StepPrecision = _FULL) -> Callable[[Any], None]:
     """``step(batch)``: forward and metrics, no gradients."""
     def test_step(batch: Any) -> None:
+        if module.training:   # Keras's training=False (Model restores the mode afterwards)
+            module.eval()
         parts = unpack(batch)
         with torch.no_grad():
             y_pred = precision.forward(module, parts.x)
@@ -159,6 +173,8 @@ def make_test_step(module: torch.nn.Module, loss_fn: Callable, loss_tracker: Any
 def make_predict_step(module: torch.nn.Module, precision: StepPrecision = _FULL) -> Callable[[Any], torch.Tensor]:
     """``step(batch) -> outputs``: the module's outputs for the batch's inputs."""
     def predict_step(batch: Any) -> torch.Tensor:
+        if module.training:
+            module.eval()
         with torch.no_grad():
             return precision.forward(module, unpack(batch).x)
     return predict_step

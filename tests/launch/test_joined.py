@@ -61,7 +61,8 @@ def test_an_unused_parameter_server_gets_a_warning(tmp_path: Path) -> None:
             coordinator.schedule(step)
         coordinator.join()
         print("done")
-    """, num_workers=1, num_ps=2)
+    """, num_workers=1, num_ps=2, grace_period=60)   # a loaded machine stops the servers slowly
     assert status == 0, out + err
     assert "[launch] warning: ps 1 never received a variable" in err
-    assert "ps 0" not in err and "worker 0" not in err
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert not any("ps 0" in line or "worker 0" in line for line in warnings), err

@@ -441,6 +441,8 @@ def test_command_reports_a_missing_script(tmp_path: Path) -> None:
     (["--port-base", "0", "{script}"], "--port-base (port_base) must be an integer >= 1"),
     (["--host", "not a host", "{script}"], "is not a host name or IP address"),
     (["--host", "10.255.255.1", "{script}"], "cannot listen on host '10.255.255.1'"),
+    (["--host", "0.0.0.0", "{script}"], "--host '0.0.0.0' means every interface"),
+    (["--ps", "1", "--host", "::", "{script}"], "--host '::' means every interface"),
     (["{tmp}"], "is a directory"),
 ])
 def test_bad_input_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture,

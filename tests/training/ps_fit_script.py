@@ -34,8 +34,9 @@ def main() -> None:
     # several steps per scheduled function; the batch callbacks see each function once
     seen = []
     counter = sg.callbacks.LambdaCallback(on_train_batch_end=lambda step, logs: seen.append(step))
-    model.compile(torch.optim.Adam(model.module.parameters(), lr=0.02),
-                  sg.losses.SparseCategoricalCrossentropy(from_logits=True), steps_per_execution=4)
+    with strategy.scope():
+        model.compile(torch.optim.Adam(model.module.parameters(), lr=0.02),
+                      sg.losses.SparseCategoricalCrossentropy(from_logits=True), steps_per_execution=4)
     scheduled = []
     original = strategy.coordinator.schedule
     strategy.coordinator.schedule = lambda *a, **k: scheduled.append(1) or original(*a, **k)
