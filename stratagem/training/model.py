@@ -249,15 +249,13 @@ class Model(ModelIO):
         return parts
 
     def _restore_backup(self, callback_list: CallbackList, loop: Any, initial_epoch: int) -> int:
-        """A ``BackupAndRestore`` among the callbacks: restore model, optimizer and input position;
-        a backup made inside an epoch resumes that epoch at its step (the loop takes only the rest
-        of its ``steps_per_epoch``)."""
+        """A ``BackupAndRestore`` among the callbacks: restore model, optimizer and input position
+        (an epoch backed up inside resumes at its step: the loop takes the rest of its steps)."""
         for callback in callback_list.callbacks:
             if isinstance(callback, BackupAndRestore):
                 parts = self.checkpoint_parts()
                 state = {"model": parts.pop("module"), **parts}
-                if loop.dataset is not None:
-                    state["data"] = loop.dataset
+                state.update({"data": loop.dataset} if loop.dataset is not None else {})
                 epoch, step = callback.restore(Checkpoint(**state))
                 if epoch >= initial_epoch and loop.dataset is not None:
                     loop.resume_in_epoch(step)

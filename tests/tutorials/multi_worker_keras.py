@@ -101,18 +101,17 @@ if PHASE == "main":
     history = multi_worker_model.fit(multi_worker_dataset, epochs=3, steps_per_epoch=8)
     report["history"] = history.history
 
-    if hasattr(sg.Model, "save"):   # model.save / sg.models.load_model (skipped by the test until they exist)
-        model_path = os.path.join(OUT, "keras-model")
-        write_model_path = write_filepath(model_path, task_type, task_id)
-        multi_worker_model.save(write_model_path)
-        if not _is_chief(task_type, task_id):
-            shutil.rmtree(os.path.dirname(write_model_path))      # tf.io.gfile.rmtree
-        loaded_model = sg.models.load_model(model_path)
-        report["loaded_equal"] = all(torch.equal(a, b) for a, b in zip(
-            loaded_model.module.state_dict().values(), multi_worker_model.module.state_dict().values()))
-        # Now that the model is restored, and can continue with the training.
-        single_worker_dataset = mnist_dataset(per_worker_batch_size)
-        report["loaded_history"] = loaded_model.fit(single_worker_dataset, epochs=2, steps_per_epoch=4).history
+    model_path = os.path.join(OUT, "keras-model")
+    write_model_path = write_filepath(model_path, task_type, task_id)
+    multi_worker_model.save(write_model_path)
+    if not _is_chief(task_type, task_id):
+        shutil.rmtree(os.path.dirname(write_model_path))          # tf.io.gfile.rmtree
+    loaded_model = sg.models.load_model(model_path)
+    report["loaded_equal"] = all(torch.equal(a, b) for a, b in zip(
+        loaded_model.module.state_dict().values(), multi_worker_model.module.state_dict().values()))
+    # Now that the model is restored, and can continue with the training.
+    single_worker_dataset = mnist_dataset(per_worker_batch_size)
+    report["loaded_history"] = loaded_model.fit(single_worker_dataset, epochs=2, steps_per_epoch=4).history
 
     checkpoint_dir = os.path.join(OUT, "ckpt")
     checkpoint = sg.Checkpoint(model=multi_worker_model)

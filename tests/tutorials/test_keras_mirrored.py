@@ -10,12 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import stratagem as sg
 from tests.tutorials.ports import run_port
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(not hasattr(sg.Model, "save"),
-                                 reason="sg.Model.save / sg.models.load_model are not merged yet (branch model-io)")]
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_keras_tutorial(tmp_path: Path) -> None:

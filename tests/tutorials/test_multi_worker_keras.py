@@ -48,8 +48,6 @@ def test_fit_and_checkpoints_with_the_write_filepath_pattern(main_phase: tuple[P
     assert keras_model.optimizer.state_dict() == saved["optimizer"]   # its hyperparameters (lr 0.01, not 0.5)
 
 
-@pytest.mark.skipif(not hasattr(sg.Model, "save"),
-                    reason="sg.Model.save / sg.models.load_model are not merged yet (branch model-io)")
 def test_model_save_with_the_write_filepath_pattern(main_phase: tuple[Path, list[dict]]) -> None:
     out, reports = main_phase
     assert os.path.isfile(out / "keras-model") and not os.path.exists(out / "workertemp_1" / "keras-model")

@@ -10,12 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import stratagem as sg
 from tests.tutorials.ports import run_port
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(not hasattr(sg.Model, "save"),
-                                 reason="sg.Model.save / sg.models.load_model are not merged yet (branch model-io)")]
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_save_and_load_tutorial(tmp_path: Path) -> None:
