@@ -1,15 +1,32 @@
 """Parameter-server training of a digits classifier: this script is the coordinator.
 
 A local cluster (2 workers, 2 parameter servers, this script as the chief), started by
-stratagem's launcher, which also restarts a task that dies (up to 3 times):
-    stratagem launch --workers 2 --ps 2 --max-restarts 3 examples/train_ps.py
+stratagem's launcher, which also restarts a task that dies (up to 3 times)::
+
+    stratagem launch --workers 2 --ps 2 --max-restarts 3 examples/train_ps.py --dir /tmp/ps_run
+
 On real hosts, run `stratagem server` on each worker and ps host and this script on the
 chief's host, each with the same TF_CONFIG cluster (its own "task") and the same secret
-STRATAGEM_CLUSTER_TOKEN (e.g. `python -c "import secrets; print(secrets.token_hex(32))"`).
+STRATAGEM_CLUSTER_TOKEN (e.g. `python -c "import secrets; print(secrets.token_urlsafe(32))"`).
 
 The variables live on the parameter servers (the first layer's weight split over both by
 the partitioner); each worker reads its own shard of the data (dataset_fn runs there) and
 the coordinator schedules steps onto whichever worker is free.
+
+With ``--dir`` it saves a checkpoint every ``--save-every`` steps and survives losing any
+task (docs/fault_tolerance.md):
+
+- ``kill -KILL <pid of a worker>``: its steps run on the other worker; the restarted one
+  gets work again.
+- ``kill -KILL <pid of a ps>``: ``join()`` raises ``UnavailableError`` naming it; the
+  launcher restarts it, empty, and the script restores every variable from the last
+  checkpoint and goes on from there.
+- ``kill -KILL <pid of the chief>``: the launcher restarts it; the new coordinator takes the
+  parameter servers over (the old one's variables there are dropped), restores the last
+  checkpoint and goes on.
+- run the same command again after it finished: it finds its work done.
+
+Without ``--dir`` nothing is saved, and a restarted chief starts training over.
 """
 
 import argparse
@@ -37,6 +54,9 @@ def dataset_fn(input_context):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--dir", help="checkpoint folder (shared with the parameter servers, which write "
+                                      "their shards into it); none: no checkpoints")
+    parser.add_argument("--save-every", type=int, default=100)
     args = parser.parse_args()
 
     strategy = sg.ParameterServerStrategy(sg.cluster.TFConfigClusterResolver(),
@@ -48,6 +68,15 @@ def main() -> None:
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
 
+    ckpt = sg.Checkpoint(model=model, optimizer=optimizer, step=0)
+    manager = sg.CheckpointManager(ckpt, args.dir, max_to_keep=2) if args.dir else None
+    if manager is not None:
+        restored = manager.restore_or_initialize()
+        if restored:
+            print(f"restored {restored} at step {ckpt.step}", flush=True)
+        else:
+            manager.save()   # step 0: a lost ps can always be restored
+
     def step(it):   # runs on a worker: pulls the variables, pushes the gradients
         x, y = next(it)
         loss = F.cross_entropy(model(x), y)
@@ -56,11 +85,23 @@ def main() -> None:
         optimizer.step()
         return loss.detach()
 
-    losses = [coordinator.schedule(step, args=(iterator,)) for _ in range(args.steps)]
-    coordinator.join()
-    for start in range(0, args.steps, args.steps // 3):
-        chunk = [value.fetch().item() for value in losses[start:start + args.steps // 3]]
-        print(f"steps {start + 1}-{start + len(chunk)}: mean loss {sum(chunk) / len(chunk):.4f}", flush=True)
+    while ckpt.step < args.steps:
+        count = min(args.save_every, args.steps - ckpt.step)
+        try:
+            losses = [coordinator.schedule(step, args=(iterator,)) for _ in range(count)]
+            coordinator.join()
+        except sg.errors.UnavailableError as error:
+            if manager is None or not str(error.task).startswith("ps"):
+                raise
+            print(f"{error.task} was lost; restoring {manager.latest_checkpoint}", flush=True)
+            manager.restore_or_initialize()   # writes every variable back, on the restarted ps too
+            continue
+        ckpt.step += count
+        mean = sum(value.fetch().item() for value in losses) / count
+        print(f"steps {ckpt.step - count + 1}-{ckpt.step}: mean loss {mean:.4f}", flush=True)
+        if manager is not None:
+            manager.save()
+            print(f"saved a checkpoint at step {ckpt.step}", flush=True)
 
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0

@@ -101,7 +101,9 @@ def _build(strategy: Any, module: nn.Module, compiled: dict | None, path: str) -
                 f"model again (the weights are restored)") from None
         metrics = [m[0](**m[1]) if isinstance(m, tuple) else m for m in compiled["metrics"]]
         model.compile(optimizer=optimizer, loss=compiled["loss"], metrics=metrics,
-                      mixed_precision=compiled["mixed_precision"])
+                      mixed_precision=compiled["mixed_precision"],
+                      steps_per_execution=compiled.get("steps_per_execution", 1),
+                      jit_compile=compiled.get("jit_compile", False))
         strategy.placement.finalize()
     optimizer.load_state_dict(saved)
     if compiled["loss_scaler"] is not None and model.loss_scaler is not None:

@@ -22,6 +22,12 @@ seconds is not a loss): from then on nothing more is applied, and ``schedule``, 
 and ``fetch`` raise :class:`~stratagem.errors.UnavailableError` naming it until the user
 restores the variables (``model.load_state_dict`` / ``optimizer.load_state_dict``).
 
+One coordinator drives the parameter servers at a time (the strategy's tenure,
+:mod:`stratagem.ps.tenure`; its id names this coordinator's requests and fences). When another
+program takes them over -- this one was stopped past its lease, say -- every closure fails and
+``schedule``, ``join`` and ``fetch`` raise :class:`~stratagem.ps.ownership.FencedError` naming
+the newcomer: nothing this coordinator sends is applied any more.
+
 Back-pressure: at most ``max_queued`` closures are scheduled and unfinished at once;
 ``schedule`` blocks while that many are, and goes on as they finish. A blocked
 ``schedule`` raises as soon as the coordinator fails (a fatal dispatcher error, a lost
@@ -59,6 +65,7 @@ from stratagem.coordinator.values import RemoteValue, check_timeout, remaining
 from stratagem.errors import InvalidArgumentError, UnavailableError
 from stratagem.ps.closures import PerWorkerDataset, PerWorkerIterator
 from stratagem.ps.fencing import LeaseExpiredError
+from stratagem.ps.ownership import FencedError
 from stratagem.ps.strategy import ParameterServerStrategy
 from stratagem.rpc import RemoteError
 from stratagem.values import map_structure
@@ -150,14 +157,16 @@ class ClusterCoordinator:
         if ps_timeout < 4:
             raise InvalidArgumentError(
                 f"ps_timeout must be at least 4 seconds (several heartbeats, one a second), got {ps_timeout:g}")
-        self.id = uuid.uuid4().hex[:16]   # names this coordinator's closures on the ps (fences)
+        self.id = strategy.cluster.tenure.id   # names this program's requests and closures on the ps
         self._seq = itertools.count()
         self._fatal: BaseException | None = None
+        self._restores = 0   # times the user restored the variables after a lost ps
         strategy.attach_coordinator(self)
         self.strategy = strategy
         strategy.placement.on_restored = self._variables_restored
         self._queue = _Queue(max_queued)
         self._stopping = threading.Event()
+        strategy.cluster.tenure.on_failure(self._fail)   # another coordinator took the ps over
         self._datasets: dict[str, Callable] = {}
         self._keys: "weakref.WeakKeyDictionary[Callable, str]" = weakref.WeakKeyDictionary()
         self._ps_watch = PsWatchdog(self, ps_timeout)
@@ -335,6 +344,9 @@ class ClusterCoordinator:
         the frames that matter."""
         if isinstance(error, RemoteError):
             error.with_traceback(None)
+        fenced = next((cause for cause in _causes(error) if isinstance(cause, FencedError)), None)
+        if fenced is not None:   # this program was taken over: fatal (the tenure tells _fail)
+            return self.strategy.cluster.tenure.replaced(fenced)
         if self._ps_failure is None and self._ps_in_chain(error):
             self._ps_watch.heartbeat()
         return self._ps_failure or error
@@ -343,7 +355,9 @@ class ClusterCoordinator:
         """The user restored the variables after a ps failure: scheduling may go on."""
         self._ps_watch.restored()
         # the loss was raised to the user, who restored: the errors of steps that failed
-        # before (on the lost ps, or on its empty restart) are not raised again by join()
+        # before (on the lost ps, or on its empty restart) are not raised again by join(),
+        # nor those of steps dispatched before that end later (the dispatcher counts restores)
+        self._restores += 1
         self._queue.errors = []
 
 

@@ -40,7 +40,7 @@ from stratagem.errors import ClusterConfigError, UnavailableError
 from stratagem.metrics.base import accept_worker_deltas
 from stratagem.ps.closures import ClosureNotCachedError, ClosurePickler
 from stratagem.rpc import RemoteError, RpcClient
-from stratagem.rpc.errors import AuthenticationError, RpcError
+from stratagem.rpc.errors import AuthenticationError, ClockSkewError, RpcError
 
 if TYPE_CHECKING:
     from stratagem.coordinator.coordinator import ClusterCoordinator
@@ -73,6 +73,7 @@ class _Queue:
         self._seqs: list[int] = []         # heap of the unfinished closures' seqs (lazily pruned)
         self._done: set[int] = set()
         self._closed: BaseException | None = None
+        self._next = 0                     # one more than the newest seq put
         self.errors: list[BaseException] = []
 
     def put(self, closure: _Closure, *, front: bool = False, new: bool = True,
@@ -89,6 +90,7 @@ class _Queue:
             if new:
                 self._unfinished += 1
                 heapq.heappush(self._seqs, closure.seq)
+                self._next = max(self._next, closure.seq + 1)
             if self._closed is not None:
                 self._fail(closure, self._closed)
                 return
@@ -133,11 +135,11 @@ class _Queue:
 
     @property
     def floor(self) -> int:
-        """The smallest seq of an unfinished closure (every older one has finished)."""
+        """The smallest seq of an unfinished closure, or of the next one (every older one has finished)."""
         with self._cond:
             while self._seqs and self._seqs[0] in self._done:
                 self._done.discard(heapq.heappop(self._seqs))
-            return self._seqs[0] if self._seqs else 0
+            return self._seqs[0] if self._seqs else self._next
 
     def wait_idle(self, check: Callable[[], None], deadline: float | None = None) -> bool:
         """Wait until nothing is unfinished (True) or ``deadline`` (monotonic) passes (False)."""
@@ -189,7 +191,7 @@ class _Worker:
 
     def _ping(self, timeout: float) -> bool:
         try:
-            answer = self.client.call("ping", None, timeout=timeout)
+            answer = self.client.call("ping", {"coordinator": self.coordinator.id}, timeout=timeout)
         except AuthenticationError as error:
             raise self._token_error(error) from error
         except ClusterConfigError as error:   # the address serves a task of another name
@@ -213,6 +215,8 @@ class _Worker:
         return True
 
     def _token_error(self, error: AuthenticationError) -> AuthenticationError:
+        if isinstance(error, ClockSkewError):   # says the cause first (the clocks) and names the worker
+            return error
         return AuthenticationError(
             f"{self.who} refused the coordinator's requests or its replies failed the check: its "
             "cluster token (STRATAGEM_CLUSTER_TOKEN) differs from the coordinator's. Every task of a "
@@ -247,7 +251,7 @@ class _Worker:
             closure.value._set_error(lost)
             queue.finished(closure, lost)
             return
-        generation = coordinator._ps_watch.generation
+        generation, restores = coordinator._ps_watch.generation, coordinator._restores
         try:
             coordinator._wait_leased()
             self._prepare()
@@ -266,6 +270,10 @@ class _Worker:
                 raise
             if coordinator._ps_watch.generation != generation:   # it ran into a lost ps
                 error = coordinator._ps_watch.last_failure  # type: ignore[assignment]
+                if coordinator._restores != restores:   # raised and restored since: join() is past it
+                    closure.value._set_error(error)
+                    queue.finished(closure)
+                    return
             else:
                 error = coordinator._classify(error)
                 if coordinator._retry_for_ps(closure, error):   # a ps stalled: run it again

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from stratagem.errors import UnavailableError
 from stratagem.ps.client import ParameterServerClient
+from stratagem.ps.ownership import FencedError
 
 if TYPE_CHECKING:
     from stratagem.coordinator.coordinator import ClusterCoordinator
@@ -89,13 +90,18 @@ class PsWatchdog:
             self._expire_lost()
             return
         sent = time.monotonic()
-        request = {"coordinator": self.coordinator.id, "lease_s": self.lease_s, "sent_at": time.time()}
+        request = {"coordinator": self.coordinator.id, "lease_s": self.lease_s, "sent_at": time.time(),
+                   "floor": self.coordinator._queue.floor}   # older closures have finished
         calls = [client.rpc.call_async("renew_lease", request, timeout=2 * HEARTBEAT_SECONDS)
                  for client in self.clients]   # (a restarted ps: a hello and the call again)
         for i, call in enumerate(calls):
             try:
                 answer = call.result()
-            except Exception:  # noqa: BLE001 - not answering in time is what is judged below
+            except Exception as error:  # noqa: BLE001 - not answering in time is what is judged below
+                fenced = getattr(error, "remote_exception", None)
+                if isinstance(fenced, FencedError):   # another coordinator took this ps over
+                    self.coordinator.strategy.cluster.tenure.replaced(fenced)
+                    return
                 answer = None
             if answer is not None and self._check_incarnation(i, answer):
                 if answer.get("renewed"):

@@ -18,6 +18,10 @@ On the servers (``stratagem server``, ``server.py``, serves one task from TF_CON
 - ``worker.py`` -- :class:`~stratagem.ps.worker.WorkerService`, which runs closures with the
   worker's ``runtime.py`` (local copies of variables, pulls and pushes, datasets).
 
+Who drives the servers: ``ownership.py`` (on a ps: its owner, the coordinator whose requests
+it applies, and how a new one takes over) and ``tenure.py`` (on the coordinator: claiming every
+ps, renewing the claim, being refused while another live coordinator holds them).
+
 Shared: ``client.py`` (:class:`ParameterServerClient`, :func:`call_each`), ``variables.py``
 (where a variable lives; :class:`ShardedVariable`), ``partitioners.py`` (TensorFlow's
 FixedShards / MinSize / MaxSize partitioners), ``embedding.py`` (the lookup that moves only
@@ -33,9 +37,9 @@ import importlib
 from typing import Any
 
 __all__ = [
-    "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "OptimizerSpec",
-    "ParameterServer", "ParameterServerClient", "ParameterServerStrategy", "Partitioner",
-    "ShardedVariable", "call_each", "shard_sizes",
+    "CoordinatorConflictError", "FencedError", "FixedShardsPartitioner", "MaxSizePartitioner",
+    "MinSizePartitioner", "OptimizerSpec", "ParameterServer", "ParameterServerClient",
+    "ParameterServerStrategy", "Partitioner", "ShardedVariable", "call_each", "shard_sizes",
 ]
 
 _MODULES = {
@@ -44,6 +48,7 @@ _MODULES = {
     "OptimizerSpec": "shards", "ParameterServer": "service",
     "ParameterServerClient": "client", "call_each": "client",
     "ParameterServerStrategy": "strategy", "ShardedVariable": "variables",
+    "CoordinatorConflictError": "ownership", "FencedError": "ownership",
 }
 
 

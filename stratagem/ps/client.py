@@ -12,8 +12,10 @@ Example::
     >>> import torch
     >>> from stratagem.ps import ParameterServer, ParameterServerClient
     >>> from stratagem.rpc import RpcServer
-    >>> server = RpcServer("127.0.0.1:0", ParameterServer(name="ps 0").handlers(), "token").start()
-    >>> client = ParameterServerClient(server.address, "token", task="ps 0")
+    >>> import secrets
+    >>> token = secrets.token_urlsafe(32)
+    >>> server = RpcServer("127.0.0.1:0", ParameterServer(name="ps 0").handlers(), token).start()
+    >>> client = ParameterServerClient(server.address, token, task="ps 0")
     >>> client.call("create", var_id="dense/kernel", value=torch.zeros(2, 2),
     ...             optimizer_spec=(torch.optim.SGD, {"lr": 0.5}))
     >>> client.call("push", grads={"dense/kernel": torch.ones(2, 2)})
@@ -30,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from stratagem.ps.ownership import CHANGES
 from stratagem.rpc.client import RpcClient
 from stratagem.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S
 
@@ -41,13 +44,17 @@ class ParameterServerClient:
 
     ``task`` ("ps 0") names it in errors, and the server there must go by that name (see
     :class:`~stratagem.rpc.client.RpcClient`); without it, any server is accepted.
+    ``coordinator``: the id of the coordinator this client speaks for; requests that change
+    the ps name it (a ps owned by a coordinator refuses the others', see
+    :mod:`stratagem.ps.ownership`).
     """
 
     def __init__(self, address: str, token: str, *, task: str | None = None,
                  default_timeout: float = DEFAULT_TIMEOUT_S,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, coordinator: str | None = None) -> None:
         self.rpc = RpcClient(address, token, task=task, default_timeout=default_timeout,
                              max_message_bytes=max_message_bytes)
+        self.coordinator = coordinator
 
     @property
     def task(self) -> str:
@@ -60,6 +67,8 @@ class ParameterServerClient:
              **kwargs: Any) -> Any:
         """Runs ``method(**kwargs)`` on the ps and returns its result (``writable_reply``:
         see :meth:`stratagem.rpc.RpcClient.call`)."""
+        if self.coordinator is not None and method in CHANGES:
+            kwargs.setdefault("coordinator", self.coordinator)
         return self.rpc.call(method, kwargs, timeout=timeout, writable_reply=writable_reply)
 
     def wait_ready(self, timeout: float = 10.0) -> None:
@@ -107,8 +116,9 @@ def call_each(calls: Sequence[tuple[ParameterServerClient, str, Mapping[str, Any
         >>> import torch
         >>> from stratagem.ps import ParameterServer, ParameterServerClient, call_each
         >>> from stratagem.rpc import RpcServer
-        >>> servers = [RpcServer("127.0.0.1:0", ParameterServer().handlers(), "t").start() for _ in range(2)]
-        >>> clients = [ParameterServerClient(s.address, "t", task=f"ps {i}") for i, s in enumerate(servers)]
+        >>> import secrets; token = secrets.token_urlsafe(32)
+        >>> servers = [RpcServer("127.0.0.1:0", ParameterServer().handlers(), token).start() for _ in range(2)]
+        >>> clients = [ParameterServerClient(s.address, token, task=f"ps {i}") for i, s in enumerate(servers)]
         >>> call_each([(c, "create", {"var_id": "v", "value": torch.full((2,), float(i))})
         ...            for i, c in enumerate(clients)])
         [None, None]

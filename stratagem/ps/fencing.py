@@ -32,7 +32,12 @@ compares the renewal's sending time with its own clock, relative to the smallest
 difference seen recently (so the hosts' clocks need not agree, only not jump). The
 coordinator declares a ps lost only after ``ps_timeout`` seconds without a renewal, twice
 the lease, so by then the lease has run out on the ps and pushes are refused
-(:class:`LeaseExpiredError`).
+(:class:`LeaseExpiredError`). Renewals carry the floor too, so that once the variables were
+restored after a loss, a late push of a closure that had already failed is refused.
+
+Fences are per coordinator, and a ps serves one coordinator at a time
+(:mod:`stratagem.ps.ownership`): when a new coordinator takes the ps over, the old one's
+table is dropped and its pushes are refused (``FencedError``) before a fence is looked at.
 
 Example::
 
@@ -146,16 +151,21 @@ class Fences:
         self._coordinators.move_to_end(coordinator)
         return entry
 
-    def renew(self, coordinator: str, *, lease_s: float, sent_at: float) -> bool:
+    def renew(self, coordinator: str, *, lease_s: float, sent_at: float, floor: int | None = None) -> bool:
         """Extends ``coordinator``'s lease to ``lease_s`` seconds from when the renewal was
         sent (``sent_at``: the sender's ``time.time()``); False when the renewal came too
-        late to extend it."""
+        late to extend it. ``floor``: every closure older than it has finished (its late
+        pushes are refused from now on, as a fence's floor says)."""
         if not (isinstance(lease_s, (int, float)) and lease_s > 0 and isinstance(sent_at, (int, float))):
             raise InvalidArgumentError(f"renew_lease needs lease_s > 0 and sent_at, got {lease_s!r}, {sent_at!r}.")
+        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, int) or floor < 0):
+            raise InvalidArgumentError(f"renew_lease: floor must be an int >= 0, got {floor!r}.")
         delay = time.time() - sent_at            # one-way delay plus the clocks' offset
         now = time.monotonic()
         with self._lock:
             entry = self._entry(coordinator)
+            if floor is not None:
+                self._raise_floor(entry, floor)
             entry.delays.append(delay)
             late = delay - min(entry.delays)     # how long this renewal waited on the way
             until = now + lease_s - late
@@ -164,6 +174,19 @@ class Fences:
             entry.lease_until = max(entry.lease_until, until)
             entry.renewed = True
             return True
+
+    @staticmethod
+    def _raise_floor(entry: _Coordinator, floor: int) -> None:   # holding the lock
+        if floor > entry.floor:
+            entry.floor = floor
+            for closure in [c for c in entry.closures if c < floor]:
+                del entry.closures[closure]
+
+    def forget(self, coordinator: str) -> None:
+        """Drops what this ps knew of ``coordinator`` (another one took the ps over): its
+        lease is gone, and its pushes are refused before they get here."""
+        with self._lock:
+            self._coordinators.pop(coordinator, None)
 
     def expire(self, coordinator: str) -> None:
         """Ends ``coordinator``'s lease now (it is shutting down, or has declared this ps lost)."""
@@ -185,10 +208,7 @@ class Fences:
                 raise LeaseExpiredError(
                     f"closure {fence.closure} of coordinator {fence.coordinator}: {why}; the update "
                     "is not applied (the coordinator runs the step again, or fails it)")
-            if fence.floor > entry.floor:
-                entry.floor = fence.floor
-                for closure in [c for c in entry.closures if c < fence.floor]:
-                    del entry.closures[closure]
+            self._raise_floor(entry, fence.floor)
             if fence.closure < entry.floor:
                 raise SupersededError(
                     f"closure {fence.closure} of coordinator {fence.coordinator} has finished: "

@@ -45,6 +45,7 @@ from stratagem.cluster.joined import mark_joined
 from stratagem.errors import InvalidArgumentError, UnavailableError
 from stratagem.ps.checkpointing import checkpoint_handlers
 from stratagem.ps.fencing import Fence, Fences
+from stratagem.ps.ownership import Ownership, owned_handlers
 from stratagem.ps.shards import (OptimizerSpec, Rows, Shard, check_rows, check_spec, check_value,
                                  make_optimizer, nbytes)
 from stratagem.ps.sparse_update import (apply_row_update, dense_updates_warning,
@@ -72,6 +73,7 @@ class ParameterServer(ShardStates):
         self._started = time.time()
         self.incarnation = uuid.uuid4().hex   # a restarted ps is a new one: its variables are gone
         self.fences = Fences()
+        self.ownership = Ownership(name)   # which coordinator may change this ps
         self._warned_dense: set[str] = set()   # variables told to take dense row updates
 
     # ------------------------------------------------------------------ variables
@@ -284,11 +286,30 @@ class ParameterServer(ShardStates):
         return {"name": self.name, "incarnation": self.incarnation, "time": time.time(),
                 "num_variables": len(self._variables), "uptime_s": time.time() - self._started}
 
-    def renew_lease(self, coordinator: str, lease_s: float, sent_at: float) -> dict[str, Any]:
+    def renew_lease(self, coordinator: str, lease_s: float, sent_at: float,
+                    floor: int | None = None) -> dict[str, Any]:
         """A coordinator's heartbeat: its closures' pushes are applied for ``lease_s`` more
-        seconds (see :mod:`stratagem.ps.fencing`). Answers as :meth:`ping`, plus whether
-        the lease was extended (not when the renewal arrived late)."""
-        return {**self.ping(), "renewed": self.fences.renew(coordinator, lease_s=lease_s, sent_at=sent_at)}
+        seconds, and closures older than ``floor`` have finished (see
+        :mod:`stratagem.ps.fencing`). Answers as :meth:`ping`, plus whether the lease was
+        extended (not when the renewal arrived late)."""
+        renewed = self.fences.renew(coordinator, lease_s=lease_s, sent_at=sent_at, floor=floor)
+        return {**self.ping(), "renewed": renewed}
+
+    def claim(self, identity: Mapping[str, Any], lease_s: float, replaces: str | None = None) -> dict[str, Any]:
+        """A coordinator claims this ps (see :mod:`stratagem.ps.ownership`); taking it over from
+        another one drops that one's variables and fences: the new one creates its own."""
+        with self.ownership.exclusive():
+            answer = self.ownership.claim(identity, lease_s, replaces)
+            if answer["previous"] is not None:
+                with self._registry_lock:
+                    answer["dropped"] = len(self._variables)
+                    self._variables.clear()
+                self._warned_dense.clear()
+                self.fences.forget(answer["previous"]["id"])
+                logger.log(logging.INFO if answer["why"] == "it released it" else logging.WARNING,
+                           "%s taken over by a new coordinator (%s) from %s: %s; its %d variables dropped",
+                           self.name, identity.get("id"), answer["previous"]["id"], answer["why"], answer["dropped"])
+        return answer
 
     def expire_lease(self, coordinator: str) -> None:
         """Ends a coordinator's lease at once (it shuts down): its closures apply nothing more."""
@@ -301,7 +322,7 @@ class ParameterServer(ShardStates):
             ops = {op: dict(counts) for op, counts in self._ops.items()}
         return {"name": self.name, "num_variables": len(self._variables),
                 "variable_bytes": sum(nbytes(var.param) for var in list(self._variables.values())),
-                "ops": ops, "fences": self.fences.stats(),
+                "ops": ops, "fences": self.fences.stats(), "owner": self.ownership.state(),
                 "bytes_in": sum(counts["bytes_in"] for counts in ops.values()),
                 "bytes_out": sum(counts["bytes_out"] for counts in ops.values())}
 
@@ -318,6 +339,9 @@ class ParameterServer(ShardStates):
         }
         handlers = {name: _keyword_handler(name, method) for name, method in methods.items()}
         handlers.update(checkpoint_handlers(self))   # write_shards
+        # A request that changes the ps must come from its owner (claim, hold...: ownership.py).
+        handlers = owned_handlers(self.ownership, handlers, self.claim,
+                                  refused=lambda method: self._count(f"{method}_fenced", 0, 0))
         # These copy the request's tensors into variables or read them as gradients: the
         # transport may hand them over as views of the received bytes, without a copy.
         for name in ("create", "push", "push_rows", "assign", "set_state"):

@@ -13,10 +13,17 @@ its tensors are refreshed from the ps when read after steps have run, ``state_di
 is one logical copy, and ``load_state_dict()`` pushes values back (re-creating them on a
 fresh ps), as do the optimizer's ``state_dict()`` / ``load_state_dict()``.
 Steps run on workers through :class:`~stratagem.ClusterCoordinator`.
+
+Making the strategy claims the parameter servers for this program (:mod:`stratagem.ps.tenure`):
+one coordinator drives them at a time. A program started while another one drives them is
+refused (``CoordinatorConflictError`` naming it); one started after the previous one ended --
+cleanly, killed, or crashed -- takes them over: the old variables are dropped, its own are
+created fresh, and it restores them from its checkpoint if it has one.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -26,7 +33,9 @@ from stratagem.comm.replicas import ReplicaCollective
 from stratagem.devices import Device, Topology
 from stratagem.errors import ClusterConfigError, ContextError, InvalidArgumentError
 from stratagem.ps.client import ParameterServerClient
+from stratagem.ps.ownership import CoordinatorIdentity
 from stratagem.ps.placement import STARTUP_TIMEOUT_SECONDS, ParameterServerPlacement
+from stratagem.ps.tenure import Tenure
 from stratagem.rpc.auth import cluster_token
 from stratagem.strategies.base import Strategy
 
@@ -36,12 +45,14 @@ __all__ = ["ParameterServerCluster", "ParameterServerStrategy"]
 @dataclass(frozen=True)
 class ParameterServerCluster:
     """What a :class:`~stratagem.ClusterCoordinator` needs from its strategy: the tasks to
-    reach and the token that proves cluster membership (never shown in ``repr``)."""
+    reach, the token that proves cluster membership (never shown in ``repr``), and this
+    program's tenure over the parameter servers (:class:`~stratagem.ps.tenure.Tenure`)."""
 
     worker_addresses: tuple[str, ...]
     ps_addresses: tuple[str, ...]
     ps_clients: tuple[ParameterServerClient, ...]
     token: str
+    tenure: Tenure
 
     def __repr__(self) -> str:
         return (f"ParameterServerCluster(workers={list(self.worker_addresses)}, "
@@ -86,10 +97,16 @@ class ParameterServerStrategy(Strategy):
         self._resolver = cluster_resolver
         token = cluster_token()
         ps_addresses = tuple(spec.job_tasks("ps"))
-        clients = tuple(ParameterServerClient(a, token, task=f"ps {i}") for i, a in enumerate(ps_addresses))
+        identity = CoordinatorIdentity.current()   # the requests that change a ps name it
+        clients = tuple(ParameterServerClient(a, token, task=f"ps {i}", coordinator=identity.id)
+                        for i, a in enumerate(ps_addresses))
         for client in clients:  # the ps tasks may still be starting: wait for them
             client.wait_ready(timeout=STARTUP_TIMEOUT_SECONDS)
-        self.cluster = ParameterServerCluster(tuple(spec.job_tasks("worker")), ps_addresses, clients, token)
+        tenure = Tenure(identity, clients)
+        tenure.take()   # this program drives them now (or a live coordinator does: refused)
+        weakref.finalize(self, tenure.release)
+        self.cluster = ParameterServerCluster(tuple(spec.job_tasks("worker")), ps_addresses, clients, token,
+                                              tenure)
         if getattr(cluster_resolver, "task_type", None) == "chief":
             mark_joined("chief")   # (for stratagem launch's join timeout: the coordinator reached its servers)
         topology = Topology((Device("cpu", 0),))

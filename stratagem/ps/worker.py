@@ -22,6 +22,10 @@ worker does not hold (evicted, or the worker restarted) raises
 :class:`~stratagem.ps.closures.ClosureNotCachedError`, and the coordinator sends the
 function again. A ``run`` request also carries the per-worker datasets and iterators
 the coordinator's program dropped (``release``): the runtime forgets them.
+
+Workers outlive coordinators: when a coordinator never seen before pings (it took the
+cluster over from an earlier one), the worker starts a fresh runtime and closure cache for
+it, so nothing of the earlier coordinator's datasets, functions or variables stays behind.
 """
 
 from __future__ import annotations
@@ -75,11 +79,15 @@ class WorkerService:
         ps = list(spec.job_tasks("ps")) if "ps" in spec.jobs else []
         workers = spec.num_tasks("worker") if "worker" in spec.jobs else 1
         self.incarnation = uuid.uuid4().hex
-        self.runtime = WorkerRuntime(ps, cluster_token(), num_workers=workers, worker_index=task.task_id)
+        self._new_runtime = lambda: WorkerRuntime(ps, cluster_token(), num_workers=workers,
+                                                  worker_index=task.task_id)
+        self.runtime = self._new_runtime()
         # key -> (function, the variables it mentions, the metrics it mentions); least recently used first
         self._closures: collections.OrderedDict[str, tuple[Callable, list[str], list[Metric]]] = \
             collections.OrderedDict()
         self._lock = threading.Lock()
+        self._coordinators: collections.deque[str] = collections.deque(maxlen=16)   # ids seen, newest last
+        self._swap = threading.Lock()
 
     def handlers(self) -> dict[str, Callable[[Any], Any]]:
         # A closure and its arguments, or a dataset function, may be large (captured tensors).
@@ -87,44 +95,65 @@ class WorkerService:
                 "create_dataset": large_requests(decodes_request(self.create_dataset))}
 
     def ping(self, request: Any = None) -> dict:
-        """Who this is (a new process has a new incarnation), and the sizes of its caches."""
+        """Who this is (a new process has a new incarnation), and the sizes of its caches.
+        A coordinator's ping names it (``{"coordinator": id}``): see :meth:`_meet`."""
+        if isinstance(request, dict) and isinstance(request.get("coordinator"), str):
+            self._meet(request["coordinator"])
         return {"kind": "worker", "incarnation": self.incarnation, "closures": len(self._closures),
                 "datasets": len(self.runtime.datasets), "iterators": len(self.runtime.iterators)}
 
+    def _meet(self, coordinator: str) -> None:
+        """A coordinator pings before it sends work. One never seen before has taken the cluster
+        over: what the earlier ones left here (datasets, iterators, functions, copies of
+        variables whose ids the new one may reuse for other shapes) is dropped, in one swap;
+        a run of an earlier one still going keeps the runtime it started with."""
+        with self._swap:
+            if coordinator in self._coordinators:
+                return
+            if self._coordinators:
+                self.runtime, self._closures = self._new_runtime(), collections.OrderedDict()
+            self._coordinators.append(coordinator)
+
+    def _current(self) -> tuple[WorkerRuntime, collections.OrderedDict]:
+        with self._swap:
+            return self.runtime, self._closures
+
     def create_dataset(self, message: bytes) -> None:
-        request = ClosureUnpickler(message, self.runtime).load()
+        runtime, _ = self._current()
+        request = ClosureUnpickler(message, runtime).load()
         with self._lock:
-            self.runtime.create_dataset(request["dataset_id"], request["dataset_fn"])
+            runtime.create_dataset(request["dataset_id"], request["dataset_fn"])
 
     def run(self, message: bytes) -> Any:
-        unpickler = ClosureUnpickler(message, self.runtime)
+        runtime, closures = self._current()
+        unpickler = ClosureUnpickler(message, runtime)
         request = unpickler.load()
         key = request["key"]
         with self._lock:
             for dataset_id, iterator_id in request.get("release", ()):
-                self.runtime.release(dataset_id, iterator_id)
+                runtime.release(dataset_id, iterator_id)
             if request.get("fn") is not None:
-                self._closures[key] = (request["fn"], unpickler.var_ids, unpickler.metrics)
-            entry = self._closures.get(key)
+                closures[key] = (request["fn"], unpickler.var_ids, unpickler.metrics)
+            entry = closures.get(key)
             if entry is None:
                 raise ClosureNotCachedError(f"closure {key} is not cached on this worker (evicted from its "
                                             f"cache of {self.closure_cache_size}, or the worker restarted)")
-            self._closures.move_to_end(key)
-            while len(self._closures) > self.closure_cache_size:
-                self._closures.popitem(last=False)
+            closures.move_to_end(key)
+            while len(closures) > self.closure_cache_size:
+                closures.popitem(last=False)
         fn, closure_vars, closure_metrics = entry
         mark_joined(self.name)   # (for stratagem launch's check that the worker was used)
         args, kwargs = request["args"], request["kwargs"]
         with self._lock, label("stratagem.ps.closure"):
             var_ids = closure_vars + unpickler.var_ids
-            self.runtime.pull_dense(var_ids)
-            self.runtime.begin_closure(request.get("fence"))
-            versions = self.runtime.buffer_versions(var_ids)
+            runtime.pull_dense(var_ids)
+            runtime.begin_closure(request.get("fence"))
+            versions = runtime.buffer_versions(var_ids)
             metrics = list(dict.fromkeys(closure_metrics + unpickler.metrics))   # (one object per metric)
             worker_deltas(metrics)   # (empty them: a failed run may have left updates)
             with torch.enable_grad():
                 result = fn(*args, **kwargs)
-            written = self.runtime.buffers_written(versions)
+            written = runtime.buffers_written(versions)
             deltas = worker_deltas(metrics)
         return {"result": map_structure(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, result),
                 "buffers_written": written, "metrics": deltas}

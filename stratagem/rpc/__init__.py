@@ -24,8 +24,10 @@ Example::
 
     >>> import torch
     >>> from stratagem.rpc import RpcClient, RpcServer
-    >>> server = RpcServer("127.0.0.1:0", {"double": lambda t: 2 * t}, "token").start()
-    >>> client = RpcClient(server.address, "token", task="demo")
+    >>> import secrets
+    >>> token = secrets.token_urlsafe(32)   # the same in every task: STRATAGEM_CLUSTER_TOKEN
+    >>> server = RpcServer("127.0.0.1:0", {"double": lambda t: 2 * t}, token).start()
+    >>> client = RpcClient(server.address, token, task="demo")
     >>> client.call("double", torch.ones(2))
     tensor([2., 2.])
     >>> client.close(); server.stop()
@@ -33,7 +35,7 @@ Example::
 
 from stratagem.rpc.auth import TOKEN_VARIABLE, Authenticator, cluster_token
 from stratagem.rpc.codec import decode, encode
-from stratagem.rpc.errors import (AuthenticationError, CodecError, MessageTooLargeError,
+from stratagem.rpc.errors import (AuthenticationError, ClockSkewError, CodecError, MessageTooLargeError,
                                   RemoteError, RpcError)
 from stratagem.rpc.client import RpcClient
 from stratagem.rpc.server import Handler, RpcServer
@@ -41,6 +43,6 @@ from stratagem.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "TOKEN_VARIABLE", "AuthenticationError", "Authenticator",
-    "CodecError", "Handler", "MessageTooLargeError", "RemoteError", "RpcClient", "RpcError",
+    "ClockSkewError", "CodecError", "Handler", "MessageTooLargeError", "RemoteError", "RpcClient", "RpcError",
     "RpcServer", "cluster_token", "decode", "encode",
 ]

@@ -1,9 +1,9 @@
 """Proof of the cluster token on every message, checked before a request's body is read.
 
 Cluster processes accept work only from members of their own cluster, which
-share a secret, ``STRATAGEM_CLUSTER_TOKEN`` (the launcher makes one per job; one read from
-the environment must be random and at least 32 characters long, see
-:func:`check_token_strength`). The token itself never travels. Every request carries, in
+share a secret, ``STRATAGEM_CLUSTER_TOKEN`` (the launcher makes one per job; every token,
+from the environment or given to a server or client, must be random: at least 96 bits by
+the estimate of :mod:`stratagem.rpc.tokens`). The token itself never travels. Every request carries, in
 gRPC metadata:
 
 - ``sg-ts``: the sender's wall-clock time in milliseconds;
@@ -31,7 +31,9 @@ reads a byte of the body (:meth:`Authenticator.verify_header`):
 
 1. every field is present and well formed;
 2. the timestamp is within ``max_skew_s`` (default 5 minutes) of the server's clock --
-   cluster hosts need roughly synchronised clocks;
+   cluster hosts need roughly synchronised clocks; a request outside is refused with
+   :class:`~stratagem.rpc.errors.ClockSkewError`, whose message opens with the two clocks
+   (the server also sends its time, ``sg-clock``, so that the client's error can say it);
 3. ``sg-mac`` matches (compared in constant time): the fields come from a token holder;
 4. ``sg-to`` is this server's name: a request captured on its way to another server of the
    cluster is refused;
@@ -60,7 +62,8 @@ travel in clear (plain HTTP/2). Run clusters on a private network.
 Example::
 
     >>> from stratagem.rpc.auth import Authenticator
-    >>> sender, receiver = Authenticator("s3cret"), Authenticator("s3cret")
+    >>> token = "3d5b0f7e9a1c4d2b8e6f0a3c5d7b9e1f"   # secrets.token_hex(16), say
+    >>> sender, receiver = Authenticator(token), Authenticator(token)
     >>> metadata = dict(sender.sign_request("pull", b"body", to="ps 0", incarnation="1a2b"))
     >>> receiver.verify_header("pull", metadata, to="ps 1", incarnation="1a2b")
     Traceback (most recent call last):
@@ -89,13 +92,15 @@ from dataclasses import dataclass
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
-from stratagem.rpc.errors import AuthenticationError, WrongServerError
+from stratagem.rpc.errors import AuthenticationError, ClockSkewError, WrongServerError
+from stratagem.rpc.tokens import MAKE_TOKEN, MIN_TOKEN_BITS, check_token_strength
 
-__all__ = ["Authenticator", "MIN_TOKEN_CHARS", "RequestHeader", "TOKEN_VARIABLE",
+__all__ = ["Authenticator", "MIN_TOKEN_BITS", "RequestHeader", "TOKEN_VARIABLE",
            "check_token_strength", "cluster_token"]
 
 TOKEN_VARIABLE = "STRATAGEM_CLUSTER_TOKEN"
 TIMESTAMP_KEY, NONCE_KEY, MAC_KEY, IV_KEY = "sg-ts", "sg-nonce", "sg-mac", "sg-iv"
+CLOCK_KEY = "sg-clock"   # a refusal for the time: "<server's time in ms>,<its max skew in ms>"
 TO_KEY, INCARNATION_KEY, LENGTH_KEY, TAG_KEY = "sg-to", "sg-inc", "sg-len", "sg-tag"
 _REQUEST_KEYS = (TIMESTAMP_KEY, NONCE_KEY, TO_KEY, INCARNATION_KEY, LENGTH_KEY, TAG_KEY, MAC_KEY)
 DEFAULT_MAX_SKEW_S = 300.0
@@ -104,16 +109,12 @@ _TAG_HEX = 32        # the 128-bit GMAC tag
 _REQUEST, _REPLY = b"request", b"reply"
 
 
-MIN_TOKEN_CHARS = 32        # 128 bits as hex, the launcher's kind (it makes 64 hex digits)
-MIN_TOKEN_DISTINCT = 8      # a long run of a few characters ("aaaa...") is not a secret
-_MAKE_TOKEN = "python -c \"import secrets; print(secrets.token_hex(32))\""
-
-
 def cluster_token(environ: Mapping[str, str] | None = None) -> str:
     """The cluster token from ``STRATAGEM_CLUSTER_TOKEN``; a clear error when it is unset or weak.
 
     Every task reads the token here (the coordinator's strategy, ``stratagem server``, the
-    workers), so a weak token stops the task at start-up; see :func:`check_token_strength`.
+    workers), so a weak token stops the task at start-up; see
+    :func:`~stratagem.rpc.tokens.check_token_strength`.
     """
     env = os.environ if environ is None else environ
     token = env.get(TOKEN_VARIABLE, "")
@@ -122,32 +123,23 @@ def cluster_token(environ: Mapping[str, str] | None = None) -> str:
             f"{TOKEN_VARIABLE} is not set: every task of a cluster must be given the same "
             "secret token, which proves to the others that it belongs to the cluster. "
             "`stratagem launch` sets it for local clusters; on a real cluster create one "
-            f"with `{_MAKE_TOKEN}` and put it in the environment of every task "
+            f"with `{MAKE_TOKEN}` and put it in the environment of every task "
             "(coordinator, workers, parameter servers).")
-    check_token_strength(token)
+    check_token_strength(token, source=TOKEN_VARIABLE)
     return token
 
 
-def check_token_strength(token: str) -> None:
-    """Raises ClusterConfigError unless ``token`` is strong enough to keep others out.
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
 
-    Anyone who guesses the token can run code on every task of the cluster, so it must be
-    random: at least ``MIN_TOKEN_CHARS`` characters (128 bits as hex digits) with at least
-    ``MIN_TOKEN_DISTINCT`` different ones. A random token passes (the chance that 32 random
-    hex digits have fewer than 8 different ones is below 1e-7); "secret" or "aaaa..." does
-    not. The message gives the token's length, never the token.
-    """
-    distinct = len(set(token))
-    if len(token) >= MIN_TOKEN_CHARS and distinct >= MIN_TOKEN_DISTINCT:
-        return
-    what = (f"{len(token)} character{'s' * (len(token) != 1)}" if len(token) < MIN_TOKEN_CHARS
-            else f"only {distinct} different character{'s' * (distinct != 1)}")
-    raise ClusterConfigError(
-        f"{TOKEN_VARIABLE} is too weak: it has {what}, and a cluster token needs at least "
-        f"{MIN_TOKEN_CHARS} characters with at least {MIN_TOKEN_DISTINCT} different ones "
-        "(128 random bits), because whoever guesses it can run code on every task. Make a "
-        f"random one with `{_MAKE_TOKEN}` and give the same one to every task "
-        "(`stratagem launch` makes one per job).")
+
+def skew_message(offset_s: float, here_s: float, max_skew_s: float, here: str, there: str) -> str:
+    """Why a request was refused for the time it was signed at, opening with the cause:
+    ``here``'s clock (reading ``here_s``) is ``offset_s`` seconds ahead of ``there``'s."""
+    return (f"the clocks of {here} and {there} differ by {abs(offset_s):.0f} s ({here} reads "
+            f"{_utc(here_s)}, {there} {_utc(here_s - offset_s)}), more than the {max_skew_s:.0f} s "
+            f"a cluster allows between a request's signature and its check: synchronise the hosts' "
+            f"clocks (NTP: chrony or systemd-timesyncd on every host); the cluster token is not in question")
 
 
 def _field(value: str) -> bytes:
@@ -210,14 +202,18 @@ class RequestHeader:
 class Authenticator:
     """Signs and checks messages with the cluster token (GMAC over bodies, HMAC-SHA256 over the rest).
 
-    One per server or client; thread-safe. The token must be the same in every task.
+    One per server or client; thread-safe. The token must be the same in every task, and
+    random: a weak one (see :func:`~stratagem.rpc.tokens.check_token_strength`) is refused
+    with ClusterConfigError, so every :class:`~stratagem.rpc.server.RpcServer` and
+    :class:`~stratagem.rpc.client.RpcClient` applies the same rule as the environment's token.
     """
 
     def __init__(self, token: str, *, max_skew_s: float = DEFAULT_MAX_SKEW_S) -> None:
-        if not isinstance(token, str) or not token:
+        if not isinstance(token, str):
             raise InvalidArgumentError(
-                f"the cluster token must be a non-empty string, got {type(token).__name__}; "
+                f"the cluster token must be a string, got {type(token).__name__}; "
                 f"use stratagem.rpc.cluster_token() to read {TOKEN_VARIABLE}.")
+        check_token_strength(token, source="the cluster token given to this server or client")
         if not max_skew_s > 0:
             raise InvalidArgumentError(f"max_skew_s must be > 0 seconds, got {max_skew_s!r}.")
         secret = token.encode("utf-8")
@@ -230,6 +226,11 @@ class Authenticator:
 
     def __repr__(self) -> str:   # never show the token
         return "Authenticator(token=<hidden>)"
+
+    def clock_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What a server adds to its refusal of a request signed outside the skew window:
+        its time and window, so that the caller's error can name both clocks."""
+        return ((CLOCK_KEY, f"{int(time.time() * 1000)},{self._max_skew_ms}"),)
 
     def _tag(self, kind: bytes, iv_hex: str, body: bytes | memoryview) -> str:
         """The GMAC tag of ``body`` with IV ``iv_hex`` (already checked as hex), hex."""
@@ -275,11 +276,10 @@ class Authenticator:
         if not (_is_count(length) and _is_hex(tag, _TAG_HEX)):
             raise AuthenticationError("malformed body length or tag")
         now = time.time()
-        skew_ms = abs(int(now * 1000) - int(stamp))
-        if skew_ms > self._max_skew_ms:
-            raise AuthenticationError(
-                f"stale or future timestamp ({skew_ms / 1000:.0f} s from this host's clock, "
-                f"more than {self._max_skew_ms / 1000:.0f} s): synchronise the hosts' clocks")
+        offset_ms = int(now * 1000) - int(stamp)
+        if abs(offset_ms) > self._max_skew_ms:
+            raise ClockSkewError(skew_message(offset_ms / 1000, now, self._max_skew_ms / 1000,
+                                              "this host", "the sender"), offset_s=offset_ms / 1000)
         expected = self._code(_REQUEST, method, stamp, nonce, sent_to, sent_incarnation, length, tag)
         if not hmac.compare_digest(expected, mac):
             raise AuthenticationError(

@@ -11,7 +11,9 @@ Failures on the caller: a dead, unreachable or silent peer raises
 :class:`stratagem.errors.UnavailableError` naming the task (gRPC ``UNAVAILABLE`` -- a killed
 peer is noticed in milliseconds -- or ``DEADLINE_EXCEEDED``: every call has a deadline,
 ``default_timeout`` unless given, since keepalive does not notice a stopped peer); a refused
-token :class:`~stratagem.rpc.errors.AuthenticationError`; an oversize message
+token :class:`~stratagem.rpc.errors.AuthenticationError` (:class:`~stratagem.rpc.errors.ClockSkewError`,
+naming both clocks, when the server refused the request for the time it was signed at); an
+oversize message
 :class:`~stratagem.rpc.errors.MessageTooLargeError`; an exception in the handler
 :class:`~stratagem.rpc.errors.RemoteError`, with the remote traceback.
 
@@ -39,9 +41,11 @@ import grpc
 from stratagem._profiling import label
 from stratagem.cluster.spec import validate_address
 from stratagem.errors import ClusterConfigError, InvalidArgumentError, UnavailableError
-from stratagem.rpc.auth import DEFAULT_MAX_SKEW_S, Authenticator
+from stratagem.rpc.auth import CLOCK_KEY, DEFAULT_MAX_SKEW_S, Authenticator, skew_message
 from stratagem.rpc.codec import Pickler, decode, encode
-from stratagem.rpc.errors import AuthenticationError, MessageTooLargeError, RemoteError, RpcError
+from stratagem.rpc.errors import (AuthenticationError, ClockSkewError, MessageTooLargeError, RemoteError,
+                                   RpcError)
+from stratagem.rpc.tokens import check_token_strength
 from stratagem.rpc.transport import (DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HELLO_METHOD,
                                      REPLY_OK, SERVICE, check_max_bytes, size_options)
 
@@ -57,6 +61,24 @@ def _check_timeout(timeout: float, name: str) -> float:
 def _left(deadline: float) -> float:
     """Seconds from now to ``deadline`` (monotonic); a millisecond at least, for gRPC."""
     return max(deadline - time.monotonic(), 1e-3)
+
+
+def _clock_refusal(err: grpc.RpcError, who: str, method: str) -> ClockSkewError | None:
+    """The ClockSkewError for a refusal that carries the server's clock (``sg-clock``), else None."""
+    try:
+        trailing = dict(err.trailing_metadata() or ())   # type: ignore[attr-defined]
+        server_ms, max_ms = (int(part) for part in trailing[CLOCK_KEY].split(","))
+    except Exception:   # no such metadata, or not ours: an ordinary refusal
+        return None
+    now = time.time()
+    offset = now - server_ms / 1000
+    if abs(offset) * 1000 <= max_ms:   # the clocks agree: the request itself was that old
+        return AuthenticationError(
+            f"{who} refused {method!r} as signed more than {max_ms / 1000:.0f} s before it was checked, "
+            f"though the two hosts' clocks agree within {abs(offset):.0f} s: the request waited that long "
+            "on its way (a stalled process or an overloaded server)")
+    return ClockSkewError(f"{skew_message(offset, now, max_ms / 1000, 'this host', who)}. ({who} refused "
+                          f"{method!r} for that.)", offset_s=-offset)
 
 
 def _is_stale(err: grpc.RpcError) -> bool:
@@ -108,7 +130,9 @@ class RpcClient:
     a deadline: its ``timeout`` or ``default_timeout`` seconds. Thread-safe: threads may
     share one client (calls are multiplexed over one HTTP/2 connection). Requests are
     pickled by ``pickler`` (a :class:`~stratagem.rpc.codec.Pickler` subclass may send some
-    objects by reference).
+    objects by reference). ``token`` must be random (the rule of
+    :func:`~stratagem.rpc.tokens.check_token_strength`, as for ``STRATAGEM_CLUSTER_TOKEN``):
+    a weak one raises ClusterConfigError.
     """
 
     def __init__(self, address: str, token: str, *, task: str | None = None,
@@ -124,6 +148,8 @@ class RpcClient:
         self._bind_lock = threading.Lock()
         self.default_timeout = _check_timeout(default_timeout, "default_timeout")
         self._max_bytes = check_max_bytes(max_message_bytes)
+        if isinstance(token, str):   # (a token of another type: Authenticator says so)
+            check_token_strength(token, source=f"the token given to RpcClient({address!r})")
         self._auth = Authenticator(token, max_skew_s=max_skew_s)
         self._channel = grpc.insecure_channel(address, options=size_options(self._max_bytes) + [
             ("grpc.initial_reconnect_backoff_ms", 100),
@@ -358,7 +384,8 @@ class RpcClient:
                 f"{who} refused {method!r} twice as addressed to another server or to an "
                 f"earlier run of it ({details}): it is restarting repeatedly.", task=self.task)
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            return AuthenticationError(f"{who} refused {method!r}: {details}")
+            skewed = _clock_refusal(err, who, method)
+            return skewed or AuthenticationError(f"{who} refused {method!r}: {details}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "takes requests of at most" in details:
             return MessageTooLargeError(f"{method!r} on {who}: {details}.")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:

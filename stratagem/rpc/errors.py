@@ -14,8 +14,8 @@ from typing import Any
 from stratagem._frames import is_users
 from stratagem.errors import StratagemError
 
-__all__ = ["AuthenticationError", "CodecError", "MessageTooLargeError", "RemoteError", "RpcError",
-           "WrongServerError", "describe_exception"]
+__all__ = ["AuthenticationError", "ClockSkewError", "CodecError", "MessageTooLargeError", "RemoteError",
+           "RpcError", "WrongServerError", "describe_exception"]
 
 
 class RpcError(StratagemError, RuntimeError):
@@ -32,6 +32,27 @@ class AuthenticationError(StratagemError, RuntimeError):
     Raised on the caller when a server refused its request, and when a reply fails the
     client's check; servers raise it internally and answer ``UNAUTHENTICATED``.
     """
+
+
+class ClockSkewError(AuthenticationError):
+    """A request was refused because the clocks of its sender and its server differ by more
+    than the cluster allows (``max_skew_s``, 5 minutes by default), not for its token.
+
+    ``offset_s`` is the server's clock minus the sender's, in seconds, where known (None
+    otherwise). The fix is on the hosts: synchronise their clocks (NTP: chrony or
+    systemd-timesyncd).
+    """
+
+    def __init__(self, message: str, *, offset_s: float | None = None) -> None:
+        super().__init__(message)
+        self.offset_s = offset_s
+
+    def __reduce__(self) -> tuple:   # travels pickled inside RemoteError, with its offset
+        return (_clock_skew_error, (str(self), self.offset_s))
+
+
+def _clock_skew_error(message: str, offset_s: float | None) -> ClockSkewError:
+    return ClockSkewError(message, offset_s=offset_s)
 
 
 class WrongServerError(AuthenticationError):

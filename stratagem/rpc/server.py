@@ -36,8 +36,9 @@ from stratagem.cluster.spec import is_wildcard_host, validate_address
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.rpc.auth import DEFAULT_MAX_SKEW_S, Authenticator
 from stratagem.rpc.codec import decode, encode
-from stratagem.rpc.errors import (AuthenticationError, MessageTooLargeError, RpcError, WrongServerError,
-                                   describe_exception)
+from stratagem.rpc.errors import (AuthenticationError, ClockSkewError, MessageTooLargeError, RpcError,
+                                   WrongServerError, describe_exception)
+from stratagem.rpc.tokens import check_token_strength
 from stratagem.rpc.transport import (DEFAULT_MAX_MESSAGE_BYTES, HELLO_METHOD, REPLY_ERROR, REPLY_OK,
                                      SERVICE, SMALL_REQUEST_BYTES, STATS_METHOD, check_max_bytes,
                                      server_options)
@@ -156,7 +157,9 @@ class RpcServer:
     decoded request and returns the reply; its exceptions travel to the caller. Handlers
     run on ``max_workers`` threads, so they must be thread-safe. ``name`` (e.g. "ps 0")
     appears in logs and in errors the callers see; requests must be addressed to it (the
-    address when not given), and to the server's :attr:`incarnation`.
+    address when not given), and to the server's :attr:`incarnation`. ``token`` must be
+    random (the rule of :func:`~stratagem.rpc.tokens.check_token_strength`, as for
+    ``STRATAGEM_CLUSTER_TOKEN``): a weak one raises ClusterConfigError.
     """
 
     def __init__(self, address: str, handlers: Mapping[str, Handler], token: str, *,
@@ -186,6 +189,8 @@ class RpcServer:
         self._requested = address
         self._handlers: dict[str, Handler] = {**handlers, STATS_METHOD: lambda _: self.stats(),
                                               HELLO_METHOD: lambda _: self._hello()}
+        if isinstance(token, str):   # (a token of another type: Authenticator says so)
+            check_token_strength(token, source=f"the token given to RpcServer({address!r})")
         self._auth = Authenticator(token, max_skew_s=max_skew_s)
         self._max_bytes = check_max_bytes(max_message_bytes)
         self._max_workers = max_workers
@@ -276,6 +281,8 @@ class RpcServer:
             self._refused += 1
         log = logger.info if isinstance(err, WrongServerError) else logger.warning
         log("%s refused a %r request from %s: %s", self.name, method[:100], context.peer(), err)
+        if isinstance(err, ClockSkewError):   # the caller's error names both clocks
+            context.set_trailing_metadata(self._auth.clock_metadata())
         context.abort(code, f"{self.name} refused the request: {err}")
         raise AssertionError("context.abort returns only by raising")
 

@@ -32,10 +32,10 @@ from stratagem import _context
 from stratagem.data.position import PositionedDataset, TrackedIterator
 from stratagem.errors import CheckpointError, ContextError, InvalidArgumentError
 from stratagem.placement.hooks import module_placement, placement_of
+from stratagem.training.background import BackgroundWriter
 from stratagem.training.chief_copy import ChiefCopy, open_checkpoint
 from stratagem.training.pieces import PlacedRestore, assemble
-from stratagem.training.storage import (BackgroundWriter, CheckpointReader, DirectoryWriter, check_loadable,
-                                        owned_copy)
+from stratagem.training.storage import CheckpointReader, DirectoryWriter, check_loadable, owned_copy, write_failure
 from stratagem.training.validate import problems_with
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
@@ -187,7 +187,10 @@ class Checkpoint:
         Every worker of a multi-worker strategy must call it; only the chief writes.
         ``blocking=False`` (one worker): returns once the state is copied in memory; a thread
         writes the files, and :meth:`wait` -- or the next ``save`` or ``restore`` -- waits for
-        it and raises what it raised.
+        it and raises what it raised. Raises CheckpointError, with the previous checkpoints
+        untouched, when the file system refuses the write (full, read-only) and when another
+        live process writes the same series of checkpoints in that directory (the writer
+        takes a lock there, held while this Checkpoint lives: :mod:`~stratagem.training.writer_lock`).
         """
         self._check_context("save")
         self.wait()
@@ -235,7 +238,10 @@ class Checkpoint:
 
     def _write(self, path: Path, objects: dict[str, Any], kinds: dict[str, str], positions: dict[str, list],
                strategy: Any, blocking: bool = True) -> Path:
-        writer = DirectoryWriter(path) if blocking else BackgroundWriter(path, self._staging)
+        try:   # (takes the directory's writer lock, held while this Checkpoint lives)
+            writer = DirectoryWriter(path, self) if blocking else BackgroundWriter(path, self._staging, self)
+        except OSError as err:   # a read-only or full file system: said as such
+            raise write_failure(path, err) from err
         if not blocking:
             object.__setattr__(self, "_pending", writer)
         try:
@@ -245,8 +251,11 @@ class Checkpoint:
                     "num_workers": strategy.topology.num_workers, "torch": torch.__version__,
                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             return writer.commit(entries, info)
-        except BaseException:
+        except BaseException as err:
             writer.abort()
+            cause = err if isinstance(err, OSError) else getattr(err, "remote_exception", None)  # (a ps's)
+            if isinstance(cause, OSError):
+                raise write_failure(path, cause) from err
             raise
 
     def _write_object(self, writer: DirectoryWriter, name: str, obj: Any, kind: str, positions: dict[str, list],

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from stratagem.errors import CheckpointError, InvalidArgumentError
 from stratagem.training.checkpoint import Checkpoint
-from stratagem.training.storage import MANIFEST, remove_stale_temporaries
+from stratagem.training.storage import MANIFEST, remove_stale_temporaries, write_failure
+from stratagem.training.writer_lock import hold_writer_lock, release_writer_lock, series_of
 
 __all__ = ["CheckpointManager", "latest_checkpoint"]
 
@@ -62,6 +63,7 @@ class CheckpointManager:
         self.max_to_keep = max_to_keep
         self._pattern = re.compile(rf"^{re.escape(checkpoint_name)}-(\d+)$")
         self._name = checkpoint_name
+        self._series = series_of(f"{checkpoint_name}-1")   # whose lock the writer holds (writer_lock.py)
 
     def _numbered(self) -> list[tuple[int, Path]]:
         if not self.directory.is_dir():
@@ -95,12 +97,25 @@ class CheckpointManager:
         if not isinstance(checkpoint_number, int) or checkpoint_number < 0:
             raise InvalidArgumentError(f"checkpoint_number must be a non-negative int, got {checkpoint_number!r}")
         savers = self.checkpoint.strategy.checkpoint_collective
-        if savers.num_workers > 1:   # the chief's listing decides the name
-            checkpoint_number = savers.broadcast_object(checkpoint_number)
-        if self.checkpoint.is_writer:
-            self.finished_mark.unlink(missing_ok=True)
+        target = self.directory / f"{self._name}-{checkpoint_number}"
+        problem = None
+        if self.checkpoint.is_writer:   # this directory's writer (refused while another lives), not finished
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                hold_writer_lock(self.directory, self._series, self.checkpoint, str(target))
+                self.finished_mark.unlink(missing_ok=True)
+            except OSError as err:
+                problem = write_failure(target, err)
+            except CheckpointError as err:
+                problem = err
         else:   # the chief writes; the directory exists on every worker (a tutorial's temporary one too)
             self.directory.mkdir(parents=True, exist_ok=True)
+        if savers.num_workers > 1:   # the chief's listing decides the name; its failure stops every worker
+            checkpoint_number, said = savers.broadcast_object((checkpoint_number, problem and str(problem)))
+            if said is not None and problem is None:
+                raise CheckpointError(f"the chief could not write the checkpoint: {said}")
+        if problem is not None:
+            raise problem
         path = self.checkpoint.save(self.directory / f"{self._name}-{checkpoint_number}")
         if self.checkpoint.is_writer:
             remove_stale_temporaries(self.directory, f"{self._name}-")
@@ -126,9 +141,14 @@ class CheckpointManager:
         mark = {"last_checkpoint": numbered[-1][1].name if numbered else None,
                 "last_number": numbered[-1][0] if numbered else None}
         temporary = self.finished_mark.with_name(f"{self.finished_mark.name}.tmp-{secrets.token_hex(4)}")
-        self.directory.mkdir(parents=True, exist_ok=True)
-        temporary.write_text(json.dumps(mark))
-        os.replace(temporary, self.finished_mark)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            hold_writer_lock(self.directory, self._series, self.checkpoint, str(self.finished_mark))
+            temporary.write_text(json.dumps(mark))
+            os.replace(temporary, self.finished_mark)
+        except OSError as err:
+            temporary.unlink(missing_ok=True)
+            raise write_failure(self.finished_mark, err) from err
 
     def restore_or_initialize(self) -> str | None:
         """Restore the newest good checkpoint and return its path; None when there is none.
@@ -164,9 +184,12 @@ class CheckpointManager:
         if savers.num_workers > 1:
             savers.broadcast_object(None)
         if self.checkpoint.is_writer:
+            if self._numbered():   # never another live job's checkpoints
+                hold_writer_lock(self.directory, self._series, self.checkpoint, str(self.directory))
             for _, path in self._numbered():
                 _remove(path)
             remove_stale_temporaries(self.directory, f"{self._name}-")
+            release_writer_lock(self.directory, self._series)   # nothing left to guard
 
 
 def _remove(path: Path) -> None:

@@ -103,6 +103,7 @@ def _compile_payload(model: Any, module: nn.Module, keys: dict[int, str], tensor
     return {"loss": _stored_loss(model.loss, keys, tensors),
             "metrics": [_metric_spec(m, keys, tensors) for m in model.compiled_metrics],
             "mixed_precision": model.dtype_policy.name,
+            "steps_per_execution": model.steps_per_execution, "jit_compile": model._precision.jit_compile,
             "optimizer": {"class": architecture.dump(plain_class(optimizer), {}, [], what="the optimizer's class"),
                           "defaults": dict(optimizer.defaults), "param_names": param_names, "state_dict": state},
             "loss_scaler": scaler}

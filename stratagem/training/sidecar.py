@@ -12,7 +12,8 @@ The protocol, and why it is safe without any locking:
 - the manager deletes old checkpoints (``max_to_keep``) by renaming them away first; a
   checkpoint gone between listing and reading fails verification *before* anything is
   changed (``Checkpoint.restore`` reads everything, then applies), and is skipped with
-  a note; one deleted before the evaluator even listed it is never seen (when training
+  a note; so is one deleted by hand while it is read (its manifest or a file it lists
+  already gone: :func:`missing_parts`), with a ``RuntimeWarning``; one deleted before the evaluator even listed it is never seen (when training
   saves faster than it evaluates, the shown numbers jump; keep more checkpoints, or
   accept it: TensorFlow's evaluator only ever evaluates the newest);
 - training ends with ``manager.mark_training_finished()``, which writes
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,6 +36,7 @@ from torch import nn
 from stratagem.errors import CheckpointError, InvalidArgumentError
 from stratagem.training.checkpoint import Checkpoint
 from stratagem.training.manager import CheckpointManager
+from stratagem.training.storage import MANIFEST
 from stratagem.training.summaries import summary_writer, write_scalars
 
 __all__ = ["SidecarEvaluator"]
@@ -150,11 +153,17 @@ class SidecarEvaluator:
     def _evaluate(self, number: int, path: Path) -> None:
         try:
             self.checkpoint.restore(path)
-        except CheckpointError:
-            if path.exists():
+        except CheckpointError as err:
+            gone = missing_parts(path)
+            if gone is None:   # whole, and still wrong: that is an error
                 raise
             self.skipped.append(number)
-            self._say(f"SidecarEvaluator: {path.name} was deleted (max_to_keep) before it could be read; skipped")
+            if not path.exists():
+                self._say(f"SidecarEvaluator: {path.name} was deleted (max_to_keep) before it could be read; "
+                          f"skipped")
+            else:   # deleted by hand (or by a cleanup job) while it was read
+                warnings.warn(f"SidecarEvaluator: skipped {path}: it is being deleted ({gone}), so it could not be "
+                              f"read ({err})", RuntimeWarning, stacklevel=2)
             return
         if self.evaluate_fn is not None:
             results = self.evaluate_fn(self.model, self.data, self.steps)
@@ -176,6 +185,24 @@ class SidecarEvaluator:
     def _say(self, line: str) -> None:
         if self.verbose:
             print(line, flush=True)
+
+
+def missing_parts(path: "str | os.PathLike") -> str | None:
+    """What the checkpoint directory ``path`` lacks of what every complete one holds (the
+    directory itself, its manifest, a file its manifest lists), in words; None when nothing is
+    missing. A checkpoint appears whole, by a rename, so a missing part means it is being deleted."""
+    path = Path(path)
+    if not path.is_dir():
+        return "the directory is gone"
+    try:
+        manifest = json.loads((path / MANIFEST).read_bytes())
+    except FileNotFoundError:
+        return f"its {MANIFEST} is gone"
+    except (OSError, ValueError):
+        return None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    gone = [name for name in (files if isinstance(files, dict) else {}) if not (path / name).exists()]
+    return f"{', '.join(gone)} listed in its manifest {'is' if len(gone) == 1 else 'are'} gone" if gone else None
 
 
 def _number(value: Any) -> Any:

@@ -32,6 +32,7 @@ several times faster than zlib's, and is used when installed.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -39,14 +40,13 @@ import mmap
 import os
 import secrets
 import shutil
-import threading
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from stratagem.errors import CheckpointError, InvalidArgumentError
+from stratagem.training.writer_lock import hold_writer_lock, series_of
 
 try:   # ISA-L: zlib's CRC-32, the same values, several times faster
     from isal.isal_zlib import crc32
@@ -138,6 +138,23 @@ def write_file(path: Path, value: Any) -> dict:
     return _write_file(path, value)
 
 
+_OS_ADVICE = {errno.ENOSPC: "the file system is full: free space there, or save elsewhere",
+              errno.EDQUOT: "the disk quota is exhausted: free space there, or save elsewhere",
+              errno.EROFS: "the file system is mounted read-only: save to a writable directory",
+              errno.EACCES: "this process may not write there: fix the permissions, or save elsewhere",
+              errno.EPERM: "this process may not write there: fix the permissions, or save elsewhere"}
+
+
+def write_failure(path: "str | os.PathLike", err: OSError) -> CheckpointError:
+    """The CheckpointError for a save of ``path`` that the file system refused with ``err``."""
+    code = errno.errorcode.get(err.errno or 0, "")
+    where = f" ({err.filename})" if err.filename else ""
+    advice = _OS_ADVICE.get(err.errno or 0, "make sure that this process can write that directory")
+    return CheckpointError(
+        f"cannot write the checkpoint {path}: {err.strerror or err}{f' [{code}]' if code else ''}{where}; "
+        f"{advice}. Nothing was replaced: the checkpoints already in {Path(path).absolute().parent} are intact.")
+
+
 class DirectoryWriter:
     """One atomic checkpoint write: files go into ``temporary``, ``commit`` makes them ``path``.
 
@@ -146,10 +163,12 @@ class DirectoryWriter:
     manifest, fsyncs, renames; ``abort`` removes the temporary directory.
     """
 
-    def __init__(self, path: "str | os.PathLike"):
+    def __init__(self, path: "str | os.PathLike", holder: object = None):
         self.given = Path(path)
         self.path = self.given.absolute()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # one live writer per series of checkpoints in a directory (held while `holder` lives)
+        self.lock = hold_writer_lock(self.path.parent, series_of(self.path.name), holder, str(self.given))
         self.temporary = self.path.with_name(f"{self.path.name}{_TEMP_MARK}{secrets.token_hex(4)}")
         self.temporary.mkdir()
         self._entries: dict[str, dict] = {}
@@ -166,15 +185,22 @@ class DirectoryWriter:
         self._entries[name] = {"bytes": entry["bytes"], "crc32": entry["crc32"]}
 
     def commit(self, objects: dict[str, dict], info: dict) -> Path:
-        manifest = {"format": FORMAT, "version": VERSION, "files": self._entries, "objects": objects, "info": info}
+        manifest = {"format": FORMAT, "version": VERSION, "files": self._entries, "objects": objects, "info": info,
+                    "identity": {"name": self.path.name}}   # a directory renamed within its series is refused
         manifest["manifest_sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
         _write_bytes(self.temporary / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _fsync_directory(self.temporary)
+        self.lock.check(str(self.given))   # still this process's directory to write
         old = None
         if self.path.exists():
             old = self.path.with_name(f"{self.path.name}.old-{secrets.token_hex(4)}")
             os.rename(self.path, old)
-        os.rename(self.temporary, self.path)
+        try:
+            os.rename(self.temporary, self.path)
+        except BaseException:
+            if old is not None:   # the checkpoint it replaces goes back under its name
+                os.rename(old, self.path)
+            raise
         _fsync_directory(self.path.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -182,55 +208,6 @@ class DirectoryWriter:
 
     def abort(self) -> None:
         shutil.rmtree(self.temporary, ignore_errors=True)
-
-
-class BackgroundWriter(DirectoryWriter):
-    """A :class:`DirectoryWriter` whose files a thread writes after ``commit``.
-
-    ``add`` keeps a copy of the value in CPU memory (what the caller waits for), in the
-    tensors of ``staging`` (the copies of the writer before) where they fit; ``commit``
-    starts the thread that writes the files and the manifest and renames the directory, and
-    returns the path at once; :meth:`wait` joins the thread and raises what it raised (a
-    warning says so when it happens, too). Files adopted from other processes were written
-    before ``commit``, as with a :class:`DirectoryWriter`.
-    """
-
-    def __init__(self, path: "str | os.PathLike", staging: dict[str, Any] | None = None):
-        super().__init__(path)
-        self._staging = staging or {}
-        self.values: dict[str, Any] = {}   # the copies, by file name: the next writer's staging
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def add(self, name: str, value: Any) -> None:
-        self.values[name] = owned_copy(value, into=self._staging.get(name))
-
-    def commit(self, objects: dict[str, dict], info: dict) -> Path:
-        self._thread = threading.Thread(target=self._write_all, args=(objects, info),
-                                        name=f"stratagem checkpoint {self.path.name}")
-        self._thread.start()   # not a daemon: an exiting program finishes the checkpoint first
-        return self.given
-
-    def _write_all(self, objects: dict[str, dict], info: dict) -> None:
-        try:
-            for name, value in self.values.items():
-                DirectoryWriter.add(self, name, value)
-            DirectoryWriter.commit(self, objects, info)
-        except BaseException as err:   # raised by wait(); nothing is left at the path
-            self._error = err
-            self.abort()
-            warnings.warn(f"the background save of the checkpoint {self.given} failed "
-                          f"({type(err).__name__}: {err}); the previous checkpoints are untouched",
-                          RuntimeWarning, stacklevel=1)
-
-    def wait(self) -> None:
-        """Wait until the checkpoint is written; raise CheckpointError if that failed."""
-        if self._thread is not None:
-            self._thread.join()
-        error, self._error = self._error, None
-        if error is not None:
-            raise CheckpointError(f"the background save of the checkpoint {self.given} failed: "
-                                  f"{type(error).__name__}: {error}") from error
 
 
 def write_directory(path: Path, files: dict[str, Any], objects: dict[str, dict], info: dict) -> Path:
@@ -301,6 +278,14 @@ class CheckpointReader:
         if manifest.get("version") != VERSION:
             raise self._fail(MANIFEST, f"format version {manifest.get('version')!r}, but this stratagem "
                                        f"reads version {VERSION}; restore it with the stratagem that wrote it")
+        saved = (manifest.get("identity") or {}).get("name")   # (absent in checkpoints of older versions)
+        here = os.path.basename(os.path.abspath(self.path))
+        if isinstance(saved, str) and saved != here and series_of(saved) == series_of(here):
+            raise self._fail(MANIFEST, (
+                f"this is the checkpoint saved as {saved!r} (at {(manifest.get('info') or {}).get('saved_at')}), "
+                f"not {here!r}: the directories were swapped or renamed within their series, and restoring it "
+                f"under this name would bring back the state of {saved!r}. Rename it back to {saved!r}; to "
+                f"restore it on purpose, copy it to a name outside the series (such as '{saved}-copy')"))
         return manifest
 
     def load(self, name: str) -> Any:
@@ -337,7 +322,11 @@ class CheckpointReader:
             update = _sha256_update
         else:
             raise self._fail(name, "the manifest gives it no checksum: the manifest was changed")
-        with open(file, "rb") as f:
+        try:
+            f = open(file, "rb")
+        except FileNotFoundError:   # deleted since it was listed
+            raise self._fail(name, "missing (listed in the manifest)") from None
+        with f:
             if entry["bytes"]:
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                     if hasattr(mapped, "madvise"):

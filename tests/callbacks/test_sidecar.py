@@ -121,3 +121,27 @@ def test_errors_are_not_silent(tmp_path: Path) -> None:
     save_weight(module, manager, 2.0)
     with pytest.raises(sg.errors.InvalidArgumentError, match="dict of results"):
         sg.SidecarEvaluator(module, None, manager.directory, evaluate_fn=lambda *args: 0.5, verbose=0).start()
+
+
+@pytest.mark.parametrize("deleted", [["manifest.json"], ["manifest.json", "model.pt"], ["model.pt"]])
+def test_a_checkpoint_being_deleted_by_hand_is_skipped_with_a_warning(tmp_path: Path, deleted: list[str]) -> None:
+    # `rm -r ckpt-2` while the evaluator reads it: the manifest (or a file it lists) is already gone,
+    # the directory still there; the evaluator says so and goes on to the next checkpoint
+    module, manager = make_manager(tmp_path)
+    for n in (1, 2, 3):
+        save_weight(module, manager, float(n))
+    manager.mark_training_finished()
+
+    def evaluate_then_delete(model, data, steps):
+        if model.weight.item() == 1.0:
+            for name in deleted:
+                (tmp_path / "ckpt-2" / name).unlink()
+        return weight_of(model, data, steps)
+
+    evaluator = sg.SidecarEvaluator(torch.nn.Linear(1, 1, bias=False), None, tmp_path,
+                                    evaluate_fn=evaluate_then_delete, timeout=10, verbose=0)
+    with pytest.warns(RuntimeWarning, match=rf"skipped {tmp_path / 'ckpt-2'}: it is being deleted \((its "
+                      rf"manifest.json is gone|model.pt listed in its manifest is gone)\)"):
+        results = evaluator.start()
+    assert results == {1: {"weight": 1.0}, 3: {"weight": 3.0}}
+    assert evaluator.skipped == [2]

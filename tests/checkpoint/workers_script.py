@@ -48,9 +48,9 @@ def main() -> None:
     writes = []
 
     class CountingWriter(checkpoint_module.DirectoryWriter):
-        def __init__(self, path):
+        def __init__(self, path, *args, **kwargs):
             writes.append(str(path))
-            super().__init__(path)
+            super().__init__(path, *args, **kwargs)
     checkpoint_module.DirectoryWriter = CountingWriter
 
     strategy = sg.MultiWorkerMirroredStrategy()

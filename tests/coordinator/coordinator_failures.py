@@ -9,6 +9,8 @@ Modes:
   wrong-token  the only worker (started once closures are queued) has another cluster
                token: the closures fail, join/fetch/schedule raise within seconds
   not-worker   the only worker address is the ps's: join/fetch raise, saying it is no worker
+  skewed-clock the only worker (started once closures are queued) runs with its clock 10 minutes
+               ahead: join/fetch/schedule raise within seconds, saying so first
 """
 
 import json
@@ -74,7 +76,7 @@ def main():
         values = []   # schedule itself raises once the coordinator has seen the error
         report["schedule"] = attempt(lambda: values.extend(coordinator.schedule(step, args=(0.0,))
                                                            for _ in range(3)))
-        say("SCHEDULED")                     # (wrong-token) the test starts the worker now
+        say("SCHEDULED")                     # (wrong-token, skewed-clock) the test starts the worker now
         report["join"] = attempt(lambda: coordinator.join(timeout=60))
         if values:
             report["fetch"] = attempt(lambda: values[0].fetch(timeout=60))

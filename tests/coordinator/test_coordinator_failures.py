@@ -23,14 +23,27 @@ from stratagem.testing import free_ports, local_cluster
 pytestmark = pytest.mark.timeout(150)
 HERE = Path(__file__).parent
 SCRIPT = HERE / "coordinator_failures.py"
+# `stratagem server` on a host whose clock is off by argv[1] seconds, as stratagem's RPC layer reads
+# it (the clock that signs and checks requests, and names the clocks in errors). gRPC's core keeps
+# the real clock: shifting time.time for the whole process makes it wait out its polling deadlines.
+SKEWED_SERVER = """
+import runpy, sys, time, types
+import stratagem.rpc.auth, stratagem.rpc.client
+offset = float(sys.argv[1])
+shifted = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
+shifted.time = lambda: time.time() + offset
+stratagem.rpc.auth.time = stratagem.rpc.client.time = shifted
+sys.argv = ["stratagem", "server"]
+runpy.run_module("stratagem", run_name="__main__", alter_sys=True)
+"""
 
 
 class Cluster:
     """Processes of one test cluster, each logging to its own file under ``tmp_path``."""
 
-    def __init__(self, tmp_path: Path, num_workers: int):
+    def __init__(self, tmp_path: Path, num_workers: int, num_ps: int = 1):
         self.tmp_path = tmp_path
-        self.spec = local_cluster(num_workers, chief=True, num_ps=1)
+        self.spec = local_cluster(num_workers, chief=True, num_ps=num_ps)
         self.token = secrets.token_hex(16)
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -47,11 +60,16 @@ class Cluster:
         log.close()
         return self.procs[name]
 
-    def server(self, task_type: str, index: int, **env_options) -> subprocess.Popen:
+    def server(self, task_type: str, index: int, *, clock_offset: float = 0.0,
+               **env_options) -> subprocess.Popen:
+        """`stratagem server` for a task; ``clock_offset``: its clock runs that many seconds
+        ahead (see SKEWED_SERVER)."""
         name = f"{task_type} {index}"
         (self.tmp_path / f"{name.replace(' ', '-')}.log").unlink(missing_ok=True)
-        return self.start(name, [sys.executable, "-m", "stratagem", "server"],
-                          self.env(task_type, index, **env_options))
+        command = [sys.executable, "-m", "stratagem", "server"]
+        if clock_offset:
+            command = [sys.executable, "-c", SKEWED_SERVER, str(clock_offset)]
+        return self.start(name, command, self.env(task_type, index, **env_options))
 
     def log(self, name: str) -> str:
         path = self.tmp_path / f"{name.replace(' ', '-')}.log"
@@ -96,8 +114,8 @@ class Cluster:
 def cluster_factory(tmp_path: Path):
     clusters: list[Cluster] = []
 
-    def make(num_workers: int) -> Cluster:
-        clusters.append(Cluster(tmp_path, num_workers))
+    def make(num_workers: int, num_ps: int = 1) -> Cluster:
+        clusters.append(Cluster(tmp_path, num_workers, num_ps))
         return clusters[-1]
 
     yield make
@@ -145,6 +163,31 @@ def test_worker_with_another_token_fails_the_closures_within_seconds(cluster_fac
         assert "worker 0" in report[key]["message"] and "token" in report[key]["message"], report
         assert "differs" in report[key]["message"], report
     assert report["status"] == ["FAILED"] * 3
+
+
+def test_worker_with_a_clock_10_minutes_ahead_fails_saying_so_first(cluster_factory) -> None:
+    cluster = cluster_factory(1)
+    cluster.server("ps", 0)
+    cluster.wait_for("ps 0", "listening")
+    cluster.coordinator("skewed-clock", 60.0)
+    cluster.wait_for("chief 0", "SCHEDULED")
+    cluster.server("worker", 0, clock_offset=600.0)
+    cluster.wait_for("worker 0", "listening")
+    started = time.monotonic()
+    report = cluster.result()
+
+    assert time.monotonic() - started < 10, report
+    assert report["schedule"]["type"] is None, report
+    for key in ("join", "fetch", "coordinator_fetch", "schedule_after"):
+        message = report[key]["message"]
+        assert report[key]["type"] == "ClockSkewError", report
+        # the cause first: both clocks, the offset and the fix; the token is not blamed
+        assert message.startswith("the clocks of this host and worker 0 (127.0.0.1:"), message
+        assert " differ by 600 s (this host reads " in message and "more than the 300 s" in message, message
+        assert "synchronise the hosts' clocks (NTP: chrony or systemd-timesyncd" in message, message
+        assert "differs from the coordinator's" not in message, message
+    assert report["status"] == ["FAILED"] * 3
+    assert "the clocks of this host and the sender differ by 600 s" in cluster.log("worker 0")
 
 
 def test_ps_address_as_a_worker_fails_saying_it_is_not_a_worker(cluster_factory) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from types import SimpleNamespace
 
 import pytest
@@ -30,7 +31,7 @@ def _placed(var_id: str, value: torch.Tensor) -> _VariableDict:
 
 
 def test_references_resolve_against_the_runtime_given_to_the_unpickler() -> None:
-    runtime = WorkerRuntime([], "token", num_workers=1, worker_index=0)
+    runtime = WorkerRuntime([], secrets.token_urlsafe(32), num_workers=1, worker_index=0)
     runtime.create_dataset("data", lambda: [10, 20])
     message = encode({"params": _placed("0/Linear.weight", torch.ones(2, 3)),
                       "iterator": PerWorkerIterator("data", "it0"), "x": torch.arange(3)},
@@ -57,7 +58,7 @@ def test_pickled_otherwise_a_placed_dict_is_a_dict_of_its_values() -> None:
 
 def test_an_embedding_id_out_of_range_raises_on_the_worker() -> None:
     # no shard holds such a row: the lookup used to return the unset memory of its row
-    runtime = WorkerRuntime([], "token", num_workers=1, worker_index=0)
+    runtime = WorkerRuntime([], secrets.token_urlsafe(32), num_workers=1, worker_index=0)
     remote = RemoteVariable("0/PSEmbedding.weight", (10, 3), torch.float32,
                             (Shard("0/PSEmbedding.weight/part_0", 0, 0, 10),), row_sparse=True)
     for bad in (10, -1):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import select
 import signal
 import socket
@@ -26,7 +27,8 @@ from stratagem.ps.server import TaskInfo, register_service, resolve_task, serve
 pytestmark = pytest.mark.timeout(60)
 
 REPO_ROOT = Path(stratagem.__file__).resolve().parent.parent
-TOKEN = "server-test-token-5c1f0e9a7b2d4e83a6f1"   # strong enough: >= 32 characters
+TOKEN = secrets.token_urlsafe(32)
+INTRUDER = secrets.token_urlsafe(32)   # another cluster's token
 
 
 def _free_port() -> int:
@@ -65,7 +67,7 @@ def test_ps_task_serves_and_stops_quickly_on_sigterm() -> None:
             client.call("create", var_id="w", value=torch.zeros(3), optimizer_spec=(torch.optim.SGD, {"lr": 1.0}))
             client.call("push", grads={"w": torch.ones(3)})
             assert torch.equal(client.call("pull", var_ids=["w"])["w"], -torch.ones(3))
-        with RpcClient(f"127.0.0.1:{port}", "not-the-token") as intruder:
+        with RpcClient(f"127.0.0.1:{port}", INTRUDER) as intruder:
             with pytest.raises(AuthenticationError):
                 intruder.call("ping", {})
         started = time.monotonic()
@@ -76,7 +78,7 @@ def test_ps_task_serves_and_stops_quickly_on_sigterm() -> None:
         assert time.monotonic() - started < 2.0
         out, err = process.communicate(timeout=15)
         assert process.returncode == 0, err
-        assert "refused" in err and TOKEN not in err + out and "not-the-token" not in err + out
+        assert "refused" in err and TOKEN not in err + out and INTRUDER not in err + out
     finally:
         if process.poll() is None:
             process.kill()
@@ -98,8 +100,8 @@ def test_server_with_a_weak_token_exits_at_once_without_showing_it() -> None:
             process.kill()
             process.communicate()
     assert process.returncode == 2, (out, err)
-    assert "STRATAGEM_CLUSTER_TOKEN is too weak: it has 15 characters" in err
-    assert "secrets.token_hex(32)" in err
+    assert "STRATAGEM_CLUSTER_TOKEN is too weak: it has about" in err and "(15 characters;" in err
+    assert "secrets.token_urlsafe(32)" in err
     assert "listening" not in out and weak not in out + err
 
 
@@ -112,7 +114,7 @@ def test_server_with_a_weak_token_exits_at_once_without_showing_it() -> None:
      "the chief runs the training script"),
     ({"TF_CONFIG": '{"cluster": ', "STRATAGEM_CLUSTER_TOKEN": TOKEN}, "TF_CONFIG is not valid JSON"),
     ({"TF_CONFIG": _tf_config("ps", 5), "STRATAGEM_CLUSTER_TOKEN": "x"},
-     "STRATAGEM_CLUSTER_TOKEN is too weak: it has 1 character"),
+     "STRATAGEM_CLUSTER_TOKEN is too weak: it has about 5 random bits"),
 ])
 def test_misconfigured_server_fails_with_a_clear_error(
         env: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch,

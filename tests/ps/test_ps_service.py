@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from concurrent import futures
@@ -14,7 +15,7 @@ from stratagem.ps import ParameterServer, ParameterServerClient, call_each
 from stratagem.rpc import RemoteError, RpcServer
 
 pytestmark = pytest.mark.timeout(60)
-TOKEN = "ps-test-token-94d2e7b0c18f3a65d7e2"
+TOKEN = secrets.token_urlsafe(32)
 
 
 class SlowIncrement(torch.optim.Optimizer):

@@ -41,6 +41,13 @@ def task_pid(task_type, index):
     raise LookupError(f"no {task_type} {index} process found")
 
 
+def restarted_pid(task_type, index):
+    try:
+        return task_pid(task_type, index)
+    except LookupError:   # between the old process and the new one
+        return None
+
+
 class GuardedSGD(torch.optim.SGD):
     """A user's optimizer, run on the ps: it refuses a gradient that is too large."""
 
@@ -163,7 +170,8 @@ def main():
         saved_model = {k: v.clone() for k, v in model.state_dict().items()}
         saved_opt = optimizer.state_dict()
         report["saved_weight"] = saved_model["weight"].tolist()
-        os.kill(task_pid("ps", 0), signal.SIGKILL)
+        killed = task_pid("ps", 0)
+        os.kill(killed, signal.SIGKILL)
         started = time.time()
         try:
             for _ in range(200):
@@ -174,7 +182,9 @@ def main():
             report["raised"] = str(error)
             report["task"] = error.task
         report["raise_seconds"] = time.time() - started
-        time.sleep(2.0)  # the launcher restarts the ps on the same address
+        # the launcher restarts the ps on the same address (the restore waits until it answers)
+        wait_until(lambda: restarted_pid("ps", 0) not in (None, killed))
+        report["ps_pids"] = [killed, restarted_pid("ps", 0)]
         model.load_state_dict(saved_model)
         optimizer.load_state_dict(saved_opt)
         report["restored_weight"] = model.weight.tolist()

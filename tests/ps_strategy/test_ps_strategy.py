@@ -80,6 +80,7 @@ def test_killed_ps_raises_unavailable_then_restores_and_continues(tmp_path: Path
     report = launch(tmp_path, "failures_ps.py", "kill-ps", restarts=1)
     assert report["task"] == "ps 0" and "ps 0" in report["raised"]
     assert report["raise_seconds"] < 15
+    assert report["ps_pids"][0] != report["ps_pids"][1]     # restored onto the restarted ps
     assert report["restored_weight"] == report["saved_weight"]
     assert report["final_loss"] < 1e-3
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import select
 import signal
 import socket
@@ -16,7 +17,7 @@ import stratagem
 
 REPO_ROOT = Path(stratagem.__file__).resolve().parent.parent
 SERVER_SCRIPT = Path(__file__).with_name("server_script.py")
-TOKEN = "test-token-0123456789abcdef-7e41b9c2"   # strong enough: >= 32 characters
+TOKEN = secrets.token_urlsafe(32)   # the test cluster's (children get it in their environment)
 
 
 def free_port() -> int:

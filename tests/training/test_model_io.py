@@ -516,3 +516,13 @@ def test_io_is_refused_inside_run(tmp_path: Path) -> None:
                  lambda: sg.models.load_model(tmp_path / "m.pt"), lambda: model.set_weights([])):
         with pytest.raises(ContextError, match="inside strategy.run"):
             strategy.run(call)
+
+
+def test_the_execution_options_of_compile_come_back(tmp_path: Path) -> None:
+    model = sg.Model(make_module())
+    model.compile("sgd", sg.losses.SparseCategoricalCrossentropy(from_logits=True), steps_per_execution=3,
+                  jit_compile=True)
+    model.save(tmp_path / "model.pt")
+    loaded = sg.models.load_model(tmp_path / "model.pt")
+    assert loaded.steps_per_execution == 3 and loaded._precision.jit_compile
+    assert repr(loaded.loss) == repr(model.loss)
