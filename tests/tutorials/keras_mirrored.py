@@ -99,7 +99,7 @@ callbacks = [
 EPOCHS = 5
 history = model.fit(train_dataset, epochs=EPOCHS, callbacks=callbacks)
 report["history"] = history.history
-report["checkpoints"] = sorted(os.listdir(checkpoint_dir))
+report["checkpoints"] = sorted(name for name in os.listdir(checkpoint_dir) if not name.startswith("."))  # no lock
 report["logs"] = sum(len(files) for _, _, files in os.walk(os.path.join(OUT, "logs")))
 trained = {k: v.clone() for k, v in model.module.state_dict().items()}
 

@@ -73,8 +73,10 @@ report["fit_loss"] = history.history["loss"]
 # tf.keras.utils.experimental.DatasetCreator(dataset_fn): the function itself
 history = model.fit(dataset_fn, epochs=2, steps_per_epoch=20, callbacks=callbacks)
 report["fit_dataset_fn_loss"] = history.history["loss"]
-report["working_dir"] = sorted(os.listdir(working_dir))
-report["backup_left"] = os.listdir(backup_dir) if os.path.isdir(backup_dir) else None
+# what the callbacks left (not the checkpoint writers' lock files, ".<series>.lock")
+report["working_dir"] = sorted(name for name in os.listdir(working_dir) if not name.startswith("."))
+report["backup_left"] = [name for name in os.listdir(backup_dir) if not name.startswith(".")] \
+    if os.path.isdir(backup_dir) else None
 report["log_files"] = sum(len(files) for _, _, files in os.walk(log_dir))
 
 # ---------------------------------------------------------------- training with a custom training loop

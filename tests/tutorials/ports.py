@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,11 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).parent
+
+
+def listing(directory: Path) -> list[str]:
+    """The names in ``directory``, without the hidden ones (a checkpoint writer's ``.<series>.lock``)."""
+    return sorted(name for name in os.listdir(directory) if not name.startswith("."))
 
 
 def run_port(script: str, out: Path, *args: str, timeout: float = 200) -> dict[str, Any]:

@@ -5,13 +5,13 @@ with the weights of a job never stopped."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from stratagem.testing import run_local_cluster
+from tests.tutorials.ports import listing
 
 pytestmark = pytest.mark.timeout(420)
 SCRIPT = Path(__file__).parent / "multi_worker_ctl.py"
@@ -26,8 +26,8 @@ def run(tmp_path: Path, *args: str) -> list[dict]:
 
 def test_multi_worker_custom_loop_tutorial_resumes_like_an_uninterrupted_job(tmp_path: Path) -> None:
     first = run(tmp_path, "2")                      # two epochs, a checkpoint after each
-    assert os.listdir(tmp_path / "ckpt") == ["ckpt-2"]           # the chief's; max_to_keep=1
-    assert os.listdir(tmp_path / "workertemp_1") == []           # the worker's, deleted by the script
+    assert listing(tmp_path / "ckpt") == ["ckpt-2"]              # the chief's; max_to_keep=1
+    assert listing(tmp_path / "workertemp_1") == []              # the worker's, deleted by the script
     assert [report["resumed_at"] for report in first] == [0, 0]
     resumed = run(tmp_path, "3", "uninterrupted")   # the job restarted: resumes at epoch 2, trains the third
     for report in resumed:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import stratagem as sg
-from tests.tutorials.ports import launch
+from tests.tutorials.ports import launch, listing
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,7 +31,7 @@ def test_fit_and_checkpoints_with_the_write_filepath_pattern(main_phase: tuple[P
     losses = reports[0]["history"]["loss"]
     assert len(losses) == 3 and losses[-1] < losses[0], losses
     assert reports[0]["history"] == reports[1]["history"]          # global metrics, every worker
-    assert os.listdir(out / "ckpt") == ["ckpt-1"] and os.listdir(out / "workertemp_1") == []
+    assert listing(out / "ckpt") == ["ckpt-1"] and listing(out / "workertemp_1") == []
     assert reports[0]["checkpoint"] == reports[1]["checkpoint"] == str(out / "ckpt" / "ckpt-1")
     assert len(reports[0]["after_restore"]["loss"]) == 2
     # the checkpoint of the Keras model: module and optimizer, restored here under another strategy
@@ -65,4 +65,4 @@ def test_backup_and_restore_resumes_a_restarted_job_like_one_never_stopped(tmp_p
         assert len(report["history"]["loss"]) == 2      # it resumed in the second epoch
         for name, value in report["uninterrupted"].items():
             torch.testing.assert_close(report["state"][name], value, rtol=0, atol=0)
-    assert os.listdir(tmp_path / "backup") == []        # a finished fit deletes its backup
+    assert listing(tmp_path / "backup") == []           # a finished fit deletes its backup
