@@ -161,6 +161,24 @@ def test_a_parameter_one_replica_does_not_use_gets_the_others_gradient() -> None
         torch.testing.assert_close(g, x.sum(0, keepdim=True))
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_module_placed_under_no_grad_then_trains_with_the_whole_gradient(mode) -> None:
+    # TensorFlow's save-and-load tutorial: a model loaded in a scope, called first through
+    # strategy.run for inference (placing it then raised AttributeError in the gradient hooks)
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+    x = torch.arange(12, dtype=torch.float64).view(4, 3)
+    with strategy.scope():
+        model = nn.Linear(3, 1, bias=False).double()
+        with mode():
+            strategy.run(model, args=(_halves(strategy, x),))
+
+    def step(xs):
+        model(xs).sum().backward()
+        return model.weight.grad.clone()
+    for g in strategy.run(step, args=(_halves(strategy, x),)).values:
+        torch.testing.assert_close(g, x.sum(0, keepdim=True))
+
+
 def test_autograd_grad_inside_run_leaves_grad_alone() -> None:
     strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
     model = _linear(strategy)

@@ -77,6 +77,9 @@ class BackupAndRestore(Callback):
                                        f"entry of your Checkpoint")
         self._state = Checkpoint(**self.checkpoint.trackables, **{name: 0 for name in _COUNTERS})
         self._manager = CheckpointManager(self._state, self.backup_dir, max_to_keep=2, checkpoint_name="backup")
+        # the counters are those of the backup found, else a fresh start: a callback given to a second fit
+        # after the first deleted its backup trains again (it kept the first fit's last epoch, and skipped them all)
+        self.epoch = self.step = self._steps_total = 0
         if self._manager.restore_or_initialize() is not None:
             self.epoch, self.step = self._state.backup_epoch, self._state.backup_step
             self._steps_total = self._state.backup_steps_total

@@ -181,6 +181,8 @@ class Metric:
         with self._lock:
             self._states.clear()
 
+    reset_states = reset_state   # Keras 2's name, which TensorFlow's tutorials call
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 
@@ -243,8 +245,7 @@ class Metric:
             return snapshot(target)
 
     def _scratch(self, device: torch.device) -> "torchmetrics.Metric":
-        """A metric object to merge into and compute on, one per device, reused (its states are
-        replaced, never written in place)."""
+        """A metric object to merge into and compute on, one per device, reused (states replaced, not written)."""
         scratch = self._scratches.get(device)
         if scratch is None:
             scratch = self._scratches[device] = copy.deepcopy(self._template).to(device)
@@ -379,8 +380,7 @@ def closure_reference(obj: Any) -> tuple | None:
 
 
 def worker_deltas(metrics: Iterable[Metric]) -> dict[str, tuple[int, dict[str, Any]]]:
-    """On a worker, after a scheduled function ran: what it added to each metric, by id; the
-    metrics are left empty for the next execution."""
+    """On a worker, after a scheduled function ran: what it added to each metric, by id (each then emptied)."""
     deltas = {}
     for metric in metrics:
         delta = metric._delta()

@@ -96,7 +96,8 @@ class GradientSync:
                 self._where[id(p)] = (r, i)
                 if not p.requires_grad:
                     continue
-                accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+                with torch.inference_mode(False), torch.enable_grad():   # placed under no_grad (inference) too
+                    accumulator = p.view_as(p).grad_fn.next_functions[0][0]
                 self._accumulators.append(accumulator)
                 self._handles.append(accumulator.register_prehook(self._prehook(r, i, p)))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))

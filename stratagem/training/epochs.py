@@ -36,6 +36,11 @@ class ReplicatedEpochs:
     def prepare(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
         self._batch_logs = step_logs(self.model, callback_list, progress, "on_train_batch_end", self.steps)
 
+    def resume_in_epoch(self, step: int) -> None:
+        """The first epoch is a restored one with ``step`` steps done (the dataset's position
+        is restored too): with ``steps_per_epoch`` it takes only the rest."""
+        self._batches.done_in_first_epoch = step
+
     def run_epoch(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
         """Every batch, one ``strategy.run``; the batch callbacks (and ``stop_training``) once
         per ``steps_per_execution`` steps, with the last step's index and logs, as in Keras."""
@@ -136,14 +141,16 @@ class EpochBatches:
         self._dataset = dataset
         self._steps = steps
         self._iterator: Any = None
+        self.done_in_first_epoch = 0   # a resumed epoch's steps done before the restart
 
     def epoch(self) -> Iterable:
-        if self._steps is None:
+        if self._steps is None:   # one pass: a restored dataset resumes its pass where it stopped
             yield from self._dataset
             return
-        done = 0
+        done, self.done_in_first_epoch = self.done_in_first_epoch, 0
         while done < self._steps:
-            if self._iterator is None:
+            new_pass = self._iterator is None   # else the pass the last epoch stopped in (perhaps at its end)
+            if new_pass:
                 self._iterator = iter(self._dataset)
             fresh = done
             for batch in self._iterator:
@@ -152,7 +159,7 @@ class EpochBatches:
                 if done == self._steps:
                     return
             self._iterator = None
-            if done == fresh:
+            if new_pass and done == fresh:
                 raise InvalidArgumentError(f"the input has no batches, but steps={self._steps} were asked for")
 
 

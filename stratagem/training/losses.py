@@ -24,6 +24,7 @@ in ``nn.Linear`` outputs logits and needs ``from_logits=True``.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable
 
 import torch
@@ -257,9 +258,9 @@ def get(identifier: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
             raise InvalidArgumentError(
                 f"unknown loss {identifier!r}; use one of {', '.join(sorted(_NAMES))}, a torch.nn loss "
                 f"(torch.nn.CrossEntropyLoss()), or a function fn(y_true, y_pred) -> per-example losses")
-        return cls()
+        identifier = cls()   # per example below (called, the object would reduce to the batch's mean)
     if isinstance(identifier, Loss):
-        return _TorchOrder(lambda y_pred, y_true: identifier.per_example(y_true, y_pred), identifier.name)
+        return _TorchOrder(functools.partial(_keras_order, identifier), identifier.name)
     if isinstance(identifier, torch.nn.Module) and hasattr(identifier, "reduction"):
         module = copy.copy(identifier)
         module.reduction = "none"
@@ -272,6 +273,15 @@ def get(identifier: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     raise InvalidArgumentError(
         f"loss must be a name ('mse', 'sparse_categorical_crossentropy', ...), a torch.nn loss or a "
         f"callable, got {type(identifier).__name__}")
+
+
+def _keras_order(loss: Loss, y_pred: torch.Tensor, y_true: torch.Tensor) -> torch.Tensor:
+    """``loss``'s per-example values, with the targets shaped as Keras's ``compile`` shapes them:
+    targets ``(N,)`` against predictions ``(N, k)`` are ``(N, 1)``, one target per example (plain
+    broadcasting would pair target ``j`` with column ``j`` where ``N == k``, and fail elsewhere)."""
+    if y_true.dim() == 1 and y_pred.dim() == 2:
+        y_true = y_true.unsqueeze(-1)
+    return loss.per_example(y_true, y_pred)
 
 
 class _TorchOrder:

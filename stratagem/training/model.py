@@ -218,7 +218,7 @@ class Model(ModelIO):
         callback_list = CallbackList([*(callbacks or []), history], model=self,
                                      params={"epochs": epochs, "steps": loop.steps, "verbose": progress.verbose,
                                              "batch_size": loop.batch_size})
-        initial_epoch = self._restore_backup(callback_list, loop.dataset, initial_epoch)
+        initial_epoch = self._restore_backup(callback_list, loop, initial_epoch)
         loop.prepare(callback_list, progress)
         self.history, self.stop_training = history, False
         callback_list.call("on_train_begin", None)
@@ -248,15 +248,17 @@ class Model(ModelIO):
             parts["loss_scaler"] = self.loss_scaler
         return parts
 
-    def _restore_backup(self, callback_list: CallbackList, dataset: Any, initial_epoch: int) -> int:
-        """A ``BackupAndRestore`` among the callbacks: restore model, optimizer and input position."""
+    def _restore_backup(self, callback_list: CallbackList, loop: Any, initial_epoch: int) -> int:
+        """A ``BackupAndRestore`` among the callbacks: restore model, optimizer and input position
+        (an epoch backed up inside resumes at its step: the loop takes the rest of its steps)."""
         for callback in callback_list.callbacks:
             if isinstance(callback, BackupAndRestore):
                 parts = self.checkpoint_parts()
                 state = {"model": parts.pop("module"), **parts}
-                if dataset is not None:
-                    state["data"] = dataset
-                epoch, _ = callback.restore(Checkpoint(**state))
+                state.update({"data": loop.dataset} if loop.dataset is not None else {})
+                epoch, step = callback.restore(Checkpoint(**state))
+                if epoch >= initial_epoch and loop.dataset is not None:
+                    loop.resume_in_epoch(step)
                 initial_epoch = max(initial_epoch, epoch)
         return initial_epoch
 

@@ -90,7 +90,7 @@ def _dataset_fn(x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuf
     if callable(x) and not isinstance(x, (torch.Tensor, DataLoader)) and not hasattr(x, "__iter__"):
         if y is not None or batch_size is not None:
             raise InvalidArgumentError("a dataset_fn x builds its own batches: leave y and batch_size out")
-        return x
+        return functools.partial(_from_function, x)
     data = as_batches(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method="fit")
     if isinstance(data, DataLoader) and isinstance(data.dataset, ArrayDataset):
         # send the tensors, not the loader: each worker cuts its own batches
@@ -108,11 +108,24 @@ def _array_batches(tensors: tuple[torch.Tensor, ...], batch_size: int, shuffle: 
     return _repeat(loader, context)
 
 
+def _from_function(dataset_fn: Any, context: Any) -> Iterator[Any]:
+    """A worker's input from ``dataset_fn``, read over and over as a DataLoader given to fit is
+    (TensorFlow's dataset_fn ends in ``.repeat()``; a DataLoader is its rename, and it ends)."""
+    return _repeat(dataset_fn(context), context)
+
+
 def _repeat(data: Any, context: Any = None) -> Iterator[Any]:
+    passes = 0
     while True:
         empty = True
         for batch in data:
             empty = False
             yield batch
+        if empty and passes:
+            raise InvalidArgumentError(
+                f"the training input ran out after one pass and cannot be read again (an iterator); under a "
+                f"ParameterServerStrategy fit reads it forever: return a DataLoader (read over and over) or an "
+                f"endless generator (while True: yield from loader), got {type(data).__name__}")
         if empty:
             raise InvalidArgumentError("the training input has no batches")
+        passes += 1

@@ -82,3 +82,17 @@ def test_sidecar_evaluates_a_compiled_model(tmp_path: Path, capsys: pytest.Captu
     for number in expected:
         assert results[number] == pytest.approx(expected[number])
     assert "SidecarEvaluator: evaluated ckpt-2: loss=" in capsys.readouterr().out
+
+
+def test_backup_and_restore_given_to_a_second_fit_trains_again(tmp_path: Path) -> None:
+    # Keras: the first fit deletes its backup at the end, so the second starts at epoch 0 (it trained none)
+    model = sg.Model(torch.nn.Linear(4, 1))
+    model.compile("sgd", "mse")
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    callbacks = [sg.callbacks.BackupAndRestore(tmp_path / "backup")]
+    assert len(model.fit(x, y, epochs=2, verbose=0, callbacks=callbacks).history["loss"]) == 2
+    assert len(model.fit(x, y, epochs=2, verbose=0, callbacks=callbacks).history["loss"]) == 2
+    # a backup kept (delete_checkpoint=False) is resumed from, as Keras does: its epochs are done
+    kept = [sg.callbacks.BackupAndRestore(tmp_path / "kept", delete_checkpoint=False)]
+    model.fit(x, y, epochs=2, verbose=0, callbacks=kept)
+    assert len(model.fit(x, y, epochs=3, verbose=0, callbacks=kept).history["loss"]) == 1   # the third only

@@ -76,6 +76,13 @@ def test_dataloader_and_iterable_inputs_train_like_arrays() -> None:
     steps = build(sg.get_strategy(), optimizer="sgd")
     history = steps.fit(batches, epochs=2, steps_per_epoch=4, verbose=0)   # 8 steps over 6 batches
     assert len(history.history["loss"]) == 2
+    # an epoch that ends where a pass ends: the next epoch starts a new pass (it raised "no batches")
+    whole = build(sg.get_strategy(), optimizer="sgd")
+    history = whole.fit(batches, epochs=3, steps_per_epoch=len(batches), shuffle=False, verbose=0)
+    assert len(history.history["loss"]) == 3
+    passes = build(sg.get_strategy(), optimizer="sgd")
+    passes.fit(batches, epochs=3, verbose=0)
+    assert_same(state(whole), state(passes))
 
 
 def test_loss_names_objects_and_callables_agree() -> None:
@@ -190,19 +197,23 @@ class Interrupt(sg.callbacks.Callback):
             raise KeyboardInterrupt("killed on purpose")
 
 
-def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("steps_per_epoch", [None, 7, 5])
+def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path: Path, steps_per_epoch: int | None) -> None:
+    # steps_per_epoch: 7 ends each epoch with a pass over the input, 5 reads on across epochs; the resumed
+    # epoch takes only the rest of its steps (it took steps_per_epoch more, and ended elsewhere)
     x, y, w = data()
 
     def job(callbacks: list) -> sg.Model:
         model = build(sg.MirroredStrategy(["cpu:0", "cpu:1"]))
         torch.manual_seed(5)
-        model.fit(x, y, sample_weight=w, batch_size=16, epochs=3, callbacks=callbacks, verbose=0)
+        model.fit(x, y, sample_weight=w, batch_size=16, epochs=3, steps_per_epoch=steps_per_epoch,
+                  callbacks=callbacks, verbose=0)
         return model
 
     reference = job([])
     backup = lambda: sg.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=4)   # noqa: E731
     with pytest.raises(KeyboardInterrupt):
-        job([backup(), Interrupt(at_step=10)])   # 7 steps per epoch: killed in epoch 1, backup after step 8
+        job([backup(), Interrupt(at_step=10)])   # 7 (5) steps per epoch: killed in epoch 1, backup after step 8
     torch.manual_seed(999)   # the restart's own random state: the backup restores the saved one
     resumed = job([backup()])
     assert_same(state(resumed), state(reference))

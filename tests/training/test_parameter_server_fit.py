@@ -30,3 +30,20 @@ def test_fit_schedules_steps_through_the_coordinator(tmp_path: Path) -> None:
     assert report["more_loss"][0] < report["history"]["loss"][0]
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "Epoch " in line]
     assert len(lines) == 3 and "Epoch 3/3 25/25 steps (100%) loss: " in lines[-1], lines
+
+
+def test_a_worker_s_input_is_read_over_and_over_or_refused_clearly() -> None:
+    # what a worker reads: a dataset_fn's DataLoader (TensorFlow's dataset_fn ends in .repeat()) starts over
+    # when it ends; a one-shot iterator cannot, and says so instead of a bare StopIteration
+    import itertools
+
+    from stratagem.data.input import InputContext
+    from stratagem.errors import InvalidArgumentError
+    from stratagem.training.ps_loop import _dataset_fn
+
+    loader = torch.utils.data.DataLoader(torch.arange(4), batch_size=2)
+    read = _dataset_fn(lambda context: loader, None, None, None, True)(InputContext())
+    assert [batch.tolist() for batch in itertools.islice(read, 5)] == [[0, 1], [2, 3], [0, 1], [2, 3], [0, 1]]
+    once = _dataset_fn(lambda context: iter(loader), None, None, None, True)(InputContext())
+    with pytest.raises(InvalidArgumentError, match="ran out after one pass and cannot be read again"):
+        list(itertools.islice(once, 5))

@@ -59,6 +59,20 @@ def test_compile_uses_per_example_losses_whatever_the_reduction() -> None:
             torch.testing.assert_close(other[name], trained[0][name], rtol=0, atol=0)
 
 
+def test_compile_s_loss_names_weight_examples_and_shape_targets_as_keras() -> None:
+    # TensorFlow's parameter-server tutorial: Dense(10), loss="mse", targets of shape (N,). Keras's compile
+    # pairs each example's target with all its outputs; "mse" is per example, so sample_weight applies
+    x, y, w = torch.rand(12, 10), torch.rand(12), torch.rand(12)
+    module = torch.nn.Linear(10, 10)
+    expected = ((module(x) - y[:, None]) ** 2).mean(dim=1)
+    for loss in ("mse", sg.losses.MeanSquaredError()):
+        torch.testing.assert_close(sg.losses.get(loss)(y, module(x)), expected)
+    torch.testing.assert_close(sg.losses.get("mse")(y[:10], module(x[:10])), expected[:10])   # N == k too
+    model = sg.Model(module)
+    model.compile("sgd", "mse")
+    model.fit(x, y, sample_weight=w, batch_size=5, epochs=1, verbose=0)   # weights, uneven batches: no error
+
+
 def test_a_metric_called_updates_and_returns_the_value_so_far_on_every_replica() -> None:
     strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
     with strategy.scope():
