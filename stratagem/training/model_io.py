@@ -12,6 +12,7 @@ every parameter server). Files are written by the chief alone, atomically
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -20,6 +21,8 @@ from torch import nn
 
 from stratagem.errors import CheckpointError, ContextError, InvalidArgumentError
 from stratagem.training import architecture, model_file
+from stratagem.training.storage import MANIFEST
+from stratagem.training.checkpoint import Checkpoint
 from stratagem.training.shared_file import agree, in_replica_context, read_everywhere, write_everywhere
 from stratagem.training.summary import summary_lines
 
@@ -93,13 +96,21 @@ class ModelIO:
                          what="model.save_weights")
 
     def load_weights(self, filepath: "str | os.PathLike", **keras_options: Any) -> None:
-        """Load weights saved by ``save_weights`` or ``save`` (or a ``torch.save``-d state_dict)
-        into every replica and worker. Names and shapes are checked first (on every worker);
+        """Load weights saved by ``save_weights`` or ``save`` (or a ``torch.save``-d state_dict), or
+        the ``model`` entry of a checkpoint directory (``ModelCheckpoint``'s, ``sg.Checkpoint``'s,
+        ``sg.latest_checkpoint(dir)``) into every replica and worker. Names and shapes are checked first (on every worker);
         nothing changes unless all match."""
         _refuse("load_weights", keras_options)
         self._outside_run("load_weights")
-        module = architecture.logical_module(self.module)
         path = str(filepath)
+        is_checkpoint = (Path(path) / MANIFEST).is_file()   # ModelCheckpoint's / sg.Checkpoint's directory
+        workers = self.strategy.checkpoint_collective
+        if workers.num_workers > 1:   # the chief's view: every worker takes the same path below
+            is_checkpoint = workers.broadcast_object(is_checkpoint)
+        if is_checkpoint:   # Keras's load_weights(tf.train.latest_checkpoint(dir)): its "model" entry
+            Checkpoint(model=self.module).restore(path)
+            return
+        module = architecture.logical_module(self.module)
         data = read_everywhere(self.strategy, filepath, "model.load_weights")
         state, error = None, None
         try:

@@ -526,3 +526,15 @@ def test_the_execution_options_of_compile_come_back(tmp_path: Path) -> None:
     loaded = sg.models.load_model(tmp_path / "model.pt")
     assert loaded.steps_per_execution == 3 and loaded._precision.jit_compile
     assert repr(loaded.loss) == repr(model.loss)
+
+
+def test_load_weights_reads_a_checkpoint_directory_of_model_checkpoint(tmp_path: Path) -> None:
+    x, y = arrays()
+    model = build(sg.MirroredStrategy(["cpu:0", "cpu:1"]))
+    saver = sg.callbacks.ModelCheckpoint(str(tmp_path / "ckpt_{epoch}"), save_weights_only=True)
+    model.fit(x, y, batch_size=10, epochs=2, verbose=0, callbacks=[saver])
+    trained = {k: v.clone() for k, v in model.module.state_dict().items()}
+    other = build(sg.OneDeviceStrategy("cpu"))
+    other.load_weights(sg.latest_checkpoint(tmp_path))
+    for name, value in trained.items():
+        assert torch.equal(other.module.state_dict()[name], value), name

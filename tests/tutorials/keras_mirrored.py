@@ -104,9 +104,7 @@ report["logs"] = sum(len(files) for _, _, files in os.walk(os.path.join(OUT, "lo
 trained = {k: v.clone() for k, v in model.module.state_dict().items()}
 
 # the weights of the latest checkpoint (the last epoch's), loaded back, then evaluated.
-# WORKAROUND: the tutorial's model.load_weights(sg.latest_checkpoint(checkpoint_dir)) raises CheckpointError
-# (IsADirectoryError): load_weights reads save_weights' file, and ModelCheckpoint writes an sg.Checkpoint directory
-sg.Checkpoint(model=model.module).restore(sg.latest_checkpoint(checkpoint_dir))
+model.load_weights(sg.latest_checkpoint(checkpoint_dir))
 eval_loss, eval_acc = model.evaluate(eval_dataset)
 print("Eval loss: {}, Eval accuracy: {}".format(eval_loss, eval_acc))
 report["eval"] = (eval_loss, eval_acc)
