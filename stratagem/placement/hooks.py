@@ -47,7 +47,7 @@ from stratagem.placement.learning_rate import rate_attributes
 _lock = threading.Lock()
 _internal = threading.local()   # set while stratagem builds optimizers of its own
 _users = 0
-_module_placements: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+_module_placements: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 _installed: list[Any] = []   # the registration hooks' handles while scopes are open
 _original_init = torch.optim.Optimizer.__init__
 _original_scaler_init = torch.amp.GradScaler.__init__
@@ -75,7 +75,7 @@ def _scoped_placement() -> Any:
 def _on_tensor_registered(module: nn.Module, name: str, tensor: Any) -> None:
     placement = _scoped_placement()
     if placement is not None:
-        _module_placements[module] = placement
+        _module_placements[module] = weakref.ref(placement)   # (a strong value would keep the module alive)
         placement.on_module_registered(module)
     return None
 
@@ -85,8 +85,8 @@ def module_placement(module: nn.Module) -> Any:
     tensor, else None."""
     for submodule in module.modules():
         found = _module_placements.get(submodule)
-        if found is not None:
-            return found
+        if found is not None and found() is not None:
+            return found()
     return None
 
 
