@@ -21,10 +21,12 @@ worker passed), and none is left waiting for the others or aborted by gloo.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pickle
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +43,25 @@ _FIELDS = 4                  # digest, number of codes, inline bytes, the call's
 _ALIGN = 16                  # inline values start at multiples of this many bytes
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+
+
+_notes = threading.local()
+
+
+@contextlib.contextmanager
+def noted(words: str) -> Iterator[None]:
+    """Collectives this thread calls inside say ``words`` too (part of what must agree)."""
+    before = getattr(_notes, "words", "")
+    _notes.words = words
+    try:
+        yield
+    finally:
+        _notes.words = before
+
+
+def note() -> str:
+    """What :func:`noted` asks this thread's collectives to say ("" outside it)."""
+    return getattr(_notes, "words", "")
 
 
 @dataclass
@@ -280,11 +301,11 @@ def mismatch_error(names: Sequence[str], everyone: list[tuple]) -> Exception:
         what, detail, described, rule = said[:4]
         verbs = _VERBS.get(what, (f"calls {what}", f"call {what}"))
         verb = verbs[0] if len(who) == 1 else verbs[1]
-        words = [verb] if before is None or before[0] != verb else []
-        words += [_tensors(described, rule)]
-        if detail and (words[0] == verb or before[1] != detail):
+        new_call = before is None or before[0] != what
+        words = [verb if new_call else "", _tensors(described, rule)]
+        if detail and (new_call or before[1] != detail):
             words.append(detail)
-        before = (verb, detail)
+        before = (what, detail)
         parts.append(" ".join([" and ".join(who)] + [w for w in words if w]))
     if len(variants) < 2:  # (cannot happen: the digests differed)
         return CollectiveMismatchError(f"{first[0]} across workers: the workers' calls did not match")
@@ -296,8 +317,9 @@ def mismatch_error(names: Sequence[str], everyone: list[tuple]) -> Exception:
             f"make the same collective calls in the same order (look for a branch that depends on "
             f"the worker, such as `if strategy.cluster_resolver.task_id == 0:`)")
     if other[1] != first[1]:
-        return InvalidArgumentError(
-            f"{head}: every worker must call {first[0]} with the same arguments")
+        grads = " (inputs that require grad on some workers only: pass such inputs on every worker, or " \
+                "detach them on every worker)" if "autograd" in first[1] + other[1] else ""
+        return InvalidArgumentError(f"{head}: every worker must call {first[0]} with the same arguments{grads}")
     where = _first_difference(first[2], other[2], names[0], variants[1][1][0], first[3], first[4])
     fixes = {
         "same": "every worker must pass tensors of the same dtypes and shapes, in the same structure "

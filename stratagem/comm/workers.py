@@ -93,7 +93,8 @@ class WorkerCollective(Collective):
                shapes: bool = True) -> list[list[tuple[tuple[int, ...], torch.dtype]]] | None:
         """One message with every worker (checked by ``rule``); every replica's (shape, dtype)
         per tensor, in replica order, when ``shapes``."""
-        call = agreement.Call(what, detail, [agreement.describe(replica) for replica in local], rule, axis)
+        call = agreement.Call(what, f"{detail} {agreement.note()}".strip(),
+                              [agreement.describe(replica) for replica in local], rule, axis)
         agreed = agreement.agree(self.group, call, shapes=shapes)
         return None if agreed.described is None else [r for worker in agreed.described for r in worker]
 
@@ -278,8 +279,8 @@ class WorkerCollective(Collective):
         the others)."""
         if self.num_workers == 1:
             return list(tensors)
-        agreed = agreement.agree(self.group, agreement.Call(what, detail, [agreement.describe(tensors)]),
-                                 values=tensors)
+        call = agreement.Call(what, f"{detail} {agreement.note()}".strip(), [agreement.describe(tensors)])
+        agreed = agreement.agree(self.group, call, values=tensors)
         if agreed.inline:
             results = agreement.summed(agreed.values, tensors)
         else:

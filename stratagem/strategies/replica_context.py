@@ -270,7 +270,8 @@ class ReplicaContext:
         Every replica must decide alike (each backward is a collective): with several local
         replicas they agree here (any input that requires grad makes every replica record
         it); across workers each decides alone, so every worker must pass inputs that
-        require grad, or none.
+        require grad, or none (the message before the collective says which; every worker
+        refuses a mismatch).
         """
         if not torch.is_grad_enabled() or not any(t.is_floating_point() or t.is_complex() for t in tensors):
             return False  # (integers never require grad: a count costs no extra meeting)
