@@ -10,9 +10,13 @@ launched while backward still runs (:mod:`stratagem.comm.gradients`).
 The replica-context collectives cross workers with one torch.distributed call of their
 own kind (:mod:`stratagem.comm.worker_ops`): all-gather, reduce-scatter, broadcast,
 all-to-all, scatter; ``reduce`` and ``gather`` are the all-reduce and the all-gather
-kept by one replica. Collectives whose receivers must know what arrives (all but
-all-reduce and reduce-scatter) first exchange the shapes (a small object collective),
-which also lets every worker refuse a mismatch together instead of hanging.
+kept by one replica. Every one of them, and ``worker_sums`` / ``worker_gathers`` behind
+``strategy.reduce`` / ``strategy.gather``, first exchanges one fixed-size message
+(:mod:`stratagem.comm.agreement`): which call, its arguments, dtypes and shapes, so that every
+worker refuses a mismatch together (never gloo's garbage or abort, never a hang), and the
+receivers learn the shapes; a small sum rides in the message itself. The gradient packs skip
+it: their layout follows from the parameters, which every worker checks at start-up
+(``agree_on_modules``), and ``bytes_per_pack`` (the start-up configuration check).
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ class WorkerCollective(Collective):
         what = "ReplicaContext.all_reduce" if destination is None else "ReplicaContext.reduce"
         detail = f"with '{op.value.lower()}'" + ("" if destination is None else f" to replica {destination}")
         if self.num_local == 1:
-            results = self.worker_sums(tensors, what, detail, None if destination is None else destination)
+            results = self.worker_sums(tensors, what, detail, destination)  # (one replica each: ids are workers)
         else:
             local = self.local.all_reduce(local_id, tensors, ReduceOp.SUM)
             results = self._on_first(local_id, local, "all_reduce:workers",
