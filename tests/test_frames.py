@@ -121,7 +121,8 @@ with strategy.scope():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 depths = {{"reduce": [], "backward": [], "step": []}}
 where = [None]
-original_all_reduce, original_all_gather = dist.all_reduce, dist.all_gather_into_tensor
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+original_all_reduce, original_all_gather = dist.all_reduce, getattr(dist, GATHER)
 
 def all_reduce(*args, **kwargs):
     if where[0]:
@@ -129,11 +130,11 @@ def all_reduce(*args, **kwargs):
     return original_all_reduce(*args, **kwargs)
 dist.all_reduce = all_reduce
 
-def all_gather_into_tensor(*args, **kwargs):  # the message before a collective: a small sum rides in it
+def all_gather(*args, **kwargs):  # the message before a collective: a small sum rides in it
     if where[0]:
         depths[where[0]].append(ours_above(sys._getframe(1)))
     return original_all_gather(*args, **kwargs)
-dist.all_gather_into_tensor = all_gather_into_tensor
+setattr(dist, GATHER, all_gather)
 
 def step(batch):
     x, y = batch

@@ -149,8 +149,9 @@ def agree(group: Any, call: Call, *, shapes: bool = False, values: Sequence[torc
     if values is not None and fits(values):
         message[2] = _pack(message[HEADER:].view(torch.uint8), values)
     everyone = torch.empty(group.world_size * MESSAGE, dtype=torch.int64, device=group.device)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch's newer name)
     with group.guard(call.what):
-        dist.all_gather_into_tensor(everyone, message.to(group.device), group=group.group)
+        all_gather(everyone, message.to(group.device), group=group.group)
     rows = everyone.view(group.world_size, MESSAGE)
     heads = rows[:, :_FIELDS].tolist()
     if any(head[0] != heads[0][0] for head in heads):
@@ -209,7 +210,8 @@ def all_gather_object(group: Any, obj: Any, what: str) -> list[Any]:
         send[:data.numel()] = data
         everyone = torch.empty(group.world_size * longest, dtype=torch.uint8, device=group.device)
         with group.guard(what):
-            dist.all_gather_into_tensor(everyone, send.to(group.device), group=group.group)
+            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+                everyone, send.to(group.device), group=group.group)
         blobs = [everyone[w * longest:w * longest + sizes[w]] for w in range(group.world_size)]
     return [pickle.loads(blob.cpu().numpy().tobytes()) for blob in blobs]
 
