@@ -6,6 +6,7 @@ The real exchange between processes is tested in tests/multi_worker/test_mismatc
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,15 +78,19 @@ def test_shapes_travel_as_a_few_integers_and_long_ones_do_not() -> None:
 
 
 def test_small_values_ride_in_the_message_and_are_summed_in_worker_order() -> None:
-    tensors = [torch.tensor([1.5, 2.0]), torch.tensor(3, dtype=torch.int32), torch.tensor([True, False])]
+    tensors = [torch.tensor([1.5, 2.0]), torch.tensor(3, dtype=torch.int32), torch.tensor([True, False]),
+               torch.tensor([[0.5, 1.0]], dtype=torch.bfloat16), torch.tensor([1 + 2j], dtype=torch.complex64)]
     assert agreement.fits(tensors) and not agreement.fits([torch.zeros(129)])
-    rows = torch.zeros(3, agreement.INLINE // 8, dtype=torch.int64)
-    for w in range(3):
-        agreement._pack(rows[w].view(torch.uint8), [t * (w + 1) if t.dtype != torch.bool else t for t in tensors])
-    sums = agreement.summed(rows.view(torch.uint8), tensors)
+    messages = [bytearray(agreement.MESSAGE * 8) for _ in range(3)]
+    for w, message in enumerate(messages):
+        agreement._pack(message, [t * (w + 1) if t.dtype != torch.bool else t for t in tensors])
+    rows = np.stack([np.frombuffer(bytes(m), dtype=np.uint8) for m in messages])
+    sums = agreement.summed(rows[:, agreement.HEADER * 8:], tensors)
     assert sums[0].tolist() == [9.0, 12.0] and sums[0].dtype == torch.float32
     assert sums[1].item() == 18 and sums[1].dtype == torch.int32 and sums[1].shape == ()
     assert sums[2].tolist() == [True, False]
+    assert sums[3].tolist() == [[3.0, 6.0]] and sums[3].dtype == torch.bfloat16
+    assert sums[4].tolist() == [6 + 12j] and sums[4].dtype == torch.complex64
 
 
 @pytest.mark.parametrize("rule", ["same", "gather", "count"])

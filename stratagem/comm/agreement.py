@@ -24,10 +24,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import pickle
+import struct
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -43,6 +45,7 @@ _FIELDS = 4                  # digest, number of codes, inline bytes, the call's
 _ALIGN = 16                  # inline values start at multiples of this many bytes
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_NUMPY = {dtype: torch.empty(0, dtype=dtype).numpy().dtype for dtype in DTYPES if dtype != torch.bfloat16}
 
 
 _notes = threading.local()
@@ -99,7 +102,7 @@ class Agreed:
 
     described: list[Described] | None   # the shapes (when asked for)
     numbers: list[int]                  # each worker's number (a pickled object's size)
-    values: torch.Tensor                # [workers, INLINE] bytes: the values sent in the messages
+    values: np.ndarray                  # [workers, INLINE] bytes: the values sent in the messages
     lengths: list[int]                  # bytes of values each worker sent (-1: none, they did not fit)
 
     @property
@@ -112,16 +115,17 @@ def describe(tensors: Sequence[torch.Tensor]) -> list[tuple[Shape, torch.dtype]]
     return [(tuple(t.shape), t.dtype) for t in tensors]
 
 
-def fits(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether ``tensors``' values ride in the message (small, of a known dtype)."""
-    return all(t.dtype in DTYPES for t in tensors) and _span(tensors) <= INLINE
-
-
-def _span(tensors: Sequence[torch.Tensor]) -> int:
+def fits(values: Sequence[Any]) -> bool:
+    """Whether ``values`` (tensors of a known dtype, or bytes) ride in the message: small enough."""
     end = 0
-    for t in tensors:
-        end = _aligned(end) + t.numel() * t.element_size()
-    return end
+    for v in values:
+        if isinstance(v, bytes):
+            end = _aligned(end) + len(v)
+        elif v.dtype in DTYPES:
+            end = _aligned(end) + v.numel() * v.element_size()
+        else:
+            return False
+    return end <= INLINE
 
 
 def _aligned(offset: int) -> int:
@@ -137,22 +141,22 @@ def agree(group: Any, call: Call, *, shapes: bool = False, values: Sequence[torc
           number: int = 0) -> Agreed:
     """Exchange ``call``'s message with every worker of ``group``; raise on every worker alike
     if what must agree does not. ``shapes``: return every worker's ``described``; ``values``:
-    tensors (or one uint8 tensor of bytes) sent in the message when they fit; ``number``: an
-    integer each worker tells the others (not checked)."""
+    tensors (or bytes) sent in the message when they fit; ``number``: an integer each worker
+    tells the others (not checked)."""
     header = [call.key(), -1, -1, number]
     codes = _encode(call.described) if shapes else None
     if codes is not None:
         header[1] = len(codes)
         header += codes
-    message = torch.zeros(MESSAGE, dtype=torch.int64)
-    message[:len(header)] = torch.tensor(header, dtype=torch.int64)
+    message = bytearray(MESSAGE * 8)  # built in Python: fewer torch calls on the hot path
     if values is not None and fits(values):
-        message[2] = _pack(message[HEADER:].view(torch.uint8), values)
+        header[2] = _pack(message, values)
+    struct.pack_into(f"<{len(header)}q", message, 0, *header)
     everyone = torch.empty(group.world_size * MESSAGE, dtype=torch.int64, device=group.device)
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch's newer name)
     with group.guard(call.what):
-        all_gather(everyone, message.to(group.device), group=group.group)
-    rows = everyone.view(group.world_size, MESSAGE)
+        all_gather(everyone, torch.frombuffer(message, dtype=torch.int64).to(group.device), group=group.group)
+    rows = everyone.cpu().numpy().reshape(group.world_size, MESSAGE)  # (numpy: cheaper calls than torch's)
     heads = rows[:, :_FIELDS].tolist()
     if any(head[0] != heads[0][0] for head in heads):
         refuse(group, call)
@@ -164,32 +168,43 @@ def agree(group: Any, call: Call, *, shapes: bool = False, values: Sequence[torc
             described = [_decode(c[:head[1]]) for c, head in zip(all_codes, heads)]
         else:  # too long, or an unusual dtype somewhere: pickled (every worker sees it alike)
             described = group.all_gather_object(call.described, f"{call.what} (shapes)")
-    return Agreed(described, [head[3] for head in heads], rows[:, HEADER:].view(torch.uint8),
+    return Agreed(described, [head[3] for head in heads], rows.view(np.uint8)[:, HEADER * 8:],
                   [head[2] for head in heads])
 
 
-def _pack(region: torch.Tensor, values: Sequence[torch.Tensor]) -> int:
+def _pack(message: bytearray, values: Sequence[Any]) -> int:
+    """Writes ``values`` (tensors, or bytes) after the header; returns how many bytes they span."""
     offset = 0
-    for t in values:
+    for value in values:
         offset = _aligned(offset)
-        size = t.numel() * t.element_size()
-        region[offset:offset + size].copy_(t.detach().reshape(-1).view(torch.uint8))
-        offset += size
+        data = value if isinstance(value, bytes) else _raw(value)
+        message[HEADER * 8 + offset:HEADER * 8 + offset + len(data)] = data
+        offset += len(data)
     return offset
 
 
-def summed(values: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _raw(t: torch.Tensor) -> bytes:
+    t = t.detach().cpu()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
+
+
+def summed(values: np.ndarray, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Each of ``like``'s tensors summed over the workers' inline ``values``, in worker order
-    (so every worker computes the same bits)."""
+    (so every worker computes the same bits), with ``like``'s dtype, shape and device."""
     out, offset = [], 0
     for t in like:
         offset = _aligned(offset)
         size = t.numel() * t.element_size()
-        parts = values[:, offset:offset + size].view(t.dtype)
-        total = parts[0].clone()
-        for part in parts[1:]:
-            total.add_(part)
-        out.append(total.view(t.shape).to(t.device))
+        raw = values[:, offset:offset + size]
+        if t.dtype == torch.bfloat16:  # (numpy has no bfloat16)
+            parts: Any = torch.from_numpy(raw.copy()).view(torch.bfloat16)
+        else:
+            parts = raw.view(_NUMPY[t.dtype])
+        total = parts[0] + parts[1] if len(parts) > 1 else parts[0].copy()
+        for part in parts[2:]:
+            total = total + part
+        total = torch.from_numpy(total.reshape(t.shape)) if isinstance(total, np.ndarray) else total.reshape(t.shape)
+        out.append(total if t.device.type == "cpu" else total.to(t.device))
         offset += size
     return out
 
@@ -199,42 +214,39 @@ def summed(values: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Ten
 def all_gather_object(group: Any, obj: Any, what: str) -> list[Any]:
     """Every worker's picklable ``obj``, in worker order: the message (the pickle itself when
     every worker's fits), then one all-gather of the pickles padded to the longest."""
-    data = _pickled(obj)
-    agreed = agree(group, Call(what, rule="none"), values=[data], number=data.numel())
+    data = pickle.dumps(obj)
+    agreed = agree(group, Call(what, rule="none"), values=[data], number=len(data))
     sizes = agreed.numbers
     if agreed.inline:
-        blobs = [agreed.values[w, :sizes[w]] for w in range(group.world_size)]
+        blobs = [agreed.values[w, :sizes[w]].tobytes() for w in range(group.world_size)]
     else:
         longest = max(sizes)
         send = torch.zeros(longest, dtype=torch.uint8)
-        send[:data.numel()] = data
+        send[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         everyone = torch.empty(group.world_size * longest, dtype=torch.uint8, device=group.device)
         with group.guard(what):
             (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
                 everyone, send.to(group.device), group=group.group)
-        blobs = [everyone[w * longest:w * longest + sizes[w]] for w in range(group.world_size)]
-    return [pickle.loads(blob.cpu().numpy().tobytes()) for blob in blobs]
+        everyone = everyone.cpu().numpy()
+        blobs = [everyone[w * longest:w * longest + sizes[w]].tobytes() for w in range(group.world_size)]
+    return [pickle.loads(blob) for blob in blobs]
 
 
 def broadcast_object(group: Any, obj: Any, what: str, src: int) -> Any:
     """Worker ``src``'s picklable ``obj`` on every worker (it keeps its own): the message (the
     pickle itself when it fits), else one broadcast of the pickle."""
     mine = group.rank == src
-    data = _pickled(obj) if mine else torch.empty(0, dtype=torch.uint8)
+    data = pickle.dumps(obj) if mine else b""
     agreed = agree(group, Call(what, f"from {group.names[src]}", rule="none"), values=[data] if mine else None,
-                   number=data.numel())
+                   number=len(data))
     size = agreed.numbers[src]
     if agreed.lengths[src] >= 0:
-        blob = agreed.values[src, :size]
-    else:
-        blob = (data if mine else torch.empty(size, dtype=torch.uint8)).to(group.device)
-        with group.guard(what):
-            dist.broadcast(blob, src=group.global_rank(src), group=group.group)
+        return obj if mine else pickle.loads(agreed.values[src, :size].tobytes())
+    blob = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine
+            else torch.empty(size, dtype=torch.uint8)).to(group.device)
+    with group.guard(what):
+        dist.broadcast(blob, src=group.global_rank(src), group=group.group)
     return obj if mine else pickle.loads(blob.cpu().numpy().tobytes())
-
-
-def _pickled(obj: Any) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
 
 # ------------------------------------------------ the shapes: a few integers each
