@@ -80,8 +80,9 @@ def test_shapes_travel_as_a_few_integers_and_long_ones_do_not() -> None:
 def test_small_values_ride_in_the_message_and_are_summed_in_worker_order() -> None:
     tensors = [torch.tensor([1.5, 2.0]), torch.tensor(3, dtype=torch.int32), torch.tensor([True, False]),
                torch.tensor([[0.5, 1.0]], dtype=torch.bfloat16), torch.tensor([1 + 2j], dtype=torch.complex64)]
-    assert agreement.fits(tensors) and not agreement.fits([torch.zeros(129)])
-    messages = [bytearray(agreement.MESSAGE * 8) for _ in range(3)]
+    assert agreement.fits(tensors, 3) and not agreement.fits([torch.zeros(5462 // 4 + 1)], 3)
+    assert agreement.inline_bytes(2) == 8192 and agreement.inline_bytes(64) == 512
+    messages = [bytearray(agreement.message_bytes(3)) for _ in range(3)]
     for w, message in enumerate(messages):
         agreement._pack(message, [t * (w + 1) if t.dtype != torch.bool else t for t in tensors])
     rows = np.stack([np.frombuffer(bytes(m), dtype=np.uint8) for m in messages])

@@ -2,7 +2,7 @@
 
 Every collective across workers that user code reaches (the replica context's, ``strategy.reduce``
 and ``strategy.gather``, the object exchanges behind metrics and checkpoints) begins with one
-all-gather of :data:`MESSAGE` int64s per worker. The size is the same whatever the call, so a call
+all-gather of :func:`message_bytes` per worker. The size is the same whatever the call, so a call
 never meets another one of a different size (gloo aborts the process on that, and a dtype that
 differs in name only sums bytes of one as the other). Each worker's message holds:
 
@@ -11,8 +11,9 @@ differs in name only sums bytes of one as the other). Each worker's message hold
   the collective needs them to agree (:class:`Call`'s ``rule``);
 - the shapes that receivers need to size their buffers, when they fit (else they travel
   pickled, one more exchange every worker makes alike);
-- for an all-reduce of at most :data:`INLINE` bytes, or a small pickled object, the values
-  themselves: then the message is the whole collective.
+- for a sum of at most :func:`inline_bytes` (16 KiB shared by the workers, at least 512 bytes
+  each), or a small pickled object, the values themselves: then the message is the whole
+  collective.
 
 Every worker reads every worker's message, so all of them decide alike. A mismatch raises on
 every worker together (:func:`agree`; one more exchange, of the descriptions, names what each
@@ -39,8 +40,6 @@ Shape = tuple[int, ...]
 Described = list[list[tuple[Shape, torch.dtype]]]  # per replica, per tensor: (shape, dtype)
 
 HEADER = 64                  # int64s: digest, lengths, a number, the shapes' codes
-INLINE = 512                 # bytes of values the message itself carries
-MESSAGE = HEADER + INLINE // 8
 _FIELDS = 4                  # digest, number of codes, inline bytes, the call's number
 _ALIGN = 16                  # inline values start at multiples of this many bytes
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -102,7 +101,7 @@ class Agreed:
 
     described: list[Described] | None   # the shapes (when asked for)
     numbers: list[int]                  # each worker's number (a pickled object's size)
-    values: np.ndarray                  # [workers, INLINE] bytes: the values sent in the messages
+    values: np.ndarray                  # [workers, inline_bytes] bytes: the values sent in the messages
     lengths: list[int]                  # bytes of values each worker sent (-1: none, they did not fit)
 
     @property
@@ -115,7 +114,19 @@ def describe(tensors: Sequence[torch.Tensor]) -> list[tuple[Shape, torch.dtype]]
     return [(tuple(t.shape), t.dtype) for t in tensors]
 
 
-def fits(values: Sequence[Any]) -> bool:
+def inline_bytes(workers: int) -> int:
+    """Bytes of values each worker's message carries: 16 KiB over the workers, at least 512 (on
+    loopback a message of up to 16 KiB costs what one of 1 KiB does; with many workers the
+    all-gather's total stays bounded)."""
+    return max(512, (16384 // workers) // _ALIGN * _ALIGN)
+
+
+def message_bytes(workers: int) -> int:
+    """The size of each worker's message: the header and the room for values."""
+    return HEADER * 8 + inline_bytes(workers)
+
+
+def fits(values: Sequence[Any], workers: int) -> bool:
     """Whether ``values`` (tensors of a known dtype, or bytes) ride in the message: small enough."""
     end = 0
     for v in values:
@@ -125,7 +136,7 @@ def fits(values: Sequence[Any]) -> bool:
             end = _aligned(end) + v.numel() * v.element_size()
         else:
             return False
-    return end <= INLINE
+    return end <= inline_bytes(workers)
 
 
 def _aligned(offset: int) -> int:
@@ -148,15 +159,16 @@ def agree(group: Any, call: Call, *, shapes: bool = False, values: Sequence[torc
     if codes is not None:
         header[1] = len(codes)
         header += codes
-    message = bytearray(MESSAGE * 8)  # built in Python: fewer torch calls on the hot path
-    if values is not None and fits(values):
+    size = message_bytes(group.world_size) // 8
+    message = bytearray(size * 8)  # built in Python: fewer torch calls on the hot path
+    if values is not None and fits(values, group.world_size):
         header[2] = _pack(message, values)
     struct.pack_into(f"<{len(header)}q", message, 0, *header)
-    everyone = torch.empty(group.world_size * MESSAGE, dtype=torch.int64, device=group.device)
+    everyone = torch.empty(group.world_size * size, dtype=torch.int64, device=group.device)
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch's newer name)
     with group.guard(call.what):
         all_gather(everyone, torch.frombuffer(message, dtype=torch.int64).to(group.device), group=group.group)
-    rows = everyone.cpu().numpy().reshape(group.world_size, MESSAGE)  # (numpy: cheaper calls than torch's)
+    rows = everyone.cpu().numpy().reshape(group.world_size, size)  # (numpy: cheaper calls than torch's)
     heads = rows[:, :_FIELDS].tolist()
     if any(head[0] != heads[0][0] for head in heads):
         refuse(group, call)

@@ -278,7 +278,7 @@ class WorkerCollective(Collective):
                     destination: int | None = None) -> list[torch.Tensor] | None:
         """New tensors: ``tensors`` summed over the workers, after one message that every worker
         checks (the same dtypes and shapes everywhere, else every worker raises). Up to
-        ``agreement.INLINE`` bytes ride in that message, summed in worker order on every worker;
+        ``agreement.inline_bytes`` ride in that message, summed in worker order on every worker;
         larger ones are all-reduced (``dist.reduce`` to worker ``destination`` if given: None on
         the others)."""
         if self.num_workers == 1:
