@@ -297,7 +297,6 @@ _VERBS = {  # (one worker, several)
     "ReplicaContext.broadcast": ("broadcasts", "broadcast"),
     "ReplicaContext.all_to_all": ("sends all-to-all", "send all-to-all"),
     "ReplicaContext.scatter": ("scatters", "scatter"),
-    "ReplicaContext.barrier": ("waits at a barrier", "wait at a barrier"),
     "strategy.reduce": ("reduces (strategy.reduce)", "reduce (strategy.reduce)"),
     "strategy.gather": ("gathers (strategy.gather)", "gather (strategy.gather)"),
 }

@@ -232,13 +232,6 @@ class WorkerCollective(Collective):
             return [p.to(self.devices[k].torch_device) for k, p in enumerate(pieces)]
         return self._on_first(local_id, tensors, "scatter", work)
 
-    def barrier(self, local_id: int) -> None:
-        if self.num_workers == 1:
-            return self.local.barrier(local_id)
-        self._on_first(local_id, None, "barrier",
-                       lambda local: self._agree([], "ReplicaContext.barrier", "", "none", shapes=False)
-                       or [None] * self.num_local)
-
     def local_sum(self, components):
         return self.local.local_sum(components)
 
