@@ -3,8 +3,8 @@
 Every collective across workers that user code reaches (the replica context's, ``strategy.reduce``
 and ``strategy.gather``, the object exchanges behind metrics and checkpoints) begins with one
 all-gather of :func:`message_bytes` per worker. The size is the same whatever the call, so a call
-never meets another one of a different size (gloo aborts the process on that, and a dtype that
-differs in name only sums bytes of one as the other). Each worker's message holds:
+never meets another one of a different size (gloo aborts the process on that, and sums the bytes
+of one dtype as another of the same size). Each worker's message holds:
 
 - a digest of what must agree: the collective (its public name), its arguments in words (the
   reduction, the axis, the source or destination) and the tensors' dtypes and shapes, as far as
@@ -77,7 +77,7 @@ class Call:
     """
 
     what: str                                   # the public call: "ReplicaContext.all_reduce"
-    detail: str = ""                            # its arguments in words: "'sum'", "along axis 0"
+    detail: str = ""                            # its arguments in words: "with 'sum'", "along axis 0"
     described: Described = field(default_factory=list)
     rule: str = "same"
     axis: int = 0
