@@ -116,7 +116,8 @@ class PreemptionWatcher:
         import torch   # here, not at the top: the launcher reads PREEMPTED_EXIT_CODE without torch
 
         flag = torch.tensor([1.0 if self.received else 0.0])
-        self._stopping = bool(self._strategy.checkpoint_collective.worker_sum(flag).item() > 0)
+        self._stopping = bool(self._strategy.checkpoint_collective.worker_sum(
+            flag, "PreemptionCheckpointHandler (did a worker get the signal)").item() > 0)
         return self._stopping
 
     def exit(self) -> NoReturn:
@@ -127,7 +128,8 @@ class PreemptionWatcher:
         """
         import torch
 
-        self._strategy.checkpoint_collective.worker_sum(torch.zeros(1))  # the last meeting: a barrier
+        self._strategy.checkpoint_collective.worker_sum(  # the last meeting: a barrier
+            torch.zeros(1), "PreemptionCheckpointHandler.exit (the last meeting)")
         self.close()
         raise SystemExit(PREEMPTED_EXIT_CODE)
 

@@ -4,7 +4,8 @@ From ``strategy.run(fn)`` to ``fn``, from the end of ``backward()`` (autograd's 
 from the gradient hooks to the torch call that reduces (an in-place add of the gradient sum,
 ``torch.distributed.all_reduce``), and from ``optimizer.step()`` to the one that updates (the
 optimizer's own ``step``), at most 3 frames of stratagem's are on the stack. Across workers the
-same holds for ``strategy.reduce`` and the gradient sum down to ``torch.distributed``.
+same holds for ``strategy.reduce`` and the gradient sum down to ``torch.distributed`` (for
+``strategy.reduce``, its checked message: an all-gather that carries a small sum itself).
 """
 
 from __future__ import annotations
@@ -120,13 +121,20 @@ with strategy.scope():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 depths = {{"reduce": [], "backward": [], "step": []}}
 where = [None]
-original_all_reduce, original_wait = dist.all_reduce, dist.Work.wait
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+original_all_reduce, original_all_gather = dist.all_reduce, getattr(dist, GATHER)
 
 def all_reduce(*args, **kwargs):
     if where[0]:
         depths[where[0]].append(ours_above(sys._getframe(1)))
     return original_all_reduce(*args, **kwargs)
 dist.all_reduce = all_reduce
+
+def all_gather(*args, **kwargs):  # the message before a collective: a small sum rides in it
+    if where[0]:
+        depths[where[0]].append(ours_above(sys._getframe(1)))
+    return original_all_gather(*args, **kwargs)
+setattr(dist, GATHER, all_gather)
 
 def step(batch):
     x, y = batch

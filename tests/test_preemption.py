@@ -26,7 +26,7 @@ class _CountingCollective:
     def __init__(self) -> None:
         self.calls = 0
 
-    def worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+    def worker_sum(self, tensor: torch.Tensor, what: str = "") -> torch.Tensor:
         self.calls += 1
         return tensor
 

@@ -24,8 +24,10 @@ computes the same loss with the same code, because each replica's backward walks
 own graph in creation order (the autograd engine runs a CPU graph on the thread that
 calls ``backward()``, which is the replica's own thread). A replica that skips the
 backward leaves the others waiting until it returns from its function, which then
-raises ``CollectiveMismatchError`` rather than hanging (between workers: the
-collective timeout). Each Function keeps the replica's ``local_id`` from the forward,
+raises ``CollectiveMismatchError`` rather than hanging. Between workers, each decides
+alone whether to record the collective (its inputs require grad): the message before the
+collective says so (:func:`~stratagem.comm.agreement.noted`), and every worker refuses a
+collective that some workers record and others do not. Each Function keeps the replica's ``local_id`` from the forward,
 so a backward run on another thread (a CUDA device thread) still speaks for its replica.
 
 ``anchor`` is None, or a scalar leaf that requires grad: a replica whose own inputs
@@ -39,7 +41,12 @@ from typing import Any, Sequence
 
 import torch
 
+from stratagem.comm import agreement
 from stratagem.values import ReduceOp
+
+# Across workers, said with the call in its message: a worker whose inputs require grad records
+# the collective, and one whose inputs do not would skip its backward (every worker refuses it).
+FORWARD, BACKWARD = "(recorded for autograd)", "(in backward)"
 
 
 def _like(tensors: Sequence[torch.Tensor]) -> list[tuple]:
@@ -56,20 +63,23 @@ class AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, collective: Any, local_id: int, op: ReduceOp, anchor: Any, *tensors: torch.Tensor):
         ctx.collective, ctx.local_id, ctx.op = collective, local_id, op
-        results = collective.all_reduce(local_id, list(tensors), op)
+        with agreement.noted(FORWARD):
+            results = collective.all_reduce(local_id, list(tensors), op)
         ctx.like = _like(results)
         return tuple(results)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):
-        summed = ctx.collective.all_reduce(ctx.local_id, _grads(grads, ctx.like), ctx.op)
+        with agreement.noted(BACKWARD):
+            summed = ctx.collective.all_reduce(ctx.local_id, _grads(grads, ctx.like), ctx.op)
         return (None, None, None, None, *summed)
 
 
 class AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, collective: Any, local_id: int, axis: int, anchor: Any, *tensors: torch.Tensor):
-        results, sizes = collective.all_gather_parts(local_id, list(tensors), axis)
+        with agreement.noted(FORWARD):
+            results, sizes = collective.all_gather_parts(local_id, list(tensors), axis)
         ctx.collective, ctx.local_id, ctx.axis, ctx.sizes = collective, local_id, axis, sizes
         ctx.like = _like(results)
         return tuple(results)
@@ -77,8 +87,9 @@ class AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):
         collective = ctx.collective
-        return (None, None, None, None, *[collective.reduce_scatter(ctx.local_id, g, ReduceOp.SUM, ctx.axis, sizes)
-                                          for g, sizes in zip(_grads(grads, ctx.like), ctx.sizes)])
+        with agreement.noted(BACKWARD):
+            return (None, None, None, None, *[collective.reduce_scatter(ctx.local_id, g, ReduceOp.SUM, ctx.axis, sizes)
+                                              for g, sizes in zip(_grads(grads, ctx.like), ctx.sizes)])
 
 
 class ReduceScatter(torch.autograd.Function):
@@ -86,13 +97,15 @@ class ReduceScatter(torch.autograd.Function):
     def forward(ctx: Any, collective: Any, local_id: int, op: ReduceOp, axis: int, sizes: Any,
                 anchor: Any, tensor: torch.Tensor):
         ctx.collective, ctx.local_id, ctx.op, ctx.axis = collective, local_id, op, axis
-        result = collective.reduce_scatter(local_id, tensor, op, axis, sizes)
+        with agreement.noted(FORWARD):
+            result = collective.reduce_scatter(local_id, tensor, op, axis, sizes)
         ctx.like = _like([result])
         return result
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        full = ctx.collective.all_gather(ctx.local_id, _grads([grad], ctx.like), ctx.axis)[0]
+        with agreement.noted(BACKWARD):
+            full = ctx.collective.all_gather(ctx.local_id, _grads([grad], ctx.like), ctx.axis)[0]
         if ctx.op is ReduceOp.MEAN:
             full = full / ctx.collective.num_replicas
         return None, None, None, None, None, None, full
@@ -102,13 +115,15 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, collective: Any, local_id: int, anchor: Any, *tensors: torch.Tensor):
         ctx.collective, ctx.local_id = collective, local_id
-        results = collective.all_to_all(local_id, list(tensors))
+        with agreement.noted(FORWARD):
+            results = collective.all_to_all(local_id, list(tensors))
         ctx.like = _like(results)
         return tuple(results)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):
-        return (None, None, None, *ctx.collective.all_to_all(ctx.local_id, _grads(grads, ctx.like)))
+        with agreement.noted(BACKWARD):
+            return (None, None, None, *ctx.collective.all_to_all(ctx.local_id, _grads(grads, ctx.like)))
 
 
 class Broadcast(torch.autograd.Function):
@@ -116,13 +131,15 @@ class Broadcast(torch.autograd.Function):
     def forward(ctx: Any, collective: Any, local_id: int, source: int, anchor: Any, *tensors: torch.Tensor):
         ctx.collective, ctx.local_id, ctx.source = collective, local_id, source
         ctx.inputs = _like(tensors)
-        results = collective.broadcast(local_id, list(tensors), source)
+        with agreement.noted(FORWARD):
+            results = collective.broadcast(local_id, list(tensors), source)
         ctx.like = _like(results)
         return tuple(results)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):
         collective = ctx.collective
-        summed = collective.all_reduce(ctx.local_id, _grads(grads, ctx.like), ReduceOp.SUM)
+        with agreement.noted(BACKWARD):
+            summed = collective.all_reduce(ctx.local_id, _grads(grads, ctx.like), ReduceOp.SUM)
         mine = collective.replica_id(ctx.local_id) == ctx.source
         return (None, None, None, None, *(summed if mine else _grads([None] * len(summed), ctx.inputs)))

@@ -9,7 +9,7 @@ A strategy has one Collective. Its methods come in two kinds:
   ``reduce_scatter``, ``all_to_all``, ``scatter``, ``gather``, ``barrier``) span every
   replica of every worker.
 - **process level**: called once per process in cross-replica context
-  (``worker_sum``, ``worker_gather``, ``broadcast_object``, ``all_gather_object``,
+  (``worker_sum(s)``, ``worker_gathers``, ``broadcast_object``, ``all_gather_object``,
   ``agree_on_modules``): identities in one process, torch.distributed across workers.
 
 Implementations: :class:`~stratagem.comm.replicas.ReplicaCollective` (replica
@@ -61,6 +61,13 @@ def check_gatherable(shapes: Sequence[Sequence[tuple[int, ...]]], dtypes: Sequen
                     f"all_gather along axis {axis}: replica {r} passed a {db} tensor of shape "
                     f"{list(b)} but replica 0 a {da} tensor of shape {list(a)}; the tensors may "
                     f"differ only in their length along the gathered axis")
+
+
+def check_axis(tensor: torch.Tensor, axis: int, name: str) -> None:
+    """``tensor`` has a dimension ``axis`` to cut along."""
+    if tensor.dim() == 0 or not -tensor.dim() <= axis < tensor.dim():
+        raise InvalidArgumentError(
+            f"{name} cuts along axis {axis}, which a tensor of shape {tuple(tensor.shape)} does not have")
 
 
 class Collective:
@@ -174,6 +181,10 @@ class Collective:
 
     def broadcast(self, local_id: int, tensors: list[torch.Tensor], source: int) -> list[torch.Tensor]:
         everyone = self.exchange_all(local_id, tensors, "broadcast")
+        if any(len(e) != len(everyone[source]) for e in everyone):
+            raise InvalidArgumentError(
+                f"broadcast from replica {source}: the replicas passed {[len(e) for e in everyone]} tensors; "
+                f"every replica must pass the same structure as the source, even though only its values are used")
         device = self.devices[local_id].torch_device
         return [t.to(device, copy=True) for t in everyone[source]]
 
@@ -232,13 +243,19 @@ class Collective:
 
     # ---------------------------------------- process level (one call each)
 
-    def worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` summed over workers (the identity in one process)."""
+    def worker_sum(self, tensor: torch.Tensor, what: str = "strategy.reduce") -> torch.Tensor:
+        """``tensor`` summed over workers (the identity in one process); ``what`` names the call
+        in errors, and every worker must be making the same one."""
         return tensor
 
-    def worker_gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        """Every worker's ``tensor`` concatenated along ``axis`` in worker order."""
-        return tensor
+    def worker_sums(self, tensors: list[torch.Tensor], what: str = "strategy.reduce",
+                    detail: str = "") -> list[torch.Tensor]:
+        """Each of ``tensors`` summed over workers, in one exchange (``tensors`` in one process)."""
+        return list(tensors)
+
+    def worker_gathers(self, tensors: list[torch.Tensor], axis: int, what: str = "strategy.gather") -> list[torch.Tensor]:
+        """Each of ``tensors``, every worker's concatenated along ``axis`` in worker order."""
+        return list(tensors)
 
     def broadcast_object(self, value: Any) -> Any:
         """The chief's picklable ``value`` on every worker."""

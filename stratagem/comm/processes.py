@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.cluster.joined import mark_joined
+from stratagem.comm import agreement
 from stratagem.comm.binding import bind_gloo
 from stratagem.comm.options import CommunicationImplementation, CommunicationOptions
 from stratagem.errors import InvalidArgumentError, UnavailableError
@@ -235,21 +236,17 @@ class WorkerGroup:
         return tensor
 
     def all_gather_object(self, obj: Any, what: str = "all_gather") -> list[Any]:
+        """Every worker's picklable ``obj``, in worker order; every worker must be making the same
+        call (``what``: :mod:`~stratagem.comm.agreement` checks it)."""
         if self.solo:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        with self.guard(what):
-            dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return agreement.all_gather_object(self, obj, what)
 
     def broadcast_object(self, obj: Any, what: str = "broadcast", *, src: int = 0) -> Any:
         """Worker ``src``'s picklable ``obj`` (the chief's by default) on every worker."""
         if self.solo:
             return obj
-        box = [obj if self.rank == src else None]
-        with self.guard(what):
-            dist.broadcast_object_list(box, src=self._global(src), group=self.group)
-        return box[0]
+        return agreement.broadcast_object(self, obj, what, src)
 
     def global_rank(self, rank: int) -> int:
         """The torch.distributed rank of worker ``rank`` (they differ in a sub-group)."""

@@ -1,8 +1,9 @@
 """Tensor collectives between workers, as run by each worker's local replica 0.
 
 Each function gets this worker's part (its local replicas' tensors) and the shapes of
-every replica's tensors (exchanged beforehand: receivers must know what arrives), and
-makes one ``torch.distributed`` call of the matching kind. Uneven parts are padded to
+every replica's tensors (exchanged beforehand in the message of :mod:`~stratagem.comm.agreement`,
+which also checked them: receivers must know what arrives), and makes one ``torch.distributed``
+call of the matching kind. Uneven parts are padded to
 the longest and trimmed after; the common even case along the first dimension moves
 no byte more than torch's own call (the result *is* the receive buffer).
 
@@ -37,6 +38,49 @@ def _padded(flat: torch.Tensor, length: int) -> torch.Tensor:
 
 def _carrier(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     return tensor if tensor.device == group.device else tensor.to(group.device)
+
+
+def all_reduce(group: Any, tensors: list[torch.Tensor], what: str, destination_worker: int | None = None
+               ) -> list[torch.Tensor]:
+    """New tensors: ``tensors`` summed over the workers (``dist.reduce`` to ``destination_worker``
+    when given: only its results hold the sum).
+
+    One dtype: one flat buffer, the results are views of it. A large single tensor is copied in a
+    few chunks, each sent on while the next is copied.
+    """
+    results: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+
+    def launch(buffer: torch.Tensor, async_op: bool) -> Any:
+        if destination_worker is None:
+            return dist.all_reduce(buffer, group=group.group, async_op=async_op)
+        return dist.reduce(buffer, dst=group.global_rank(destination_worker), group=group.group, async_op=async_op)
+
+    with group.guard(what):
+        for indices in by_dtype.values():
+            parts = [tensors[i].reshape(-1) for i in indices]
+            flat = parts[0].new_empty(sum(p.numel() for p in parts), device=group.device)
+            pieces = 4 if flat.numel() * flat.element_size() >= (4 << 20) and len(parts) == 1 else 1
+            works, offset = [], 0
+            for part in parts:
+                for chunk in torch.tensor_split(part, pieces):
+                    target = flat[offset:offset + chunk.numel()]
+                    target.copy_(chunk)
+                    offset += chunk.numel()
+                    if pieces > 1:
+                        works.append(launch(target, True))
+            if pieces == 1:
+                launch(flat, False)
+            for work in works:
+                work.wait()
+            flat = flat.to(tensors[indices[0]].device)
+            offset = 0
+            for i in indices:
+                results[i] = flat[offset:offset + tensors[i].numel()].view(tensors[i].shape)
+                offset += tensors[i].numel()
+    return results
 
 
 def gather(group: Any, pieces: list[torch.Tensor], shapes: list[Shape], axis: int, num_local: int,
@@ -189,74 +233,3 @@ def scatter(group: Any, pieces: list[torch.Tensor] | None, shapes: list[Shape], 
         results.append(out[offset:offset + _numel(s)].view(s))
         offset += _numel(s)
     return results
-
-
-# ------------------------------------------------ shapes: one small fixed-size message
-
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
-_HEADER = 64  # int64s: enough for the shapes of a few tensors; longer descriptions travel pickled
-
-Described = list[list[tuple[Shape, torch.dtype]]]  # per replica, per tensor: (shape, dtype)
-
-
-def _encode(described: Described) -> list[int] | None:
-    codes = [len(described)]
-    for replica in described:
-        codes.append(len(replica))
-        for shape, dtype in replica:
-            if dtype not in _DTYPES:
-                return None
-            codes += [_DTYPES.index(dtype), len(shape), *shape]
-    return codes if len(codes) < _HEADER else None
-
-
-def _decode(codes: list[int]) -> Described:
-    it = iter(codes)
-    out = []
-    for _ in range(next(it)):
-        replica = []
-        for _ in range(next(it)):
-            dtype, ndim = _DTYPES[next(it)], next(it)
-            replica.append((tuple(next(it) for _ in range(ndim)), dtype))
-        out.append(replica)
-    return out
-
-
-def _header(described: Described | None) -> torch.Tensor:
-    codes = None if described is None else _encode(described)
-    header = torch.zeros(_HEADER, dtype=torch.int64)
-    if codes is None:
-        header[0] = -1  # too long, or an unusual dtype: the pickled path
-    else:
-        header[0] = len(codes)
-        header[1:len(codes) + 1] = torch.tensor(codes, dtype=torch.int64)
-    return header
-
-
-def _read(header: list[int]) -> Described:
-    return _decode(header[1:header[0] + 1])
-
-
-def exchange_shapes(group: Any, described: Described, what: str) -> list[Described]:
-    """Every worker's ``described`` (its local replicas' shapes and dtypes), in worker order."""
-    mine = _header(described)
-    everyone = torch.empty(group.world_size * _HEADER, dtype=torch.int64, device=group.device)
-    with group.guard(what):
-        _all_gather_single(everyone, mine.to(group.device), group=group.group)
-    rows = everyone.view(group.world_size, _HEADER).tolist()
-    if any(row[0] < 0 for row in rows):
-        return group.all_gather_object(described, what)
-    return [_read(row) for row in rows]
-
-
-def broadcast_shapes(group: Any, described: Described | None, source_worker: int, what: str) -> Described:
-    """The source worker's ``described`` (given there, None elsewhere) on every worker."""
-    header = _header(described) if described is not None else torch.zeros(_HEADER, dtype=torch.int64)
-    header = header.to(group.device)
-    with group.guard(what):
-        dist.broadcast(header, src=group.global_rank(source_worker), group=group.group)
-    row = header.tolist()
-    if row[0] < 0:
-        return group.broadcast_object(described, what, src=source_worker)
-    return _read(row)

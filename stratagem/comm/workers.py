@@ -10,9 +10,13 @@ launched while backward still runs (:mod:`stratagem.comm.gradients`).
 The replica-context collectives cross workers with one torch.distributed call of their
 own kind (:mod:`stratagem.comm.worker_ops`): all-gather, reduce-scatter, broadcast,
 all-to-all, scatter; ``reduce`` and ``gather`` are the all-reduce and the all-gather
-kept by one replica. Collectives whose receivers must know what arrives (all but
-all-reduce and reduce-scatter) first exchange the shapes (a small object collective),
-which also lets every worker refuse a mismatch together instead of hanging.
+kept by one replica. Every one of them, and ``worker_sums`` / ``worker_gathers`` behind
+``strategy.reduce`` / ``strategy.gather``, first exchanges one fixed-size message
+(:mod:`stratagem.comm.agreement`): which call, its arguments, dtypes and shapes, so that every
+worker refuses a mismatch together (never gloo's garbage or abort, never a hang), and the
+receivers learn the shapes; a small sum rides in the message itself. The gradient packs skip
+it: their layout follows from the parameters, which every worker checks at start-up
+(``agree_on_modules``), and ``bytes_per_pack`` (the start-up configuration check).
 """
 
 from __future__ import annotations
@@ -20,11 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from stratagem.comm import worker_ops
-from stratagem.comm.collective import Collective, check_gatherable
+from stratagem.comm import agreement, worker_ops
+from stratagem.comm.collective import Collective, check_axis, check_gatherable
 from stratagem.comm.gradients import GradientPacks
 from stratagem.comm.options import CommunicationOptions
 from stratagem.comm.processes import WorkerGroup
@@ -63,77 +66,47 @@ class WorkerCollective(Collective):
 
     def all_reduce(self, local_id: int, tensors: list[torch.Tensor], op: ReduceOp) -> list[torch.Tensor]:
         check_mean(tensors, op)
-        if self.num_local == 1 and self.num_workers > 1:
-            return self._all_reduce_alone(tensors, op)
-        local = self.local.all_reduce(local_id, tensors, ReduceOp.SUM)
-        if self.num_workers > 1:
-            if local_id == 0 and local:
-                if len({t.dtype for t in local}) == 1:  # one message for all of them
-                    flat = torch.cat([t.reshape(-1) for t in local])
-                    self.group.all_reduce(flat, "ReplicaContext.all_reduce")
-                    offset = 0
-                    for t in local:
-                        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                        offset += t.numel()
-                else:
-                    for t in local:
-                        self.group.all_reduce(t, "ReplicaContext.all_reduce")
-            self._share_first(local_id, local, "all_reduce:workers")
-        if op is ReduceOp.MEAN:
-            n = self.num_replicas
-            local = [t / n for t in local]
-        return local
-
-    def _all_reduce_alone(self, tensors: list[torch.Tensor], op: ReduceOp, destination: int | None = None
-                          ) -> list[torch.Tensor] | None:
-        """One local replica: copy into fresh buffers (the inputs stay untouched) and all-reduce
-        them (``dist.reduce`` to worker ``destination`` when given; None on the others).
-
-        One dtype: one flat buffer, the results are views of it. A large single tensor is
-        copied in a few chunks, each sent on while the next is copied.
-        """
-        results: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, t in enumerate(tensors):
-            by_dtype.setdefault(t.dtype, []).append(i)
-        group = self.group
-
-        def launch(buffer: torch.Tensor, async_op: bool) -> Any:
-            if destination is None:
-                return dist.all_reduce(buffer, group=group.group, async_op=async_op)
-            return dist.reduce(buffer, dst=group.global_rank(destination), group=group.group, async_op=async_op)
-
-        with group.guard("ReplicaContext.all_reduce" if destination is None else "ReplicaContext.reduce"):
-            for indices in by_dtype.values():
-                parts = [tensors[i].reshape(-1) for i in indices]
-                flat = parts[0].new_empty(sum(p.numel() for p in parts), device=group.device)
-                pieces = 4 if flat.numel() * flat.element_size() >= (4 << 20) and len(parts) == 1 else 1
-                works, offset = [], 0
-                for part in parts:
-                    for chunk in torch.tensor_split(part, pieces):
-                        target = flat[offset:offset + chunk.numel()]
-                        target.copy_(chunk)
-                        offset += chunk.numel()
-                        if pieces > 1:
-                            works.append(launch(target, True))
-                if pieces == 1:
-                    launch(flat, False)
-                for work in works:
-                    work.wait()
-                if op is ReduceOp.MEAN:
-                    flat.div_(self.num_replicas)
-                flat = flat.to(tensors[indices[0]].device)
-                offset = 0
-                for i in indices:
-                    results[i] = flat[offset:offset + tensors[i].numel()].view(tensors[i].shape)
-                    offset += tensors[i].numel()
-        return results if destination is None or destination == group.rank else None
+        return self._all_reduce(local_id, tensors, op, None)
 
     def reduce(self, local_id, tensors, op, destination):
         check_mean(tensors, op)
-        if self.num_local == 1 and self.num_workers > 1:
-            return self._all_reduce_alone(tensors, op, destination)
-        return super().reduce(local_id, tensors, op, destination)
+        return self._all_reduce(local_id, tensors, op, destination)
+
+    def _all_reduce(self, local_id: int, tensors: list[torch.Tensor], op: ReduceOp,
+                    destination: int | None) -> list[torch.Tensor] | None:
+        """Local replicas sum first (their cross-device op); local replica 0 sums over the workers
+        (one local replica and a destination: ``dist.reduce`` to its worker); MEAN divides once."""
+        if self.num_workers == 1:
+            results = self.local.all_reduce(local_id, tensors, op)
+            return results if destination is None or destination == local_id else None
+        what = "ReplicaContext.all_reduce" if destination is None else "ReplicaContext.reduce"
+        detail = f"with '{op.value.lower()}'" + ("" if destination is None else f" to replica {destination}")
+        if self.num_local == 1:
+            results = self.worker_sums(tensors, what, detail, destination)  # (one replica each: ids are workers)
+        else:
+            local = self.local.all_reduce(local_id, tensors, ReduceOp.SUM)
+            results = self._on_first(local_id, local, "all_reduce:workers",
+                                     lambda everyone: self._copies(self.worker_sums(everyone[0], what, detail)))
+        if results is None or (destination is not None and self.replica_id(local_id) != destination):
+            return None
+        if op is ReduceOp.MEAN:
+            results = [t.div_(self.num_replicas) for t in results]
+        return results
+
+    def _agree(self, local: list[list[torch.Tensor]], what: str, detail: str, rule: str, axis: int = 0,
+               shapes: bool = True) -> list[list[tuple[tuple[int, ...], torch.dtype]]] | None:
+        """One message with every worker (checked by ``rule``); every replica's (shape, dtype)
+        per tensor, in replica order, when ``shapes``."""
+        call = agreement.Call(what, f"{detail} {agreement.note()}".strip(),
+                              [agreement.describe(replica) for replica in local], rule, axis)
+        agreed = agreement.agree(self.group, call, shapes=shapes)
+        return None if agreed.described is None else [r for worker in agreed.described for r in worker]
+
+    def _gathered_shapes(self, local: list[list[torch.Tensor]], axis: int, what: str, detail: str) -> list:
+        meta = self._agree(local, what, f"along axis {_axis(local, axis)}{detail}", "gather", axis)
+        shapes = [[m[0] for m in replica] for replica in meta]
+        check_gatherable(shapes, [[m[1] for m in replica] for replica in meta], axis)
+        return shapes
 
     def gather(self, local_id, tensors, axis, destination):
         if self.num_workers == 1:
@@ -141,9 +114,7 @@ class WorkerCollective(Collective):
         destination_worker, destination_local = divmod(destination, self.num_local)
 
         def work(local):
-            meta = self._shapes(local, "ReplicaContext.gather (shapes)")
-            shapes = [[m[0] for m in replica] for replica in meta]
-            check_gatherable(shapes, [[m[1] for m in replica] for replica in meta], axis)
+            shapes = self._gathered_shapes(local, axis, "ReplicaContext.gather", f" to replica {destination}")
             results = [worker_ops.gather(self.group, [replica[i] for replica in local], [s[i] for s in shapes],
                                          axis, self.num_local, destination_worker) for i in range(len(tensors))]
             out: list[Any] = [None] * self.num_local
@@ -179,26 +150,12 @@ class WorkerCollective(Collective):
             return x.to(self.devices[k].torch_device, copy=True) if isinstance(x, torch.Tensor) else x
         return [result] + [[copy(x, k) for x in result] for k in range(1, self.num_local)]
 
-    def _shapes(self, local: list[list[torch.Tensor]], what: str) -> list[list[tuple[tuple[int, ...], torch.dtype]]]:
-        """Every replica's (shape, dtype) per tensor, in replica order."""
-        mine = [[(tuple(t.shape), t.dtype) for t in replica] for replica in local]
-        return [replica for worker in worker_ops.exchange_shapes(self.group, mine, what) for replica in worker]
-
-    def _source_shapes(self, local: list[list[torch.Tensor]], source: int, what: str) -> tuple[Any, list]:
-        """The source replica's tensors (on its worker; None elsewhere) and their (shape, dtype) everywhere."""
-        source_worker, source_local = divmod(source, self.num_local)
-        mine = local[source_local] if self.worker_index == source_worker else None
-        described = None if mine is None else [[(tuple(t.shape), t.dtype) for t in mine]]
-        return mine, worker_ops.broadcast_shapes(self.group, described, source_worker, what)[0]
-
     def all_gather_parts(self, local_id, tensors, axis):
         if self.num_workers == 1:
             return self.local.all_gather_parts(local_id, tensors, axis)
 
         def work(local):
-            meta = self._shapes(local, "ReplicaContext.all_gather (shapes)")
-            shapes = [[m[0] for m in replica] for replica in meta]
-            check_gatherable(shapes, [[m[1] for m in replica] for replica in meta], axis)
+            shapes = self._gathered_shapes(local, axis, "ReplicaContext.all_gather", "")
             results = [worker_ops.gather(self.group, [replica[i] for replica in local], [s[i] for s in shapes],
                                          axis, self.num_local) for i in range(len(tensors))]
             sizes = [[s[i][axis] for s in shapes] for i in range(len(tensors))]
@@ -209,16 +166,18 @@ class WorkerCollective(Collective):
         check_mean([tensor], op)
         if self.num_workers == 1:
             return self.local.reduce_scatter(local_id, tensor, op, axis, sizes)
-        sizes = self.scatter_sizes(tensor.shape[axis], sizes)
 
         def work(local):
-            meta = self._shapes([[t] for t in local], "ReplicaContext.reduce_scatter (shapes)")
-            if any(m != meta[0] for m in meta):
+            self._agree([[t] for t in local], "ReplicaContext.reduce_scatter",
+                        f"with '{op.value.lower()}' along axis {_axis([local], axis)}", "same", shapes=False)
+            if any((t.shape, t.dtype) != (local[0].shape, local[0].dtype) for t in local):
                 raise InvalidArgumentError(
                     f"reduce_scatter needs the same shape and dtype on every replica, got "
-                    f"{[(list(m[0][0]), str(m[0][1])) for m in meta]}")
+                    f"{[(list(t.shape), str(t.dtype)) for t in local]}")
+            check_axis(local[0], axis, "reduce_scatter")
+            cut = self.scatter_sizes(local[0].shape[axis], sizes)
             total = self.local_sum(local) if len(local) > 1 else local[0]
-            pieces = worker_ops.reduce_scatter(self.group, total, sizes, axis, self.worker_index, self.num_local)
+            pieces = worker_ops.reduce_scatter(self.group, total, cut, axis, self.worker_index, self.num_local)
             if op is ReduceOp.MEAN:
                 pieces = [p / self.num_replicas for p in pieces]
             return [p.to(self.devices[k].torch_device) for k, p in enumerate(pieces)]
@@ -227,11 +186,12 @@ class WorkerCollective(Collective):
     def broadcast(self, local_id, tensors, source):
         if self.num_workers == 1:
             return self.local.broadcast(local_id, tensors, source)
-        source_worker = source // self.num_local
+        source_worker, source_local = divmod(source, self.num_local)
 
         def work(local):
-            mine, meta = self._source_shapes(local, source, "ReplicaContext.broadcast (shapes)")
-            return self._copies(worker_ops.broadcast(self.group, mine, meta, source_worker,
+            meta = self._agree(local, "ReplicaContext.broadcast", f"from replica {source}", "count")
+            mine = local[source_local] if self.worker_index == source_worker else None
+            return self._copies(worker_ops.broadcast(self.group, mine, meta[source], source_worker,
                                                      self.devices[0].torch_device))
         return self._on_first(local_id, tensors, "broadcast", work)
 
@@ -240,7 +200,10 @@ class WorkerCollective(Collective):
             return self.local.all_to_all(local_id, tensors)
 
         def work(local):
-            meta = self._shapes(local, "ReplicaContext.all_to_all (shapes)")
+            meta = self._agree(local, "ReplicaContext.all_to_all", "", "count")
+            if any(len(replica) != self.num_replicas for replica in meta):
+                raise InvalidArgumentError(f"all_to_all needs one tensor per replica ({self.num_replicas}) "
+                                           f"from every replica, got {[len(replica) for replica in meta]}")
             if len({dtype for replica in meta for _, dtype in replica}) > 1:
                 return [None] * self.num_local  # several dtypes: the general path below, every worker alike
             shapes = [[shape for shape, _ in replica] for replica in meta]
@@ -252,13 +215,18 @@ class WorkerCollective(Collective):
     def scatter(self, local_id, tensors, source):
         if self.num_workers == 1:
             return self.local.scatter(local_id, tensors, source)
-        source_worker = source // self.num_local
+        source_worker, source_local = divmod(source, self.num_local)
 
         def work(local):
-            mine, meta = self._source_shapes(local, source, "ReplicaContext.scatter (shapes)")
+            meta = self._agree(local, "ReplicaContext.scatter", f"from replica {source}", "none")[source]
+            if len(meta) != self.num_replicas:
+                raise InvalidArgumentError(
+                    f"the source replica of scatter must pass one tensor per replica ({self.num_replicas}), "
+                    f"but replica {source} passed {len(meta)}")
             if len({dtype for _, dtype in meta}) > 1:
                 raise InvalidArgumentError(
                     f"scatter across workers needs tensors of one dtype, got {sorted({str(d) for _, d in meta})}")
+            mine = local[source_local] if self.worker_index == source_worker else None
             pieces = worker_ops.scatter(self.group, mine, [shape for shape, _ in meta], meta[0][1], source_worker,
                                         self.worker_index, self.num_local, self.devices[0].torch_device)
             return [p.to(self.devices[k].torch_device) for k, p in enumerate(pieces)]
@@ -299,23 +267,33 @@ class WorkerCollective(Collective):
 
     # -------------------------------------------------------- process level
 
-    def worker_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+    def worker_sums(self, tensors: list[torch.Tensor], what: str = "strategy.reduce", detail: str = "",
+                    destination: int | None = None) -> list[torch.Tensor] | None:
+        """New tensors: ``tensors`` summed over the workers, after one message that every worker
+        checks (the same dtypes and shapes everywhere, else every worker raises). Up to
+        ``agreement.inline_bytes`` ride in that message, summed in worker order on every worker;
+        larger ones are all-reduced (``dist.reduce`` to worker ``destination`` if given: None on
+        the others)."""
         if self.num_workers == 1:
-            return tensor
-        group = self.group
-        result = tensor.contiguous().clone()
-        carrier = result if result.device == group.device else result.to(group.device)
-        with group.guard("strategy.reduce"):
-            dist.all_reduce(carrier, group=group.group)
-        if carrier is not result:
-            result.copy_(carrier)
-        return result
+            return list(tensors)
+        call = agreement.Call(what, f"{detail} {agreement.note()}".strip(), [agreement.describe(tensors)])
+        agreed = agreement.agree(self.group, call, values=tensors)
+        if agreed.inline:
+            results = agreement.summed(agreed.values, tensors)
+        else:
+            results = worker_ops.all_reduce(self.group, tensors, what, destination)
+        return results if destination is None or destination == self.worker_index else None
 
-    def worker_gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+    def worker_sum(self, tensor: torch.Tensor, what: str = "strategy.reduce") -> torch.Tensor:
+        return tensor if self.num_workers == 1 else self.worker_sums([tensor], what)[0]
+
+    def worker_gathers(self, tensors: list[torch.Tensor], axis: int, what: str = "strategy.gather") -> list[torch.Tensor]:
+        """Each of ``tensors`` concatenated over the workers along ``axis`` (checked as an all-gather)."""
         if self.num_workers == 1:
-            return tensor
-        parts = self.group.all_gather_object(tensor.detach().cpu(), "strategy.gather")
-        return torch.cat([p.to(tensor.device) for p in parts], dim=axis)
+            return list(tensors)
+        shapes = self._gathered_shapes([tensors], axis, what, "")
+        return [worker_ops.gather(self.group, [t], [s[i] for s in shapes], axis, 1).to(t.device)
+                for i, t in enumerate(tensors)]
 
     def broadcast_object(self, value: Any) -> Any:
         return self.group.broadcast_object(value, "broadcast from the chief")
@@ -368,3 +346,9 @@ class WorkerCollective(Collective):
 
     def __repr__(self) -> str:
         return f"WorkerCollective({self.group.names[self.worker_index]} of {self.num_workers}, {self.local!r})"
+
+
+def _axis(local: list[list[torch.Tensor]], axis: int) -> int:
+    """``axis`` counted from the front, as the first tensor has it (so -1 and 1 agree on 2-D tensors)."""
+    ndim = local[0][0].dim() if local and local[0] else 0
+    return axis % ndim if -ndim <= axis < ndim and ndim else axis

@@ -286,14 +286,14 @@ def _same_length_everywhere(strategy: Any, dataset: Any) -> bool:
     except TypeError:
         length = -1
     lengths = torch.tensor([length, length * length], dtype=torch.float64)
-    totals = strategy.collective.worker_sum(lengths)
+    totals = strategy.collective.worker_sum(lengths, "the input (the dataset's length on every worker)")
     n = strategy.topology.num_workers
     return length >= 0 and totals[0].item() == n * length and totals[1].item() == n * length * length
 
 
 def agreed_batches(strategy: Any, source: Iterator, *, global_batches: bool) -> Iterator[tuple[Any, int | None]]:
     """Read ``source`` step by step while any worker still has data (see :mod:`.sharding`)."""
-    agreement = AgreedEnd(strategy.collective.worker_sum)
+    agreement = AgreedEnd(lambda t: strategy.collective.worker_sum(t, "the input (which workers have a batch)"))
     template = None
     while True:
         try:

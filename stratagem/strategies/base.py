@@ -264,10 +264,18 @@ class Strategy:
             raise InvalidArgumentError(f"axis must be an int or None, got {axis!r}")
         with self._enter_cross_replica("reduce"):
             self._check_owned(value, "reduce")
-            reduced = []
-            for leaf in flatten(value):  # a loop, not a comprehension: one frame less to torch
-                reduced.append(self._reduce_leaf(op, leaf, axis))
-            return pack_as(value, reduced)
+            pairs = [self._local_reduce(leaf, axis) for leaf in flatten(value)]
+            totals, counts = [t for t, _ in pairs], [c for _, c in pairs]
+            exchanged_counts = axis is not None and self._collective.num_workers > 1 and bool(totals)
+            if exchanged_counts:  # how many rows every worker reduced, in the same exchange
+                totals.append(torch.tensor(counts, dtype=torch.int64, device=totals[0].device))
+            detail = f"with '{op.value.lower()}'" + ("" if axis is None else f" along axis {axis}")
+            summed = self._collective.worker_sums(totals, "strategy.reduce", detail)
+            if exchanged_counts:
+                counts = summed.pop().tolist()
+            if op is ReduceOp.MEAN:
+                summed = [_mean(total, count) for total, count in zip(summed, counts)]
+            return pack_as(value, summed)
 
     def _result_device(self, value: Any) -> torch.device | None:
         """Where reduce/gather put their result: the first local replica's device."""
@@ -287,28 +295,17 @@ class Strategy:
             tensors = tensors * self._topology.num_local_replicas
         return tensors, target
 
-    def _reduce_leaf(self, op: ReduceOp, leaf: Any, axis: int | None) -> torch.Tensor:
-        components, target = self._local_tensors(leaf)
-        collective = self._collective
-        if axis is None:
-            total = collective.local_sum(components)  # a user's CrossDeviceOps: its reduce()
-            count = self.num_replicas_in_sync
-        else:
-            for c in components:
-                if c.dim() == 0 or not -c.dim() <= axis < c.dim():
-                    raise InvalidArgumentError(
-                        f"cannot reduce along axis {axis} a component of shape {tuple(c.shape)}; "
-                        f"use axis=None for scalars")
-            total = collective.local_sum([c.sum(dim=axis) for c in components])
-            count = sum(c.shape[axis] for c in components)
-            if collective.num_workers > 1:
-                count = int(collective.worker_sum(torch.tensor(count, device=target)).item())
-        total = collective.worker_sum(total)
-        if op is ReduceOp.MEAN:
-            if not (total.is_floating_point() or total.is_complex()):
-                total = total.to(torch.get_default_dtype())
-            total = total / count if count else torch.full_like(total, float("nan"))
-        return total
+    def _local_reduce(self, leaf: Any, axis: int | None) -> tuple[torch.Tensor, int]:
+        """This process's sum of ``leaf`` (along ``axis`` too), and how many replicas or rows it holds."""
+        components, _ = self._local_tensors(leaf)
+        if axis is None:  # (local_sum: a user's CrossDeviceOps' reduce())
+            return self._collective.local_sum(components), self.num_replicas_in_sync
+        for c in components:
+            if c.dim() == 0 or not -c.dim() <= axis < c.dim():
+                raise InvalidArgumentError(
+                    f"cannot reduce along axis {axis} a component of shape {tuple(c.shape)}; "
+                    f"use axis=None for scalars")
+        return self._collective.local_sum([c.sum(dim=axis) for c in components]), sum(c.shape[axis] for c in components)
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate the components of every replica (all workers) along ``axis``."""
@@ -316,16 +313,17 @@ class Strategy:
             raise InvalidArgumentError(f"gather needs an integer axis, got {axis!r}")
         with self._enter_cross_replica("gather"):
             self._check_owned(value, "gather")
-            return map_structure(lambda leaf: self._gather_leaf(leaf, axis), value)
+            local = [self._local_gather(leaf, axis) for leaf in flatten(value)]
+            return pack_as(value, self._collective.worker_gathers(local, axis))
 
-    def _gather_leaf(self, leaf: Any, axis: int) -> torch.Tensor:
+    def _local_gather(self, leaf: Any, axis: int) -> torch.Tensor:
         components, _ = self._local_tensors(leaf)
         for c in components:
             if c.dim() == 0:
                 raise InvalidArgumentError(
                     "gather concatenates along an axis, so components need at least one "
                     "dimension; got a scalar. Use reduce(...) for scalars, or x.reshape(1)")
-        return self._collective.worker_gather(torch.cat(components, dim=axis), axis)
+        return torch.cat(components, dim=axis)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The components of ``value`` on this process's replicas (a 1-tuple for a plain value).
@@ -393,3 +391,8 @@ def _global_batch_size_of(structure: Any) -> int | None:
         if isinstance(leaf, DistributedValues) and leaf.global_batch_size is not None:
             return leaf.global_batch_size
     return None
+
+
+def _mean(total: torch.Tensor, count: int) -> torch.Tensor:
+    total = total if total.is_floating_point() or total.is_complex() else total.to(torch.get_default_dtype())
+    return total / count if count else torch.full_like(total, float("nan"))

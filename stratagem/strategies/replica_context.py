@@ -24,6 +24,7 @@ import torch
 
 from stratagem import _context
 from stratagem.comm import autograd
+from stratagem.comm.collective import check_axis
 from stratagem.comm.sync import ReplicaAborted
 from stratagem.devices import Device
 from stratagem.errors import InvalidArgumentError
@@ -187,10 +188,8 @@ class ReplicaContext:
         tensor = tensors[0]
         if op is ReduceOp.MEAN and not (tensor.is_floating_point() or tensor.is_complex()):
             tensor = tensor.to(torch.get_default_dtype())
-        if tensor.dim() == 0 or not -tensor.dim() <= axis < tensor.dim():
-            raise InvalidArgumentError(
-                f"reduce_scatter cuts along axis {axis}, which a tensor of shape {tuple(tensor.shape)} "
-                f"does not have")
+        if self._collective.num_workers == 1:  # (across workers: after every worker said what it passes)
+            check_axis(tensor, axis, "reduce_scatter")
         if self._differentiable([tensor], "reduce_scatter"):
             return autograd.ReduceScatter.apply(self._collective, self._local_id, op, axis, None,
                                                 self._anchor([tensor]), tensor.contiguous())
@@ -202,7 +201,7 @@ class ReplicaContext:
         The tensors may have any shapes. Differentiable: the gradients travel back the
         other way.
         """
-        if len(values) != self.num_replicas_in_sync:
+        if len(values) != self.num_replicas_in_sync and self._collective.num_workers == 1:
             raise InvalidArgumentError(
                 f"all_to_all needs one tensor per replica ({self.num_replicas_in_sync}), got {len(values)}")
         tensors, _ = self._as_tensors(list(values))
@@ -215,11 +214,11 @@ class ReplicaContext:
         self._check_replica(source_replica, "source_replica")
         self._refuse_grad(values, "scatter", "all_to_all")
         if self._replica_id == source_replica:
-            if values is None or len(values) != self.num_replicas_in_sync:
+            if (values is None or len(values) != self.num_replicas_in_sync) and self._collective.num_workers == 1:
                 raise InvalidArgumentError(
                     f"the source replica of scatter must pass one tensor per replica "
                     f"({self.num_replicas_in_sync})")
-            tensors, _ = self._as_tensors(list(values))
+            tensors, _ = self._as_tensors(list(values or []))
         else:
             tensors = []
         return self._collective.scatter(self._local_id, tensors, source_replica)
@@ -271,7 +270,8 @@ class ReplicaContext:
         Every replica must decide alike (each backward is a collective): with several local
         replicas they agree here (any input that requires grad makes every replica record
         it); across workers each decides alone, so every worker must pass inputs that
-        require grad, or none.
+        require grad, or none (the message before the collective says which; every worker
+        refuses a mismatch).
         """
         if not torch.is_grad_enabled() or not any(t.is_floating_point() or t.is_complex() for t in tensors):
             return False  # (integers never require grad: a count costs no extra meeting)

@@ -82,7 +82,7 @@ def step_logs(model: Any, callback_list: CallbackList | None, progress: Progress
         return lambda step: LazyLogs(model.get_metrics_result)
     callbacks = callback_list.callbacks if callback_list is not None else []
     wanted = [float(any(overrides(callback, hook) for callback in callbacks)), float(progress.verbose == 1)]
-    agreed = model.strategy.collective.worker_sum(torch.tensor(wanted))
+    agreed = model.strategy.collective.worker_sum(torch.tensor(wanted), "Model.fit (who reads the logs)")
     if agreed[0].item() > 0:
         every = 1
     elif agreed[1].item() > 0:
