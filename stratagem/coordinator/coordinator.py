@@ -347,7 +347,9 @@ class ClusterCoordinator:
         fenced = next((cause for cause in _causes(error) if isinstance(cause, FencedError)), None)
         if fenced is not None:   # this program was taken over: fatal (the tenure tells _fail)
             return self.strategy.cluster.tenure.replaced(fenced)
-        if self._ps_failure is None and self._ps_in_chain(error):
+        for _ in range(3):   # (a restarted ps's first answer needs a new handshake: a loaded host is slow)
+            if self._ps_failure is not None or not self._ps_in_chain(error):
+                break
             self._ps_watch.heartbeat()
         return self._ps_failure or error
 
