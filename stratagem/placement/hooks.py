@@ -84,9 +84,9 @@ def module_placement(module: nn.Module) -> Any:
     """The placement of the strategy in whose scope ``module`` (or a submodule) registered a
     tensor, else None."""
     for submodule in module.modules():
-        found = _module_placements.get(submodule)
-        if found is not None and found() is not None:
-            return found()
+        placement = _module_placements.get(submodule, lambda: None)()
+        if placement is not None:
+            return placement
     return None
 
 
