@@ -24,12 +24,13 @@ Commands::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from collections.abc import Sequence
 
-from stratagem.errors import StratagemError
-from stratagem.launch.local import launch_local
+from stratagem.errors import InvalidArgumentError, StratagemError
+from stratagem.launch.local import check_script, launch_local
 
 __all__ = ["add_launch_parser", "add_subcommand", "build_parser", "main", "run_launch"]
 
@@ -50,12 +51,14 @@ _EPILOG = """examples:
   stratagem launch --workers 2 train.py --epochs 3
   stratagem launch --chief --workers 2 --max-restarts 2 train.py
   stratagem launch --ps 1 --workers 2 train_ps.py
-  stratagem launch --workers 2 --evaluator 1 train.py"""
+  stratagem launch --workers 2 --evaluator 1 train.py
+  stratagem launch --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400 --token-file ~/.token train.py
+  stratagem launch --nnodes 2:3 --rdzv 10.0.0.1:29400 --max-restarts 3 train.py   # elastic"""
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=2, metavar="N",
-                        help="worker tasks (default: 2)")
+    parser.add_argument("--workers", type=int, default=None, metavar="N",
+                        help="worker tasks (default: 2); with --nnodes, on each node (default: 1)")
     parser.add_argument("--ps", type=int, default=0, metavar="M",
                         help="parameter-server tasks; with M > 0 SCRIPT runs as the chief "
                              "(the coordinator) and the other tasks run `stratagem server` "
@@ -88,8 +91,29 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port-base", type=int, default=None, metavar="P",
                         help="give the tasks the ports P, P+1, ... (chief, workers, ps) "
                              "(default: free ports)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="the address every task listens on (default: 127.0.0.1)")
+    parser.add_argument("--host", default=None,
+                        help="the address every task listens on (default: 127.0.0.1; with --nnodes, the "
+                             "address this node reaches the rendezvous host from)")
+    nodes = parser.add_argument_group(
+        "many nodes", "run the same command on every node; node-rank 0 (or the node whose address "
+        "--rdzv is) serves the rendezvous")
+    nodes.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
+                       help="nodes in the job; MIN:MAX for an elastic job that goes on with MIN or more "
+                            "when nodes are lost (default: one machine, no rendezvous)")
+    nodes.add_argument("--node-rank", type=int, default=None, metavar="I",
+                       help="this node's rank, 0 to N-1 (node 0 hosts the rendezvous); without it, "
+                            "nodes are ranked in the order they join")
+    nodes.add_argument("--rdzv", default=None, metavar="HOST:PORT",
+                       help="the rendezvous address: an address of the node that hosts it")
+    nodes.add_argument("--token-file", default=None, metavar="PATH",
+                       help="a file (mode 600) holding the job's cluster token, the same on every node "
+                            "(default: the environment variable STRATAGEM_CLUSTER_TOKEN)")
+    nodes.add_argument("--node-timeout", type=float, default=30.0, metavar="S",
+                       help="a node silent this long is lost; an elastic job waits this long for more "
+                            "nodes before it goes on with fewer (default: 30)")
+    nodes.add_argument("--rdzv-timeout", type=float, default=600.0, metavar="S",
+                       help="seconds for all nodes (MIN in an elastic job) to join, before the job "
+                            "fails naming the missing ones (default: 600)")
     parser.add_argument("script", metavar="SCRIPT", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="the script's own arguments")
@@ -98,16 +122,42 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     """The subcommand's handler: launch, and return the exit status (2 for bad input)."""
     try:
-        return launch_local(args.script, args.args, num_workers=args.workers, num_ps=args.ps,
+        if args.nnodes is not None or args.rdzv is not None or args.node_rank is not None:
+            return _run_nodes(args)
+        return launch_local(args.script, args.args, num_workers=2 if args.workers is None else args.workers,
+                            num_ps=args.ps,
                             chief=args.chief, max_restarts=args.max_restarts,
                             max_preemptions=args.max_preemptions,
-                            port_base=args.port_base, host=args.host,
+                            port_base=args.port_base, host=args.host or "127.0.0.1",
                             grace_period=args.grace_period, num_evaluators=args.evaluator,
                             evaluator_timeout=args.evaluator_timeout,
                             join_timeout=args.join_timeout)
     except StratagemError as err:
         print(f"stratagem launch: error: {err}", file=sys.stderr)
         return 2
+
+
+def _run_nodes(args: argparse.Namespace) -> int:
+    # gRPC (the rendezvous) is imported here only; its fork handlers would log at every task start
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from stratagem.launch.nodes import launch_nodes, read_token
+
+    if args.nnodes is None or args.rdzv is None:
+        raise InvalidArgumentError("a multi-node launch needs both --nnodes and --rdzv HOST:PORT (the "
+                                   "rendezvous address, on node-rank 0), the same on every node.")
+    if args.ps or args.port_base is not None:
+        raise InvalidArgumentError(
+            "--ps and --port-base are for one machine; across nodes, run collective training "
+            "(--workers per node), or parameter-server training under a scheduler whose "
+            "TF_CONFIG names every task (see docs/slurm.md and docs/kubernetes.md).")
+    return launch_nodes(check_script(args.script), args.args, nnodes=args.nnodes, rdzv=args.rdzv,
+                        token=read_token(args.token_file), node_rank=args.node_rank,
+                        host=args.host,
+                        workers=1 if args.workers is None else args.workers, chief=args.chief,
+                        evaluator=args.evaluator, max_restarts=args.max_restarts,
+                        max_preemptions=args.max_preemptions, grace_period=args.grace_period,
+                        join_timeout=args.join_timeout, evaluator_timeout=args.evaluator_timeout,
+                        node_timeout=args.node_timeout, rdzv_timeout=args.rdzv_timeout)
 
 
 def add_launch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

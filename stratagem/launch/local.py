@@ -112,7 +112,7 @@ def _check_count(value: object, flag: str, minimum: int = 0) -> int:
     return value
 
 
-def _check_script(script: str | os.PathLike[str]) -> str:
+def check_script(script: str | os.PathLike[str]) -> str:
     path = os.fspath(script)
     if not os.path.exists(path):
         raise InvalidArgumentError(
@@ -125,7 +125,7 @@ def _check_script(script: str | os.PathLike[str]) -> str:
     return path
 
 
-def _task_env(base: Mapping[str, str], spec: ClusterSpec, task: Task, token: str,
+def task_env(base: Mapping[str, str], spec: ClusterSpec, task: Task, token: str,
               restart: int) -> dict[str, str]:
     # torchrun's variables: a child of this launcher is described by TF_CONFIG alone.
     env = {key: value for key, value in base.items() if key not in TORCHRUN_VARIABLES
@@ -178,7 +178,7 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     :class:`~stratagem.errors.InvalidArgumentError` or
     :class:`~stratagem.errors.ClusterConfigError` before anything starts.
     """
-    path = _check_script(script)
+    path = check_script(script)
     if isinstance(args, (str, bytes)) or not all(isinstance(arg, str) for arg in args):
         raise InvalidArgumentError(
             f"args must be a sequence of strings (the script's command line), got {args!r}.")
@@ -234,7 +234,7 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
         spec, tasks = plan_cluster([path, *args], num_workers=num_workers, num_ps=num_ps,
                                    chief=chief, ports=ports, host=host, server=server_command,
                                    num_evaluators=num_evaluators)
-        return tasks, [_task_env(os.environ, spec, task, token, restart) for task in tasks]
+        return tasks, [task_env(os.environ, spec, task, token, restart) for task in tasks]
 
     joined = tempfile.mkdtemp(prefix="stratagem-joined-")   # where tasks say they took part
 

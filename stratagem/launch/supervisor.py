@@ -73,7 +73,7 @@ from stratagem.launch.output import TaskOutput
 from stratagem.launch.tasks import Task
 from stratagem.preemption import PREEMPTED_EXIT_CODE
 
-__all__ = ["EXIT_STATUS_ON_SIGNAL", "Supervisor", "describe_exit"]
+__all__ = ["EXIT_STATUS_ON_SIGNAL", "Supervisor", "blame_order", "describe_exit"]
 
 _POLL_SECONDS = 0.05
 _READER_JOIN_SECONDS = 1.0
@@ -98,7 +98,7 @@ def _exit_status(code: int) -> int:
     return code if 1 <= code <= 255 else 1
 
 
-def _blame_order(code: int) -> int:
+def blame_order(code: int) -> int:
     """Which of several exits seen at once caused the others: lower comes first."""
     return 0 if code < 0 else 2 if code == PREEMPTED_EXIT_CODE else 1
 
@@ -184,9 +184,11 @@ class Supervisor:
                 if trained_at is None:
                     on_exits = self._on_task_exits if self._ps_mode else self._on_group_exits
                     status = on_exits([(slot, code) for slot, code in exits if slot.task.trains])
+                    if status is None:
+                        status = self._peer_status()
                     if status is not None and status != 0:
                         return status
-                    if status == 0 or all(slot.finished for slot in self._slots if slot.task.runs_script):
+                    if status == 0 or self._all_trained():
                         trained_at = time.monotonic()
                 if trained_at is not None:
                     status = self._evaluation_status(trained_at)
@@ -199,6 +201,14 @@ class Supervisor:
         finally:
             self._stop_all(self._slots + self._evaluators)
             self._reaper.close()
+
+    def _peer_status(self) -> int | None:
+        """The job's status when others decided it (the nodes of a multi-node launch), else None."""
+        return None
+
+    def _all_trained(self) -> bool:
+        """Whether training is over: every task that runs the script exited 0."""
+        return all(slot.finished for slot in self._slots if slot.task.runs_script)
 
     def _start(self, slot: _Slot) -> None:
         if slot.process is not None:   # its group was killed already
@@ -223,7 +233,7 @@ class Supervisor:
         failures = [(slot, code) for slot, code in exits if code != 0]
         if not failures:
             return None
-        slot, code = min(failures, key=lambda failure: _blame_order(failure[1]))
+        slot, code = min(failures, key=lambda failure: blame_order(failure[1]))
         count = len(self._slots)
         if code == PREEMPTED_EXIT_CODE and self._preemptions < self._max_preemptions:
             self._preemptions += 1

@@ -1,0 +1,311 @@
+"""The rendezvous of a multi-node launch: which nodes form each start of the job, and what next.
+
+Every node runs ``stratagem launch --nnodes ...``; one of them (the host, node-rank 0) also
+serves the rendezvous at ``--rdzv HOST:PORT`` (``nodes.py``), over the authenticated RPC
+of :mod:`stratagem.rpc`: a request without the cluster token is refused and logged with
+the caller's address, and the token itself never travels. :class:`Rendezvous` is the
+state behind it; the node agents (``node_agent.py``) call its handlers.
+
+A job goes through *rounds*, one per start of the group (``STRATAGEM_RESTART`` is the
+round's number)::
+
+    forming --enough nodes joined--> running --every node's tasks exited 0--> done
+    running --a task failed / a node left or stopped answering--> forming (round + 1)
+            (spends a restart; a preemption, exit 75 or a node's SIGTERM, spends none)
+    running --no restarts left--> failed          forming --the timeout--> failed
+
+*Enough nodes*: all ``max_nodes`` of them; in an elastic job (``min_nodes < max_nodes``)
+also ``min_nodes`` or more once no other node has joined for ``settle`` seconds (so a node
+lost for good does not hold the job back; one that comes back joins at the next restart).
+The members of a round are ordered by ``--node-rank`` when the nodes give one, else by
+when each node first joined (the host first); the chief and the evaluator run on the
+first member, which is the host. Each member lists its own free ports for the round;
+the cluster spec is put together from them.
+
+A node that stops polling for ``node_timeout`` seconds is lost: in a running round that
+is a failure of the round; while forming it is dropped from the round.
+
+Example::
+
+    >>> rdzv = Rendezvous(JobShape(max_nodes=2, workers_per_node=1), node_timeout=30)
+    >>> rdzv.join({"node": "a", "host": "10.0.0.1", "ports": [2222], "shape": rdzv.shape.as_dict()})["state"]
+    'wait'
+    >>> rdzv.join({"node": "b", "host": "10.0.0.2", "ports": [2222], "shape": rdzv.shape.as_dict()})["state"]
+    'run'
+    >>> rdzv.poll({"node": "a", "round": 0})["cluster"]
+    {'worker': ['10.0.0.1:2222', '10.0.0.2:2222']}
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from stratagem.launch.ports import format_address
+from stratagem.preemption import PREEMPTED_EXIT_CODE
+
+__all__ = ["JobShape", "Rendezvous"]
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What every node must agree on: the host's launch options, checked at each join."""
+
+    max_nodes: int
+    workers_per_node: int
+    min_nodes: int = 0        # 0: the same as max_nodes (not elastic)
+    chief: bool = False
+    evaluator: int = 0
+    max_restarts: int = 0
+    max_preemptions: int = 100
+    script: str = ""
+
+    @property
+    def elastic(self) -> bool:
+        return 0 < self.min_nodes < self.max_nodes
+
+    @property
+    def least(self) -> int:
+        return self.min_nodes or self.max_nodes
+
+    def tasks_on(self, first: bool) -> list[str]:
+        """The task types one node runs, in order: the first member has the chief and evaluator."""
+        extra = ["chief"] * self.chief + ["evaluator"] * self.evaluator if first else []
+        return extra[:1] + ["worker"] * self.workers_per_node + extra[1:]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Node:
+    node: str             # the agent's id: its host name, pid and a random part
+    host: str             # the address its tasks listen on
+    ports: list[int]      # this round's ports, one per local task
+    rank: int | None      # --node-rank, if given
+    order: int            # when it first joined the job
+    first: bool = False   # the rendezvous host's own node: always the first member
+    seen: float = field(default_factory=time.monotonic)
+
+    @property
+    def name(self) -> str:
+        return (f"node {self.rank}" if self.rank is not None else "node") + f" ({self.host})"
+
+
+def _position(node: _Node) -> tuple[bool, bool, int, int]:
+    """Members' order: the host first, then by --node-rank, then by first join."""
+    return (not node.first, node.rank is None, node.rank or 0, node.order)
+
+
+class Rendezvous:
+    """The job's rounds; thread-safe (the RPC server calls it from several threads)."""
+
+    def __init__(self, shape: JobShape, *, node_timeout: float = 30.0, rdzv_timeout: float = 600.0,
+                 settle: float | None = None) -> None:
+        self.shape = shape
+        self._node_timeout = node_timeout
+        self._rdzv_timeout = rdzv_timeout
+        self._settle = node_timeout if settle is None else settle
+        self._lock = threading.Lock()
+        self._round = 0
+        self._phase = "forming"
+        self._joining: dict[str, _Node] = {}
+        self._members: list[_Node] = []
+        self._cluster: dict[str, list[str]] = {}
+        self._forming_since = time.monotonic()
+        self._last_join = self._forming_since
+        self._order: dict[str, int] = {}
+        self._restarts = self._preemptions = 0
+        self._done: set[str] = set()
+        self._told_end: set[str] = set()
+        self._end: tuple[int, str] = (0, "")   # the job's status and the reason, once it ended
+        self._news = ""                        # what the last change of round was
+
+    # -- the handlers ----------------------------------------------------------------------
+
+    def handlers(self) -> dict[str, Any]:
+        return {"join": self.join, "poll": self.poll, "report": self.report}
+
+    def join(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A node asks to take part in the round being formed (it gives its ports for it)."""
+        with self._lock:
+            refusal = self._refusal(request)
+            if refusal:
+                return {"state": "refused", "message": refusal}
+            if self._phase in ("done", "failed"):
+                return self._answer(request["node"])
+            node = request["node"]
+            self._order.setdefault(node, len(self._order))
+            self._joining[node] = _Node(node, request["host"], list(request["ports"]), request.get("rank"),
+                                        self._order[node], bool(request.get("first")))
+            self._last_join = time.monotonic()
+            self._advance()
+            return self._answer(node)
+
+    def poll(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A node's heartbeat: what its tasks should do now."""
+        with self._lock:
+            node = request["node"]
+            for each in (*self._members, *self._joining.values()):
+                if each.node == node:
+                    each.seen = time.monotonic()
+            self._advance()
+            return self._answer(node, request.get("round"))
+
+    def report(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A node says its tasks failed, finished, or that it is leaving the job (SIGTERM)."""
+        with self._lock:
+            node, event = request["node"], request["event"]
+            member = next((each for each in self._members if each.node == node), None)
+            if event == "leaving":
+                self._joining.pop(node, None)
+            if member is None or request.get("round") != self._round or self._phase != "running":
+                return self._answer(node)   # about an old round: it changed already
+            member.seen = time.monotonic()
+            if event == "done":
+                self._done.add(node)
+                if len(self._done) == len(self._members):
+                    self._finish(0, "every task of every node exited 0")
+            elif event == "leaving":
+                self._next_round(f"{member.name} is leaving the job (its launcher got "
+                                 f"{request.get('signal', 'a signal')})", preempted=True)
+            else:
+                code = int(request["code"])
+                self._next_round(f"{request['task']} on {member.name} {request['how']}",
+                                 preempted=code == PREEMPTED_EXIT_CODE, code=code)
+            return self._answer(node)
+
+    def ended_for_everyone(self) -> bool:
+        """Whether every member of the last round has been told the job ended (or is lost)."""
+        with self._lock:
+            self._advance()
+            now = time.monotonic()
+            return all(each.node in self._told_end or now - each.seen > self._node_timeout
+                       for each in self._members)
+
+    def stop(self, status: int, why: str) -> None:
+        """Ends the job (the host is going): every node is told at its next poll."""
+        with self._lock:
+            if self._phase not in ("done", "failed"):
+                self._finish(status or 1, why)
+
+    @property
+    def ended(self) -> tuple[int, str] | None:
+        with self._lock:
+            return self._end if self._phase in ("done", "failed") else None
+
+    # -- the state -------------------------------------------------------------------------
+
+    def _refusal(self, request: dict[str, Any]) -> str:
+        theirs, ours = request.get("shape", {}), self.shape.as_dict()
+        different = [f"{key}: {theirs.get(key)!r} there, {value!r} on the rendezvous host"
+                     for key, value in ours.items() if theirs.get(key) != value]
+        if different:
+            return (f"the node at {request.get('host')} was started with other options than the "
+                    f"rendezvous host ({'; '.join(different)}); start every node with the same "
+                    "stratagem launch command line (only --node-rank and --host differ)")
+        rank = request.get("rank")
+        if rank is not None and not 0 <= rank < self.shape.max_nodes:
+            return f"--node-rank {rank} is out of range for --nnodes {self.shape.max_nodes} (0 to {self.shape.max_nodes - 1})"
+        taken = next((each for each in (*self._joining.values(), *self._members)
+                      if rank is not None and each.rank == rank and each.node != request["node"]
+                      and time.monotonic() - each.seen <= self._node_timeout), None)
+        if taken is not None:
+            return (f"--node-rank {rank} is taken by the node at {taken.host}, which is still "
+                    "running; give every node its own --node-rank")
+        return ""
+
+    def _advance(self) -> None:
+        """Applies what time alone changes: lost nodes, a round that forms or times out."""
+        now = time.monotonic()
+        if self._phase == "running":
+            lost = [each for each in self._members if now - each.seen > self._node_timeout]
+            if lost:
+                self._next_round(f"{lost[0].name} stopped answering for {self._node_timeout:g} s")
+            return
+        if self._phase != "forming":
+            return
+        for node, each in list(self._joining.items()):
+            if now - each.seen > self._node_timeout:
+                del self._joining[node]
+        count = len(self._joining)
+        if count >= self.shape.max_nodes or (self.shape.elastic and count >= self.shape.least
+                                             and now - self._last_join >= self._settle):
+            self._form()
+        elif now - self._forming_since > self._rdzv_timeout:
+            self._finish(1, self._missing(count))
+
+    def _missing(self, count: int) -> str:
+        present = sorted(self._joining.values(), key=_position)
+        needed = self.shape.least
+        ranks = {each.rank for each in present}
+        missing = ([f"node-rank {rank}" for rank in range(self.shape.max_nodes) if rank not in ranks]
+                   if all(each.rank is not None for each in present) else [f"{needed - count} node(s)"])
+        return (f"the rendezvous did not complete within {self._rdzv_timeout:g} s (--rdzv-timeout): "
+                f"{count} of {needed} nodes joined ({', '.join(each.name for each in present) or 'none'}); "
+                f"missing: {', '.join(missing)}. Start `stratagem launch` with the same options on the "
+                "missing nodes, and check that they reach the rendezvous address")
+
+    def _form(self) -> None:
+        members = sorted(self._joining.values(), key=_position)[:self.shape.max_nodes]
+        cluster: dict[str, list[str]] = {}
+        for position, member in enumerate(members):
+            for kind, port in zip(self.shape.tasks_on(position == 0), member.ports):
+                cluster.setdefault(kind, []).append(format_address(member.host, port))
+        self._members, self._cluster = members, cluster
+        self._joining = {node: each for node, each in self._joining.items() if each not in members}
+        self._phase, self._done = "running", set()
+
+    def _next_round(self, why: str, *, preempted: bool = False, code: int = 1) -> None:
+        count = sum(len(self.shape.tasks_on(i == 0)) for i in range(len(self._members)))
+        where = f"all {count} tasks on {len(self._members)} node(s)"
+        if preempted and self._preemptions < self.shape.max_preemptions:
+            self._preemptions += 1
+            news = (f"{why}; restarting {where} for preemption {self._preemptions}/"
+                    f"{self.shape.max_preemptions} (does not count against --max-restarts)")
+        elif preempted:
+            return self._finish(PREEMPTED_EXIT_CODE, f"{why}, after {self._preemptions} preemption restart(s), "
+                                "the most --max-preemptions allows; not restarting")
+        elif self._restarts < self.shape.max_restarts:
+            self._restarts += 1
+            news = f"{why}; restarting {where} (restart {self._restarts}/{self.shape.max_restarts})"
+        else:
+            after = f" (after {self._restarts} restart(s))" if self._restarts else ""
+            return self._finish(code if 1 <= code <= 255 else 1, f"{why}{after}; the job failed")
+        self._round += 1
+        self._news = news
+        self._phase, self._forming_since = "forming", time.monotonic()
+        self._last_join = self._forming_since
+        for each in self._members:   # each survivor rejoins with fresh ports
+            each.seen = time.monotonic()
+        self._joining = {}
+
+    def _finish(self, status: int, why: str) -> None:
+        self._phase = "done" if status == 0 else "failed"
+        self._end, self._news = (status, why), why
+
+    def _answer(self, node: str, round_: int | None = None) -> dict[str, Any]:
+        if self._phase in ("done", "failed"):
+            self._told_end.add(node)
+            return {"state": self._phase, "status": self._end[0], "message": self._end[1]}
+        if round_ is not None and round_ < self._round:
+            return {"state": "restart", "round": self._round, "message": self._news}
+        if self._phase == "running":
+            for position, member in enumerate(self._members):
+                if member.node == node:
+                    return {"state": "run", "round": self._round, "cluster": self._cluster,
+                            "tasks": self._tasks_of(position), "nodes": len(self._members)}
+        waiting = len(self._joining)
+        return {"state": "wait", "round": self._round, "joined": waiting, "needed": self.shape.least,
+                "running": self._phase == "running"}
+
+    def _tasks_of(self, position: int) -> list[tuple[str, int]]:
+        """The (type, index) of each of a member's tasks, in the order of its ports."""
+        before = {"worker": position * self.shape.workers_per_node}
+        tasks, seen = [], dict(before)
+        for kind in self.shape.tasks_on(position == 0):
+            tasks.append((kind, seen.get(kind, 0)))
+            seen[kind] = seen.get(kind, 0) + 1
+        return tasks

@@ -1,0 +1,146 @@
+"""The rendezvous of a multi-node launch (stratagem/launch/rendezvous.py) as a state machine, in one
+process: rounds forming, elastic settling, refusals, lost nodes, the restart budgets. The real
+nodes (several launchers, network namespaces) are in test_nodes.py and test_nodes_netns.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from stratagem.launch.nodes import parse_nnodes, read_token
+from stratagem.launch.rendezvous import JobShape, Rendezvous
+from stratagem.errors import ClusterConfigError, InvalidArgumentError
+
+SHAPE = JobShape(max_nodes=2, workers_per_node=2, max_restarts=1)
+
+
+def join(rdzv: Rendezvous, node: str, host: str, rank: int | None = None, *, shape: JobShape | None = None,
+         first: bool = False, ports=(1, 2)) -> dict:
+    return rdzv.join({"node": node, "host": host, "ports": list(ports), "rank": rank, "first": first,
+                      "shape": (shape or rdzv.shape).as_dict()})
+
+
+def test_a_round_forms_when_every_node_joined_in_rank_order() -> None:
+    rdzv = Rendezvous(SHAPE)
+    assert join(rdzv, "b", "10.0.0.2", 1, ports=(5, 6))["state"] == "wait"
+    answer = join(rdzv, "a", "10.0.0.1", 0, ports=(3, 4))
+    assert answer["state"] == "run" and answer["round"] == 0
+    assert answer["cluster"] == {"worker": ["10.0.0.1:3", "10.0.0.1:4", "10.0.0.2:5", "10.0.0.2:6"]}
+    assert answer["tasks"] == [("worker", 0), ("worker", 1)]
+    assert rdzv.poll({"node": "b", "round": 0})["tasks"] == [("worker", 2), ("worker", 3)]
+
+
+def test_the_host_comes_first_and_runs_the_chief_and_the_evaluator() -> None:
+    rdzv = Rendezvous(JobShape(max_nodes=2, workers_per_node=1, chief=True, evaluator=1))
+    join(rdzv, "b", "10.0.0.2", ports=(7,))
+    answer = join(rdzv, "a", "10.0.0.1", first=True, ports=(1, 2, 3))
+    assert answer["tasks"] == [("chief", 0), ("worker", 0), ("evaluator", 0)]
+    assert answer["cluster"] == {"chief": ["10.0.0.1:1"], "worker": ["10.0.0.1:2", "10.0.0.2:7"],
+                                 "evaluator": ["10.0.0.1:3"]}
+    assert rdzv.poll({"node": "b", "round": 0})["tasks"] == [("worker", 1)]
+
+
+def test_a_node_with_other_options_or_a_taken_rank_is_refused_naming_both() -> None:
+    rdzv = Rendezvous(SHAPE)
+    other = JobShape(max_nodes=3, workers_per_node=2, max_restarts=1)
+    answer = join(rdzv, "x", "10.0.0.9", shape=other)
+    assert answer["state"] == "refused"
+    assert "max_nodes: 3 there, 2 on the rendezvous host" in answer["message"]
+    join(rdzv, "a", "10.0.0.1", 0)
+    taken = join(rdzv, "c", "10.0.0.3", 0)
+    assert taken["state"] == "refused" and "--node-rank 0 is taken by the node at 10.0.0.1" in taken["message"]
+    assert "out of range" in join(rdzv, "d", "10.0.0.4", 5)["message"]
+
+
+def test_a_failure_restarts_every_node_in_a_new_round_then_fails_the_job_when_no_restart_is_left() -> None:
+    rdzv = Rendezvous(SHAPE)
+    join(rdzv, "a", "10.0.0.1", 0)
+    join(rdzv, "b", "10.0.0.2", 1)
+    answer = rdzv.report({"node": "b", "round": 0, "event": "failed", "task": "worker 3", "code": -9,
+                          "how": "was killed by SIGKILL"})
+    assert answer["state"] == "restart" or answer["state"] == "wait"
+    news = rdzv.poll({"node": "a", "round": 0})
+    assert news["state"] == "restart" and news["round"] == 1
+    assert news["message"] == ("worker 3 on node 1 (10.0.0.2) was killed by SIGKILL; restarting all 4 tasks "
+                               "on 2 node(s) (restart 1/1)")
+    # the survivor's own, later failure belongs to the old round: it spends nothing
+    rdzv.report({"node": "a", "round": 0, "event": "failed", "task": "worker 0", "code": 1, "how": "exited with code 1"})
+    join(rdzv, "a", "10.0.0.1", 0)
+    assert join(rdzv, "b", "10.0.0.2", 1)["round"] == 1
+    rdzv.report({"node": "a", "round": 1, "event": "failed", "task": "worker 1", "code": 3, "how": "exited with code 3"})
+    end = rdzv.poll({"node": "b", "round": 1})
+    assert end == {"state": "failed", "status": 3, "message": "worker 1 on node 0 (10.0.0.1) exited with code 3 "
+                   "(after 1 restart(s)); the job failed"}
+
+
+def test_a_preemption_spends_no_restart_and_the_job_is_done_when_every_node_is() -> None:
+    rdzv = Rendezvous(JobShape(max_nodes=2, workers_per_node=1))
+    join(rdzv, "a", "h1", 0, ports=(1,))
+    join(rdzv, "b", "h2", 1, ports=(1,))
+    rdzv.report({"node": "a", "round": 0, "event": "failed", "task": "worker 0", "code": 75, "how": "exited with code 75"})
+    assert "preemption 1/100" in rdzv.poll({"node": "b", "round": 0})["message"]
+    join(rdzv, "a", "h1", 0, ports=(1,))
+    join(rdzv, "b", "h2", 1, ports=(1,))
+    assert rdzv.report({"node": "a", "round": 1, "event": "done"})["state"] == "run"
+    assert rdzv.ended is None
+    assert rdzv.report({"node": "b", "round": 1, "event": "done"})["state"] == "done"
+    assert rdzv.ended == (0, "every task of every node exited 0")
+    assert not rdzv.ended_for_everyone()   # a has not heard it yet
+    assert rdzv.poll({"node": "a", "round": 1})["state"] == "done"
+    assert rdzv.ended_for_everyone()
+
+
+def test_a_silent_node_is_lost_and_an_elastic_job_goes_on_with_fewer_after_settling() -> None:
+    rdzv = Rendezvous(JobShape(max_nodes=3, min_nodes=2, workers_per_node=1, max_restarts=1),
+                      node_timeout=0.3, settle=0.3)
+    for node, host in (("a", "h1"), ("b", "h2"), ("c", "h3")):
+        join(rdzv, node, host, ports=(1,), first=node == "a")
+    assert rdzv.poll({"node": "a", "round": 0})["cluster"]["worker"] == ["h1:1", "h2:1", "h3:1"]
+    deadline = time.monotonic() + 5
+    answer = {}
+    while time.monotonic() < deadline:   # a and b keep polling; c is silent
+        answer = rdzv.poll({"node": "a", "round": 0})
+        rdzv.poll({"node": "b", "round": 0})
+        if answer["state"] == "restart":
+            break
+        time.sleep(0.05)
+    assert answer["state"] == "restart" and "node (h3) stopped answering" in answer["message"]
+    join(rdzv, "a", "h1", ports=(2,), first=True)
+    assert join(rdzv, "b", "h2", ports=(2,))["state"] == "wait"   # 2 of 3: waits for c a while
+    while (answer := rdzv.poll({"node": "b", "round": 1}))["state"] == "wait":
+        rdzv.poll({"node": "a", "round": 1})
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert answer["state"] == "run" and answer["cluster"] == {"worker": ["h1:2", "h2:2"]}
+    # c comes back: it waits for the next restart instead of disturbing the running round
+    assert join(rdzv, "c2", "h3", ports=(3,))["state"] == "wait"
+
+
+def test_a_rendezvous_that_never_completes_fails_naming_the_missing_nodes() -> None:
+    rdzv = Rendezvous(JobShape(max_nodes=3, workers_per_node=1), rdzv_timeout=0.2, node_timeout=60)
+    join(rdzv, "a", "10.0.0.1", 0, ports=(1,))
+    join(rdzv, "b", "10.0.0.2", 2, ports=(1,))
+    time.sleep(0.3)
+    answer = rdzv.poll({"node": "a", "round": 0})
+    assert answer["state"] == "failed" and answer["status"] == 1
+    assert ("2 of 3 nodes joined (node 0 (10.0.0.1), node 2 (10.0.0.2)); missing: node-rank 1"
+            in answer["message"])
+
+
+def test_nnodes_and_the_token_are_checked(tmp_path) -> None:
+    assert parse_nnodes("3") == (3, 3) and parse_nnodes("2:4") == (2, 4)
+    for bad in ("0", "3:2", "x", "2:"):
+        with pytest.raises(InvalidArgumentError, match="--nnodes must be N or MIN:MAX"):
+            parse_nnodes(bad)
+    with pytest.raises(ClusterConfigError, match="needs the cluster token on every node"):
+        read_token(None, {})
+    with pytest.raises(ClusterConfigError, match="STRATAGEM_CLUSTER_TOKEN"):
+        read_token(None, {"STRATAGEM_CLUSTER_TOKEN": "secret"})   # weak
+    path = tmp_path / "token"
+    path.write_text("9f86d081884c7d659a2feaa0c55ad0159f86d081884c7d65\n")
+    path.chmod(0o644)
+    with pytest.raises(ClusterConfigError, match="can be read by other users.*chmod 600"):
+        read_token(str(path), {})
+    path.chmod(0o600)
+    assert read_token(str(path), {}) == "9f86d081884c7d659a2feaa0c55ad0159f86d081884c7d65"
