@@ -25,13 +25,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from stratagem.cluster import ClusterSpec
-from stratagem.errors import ClusterConfigError, StratagemError
+from stratagem.errors import ClusterConfigError, StratagemError, UnavailableError
 from stratagem.launch.output import TaskOutput
 from stratagem.launch.ports import free_ports
 from stratagem.launch.rendezvous import JobShape
 from stratagem.launch.supervisor import Supervisor, blame_order, describe_exit
 from stratagem.launch.tasks import Task
-from stratagem.rpc import RpcClient, RpcError
+from stratagem.rpc import AuthenticationError, RpcClient, RpcError
 
 __all__ = ["NodeAgent", "NodeSupervisor", "RendezvousLost", "POLL_SECONDS"]
 
@@ -48,7 +48,7 @@ class NodeAgent:
 
     def __init__(self, address: str, token: str, *, host: str, rank: int | None, shape: JobShape,
                  command: Sequence[str], environment: Callable[[Task, ClusterSpec, int], dict[str, str]],
-                 output: TaskOutput, node_timeout: float, first: bool,
+                 output: TaskOutput, node_timeout: float, first: bool, rdzv_timeout: float = 600.0,
                  stop_requested: Callable[[], bool] = lambda: False) -> None:
         self._client = RpcClient(address, token, task="rendezvous", default_timeout=max(node_timeout / 3, 1.0))
         self._address = address
@@ -58,6 +58,8 @@ class NodeAgent:
         self._environment = environment
         self._output = output
         self._node_timeout = node_timeout
+        self._first_timeout = rdzv_timeout   # before the rendezvous first answered
+        self._heard = False
         self._stop_requested = stop_requested
         self.round = -1
         self.tasks: list[Task] = []
@@ -120,18 +122,24 @@ class NodeAgent:
         while True:
             try:
                 answer = self._client.call(method, request)
-            except RpcError as error:
+            except AuthenticationError as error:
+                raise RendezvousLost(
+                    f"the rendezvous at {self._address} refused this node: {error}. Every node needs "
+                    "the same cluster token (--token-file or STRATAGEM_CLUSTER_TOKEN)") from None
+            except (RpcError, UnavailableError) as error:
                 silent = time.monotonic() - self._answered
-                if silent > self._node_timeout:
-                    raise RendezvousLost(
-                        f"the rendezvous at {self._address} has not answered for {silent:.0f} s "
-                        f"(--node-timeout {self._node_timeout:g}): the node hosting it (node-rank 0) is "
-                        f"gone or unreachable, so the job cannot go on. Last error: {error}") from None
+                patience = self._node_timeout if self._heard else self._first_timeout
+                if silent > patience:
+                    what = (f"has not answered for {silent:.0f} s (--node-timeout {self._node_timeout:g}): the "
+                            "node hosting it (node-rank 0) is gone or unreachable, so the job cannot go on"
+                            if self._heard else f"did not answer within {silent:.0f} s of this node's start "
+                            "(--rdzv-timeout): is the node with --node-rank 0 started, and is --rdzv its address?")
+                    raise RendezvousLost(f"the rendezvous at {self._address} {what}. Last error: {error}") from None
                 if self._stop_requested():
                     return {"state": "failed", "status": 1, "message": "stopped while the rendezvous was unreachable"}
                 time.sleep(POLL_SECONDS / 2)
                 continue
-            self._answered = time.monotonic()
+            self._answered, self._heard = time.monotonic(), True
             return answer
 
 
@@ -167,7 +175,7 @@ class NodeSupervisor(Supervisor):
         """After the launcher was stopped: tell the rendezvous this node is leaving the job."""
         try:
             self._agent.report("leaving", signal=signal.Signals(signum).name)
-        except (RendezvousLost, RpcError, ClusterConfigError):
+        except (RendezvousLost, RpcError, UnavailableError, ClusterConfigError):
             pass   # the host is gone: there is nobody to tell
 
     def _follow(self, answer: dict[str, Any]) -> int | None:
@@ -178,7 +186,7 @@ class NodeSupervisor(Supervisor):
             if state == "failed" or self._count_running():
                 self._output.say(f"the job {'ended' if state == 'done' else 'failed'}: {answer['message']}")
             return int(answer["status"])
-        self._output.say(answer["message"])   # restart: another round
+        self._output.say(answer.get("message") or "the job moved on to another round")   # restart
         started = time.monotonic()
         self._stop_all(self._slots)
         if self._signals:

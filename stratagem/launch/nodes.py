@@ -193,7 +193,7 @@ def launch_nodes(script: str, args: Sequence[str] = (), *, nnodes: str | int, rd
         with _Signals() as signals:
             agent = NodeAgent(rdzv, token, host=host, rank=node_rank, shape=shape, command=command,
                               environment=environment, output=output, node_timeout=node_timeout,
-                              first=server is not None, stop_requested=lambda: bool(signals.received))
+                              rdzv_timeout=rdzv_timeout, first=server is not None, stop_requested=lambda: bool(signals.received))
             try:
                 return _run(agent, signals, output, grace_period=grace_period, join_timeout=join_timeout,
                             evaluator_timeout=evaluator_timeout, joined=joined, server=server)

@@ -162,7 +162,7 @@ class Rendezvous:
             if event == "leaving":
                 self._joining.pop(node, None)
             if member is None or request.get("round") != self._round or self._phase != "running":
-                return self._answer(node)   # about an old round: it changed already
+                return self._answer(node, request.get("round"))   # about an old round: it changed already
             member.seen = time.monotonic()
             if event == "done":
                 self._done.add(node)
@@ -175,7 +175,7 @@ class Rendezvous:
                 code = int(request["code"])
                 self._next_round(f"{request['task']} on {member.name} {request['how']}",
                                  preempted=code == PREEMPTED_EXIT_CODE, code=code)
-            return self._answer(node)
+            return self._answer(node, request.get("round"))
 
     def ended_for_everyone(self) -> bool:
         """Whether every member of the last round has been told the job ended (or is lost)."""
@@ -209,7 +209,8 @@ class Rendezvous:
         rank = request.get("rank")
         if rank is not None and not 0 <= rank < self.shape.max_nodes:
             return f"--node-rank {rank} is out of range for --nnodes {self.shape.max_nodes} (0 to {self.shape.max_nodes - 1})"
-        taken = next((each for each in (*self._joining.values(), *self._members)
+        others = (*self._joining.values(), *(self._members if self._phase == "running" else ()))
+        taken = next((each for each in others
                       if rank is not None and each.rank == rank and each.node != request["node"]
                       and time.monotonic() - each.seen <= self._node_timeout), None)
         if taken is not None:
