@@ -1,0 +1,146 @@
+"""`stratagem launch --nnodes` faults with real launchers on loopback (two "nodes" on one machine):
+a node with the wrong token, a rendezvous that never completes, the host lost, a node started
+with other options, bad command lines. Each ends with a clear error in bounded time and no
+process left behind. The real hosts (network namespaces) are in test_nodes_netns.py."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stratagem.launch.ports import free_ports
+
+from .hosts import wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+HELLO = """
+import json, os, sys, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+print("hello from", task["type"], task["index"], "restart", os.environ["STRATAGEM_RESTART"], flush=True)
+if len(sys.argv) > 1:
+    time.sleep(float(sys.argv[1]))
+"""
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "hello.py"
+    path.write_text(HELLO)
+    return path
+
+
+def _node(tmp_path: Path, name: str, *options: str, token: str | None = None) -> tuple[subprocess.Popen, Path]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "STRATAGEM_CLUSTER_TOKEN")}
+    if token is not None:
+        env["STRATAGEM_CLUSTER_TOKEN"] = token
+    log = tmp_path / f"{name}.log"
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "stratagem", "launch", *options], env=env,
+                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return process, log
+
+
+def _finish(*processes: subprocess.Popen) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def test_two_nodes_on_loopback_run_one_cluster(tmp_path: Path, script: Path) -> None:
+    rdzv, token = f"127.0.0.1:{free_ports(1)[0]}", secrets.token_urlsafe(32)
+    common = ("--nnodes", "2", "--rdzv", rdzv, "--workers", "2", "--node-timeout", "10")
+    host, log0 = _node(tmp_path, "node0", *common, "--node-rank", "0", str(script), token=token)
+    other, log1 = _node(tmp_path, "node1", *common, "--node-rank", "1", str(script), token=token)
+    try:
+        assert host.wait(timeout=120) == 0, log0.read_text()
+        assert other.wait(timeout=30) == 0, log1.read_text()
+    finally:
+        _finish(host, other)
+    assert "[worker 0] hello from worker 0 restart 0" in log0.read_text()
+    assert "[worker 3] hello from worker 3 restart 0" in log1.read_text()
+    assert token not in log0.read_text() + log1.read_text()
+
+
+def test_a_node_with_the_wrong_token_is_refused_and_the_host_names_its_address(tmp_path: Path, script: Path) -> None:
+    rdzv = f"127.0.0.1:{free_ports(1)[0]}"
+    common = ("--nnodes", "2", "--rdzv", rdzv, "--rdzv-timeout", "60", "--node-timeout", "10")
+    host, log0 = _node(tmp_path, "node0", *common, "--node-rank", "0", str(script), token=secrets.token_urlsafe(32))
+    stranger, log1 = _node(tmp_path, "node1", *common, "--node-rank", "1", str(script), token=secrets.token_urlsafe(32))
+    try:
+        wait_for(log0, "serving the rendezvous", 60, host)
+        assert stranger.wait(timeout=60) == 1, log1.read_text()
+        assert "refused this node" in log1.read_text() and "the same cluster token" in log1.read_text()
+        wait_for(log0, "request from ipv4:127.0.0.1:", 30, host)
+        assert "rendezvous refused a " in log0.read_text() and "wrong cluster token" in log0.read_text()
+        assert "hello from" not in log0.read_text()   # nothing ran
+    finally:
+        _finish(host, stranger)
+
+
+def test_a_rendezvous_that_never_completes_fails_in_time_naming_the_missing_node(tmp_path: Path, script: Path) -> None:
+    started = time.monotonic()
+    host, log0 = _node(tmp_path, "node0", "--nnodes", "3", "--node-rank", "0", "--rdzv",
+                       f"127.0.0.1:{free_ports(1)[0]}", "--rdzv-timeout", "3", str(script),
+                       token=secrets.token_urlsafe(32))
+    try:
+        assert host.wait(timeout=90) == 1, log0.read_text()
+    finally:
+        _finish(host)
+    assert time.monotonic() - started < 60
+    assert ("1 of 3 nodes joined (node 0 (127.0.0.1)); missing: node-rank 1, node-rank 2" in log0.read_text())
+
+
+def test_losing_the_host_stops_the_other_nodes_tasks_with_a_clear_error(tmp_path: Path, script: Path) -> None:
+    rdzv, token = f"127.0.0.1:{free_ports(1)[0]}", secrets.token_urlsafe(32)
+    common = ("--nnodes", "2", "--rdzv", rdzv, "--node-timeout", "3")
+    host, log0 = _node(tmp_path, "node0", *common, "--node-rank", "0", str(script), "600", token=token)
+    other, log1 = _node(tmp_path, "node1", *common, "--node-rank", "1", str(script), "600", token=token)
+    try:
+        wait_for(log1, "hello from worker 1", 90, host, other)
+        host.send_signal(signal.SIGKILL)
+        assert other.wait(timeout=60) == 1, log1.read_text()
+    finally:
+        _finish(host, other)
+    assert "has not answered for" in log1.read_text() and "node-rank 0" in log1.read_text()
+
+
+def test_a_node_started_with_other_options_is_refused_naming_them(tmp_path: Path, script: Path) -> None:
+    rdzv, token = f"127.0.0.1:{free_ports(1)[0]}", secrets.token_urlsafe(32)
+    host, log0 = _node(tmp_path, "node0", "--nnodes", "2", "--node-rank", "0", "--rdzv", rdzv,
+                       "--rdzv-timeout", "60", str(script), token=token)
+    other, log1 = _node(tmp_path, "node1", "--nnodes", "2", "--node-rank", "1", "--rdzv", rdzv,
+                        "--max-restarts", "3", str(script), token=token)
+    try:
+        assert other.wait(timeout=60) == 1, log1.read_text()
+    finally:
+        _finish(host, other)
+    assert "max_restarts: 3 there, 0 on the rendezvous host" in log1.read_text()
+
+
+@pytest.mark.parametrize("options, message", [
+    (("--nnodes", "2"), "needs both --nnodes and --rdzv"),
+    (("--nnodes", "2", "--rdzv", "0.0.0.0:29400"), "wildcard address"),
+    (("--nnodes", "2:1", "--rdzv", "127.0.0.1:29400"), "--nnodes must be N or MIN:MAX"),
+    (("--nnodes", "2", "--rdzv", "127.0.0.1:29400", "--ps", "1"), "--ps and --port-base are for one machine"),
+    (("--nnodes", "2", "--rdzv", "127.0.0.1:29400", "--node-rank", "2"), "--node-rank must be 0 to 1"),
+])
+def test_bad_multi_node_command_lines_are_refused_before_anything_starts(tmp_path: Path, script: Path,
+                                                                         options, message) -> None:
+    process, log = _node(tmp_path, "bad", *options, str(script), token=secrets.token_urlsafe(32))
+    assert process.wait(timeout=60) == 2, log.read_text()
+    assert message in log.read_text()
+
+
+def test_no_token_is_refused_with_how_to_make_one(tmp_path: Path, script: Path) -> None:
+    process, log = _node(tmp_path, "bad", "--nnodes", "2", "--rdzv", "127.0.0.1:29400", str(script))
+    assert process.wait(timeout=60) == 2, log.read_text()
+    assert "needs the cluster token on every node" in log.read_text() and "secrets.token_urlsafe" in log.read_text()
