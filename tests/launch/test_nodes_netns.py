@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import io
 import ipaddress
+import json
 import os
 import secrets
 import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from stratagem.launch import launch_local
 
@@ -30,9 +32,12 @@ PORT = 29517
 LISTEN = "0A"
 
 
+ELASTIC = Path(__file__).with_name("elastic_script.py")
+
+
 @pytest.fixture(scope="module")
 def hosts():
-    with make_hosts(2) as made:
+    with make_hosts(3) as made:
         yield made
 
 
@@ -41,7 +46,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("uninterrupted")
     stdout, stderr = io.StringIO(), io.StringIO()
     assert launch_local(SCRIPT, [str(out)], num_workers=2, stdout=stdout, stderr=stderr) == 0, stderr.getvalue()
-    return {"params": __import__("torch").load(out / "final.pt", weights_only=True),
+    return {"params": torch.load(out / "final.pt", weights_only=True),
             "committed": [_committed(out, rank)[0] for rank in (0, 1)]}
 
 
@@ -111,5 +116,60 @@ def test_sigterm_on_one_node_is_a_preemption_for_the_job_and_it_resumes_when_the
         assert again.wait(timeout=60) == 0, log1.read_text()
     finally:
         stop(*(p for p in (first, second, again) if p is not None))
-    assert "node 1 (10.214.0.2) is leaving the job (its launcher got SIGTERM)" in log0.read_text()
+    news = [line for line in log0.read_text().splitlines() if "for preemption 1/100" in line]
+    assert len(news) == 1 and ("exited with code 75" in news[0] or  # (whichever the host hears first)
+                               "node 1 (10.214.0.2) is leaving the job (its launcher got SIGTERM)" in news[0]), news
+    assert "restarting" not in log0.read_text().replace(news[0], "")   # no restart spent
     _assert_as_uninterrupted(tmp_path, reference)
+
+
+def _global_batches(out: Path) -> dict[int, list[int]]:
+    """Step -> the sorted sample ids of its global batch, as committed: each restart's run drops
+    the steps from where it resumed (trained after the last backup, lost with the group)."""
+    committed: dict[int, list[int]] = {}
+    restarts = sorted({int(path.stem.rpartition("restart")[2]) for path in out.glob("ids-rank*-restart*.jsonl")})
+    for restart in restarts:
+        lines = [json.loads(line) for path in sorted(out.glob(f"ids-rank*-restart{restart}.jsonl"))
+                 for line in path.read_text().splitlines()]
+        resume = {line["resume"] for line in lines if "resume" in line}
+        assert len(resume) == 1, f"the workers of restart {restart} resumed at different steps: {resume}"
+        start = resume.pop()
+        for step in [step for step in committed if step >= start]:
+            del committed[step]
+        for line in lines:
+            if "step" in line:
+                committed.setdefault(line["step"], []).extend(line["ids"])
+    return {step: sorted(ids) for step, ids in sorted(committed.items())}
+
+
+def test_an_elastic_job_loses_a_node_for_good_and_finishes_on_two_as_three_would_have(
+        hosts, tmp_path: Path) -> None:
+    reference = tmp_path / "three"
+    reference.mkdir()
+    stdout, stderr = io.StringIO(), io.StringIO()
+    assert launch_local(ELASTIC, [str(reference)], num_workers=3, stdout=stdout, stderr=stderr) == 0, stderr.getvalue()
+    out = tmp_path / "elastic"
+    out.mkdir()
+    token = secrets.token_urlsafe(32)
+    nodes = []
+    for rank, (namespace, _) in enumerate(hosts):
+        command = launch_command("--nnodes", "2:3", "--node-rank", str(rank), "--rdzv", f"{hosts[0][1]}:{PORT}",
+                                 "--workers", "1", "--max-restarts", "1", "--node-timeout", "8",
+                                 str(ELASTIC), str(out))
+        log = out / f"node{rank}.log"
+        nodes.append((start(namespace, command, log, {"STRATAGEM_CLUSTER_TOKEN": token}), log))
+    (first, log0), (second, log1), (third, log2) = nodes
+    try:
+        wait_for(log2, "restart 0 rank 2 of 3 step 5", 240, first, second, third)
+        third.kill()   # node 2 is gone for good
+        assert first.wait(timeout=300) == 0, log0.read_text()
+        assert second.wait(timeout=60) == 0, log1.read_text()
+    finally:
+        stop(first, second, third)
+    assert "round 1: 2 node(s), this node runs worker 0" in log0.read_text(), log0.read_text()
+    assert "restart 1 rank 1 of 2 done" in log1.read_text(), log1.read_text()
+    final, expected = (torch.load(path / "final.pt", weights_only=True) for path in (out, reference))
+    for name, value in expected.items():
+        torch.testing.assert_close(final[name], value, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    batches = _global_batches(out)
+    assert batches == _global_batches(reference) and len(batches) == 12   # nothing skipped or repeated
