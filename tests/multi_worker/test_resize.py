@@ -2,8 +2,8 @@
 from its last checkpoint, then gets it back (2 -> 3); the global batch is kept, so the result is that
 of the uninterrupted 3-worker job and of plain PyTorch on the global batches (float64), with the
 exact sequence of samples (nothing skipped or repeated), the step, epoch and learning rate going on.
-Through ``fit`` + ``BackupAndRestore`` and a custom loop with ``CheckpointManager``; ZeRO stages 1 and
-3; ``distribute_datasets_from_function``, resized at an epoch boundary, refused in mid-epoch (on
+Through ``fit`` + ``BackupAndRestore`` and a custom loop with ``CheckpointManager``; ZeRO stages 1, 2
+and 3; ``distribute_datasets_from_function``, resized at an epoch boundary, refused in mid-epoch (on
 every worker, the checkpoints intact), and resized in mid-epoch when its pipelines read one global
 order (``InputOptions(experimental_resizable=True)``).
 
@@ -153,7 +153,7 @@ def test_three_workers_lose_one_then_get_it_back_and_end_as_if_never_stopped(
     assert_as_plain_pytorch(loop, whole, final(out, "back", 3), uninterrupted)
 
 
-@pytest.mark.parametrize("sharding, placement", [("optimizer", "ZeroPlacement"),
+@pytest.mark.parametrize("sharding, placement", [("optimizer", "ZeroPlacement"), ("gradients", "ZeroPlacement"),
                                                  ("parameters", "FullyShardedPlacement")])
 def test_zero_checkpoints_resume_on_fewer_workers(tmp_path: Path, sharding: str, placement: str) -> None:
     """The optimizer state (and, at stage 3, the parameters) sharded over 3 workers, saved as one
