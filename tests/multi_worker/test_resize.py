@@ -5,7 +5,8 @@ exact sequence of samples (nothing skipped or repeated), the step, epoch and lea
 Through ``fit`` + ``BackupAndRestore`` and a custom loop with ``CheckpointManager``; ZeRO stages 1, 2
 and 3; ``distribute_datasets_from_function``, resized at an epoch boundary, refused in mid-epoch (on
 every worker, the checkpoints intact), and resized in mid-epoch when its pipelines read one global
-order (``InputOptions(experimental_resizable=True)``).
+order (``InputOptions(experimental_resizable=True)``); in one process, the same rule for a change of
+replica count and for a tracked iterator.
 
 Each job is ``stratagem launch``-ed (``launch_local``) with a worker count; "a node lost for good"
 is the last worker SIGKILLing itself right after it printed that a checkpoint was complete, which
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import time
 from pathlib import Path
 
@@ -175,11 +177,16 @@ def test_per_worker_pipelines_resize_at_epoch_boundaries_and_refuse_mid_epoch(tm
     started = time.monotonic()
     output = launch(3, tmp_path, "function", "refused", ok=False)
     assert time.monotonic() - started < 120
-    for rank in range(3):
-        assert f"[worker {rank}]" in output and "CheckpointError" in output, output
-    assert "the dataset position was saved by 2 worker(s) with 2 replica(s) in sync" in output, output
-    assert "in the middle of epoch 1 (step 3); this job has 3 worker(s)" in output, output
-    assert "InputOptions(experimental_resizable=True)" in output, output
+    raised = re.search(r"\[worker \d\] .*CheckpointError: none of the 2 checkpoints in \S+ can be restored; "
+                       r"the newest: (.*)", output)
+    assert raised, output
+    message = raised.group(1)
+    for rank in range(3):   # every worker refused it (the workers agree before anything changes)
+        assert f"worker {rank}: checkpoint " in message, message
+    assert "the dataset position was saved by 2 worker(s) with 2 replica(s) in sync" in message, message
+    assert "in the middle of epoch 1 (step 3); this job has 3 worker(s) and 3 replica(s)" in message, message
+    assert "Resume on 2 worker(s) with 2 replica(s)" in message, message
+    assert "pass options=sg.InputOptions(experimental_resizable=True)" in message, message
     assert all((tmp_path / f"refused-rank{rank}.jsonl").read_text() == "" for rank in range(3))   # no step ran
     launch(2, tmp_path, "function", "end")
     whole = stitched(tmp_path, [("three", 3), ("two", 2), ("end", 2)])
@@ -226,6 +233,33 @@ def test_replica_count_change_of_per_replica_pipelines(tmp_path: Path) -> None:
         _function_job(3, tmp_path / "plain")
     first = _function_job(2, tmp_path / "resizable", stop=3, resizable=True)
     assert first + _function_job(3, tmp_path / "resizable", resizable=True) == whole
+
+
+def test_a_tracked_iterator_follows_the_same_rule(tmp_path: Path) -> None:
+    """sg.Checkpoint(data=iterator): refused on another replica count in mid-epoch, nothing changed
+    (the iterator reads on where it was); with experimental_resizable it is moved to the saved step."""
+    whole = _function_job(2, tmp_path / "whole")
+
+    def iterator_of(replicas: int, resizable: bool):
+        strategy = sg.MirroredStrategy([f"cpu:{i}" for i in range(replicas)])
+        data = strategy.distribute_datasets_from_function(
+            lambda ctx: script.global_order_loader("function", ctx), sg.InputOptions(experimental_resizable=resizable))
+        iterator = iter(data)
+        return iterator, lambda: sum((part[:, 5].long().tolist()
+                                      for part in strategy.experimental_local_results(next(iterator)[0])), [])
+
+    for resizable in (False, True):
+        iterator, read = iterator_of(2, resizable)
+        first = [read() for _ in range(3)]
+        path = sg.Checkpoint(data=iterator).save(tmp_path / f"ckpt-{resizable}")
+        iterator, read = iterator_of(3, resizable)
+        if not resizable:
+            with pytest.raises(sg.errors.CheckpointError, match=r"middle of epoch 0 \(step 3\)"):
+                sg.Checkpoint(data=iterator).restore(path)
+            assert read() == whole[0]   # untouched: it reads on from where it was
+            continue
+        sg.Checkpoint(data=iterator).restore(path)
+        assert first + [read() for _ in range(4)] == whole[:7]
 
 
 def test_a_global_batch_the_new_count_cannot_divide_is_refused_by_get_per_replica_batch_size() -> None:
