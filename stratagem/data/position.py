@@ -230,18 +230,19 @@ class PositionedDataset:
         if len(workers) == topology.num_workers and replicas in (None, self.strategy.num_replicas_in_sync):
             return workers[topology.worker_index], None
         chief = workers[0]
-        if self.resizable or not any(_mid_epoch(position) for position in workers):
-            return chief, None
+        if self.resizable or not isinstance(chief, dict) or not any(_mid_epoch(p) for p in workers):
+            return chief, None   # (not a position at all: the verification that follows says why)
+        saved_by = f"{len(workers)} worker(s)" + (f" with {replicas} replica(s) in sync" if replicas else "")
         return None, (
-            f"the dataset position was saved by {len(workers)} worker(s) with {replicas} replica(s) in sync, "
-            f"each reading its own input pipeline (distribute_datasets_from_function), in the middle of epoch "
-            f"{chief.get('epoch')} (step {chief.get('step')}); this job has {topology.num_workers} worker(s) and "
+            f"the dataset position was saved by {saved_by}, each reading its own input pipeline "
+            f"(distribute_datasets_from_function), in the middle of epoch {chief.get('epoch')} (step "
+            f"{chief.get('step')}); this job has {topology.num_workers} worker(s) and "
             f"{self.strategy.num_replicas_in_sync} replica(s), and which elements its pipelines have left there "
             f"depends on how dataset_fn divides the data, so resuming would skip or repeat samples. Resume on "
-            f"{len(workers)} worker(s) with {replicas} replica(s), or from a checkpoint saved at the end of an epoch, or read one pipeline "
-            f"of global batches with experimental_distribute_dataset (its position resumes on any number of "
-            f"workers); if each pipeline reads its slice of every global batch, in one order shared by all, "
-            f"pass options=sg.InputOptions(experimental_resizable=True) to distribute_datasets_from_function")
+            f"{saved_by}, or from a checkpoint saved at the end of an epoch, or read one pipeline of global "
+            f"batches with experimental_distribute_dataset (its position resumes on any number of workers); if "
+            f"each pipeline reads its slice of every global batch, in one order shared by all, pass "
+            f"options=sg.InputOptions(experimental_resizable=True) to distribute_datasets_from_function")
 
     @property
     def strategy(self) -> Any:

@@ -266,7 +266,8 @@ def test_a_global_batch_the_new_count_cannot_divide_is_refused_by_get_per_replic
     """With distribute_datasets_from_function the user divides the global batch: 6 rows over 4
     replicas is refused with the fix; experimental_distribute_dataset splits it as usual (2, 2, 1, 1)."""
     with pytest.raises(sg.errors.InvalidArgumentError, match="global batch size 6 is not divisible by the 4"):
-        sg.InputContext(num_input_pipelines=4, input_pipeline_id=0, num_replicas_in_sync=4).get_per_replica_batch_size(6)
+        context = sg.InputContext(num_input_pipelines=4, input_pipeline_id=0, num_replicas_in_sync=4)
+        context.get_per_replica_batch_size(6)
     strategy = sg.MirroredStrategy([f"cpu:{i}" for i in range(4)])
     batch = next(iter(strategy.experimental_distribute_dataset([torch.arange(6)])))
     assert [len(part) for part in strategy.experimental_local_results(batch)] == split_sizes(6, 4) == [2, 2, 1, 1]
