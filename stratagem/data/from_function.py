@@ -52,6 +52,11 @@ class DistributedDatasetsFromFunction(PositionedDataset):
 
     per_worker_position = True   # each worker reads its own pipeline
 
+    @property
+    def resizable(self) -> bool:
+        """Whether the pipelines read one order of global batches (``InputOptions(experimental_resizable=True)``)."""
+        return self._options.experimental_resizable
+
     def __iter__(self) -> TrackedIterator:
         source, settle, token = self.position.begin(self._dataset)
         return TrackedIterator(self, primed(self._iterate(source), settle), token)

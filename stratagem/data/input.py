@@ -43,6 +43,15 @@ class AutoShardPolicy(enum.Enum):
 class InputOptions:
     """Options of a distributed dataset.
 
+    ``experimental_resizable`` (``distribute_datasets_from_function`` only) says that the
+    workers' input pipelines read one order of global batches, each its slice of every
+    batch, so that after ``s`` steps they have read the first ``s`` global batches together
+    whatever their number: then a position saved in the middle of an epoch resumes on
+    another number of workers or replicas (each new pipeline skips ``s`` steps' batches).
+    Without it such a resume is refused, since the pipelines could hold other elements.
+    ``experimental_distribute_dataset`` reads one pipeline of global batches and resumes on
+    any number of workers anyway.
+
     Example::
 
         import stratagem as sg
@@ -52,11 +61,15 @@ class InputOptions:
     auto_shard_policy: AutoShardPolicy = AutoShardPolicy.AUTO
     experimental_fetch_to_device: bool = True
     experimental_prefetch: bool = True
+    experimental_resizable: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.auto_shard_policy, AutoShardPolicy):
             raise InvalidArgumentError(
                 f"auto_shard_policy must be a sg.AutoShardPolicy, got {self.auto_shard_policy!r}")
+        if not isinstance(self.experimental_resizable, bool):
+            raise InvalidArgumentError(
+                f"experimental_resizable must be True or False, got {self.experimental_resizable!r}")
 
 
 @dataclass(frozen=True)

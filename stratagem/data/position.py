@@ -196,13 +196,53 @@ class PositionedDataset:
     """What a distributed dataset offers checkpoints: its epoch, and its position as a state dict.
 
     ``per_worker_position`` says which saved position a multi-worker restore gives each
-    worker: False, the chief's (every worker cuts the same global batches); True, its own
-    (each worker reads its own input pipeline), when the worker count is unchanged.
+    worker: False, the chief's (every worker cuts the same global batches, so the position
+    is the same on any number of workers); True, its own (each worker reads its own input
+    pipeline) -- on another number of workers or replicas, see :meth:`saved_position`.
     """
 
     position: Position
     per_worker_position = False
     _strategy: Any
+
+    @property
+    def resizable(self) -> bool:
+        """Whether a position saved mid-epoch resumes exactly on another number of workers or replicas."""
+        return not self.per_worker_position
+
+    def saved_position(self, saved: Any) -> tuple[dict | None, str | None]:
+        """This worker's position in what a checkpoint saved (``{"workers": [each worker's
+        position], "num_replicas_in_sync": n}``), or why there is none to resume from.
+
+        Per-worker pipelines saved by another number of workers or replicas (a job resumed
+        after it lost a node, or given one back) resume from the chief's position at an
+        epoch boundary; in the middle of an epoch only when :attr:`resizable` -- which
+        elements each new pipeline has left otherwise depends on how ``dataset_fn`` divides
+        the data, so the resume is refused rather than skip or repeat samples.
+        """
+        workers = saved.get("workers") if isinstance(saved, dict) else None
+        if not workers:
+            return None, "no dataset position in it"
+        topology = self.strategy.topology
+        replicas = saved.get("num_replicas_in_sync")   # absent in checkpoints of earlier versions
+        if not self.per_worker_position:
+            return workers[0], None
+        if len(workers) == topology.num_workers and replicas in (None, self.strategy.num_replicas_in_sync):
+            return workers[topology.worker_index], None
+        chief = workers[0]
+        if self.resizable or not isinstance(chief, dict) or not any(_mid_epoch(p) for p in workers):
+            return chief, None   # (not a position at all: the verification that follows says why)
+        saved_by = f"{len(workers)} worker(s)" + (f" with {replicas} replica(s) in sync" if replicas else "")
+        return None, (
+            f"the dataset position was saved by {saved_by}, each reading its own input pipeline "
+            f"(distribute_datasets_from_function), in the middle of epoch {chief.get('epoch')} (step "
+            f"{chief.get('step')}); this job has {topology.num_workers} worker(s) and "
+            f"{self.strategy.num_replicas_in_sync} replica(s), and which elements its pipelines have left there "
+            f"depends on how dataset_fn divides the data, so resuming would skip or repeat samples. Resume on "
+            f"{saved_by}, or from a checkpoint saved at the end of an epoch, or read one pipeline of global "
+            f"batches with experimental_distribute_dataset (its position resumes on any number of workers); if "
+            f"each pipeline reads its slice of every global batch, in one order shared by all, pass "
+            f"options=sg.InputOptions(experimental_resizable=True) to distribute_datasets_from_function")
 
     @property
     def strategy(self) -> Any:
@@ -221,6 +261,14 @@ class PositionedDataset:
     def load_state_dict(self, state: dict) -> None:
         """Move to a saved position: the next ``iter()`` continues the saved epoch where it stopped."""
         self.position.load_state_dict(state)
+
+
+def _mid_epoch(position: Any) -> bool:
+    """Whether a saved position lies inside an epoch (some of its batches consumed)."""
+    try:
+        return bool(position["in_progress"]) and int(position["step"]) > 0
+    except (KeyError, TypeError, ValueError):
+        return True   # not a position: the caller's verification says why
 
 
 class TrackedIterator:
@@ -254,6 +302,9 @@ class TrackedIterator:
     @property
     def per_worker_position(self) -> bool:
         return self._owner.per_worker_position
+
+    def saved_position(self, saved: Any) -> tuple[dict | None, str | None]:
+        return self._owner.saved_position(saved)
 
     @property
     def strategy(self) -> Any:

@@ -275,7 +275,7 @@ class Checkpoint:
         elif kind == "tensor":
             state = obj.detach().cpu()
         elif kind == "dataset":
-            state = {"workers": positions[name]}
+            state = {"workers": positions[name], "num_replicas_in_sync": obj.strategy.num_replicas_in_sync}
         else:
             state = obj.state_dict()
         check_loadable(state, f"{name}.state_dict()" if kind != "tensor" else name)
@@ -294,11 +294,10 @@ class Checkpoint:
         self._check_context("restore")
         self.wait()
         strategy = self.strategy
-        topology = strategy.topology
         loaded: dict[str, Any] = {}
         problem = None
         try:
-            loaded = self._read(open_checkpoint(path, strategy), topology)
+            loaded = self._read(open_checkpoint(path, strategy))
         except CheckpointError as err:
             problem = str(err)
         savers = strategy.checkpoint_collective
@@ -312,7 +311,7 @@ class Checkpoint:
         self._apply(loaded)
         return str(path)
 
-    def _read(self, reader: "CheckpointReader | ChiefCopy", topology: Any) -> dict[str, Any]:
+    def _read(self, reader: "CheckpointReader | ChiefCopy") -> dict[str, Any]:
         saved = reader.manifest["objects"]
         objects, kinds = self._tracked()
         missing = [name for name in objects if name not in saved]
@@ -341,13 +340,10 @@ class Checkpoint:
             value = assemble(value, reader.load)
             if kind not in ("module", "tensor"):   # what the object keeps: copied out of the map
                 value = owned_copy(value)
-            if kind == "dataset":
-                workers = value.get("workers") if isinstance(value, dict) else None
-                if not workers:
-                    raise CheckpointError(f"checkpoint {reader.path}: {entry['file']}: no dataset position in it")
-                same = len(workers) == topology.num_workers and obj.per_worker_position
-                value = workers[topology.worker_index if same else 0]
-            problem = problems_with(kind, obj, value, names)
+            problem = None
+            if kind == "dataset":   # this worker's position, also on another number of workers
+                value, problem = obj.saved_position(value)
+            problem = problem or problems_with(kind, obj, value, names)
             if problem:
                 raise CheckpointError(f"checkpoint {reader.path}: {entry['file']}: {problem}")
             loaded[name] = value
