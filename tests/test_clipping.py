@@ -119,11 +119,27 @@ def test_torchs_functions_come_back_when_the_last_such_strategy_goes() -> None:
     assert key in clipping._placements
     del strategy, model
     gc.collect()
+    if ref() is not None:
+        _dump(ref())
     assert ref() is None and key not in clipping._placements
     if not clipping._placements:   # (unless another test's strategy still lives)
         assert not clipping.installed()
         cell = torch.nn.utils.clip_grad_norm_.__closure__[0]
         assert cell.cell_contents is torch.nn.utils.clip_grad_norm_.__wrapped__
+
+
+def _dump(obj, depth=0, seen=None):
+    import types, sys
+    seen = seen if seen is not None else set()
+    with open('/tmp/refs.txt', 'a') as f:
+        for r in gc.get_referrers(obj):
+            if id(r) in seen or isinstance(r, types.FrameType) or r is seen:
+                continue
+            seen.add(id(r))
+            desc = type(r).__name__ + ' ' + (repr(r)[:200] if not isinstance(r, dict) else str(list(r)[:10]))
+            f.write('  ' * depth + desc + '\n')
+            if depth < 4:
+                _dump(r, depth + 1, seen)
 
 
 class _Axis:
