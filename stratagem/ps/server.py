@@ -36,7 +36,7 @@ from typing import Any, Protocol, Union
 
 import torch
 
-from stratagem.cluster import ClusterSpec, TFConfigClusterResolver
+from stratagem.cluster import ClusterSpec, resolve
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.rpc import DEFAULT_MAX_MESSAGE_BYTES, Handler, RpcServer, cluster_token
 
@@ -107,14 +107,16 @@ def _factory(task_type: str) -> ServiceFactory:
 
 
 def resolve_task(environ: Mapping[str, str] | None = None) -> TaskInfo:
-    """This process's task, from TF_CONFIG; a clear error when there is none."""
-    resolver = TFConfigClusterResolver(environment=environ)
+    """This process's task, from TF_CONFIG or a Kubernetes pod's environment (``resolve``); a
+    clear error when there is none."""
+    resolver = resolve(environ)
     if resolver.task_type is None or resolver.task_id is None:
         raise ClusterConfigError(
             "`stratagem server` needs TF_CONFIG naming the cluster and this task, like "
             '\'{"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222"], "ps": '
             '["host2:2222"]}, "task": {"type": "ps", "index": 0}}\'; `stratagem launch --ps N` '
-            "sets it for local clusters.")
+            "sets it for local clusters, a TFJob for its pods, and a JobSet's pods describe it "
+            "with STRATAGEM_JOBS instead (docs/kubernetes.md).")
     spec = resolver.cluster_spec()
     address = spec.task_address(resolver.task_type, resolver.task_id)
     return TaskInfo(resolver.task_type, resolver.task_id, address, spec)
