@@ -209,6 +209,10 @@ class KubernetesClusterResolver(ClusterResolver):
                 "this pod is one of a plain Indexed Job (JOBSET_NAME is not set), whose pods are "
                 "all workers: write 'worker=N', or run a JobSet with one replicated job per task "
                 f"type and expose its name:\n    {_line('JOBSET_NAME')}")
+        if index >= jobs["worker"]:
+            raise ClusterConfigError(
+                f"Kubernetes: JOB_COMPLETION_INDEX={index} is out of range: STRATAGEM_JOBS counts "
+                f"{jobs['worker']} worker pods; make it agree with the Job's completions.")
         name = env.get("JOB_NAME", "").strip()
         if not name:
             host = env.get("HOSTNAME") or socket.gethostname()
@@ -218,10 +222,6 @@ class KubernetesClusterResolver(ClusterResolver):
                     f"Kubernetes: this pod's host name {host!r} is not '<job>-{index}', the name "
                     f"an Indexed Job gives its pod {index} (JOB_COMPLETION_INDEX={index}), so the "
                     f"Job's name is unknown; expose it in the manifest:\n    {_line('JOB_NAME')}")
-        if index >= jobs["worker"]:
-            raise ClusterConfigError(
-                f"Kubernetes: JOB_COMPLETION_INDEX={index} is out of range: STRATAGEM_JOBS counts "
-                f"{jobs['worker']} worker pods; make it agree with the Job's completions.")
         service = env.get("STRATAGEM_SERVICE", "").strip()
         if not service:
             raise _missing("STRATAGEM_SERVICE", "the pods reach each other as "

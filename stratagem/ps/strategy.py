@@ -65,7 +65,9 @@ class ParameterServerStrategy(Strategy):
 
     Configuration: one replica on the coordinator's CPU (its ``run`` is inline), a
     one-replica collective, and the :class:`~stratagem.ps.placement.ParameterServerPlacement`;
-    steps run on the workers through :class:`~stratagem.ClusterCoordinator`.
+    steps run on the workers through :class:`~stratagem.ClusterCoordinator`. Without a
+    ``cluster_resolver`` the cluster is the environment's (:func:`stratagem.cluster.resolve`:
+    TF_CONFIG, or a Kubernetes JobSet pod's variables, docs/kubernetes.md).
 
     Example (the coordinator script of ``stratagem launch --workers 2 --ps 2 train.py``)::
 
