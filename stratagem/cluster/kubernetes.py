@@ -15,8 +15,8 @@ many pods there are, so the manifest says it, once, in every pod's environment:
                                   ``JOBSET_NAME``, a JobSet's own Service
 ``STRATAGEM_PORT``                the port every task listens on (default 2222)
 ``STRATAGEM_ADDRESS_TEMPLATE``    each task's ``host:port``; default ``{host}.{service}:{port}``
-                                  (also ``{type}``, ``{index}``, ``{namespace}`` from
-                                  ``POD_NAMESPACE``): for a fully qualified name, say
+                                  (also ``{type}``, ``{index}`` and ``{namespace}``, from
+                                  ``POD_NAMESPACE``), e.g. for fully qualified names
 ================================  ===========================================================
 
 and, in a JobSet's pods, the downward API exposes four of the pod's annotations:
@@ -51,7 +51,7 @@ from __future__ import annotations
 import os
 import socket
 import string
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from stratagem.cluster.resolver import ClusterResolver, check_task
 from stratagem.cluster.spec import ClusterSpec
@@ -71,6 +71,8 @@ KUBERNETES_VARIABLES = ("JOB_COMPLETION_INDEX", "HOSTNAME", "JOB_NAME", "JOBSET_
                         "STRATAGEM_ADDRESS_TEMPLATE")
 
 _DEFAULT_TEMPLATE = "{host}.{service}:{port}"
+# (this pod's task type, its index, the host name of task (type, index), the Service)
+_Place = tuple[str, int, Callable[[str, int], str], str]
 _PLACEHOLDERS = ("host", "service", "port", "type", "index", "namespace")
 # The manifest line that sets each variable, for the messages.
 _FIELD = "valueFrom: {{fieldRef: {{fieldPath: \"{}\"}}}}"
@@ -202,7 +204,7 @@ class KubernetesClusterResolver(ClusterResolver):
         self._spec = spec
 
     @staticmethod
-    def _indexed_job(env: Mapping[str, str], jobs: dict[str, int], index: int):
+    def _indexed_job(env: Mapping[str, str], jobs: dict[str, int], index: int) -> _Place:
         if list(jobs) != ["worker"]:
             raise ClusterConfigError(
                 f"Kubernetes: STRATAGEM_JOBS={env.get('STRATAGEM_JOBS')!r} names several jobs, but "
@@ -230,7 +232,7 @@ class KubernetesClusterResolver(ClusterResolver):
         return "worker", index, (lambda job, i: f"{name}-{i}"), service
 
     @staticmethod
-    def _jobset(env: Mapping[str, str], jobs: dict[str, int], index: int):
+    def _jobset(env: Mapping[str, str], jobs: dict[str, int], index: int) -> _Place:
         jobset = env["JOBSET_NAME"].strip()
         task_type = env.get("REPLICATED_JOB_NAME", "").strip()
         if not task_type:

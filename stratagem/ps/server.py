@@ -1,8 +1,8 @@
 """``stratagem server``: serve one worker or parameter-server task until told to stop.
 
 In parameter-server training only the coordinator (the chief) runs the user's script; every
-worker and parameter server runs ``stratagem server``, which reads TF_CONFIG, finds its own
-task and address in the cluster, and serves that task's RPC service on exactly that
+worker and parameter server runs ``stratagem server``, which reads TF_CONFIG (or a Kubernetes
+JobSet pod's variables, docs/kubernetes.md), finds its own task and address in the cluster, and serves that task's RPC service on exactly that
 address until SIGTERM or SIGINT (then it stops within about a second). ``stratagem launch
 --ps M`` starts them for a local cluster; on a real cluster run one per host::
 
@@ -98,8 +98,9 @@ def _factory(task_type: str) -> ServiceFactory:
         why = _NOT_SERVED.get(task_type, "no service is registered for it yet (register one with "
                               f"stratagem.ps.server.register_service({task_type!r}, factory))")
         raise ClusterConfigError(
-            f"TF_CONFIG makes this a {task_type!r} task, which `stratagem server` cannot serve: "
-            f"{why}. It serves {sorted(SERVICES)} tasks.")
+            f"the cluster (TF_CONFIG, or a Kubernetes pod's variables) makes this a {task_type!r} "
+            f"task, which `stratagem server` cannot serve: {why}. It serves {sorted(SERVICES)} "
+            "tasks.")
     if isinstance(factory, str):
         module_name, _, attribute = factory.partition(":")
         factory = getattr(importlib.import_module(module_name), attribute)
