@@ -4,7 +4,8 @@ In parameter-server training only the coordinator (the chief) runs the user's sc
 worker and parameter server runs ``stratagem server``, which reads TF_CONFIG (or a Kubernetes
 JobSet pod's variables, docs/kubernetes.md), finds its own task and address in the cluster,
 and serves that task's RPC service on exactly that address until SIGTERM or SIGINT (then it
-stops within about a second). ``stratagem launch --ps M`` starts them for a local cluster; on a real cluster run one per host::
+stops within about a second). ``stratagem launch --ps M`` starts them for a local cluster;
+on a real cluster run one per host::
 
     TF_CONFIG='{"cluster": {"chief": ["h0:2222"], "worker": ["h1:2222"], "ps": ["h2:2222"]},
                 "task": {"type": "ps", "index": 0}}' \\
