@@ -8,6 +8,7 @@ stratagem's launcher, which also restarts a task that dies (up to 3 times)::
 On real hosts, run `stratagem server` on each worker and ps host and this script on the
 chief's host, each with the same TF_CONFIG cluster (its own "task") and the same secret
 STRATAGEM_CLUSTER_TOKEN (e.g. `python -c "import secrets; print(secrets.token_urlsafe(32))"`).
+On Kubernetes, examples/kubernetes/tfjob-ps.yaml and jobset-ps.yaml run it (docs/kubernetes.md).
 
 The variables live on the parameter servers (the first layer's weight split over both by
 the partitioner); each worker reads its own shard of the data (dataset_fn runs there) and
@@ -59,8 +60,8 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=100)
     args = parser.parse_args()
 
-    strategy = sg.ParameterServerStrategy(sg.cluster.TFConfigClusterResolver(),
-                                          variable_partitioner=sg.FixedShardsPartitioner(2))
+    # the cluster from the environment: TF_CONFIG (stratagem launch, a TFJob) or a JobSet's pod
+    strategy = sg.ParameterServerStrategy(variable_partitioner=sg.FixedShardsPartitioner(2))
     coordinator = sg.ClusterCoordinator(strategy)
     torch.manual_seed(0)
     with strategy.scope():

@@ -4,7 +4,9 @@
 - :class:`ClusterResolver` -- which task this process is, and its rank in the collective
   (``resolver.py``), with :class:`SimpleClusterResolver` for a cluster given by hand,
   :class:`TFConfigClusterResolver` for TensorFlow's TF_CONFIG (``tf_config.py``) and
-  :class:`TorchrunClusterResolver` for torchrun's variables (``torchrun.py``);
+  :class:`TorchrunClusterResolver` for torchrun's variables (``torchrun.py``; Kubeflow's
+  PyTorchJob sets them too, ``pytorchjob.py``) and :class:`KubernetesClusterResolver` for the
+  pods of an Indexed Job or a JobSet (``kubernetes.py``);
 - :func:`resolve` -- picks one from the environment (``detect.py``).
 
 Every malformed description raises :class:`stratagem.errors.ClusterConfigError` (a
@@ -22,6 +24,7 @@ Example::
 """
 
 from stratagem.cluster.detect import resolve
+from stratagem.cluster.kubernetes import KubernetesClusterResolver
 from stratagem.cluster.resolver import ClusterResolver, SimpleClusterResolver
 from stratagem.cluster.spec import ClusterSpec
 from stratagem.cluster.tf_config import TFConfigClusterResolver
@@ -30,6 +33,7 @@ from stratagem.cluster.torchrun import TorchrunClusterResolver
 __all__ = [
     "ClusterResolver",
     "ClusterSpec",
+    "KubernetesClusterResolver",
     "SimpleClusterResolver",
     "TFConfigClusterResolver",
     "TorchrunClusterResolver",

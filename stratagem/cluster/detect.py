@@ -3,9 +3,14 @@
 The order, first match wins:
 
 1. ``TF_CONFIG`` describes a cluster -> :class:`TFConfigClusterResolver`;
-2. ``RANK`` or ``WORLD_SIZE`` is set (torchrun) -> :class:`TorchrunClusterResolver`
-   (only one of them set is an error it reports, not a reason to run alone);
-3. otherwise a lone local task: ``SimpleClusterResolver(ClusterSpec())``.
+2. ``RANK`` or ``WORLD_SIZE`` is set (torchrun, or Kubeflow's PyTorchJob) ->
+   :class:`TorchrunClusterResolver` (only one of them set is an error it reports, not a reason
+   to run alone);
+3. ``JOB_COMPLETION_INDEX`` is set (a pod of a Kubernetes Indexed Job or JobSet) ->
+   :class:`KubernetesClusterResolver`; torchrun's ``PET_*`` arguments without ``RANK`` (a
+   PyTorchJob or TrainJob whose container should run torchrun) are refused before, unless
+   ``STRATAGEM_JOBS`` says the pod is a stratagem task;
+4. otherwise a lone local task: ``SimpleClusterResolver(ClusterSpec())``.
 
 When both TF_CONFIG and torchrun's variables are set, TF_CONFIG wins: it is the more
 complete description (every task's address), and a launcher that sets it means it. If the
@@ -28,6 +33,8 @@ import os
 import warnings
 from collections.abc import Mapping
 
+from stratagem.cluster.kubernetes import KubernetesClusterResolver
+from stratagem.cluster.pytorchjob import refuse_torchrun_arguments
 from stratagem.cluster.resolver import ClusterResolver, SimpleClusterResolver
 from stratagem.cluster.spec import ClusterSpec
 from stratagem.cluster.tf_config import TFConfigClusterResolver
@@ -51,7 +58,7 @@ def _warn_if_torchrun_disagrees(resolver: TFConfigClusterResolver,
 
 
 def resolve(environment: Mapping[str, str] | None = None) -> ClusterResolver:
-    """The resolver for this process: TF_CONFIG, else torchrun, else a lone local task.
+    """The resolver for this process: TF_CONFIG, else torchrun, else Kubernetes, else alone.
 
     ``environment`` replaces ``os.environ``, for tests.
     """
@@ -62,4 +69,8 @@ def resolve(environment: Mapping[str, str] | None = None) -> ClusterResolver:
         return resolver
     if "RANK" in env or "WORLD_SIZE" in env:
         return TorchrunClusterResolver(environment=env)
+    if "STRATAGEM_JOBS" not in env:
+        refuse_torchrun_arguments(env)
+    if "JOB_COMPLETION_INDEX" in env:
+        return KubernetesClusterResolver(environment=env)
     return SimpleClusterResolver(ClusterSpec())

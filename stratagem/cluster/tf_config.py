@@ -9,7 +9,9 @@ environment (by ``stratagem launch``, Kubernetes operators, Vertex AI, or by han
      "rpc_layer": "grpc"}                                  # optional
 
 The format is kept exactly, so a TF_CONFIG written for TensorFlow works unchanged. Unknown
-top-level keys (``"environment"``, ``"job"``) are ignored, as TensorFlow does. The variable is
+top-level keys (``"environment"``, ``"job"``) are ignored, as TensorFlow does: a Kubeflow TFJob's
+TF_CONFIG (``"environment": "cloud"``, addresses like ``"job-worker-0.ns.svc:2222"``) is read as
+it is (docs/kubernetes.md). The variable is
 read and checked once, when the resolver is made, so a bad TF_CONFIG fails at start-up.
 
 Example::
@@ -80,11 +82,17 @@ def load_tf_config(text: str | None) -> dict[str, Any]:
     return config
 
 
+# TFJob's "Master" replica type: TensorFlow 2 refuses it too; its role is the chief's.
+_MASTER_HINT = (" (a TFJob's Master replica: name it Chief in tfReplicaSpecs, which gives the same "
+                "role)")
+
+
 def _check_task_type(task_type: object, where: str) -> None:
     if task_type is not None and task_type not in TASK_TYPES:
         raise ClusterConfigError(
             f"{where}: unknown task type {task_type!r}; the task types are "
-            f"{', '.join(repr(t) for t in TASK_TYPES)}.")
+            f"{', '.join(repr(t) for t in TASK_TYPES)}"
+            f"{_MASTER_HINT if task_type == 'master' else ''}.")
 
 
 def _task_of(config: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -121,6 +129,12 @@ class TFConfigClusterResolver(ClusterResolver):
                  environment: Mapping[str, str] | None = None) -> None:
         env = os.environ if environment is None else environment
         config = load_tf_config(env.get("TF_CONFIG"))
+        if config and "cluster" not in config and "sparseCluster" in config:
+            raise ClusterConfigError(
+                'TF_CONFIG has a "sparseCluster" (a TFJob with enableDynamicWorker: true) but no '
+                '"cluster": each task then knows only some addresses, and the coordinator of '
+                "parameter-server training needs every worker's and ps's; remove "
+                "enableDynamicWorker from the TFJob spec.")
         if config and "cluster" not in config:
             raise ClusterConfigError(
                 f'TF_CONFIG has no "cluster": {sorted(config)} are its keys; add the addresses '
@@ -142,7 +156,8 @@ class TFConfigClusterResolver(ClusterResolver):
         if unknown:
             raise ClusterConfigError(
                 f'TF_CONFIG "cluster": unknown job {unknown[0]!r}; the jobs of a training '
-                f"cluster are {', '.join(repr(t) for t in TASK_TYPES)}.")
+                f"cluster are {', '.join(repr(t) for t in TASK_TYPES)}"
+                f"{_MASTER_HINT if unknown[0] == 'master' else ''}.")
         if spec and not any(job in spec.jobs for job in COLLECTIVE_JOBS):
             raise ClusterConfigError(
                 f'TF_CONFIG "cluster" has no chief or worker (its jobs are {spec.jobs}); a '

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from stratagem.cluster.pytorchjob import check_operator_variables
 from stratagem.cluster.resolver import ClusterResolver
 from stratagem.cluster.spec import ClusterSpec, validate_address
 from stratagem.errors import ClusterConfigError
@@ -83,6 +84,11 @@ class TorchrunClusterResolver(ClusterResolver):
     strategy needs -- are answered from the variables. Clusters whose tasks must reach each
     other by address (parameter-server training) are described with TF_CONFIG instead.
 
+    Kubeflow's PyTorchJob sets the same variables for one process per pod (the master rank 0,
+    ``MASTER_ADDR`` its Service); a PyTorchJob whose values only torchrun can use
+    (``nprocPerNode`` above 1 in a process torchrun did not start) is refused with the fix
+    (``pytorchjob.py``).
+
     ``num_accelerators()`` follows torchrun's convention of one process per GPU:
     ``{"GPU": 1}`` when a CUDA device is visible (the process's is ``cuda:LOCAL_RANK``, or
     its only visible one), else ``{}``.
@@ -102,6 +108,7 @@ class TorchrunClusterResolver(ClusterResolver):
             raise ClusterConfigError(
                 f"torchrun variables: RANK={rank} is out of range for WORLD_SIZE={world_size}; "
                 f"ranks go from 0 to {world_size - 1}.")
+        check_operator_variables(env, rank=rank, world_size=world_size)
         local_rank = _read_int(env, "LOCAL_RANK", minimum=0)
         local_world_size = _read_int(env, "LOCAL_WORLD_SIZE", minimum=1)
         if local_world_size is not None:

@@ -1,10 +1,11 @@
 """``stratagem server``: serve one worker or parameter-server task until told to stop.
 
 In parameter-server training only the coordinator (the chief) runs the user's script; every
-worker and parameter server runs ``stratagem server``, which reads TF_CONFIG, finds its own
-task and address in the cluster, and serves that task's RPC service on exactly that
-address until SIGTERM or SIGINT (then it stops within about a second). ``stratagem launch
---ps M`` starts them for a local cluster; on a real cluster run one per host::
+worker and parameter server runs ``stratagem server``, which reads TF_CONFIG (or a Kubernetes
+JobSet pod's variables, docs/kubernetes.md), finds its own task and address in the cluster,
+and serves that task's RPC service on exactly that address until SIGTERM or SIGINT (then it
+stops within about a second). ``stratagem launch --ps M`` starts them for a local cluster;
+on a real cluster run one per host::
 
     TF_CONFIG='{"cluster": {"chief": ["h0:2222"], "worker": ["h1:2222"], "ps": ["h2:2222"]},
                 "task": {"type": "ps", "index": 0}}' \\
@@ -36,7 +37,7 @@ from typing import Any, Protocol, Union
 
 import torch
 
-from stratagem.cluster import ClusterSpec, TFConfigClusterResolver
+from stratagem.cluster import ClusterSpec, resolve
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.rpc import DEFAULT_MAX_MESSAGE_BYTES, Handler, RpcServer, cluster_token
 
@@ -98,8 +99,9 @@ def _factory(task_type: str) -> ServiceFactory:
         why = _NOT_SERVED.get(task_type, "no service is registered for it yet (register one with "
                               f"stratagem.ps.server.register_service({task_type!r}, factory))")
         raise ClusterConfigError(
-            f"TF_CONFIG makes this a {task_type!r} task, which `stratagem server` cannot serve: "
-            f"{why}. It serves {sorted(SERVICES)} tasks.")
+            f"the cluster (TF_CONFIG, or a Kubernetes pod's variables) makes this a {task_type!r} "
+            f"task, which `stratagem server` cannot serve: {why}. It serves {sorted(SERVICES)} "
+            "tasks.")
     if isinstance(factory, str):
         module_name, _, attribute = factory.partition(":")
         factory = getattr(importlib.import_module(module_name), attribute)
@@ -107,14 +109,16 @@ def _factory(task_type: str) -> ServiceFactory:
 
 
 def resolve_task(environ: Mapping[str, str] | None = None) -> TaskInfo:
-    """This process's task, from TF_CONFIG; a clear error when there is none."""
-    resolver = TFConfigClusterResolver(environment=environ)
+    """This process's task, from TF_CONFIG or a Kubernetes pod's environment (``resolve``); a
+    clear error when there is none."""
+    resolver = resolve(environ)
     if resolver.task_type is None or resolver.task_id is None:
         raise ClusterConfigError(
             "`stratagem server` needs TF_CONFIG naming the cluster and this task, like "
             '\'{"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222"], "ps": '
             '["host2:2222"]}, "task": {"type": "ps", "index": 0}}\'; `stratagem launch --ps N` '
-            "sets it for local clusters.")
+            "sets it for local clusters, a TFJob for its pods, and a JobSet's pods describe it "
+            "with STRATAGEM_JOBS instead (docs/kubernetes.md).")
     spec = resolver.cluster_spec()
     address = spec.task_address(resolver.task_type, resolver.task_id)
     return TaskInfo(resolver.task_type, resolver.task_id, address, spec)

@@ -27,6 +27,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from stratagem.cluster.detect import resolve
 from stratagem.cluster.joined import mark_joined
 from stratagem.comm.cross_device_ops import HierarchicalCopyAllReduce
 from stratagem.comm.replicas import ReplicaCollective
@@ -64,7 +65,9 @@ class ParameterServerStrategy(Strategy):
 
     Configuration: one replica on the coordinator's CPU (its ``run`` is inline), a
     one-replica collective, and the :class:`~stratagem.ps.placement.ParameterServerPlacement`;
-    steps run on the workers through :class:`~stratagem.ClusterCoordinator`.
+    steps run on the workers through :class:`~stratagem.ClusterCoordinator`. Without a
+    ``cluster_resolver`` the cluster is the environment's (:func:`stratagem.cluster.resolve`:
+    TF_CONFIG, or a Kubernetes JobSet pod's variables, docs/kubernetes.md).
 
     Example (the coordinator script of ``stratagem launch --workers 2 --ps 2 train.py``)::
 
@@ -75,7 +78,9 @@ class ParameterServerStrategy(Strategy):
         #     model = Net(); optimizer = torch.optim.Adam(model.parameters())
     """
 
-    def __init__(self, cluster_resolver: Any, variable_partitioner: Callable | None = None):
+    def __init__(self, cluster_resolver: Any = None, variable_partitioner: Callable | None = None):
+        if cluster_resolver is None:  # the environment's: TF_CONFIG, a Kubernetes pod's (resolve())
+            cluster_resolver = resolve()
         if not callable(getattr(cluster_resolver, "cluster_spec", None)):
             raise InvalidArgumentError(
                 f"ParameterServerStrategy needs a cluster resolver (an object with a "
