@@ -45,6 +45,9 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("stratagem.training.model", "stratagem.training.ps_loop"):
         "Model.fit under a ParameterServerStrategy: its loop needs the coordinator (grpc), which "
         "`import stratagem` must not load",
+    ("stratagem.launch.command", "stratagem.launch.nodes"):
+        "`stratagem launch --nnodes`: the rendezvous runs on grpc, which a local launch does not load "
+        "(start-up), and GRPC_ENABLE_FORK_SUPPORT must be set before grpc is imported",
 }
 
 

@@ -1,16 +1,11 @@
-"""Test "hosts": network namespaces on one bridge, each with its own address, for multi-node tests.
-
-:func:`make_hosts` creates ``count`` namespaces (10.214.0.1, 10.214.0.2, ...) whose veth ends
-meet on a bridge in a namespace of its own, so nothing is added to the machine's own
-interfaces and no traffic leaves the namespaces. :func:`start` runs a command in one of them.
-Skips (with the reason) where namespaces cannot be made: not root, or no ``ip`` command.
-"""
+"""Test "hosts" for multi-node tests: :func:`make_hosts` (network namespaces, each with its own
+address; the test skips, saying why, where they cannot be made), :func:`start` runs a command on
+one, :func:`wait_for` waits for a line of a log."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -19,46 +14,17 @@ from pathlib import Path
 
 import pytest
 
-SUBNET = "10.214.0"
-
-
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+from stratagem.testing.hosts import HostsUnavailable, network_hosts
 
 
 @contextlib.contextmanager
 def make_hosts(count: int) -> Iterator[list[tuple[str, str]]]:
-    """Yields ``[(namespace, address), ...]``; removes every namespace afterwards."""
-    if shutil.which("ip") is None:
-        pytest.skip("no `ip` command (Debian package iproute2) to create network namespaces")
-    tag = f"{os.getpid()}-{time.monotonic_ns() % 10**6}"
-    bridge = f"sgbr-{tag}"
-    hosts = [(f"sgnode{i}-{tag}", f"{SUBNET}.{i + 1}") for i in range(count)]
-    made: list[str] = []
+    """:func:`stratagem.testing.hosts.network_hosts`, skipping the test where it cannot be had."""
     try:
-        for name in [bridge] + [name for name, _ in hosts]:
-            step = _ip("netns", "add", name)
-            if step.returncode != 0:
-                pytest.skip(f"cannot create a network namespace (ip netns add): {step.stderr.strip()}")
-            made.append(name)
-        commands = [["-n", bridge, "link", "add", "sgbr", "type", "bridge"],
-                    ["-n", bridge, "link", "set", "sgbr", "up"]]
-        for i, (name, address) in enumerate(hosts):
-            commands += [["-n", name, "link", "set", "lo", "up"],
-                         ["-n", name, "link", "add", "sgeth", "type", "veth", "peer", "name", f"sgp{i}",
-                          "netns", bridge],
-                         ["-n", name, "addr", "add", f"{address}/24", "dev", "sgeth"],
-                         ["-n", name, "link", "set", "sgeth", "up"],
-                         ["-n", bridge, "link", "set", f"sgp{i}", "master", "sgbr"],
-                         ["-n", bridge, "link", "set", f"sgp{i}", "up"]]
-        for command in commands:
-            step = _ip(*command)
-            if step.returncode != 0:
-                pytest.skip(f"cannot set up the namespaces (ip {' '.join(command)}): {step.stderr.strip()}")
-        yield hosts
-    finally:
-        for name in made:
-            _ip("netns", "del", name)
+        with network_hosts(count) as hosts:
+            yield hosts
+    except HostsUnavailable as reason:
+        pytest.skip(str(reason))
 
 
 def start(namespace: str, command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
