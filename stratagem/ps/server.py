@@ -27,6 +27,7 @@ import argparse
 import ctypes
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -36,7 +37,8 @@ from typing import Any, Protocol, Union
 
 import torch
 
-from stratagem.cluster import ClusterSpec, TFConfigClusterResolver
+from stratagem.cluster import ClusterSpec, SlurmClusterResolver, TFConfigClusterResolver
+from stratagem.cluster.slurm import in_slurm_step
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.rpc import DEFAULT_MAX_MESSAGE_BYTES, Handler, RpcServer, cluster_token
 
@@ -107,14 +109,18 @@ def _factory(task_type: str) -> ServiceFactory:
 
 
 def resolve_task(environ: Mapping[str, str] | None = None) -> TaskInfo:
-    """This process's task, from TF_CONFIG; a clear error when there is none."""
-    resolver = TFConfigClusterResolver(environment=environ)
+    """This process's task, from TF_CONFIG (or a Slurm step's variables, under srun); a clear
+    error when there is none."""
+    env = os.environ if environ is None else environ
+    resolver: Any = TFConfigClusterResolver(environment=env)
+    if resolver.task_type is None and in_slurm_step(env):
+        resolver = SlurmClusterResolver(environment=env)
     if resolver.task_type is None or resolver.task_id is None:
         raise ClusterConfigError(
             "`stratagem server` needs TF_CONFIG naming the cluster and this task, like "
             '\'{"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222"], "ps": '
             '["host2:2222"]}, "task": {"type": "ps", "index": 0}}\'; `stratagem launch --ps N` '
-            "sets it for local clusters.")
+            "sets it for local clusters; under srun, STRATAGEM_SLURM_JOBS names the jobs.")
     spec = resolver.cluster_spec()
     address = spec.task_address(resolver.task_type, resolver.task_id)
     return TaskInfo(resolver.task_type, resolver.task_id, address, spec)

@@ -27,6 +27,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from stratagem.cluster.detect import resolve
 from stratagem.cluster.joined import mark_joined
 from stratagem.comm.cross_device_ops import HierarchicalCopyAllReduce
 from stratagem.comm.replicas import ReplicaCollective
@@ -66,6 +67,9 @@ class ParameterServerStrategy(Strategy):
     one-replica collective, and the :class:`~stratagem.ps.placement.ParameterServerPlacement`;
     steps run on the workers through :class:`~stratagem.ClusterCoordinator`.
 
+    ``cluster_resolver=None`` finds the cluster as ``MultiWorkerMirroredStrategy()`` does:
+    TF_CONFIG, else the Slurm step this task belongs to (docs/slurm.md).
+
     Example (the coordinator script of ``stratagem launch --workers 2 --ps 2 train.py``)::
 
         # strategy = sg.ParameterServerStrategy(sg.cluster.TFConfigClusterResolver(),
@@ -75,7 +79,9 @@ class ParameterServerStrategy(Strategy):
         #     model = Net(); optimizer = torch.optim.Adam(model.parameters())
     """
 
-    def __init__(self, cluster_resolver: Any, variable_partitioner: Callable | None = None):
+    def __init__(self, cluster_resolver: Any = None, variable_partitioner: Callable | None = None):
+        if cluster_resolver is None:   # TF_CONFIG, or a Slurm step (STRATAGEM_SLURM_JOBS names its ps)
+            cluster_resolver = resolve()
         if not callable(getattr(cluster_resolver, "cluster_spec", None)):
             raise InvalidArgumentError(
                 f"ParameterServerStrategy needs a cluster resolver (an object with a "
@@ -89,7 +95,8 @@ class ParameterServerStrategy(Strategy):
                 raise ClusterConfigError(
                     f"ParameterServerStrategy needs {job!r} tasks in the cluster, but it has "
                     f"{sorted(spec.jobs) or 'none'}; start the cluster with `stratagem launch --workers N "
-                    f"--ps M script.py` or list them in TF_CONFIG")
+                    f"--ps M script.py`, list them in TF_CONFIG, or under srun name them in "
+                    f"STRATAGEM_SLURM_JOBS (e.g. chief=1,worker=2,ps=1; docs/slurm.md)")
         if variable_partitioner is not None and not callable(variable_partitioner):
             raise InvalidArgumentError(
                 f"variable_partitioner must be a partitioner such as sg.MinSizePartitioner(), got "
