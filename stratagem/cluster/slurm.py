@@ -286,9 +286,10 @@ class SlurmClusterResolver(ClusterResolver):
                 f"needs {needed} ({listing}, from {source}): start it with `srun --ntasks="
                 f"{needed}` (or `#SBATCH --ntasks={needed}`), or ask for fewer tasks in {source}.")
         if needed < num_tasks:
+            idle = f"task {needed}" if needed == num_tasks - 1 else f"tasks {needed} to {num_tasks - 1}"
             raise ClusterConfigError(
                 f"the Slurm step has {num_tasks} tasks, but the cluster uses {needed} ({listing}, "
-                f"from {source}): tasks {needed} to {num_tasks - 1} would have no part in it. Start "
+                f"from {source}): {idle} would have no part in it. Start "
                 f"it with `srun --ntasks={needed}`, or give the extra tasks a job in {source}.")
         return checked
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import stratagem as sg
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from slurm_train_script import make_data, make_model, make_optimizer  # noqa: E402
+from slurm_train_script import listening, make_data, make_model, make_optimizer  # noqa: E402
 
 
 def main(out: str) -> int:
@@ -43,7 +43,7 @@ def main(out: str) -> int:
         coordinator.join()   # one step at a time: the order of plain PyTorch
     with open(os.path.join(out, "coordinator.json"), "w") as f:
         json.dump({"params": {k: v.tolist() for k, v in model.state_dict().items()},
-                   "resolver": type(resolver).__name__}, f)
+                   "resolver": type(resolver).__name__, "listening": listening()}, f)
     print("coordinator done", flush=True)
     return 0
 

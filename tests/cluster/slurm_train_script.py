@@ -9,6 +9,7 @@ Usage: srun --ntasks=2 python slurm_train_script.py OUT_DIR
 
 import json
 import os
+import subprocess
 import sys
 
 import torch
@@ -34,6 +35,11 @@ def make_data() -> list:
              torch.randint(0, 3, (GLOBAL_BATCH,), generator=g)) for _ in range(STEPS)]
 
 
+def listening() -> list[str]:
+    """The listening TCP sockets of this network namespace: ``ss -ltnp``'s lines."""
+    return subprocess.run(["ss", "-ltnp"], capture_output=True, text=True, timeout=30).stdout.splitlines()[1:]
+
+
 def plain() -> dict:
     """The same training in one process with plain PyTorch."""
     model = make_model()
@@ -54,6 +60,7 @@ def main(out: str) -> int:
     print(f"[task {os.environ.get('SLURM_PROCID')}] {type(resolver).__name__}: {resolver.task_type} "
           f"{resolver.task_id}, rank {rank} of {resolver.num_workers}, "
           f"cluster {resolver.cluster_spec().as_dict()}", flush=True)
+    sockets = listening()   # the rendezvous store and gloo's sockets are up
     with strategy.scope():
         model = make_model()
         optimizer = make_optimizer(model)
@@ -70,7 +77,8 @@ def main(out: str) -> int:
         strategy.run(step, args=(batch,))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"params": {k: v.tolist() for k, v in model.state_dict().items()},
-                   "resolver": type(resolver).__name__, "num_workers": resolver.num_workers}, f)
+                   "resolver": type(resolver).__name__, "num_workers": resolver.num_workers,
+                   "listening": sockets}, f)
     print(f"[task {os.environ.get('SLURM_PROCID')}] rank {rank} done", flush=True)
     return 0
 

@@ -68,6 +68,17 @@ def _assert_plain(params: dict) -> None:
                                    torch.tensor(value, dtype=torch.float64), msg=name)
 
 
+def _assert_loopback_only(lines: list[str], ports: list[int]) -> None:
+    """Every socket the Python tasks listen on is on a loopback address; ``ports`` among them.
+
+    (Slurm's own processes -- slurmctld, slurmd, srun -- listen on every interface: Slurm has no
+    setting to bind one; in this namespace every interface is loopback.)"""
+    ours = [line.split()[3] for line in lines if '(("python' in line]
+    assert all(a.startswith(("127.", "[::1]", "[::ffff:127.")) for a in ours), lines
+    for port in ports:
+        assert any(a.endswith(f":{port}") for a in ours), lines
+
+
 def test_slurm_listens_only_on_loopback(slurm: SlurmCluster) -> None:
     addresses = subprocess.run(["ip", "-n", slurm.namespace, "-o", "addr"], capture_output=True,
                                text=True, timeout=30).stdout.splitlines()
@@ -89,6 +100,7 @@ def test_srun_two_tasks_train_like_plain_pytorch(slurm: SlurmCluster, tmp_path: 
     assert [r["resolver"] for r in ranks] == ["SlurmClusterResolver"] * 2
     assert [r["num_workers"] for r in ranks] == [2, 2]
     assert ranks[0]["params"] == ranks[1]["params"]
+    _assert_loopback_only(ranks[0]["listening"], [8888])   # the chief's store, on localhost
     _assert_plain(ranks[0]["params"])
 
 
@@ -132,6 +144,7 @@ def test_parameter_server_training_under_srun(slurm: SlurmCluster, tmp_path: Pat
         assert line in result.stdout, _output(result)
     report = json.loads((tmp_path / "coordinator.json").read_text())
     assert report["resolver"] == "SlurmClusterResolver"
+    _assert_loopback_only(report["listening"], [8889, 8890])   # ps 0, worker 0
     _assert_plain(report["params"])
 
 
