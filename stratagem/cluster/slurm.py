@@ -183,6 +183,15 @@ class SlurmClusterResolver(ClusterResolver):
     against that placement; a step with more tasks than the jobs use is refused too; with GPUs,
     a task's share is taken from the GPUs it sees, not from indices counted from 0 (so it stays
     inside a job's allocation on a shared node).
+
+    Example::
+
+        >>> from stratagem.cluster import SlurmClusterResolver
+        >>> env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
+        ...        "SLURM_STEP_NODELIST": "gpu[1-2]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
+        >>> resolver = SlurmClusterResolver(environment=env)   # task 1 of `srun --ntasks=2`
+        >>> resolver.task_type, resolver.task_id, resolver.worker_rank, resolver.chief_address
+        ('worker', 1, 1, 'gpu1:8888')
     """
 
     def __init__(self, jobs: Mapping[str, int] | None = None, port_base: int | None = None,

@@ -120,6 +120,7 @@ def test_fewer_tasks_than_the_jobs_need_fail_before_training(slurm: SlurmCluster
 PS_TASK = """#!/bin/bash
 # Rank 0 is the chief (the coordinator); the other tasks serve. When the coordinator is done, its
 # SIGTERM to the step stops the servers, and the step ends with the coordinator's status.
+export STRATAGEM_CLUSTER_TOKEN="$(cat {token})"   # each task reads it: in no argv, no Slurm message
 if [ "$SLURM_PROCID" -eq 0 ]; then
     trap 'true' TERM
     {python} {script} {out}; status=$?
@@ -131,12 +132,14 @@ exec {python} -m stratagem server
 
 
 def test_parameter_server_training_under_srun(slurm: SlurmCluster, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.touch(mode=0o600)
+    token.write_text(secrets.token_urlsafe(32) + "\n")
     task = tmp_path / "ps_task.sh"
-    task.write_text(PS_TASK.format(python=sys.executable, script=PS_COORDINATOR, out=tmp_path))
+    task.write_text(PS_TASK.format(python=sys.executable, script=PS_COORDINATOR, out=tmp_path, token=token))
     task.chmod(0o755)
     result = slurm.srun(["--ntasks=3", "--kill-on-bad-exit=1", str(task)], timeout=240,
-                        PYTHONPATH=str(ROOT), STRATAGEM_SLURM_JOBS="chief=1,ps=1,worker=1",
-                        STRATAGEM_CLUSTER_TOKEN=secrets.token_urlsafe(32))
+                        PYTHONPATH=str(ROOT), STRATAGEM_SLURM_JOBS="chief=1,ps=1,worker=1")
     assert result.returncode == 0, _output(result)
     for line in ("[task 0] SlurmClusterResolver: chief 0", "ps 0 listening on localhost:8889",
                  "worker 0 listening on localhost:8890", "coordinator done",
