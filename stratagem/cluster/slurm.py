@@ -168,7 +168,8 @@ class SlurmClusterResolver(ClusterResolver):
     - ``gpus_per_node``: the GPUs of each node. Default: those this task sees
       (``CUDA_VISIBLE_DEVICES``, set by Slurm when the job has GPUs), else ``nvidia-smi``'s count.
     - ``gpus_per_task``: each task's share. Default: ``gpus_per_node`` divided by the largest
-      number of tasks on one node.
+      number of tasks on one node -- or, where Slurm bound GPUs to each task itself
+      (``--gpus-per-task``: the task sees just that many), the GPUs it sees, left as they are.
     - ``tasks_per_node``: an int (the same on every node of the node list) or a dict node ->
       count, in rank order; default Slurm's ``SLURM_STEP_TASKS_PER_NODE``.
     - ``auto_set_gpu``: set ``CUDA_VISIBLE_DEVICES`` to this task's share (when it has GPUs).
@@ -240,6 +241,9 @@ class SlurmClusterResolver(ClusterResolver):
         self._local_rank = placement[rank][1]
         self._local_world_size = counts[nodes.index(placement[rank][0])]
         gpus = _node_gpus(env, gpus_per_node)
+        if gpus_per_node is None and gpus_per_task is None and _bound_by_slurm(env, len(gpus)):
+            self._gpus_per_task = len(gpus)   # Slurm gave this task its own GPUs: keep them
+            return
         if gpus_per_task is None:
             gpus_per_task = len(gpus) // max(counts)
         if isinstance(gpus_per_task, bool) or not isinstance(gpus_per_task, int) or gpus_per_task < 0:
@@ -354,6 +358,13 @@ class SlurmClusterResolver(ClusterResolver):
                          task_id: int | None = None) -> dict[str, int]:
         """``{"GPU": gpus_per_task}``, or ``{}`` without GPUs (as TensorFlow's answers)."""
         return {"GPU": self._gpus_per_task} if self._gpus_per_task else {}
+
+
+def _bound_by_slurm(env: Mapping[str, str], visible: int) -> bool:
+    """Whether Slurm bound GPUs to this task itself: ``--gpus-per-task=N`` (``SLURM_GPUS_PER_TASK``,
+    maybe ``type:N``) binds N to each task by default, and the task then sees exactly N."""
+    per_task = env.get("SLURM_GPUS_PER_TASK", "").rpartition(":")[2].strip()
+    return _NODE_GPUS not in env and per_task.isdigit() and int(per_task) == visible > 0
 
 
 def _set_visible_gpus(env: Mapping[str, str], node_gpus: list[str], mine: list[str]) -> None:

@@ -263,6 +263,29 @@ def test_each_task_gets_its_share_of_the_node_gpus() -> None:
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
 
 
+def test_gpus_that_slurm_bound_to_the_task_stay_its_own() -> None:
+    env = step_env(3, "n[1-2]", "2(x2)", SLURM_GPUS_PER_TASK="a100:2", CUDA_VISIBLE_DEVICES="6,7")
+    resolver = SlurmClusterResolver(environment=env)                 # --gpus-per-task=a100:2
+    assert env["CUDA_VISIBLE_DEVICES"] == "6,7" and resolver.num_accelerators() == {"GPU": 2}
+    env = step_env(3, "n[1-2]", "2(x2)", SLURM_GPUS_PER_TASK="1", CUDA_VISIBLE_DEVICES="4,5")
+    SlurmClusterResolver(environment=env)                            # not bound (--gpu-bind=none): shared out
+    assert env["CUDA_VISIBLE_DEVICES"] == "5"
+
+
+def test_a_share_that_cuda_would_not_see_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)   # as after a first CUDA call
+    env = step_env(1, CUDA_VISIBLE_DEVICES="0,1")
+    with pytest.raises(ClusterConfigError, match="would set CUDA_VISIBLE_DEVICES='1' for this task, but "
+                       "CUDA has already started.*auto_set_gpu=False"):
+        SlurmClusterResolver(environment=env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    SlurmClusterResolver(auto_set_gpu=False, environment=env)
+    env = step_env(1, "n[1-4]", "1(x4)", CUDA_VISIBLE_DEVICES="3")
+    SlurmClusterResolver(environment=env)   # one task per node: its share is what it sees, no change
+
+
 def test_more_gpus_than_a_node_has_are_refused() -> None:
     with pytest.raises(ClusterConfigError, match="2 tasks on one node with gpus_per_task=3 need 6 GPUs per "
                        "node, but a node has 4"):

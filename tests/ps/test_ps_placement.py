@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 TOKEN = secrets.token_hex(16)
 
 
-@pytest.mark.parametrize("resolver", [None, "worker:2222", sg.cluster.ClusterSpec({"worker": ["a:1"]})])
+@pytest.mark.parametrize("resolver", ["worker:2222", sg.cluster.ClusterSpec({"worker": ["a:1"]})])
 def test_strategy_needs_a_cluster_resolver(resolver: object) -> None:
     with pytest.raises(InvalidArgumentError) as info:
         sg.ParameterServerStrategy(resolver)
@@ -29,6 +29,14 @@ def test_strategy_needs_a_cluster_resolver(resolver: object) -> None:
     assert message.startswith("ParameterServerStrategy needs a cluster resolver (an object with a "
                               f"cluster_spec() method), got {resolver!r}; pass "
                               "sg.cluster.TFConfigClusterResolver()")
+
+
+def test_without_a_resolver_the_strategy_looks_for_its_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("TF_CONFIG", "RANK", "WORLD_SIZE", "SLURM_STEP_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(InvalidArgumentError, match="needs 'ps' tasks in the cluster, but it has none; "
+                       "start the cluster with `stratagem launch"):
+        sg.ParameterServerStrategy()   # no TF_CONFIG, no Slurm step: no cluster
 
 
 class _Cluster:
