@@ -142,6 +142,10 @@ def _count_nvidia_gpus() -> int:
 
 def _node_gpus(env: Mapping[str, str], gpus_per_node: int | None) -> list[str]:
     """The names (CUDA_VISIBLE_DEVICES entries) of this node's GPUs for the step."""
+    if gpus_per_node is not None and (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int)
+                                      or gpus_per_node < 0):
+        raise ClusterConfigError(f"SlurmClusterResolver: gpus_per_node={gpus_per_node!r}; give an "
+                                 "integer >= 0.")
     listed = env.get(_NODE_GPUS, env.get("CUDA_VISIBLE_DEVICES"))
     if listed is None:
         count = _count_nvidia_gpus() if gpus_per_node is None else gpus_per_node

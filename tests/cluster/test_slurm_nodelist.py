@@ -230,6 +230,9 @@ def test_tasks_per_node_overrides() -> None:
     ({"jobs": {"ps": 4}}, {}, "have no chief or worker task"),
     ({"jobs": {"chief": 2, "worker": 2}}, {}, "at most one chief"),
     ({"jobs": {"worker": "4"}}, {}, "task count '4'"),
+    ({"gpus_per_node": "4"}, {}, "gpus_per_node='4'; give an integer >= 0"),
+    ({"gpus_per_task": -1}, {}, "gpus_per_task=-1; give an integer >= 0"),
+    ({"tasks_per_node": 0}, {}, "tasks_per_node=0; give an integer >= 1"),
     ({"port_base": 65535}, {}, "port_base=65535; with up to 2 tasks on a node it must be 1 to 65534"),
     ({}, {"STRATAGEM_SLURM_PORT_BASE": "http"}, "STRATAGEM_SLURM_PORT_BASE='http' is not a port number"),
 ])
