@@ -5,10 +5,12 @@ share of each global batch, and writes its final parameters to OUT_DIR/rankR.jso
 compares them with :func:`plain` (one process, plain PyTorch, the whole batches).
 
 Usage: srun --ntasks=2 python slurm_train_script.py OUT_DIR
+(``SLURM_TEST_KILL_RANK=R``: rank R kills itself with SIGKILL before its third step.)
 """
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -73,7 +75,9 @@ def main(out: str) -> int:
         optimizer.step()
         return loss.detach()
 
-    for batch in strategy.experimental_distribute_dataset(make_data()):
+    for i, batch in enumerate(strategy.experimental_distribute_dataset(make_data())):
+        if i == 2 and os.environ.get("SLURM_TEST_KILL_RANK") == str(rank):
+            os.kill(os.getpid(), signal.SIGKILL)
         strategy.run(step, args=(batch,))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"params": {k: v.tolist() for k, v in model.state_dict().items()},

@@ -7,6 +7,8 @@ in the namespace killed by pid -- whatever happens. The tests:
 - Slurm's daemons listen only on the namespace's loopback, nothing of theirs on the machine's;
 - ``srun --ntasks=2`` of a script calling ``sg.MultiWorkerMirroredStrategy()`` with no
   arguments trains as plain one-process PyTorch does (float64);
+- a task SIGKILLed mid-training makes the other raise UnavailableError naming it, and the step
+  fails, in bounded time;
 - a step with fewer tasks than the cluster needs stops every task with the counts and the fix
   before anything trains;
 - parameter-server training under srun: ``sg.ParameterServerStrategy()`` on rank 0, ``stratagem
@@ -102,6 +104,18 @@ def test_srun_two_tasks_train_like_plain_pytorch(slurm: SlurmCluster, tmp_path: 
     assert ranks[0]["params"] == ranks[1]["params"]
     _assert_loopback_only(ranks[0]["listening"], [8888])   # the chief's store, on localhost
     _assert_plain(ranks[0]["params"])
+
+
+def test_a_killed_task_makes_the_other_raise_in_bounded_time(slurm: SlurmCluster, tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = slurm.srun(["--ntasks=2", sys.executable, str(TRAIN), str(tmp_path)], timeout=240,
+                        PYTHONPATH=str(ROOT), SLURM_TEST_KILL_RANK="1")
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0, _output(result)
+    assert "task 1: Killed" in result.stderr, _output(result)
+    assert "UnavailableError" in result.stderr and "worker 1" in result.stderr, _output(result)
+    assert not list(tmp_path.iterdir())   # no task reports a training it did not finish
+    assert elapsed < 150, elapsed
 
 
 def test_fewer_tasks_than_the_jobs_need_fail_before_training(slurm: SlurmCluster, tmp_path: Path) -> None:
