@@ -109,16 +109,17 @@ def _factory(task_type: str) -> ServiceFactory:
 
 
 def resolve_task(environ: Mapping[str, str] | None = None) -> TaskInfo:
-    """This process's task, from TF_CONFIG or a Kubernetes pod's environment (``resolve``); a
-    clear error when there is none."""
+    """This process's task, from TF_CONFIG, a Slurm step's or a Kubernetes pod's environment
+    (``resolve``); a clear error when there is none."""
     resolver = resolve(environ)
     if resolver.task_type is None or resolver.task_id is None:
         raise ClusterConfigError(
             "`stratagem server` needs TF_CONFIG naming the cluster and this task, like "
             '\'{"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222"], "ps": '
             '["host2:2222"]}, "task": {"type": "ps", "index": 0}}\'; `stratagem launch --ps N` '
-            "sets it for local clusters, a TFJob for its pods, and a JobSet's pods describe it "
-            "with STRATAGEM_JOBS instead (docs/kubernetes.md).")
+            "sets it for local clusters, a TFJob for its pods; a JobSet's pods describe it with "
+            "STRATAGEM_JOBS instead (docs/kubernetes.md), and under srun STRATAGEM_SLURM_JOBS names "
+            "the jobs (docs/slurm.md).")
     spec = resolver.cluster_spec()
     address = spec.task_address(resolver.task_type, resolver.task_id)
     return TaskInfo(resolver.task_type, resolver.task_id, address, spec)

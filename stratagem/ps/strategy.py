@@ -67,7 +67,8 @@ class ParameterServerStrategy(Strategy):
     one-replica collective, and the :class:`~stratagem.ps.placement.ParameterServerPlacement`;
     steps run on the workers through :class:`~stratagem.ClusterCoordinator`. Without a
     ``cluster_resolver`` the cluster is the environment's (:func:`stratagem.cluster.resolve`:
-    TF_CONFIG, or a Kubernetes JobSet pod's variables, docs/kubernetes.md).
+    TF_CONFIG, a Slurm step with STRATAGEM_SLURM_JOBS naming its ps (docs/slurm.md), or a
+    Kubernetes JobSet pod's variables, docs/kubernetes.md).
 
     Example (the coordinator script of ``stratagem launch --workers 2 --ps 2 train.py``)::
 
@@ -79,7 +80,7 @@ class ParameterServerStrategy(Strategy):
     """
 
     def __init__(self, cluster_resolver: Any = None, variable_partitioner: Callable | None = None):
-        if cluster_resolver is None:  # the environment's: TF_CONFIG, a Kubernetes pod's (resolve())
+        if cluster_resolver is None:  # the environment's: TF_CONFIG, a Slurm step, a Kubernetes pod
             cluster_resolver = resolve()
         if not callable(getattr(cluster_resolver, "cluster_spec", None)):
             raise InvalidArgumentError(
@@ -94,7 +95,8 @@ class ParameterServerStrategy(Strategy):
                 raise ClusterConfigError(
                     f"ParameterServerStrategy needs {job!r} tasks in the cluster, but it has "
                     f"{sorted(spec.jobs) or 'none'}; start the cluster with `stratagem launch --workers N "
-                    f"--ps M script.py` or list them in TF_CONFIG")
+                    f"--ps M script.py`, list them in TF_CONFIG, or under srun name them in "
+                    f"STRATAGEM_SLURM_JOBS (e.g. chief=1,worker=2,ps=1; docs/slurm.md)")
         if variable_partitioner is not None and not callable(variable_partitioner):
             raise InvalidArgumentError(
                 f"variable_partitioner must be a partitioner such as sg.MinSizePartitioner(), got "

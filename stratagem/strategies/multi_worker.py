@@ -36,8 +36,8 @@ from stratagem.strategies.base import Strategy
 class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous data parallelism over the workers of a cluster.
 
-    ``cluster_resolver=None`` reads TF_CONFIG, else torchrun's variables, else runs
-    as a single worker. ``devices`` are this worker's local replicas (default: the
+    ``cluster_resolver=None`` reads TF_CONFIG, else torchrun's variables, else those of
+    the Slurm job step this process is a task of (``srun``), else runs as a single worker. ``devices`` are this worker's local replicas (default: the
     GPU of this process under torchrun, every visible GPU otherwise, else one CPU).
     ``sharding="optimizer"`` keeps each worker's optimizer state for its share of the
     parameters only (ZeRO-1); ``sharding="gradients"`` also reduce-scatters the gradients
@@ -50,6 +50,7 @@ class MultiWorkerMirroredStrategy(Strategy):
 
         stratagem launch --workers 2 train.py
         torchrun --nproc-per-node 2 train.py
+        srun --ntasks 2 python train.py        # in a Slurm job (docs/slurm.md)
 
     Example::
 

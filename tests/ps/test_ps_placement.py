@@ -32,7 +32,8 @@ def test_strategy_needs_a_cluster_resolver(resolver: object) -> None:
 
 
 def test_strategy_without_a_resolver_reads_the_environments_cluster(monkeypatch) -> None:
-    for name in ("TF_CONFIG", "RANK", "WORLD_SIZE", "JOB_COMPLETION_INDEX"):
+    for name in ("TF_CONFIG", "RANK", "WORLD_SIZE", "JOB_COMPLETION_INDEX", "SLURM_STEP_ID",
+                 "SLURM_JOB_ID"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(InvalidArgumentError, match="needs 'ps' tasks in the cluster, but it has none"):
         sg.ParameterServerStrategy()   # no cluster described: sg.cluster.resolve() finds a lone task
