@@ -51,7 +51,7 @@ x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
 
 def step():
     optimizer.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
+    sg.nn.compute_average_loss(torch.nn.functional.cross_entropy(model(x), y, reduction="none")).backward()
     optimizer.step()
 
 restart, rank = int(os.environ["STRATAGEM_RESTART"]), strategy.cluster_resolver.worker_rank
@@ -98,7 +98,8 @@ def _nodes_commands(kind: str, hosts, script: str, restarts: int) -> list[list[s
         else:
             node = [python, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)), "--nproc-per-node", "1",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", "bench",
-                    "--max-restarts", str(restarts), "--local-addr", hosts[rank][1], script]
+                    "--rdzv-conf", f"is_host={int(rank == 0)}", "--max-restarts", str(restarts),
+                    "--local-addr", hosts[rank][1], script]
         commands.append(["ip", "netns", "exec", namespace, *node])
     return commands
 
