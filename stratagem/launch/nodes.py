@@ -179,10 +179,10 @@ def launch_nodes(script: str, args: Sequence[str] = (), *, nnodes: str | int, rd
                      chief=chief, evaluator=evaluator, max_restarts=max_restarts,
                      max_preemptions=max_preemptions, script=os.path.basename(script))
     output = TaskOutput(sys.stdout if stdout is None else stdout, sys.stderr if stderr is None else stderr)
+    if evaluator not in (0, 1):
+        raise InvalidArgumentError(f"--evaluator must be 0 or 1, got {evaluator}: a cluster has at most one "
+                                   "evaluator task (it runs on node 0).")
     server = _serve(rdzv, token, shape, node_rank, node_timeout, rdzv_timeout, output)
-    if server is None and (chief or evaluator):
-        raise InvalidArgumentError("--chief and --evaluator run on the rendezvous host: give them to the "
-                                   "node that hosts --rdzv (node-rank 0) only.")
     joined = tempfile.mkdtemp(prefix="stratagem-joined-")
 
     def environment(task: Task, spec: ClusterSpec, round_: int) -> dict[str, str]:

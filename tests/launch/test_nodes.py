@@ -70,6 +70,22 @@ def test_two_nodes_on_loopback_run_one_cluster(tmp_path: Path, script: Path) -> 
     assert token not in log0.read_text() + log1.read_text()
 
 
+def test_the_chief_and_the_evaluator_run_on_node_0_and_the_job_waits_for_the_evaluator(
+        tmp_path: Path, script: Path) -> None:
+    rdzv, token = f"127.0.0.1:{free_ports(1)[0]}", secrets.token_urlsafe(32)
+    common = ("--nnodes", "2", "--rdzv", rdzv, "--workers", "1", "--chief", "--evaluator", "1")
+    host, log0 = _node(tmp_path, "node0", *common, "--node-rank", "0", str(script), token=token)
+    other, log1 = _node(tmp_path, "node1", *common, "--node-rank", "1", str(script), token=token)
+    try:
+        assert host.wait(timeout=120) == 0, log0.read_text()
+        assert other.wait(timeout=30) == 0, log1.read_text()
+    finally:
+        _finish(host, other)
+    assert "this node runs chief, worker 0, evaluator" in log0.read_text(), log0.read_text()
+    assert "[evaluator 0] hello from evaluator 0" in log0.read_text()
+    assert "this node runs worker 1\n" in log1.read_text() and "[worker 1] hello from worker 1" in log1.read_text()
+
+
 def test_a_node_with_the_wrong_token_is_refused_and_the_host_names_its_address(tmp_path: Path, script: Path) -> None:
     rdzv = f"127.0.0.1:{free_ports(1)[0]}"
     common = ("--nnodes", "2", "--rdzv", rdzv, "--rdzv-timeout", "60", "--node-timeout", "10")
