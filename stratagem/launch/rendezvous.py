@@ -27,6 +27,7 @@ is a failure of the round; while forming it is dropped from the round.
 
 Example::
 
+    >>> from stratagem.launch.rendezvous import JobShape, Rendezvous
     >>> rdzv = Rendezvous(JobShape(max_nodes=2, workers_per_node=1), node_timeout=30)
     >>> rdzv.join({"node": "a", "host": "10.0.0.1", "ports": [2222], "shape": rdzv.shape.as_dict()})["state"]
     'wait'

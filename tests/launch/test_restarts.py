@@ -173,7 +173,9 @@ def test_preemption_restarts_are_bounded_by_max_preemptions(tmp_path: Path) -> N
                           stdout=stdout, stderr=stderr)
     err = stderr.getvalue()
     assert status == 75, err
-    assert stdout.getvalue().count("[worker 0] start") == 3
+    # three starts (the first and two preemption restarts); in the last, the first task to exit
+    # ends the job, so the other may be stopped before it prints
+    assert set(re.findall(r"\] start (\d)", stdout.getvalue())) == {"0", "1", "2"}, stdout.getvalue()
     assert "restarting all 2 tasks (preemption 1/2; a preemption does not count against " \
            "--max-restarts)" in err
     assert "(preemption 2/2;" in err and "(restart" not in err
