@@ -45,6 +45,9 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("stratagem.training.model", "stratagem.training.ps_loop"):
         "Model.fit under a ParameterServerStrategy: its loop needs the coordinator (grpc), which "
         "`import stratagem` must not load",
+    ("stratagem.launch.ray_actor", "stratagem.rpc.tokens"):
+        "the token's strength rule, needed on a Ray node only when it holds a token; its package "
+        "loads grpc and cryptography, which `stratagem launch` (it imports this module) must not pay for",
 }
 
 

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from stratagem.errors import StratagemError
 from stratagem.launch.local import launch_local
+from stratagem.launch.ray_command import add_ray_arguments, run_ray
 
 __all__ = ["add_launch_parser", "add_subcommand", "build_parser", "main", "run_launch"]
 
@@ -90,6 +91,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: free ports)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="the address every task listens on (default: 127.0.0.1)")
+    add_ray_arguments(parser)   # --ray ADDRESS and the --ray-* options (ray_command.py)
     parser.add_argument("script", metavar="SCRIPT", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="the script's own arguments")
@@ -98,6 +100,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     """The subcommand's handler: launch, and return the exit status (2 for bad input)."""
     try:
+        if args.ray:   # on a Ray cluster (ray_command.py)
+            return run_ray(args)
         return launch_local(args.script, args.args, num_workers=args.workers, num_ps=args.ps,
                             chief=args.chief, max_restarts=args.max_restarts,
                             max_preemptions=args.max_preemptions,
