@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ __all__ = ["GroupEvent", "RayGroup", "choose_token", "is_loopback"]
 
 _READ_SECONDS = 0.5     # how long one read waits for output on the node
 _STOP_SLACK = 15.0      # beyond the grace period, how long stopping a task may take (a busy node)
+_RETRY_SECONDS = 0.5    # how soon an actor that could not be reached is asked again
 
 
 def is_loopback(host: str) -> bool:
@@ -130,6 +132,8 @@ class RayGroup:
         self._grace_period = grace_period
         self._actors: list[Any] = []
         self._pending: dict[Any, int] = {}   # read() in flight: its reference -> task index
+        self._dead: set[int] = set()         # the tasks whose actor is known to be gone
+        self._retry: dict[int, float] = {}   # actors unreachable for now: when to read again
         self._group = None
         self._spread, self._resources, self._runtime_env = spread, dict(resources), runtime_env
         self._placement_timeout, self._check_hosts = placement_timeout, check_hosts
@@ -192,13 +196,20 @@ class RayGroup:
             if isinstance(error.cause, FileNotFoundError):
                 raise ClusterConfigError(str(error.cause)) from None
             raise
-        self._pending = {actor.read.remote(_READ_SECONDS): index for index, actor in enumerate(self._actors)}
+        for index in range(len(self._actors)):
+            self._read(index)
         self.started_at = time.monotonic()
         return [format_address(r.host, r.port) for r in reports]
 
     def poll(self, timeout: float) -> list[GroupEvent]:
         """The output and exits seen within ``timeout`` seconds (every task's, once ready)."""
+        now = time.monotonic()
+        for index, due in list(self._retry.items()):
+            if due <= now:
+                del self._retry[index]
+                self._read(index)
         if not self._pending:
+            time.sleep(timeout)
             return []
         ready, _ = self._ray.wait(list(self._pending), num_returns=len(self._pending), timeout=timeout)
         events = []
@@ -206,31 +217,36 @@ class RayGroup:
             index = self._pending.pop(ref)
             try:
                 lines, code, joined = self._ray.get(ref)
-            except self._ray.exceptions.ActorUnavailableError:   # not reachable for now: ask again
-                self._pending[self._actors[index].read.remote(_READ_SECONDS)] = index
+            except self._ray.exceptions.ActorUnavailableError:   # unreachable for now (its node?)
+                self._retry[index] = time.monotonic() + _RETRY_SECONDS
                 continue
             except self._ray.exceptions.RayActorError as error:
+                self._dead.add(index)
                 events.append(GroupEvent(index, [], died=_why_dead(error)))
                 continue
             events.append(GroupEvent(index, lines, code, joined=joined))
             if code is None:
-                self._pending[self._actors[index].read.remote(_READ_SECONDS)] = index
+                self._read(index)
         return events
+
+    def _read(self, index: int) -> None:
+        self._pending[self._actors[index].read.remote(_READ_SECONDS)] = index
 
     def running(self) -> int:
         """How many tasks are still running (their exit not seen yet)."""
-        return len(self._pending)
+        return len(self._pending) + len(self._retry)
 
     def stop(self) -> None:
         """Stops every task on its node, kills the actors, removes the placement group."""
-        calls = [actor.stop.remote(self._grace_period) for actor in self._actors]
+        calls = [actor.stop.remote(self._grace_period) for index, actor in enumerate(self._actors)
+                 if index not in self._dead]
         if calls:
             with contextlib.suppress(Exception):   # a dead actor's task is gone with it
                 self._ray.wait(calls, num_returns=len(calls), timeout=self._grace_period + _STOP_SLACK)
         for actor in self._actors:
             with contextlib.suppress(Exception):
                 self._ray.kill(actor, no_restart=True)
-        self._actors, self._pending = [], {}
+        self._actors, self._pending, self._retry = [], {}, {}
         if self._group is not None:
             from ray.util.placement_group import remove_placement_group
             with contextlib.suppress(Exception):
@@ -239,13 +255,13 @@ class RayGroup:
 
 
 def _why_dead(error: Exception) -> str:
-    """Ray's reason for an actor's death, on one line, without its traceback."""
+    """Ray's reason for an actor's death, on one line: where it ran and why, without advice."""
     text = " ".join(str(error).split())
-    for marker in ("The actor died", "The actor is dead", "The node"):
-        at = text.find(marker)
-        if at >= 0:
-            return text[at:at + 300]
-    return text[:300]
+    where = " on ".join(match[1] for match in (re.search(r"\bpid: (\d+)", text), re.search(r"\bip: (\S+)", text))
+                        if match)
+    at = max(text.find("The actor is dead because"), 0)
+    reason = text[at:].split(" Some common causes")[0][:300].rstrip()
+    return f"pid {where}: {reason}" if where else reason
 
 
 def _place(ray: Any, count: int, spread: bool, resources: Mapping[str, float], timeout: float) -> Any:

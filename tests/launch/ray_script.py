@@ -12,14 +12,15 @@ the dataset's position and the global step are in an ``sg.Checkpoint`` that
 start-up. The chief writes ``OUT/initial.pt`` (the parameters before the first step of the
 first run) and ``OUT/final.pt`` (at the end).
 
-Lines: ``restart R rank N pid P actor Q`` at start (Q: the process that started this one,
-its Ray actor), ``restart R rank N resumes at step S`` after a restore, ``restart R rank N
+Lines: ``restart R rank N pid P actor Q at HOST:PORT`` at start (Q: the process that
+started this one, its Ray actor; HOST:PORT: its TF_CONFIG address), ``restart R rank N resumes at step S`` after a restore, ``restart R rank N
 step S done`` after each step. ``--hold 0:1:3``: in run 0, rank 1 prints ``rank 1 holds after
 step 3`` once step 3 is done and backed up, then waits (up to 120 s) -- for the test to kill
 its actor.
 """
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -59,7 +60,9 @@ def main() -> None:
     strategy = sg.MultiWorkerMirroredStrategy(
         communication_options=sg.CommunicationOptions(timeout_seconds=args.timeout))
     rank = strategy.cluster_resolver.worker_rank
-    print(f"restart {restart} rank {rank} pid {os.getpid()} actor {os.getppid()}", flush=True)
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    address = json.loads(os.environ["TF_CONFIG"])["cluster"][task["type"]][task["index"]]
+    print(f"restart {restart} rank {rank} pid {os.getpid()} actor {os.getppid()} at {address}", flush=True)
     hold = tuple(int(part) for part in args.hold.split(":")) if args.hold else None
 
     torch.manual_seed(0)

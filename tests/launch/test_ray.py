@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
 
+from ray_fixtures import (ONE_MACHINE, SCRIPT, assert_as_plain_pytorch, assert_gone, listeners, ray_env, session,
+                          start_node, stop_session)
 from stratagem.errors import ClusterConfigError
 from stratagem.launch.ports import free_ports
 from stratagem.launch.ray_actor import NodeReport
@@ -44,75 +44,13 @@ pytestmark = [pytest.mark.timeout(240),
                                  reason="ray is not installed (pip install 'stratagem[ray]')"),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).with_name("ray_script.py")
-ONE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("ray_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# -- processes and sockets, read from /proc and ss ----------------------------------------------
-
-def _gone(pid: int) -> bool:
-    """True once ``pid`` has exited (a zombie counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
-def _assert_gone(pids: list[int], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    alive = [pid for pid in pids if not _gone(pid)]
-    for pid in alive:   # never leave one behind, even when the test fails
-        os.kill(pid, signal.SIGKILL)
-    assert not alive, f"processes {alive} outlived their job"
-
-
-def _session(sid: int) -> list[int]:
-    """The live processes of session ``sid``."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
-                pids.append(int(entry))
-    return pids
-
-
-def _listeners(pids: list[int]) -> list[str]:
-    """``address:port (pid)`` of every TCP socket that one of ``pids`` listens on."""
-    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=30).stdout.splitlines()
-    wanted = set(pids)
-    found = []
-    for line in lines:
-        owners = {int(pid) for pid in re.findall(r"pid=(\d+)", line)}
-        if owners & wanted:
-            found.append(f"{line.split()[3]} {sorted(owners & wanted)}")
-    return found
-
-
 def _assert_loopback_only(pids: list[int]) -> list[str]:
-    listening = _listeners(pids)
+    listening = listeners(pids)
     beyond = [entry for entry in listening if not re.match(r"(127\.\d+\.\d+\.\d+|\[::1\]|\[::ffff:127\.[\d.]+\]):",
                                                            entry)]
     assert not beyond, f"listening beyond loopback: {beyond}"
     return listening
 
-
-# -- the cluster ------------------------------------------------------------------------------
 
 @dataclass
 class RayCluster:
@@ -121,47 +59,28 @@ class RayCluster:
     sid: int
 
 
-def _stop_session(sid: int) -> None:
-    for signum, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        for pid in _session(sid):
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait
-        while _session(sid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def ray_cluster():
     os.environ[ONE_MACHINE] = "0"   # before ray is imported: it reads this once
     import ray
     port, client_port = free_ports(2)
     temp = tempfile.mkdtemp(prefix="sg-ray-", dir="/tmp")   # short: Ray's socket paths must fit
-    env = {**os.environ, ONE_MACHINE: "0",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = ray_env(**{ONE_MACHINE: "0"})
     started = time.monotonic()
-    head = subprocess.Popen(
-        [sys.executable, "-c", "from ray.scripts.scripts import main; main()", "start", "--head",
-         "--node-ip-address=127.0.0.1", f"--port={port}", f"--ray-client-server-port={client_port}",
-         "--num-cpus=4", "--object-store-memory=200000000", "--disable-usage-stats",
-         "--include-dashboard=false", f"--temp-dir={temp}"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    sid = start_node(["--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+                      f"--ray-client-server-port={client_port}", "--num-cpus=4", "--include-dashboard=false",
+                      f"--temp-dir={temp}"], env)
     try:
-        output, _ = head.communicate(timeout=120)
-        assert head.returncode == 0, output
-        daemons = _session(head.pid)
+        daemons = session(sid)
         listening = _assert_loopback_only(daemons)
         print(f"\nRay head up in {time.monotonic() - started:.1f} s; {len(daemons)} processes listen on "
               f"{', '.join(listening)}")
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False, logging_level="WARNING")
-        yield RayCluster(f"127.0.0.1:{port}", env, head.pid)
+        yield RayCluster(f"127.0.0.1:{port}", env, sid)
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        head.kill()
-        _stop_session(head.pid)
+        stop_session(sid)
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -181,35 +100,13 @@ def _cli(cluster: RayCluster, *args: str, env: dict[str, str] | None = None,
 
 # -- training: equal to plain PyTorch, and after a lost actor too ------------------------------------
 
-def _plain_pytorch(initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    script = _load_script()
-    model = script.make_model()
-    model.load_state_dict(initial)
-    optimizer = script.make_optimizer(model.parameters())
-    for _ in range(script.EPOCHS):
-        for x, y in torch.utils.data.DataLoader(script.samples(), batch_size=script.GLOBAL_BATCH):
-            optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-    return model.state_dict()
-
-
-def _assert_as_plain_pytorch(out: Path) -> None:
-    final = torch.load(out / "final.pt", weights_only=True)
-    expected = _plain_pytorch(torch.load(out / "initial.pt", weights_only=True))
-    assert final.keys() == expected.keys()
-    for name, value in expected.items():
-        assert final[name].dtype == torch.float64
-        torch.testing.assert_close(final[name], value, msg=lambda m: f"{name}: {m}")
-
-
 def test_two_workers_as_ray_actors_train_as_plain_pytorch(ray_cluster: RayCluster, tmp_path: Path) -> None:
     status, out, err = _launch(SCRIPT, str(tmp_path), num_workers=2)
     assert status == 0, out + err
     assert err == ""
     for rank in (0, 1):
         assert f"[worker {rank}] restart 0 rank {rank} finished" in out
-    _assert_as_plain_pytorch(tmp_path)
+    assert_as_plain_pytorch(tmp_path)
 
 
 class _Watched(io.TextIOBase):
@@ -250,14 +147,14 @@ def test_an_actor_killed_mid_training_restarts_the_group_which_resumes_from_its_
                   re.findall(r"restart 0 rank (\d) pid (\d+) actor (\d+)", out.getvalue())}
         # Ray's processes, the actors and the tasks (gloo, the rendezvous store) stay on loopback
         tasks = [pid for pid, _ in starts.values()]
-        listening = _assert_loopback_only(_session(ray_cluster.sid) + tasks)
+        listening = _assert_loopback_only(session(ray_cluster.sid) + tasks)
         assert any(str(tasks[0]) in entry for entry in listening), listening   # the chief's store
         killed_at = time.monotonic()
         os.kill(starts[1][1], signal.SIGKILL)   # rank 1's actor: its Ray worker process
         job.join(200)
     finally:
         if job.is_alive():   # stop the job rather than leave it running
-            _stop_session(ray_cluster.sid)
+            stop_session(ray_cluster.sid)
     assert result.get("status") == 0, out.getvalue() + err.getvalue()
     messages = err.getvalue()
     assert re.search(r"\[launch\] (worker 1's Ray actor died \(.*\)|worker 0 exited with code 1); restarting "
@@ -268,8 +165,8 @@ def test_an_actor_killed_mid_training_restarts_the_group_which_resumes_from_its_
     for rank in (0, 1):
         assert f"restart 1 rank {rank} resumes at step 4" in out.getvalue()
         assert f"restart 1 rank {rank} finished" in out.getvalue()
-    _assert_as_plain_pytorch(tmp_path)
-    _assert_gone([pid for start in starts.values() for pid in start], timeout=10)
+    assert_as_plain_pytorch(tmp_path)
+    assert_gone([pid for start in starts.values() for pid in start], timeout=10)
     print(f"\nactor killed -> job done in {time.monotonic() - killed_at:.1f} s "
           f"(group restarted {restarted[1]} s after the exit was seen)")
 
@@ -425,7 +322,7 @@ def test_a_stopped_launcher_leaves_no_task_or_actor_behind(ray_cluster: RayClust
         assert launcher.returncode == expected, "".join(lines) + rest
         if signum == signal.SIGTERM:
             assert "[launch] received SIGTERM; stopping 2 task(s)" in rest
-        _assert_gone(pids, timeout=60)   # the tasks and their actors
+        assert_gone(pids, timeout=60)   # the tasks and their actors
         print(f"\n{signal.Signals(signum).name}: every task and actor gone "
               f"{time.monotonic() - stopped_at:.1f} s after the signal")
     finally:
