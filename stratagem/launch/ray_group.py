@@ -28,6 +28,17 @@ The token (``choose_token``), decided from what the actors report:
 - no node has one: a fresh token for the job (``secrets``), sent to the actors through Ray,
   but only where Ray's messages do not leave the machine (every task on a loopback address)
   or are encrypted (Ray's TLS, ``RAY_USE_TLS=1``); otherwise refused, saying how to give one.
+
+Example::
+
+    >>> from stratagem.launch.ray_actor import NodeReport
+    >>> from stratagem.launch.ray_group import choose_token
+    >>> here = NodeReport("127.0.0.1", 2222, "node-a", None, None, "/")
+    >>> choose_token(["worker 0"], [here], "the-job's-token")   # stays on this machine: sent
+    "the-job's-token"
+    >>> held = NodeReport("10.0.0.2", 2222, "node-b", "9f86d08...", None, "/")
+    >>> choose_token(["worker 0"], [held], "the-job's-token") is None   # the node's own is used
+    True
 """
 
 from __future__ import annotations
@@ -127,7 +138,8 @@ class RayGroup:
 
     def __init__(self, ray: Any, tasks: Sequence[Task], *, spread: bool, resources: Mapping[str, float],
                  runtime_env: Mapping[str, Any] | None, placement_timeout: float, grace_period: float,
-                 check_hosts: Callable[[Sequence[NodeReport]], None]) -> None:
+                 check_hosts: Callable[[Sequence[NodeReport]], None],
+                 interrupted: Callable[[], bool] = lambda: False) -> None:
         self._ray, self._tasks = ray, list(tasks)
         self._grace_period = grace_period
         self._actors: list[Any] = []
@@ -137,6 +149,7 @@ class RayGroup:
         self._group = None
         self._spread, self._resources, self._runtime_env = spread, dict(resources), runtime_env
         self._placement_timeout, self._check_hosts = placement_timeout, check_hosts
+        self._interrupted = interrupted
         self.reports: list[NodeReport] = []
         self.started_at = time.monotonic()
 
@@ -144,7 +157,8 @@ class RayGroup:
         """Places the tasks and makes their actors; each reports its address (call :meth:`stop` after)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         ray, resources = self._ray, self._resources
-        self._group = _place(ray, len(self._tasks), self._spread, resources, self._placement_timeout)
+        self._group = _place(ray, len(self._tasks), self._spread, resources, self._placement_timeout,
+                             self._wait)
         options: dict[str, Any] = {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0),
                                    "max_concurrency": 4, "max_restarts": 0}
         if self._runtime_env:
@@ -156,15 +170,28 @@ class RayGroup:
         self.reports = self._reports(self._placement_timeout)
         self._check_hosts(self.reports)
 
+    def _wait(self, refs: list[Any], timeout: float) -> list[Any]:
+        """``ray.get(refs)`` within ``timeout`` s (GetTimeoutError), or InterruptedError on a signal."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=max(0.0, min(left, 0.2)))
+            if len(ready) == len(refs):
+                return self._ray.get(refs)
+            if self._interrupted():
+                raise InterruptedError("the launcher was interrupted while the tasks were being placed")
+            if left <= 0:
+                raise self._ray.exceptions.GetTimeoutError(f"not ready within {timeout:g} s")
+
     def _reports(self, timeout: float) -> list[NodeReport]:
         names = [task.name for task in self._tasks]
         try:
-            reports = self._ray.get([actor.report.remote() for actor in self._actors], timeout=timeout)
+            reports = self._wait([actor.report.remote() for actor in self._actors], timeout)
             taken: dict[str, set[int]] = {}
             for index, report in enumerate(reports):   # two tasks of one node given one port: ask again
                 while report.port in taken.setdefault(report.host, set()):
-                    report = self._ray.get(self._actors[index].report.remote(sorted(taken[report.host])),
-                                           timeout=timeout)
+                    report = self._wait([self._actors[index].report.remote(sorted(taken[report.host]))],
+                                        timeout)[0]
                 taken[report.host].add(report.port)
                 reports[index] = report
             return reports
@@ -264,7 +291,8 @@ def _why_dead(error: Exception) -> str:
     return f"pid {where}: {reason}" if where else reason
 
 
-def _place(ray: Any, count: int, spread: bool, resources: Mapping[str, float], timeout: float) -> Any:
+def _place(ray: Any, count: int, spread: bool, resources: Mapping[str, float], timeout: float,
+           wait: Callable[[list[Any], float], list[Any]]) -> Any:
     """A ready placement group of ``count`` bundles, or ClusterConfigError saying what is missing."""
     from ray.util.placement_group import placement_group, remove_placement_group
     nodes = [node for node in ray.nodes() if node.get("Alive")]
@@ -275,9 +303,14 @@ def _place(ray: Any, count: int, spread: bool, resources: Mapping[str, float], t
             "or leave spread off to let tasks share nodes")
     bundle = {key: value for key, value in resources.items() if value}
     group = placement_group([dict(bundle) for _ in range(count)], strategy="STRICT_SPREAD" if spread else "PACK")
-    ready, _ = ray.wait([group.ready()], timeout=timeout)
-    if ready:
+    try:
+        wait([group.ready()], timeout)
         return group
+    except ray.exceptions.GetTimeoutError:
+        pass
+    except BaseException:
+        remove_placement_group(group)
+        raise
     remove_placement_group(group)
     total: dict[str, float] = {}
     for node in nodes:

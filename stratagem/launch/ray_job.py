@@ -78,9 +78,17 @@ class RayJob:
         """Called by a signal handler: stop the job."""
         self._signals.append(signum)
 
+    @property
+    def interrupted(self) -> bool:
+        """Whether the launcher got SIGINT or SIGTERM (placing the tasks stops waiting then)."""
+        return bool(self._signals)
+
     def run(self) -> int:
         try:
-            self._start()   # the first start's errors go to the caller: nothing ran yet
+            try:
+                self._start()   # the first start's errors go to the caller: nothing ran yet
+            except InterruptedError:   # a signal while placing: nothing started
+                pass
             while True:
                 if self._signals:
                     name = signal.Signals(self._signals[0]).name
@@ -162,6 +170,8 @@ class RayJob:
             return None   # the launcher itself is being stopped: run() reports it
         try:
             self._start()
+        except InterruptedError:
+            return None   # the launcher itself is being stopped: run() reports it
         except (ClusterConfigError, OSError) as error:
             self._output.say(f"cannot start the tasks again: {error}")
             return _exit_status(code)

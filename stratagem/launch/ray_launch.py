@@ -210,7 +210,8 @@ def launch_ray(script: str | os.PathLike[str], args: Sequence[str] = (), *, addr
     def make_group() -> RayGroup:
         return RayGroup(ray, tasks, spread=spread, resources={"CPU": cpus_per_task, "GPU": gpus_per_task},
                         runtime_env=runtime_env, placement_timeout=float(placement_timeout),
-                        grace_period=float(grace_period), check_hosts=check_hosts)
+                        grace_period=float(grace_period), check_hosts=check_hosts,
+                        interrupted=lambda: job.interrupted)
 
     working_dir = None if runtime_env and "working_dir" in runtime_env else os.getcwd()
     output = TaskOutput(sys.stdout if stdout is None else stdout, sys.stderr if stderr is None else stderr)

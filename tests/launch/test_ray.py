@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_fixtures import (ONE_MACHINE, SCRIPT, assert_as_plain_pytorch, assert_gone, listeners, ray_env, session,
+from ray_fixtures import (ONE_MACHINE, ROOT, SCRIPT, assert_as_plain_pytorch, assert_gone, listeners, ray_env, session,
                           start_node, stop_session)
 from stratagem.errors import ClusterConfigError
 from stratagem.launch.ports import free_ports
@@ -147,7 +147,7 @@ def test_an_actor_killed_mid_training_restarts_the_group_which_resumes_from_its_
                   re.findall(r"restart 0 rank (\d) pid (\d+) actor (\d+)", out.getvalue())}
         # Ray's processes, the actors and the tasks (gloo, the rendezvous store) stay on loopback
         tasks = [pid for pid, _ in starts.values()]
-        listening = _assert_loopback_only(session(ray_cluster.sid) + tasks)
+        listening = _assert_loopback_only(session(ray_cluster.sid) + tasks + [os.getpid()])   # + this driver
         assert any(str(tasks[0]) in entry for entry in listening), listening   # the chief's store
         killed_at = time.monotonic()
         os.kill(starts[1][1], signal.SIGKILL)   # rank 1's actor: its Ray worker process
@@ -272,6 +272,16 @@ def test_a_token_in_the_nodes_environment_is_used_and_a_weak_one_refused(
         _launch(script, num_workers=2, runtime_env={"env_vars": {"STRATAGEM_CLUSTER_TOKEN": "hunter2hunter2"}})
 
 
+def test_parameter_server_training_runs_with_its_servers_as_actors(ray_cluster: RayCluster) -> None:
+    # the chief (coordinator) runs the script; the worker and the ps run `stratagem server`, which
+    # refuses to start without the job's token: the run shows that it reached them
+    status, out, err = _launch(ROOT / "examples" / "train_ps.py", "--steps", "100", num_workers=1, num_ps=1)
+    assert status == 0, out + err
+    assert re.search(r"\[ps 0\]\s+\[stratagem server\] ps 0 listening on 127\.0\.0\.1:\d+", out), out
+    assert "[chief]    training accuracy" in out
+    assert "exited with code 0 before the job ended" not in err   # the servers were stopped after the chief
+
+
 def _report(host: str, digest: str | None = None, problem: str | None = None) -> NodeReport:
     return NodeReport(host, 2222, "node", digest, problem, "/")
 
@@ -325,6 +335,34 @@ def test_a_stopped_launcher_leaves_no_task_or_actor_behind(ray_cluster: RayClust
         assert_gone(pids, timeout=60)   # the tasks and their actors
         print(f"\n{signal.Signals(signum).name}: every task and actor gone "
               f"{time.monotonic() - stopped_at:.1f} s after the signal")
+    finally:
+        launcher.kill()
+        launcher.communicate()
+
+
+def test_a_signal_while_ray_places_the_tasks_stops_the_launch_at_once(ray_cluster: RayCluster,
+                                                                        tmp_path: Path) -> None:
+    import ray
+    script = _script(tmp_path, "print('ran')\n")
+    before = set(ray.util.placement_group_table())
+    launcher = _cli(ray_cluster, ray_cluster.address, "--ray-cpus-per-task", "3", "--ray-placement-timeout", "120",
+                    str(script))
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:   # its placement group waits for CPUs that never come
+            pending = [key for key, group in ray.util.placement_group_table().items()
+                       if key not in before and group["state"] == "PENDING"]
+            if pending:
+                break
+            time.sleep(0.05)
+        assert pending, "the launcher's placement group never appeared"
+        signalled = time.monotonic()
+        launcher.send_signal(signal.SIGINT)
+        output, _ = launcher.communicate(timeout=30)
+        assert launcher.returncode == 130, output
+        assert time.monotonic() - signalled < 15
+        assert "[launch] received SIGINT; stopping 0 task(s)" in output
+        assert ray.util.placement_group_table()[pending[0]]["state"] == "REMOVED"
     finally:
         launcher.kill()
         launcher.communicate()

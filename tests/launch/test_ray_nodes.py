@@ -142,14 +142,16 @@ def test_spread_puts_each_worker_on_its_own_node_and_they_train_as_plain_pytorch
         lines.append(line)
         if "rank 1 step 0 done" in line:
             break
-    starts = dict(re.findall(r"restart 0 rank (\d) pid \d+ actor \d+ at ([\d.]+):\d+", "".join(lines)))
+    starts = {rank: (int(pid), host) for rank, pid, host in
+              re.findall(r"restart 0 rank (\d) pid (\d+) actor \d+ at ([\d.]+):\d+", "".join(lines))}
     assert sorted(starts) == ["0", "1"], "".join(lines)
-    hosts = {starts["0"], starts["1"]}
+    hosts = {host for _, host in starts.values()}
     assert len(hosts) == 2 and hosts <= set(WORKER_NODES), starts   # two machines, not the head
-    for host in hosts:   # each node's tasks listen on its address or loopback: it has no other
-        for entry in listeners(_netns_pids(nodes.namespaces[host]), ["ip", "netns", "exec", nodes.namespaces[host]]):
-            assert re.match(rf"(\*|{re.escape(host)}|127\.0\.0\.1|\[::ffff:{re.escape(host)}\]|\[::ffff:127\.0\.0\.1\]"
-                            r"|0\.0\.0\.0|\[::\]):", entry), entry
+    for pid, host in starts.values():   # the task's sockets (store, gloo): its node's address only
+        listening = listeners([pid], ["ip", "netns", "exec", nodes.namespaces[host]])
+        assert all(re.match(rf"(\[::ffff:)?{re.escape(host)}\]?:", entry) for entry in listening), listening
+    assert listeners([starts["0"][0]], ["ip", "netns", "exec", nodes.namespaces[starts["0"][1]]]), \
+        "the chief's rendezvous store should listen"
     output = _finish(launcher, lines, timeout=180)
     assert launcher.returncode == 0, output
     assert "restart 0 rank 0 finished" in output and "restart 0 rank 1 finished" in output
