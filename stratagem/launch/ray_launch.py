@@ -124,7 +124,10 @@ def _connect(ray: Any, address: str | None) -> bool:
             raise ClusterConfigError(
                 f"no Ray cluster answers at {address} ({error.strerror or error}): start one there with "
                 f"`ray start --head --port={port}`, or give the address its head printed.") from None
-    ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+    except (ConnectionError, RuntimeError, ValueError) as error:   # no cluster, another version, ...
+        raise ClusterConfigError(f"could not connect to the Ray cluster at {address}: {error}") from None
     return True
 
 
@@ -185,7 +188,10 @@ def launch_ray(script: str | os.PathLike[str], args: Sequence[str] = (), *, addr
                         (join_timeout, "--join-timeout (join_timeout)"),
                         (cpus_per_task, "cpus_per_task"), (gpus_per_task, "gpus_per_task")):
         _check_number(value, flag, 0, integer=False)
-    _check_number(placement_timeout, "placement_timeout", 0, integer=False)
+    if isinstance(placement_timeout, bool) or not isinstance(placement_timeout, (int, float)) \
+            or not placement_timeout > 0:
+        raise InvalidArgumentError(f"--ray-placement-timeout (placement_timeout) must be a number of seconds > 0, "
+                                   f"got {placement_timeout!r}.")
     if num_workers == 0 and not chief and not num_ps:
         raise InvalidArgumentError("nothing to launch: --workers is 0 and there is no chief; ask for at least "
                                    "one worker (--workers 1) or a chief (--chief).")

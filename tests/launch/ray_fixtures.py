@@ -27,9 +27,11 @@ ONE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def ray_env(**extra: str) -> dict[str, str]:
-    """This environment with this checkout first on PYTHONPATH (Ray's workers import it too)."""
+    """This environment with this checkout first on PYTHONPATH (Ray's workers import it too),
+    without Ray's one-machine switch unless ``extra`` sets it."""
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return {**os.environ, "PYTHONPATH": path, **extra}
+    env = {key: value for key, value in os.environ.items() if key != ONE_MACHINE}
+    return {**env, "PYTHONPATH": path, **extra}
 
 
 def start_node(args: Sequence[str], env: dict[str, str], prefix: Sequence[str] = ()) -> int:
@@ -83,16 +85,16 @@ def session(sid: int) -> list[int]:
     return pids
 
 
-def stop_session(sid: int) -> None:
-    """SIGTERM to every process of session ``sid``, up to 10 s, then SIGKILL to what is left."""
-    for signum, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        for pid in session(sid):
+def stop_session(*sids: int) -> None:
+    """SIGTERM to every process of the sessions ``sids``, up to 3 s, then SIGKILL to what is left."""
+    for signum, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+        for pid in [pid for sid in sids for pid in session(sid)]:
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait
-        while session(sid) and time.monotonic() < deadline:
+        while any(session(sid) for sid in sids) and time.monotonic() < deadline:
             time.sleep(0.1)
 
 

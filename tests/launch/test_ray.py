@@ -61,16 +61,21 @@ class RayCluster:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    os.environ[ONE_MACHINE] = "0"   # before ray is imported: it reads this once
+    previous = os.environ.get(ONE_MACHINE)
+    os.environ[ONE_MACHINE] = "0"   # before ray is imported: it reads this once (for this process)
     import ray
+    from ray._private import ray_constants
+    # a ray imported earlier in cluster mode would swap 127.0.0.1 for the machine's own address
+    assert not ray_constants.ENABLE_RAY_CLUSTER, "ray was imported before this module set " + ONE_MACHINE
     port, client_port = free_ports(2)
     temp = tempfile.mkdtemp(prefix="sg-ray-", dir="/tmp")   # short: Ray's socket paths must fit
     env = ray_env(**{ONE_MACHINE: "0"})
-    started = time.monotonic()
-    sid = start_node(["--head", "--node-ip-address=127.0.0.1", f"--port={port}",
-                      f"--ray-client-server-port={client_port}", "--num-cpus=4", "--include-dashboard=false",
-                      f"--temp-dir={temp}"], env)
+    sid = None
     try:
+        started = time.monotonic()
+        sid = start_node(["--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+                          f"--ray-client-server-port={client_port}", "--num-cpus=4", "--include-dashboard=false",
+                          f"--temp-dir={temp}"], env)
         daemons = session(sid)
         listening = _assert_loopback_only(daemons)
         print(f"\nRay head up in {time.monotonic() - started:.1f} s; {len(daemons)} processes listen on "
@@ -80,8 +85,13 @@ def ray_cluster():
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        stop_session(sid)
+        if sid is not None:
+            stop_session(sid)
         shutil.rmtree(temp, ignore_errors=True)
+        if previous is None:
+            del os.environ[ONE_MACHINE]
+        else:
+            os.environ[ONE_MACHINE] = previous
 
 
 def _launch(script: Path, *args: str, **options: object) -> tuple[int, str, str]:

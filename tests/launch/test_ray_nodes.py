@@ -110,8 +110,7 @@ def nodes():
         print(f"\n4 Ray nodes up in {time.monotonic() - started:.1f} s")
         yield cluster
     finally:
-        for sid in sessions:
-            stop_session(sid)
+        stop_session(*sessions)
         for namespace in [*namespaces.values(), hub]:
             _kill_namespace(namespace)
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
