@@ -48,6 +48,9 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("stratagem.launch.command", "stratagem.launch.nodes"):
         "`stratagem launch --nnodes`: the rendezvous runs on grpc, which a local launch does not load "
         "(start-up), and GRPC_ENABLE_FORK_SUPPORT must be set before grpc is imported",
+    ("stratagem.launch.ray_actor", "stratagem.rpc.tokens"):
+        "the token's strength rule, needed on a Ray node only when it holds a token; its package "
+        "loads grpc and cryptography, which `stratagem launch` (it imports this module) must not pay for",
 }
 
 

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 from stratagem.errors import InvalidArgumentError, StratagemError
 from stratagem.launch.local import check_script, launch_local
+from stratagem.launch.ray_command import add_ray_arguments, run_ray
 
 __all__ = ["add_launch_parser", "add_subcommand", "build_parser", "main", "run_launch"]
 
@@ -114,6 +115,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     nodes.add_argument("--rdzv-timeout", type=float, default=600.0, metavar="S",
                        help="seconds for all nodes (MIN in an elastic job) to join, before the job "
                             "fails naming the missing ones (default: 600)")
+    add_ray_arguments(parser)   # --ray ADDRESS and the --ray-* options (ray_command.py)
     parser.add_argument("script", metavar="SCRIPT", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="the script's own arguments")
@@ -122,6 +124,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     """The subcommand's handler: launch, and return the exit status (2 for bad input)."""
     try:
+        if args.ray:   # on a Ray cluster (ray_command.py)
+            return run_ray(args)
         if args.nnodes is not None or args.rdzv is not None or args.node_rank is not None:
             return _run_nodes(args)
         return launch_local(args.script, args.args, num_workers=2 if args.workers is None else args.workers,
