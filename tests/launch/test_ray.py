@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_fixtures import (ONE_MACHINE, ROOT, SCRIPT, assert_as_plain_pytorch, assert_gone, listeners, ray_env, session,
+from .ray_fixtures import (ONE_MACHINE, ROOT, SCRIPT, assert_as_plain_pytorch, assert_gone, listeners, ray_env, session,
                           start_node, stop_session)
 from stratagem.errors import ClusterConfigError
 from stratagem.launch.ports import free_ports

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_fixtures import SCRIPT, assert_as_plain_pytorch, assert_gone, listeners, ray_env, start_node, stop_session
+from .ray_fixtures import SCRIPT, assert_as_plain_pytorch, assert_gone, listeners, ray_env, start_node, stop_session
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(importlib.util.find_spec("ray") is None,
