@@ -110,10 +110,15 @@ def read_token(token_file: str | None, environ: dict[str, str] | None = None) ->
 def _route_address(host: str) -> str:
     """This machine's address on the way to ``host`` (a UDP connect sends nothing)."""
     bare = host.strip("[]")
-    family, _, _, _, target = socket.getaddrinfo(bare, 9, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(target)
-        return probe.getsockname()[0]
+    try:
+        family, _, _, _, target = socket.getaddrinfo(bare, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(target)
+            return probe.getsockname()[0]
+    except OSError as error:
+        raise ClusterConfigError(
+            f"cannot find this node's way to the rendezvous host {host!r} ({error}); check the --rdzv "
+            "address, or give this node's address with --host.") from None
 
 
 class _Signals:

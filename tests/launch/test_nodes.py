@@ -70,6 +70,22 @@ def test_two_nodes_on_loopback_run_one_cluster(tmp_path: Path, script: Path) -> 
     assert token not in log0.read_text() + log1.read_text()
 
 
+def test_without_node_ranks_the_node_that_binds_the_rendezvous_hosts_it_and_the_others_follow(
+        tmp_path: Path, script: Path) -> None:
+    rdzv, token = f"127.0.0.1:{free_ports(1)[0]}", secrets.token_urlsafe(32)
+    common = ("--nnodes", "2", "--rdzv", rdzv, "--workers", "1", "--node-timeout", "10")
+    first, log0 = _node(tmp_path, "node0", *common, str(script), token=token)
+    wait_for(log0, "serving the rendezvous", 60, first)
+    second, log1 = _node(tmp_path, "node1", *common, str(script), token=token)
+    try:
+        assert first.wait(timeout=120) == 0, log0.read_text()
+        assert second.wait(timeout=30) == 0, log1.read_text()
+    finally:
+        _finish(first, second)
+    assert "[worker 0] hello from worker 0" in log0.read_text()   # the host is first
+    assert "serving" not in log1.read_text() and "[worker 1] hello from worker 1" in log1.read_text()
+
+
 def test_the_chief_and_the_evaluator_run_on_node_0_and_the_job_waits_for_the_evaluator(
         tmp_path: Path, script: Path) -> None:
     rdzv, token = f"127.0.0.1:{free_ports(1)[0]}", secrets.token_urlsafe(32)
@@ -148,6 +164,8 @@ def test_a_node_started_with_other_options_is_refused_naming_them(tmp_path: Path
     (("--nnodes", "2:1", "--rdzv", "127.0.0.1:29400"), "--nnodes must be N or MIN:MAX"),
     (("--nnodes", "2", "--rdzv", "127.0.0.1:29400", "--ps", "1"), "--ps and --port-base are for one machine"),
     (("--nnodes", "2", "--rdzv", "127.0.0.1:29400", "--node-rank", "2"), "--node-rank must be 0 to 1"),
+    (("--nnodes", "2", "--rdzv", "no-such-host.invalid:29400", "--node-rank", "1"),
+     "cannot find this node's way to the rendezvous host"),
 ])
 def test_bad_multi_node_command_lines_are_refused_before_anything_starts(tmp_path: Path, script: Path,
                                                                          options, message) -> None:
