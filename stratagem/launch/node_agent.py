@@ -63,6 +63,7 @@ class NodeAgent:
         self._stop_requested = stop_requested
         self.round = -1
         self.tasks: list[Task] = []
+        self.ended: dict[str, Any] | None = None   # the rendezvous' last answer, once the job ended
         self._answered = time.monotonic()   # when the rendezvous last answered
         self._next_poll = 0.0
 
@@ -88,8 +89,10 @@ class NodeAgent:
                 return None
             if time.monotonic() - said > _PROGRESS_SECONDS:
                 said = time.monotonic()
-                self._output.say(f"waiting for nodes at the rendezvous {self._address}: {answer['joined']} "
-                                 f"of {answer['needed']} joined round {answer['round']}")
+                self._output.say(
+                    "the job runs without this node (elastic); it joins at the next restart" if answer["running"]
+                    else f"waiting for nodes at the rendezvous {self._address}: {answer['joined']} of "
+                    f"{answer['needed']} joined round {answer['round']}")
             time.sleep(POLL_SECONDS / 2)
             answer = self._call("poll", {"node": self.node, "round": answer["round"]})
             if answer["state"] == "restart":   # (the round moved on while we waited: join it)
@@ -105,8 +108,6 @@ class NodeAgent:
         self._output.say(f"round {self.round}: {answer['nodes']} node(s), this node runs "
                          f"{', '.join(task.name for task in self.tasks)}")
         return [self._environment(task, spec, self.round) for task in self.tasks]
-
-    ended: dict[str, Any] | None = None
 
     def poll(self) -> dict[str, Any] | None:
         """The heartbeat, at most every POLL_SECONDS: the rendezvous' answer, or None between."""
