@@ -281,6 +281,15 @@ class Rounds:
                                      and isinstance(v, float)))
         return self
 
+    def finish(self) -> int:
+        """Prints each failed measurement and the load warning; the exit status (1 if any failed)."""
+        for error in self.errors:
+            print(f"FAILED: {error}")
+        warning = load_warning()
+        if warning:
+            print(warning)
+        return 1 if self.errors else 0
+
     def per_round(self, config: str, key: str) -> dict[int, float]:
         return {r["round"]: r[key] for r in self.results.get(config, []) if r.get(key) is not None}
 

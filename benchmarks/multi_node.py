@@ -35,7 +35,7 @@ import textwrap
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Processes, Quiet, Rounds, child_env, format_table, git_commit, load_warning, spread  # noqa: E402
+from _harness import Processes, Quiet, Rounds, child_env, format_table, git_commit, spread  # noqa: E402
 
 from stratagem.launch.ports import free_ports  # noqa: E402
 from stratagem.testing.hosts import HostsUnavailable, network_hosts  # noqa: E402
@@ -169,12 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"many machines, median of {args.rounds} rounds (commit {git_commit()}); start: command to worker 0's "
           "first step; restart: a worker's kill to the restarted group's first step")
     print(format_table(["what", "seconds", "range"], rows))
-    for error in rounds.errors:
-        print(f"FAILED: {error}")
-    warning = load_warning()
-    if warning:
-        print(warning)
-    return 1 if rounds.errors else 0
+    return rounds.finish()
 
 
 if __name__ == "__main__":

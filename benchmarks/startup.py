@@ -29,7 +29,7 @@ import textwrap
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Processes, Quiet, Rounds, child_env, format_table, git_commit, load_warning, log, spread  # noqa: E402
+from _harness import Processes, Quiet, Rounds, child_env, format_table, git_commit, log, spread  # noqa: E402
 
 _STRATAGEM_SCRIPT = """
 import time
@@ -135,12 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(["command", "first step (s)", "range", "exit (s)", "range"], rows))
     for note in bad_exits:
         print(f"NOTE: {note}")
-    for error in rounds.errors:
-        print(f"FAILED: {error}")
-    warning = load_warning()
-    if warning:
-        print(warning)
-    return 1 if rounds.errors else 0
+    return rounds.finish()
 
 
 if __name__ == "__main__":

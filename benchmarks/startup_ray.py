@@ -33,7 +33,7 @@ import textwrap
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Processes, Quiet, Rounds, child_env, format_table, git_commit, load_warning, log, spread  # noqa: E402
+from _harness import Processes, Quiet, Rounds, child_env, format_table, git_commit, log, spread  # noqa: E402
 from startup import _STRATAGEM_SCRIPT  # noqa: E402  (the same script as the start-up benchmark)
 
 _ONE_MACHINE = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}   # keeps Ray on 127.0.0.1
@@ -142,12 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"start-up on Ray, median of {args.rounds} rounds (commit {git_commit()}); "
           f"ray start --head took {head.start_s:.1f} s once, not counted")
     print(format_table(["command", "first step (s)", "range", "exit (s)", "range", "x local", "range"], rows))
-    for error in rounds.errors:
-        print(f"FAILED: {error}")
-    warning = load_warning()
-    if warning:
-        print(warning)
-    return 1 if rounds.errors else 0
+    return rounds.finish()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "cluster"))
-from _harness import Rounds, child_env, format_table, git_commit, load_warning, spread  # noqa: E402
+from _harness import Rounds, child_env, format_table, git_commit, spread  # noqa: E402
 from multi_node import _OURS, _THEIRS  # noqa: E402
 from slurm_harness import SlurmCluster, missing_requirements  # noqa: E402
 
@@ -86,12 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"start-up under Slurm, median of {args.rounds} rounds (commit {git_commit()}); the Slurm cluster "
           f"itself was ready in {ready:.1f} s")
     print(format_table(["command (in the Slurm node's namespace)", "first step (s)", "range"], rows))
-    for error in rounds.errors:
-        print(f"FAILED: {error}")
-    warning = load_warning()
-    if warning:
-        print(warning)
-    return 1 if rounds.errors else 0
+    return rounds.finish()
 
 
 if __name__ == "__main__":
