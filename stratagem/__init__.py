@@ -51,7 +51,7 @@ _EXPORTS: dict[str, str] = {
     "MultiWorkerMirroredStrategy": "stratagem.strategies.multi_worker",
     "CentralStorageStrategy": "stratagem.strategies.central_storage",
     "ParameterServerStrategy": "stratagem.ps.strategy",
-    "ClusterCoordinator": "stratagem.coordinator", "RemoteValue": "stratagem.coordinator",
+    "ClusterCoordinator": "stratagem.ps.coordinator", "RemoteValue": "stratagem.ps.remote_value",
     "ReplicaContext": "stratagem.strategies.replica_context",
     "CrossDeviceOps": "stratagem.comm.cross_device_ops",
     "HierarchicalCopyAllReduce": "stratagem.comm.cross_device_ops",
@@ -68,12 +68,12 @@ _EXPORTS: dict[str, str] = {
     "FixedShardsPartitioner": "stratagem.ps.partitioners", "MaxSizePartitioner": "stratagem.ps.partitioners",
     "MinSizePartitioner": "stratagem.ps.partitioners", "ShardedVariable": "stratagem.ps.variables",
     # long jobs
-    "Checkpoint": "stratagem.training", "CheckpointManager": "stratagem.training",
-    "latest_checkpoint": "stratagem.training",
+    "Checkpoint": "stratagem.checkpoint", "CheckpointManager": "stratagem.checkpoint",
+    "latest_checkpoint": "stratagem.checkpoint",
     "PreemptionWatcher": "stratagem.preemption",
-    "SidecarEvaluator": "stratagem.training.sidecar",
+    "SidecarEvaluator": "stratagem.keras.sidecar",
     # Keras-style training
-    "Model": "stratagem.training.model", "losses": "stratagem.training.losses", "models": "stratagem.models",
+    "Model": "stratagem.keras.model", "losses": "stratagem.keras.losses", "models": "stratagem.models",
     "mixed_precision": "stratagem.mixed_precision",
     # submodules
     "callbacks": "stratagem.callbacks", "cluster": "stratagem.cluster", "errors": "stratagem.errors",
@@ -106,7 +106,8 @@ if TYPE_CHECKING:   # what the names are, for type checkers and editors
                                                  ReductionToOneDevice)
     from stratagem.comm.cross_device_ops import RingAllReduce
     from stratagem.comm.options import CommunicationImplementation, CommunicationOptions
-    from stratagem.coordinator import ClusterCoordinator, RemoteValue
+    from stratagem.ps.coordinator import ClusterCoordinator
+    from stratagem.ps.remote_value import RemoteValue
     from stratagem.data.input import AutoShardPolicy, InputContext, InputOptions, ValueContext
     from stratagem.preemption import PreemptionWatcher
     from stratagem.ps.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
@@ -118,8 +119,8 @@ if TYPE_CHECKING:   # what the names are, for type checkers and editors
     from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
     from stratagem.strategies.one_device import OneDeviceStrategy
     from stratagem.strategies.replica_context import ReplicaContext
-    from stratagem.training import Checkpoint, CheckpointManager, latest_checkpoint
-    from stratagem.training import losses
-    from stratagem.training.model import Model
-    from stratagem.training.sidecar import SidecarEvaluator
+    from stratagem.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint
+    from stratagem.keras import losses
+    from stratagem.keras.model import Model
+    from stratagem.keras.sidecar import SidecarEvaluator
     from stratagem.values import DistributedValues, PerReplica, ReduceOp

@@ -14,11 +14,29 @@ from __future__ import annotations
 import importlib
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
-if TYPE_CHECKING:  # pragma: no cover
-    from stratagem.strategies.base import Strategy
-    from stratagem.strategies.replica_context import ReplicaContext
+
+class ReplicaContext(Protocol):
+    """What the stack holds for a replica (:class:`stratagem.ReplicaContext` is one)."""
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """This replica's index among the replicas in sync."""
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas compute each step together."""
+
+
+class Strategy(Protocol):
+    """What the stack needs of a strategy (:class:`stratagem.Strategy` is one). Declared here
+    so that this module, which every layer reads, imports none of them."""
+
+    is_default: bool
+
+    def default_replica_context(self) -> ReplicaContext:
+        """The replica context a thread is in when no ``run`` is active."""
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,10 @@ from torch import nn
 
 from stratagem import _context
 from stratagem.errors import CheckpointError, ContextError
-from stratagem.training import architecture
-from stratagem.training.model import Model
-from stratagem.training.model_file import check_model_file, parse, resolve_compile
-from stratagem.training.shared_file import agree, in_replica_context, read_everywhere
+from stratagem.keras import architecture
+from stratagem.keras.model import Model
+from stratagem.keras.model_file import check_model_file, parse, resolve_compile
+from stratagem.keras.shared_file import agree, in_replica_context, read_everywhere
 
 __all__ = ["load_model", "save_model"]
 

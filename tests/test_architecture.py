@@ -3,18 +3,26 @@
 These checks read the source with :mod:`ast` (nothing is imported except where a check is
 about importing), so a failure names files and lines:
 
-1. the static graph of module-level imports between ``stratagem`` modules has no cycle;
+1. the static graph of module-level imports between ``stratagem`` modules has no cycle,
+   ``if TYPE_CHECKING:`` imports included (a cycle hidden from the interpreter is still two
+   modules that cannot be understood apart);
 2. no function imports a ``stratagem`` module except the ones in :data:`LAZY_IMPORTS`,
    each with the reason it is lazy -- a heavy optional stack loaded on first use is a
    reason, dodging a cycle is not (fix the cycle instead);
 3. ``import stratagem`` loads neither ``grpc`` nor ``cryptography`` (the parameter-server
    stack is optional and slow to import);
 4. no module is longer than :data:`MAX_LINES` lines;
-5. every name in ``stratagem.__all__`` has a docstring.
+5. every name in ``stratagem.__all__`` has a docstring;
+6. the layers: the core (``_context``, ``strategies/``, ``placement/``, ``comm/``) imports
+   nothing from the layers built on it (the Keras layer ``keras/``, ``checkpoint/``,
+   ``callbacks/``, ``metrics/``, the parameter-server side ``ps/``, the launcher ...), and
+   ``checkpoint/`` nothing from the Keras layer; those layers reach the core through its
+   declared hooks (:attr:`Strategy.model_steps_kind`, ``Strategy.checkpoint_collective``,
+   the placements' checkpoint methods), never the other way round.
 
 How the graph is built: an edge ``a -> b`` for each ``import b`` / ``from b import x``
 executed when ``a`` is imported (module level, including inside ``if``/``try``/``class``
-bodies, excluding ``if TYPE_CHECKING:``). ``from pkg import name`` imports ``pkg.name``
+bodies), and for each ``import b`` under ``if TYPE_CHECKING:``. ``from pkg import name`` imports ``pkg.name``
 when that is a module and ``pkg`` otherwise; a package is its ``__init__``. Importing
 ``stratagem.a.b`` also runs ``stratagem/a/__init__.py`` first, so that is an edge too --
 but not the root ``stratagem/__init__``: it is always being imported already (every import
@@ -42,7 +50,7 @@ MAX_LINES = 400
 LAZY_IMPORTS: dict[tuple[str, str], str] = {
     # the parameter-server names load lazily through PEP 562 module __getattr__
     # (stratagem/__init__.py, stratagem/ps/__init__.py), which the graph does not count.
-    ("stratagem.training.model", "stratagem.training.ps_loop"):
+    ("stratagem.keras.model", "stratagem.ps.fit_loop"):
         "Model.fit under a ParameterServerStrategy: its loop needs the coordinator (grpc), which "
         "`import stratagem` must not load",
     ("stratagem.launch.command", "stratagem.launch.nodes"):
@@ -62,6 +70,7 @@ class Import:
     target: str       # the imported module, "stratagem.cluster.spec"
     line: int
     function: str | None   # the enclosing function's qualified name, None at module level
+    type_checking: bool = False   # under `if TYPE_CHECKING:` (never executed, still a dependency)
 
     @property
     def where(self) -> str:
@@ -115,23 +124,25 @@ def _imports(module: str) -> list[Import]:
     tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
     found: list[Import] = []
 
-    def visit(nodes: list[ast.stmt], function: str | None, scope: str) -> None:
+    def visit(nodes: list[ast.stmt], function: str | None, scope: str, typing_only: bool) -> None:
         for node in nodes:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                found.extend(Import(module, target, node.lineno, function) for target in _resolve(module, node))
+                found.extend(Import(module, target, node.lineno, function, typing_only)
+                             for target in _resolve(module, node))
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                visit(node.body, f"{scope}{node.name}", f"{scope}{node.name}.")
+                visit(node.body, f"{scope}{node.name}", f"{scope}{node.name}.", typing_only)
             elif isinstance(node, ast.ClassDef):
-                visit(node.body, function, f"{scope}{node.name}.")
+                visit(node.body, function, f"{scope}{node.name}.", typing_only)
             elif isinstance(node, ast.If) and _is_type_checking(node.test):
-                visit(node.orelse, function, scope)   # the `if` branch never runs
+                visit(node.body, function, scope, True)   # never runs, but a dependency all the same
+                visit(node.orelse, function, scope, typing_only)
             else:   # if / for / while / with / try / match: their bodies run at import time too
                 for field in ("body", "orelse", "finalbody"):
-                    visit(getattr(node, field, []), function, scope)
+                    visit(getattr(node, field, []), function, scope, typing_only)
                 for clause in getattr(node, "handlers", []) + getattr(node, "cases", []):
-                    visit(clause.body, function, scope)
+                    visit(clause.body, function, scope, typing_only)
 
-    visit(tree.body, None, "")
+    visit(tree.body, None, "", False)
     return found
 
 
@@ -147,7 +158,7 @@ def _edges(imports: list[Import]) -> dict[tuple[str, str], Import]:
     """
     edges: dict[tuple[str, str], Import] = {}
     for imp in imports:
-        if imp.function is not None:
+        if imp.function is not None or imp.target == "stratagem":   # the root: always imported already
             continue
         edges.setdefault((imp.source, imp.target), imp)
         parts = imp.target.split(".")
@@ -328,6 +339,43 @@ def test_type_checking_imports_and_functions_are_told_apart(tmp_path: Path, monk
     path = tmp_path / "probe.py"
     path.write_text(source)
     monkeypatch.setitem(MODULES, "stratagem.probe", path)
-    found = {(imp.target, imp.function) for imp in _imports("stratagem.probe")}
-    assert found == {("stratagem.devices", None), ("stratagem.errors", None), ("stratagem.cli", None),
-                     ("stratagem.launch", "A.f")}
+    found = {(imp.target, imp.function, imp.type_checking) for imp in _imports("stratagem.probe")}
+    assert found == {("stratagem.values", None, True), ("stratagem.devices", None, False),
+                     ("stratagem.errors", None, False), ("stratagem.cli", None, False),
+                     ("stratagem.launch", "A.f", False)}
+
+
+#: Each layer, and the packages it must not import (module level, in functions, or for typing):
+#: the lower layer never knows the ones built on it.
+LAYERS: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("stratagem._context", "stratagem.strategies", "stratagem.placement", "stratagem.comm"): (
+        "stratagem.keras", "stratagem.checkpoint", "stratagem.callbacks", "stratagem.metrics",
+        "stratagem.models", "stratagem.mixed_precision", "stratagem.ps", "stratagem.launch",
+        "stratagem.demo", "stratagem.cli", "stratagem.experimental"),
+    ("stratagem.checkpoint",): (
+        "stratagem.keras", "stratagem.callbacks", "stratagem.metrics", "stratagem.models", "stratagem.ps",
+        "stratagem.launch", "stratagem.demo", "stratagem.cli"),
+}
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_lower_layers_import_nothing_from_the_layers_above() -> None:
+    breaches = [f"{imp.where}: {imp.source} imports {imp.target}"
+                for layer, forbidden in LAYERS.items() for imp in ALL_IMPORTS
+                if _within(imp.source, layer) and _within(imp.target, forbidden)]
+    print("\n".join(breaches))
+    assert not breaches, ("a lower layer imports a layer built on it; give the core a declared hook "
+                          "(an attribute or method the upper layer reads) instead:\n" + "\n".join(breaches))
+
+
+def test_the_layer_rule_sees_typing_imports(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "probe.py"
+    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stratagem.keras.model import Model\n")
+    monkeypatch.setitem(MODULES, "stratagem.placement.probe", path)
+    imports = _imports("stratagem.placement.probe")
+    assert [(imp.target, imp.type_checking) for imp in imports] == [("stratagem.keras.model", True)]
+    assert any(_within(imp.source, layer) and _within(imp.target, forbidden)
+               for layer, forbidden in LAYERS.items() for imp in imports)

@@ -11,8 +11,8 @@ from pathlib import Path
 from stratagem.callbacks.base import Callback
 from stratagem.callbacks.checkpoint import check_save_freq
 from stratagem.errors import InvalidArgumentError
-from stratagem.training.checkpoint import Checkpoint
-from stratagem.training.manager import CheckpointManager
+from stratagem.checkpoint.checkpoint import Checkpoint
+from stratagem.checkpoint.manager import CheckpointManager
 
 __all__ = ["BackupAndRestore"]
 

@@ -15,7 +15,7 @@ from torch import nn
 from stratagem.callbacks.base import Callback
 from stratagem.callbacks.monitor import Monitor, chief_decides, is_chief, strategy_of
 from stratagem.errors import InvalidArgumentError
-from stratagem.training.checkpoint import Checkpoint
+from stratagem.checkpoint.checkpoint import Checkpoint
 
 __all__ = ["ModelCheckpoint", "check_save_freq", "training_state"]
 

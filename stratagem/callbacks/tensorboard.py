@@ -18,7 +18,7 @@ from stratagem.callbacks.base import Callback
 from stratagem.callbacks.monitor import is_chief
 from stratagem.callbacks.schedule import learning_rate
 from stratagem.errors import InvalidArgumentError
-from stratagem.training.summaries import summary_writer, write_scalars
+from stratagem.keras.summaries import summary_writer, write_scalars
 
 __all__ = ["TensorBoard"]
 

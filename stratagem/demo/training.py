@@ -20,7 +20,7 @@ from torch import nn
 
 import stratagem as sg
 from stratagem.demo.data import Digits, ShuffledBatches
-from stratagem.training.progress import LineProgress
+from stratagem.keras.progress import LineProgress
 
 __all__ = ["DemoProgress", "OPTIMIZERS", "TrainConfig", "Trained", "accuracy_of", "demo_loss", "make_model", "one_intra_op_thread",
            "progress_bar", "train_plain_pytorch", "train_with_strategy"]

@@ -79,7 +79,7 @@ class Placement(abc.ABC):
 
         ``directory`` is the checkpoint being written; files written into it are named
         ``<name>.*``. Returns the state for ``<name>.pt`` (pieces replaced by descriptors, see
-        :mod:`stratagem.training.pieces`) and the manifest entries of the files written, or
+        :mod:`stratagem.checkpoint.pieces`) and the manifest entries of the files written, or
         None: the checkpoint saves ``obj.state_dict()``, one logical copy (the default).
         """
         return None
@@ -92,7 +92,7 @@ class Placement(abc.ABC):
 
     def read_checkpoint_state(self, obj: Any, skeleton: Any, directory: Any, name: str) -> Any:
         """Restore ``obj`` where its state lives, from the files that ``write_checkpoint_state``
-        wrote: a :class:`~stratagem.training.pieces.PlacedRestore`, or None (the default): the
+        wrote: a :class:`~stratagem.checkpoint.pieces.PlacedRestore`, or None (the default): the
         checkpoint assembles the logical state from ``skeleton`` and calls ``load_state_dict``."""
         return None
 

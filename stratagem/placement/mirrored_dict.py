@@ -20,15 +20,24 @@ mean over replicas.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import torch
 
 from stratagem import _context
 from stratagem.errors import ContextError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from stratagem.placement.mirrored import MirroredPlacement
+
+class MirroredCopies(Protocol):
+    """What a :class:`MirroredDict` needs of the placement that made it (``MirroredPlacement``)."""
+
+    strategy: Any
+    num_replicas: int
+    first_copy: int          # replicas below it compute with the primary itself
+    shares_parameters: bool  # the copies of parameters share the primary's memory
+
+    def mirror_entry(self, entries: "MirroredDict", key: str) -> None:
+        """Give every replica its copy of ``entries[key]`` (a new or replaced entry)."""
 
 
 class MirroredDict(dict):
@@ -38,7 +47,7 @@ class MirroredDict(dict):
     holds replica ``r``'s. Lookups pick the calling thread's replica.
     """
 
-    def __init__(self, placement: "MirroredPlacement", is_buffers: bool, items: Iterable = ()):
+    def __init__(self, placement: MirroredCopies, is_buffers: bool, items: Iterable = ()):
         super().__init__(items)
         self.placement = placement
         self._is_buffers = is_buffers

@@ -7,7 +7,7 @@ On the coordinator (the user's script):
   partitioner), and what scope does to modules and optimizers;
 - ``closures.py`` -- how a scheduled function travels: variables, optimizers and
   per-worker iterators by reference (a pickler on the coordinator, an unpickler on the
-  worker); :class:`~stratagem.ClusterCoordinator` (``stratagem/coordinator/``) sends them.
+  worker); :class:`~stratagem.ClusterCoordinator` (``coordinator.py``) sends them.
 
 On the servers (``stratagem server``, ``server.py``, serves one task from TF_CONFIG):
 

@@ -7,7 +7,7 @@ Here that means: the coordinator sends each parameter server one ``write_shards`
 module) or the optimizer states (for an optimizer) of its shards into ``<name>.ps<k>.pt``
 inside the checkpoint's temporary directory and answers with the file's size and CRC-32; the
 coordinator writes ``<name>.pt``, the state dict with each variable replaced by a descriptor
-of its pieces (:mod:`stratagem.training.pieces`), and the manifest. No value travels through
+of its pieces (:mod:`stratagem.checkpoint.pieces`), and the manifest. No value travels through
 the coordinator, and the directory must be on a file system that the coordinator and every
 ps share.
 
@@ -35,8 +35,8 @@ from stratagem.errors import CheckpointError, InvalidArgumentError
 from stratagem.placement.hooks import placement_of
 from stratagem.ps.client import call_each
 from stratagem.ps.variables import RemoteVariable, remote_of
-from stratagem.training.pieces import PlacedRestore, pieces_descriptor
-from stratagem.training.storage import CheckpointReader, check_loadable, write_file
+from stratagem.checkpoint.pieces import PlacedRestore, pieces_descriptor
+from stratagem.checkpoint.storage import CheckpointReader, check_loadable, write_file
 
 __all__ = ["checkpoint_handlers", "load_shards", "read_state", "write_shards", "write_state"]
 

@@ -34,7 +34,6 @@ from stratagem.placement import hooks
 from stratagem.placement.base import Placement
 from stratagem.strategies.replica_context import CrossReplicaCollectives, ReplicaContext
 from stratagem.strategies.runner import InlineRunner, ThreadRunner
-from stratagem.training.steps import ModelSteps
 from stratagem.values import DistributedValues, PerReplica, ReduceOp, flatten, map_structure, pack_as, regroup
 
 
@@ -68,6 +67,10 @@ class Strategy:
 
     #: True only for the default strategy (what sg.get_strategy() returns outside every scope).
     is_default = False
+    #: How ``sg.Model``'s steps are shaped under this strategy, for the Keras layer to pick them
+    #: (:func:`stratagem.keras.step_kinds.steps_for`): ``"replica"`` -- the forward, then
+    #: ``loss.backward()``, in each replica; ``"pipeline"`` -- a schedule of micro-batches.
+    model_steps_kind = "replica"
 
     def _configure(self, topology: Topology, collective: Collective, placement: Placement) -> None:
         """Set the collaborators (each strategy's ``__init__`` calls this once).
@@ -363,11 +366,6 @@ class Strategy:
     def collectives(self) -> CrossReplicaCollectives:
         """The collectives (broadcast, all_reduce, ...) applied to PerReplica values from cross-replica context."""
         return CrossReplicaCollectives(self)
-
-    def _model_steps(self) -> Any:
-        """The per-replica steps ``sg.Model`` runs (train, test, predict): forward, then backward.
-        A strategy whose step is shaped otherwise (a pipeline's schedule) gives its own."""
-        return ModelSteps()
 
     def _check_owned(self, structure: Any, method: str) -> None:
         for leaf in flatten(structure):

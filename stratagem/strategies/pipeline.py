@@ -25,7 +25,6 @@ from stratagem.placement.pipeline import PipelinePlacement
 from stratagem.placement.pipeline_plan import check_schedule
 from stratagem.placement.pipeline_schedule import PipelineSchedules, forward_only
 from stratagem.strategies.mesh import MeshStrategy
-from stratagem.training.pipeline_steps import PipelineSteps
 
 
 class PipelineStrategy(MeshStrategy):
@@ -66,6 +65,7 @@ class PipelineStrategy(MeshStrategy):
     """
 
     axis = "pipe"
+    model_steps_kind = "pipeline"   # sg.Model runs the schedule (stratagem.keras.pipeline_steps)
 
     def __init__(self, mesh: dict[str, int] | None = None, *, split_points: Sequence[str] | None = None,
                  num_stages: int | None = None, num_microbatches: int = 4, schedule: str = "1f1b",
@@ -156,10 +156,6 @@ class PipelineStrategy(MeshStrategy):
         device = self._mesh_device.torch_device
         return forward_only(self._placement.split_of(model), tuple(x.to(device) for x in inputs),
                             pipe_rank=self.pipe_rank, pipe=self._pipe, device=device)
-
-    def _model_steps(self) -> Any:
-        """``sg.Model``'s steps: the schedule's forward-and-backward, evaluation by :meth:`predict`."""
-        return PipelineSteps(self)
 
     def __repr__(self) -> str:
         return (f"PipelineStrategy({self._mesh_repr()}, schedule={self._schedule!r}, "

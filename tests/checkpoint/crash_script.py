@@ -11,7 +11,7 @@ import time
 import torch
 
 import stratagem as sg
-from stratagem.training import storage
+from stratagem.checkpoint import storage
 
 model = torch.nn.Linear(64, 64)
 ckpt = sg.Checkpoint(model=model, step=1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import stratagem as sg
-from stratagem.training import storage
+from stratagem.checkpoint import storage
 
 from .common import assert_same_state, batches, build, make_strategy, train
 

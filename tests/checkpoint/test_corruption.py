@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import stratagem as sg
-from stratagem.training import storage
+from stratagem.checkpoint import storage
 
 from .common import Net, batches, build, train
 

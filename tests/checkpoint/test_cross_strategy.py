@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import stratagem as sg
-from stratagem.training.storage import CheckpointReader
+from stratagem.checkpoint.storage import CheckpointReader
 
 from .common import assert_same_state, batches, build, make_strategy, train
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import stratagem as sg
-from stratagem.training import writer_lock
+from stratagem.checkpoint import writer_lock
 
 pytestmark = pytest.mark.timeout(180)
 SCRIPT = Path(__file__).with_name("directory_script.py")

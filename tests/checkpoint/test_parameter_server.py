@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import stratagem as sg
-from stratagem.training.pieces import pieces_descriptor
-from stratagem.training.storage import write_directory
+from stratagem.checkpoint.pieces import pieces_descriptor
+from stratagem.checkpoint.storage import write_directory
 
 from .common import assert_same_state, batches, build, make_strategy
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
-from stratagem.training import checkpoint as checkpoint_module
+from stratagem.checkpoint import checkpoint as checkpoint_module
 
 EPOCHS = 2
 

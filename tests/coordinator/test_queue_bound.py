@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from stratagem.coordinator.dispatcher import _Closure, _Queue
-from stratagem.coordinator.values import RemoteValue
+from stratagem.ps.dispatcher import _Closure, _Queue
+from stratagem.ps.remote_value import RemoteValue
 
 pytestmark = pytest.mark.timeout(20)
 

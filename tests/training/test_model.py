@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
-from stratagem.training.model import NotCompiledError
-from stratagem.training.progress import ProgressLogger
+from stratagem.keras.model import NotCompiledError
+from stratagem.keras.progress import ProgressLogger
 
 from .common import build, data, fit, make_module, state
 

@@ -39,7 +39,7 @@ def test_a_worker_s_input_is_read_over_and_over_or_refused_clearly() -> None:
 
     from stratagem.data.input import InputContext
     from stratagem.errors import InvalidArgumentError
-    from stratagem.training.ps_loop import _dataset_fn
+    from stratagem.ps.fit_loop import _dataset_fn
 
     loader = torch.utils.data.DataLoader(torch.arange(4), batch_size=2)
     read = _dataset_fn(lambda context: loader, None, None, None, True)(InputContext())

@@ -23,11 +23,11 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader
 
-from stratagem.coordinator import ClusterCoordinator
+from stratagem.ps.coordinator import ClusterCoordinator
 from stratagem.errors import InvalidArgumentError
-from stratagem.training.callback_list import CallbackList
-from stratagem.training.inputs import DEFAULT_BATCH_SIZE, ArrayDataset, as_batches, keep_batch
-from stratagem.training.progress import ProgressLogger
+from stratagem.keras.callback_list import CallbackList
+from stratagem.keras.inputs import DEFAULT_BATCH_SIZE, ArrayDataset, as_batches, keep_batch
+from stratagem.keras.progress import ProgressLogger
 
 __all__ = ["ScheduledEpochs"]
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from stratagem.errors import InvalidArgumentError
 from stratagem.metrics.base import Metric
-from stratagem.training.losses import Loss
+from stratagem.keras.losses import Loss
 
 __all__ = ["clean_copy", "dump", "load", "logical_module", "register_in_scope"]
 

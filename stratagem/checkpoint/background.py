@@ -1,6 +1,6 @@
 """``Checkpoint.save(blocking=False)``: the state copied in memory now, the files written by a thread.
 
-A :class:`BackgroundWriter` is a :class:`~stratagem.training.storage.DirectoryWriter` (the
+A :class:`BackgroundWriter` is a :class:`~stratagem.checkpoint.storage.DirectoryWriter` (the
 same atomic write, the same lock of the directory) whose files are written after ``commit``
 returns; ``wait`` raises what the thread raised, as the CheckpointError a blocking save
 would have raised.
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from stratagem.errors import CheckpointError
-from stratagem.training.storage import DirectoryWriter, owned_copy, write_failure
+from stratagem.checkpoint.storage import DirectoryWriter, owned_copy, write_failure
 
 __all__ = ["BackgroundWriter"]
 

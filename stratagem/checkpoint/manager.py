@@ -1,13 +1,13 @@
 """``sg.CheckpointManager``: numbered checkpoints in one directory, the newest few kept.
 
 The directory holds ``ckpt-1``, ``ckpt-2``, ... (each a complete checkpoint, see
-:mod:`stratagem.training.storage`); the directory listing is the index, so nothing can
+:mod:`stratagem.checkpoint.storage`); the directory listing is the index, so nothing can
 disagree with it after a crash. ``save()`` writes ``ckpt-<latest + 1>``, then the chief
 deletes the oldest beyond ``max_to_keep`` (each is first renamed to a temporary name, so a
 half-deleted checkpoint never looks like one) and any unfinished writes a crash left.
 
 When training is over, ``mark_training_finished()`` writes ``ckpt-finished`` naming the
-last checkpoint, which tells a :class:`~stratagem.training.sidecar.SidecarEvaluator` to
+last checkpoint, which tells a :class:`~stratagem.keras.sidecar.SidecarEvaluator` to
 stop after it; the next ``save()`` removes the mark (a resumed job is not finished).
 """
 
@@ -22,9 +22,9 @@ import warnings
 from pathlib import Path
 
 from stratagem.errors import CheckpointError, InvalidArgumentError
-from stratagem.training.checkpoint import Checkpoint
-from stratagem.training.storage import MANIFEST, remove_stale_temporaries, write_failure
-from stratagem.training.writer_lock import hold_writer_lock, release_writer_lock, series_of
+from stratagem.checkpoint.checkpoint import Checkpoint
+from stratagem.checkpoint.storage import MANIFEST, remove_stale_temporaries, write_failure
+from stratagem.checkpoint.writer_lock import hold_writer_lock, release_writer_lock, series_of
 
 __all__ = ["CheckpointManager", "latest_checkpoint"]
 

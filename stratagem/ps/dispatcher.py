@@ -35,7 +35,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from stratagem.coordinator.values import RemoteValue
+from stratagem.ps.remote_value import RemoteValue
 from stratagem.errors import ClusterConfigError, UnavailableError
 from stratagem.metrics.base import accept_worker_deltas
 from stratagem.ps.closures import ClosureNotCachedError, ClosurePickler
@@ -43,7 +43,7 @@ from stratagem.rpc import RemoteError, RpcClient
 from stratagem.rpc.errors import AuthenticationError, ClockSkewError, RpcError
 
 if TYPE_CHECKING:
-    from stratagem.coordinator.coordinator import ClusterCoordinator
+    from stratagem.ps.coordinator import ClusterCoordinator
 
 PING_SECONDS = 1.0
 MISSED_PINGS = 3

@@ -12,7 +12,7 @@ positions (each reads its own input), then the chief (worker 0) writes while the
 wait for its answer, so that when ``save`` returns on any worker the checkpoint is
 complete -- or every worker raises. In ``restore`` every worker reads and verifies the
 files itself when it sees the chief's checkpoint (a shared file system), else receives the
-chief's copy over the process group (:mod:`stratagem.training.chief_copy`); the workers
+chief's copy over the process group (:mod:`stratagem.checkpoint.chief_copy`); the workers
 agree that all of them succeeded, and only then does anything change.
 """
 
@@ -32,11 +32,11 @@ from stratagem import _context
 from stratagem.data.position import PositionedDataset, TrackedIterator
 from stratagem.errors import CheckpointError, ContextError, InvalidArgumentError
 from stratagem.placement.hooks import module_placement, placement_of
-from stratagem.training.background import BackgroundWriter
-from stratagem.training.chief_copy import ChiefCopy, open_checkpoint
-from stratagem.training.pieces import PlacedRestore, assemble
-from stratagem.training.storage import CheckpointReader, DirectoryWriter, check_loadable, owned_copy, write_failure
-from stratagem.training.validate import problems_with
+from stratagem.checkpoint.background import BackgroundWriter
+from stratagem.checkpoint.chief_copy import ChiefCopy, open_checkpoint
+from stratagem.checkpoint.pieces import PlacedRestore, assemble
+from stratagem.checkpoint.storage import CheckpointReader, DirectoryWriter, check_loadable, owned_copy, write_failure
+from stratagem.checkpoint.validate import problems_with
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _MODEL_PARTS = ("optimizer", "loss_scaler")   # what an sg.Model adds beside its module
@@ -190,7 +190,7 @@ class Checkpoint:
         it and raises what it raised. Raises CheckpointError, with the previous checkpoints
         untouched, when the file system refuses the write (full, read-only) and when another
         live process writes the same series of checkpoints in that directory (the writer
-        takes a lock there, held while this Checkpoint lives: :mod:`~stratagem.training.writer_lock`).
+        takes a lock there, held while this Checkpoint lives: :mod:`~stratagem.checkpoint.writer_lock`).
         """
         self._check_context("save")
         self.wait()

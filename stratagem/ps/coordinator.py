@@ -17,7 +17,7 @@ an abandoned execution is cancelled.
 An exception in the user's function fails that closure only: ``join()`` and
 ``fetch()`` re-raise it with the remote traceback; the other closures still run.
 A parameter server that stops answering for ``ps_timeout`` seconds, or comes back as a
-new process, is declared lost (:mod:`stratagem.coordinator.ps_health`; a stall of a few
+new process, is declared lost (:mod:`stratagem.ps.health`; a stall of a few
 seconds is not a loss): from then on nothing more is applied, and ``schedule``, ``join``
 and ``fetch`` raise :class:`~stratagem.errors.UnavailableError` naming it until the user
 restores the variables (``model.load_state_dict`` / ``optimizer.load_state_dict``).
@@ -59,9 +59,9 @@ import weakref
 from typing import Any, Callable, Iterator
 
 from stratagem._profiling import label
-from stratagem.coordinator.dispatcher import _Closure, _Queue, _Worker
-from stratagem.coordinator.ps_health import PsWatchdog
-from stratagem.coordinator.values import RemoteValue, check_timeout, remaining
+from stratagem.ps.dispatcher import _Closure, _Queue, _Worker
+from stratagem.ps.health import PsWatchdog
+from stratagem.ps.remote_value import RemoteValue, check_timeout, remaining
 from stratagem.errors import InvalidArgumentError, UnavailableError
 from stratagem.ps.closures import PerWorkerDataset, PerWorkerIterator
 from stratagem.ps.fencing import LeaseExpiredError

@@ -31,7 +31,7 @@ from stratagem.ps.client import ParameterServerClient
 from stratagem.ps.ownership import FencedError
 
 if TYPE_CHECKING:
-    from stratagem.coordinator.coordinator import ClusterCoordinator
+    from stratagem.ps.coordinator import ClusterCoordinator
 
 __all__ = ["PsWatchdog"]
 

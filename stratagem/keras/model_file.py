@@ -6,7 +6,7 @@
      "state_dict":   the module's state_dict: one logical copy, CPU tensors
                      (plain_module.load_state_dict(torch.load(path, weights_only=True)["state_dict"]))
      "architecture": bytes: the module's structure, its tensors referring to "state_dict" / "tensors"
-                     (stratagem.training.architecture; read by load_model, safe_mode=True by default)
+                     (stratagem.keras.architecture; read by load_model, safe_mode=True by default)
      "tensors":      other tensors the architecture holds (non-persistent buffers, a loss's weights)
      "compile":      None (not compiled), or
                      {"loss": {"name": str} | {"pickle": bytes} | {"unrestorable": why},
@@ -37,8 +37,8 @@ from stratagem import __version__
 from stratagem.errors import CheckpointError, InvalidArgumentError
 from stratagem.metrics.base import Metric
 from stratagem.placement.learning_rate import plain_class
-from stratagem.training import architecture
-from stratagem.training.storage import check_loadable
+from stratagem.keras import architecture
+from stratagem.checkpoint.storage import check_loadable
 
 __all__ = ["FORMAT", "model_payload", "parse", "resolve_compile", "weights_of", "weights_payload"]
 

@@ -10,9 +10,9 @@ import torch
 
 from stratagem.callbacks import Callback
 from stratagem.errors import InvalidArgumentError
-from stratagem.training.callback_list import CallbackList
-from stratagem.training.inputs import as_batches
-from stratagem.training.progress import ProgressLogger
+from stratagem.keras.callback_list import CallbackList
+from stratagem.keras.inputs import as_batches
+from stratagem.keras.progress import ProgressLogger
 from stratagem.values import DistributedValues, flatten, pack_as
 
 __all__ = ["EpochBatches", "LazyLogs", "ReplicatedEpochs", "concat", "global_rows", "length", "overrides", "step_logs"]

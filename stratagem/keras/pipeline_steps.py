@@ -26,8 +26,8 @@ import torch
 
 from stratagem.errors import InvalidArgumentError
 from stratagem.nn.losses import _current_global_batch_size
-from stratagem.training.inputs import unpack
-from stratagem.training.steps import ModelSteps, StepPrecision, per_example_losses, update_metrics
+from stratagem.keras.inputs import unpack
+from stratagem.keras.steps import ModelSteps, StepPrecision, per_example_losses, update_metrics
 from stratagem.values import flatten, map_structure
 
 __all__ = ["PipelineSteps"]

@@ -29,7 +29,7 @@ import torch
 from stratagem.errors import InvalidArgumentError
 from stratagem.mixed_precision import Policy
 from stratagem.nn.losses import compute_average_loss
-from stratagem.training.inputs import unpack
+from stratagem.keras.inputs import unpack
 from stratagem.values import map_structure
 
 __all__ = ["ModelSteps", "StepPrecision", "check_jit_compile", "compiled", "make_predict_step", "make_test_step", "make_train_step",
@@ -71,11 +71,11 @@ _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.Weak
 _COMPILING = threading.Lock()
 
 
-def check_jit_compile(jit_compile: Any, run_eagerly: bool, strategy: Any) -> bool:
+def check_jit_compile(jit_compile: Any, run_eagerly: bool, steps: "ModelSteps", strategy: Any) -> bool:
     """``compile(jit_compile=..., run_eagerly=...)`` as one flag: whether to ``torch.compile``."""
     if jit_compile not in (None, True, False, "auto"):
         raise InvalidArgumentError(f"jit_compile must be True, False, None or 'auto', got {jit_compile!r}")
-    if jit_compile is True and not run_eagerly and not strategy._model_steps().supports_jit_compile:
+    if jit_compile is True and not run_eagerly and not steps.supports_jit_compile:
         raise InvalidArgumentError(f"compile(jit_compile=True) is not supported under {strategy!r}; "
                                    f"compile with jit_compile=False")
     return jit_compile is True and not run_eagerly
@@ -181,9 +181,9 @@ def make_predict_step(module: torch.nn.Module, precision: StepPrecision = _FULL)
 
 
 class ModelSteps:
-    """The steps ``Model`` runs on a replica, as ``strategy._model_steps()`` gives them: these
+    """The steps ``Model`` runs on a replica, as ``steps_for(strategy)`` gives them: these
     (the module's forward, then ``loss.backward()``) unless the strategy's step is shaped
-    otherwise (:class:`~stratagem.training.pipeline_steps.PipelineSteps`)."""
+    otherwise (:class:`~stratagem.keras.pipeline_steps.PipelineSteps`)."""
 
     #: whether these steps run a mixed-precision policy (``compile(..., mixed_precision=...)``)
     supports_mixed_precision = True

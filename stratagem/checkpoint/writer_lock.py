@@ -8,7 +8,7 @@ writes a series of checkpoints -- the names of a directory that differ only in t
 takes ``<directory>/.<series>.lock`` (``.ckpt-N.lock``), a small JSON file naming it: host, boot
 id, pid, the process's start time, its task and script, and the last time it renewed its
 lease. Only writers take it (the chief of a multi-worker job, the coordinator of a
-parameter-server job; every :class:`~stratagem.training.storage.DirectoryWriter` asks for it),
+parameter-server job; every :class:`~stratagem.checkpoint.storage.DirectoryWriter` asks for it),
 never readers such as a sidecar evaluator.
 
 Another process finds the lock:

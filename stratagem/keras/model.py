@@ -3,11 +3,11 @@
 Create the module in a strategy's scope (or pass ``strategy=``), wrap it in a ``Model``,
 ``compile`` it, and ``fit``: the loop below is the custom training loop of the README --
 ``experimental_distribute_dataset`` cuts every global batch over the replicas,
-``strategy.run`` runs the step (:mod:`stratagem.training.steps`, or the strategy's own from
-``strategy._model_steps()``: a pipeline's schedule) on each, and the metrics
+``strategy.run`` runs the step (:mod:`stratagem.keras.steps`, or the strategy's own from
+``steps_for(strategy)``: a pipeline's schedule) on each, and the metrics
 are read as global values at the end of every step and epoch. Under a parameter-server
 strategy the steps are scheduled through its ``ClusterCoordinator`` instead
-(:mod:`stratagem.training.ps_loop`).
+(:mod:`stratagem.ps.fit_loop`).
 
 The loop's order per epoch: reset the metrics, ``on_epoch_begin``, then per step
 ``on_train_batch_begin``, the step, ``on_train_batch_end(logs)`` and a check of
@@ -30,14 +30,15 @@ from stratagem.callbacks import BackupAndRestore
 from stratagem.errors import InvalidArgumentError, StratagemError
 from stratagem.mixed_precision import Policy, as_policy, global_policy
 from stratagem.placement.learning_rate import with_learning_rate
-from stratagem.training import losses as losses_module
-from stratagem.training.callback_list import CallbackList, History
-from stratagem.training.checkpoint import Checkpoint
-from stratagem.training.epochs import EpochBatches, ReplicatedEpochs, concat, global_rows, length, step_logs
-from stratagem.training.inputs import as_batches, split_validation
-from stratagem.training.model_io import ModelIO
-from stratagem.training.progress import ProgressLogger
-from stratagem.training.steps import StepPrecision, check_jit_compile
+from stratagem.keras import losses as losses_module
+from stratagem.keras.callback_list import CallbackList, History
+from stratagem.checkpoint.checkpoint import Checkpoint
+from stratagem.keras.epochs import EpochBatches, ReplicatedEpochs, concat, global_rows, length, step_logs
+from stratagem.keras.inputs import as_batches, split_validation
+from stratagem.keras.model_io import ModelIO
+from stratagem.keras.progress import ProgressLogger
+from stratagem.keras.step_kinds import steps_for
+from stratagem.keras.steps import StepPrecision, check_jit_compile
 from stratagem.values import map_structure, select_replica
 
 __all__ = ["Model", "NotCompiledError"]
@@ -125,7 +126,7 @@ class Model(ModelIO):
 
         ``optimizer``: a torch optimizer over the module's parameters (created in scope),
         or ``"sgd"``, ``"adam"``, ``"adamw"``, ``"rmsprop"`` (Keras's learning rates).
-        ``loss``: see :mod:`stratagem.training.losses` (names, ``sg.losses`` objects,
+        ``loss``: see :mod:`stratagem.keras.losses` (names, ``sg.losses`` objects,
         ``torch.nn`` losses, callables). ``metrics``: names (``"accuracy"``, ``"mae"``, ...)
         or ``sg.metrics`` objects. ``mixed_precision``: Keras's policy, ``"mixed_bfloat16"``,
         ``"mixed_float16"`` (with loss scaling) or ``"float32"``; by default
@@ -142,11 +143,11 @@ class Model(ModelIO):
             raise InvalidArgumentError(f"metrics must be a list, e.g. metrics=['accuracy'], got {metrics!r}")
         loss_fn = losses_module.get(loss)
         policy = global_policy() if mixed_precision is None else as_policy(mixed_precision)
-        if policy.compute_dtype is not None and not self.strategy._model_steps().supports_mixed_precision:
+        if policy.compute_dtype is not None and not steps_for(self.strategy).supports_mixed_precision:
             raise InvalidArgumentError(f"compile(mixed_precision={policy.name!r}) is not supported under "
                                        f"{self.strategy!r}; compile with mixed_precision='float32'")
         _check_count("steps_per_execution", steps_per_execution, minimum=1)
-        jit_compile = check_jit_compile(jit_compile, run_eagerly, self.strategy)
+        jit_compile = check_jit_compile(jit_compile, run_eagerly, steps_for(self.strategy), self.strategy)
         device_type = next((p.device.type for p in self.module.parameters()), "cpu")
         with self.strategy.scope():   # nothing is kept unless everything resolves
             compiled_metrics = [metrics_module.get(m, loss=loss) for m in (metrics or [])]
@@ -176,7 +177,7 @@ class Model(ModelIO):
         """The function that runs one training step on a replica (or a parameter-server worker):
         ``step(batch) -> (loss, rows)`` -- forward, loss, backward, optimizer step, metrics."""
         self._require_compiled("fit")
-        return self.strategy._model_steps().train(self.module, self.optimizer, self._loss_fn, self._loss_tracker,
+        return steps_for(self.strategy).train(self.module, self.optimizer, self._loss_fn, self._loss_tracker,
                                                   self.compiled_metrics, self._precision)
 
     def _require_compiled(self, method: str) -> None:
@@ -207,7 +208,7 @@ class Model(ModelIO):
             (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight, validation_split)
         progress = ProgressLogger(verbose, chief=self._is_chief())
         if _is_parameter_server(self.strategy):
-            from stratagem.training.ps_loop import ScheduledEpochs   # grpc: loaded for a ps fit only
+            from stratagem.ps.fit_loop import ScheduledEpochs   # grpc: loaded for a ps fit only
 
             loop: Any = ScheduledEpochs(self, x, y, sample_weight, batch_size=batch_size,
                                         steps_per_epoch=steps_per_epoch, shuffle=shuffle)
@@ -299,7 +300,7 @@ class Model(ModelIO):
                           progress: ProgressLogger) -> dict:
         strategy = self.strategy
         call = callback_list.call if callback_list is not None else (lambda *args: None)
-        step_fn = strategy._model_steps().test(self.module, self._loss_fn, self._loss_tracker, self.compiled_metrics,
+        step_fn = steps_for(strategy).test(self.module, self._loss_fn, self._loss_tracker, self.compiled_metrics,
                                                self._precision)
         self.reset_metrics()
         batch_logs = step_logs(self, callback_list, progress, "on_test_batch_end", steps or length(data))
@@ -338,7 +339,7 @@ class Model(ModelIO):
         callback_list = CallbackList(callbacks or [], model=self,
                                      params={"epochs": 1, "steps": steps or length(data), "verbose": verbose})
         progress = ProgressLogger(verbose, chief=self._is_chief())
-        step_fn = strategy._model_steps().predict(self.module, self._precision)
+        step_fn = steps_for(strategy).predict(self.module, self._precision)
         num_local = strategy.topology.num_local_replicas
         outputs: list[Any] = []
         callback_list.call("on_predict_begin", None)

@@ -34,10 +34,10 @@ from typing import Any, Callable
 from torch import nn
 
 from stratagem.errors import CheckpointError, InvalidArgumentError
-from stratagem.training.checkpoint import Checkpoint
-from stratagem.training.manager import CheckpointManager
-from stratagem.training.storage import MANIFEST
-from stratagem.training.summaries import summary_writer, write_scalars
+from stratagem.checkpoint.checkpoint import Checkpoint
+from stratagem.checkpoint.manager import CheckpointManager
+from stratagem.checkpoint.storage import MANIFEST
+from stratagem.keras.summaries import summary_writer, write_scalars
 
 __all__ = ["SidecarEvaluator"]
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import CheckpointError
-from stratagem.training.storage import MANIFEST, CheckpointReader, serialize
+from stratagem.checkpoint.storage import MANIFEST, CheckpointReader, serialize
 
 __all__ = ["ChiefCopy", "manifest_digest", "open_checkpoint"]
 

@@ -5,7 +5,7 @@ Whatever the strategy, these see the module as one logical model: its ``state_di
 mirrored placement's replica 0, a parameter server's pulled values), and they change it
 through ``load_state_dict``, which every placement spreads to its copies (every replica,
 every parameter server). Files are written by the chief alone, atomically
-(:mod:`stratagem.training.shared_file`); the file format is :mod:`stratagem.training.model_file`;
+(:mod:`stratagem.keras.shared_file`); the file format is :mod:`stratagem.keras.model_file`;
 ``sg.models.load_model`` (:mod:`stratagem.models`) reads a file of ``save``.
 """
 
@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from stratagem.errors import CheckpointError, ContextError, InvalidArgumentError
-from stratagem.training import architecture, model_file
-from stratagem.training.storage import MANIFEST
-from stratagem.training.checkpoint import Checkpoint
-from stratagem.training.shared_file import agree, in_replica_context, read_everywhere, write_everywhere
-from stratagem.training.summary import summary_lines
+from stratagem.keras import architecture, model_file
+from stratagem.checkpoint.storage import MANIFEST
+from stratagem.checkpoint.checkpoint import Checkpoint
+from stratagem.keras.shared_file import agree, in_replica_context, read_everywhere, write_everywhere
+from stratagem.keras.summary import summary_lines
 
 __all__ = ["ModelIO"]
 
@@ -32,7 +32,7 @@ _NUMPY_LACKS = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.co
 
 
 class ModelIO:
-    """The saving and inspection half of :class:`~stratagem.training.model.Model` (a mixin)."""
+    """The saving and inspection half of :class:`~stratagem.keras.model.Model` (a mixin)."""
 
     module: nn.Module
     strategy: Any

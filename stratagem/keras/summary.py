@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from stratagem.errors import InvalidArgumentError
-from stratagem.training import architecture
+from stratagem.keras import architecture
 
 __all__ = ["summary_lines"]
 

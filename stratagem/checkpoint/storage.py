@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import CheckpointError, InvalidArgumentError
-from stratagem.training.writer_lock import hold_writer_lock, series_of
+from stratagem.checkpoint.writer_lock import hold_writer_lock, series_of
 
 try:   # ISA-L: zlib's CRC-32, the same values, several times faster
     from isal.isal_zlib import crc32
