@@ -56,23 +56,21 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from stratagem._profiling import label
-from stratagem.ps.dispatcher import _Closure, _Queue, _Worker
+from stratagem.errors import InvalidArgumentError, UnavailableError
+from stratagem.ps.closure_queue import _Closure, _Queue
+from stratagem.ps.closures import PerWorkerDataset, PerWorkerIterator
+from stratagem.ps.coordinator_link import CoordinatorLink
+from stratagem.ps.dispatcher import _Worker
 from stratagem.ps.health import PsWatchdog
 from stratagem.ps.remote_value import RemoteValue, check_timeout, remaining
-from stratagem.errors import InvalidArgumentError, UnavailableError
-from stratagem.ps.closures import PerWorkerDataset, PerWorkerIterator
-from stratagem.ps.fencing import LeaseExpiredError
-from stratagem.ps.ownership import FencedError
 from stratagem.ps.strategy import ParameterServerStrategy
-from stratagem.rpc import RemoteError
 from stratagem.values import map_structure
 
 DEFAULT_WORKER_TIMEOUT_SECONDS = 60.0
 DEFAULT_PS_TIMEOUT_SECONDS = 10.0
-MAX_PS_RETRIES = 5     # runs of one closure that failed because a ps stalled
 DEFAULT_MAX_QUEUED_PER_WORKER = 64
 MIN_DEFAULT_MAX_QUEUED = 256
 
@@ -160,7 +158,6 @@ class ClusterCoordinator:
         self.id = strategy.cluster.tenure.id   # names this program's requests and closures on the ps
         self._seq = itertools.count()
         self._fatal: BaseException | None = None
-        self._restores = 0   # times the user restored the variables after a lost ps
         strategy.attach_coordinator(self)
         self.strategy = strategy
         strategy.placement.on_restored = self._variables_restored
@@ -169,8 +166,12 @@ class ClusterCoordinator:
         strategy.cluster.tenure.on_failure(self._fail)   # another coordinator took the ps over
         self._datasets: dict[str, Callable] = {}
         self._keys: "weakref.WeakKeyDictionary[Callable, str]" = weakref.WeakKeyDictionary()
-        self._ps_watch = PsWatchdog(self, ps_timeout)
-        self._workers = [_Worker(self, i, address, strategy.cluster.token)
+        # what the dispatchers and the watchdog may use of this coordinator, and nothing more
+        link = CoordinatorLink(id=self.id, strategy=strategy, queue=self._queue, stopping=self._stopping,
+                               datasets=self._datasets, closure_key=self._closure_key,
+                               check=self._raise_if_failed, fail=self._fail)
+        self._ps_watch = PsWatchdog(link, ps_timeout)
+        self._workers = [_Worker(link, self._ps_watch, i, address)
                          for i, address in enumerate(strategy.cluster.worker_addresses)]
         atexit.register(self.shutdown)  # threads inside gRPC calls at interpreter exit abort it
 
@@ -304,68 +305,11 @@ class ClusterCoordinator:
     def _ps_failure(self) -> UnavailableError | None:
         return self._ps_watch.failure
 
-    def _wait_leased(self) -> None:
-        """Wait until every ps has granted this coordinator a lease (before the first step)."""
-        while not self._ps_watch.leased.wait(0.2):
-            self._raise_if_failed()
-
-    def _ps_lost(self, failure: UnavailableError) -> None:
-        """The watchdog declared a ps lost: the waiting closures fail (running ones are
-        cancelled by their dispatchers)."""
-        self._queue.drain(failure)
-
-    def _retry_for_ps(self, closure: _Closure, error: BaseException) -> bool:
-        """Whether a closure that failed because a ps did not answer in time, or refused its
-        pushes for a lapsed lease, should run again: yes, a few times, unless the ps has been
-        declared lost (each update still applies at most once: the pushes are fenced).
-        ``error`` is what :meth:`_classify` made of the closure's error."""
-        if self._ps_failure is not None or closure.ps_retries >= MAX_PS_RETRIES:
-            return False
-        if any(isinstance(cause, LeaseExpiredError) or (isinstance(cause, UnavailableError) and self._is_ps(cause))
-               for cause in _causes(error)):
-            closure.ps_retries += 1
-            self._stopping.wait(1.0)   # the next heartbeat renews the lease
-            return True
-        return False
-
-    def _is_ps(self, error: BaseException) -> bool:
-        return getattr(error, "task", None) in {c.task for c in self.strategy.cluster.ps_clients}
-
-    def _ps_in_chain(self, error: BaseException) -> bool:
-        """Whether a ps raised or failed somewhere in ``error``'s chain of remote calls."""
-        ps_tasks = {c.task for c in self.strategy.cluster.ps_clients}
-        return any(self._is_ps(cause) or any(task in ps_tasks for _, task in getattr(cause, "chain", ()))
-                   for cause in _causes(error))
-
-    def _classify(self, error: BaseException) -> BaseException:
-        """A closure's error; the lost ps's error once one is declared lost (a step that
-        failed on a ps -- one restarted empty, say -- first makes the watchdog look, once).
-        A remote error loses the dispatcher thread's frames (the RPC's): its message has
-        the frames that matter."""
-        if isinstance(error, RemoteError):
-            error.with_traceback(None)
-        fenced = next((cause for cause in _causes(error) if isinstance(cause, FencedError)), None)
-        if fenced is not None:   # this program was taken over: fatal (the tenure tells _fail)
-            return self.strategy.cluster.tenure.replaced(fenced)
-        for _ in range(3):   # (a restarted ps's first answer needs a new handshake: a loaded host is slow)
-            if self._ps_failure is not None or not self._ps_in_chain(error):
-                break
-            self._ps_watch.heartbeat()
-        return self._ps_failure or error
-
     def _variables_restored(self) -> None:
         """The user restored the variables after a ps failure: scheduling may go on."""
         self._ps_watch.restored()
         # the loss was raised to the user, who restored: the errors of steps that failed
         # before (on the lost ps, or on its empty restart) are not raised again by join(),
-        # nor those of steps dispatched before that end later (the dispatcher counts restores)
-        self._restores += 1
+        # nor those of steps dispatched before that end later (the watchdog counts restores)
         self._queue.errors = []
 
-
-def _causes(error: BaseException) -> Iterator[BaseException]:
-    """``error`` and the remote exceptions it carries, outermost first."""
-    cause: BaseException | None = error
-    while cause is not None:
-        yield cause
-        cause = getattr(cause, "remote_exception", None)

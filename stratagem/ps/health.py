@@ -18,25 +18,33 @@ closure, fails the waiting ones and the running ones with :class:`UnavailableErr
 naming the ps, and ``schedule``/``join``/``fetch`` raise it until the user restores the
 variables (``model.load_state_dict`` / ``optimizer.load_state_dict``), which renews the
 leases.
+
+The watchdog also judges the errors of closures for the dispatchers: which come from a ps
+(one that stalled or lapsed its lease: the closure runs again, a few times at most; one
+declared lost: it fails with the loss), and which say another coordinator took the ps over.
+It reaches its coordinator only through the :class:`~stratagem.ps.coordinator_link.CoordinatorLink`
+it is given.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Iterator
 
 from stratagem.errors import UnavailableError
 from stratagem.ps.client import ParameterServerClient
+from stratagem.ps.closure_queue import _Closure
+from stratagem.ps.coordinator_link import CoordinatorLink
+from stratagem.ps.fencing import LeaseExpiredError
 from stratagem.ps.ownership import FencedError
-
-if TYPE_CHECKING:
-    from stratagem.ps.coordinator import ClusterCoordinator
+from stratagem.rpc import RemoteError
 
 __all__ = ["PsWatchdog"]
 
 HEARTBEAT_SECONDS = 1.0
 RECONNECT_TIMEOUT_SECONDS = 2.0
+MAX_PS_RETRIES = 5     # runs of one closure that failed because a ps stalled
 _RESTORE = ("Restart it (stratagem launch --max-restarts restarts it) and restore the variables from "
             "the last checkpoint with model.load_state_dict / optimizer.load_state_dict")
 
@@ -47,17 +55,20 @@ class PsWatchdog:
     ``failure`` is the :class:`UnavailableError` of the first ps declared lost (None while
     all count as alive); ``leased`` is set once every ps has granted a first lease.
     ``generation`` counts the losses declared, ``last_failure`` is the latest one's error:
-    a step dispatched before a loss fails with it, even if it ends after the restore.
+    a step dispatched before a loss fails with it, even if it ends after the restore;
+    ``restores`` counts the user's restores of the variables after a loss.
     """
 
-    def __init__(self, coordinator: ClusterCoordinator, ps_timeout: float) -> None:
-        self.coordinator = coordinator
+    def __init__(self, link: CoordinatorLink, ps_timeout: float) -> None:
+        self.link = link
         self.ps_timeout = ps_timeout
         self.lease_s = ps_timeout / 2
-        self.clients = coordinator.strategy.cluster.ps_clients
+        self.cluster = link.strategy.cluster
+        self.clients = self.cluster.ps_clients
         self.failure: UnavailableError | None = None
         self.generation = 0
         self.last_failure: UnavailableError | None = None
+        self.restores = 0
         self.leased = threading.Event()
         now = time.monotonic()
         self._last_renewed = [now] * len(self.clients)
@@ -71,12 +82,12 @@ class PsWatchdog:
         self.thread.start()
 
     def _loop(self) -> None:
-        stopping = self.coordinator._stopping
+        stopping = self.link.stopping
         while not stopping.is_set():
             try:
                 self.heartbeat()
             except Exception as error:  # noqa: BLE001 - the watchdog never dies silently
-                self.coordinator._fail(error)
+                self.link.fail(error)
                 return
             stopping.wait(HEARTBEAT_SECONDS)
 
@@ -90,8 +101,8 @@ class PsWatchdog:
             self._expire_lost()
             return
         sent = time.monotonic()
-        request = {"coordinator": self.coordinator.id, "lease_s": self.lease_s, "sent_at": time.time(),
-                   "floor": self.coordinator._queue.floor}   # older closures have finished
+        request = {"coordinator": self.link.id, "lease_s": self.lease_s, "sent_at": time.time(),
+                   "floor": self.link.queue.floor}   # older closures have finished
         calls = [client.rpc.call_async("renew_lease", request, timeout=2 * HEARTBEAT_SECONDS)
                  for client in self.clients]   # (a restarted ps: a hello and the call again)
         for i, call in enumerate(calls):
@@ -100,7 +111,7 @@ class PsWatchdog:
             except Exception as error:  # noqa: BLE001 - not answering in time is what is judged below
                 fenced = getattr(error, "remote_exception", None)
                 if isinstance(fenced, FencedError):   # another coordinator took this ps over
-                    self.coordinator.strategy.cluster.tenure.replaced(fenced)
+                    self.cluster.tenure.replaced(fenced)
                     return
                 answer = None
             if answer is not None and self._check_incarnation(i, answer):
@@ -129,7 +140,7 @@ class PsWatchdog:
     def _reconnects(self, i: int) -> bool:
         """Whether ps ``i`` answers a ping over a new connection (the old one may be wedged)."""
         old = self.clients[i]
-        with ParameterServerClient(old.rpc.address, self.coordinator.strategy.cluster.token,
+        with ParameterServerClient(old.rpc.address, self.cluster.token,
                                    task=old.task) as fresh:
             try:
                 fresh.call("ping", timeout=RECONNECT_TIMEOUT_SECONDS)
@@ -144,7 +155,7 @@ class PsWatchdog:
             f"parameter server {task} is lost: {why}. Nothing more is applied to it: the steps "
             f"waiting or running fail with this error. {_RESTORE}.", task=task)
         self._expired.clear()
-        self.coordinator._ps_lost(self.failure)
+        self.link.queue.drain(self.failure)   # the waiting closures fail; the running ones' dispatchers see it
 
     def _expire_lost(self) -> None:
         """While a ps counts as lost, end this coordinator's lease on every ps that answers
@@ -153,7 +164,7 @@ class PsWatchdog:
             if i in self._expired:
                 continue
             try:
-                client.call("expire_lease", coordinator=self.coordinator.id, timeout=HEARTBEAT_SECONDS)
+                client.call("expire_lease", coordinator=self.link.id, timeout=HEARTBEAT_SECONDS)
                 self._expired.add(i)
             except Exception:  # noqa: BLE001 - still unreachable: try again next round
                 pass
@@ -165,13 +176,14 @@ class PsWatchdog:
         self._last_renewed = [now] * len(self.clients)
         self._incarnations = [None] * len(self.clients)
         self.heartbeat()
+        self.restores += 1
 
     def release(self) -> None:
         """The coordinator shuts down: end its leases (best effort, bounded)."""
         calls = []
         for client in self.clients:
             try:
-                calls.append(client.rpc.call_async("expire_lease", {"coordinator": self.coordinator.id},
+                calls.append(client.rpc.call_async("expire_lease", {"coordinator": self.link.id},
                                                    timeout=HEARTBEAT_SECONDS))
             except Exception:  # noqa: BLE001
                 pass
@@ -180,3 +192,55 @@ class PsWatchdog:
                 call.result()
             except Exception:  # noqa: BLE001 - a dead ps holds no lease worth ending
                 pass
+
+    def wait_leased(self) -> None:
+        """Wait until every ps has granted the coordinator a lease (before the first step)."""
+        while not self.leased.wait(0.2):
+            self.link.check()
+
+    def retry(self, closure: _Closure, error: BaseException) -> bool:
+        """Whether a closure that failed because a ps did not answer in time, or refused its
+        pushes for a lapsed lease, should run again: yes, a few times, unless the ps has been
+        declared lost (each update still applies at most once: the pushes are fenced).
+        ``error`` is what :meth:`classify` made of the closure's error."""
+        if self.failure is not None or closure.ps_retries >= MAX_PS_RETRIES:
+            return False
+        if any(isinstance(cause, LeaseExpiredError) or (isinstance(cause, UnavailableError) and self._is_ps(cause))
+               for cause in _causes(error)):
+            closure.ps_retries += 1
+            self.link.stopping.wait(1.0)   # the next heartbeat renews the lease
+            return True
+        return False
+
+    def _is_ps(self, error: BaseException) -> bool:
+        return getattr(error, "task", None) in {c.task for c in self.clients}
+
+    def _ps_in_chain(self, error: BaseException) -> bool:
+        """Whether a ps raised or failed somewhere in ``error``'s chain of remote calls."""
+        ps_tasks = {c.task for c in self.clients}
+        return any(self._is_ps(cause) or any(task in ps_tasks for _, task in getattr(cause, "chain", ()))
+                   for cause in _causes(error))
+
+    def classify(self, error: BaseException) -> BaseException:
+        """A closure's error; the lost ps's error once one is declared lost (a step that
+        failed on a ps -- one restarted empty, say -- first makes the watchdog look, once).
+        A remote error loses the dispatcher thread's frames (the RPC's): its message has
+        the frames that matter."""
+        if isinstance(error, RemoteError):
+            error.with_traceback(None)
+        fenced = next((cause for cause in _causes(error) if isinstance(cause, FencedError)), None)
+        if fenced is not None:   # this program was taken over: fatal (the tenure tells the coordinator)
+            return self.cluster.tenure.replaced(fenced)
+        for _ in range(3):   # (a restarted ps's first answer needs a new handshake: a loaded host is slow)
+            if self.failure is not None or not self._ps_in_chain(error):
+                break
+            self.heartbeat()
+        return self.failure or error
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and the remote exceptions it carries, outermost first."""
+    cause: BaseException | None = error
+    while cause is not None:
+        yield cause
+        cause = getattr(cause, "remote_exception", None)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from stratagem.ps.dispatcher import _Closure, _Queue
+from stratagem.ps.closure_queue import _Closure, _Queue
 from stratagem.ps.remote_value import RemoteValue
 
 pytestmark = pytest.mark.timeout(20)

@@ -1,0 +1,128 @@
+"""The closure queue of a :class:`~stratagem.ClusterCoordinator`: what its dispatchers run.
+
+``put`` appends a closure; ``get`` hands the next one to a dispatcher; ``finished``
+counts it done (with its error, if any). ``close(error)`` is the end of the queue after a
+fatal error: every waiting closure fails with it, and so does any closure put back later.
+The queue is bounded (back-pressure, as TensorFlow bounds its in-flight closures): a new
+closure waits while ``max_queued`` closures are scheduled and unfinished (waiting or
+running); a closure put back after a lost worker never waits. A waiting ``put`` polls its
+``check`` and wakes at once when the queue is closed, so it never outlives a failure.
+``floor`` is the oldest unfinished closure's number: the fences of
+:mod:`stratagem.ps.fencing` carry it, so a ps forgets what older closures pushed.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import threading
+import time
+from typing import Callable
+
+from stratagem.ps.remote_value import RemoteValue
+
+
+class _Closure:
+    """A scheduled function: ``seq`` numbers it at its coordinator, ``attempt`` counts its
+    executions (each one's pushes are fenced, see :mod:`stratagem.ps.fencing`)."""
+
+    __slots__ = ("fn", "args", "kwargs", "value", "seq", "attempt", "ps_retries")
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, value: RemoteValue, seq: int = 0):
+        self.fn, self.args, self.kwargs, self.value = fn, args, kwargs, value
+        self.seq, self.attempt, self.ps_retries = seq, 0, 0
+
+
+class _Queue:
+    """Closures waiting to run, and a count of those scheduled but not finished."""
+
+    def __init__(self, max_queued: int) -> None:
+        self.max_queued = max_queued
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[_Closure] = collections.deque()
+        self._unfinished = 0
+        self._seqs: list[int] = []         # heap of the unfinished closures' seqs (lazily pruned)
+        self._done: set[int] = set()
+        self._closed: BaseException | None = None
+        self._next = 0                     # one more than the newest seq put
+        self.errors: list[BaseException] = []
+
+    def put(self, closure: _Closure, *, front: bool = False, new: bool = True,
+            check: Callable[[], None] | None = None) -> None:
+        """Append ``closure``; a new one first waits for room, calling ``check`` (which raises
+        to give up) every 0.1 s."""
+        with self._cond:
+            while new and self._closed is None and self._unfinished >= self.max_queued:
+                self._cond.wait(0.1)
+                if check is not None:
+                    check()
+            if self._closed is not None and check is not None:
+                check()
+            if new:
+                self._unfinished += 1
+                heapq.heappush(self._seqs, closure.seq)
+                self._next = max(self._next, closure.seq + 1)
+            if self._closed is not None:
+                self._fail(closure, self._closed)
+                return
+            (self._waiting.appendleft if front else self._waiting.append)(closure)
+            self._cond.notify_all()
+
+    def get(self, timeout: float) -> _Closure | None:
+        with self._cond:
+            if not self._waiting:
+                self._cond.wait(timeout)
+            return self._waiting.popleft() if self._waiting else None
+
+    def finished(self, closure: _Closure, error: BaseException | None = None) -> None:
+        with self._cond:
+            self._unfinished -= 1
+            self._done.add(closure.seq)
+            if error is not None:
+                self.errors.append(error)
+            self._cond.notify_all()
+
+    def close(self, error: BaseException) -> None:
+        """Fail every waiting closure, and every one put later, with ``error``."""
+        with self._cond:
+            if self._closed is None:
+                self._closed = error
+                self.errors.append(error)
+            while self._waiting:
+                self._fail(self._waiting.popleft(), error)
+            self._cond.notify_all()
+
+    def _fail(self, closure: _Closure, error: BaseException) -> None:   # holding the lock
+        closure.value._set_error(error)
+        self._unfinished -= 1
+        self._done.add(closure.seq)
+        self._cond.notify_all()
+
+    def drain(self, error: BaseException) -> None:
+        """Fail every waiting closure with ``error`` (the queue stays open)."""
+        with self._cond:
+            while self._waiting:
+                self._fail(self._waiting.popleft(), error)
+
+    @property
+    def floor(self) -> int:
+        """The smallest seq of an unfinished closure, or of the next one (every older one has finished)."""
+        with self._cond:
+            while self._seqs and self._seqs[0] in self._done:
+                self._done.discard(heapq.heappop(self._seqs))
+            return self._seqs[0] if self._seqs else self._next
+
+    def wait_idle(self, check: Callable[[], None], deadline: float | None = None) -> bool:
+        """Wait until nothing is unfinished (True) or ``deadline`` (monotonic) passes (False)."""
+        with self._cond:
+            while self._unfinished:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                self._cond.wait(0.2 if deadline is None else min(0.2, max(deadline - time.monotonic(), 0)))
+                check()
+            return True
+
+    @property
+    def unfinished(self) -> int:
+        with self._cond:
+            return self._unfinished
