@@ -24,7 +24,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from stratagem import _context
 from stratagem import metrics as metrics_module
 from stratagem.callbacks import BackupAndRestore
 from stratagem.errors import InvalidArgumentError, StratagemError
@@ -36,6 +35,7 @@ from stratagem.checkpoint.checkpoint import Checkpoint
 from stratagem.keras.epochs import EpochBatches, ReplicatedEpochs, concat, global_rows, length, step_logs
 from stratagem.keras.inputs import as_batches, split_validation
 from stratagem.keras.model_io import ModelIO
+from stratagem.keras.model_scope import check_used_in_scope, model_strategy
 from stratagem.keras.progress import ProgressLogger
 from stratagem.keras.step_kinds import steps_for
 from stratagem.keras.steps import StepPrecision, check_jit_compile
@@ -61,7 +61,9 @@ class Model(ModelIO):
 
     ``strategy`` defaults to the strategy whose scope is active when the ``Model`` is
     created (the default strategy outside every scope); the module must have been created
-    in that strategy's scope. Callbacks may read and set ``model.stop_training`` and read
+    in that strategy's scope, and ``compile``, ``fit``, ``evaluate`` and ``predict`` are
+    called in it or outside every scope (else :class:`~stratagem.errors.ContextError`:
+    :mod:`stratagem.keras.model_scope`). Callbacks may read and set ``model.stop_training`` and read
     ``optimizer``, ``module``, ``strategy``, ``history``, ``loss``, ``metrics``,
     ``dtype_policy`` and ``loss_scaler``. Saving and inspecting (``save``, ``save_weights``,
     ``load_weights``, ``summary``, ``weights``, ``get_weights``, ...): :class:`ModelIO`.
@@ -84,8 +86,7 @@ class Model(ModelIO):
         if not isinstance(module, nn.Module):
             raise InvalidArgumentError(f"sg.Model wraps a torch.nn.Module, got {type(module).__name__}")
         self.module = module
-        self.strategy = strategy if strategy is not None else _context.get_strategy()
-        self._check_placed()
+        self.strategy = model_strategy(module, strategy)
         self.optimizer: torch.optim.Optimizer | None = None
         self.loss: Any = None
         self.compiled_metrics: list[Any] = []
@@ -100,17 +101,6 @@ class Model(ModelIO):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
-
-    def _check_placed(self) -> None:
-        strategy = self.strategy
-        first = next(iter(self.module.parameters()), None)
-        if first is None or strategy.topology.num_local_replicas == 1:
-            return
-        strategy.placement.finalize()
-        if strategy.placement.all_copies(first) is None:
-            raise InvalidArgumentError(
-                f"the module given to sg.Model was not created in the scope of {strategy!r}, so its "
-                f"replicas would not be kept in sync; create it inside `with strategy.scope():`")
 
     @property
     def metrics(self) -> list[Any]:
@@ -136,6 +126,7 @@ class Model(ModelIO):
         ``jit_compile=True``: the forward runs through ``torch.compile`` (``None``/``"auto"``:
         eager). ``run_eagerly`` is accepted for Keras code; steps always run eagerly otherwise.
         """
+        check_used_in_scope(self.strategy, "compile")
         if loss is None:
             raise InvalidArgumentError("compile needs a loss: a name like 'mse', an sg.losses object, a "
                                        "torch.nn loss, or a function fn(y_true, y_pred)")
@@ -200,6 +191,7 @@ class Model(ModelIO):
         an iterable of batches. ``validation_split``: the last fraction of array inputs.
         """
         self._require_compiled("fit")
+        check_used_in_scope(self.strategy, "fit")
         _check_count("epochs", epochs, minimum=1)
         _check_count("initial_epoch", initial_epoch, minimum=0)
         if steps_per_epoch is not None:
@@ -285,6 +277,7 @@ class Model(ModelIO):
         one plain model.
         """
         self._require_compiled("evaluate")
+        check_used_in_scope(self.strategy, "evaluate")
         if steps is not None:
             _check_count("steps", steps, minimum=1)
         data = as_batches(x, y, sample_weight, batch_size=batch_size, shuffle=False, method="evaluate")
@@ -332,6 +325,7 @@ class Model(ModelIO):
         Each replica computes its slice; the slices are put back in order, across workers
         too, with no padding rows. Batches of ``(x, y)`` have their ``y`` ignored.
         """
+        check_used_in_scope(self.strategy, "predict")
         if steps is not None:
             _check_count("steps", steps, minimum=1)
         data = as_batches(x, batch_size=batch_size, shuffle=False, method="predict")

@@ -1,6 +1,6 @@
 """Fences and leases: a parameter server applies each closure's update at most once.
 
-The :class:`~stratagem.coordinator.ClusterCoordinator` may run one scheduled function
+The :class:`~stratagem.ClusterCoordinator` may run one scheduled function
 (a *closure*) more than once: when a worker stops answering, its closure is given to
 another worker, while the first may still be running (a stopped process resumes; a
 push may sit in a socket). A closure may therefore *execute* several times, but a

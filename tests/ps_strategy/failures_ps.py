@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import stratagem as sg
+from stratagem.ps.remote_value import RemoteValueStatus
 
 
 def task_pid(task_type, index):
@@ -127,7 +128,7 @@ def main():
 
     if args.mode in ("kill-worker", "stop-worker"):
         values = [coordinator.schedule(step, args=(0.3,)) for _ in range(20)]
-        wait_until(lambda: any(v.status == sg.coordinator.RemoteValueStatus.READY for v in values))
+        wait_until(lambda: any(v.status == RemoteValueStatus.READY for v in values))
         os.kill(pids[1], signal.SIGKILL if args.mode == "kill-worker" else signal.SIGSTOP)
         started = time.time()
         coordinator.join()
