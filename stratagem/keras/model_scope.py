@@ -2,10 +2,11 @@
 
 A ``Model`` trains under one strategy: the one passed as ``strategy=``, else the one whose
 scope is open when it is built (the default strategy outside every scope). A model built
-outside the scope it is used in would otherwise fail only at its first step, or -- a module
-of a multi-worker scope trained by a model of the default strategy -- train each worker on
-its own without a word. So, as modules are, it is refused early, by an error that names the
-scopes and the fix (``with strategy.scope(): model = sg.Model(module)``):
+outside the scope it is used in would otherwise fail only at its first step or, around a
+module of a multi-worker scope, train to other weights than the strategy's without a word
+(each worker would read whole batches of the default strategy while the scope still exchanges
+the gradients). So, as modules are, it is refused early, by an error that names the scopes and
+the fix (``with strategy.scope(): model = sg.Model(module)``):
 
 - at construction, a module created in the scope of a strategy other than the model's (the
   model built outside that scope, in another strategy's scope, or given another
@@ -52,9 +53,9 @@ def model_strategy(module: nn.Module, strategy: Any = None) -> Any:
         raise ContextError(
             f"the module given to sg.Model ({type(module).__name__}) was created in the scope of "
             f"{created!r}, but the Model is built {where}: it would not train under the strategy "
-            f"that holds the module's parameters (its first step would fail, or each worker would "
-            f"train alone). Build the Model in the scope the module was created in: {_FIX}, or "
-            f"pass that strategy: sg.Model(module, strategy=strategy)")
+            f"that holds the module's parameters (its first step would fail or, across workers, it "
+            f"would silently train to other weights). Build the Model in the scope the module was "
+            f"created in: {_FIX}, or pass that strategy: sg.Model(module, strategy=strategy)")
     _check_placed(module, chosen)
     return chosen
 

@@ -7,7 +7,11 @@ On the coordinator (the user's script):
   partitioner), and what scope does to modules and optimizers;
 - ``closures.py`` -- how a scheduled function travels: variables, optimizers and
   per-worker iterators by reference (a pickler on the coordinator, an unpickler on the
-  worker); :class:`~stratagem.ClusterCoordinator` (``coordinator.py``) sends them.
+  worker); :class:`~stratagem.ClusterCoordinator` (``coordinator.py``) sends them;
+- ``coordinator.py`` -- the coordinator; its threads, a dispatcher per worker
+  (``dispatcher.py``, fed from ``closure_queue.py``) and the ps watchdog (``health.py``),
+  reach it only through the ``CoordinatorLink`` it hands them (``coordinator_link.py``);
+  ``fit_loop.py`` is ``Model.fit`` scheduled through it.
 
 On the servers (``stratagem server``, ``server.py``, serves one task from TF_CONFIG):
 

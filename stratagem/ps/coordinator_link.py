@@ -21,15 +21,8 @@ __all__ = ["CoordinatorLink"]
 
 @dataclass(frozen=True)
 class CoordinatorLink:
-    """The part of a coordinator its dispatchers and its watchdog share.
-
-    Example (what :class:`~stratagem.ClusterCoordinator` builds; the queue and the callbacks
-    are its own)::
-
-        # link = CoordinatorLink(id=tenure.id, strategy=strategy, queue=_Queue(256),
-        #                        stopping=threading.Event(), datasets={}, closure_key=keys.get,
-        #                        check=raise_if_failed, fail=fail)
-    """
+    """The part of a coordinator its dispatchers and its watchdog share: the coordinator's own
+    queue, event and dict, and three of its methods as callbacks (built in its ``__init__``)."""
 
     id: str                                   # names the coordinator's requests, leases and fences
     strategy: ParameterServerStrategy         # its placement (values, metrics) and cluster (ps, token, tenure)
