@@ -25,8 +25,9 @@ scoped optimizer or GradScaler refuses to be pickled or deep-copied; a ``Sharded
 pickles as a plain ``nn.Parameter``; a placed module's variables pickle as their values;
 checkpoints hold detached copies of tensors, which have no attributes.
 
-Reads are one dictionary lookup (``obj.__dict__.get``), which never reaches
-``nn.Module.__getattr__`` and costs what reading the old loose attributes cost.
+Every object that gets a record has a ``__dict__`` (optimizers, GradScalers, tensors), so no
+side table is needed. Reads are one dictionary lookup (``obj.__dict__.get``), which never
+reaches ``nn.Module.__getattr__``.
 
 Example::
 
