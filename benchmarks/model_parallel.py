@@ -67,6 +67,7 @@ def worker(out: str, stage: str, steps: str = "0") -> None:
     from torch import nn
 
     import stratagem as sg
+    from stratagem._record import record
 
     small = stage == "gradients-small"   # stage 2 with 1 MiB packs
     options = sg.CommunicationOptions(bytes_per_pack=1 << 20 if small else 0)
@@ -109,7 +110,7 @@ def worker(out: str, stage: str, steps: str = "0") -> None:
                        "summed_grads": local_grads if stage == "parameters" else _storage_bytes(packs),
                        "state": state, "local_grads": 0 if stage == "parameters" else local_grads})
         if stage == "gradients":   # the gradient buffers held at once during the last step
-            result["grad_peak"] = optimizer._sg_zero.scattered.peak_bytes
+            result["grad_peak"] = record(optimizer).zero.scattered.peak_bytes
     if int(steps):
         start = time.perf_counter()
         for _ in range(int(steps)):

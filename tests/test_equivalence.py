@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import stratagem as sg
+from stratagem._record import record
+from stratagem.placement.sharded_update import ShardedUpdate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -239,7 +241,7 @@ def test_optimizer_state_dict_round_trip_resumes_identically(optimizer_kind: str
         model = BufferedNet()
         optimizer = _optimizer(optimizer_kind, model.parameters())
     train(strategy, model, optimizer, data[:2])
-    assert optimizer._sg_sharded is not None  # one update split between the replica threads
+    assert isinstance(record(optimizer).sharded, ShardedUpdate)  # one update split between the replica threads
     saved_model, saved_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
     train(strategy, model, optimizer, data[2:])
 

@@ -49,7 +49,7 @@ def kind_of(name: str, obj: Any) -> str:
         raise InvalidArgumentError(f"Checkpoint({name}=...) got a bool; track an int (0 or 1) instead")
     if callable(getattr(obj, "checkpoint_parts", None)):   # an sg.Model: its module, optimizer, scaler
         return "model"
-    refusal = getattr(type(obj), "_sg_checkpoint_refusal", None)   # a type that says why it has no state
+    refusal = getattr(type(obj), "checkpoint_refusal", None)   # a type that says why it has no state
     if refusal:
         raise InvalidArgumentError(f"Checkpoint cannot track {name}, {refusal}")
     for kind, types in (("int", int), ("module", nn.Module), ("optimizer", torch.optim.Optimizer),

@@ -55,6 +55,7 @@ __all__ = ["Metric", "accept_worker_deltas", "closure_reference", "results", "wo
 _OUTSIDE = "outside"     # the state updated outside strategy.run
 _ACCEPTED = "accepted"   # the states parameter-server workers sent back, merged
 _LOCAL = ("_lock", "_scratch_lock", "_states", "_scratches")   # never copied nor sent
+_REGISTRIES: "weakref.WeakKeyDictionary[Strategy, weakref.WeakValueDictionary]" = weakref.WeakKeyDictionary()
 
 
 class Metric:
@@ -329,9 +330,8 @@ class Metric:
 
 
 def _registry(strategy: Any) -> "weakref.WeakValueDictionary[str, Metric]":
-    """The live metrics bound to ``strategy``, by id: a parameter-server worker's deltas name
-    their metric by id (kept on the strategy object, as weak references)."""
-    return strategy.__dict__.setdefault("_sg_metrics", weakref.WeakValueDictionary())
+    """The live metrics bound to ``strategy``, by id (a parameter-server worker's deltas name their metric by id)."""
+    return _REGISTRIES.setdefault(strategy, weakref.WeakValueDictionary())
 
 
 def results(metrics: Iterable[Metric]) -> list[torch.Tensor]:

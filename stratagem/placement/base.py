@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratagem.placement.hooks import base_of
+
 
 class Placement(abc.ABC):
     """The declared interface every placement implements."""
@@ -145,5 +147,5 @@ class Placement(abc.ABC):
     def optimizer_reduce(self, optimizer: torch.optim.Optimizer) -> Any:
         """``__reduce_ex__`` of a scoped optimizer: by default it cannot be pickled."""
         raise TypeError(
-            f"a {optimizer._sg_base.__name__} created in a strategy's scope cannot be pickled or "
+            f"a {base_of(optimizer).__name__} created in a strategy's scope cannot be pickled or "
             f"deep-copied; save its state_dict() instead (one logical copy)")

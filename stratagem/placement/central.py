@@ -42,7 +42,8 @@ import torch
 from stratagem.comm.collective import Collective
 from stratagem.devices import Device, Topology
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.hooks import adopt, unhooked_step
+from stratagem._record import record
+from stratagem.placement.hooks import adopt, base_of, unhooked_step
 from stratagem.placement.mirrored import MirroredPlacement
 from stratagem.placement.sharded_update import ShardedUpdate
 
@@ -61,8 +62,7 @@ class CentralPlacement(MirroredPlacement):
     # ------------------------------------------------------------- optimizers
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        adopt(optimizer, self)
-        optimizer._sg_sharded = False   # decided at the first step, once the parameters are placed
+        adopt(optimizer, self)   # its record's sharded: decided at the first step, once the parameters are placed
         self._pending_optimizers.append(optimizer)
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -93,10 +93,11 @@ class CentralPlacement(MirroredPlacement):
 
     def sharded(self, optimizer: torch.optim.Optimizer) -> ShardedUpdate | None:
         """The range optimizers when the update on the parameter device can be split between threads."""
-        sharded = optimizer.__dict__.get("_sg_sharded", False)
+        mine = record(optimizer)
+        sharded = mine.sharded
         if sharded is False:
             with self._build_lock:   # every replica thread asks at the first step: build it once
-                sharded = optimizer.__dict__.get("_sg_sharded", False)
+                sharded = mine.sharded
                 if sharded is False:
                     if optimizer in self._pending_optimizers:
                         self._pending_optimizers.remove(optimizer)
@@ -105,7 +106,7 @@ class CentralPlacement(MirroredPlacement):
                     sharded = None
                     if ShardedUpdate.supports(optimizer, (self.home,) * self.num_replicas):
                         sharded = ShardedUpdate(optimizer, lambda p: (p,), self.num_replicas)
-                    optimizer._sg_sharded = sharded
+                    mine.sharded = sharded
         return sharded
 
     # the primitives of placement/step.py (optimizer_step is the mirrored placement's: the order)
@@ -128,7 +129,7 @@ class CentralPlacement(MirroredPlacement):
                 return functools.partial(_every_range, sharded, self.num_replicas)
             return functools.partial(sharded.step, replica)
         if replica in (None, 0):
-            return functools.partial(unhooked_step(optimizer._sg_base), optimizer)
+            return functools.partial(unhooked_step(base_of(optimizer)), optimizer)
         return _nothing
 
     def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any:

@@ -52,8 +52,8 @@ _restore: list[Callable[[], None]] = []
 # torch's functions, as its no_grad wrappers call them
 _torch_norm = torch_clip.clip_grad_norm_.__wrapped__
 _torch_value = torch_clip.clip_grad_value_.__wrapped__
-_torch_with_norm = torch_clip._clip_grads_with_norm_.__wrapped__
-_torch_total = torch_clip._get_total_norm.__wrapped__
+_torch_with_norm = torch.nn.utils.clip_grads_with_norm_.__wrapped__
+_torch_total = torch.nn.utils.get_total_norm.__wrapped__
 
 
 @dataclasses.dataclass
@@ -90,7 +90,7 @@ def _release(key: int) -> None:
 
 def _install() -> None:
     for wrapper, routed in ((torch_clip.clip_grad_norm_, _routed_norm), (torch_clip.clip_grad_value_, _routed_value),
-                            (torch_clip._clip_grads_with_norm_, _routed_with_norm)):
+                            (torch.nn.utils.clip_grads_with_norm_, _routed_with_norm)):
         _restore.append(_swap(wrapper, routed))
 
 

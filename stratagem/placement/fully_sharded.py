@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
 from stratagem.placement.roots import RootsPlacement
-from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
+from stratagem.placement.hooks import adopt, base_of, placement_of, run_hooks, step_hooks, unhooked_step
 # full tensors out of DTensors in state dicts, and back into each process's shards: the same
 # as for tensor parallelism (any DTensor layout)
 from stratagem.placement.tensor_parallel import TensorParallelPlacement, _full_state, _sharded_state
@@ -168,12 +168,12 @@ class FullyShardedPlacement(RootsPlacement):
         self.finalize()
         pre, post = step_hooks(optimizer)
         run_hooks(pre, optimizer)
-        result = unhooked_step(optimizer._sg_base)(optimizer, closure)
+        result = unhooked_step(base_of(optimizer))(optimizer, closure)
         run_hooks(post, optimizer)
         return result
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        optimizer._sg_base.zero_grad(optimizer, set_to_none)
+        base_of(optimizer).zero_grad(optimizer, set_to_none)
 
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
         """Clipping: each worker's shards of the gradients (summed over the workers in backward)."""

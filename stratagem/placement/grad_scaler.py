@@ -39,6 +39,7 @@ import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from stratagem import _context
+from stratagem._record import attach, record
 from stratagem.errors import ContextError, InvalidArgumentError
 from stratagem.values import ReduceOp
 
@@ -59,10 +60,10 @@ class _ReplicaState:
 def _routed(field: str) -> property:
     """An attribute torch's methods use, read and written in the calling replica's state."""
     def get(self: "ReplicaGradScaler") -> Any:
-        return getattr(self._sg_state(), field)
+        return getattr(_state(self), field)
 
     def set(self: "ReplicaGradScaler", value: Any) -> None:
-        setattr(self._sg_state(), field, value)
+        setattr(_state(self), field, value)
     return property(get, set)
 
 
@@ -77,62 +78,26 @@ class ReplicaGradScaler(torch.amp.GradScaler):
     """Base of the classes a GradScaler created in scope gets (``MirroredGradScaler``, ...).
 
     Never created directly: create a ``torch.amp.GradScaler`` inside ``strategy.scope()``.
+    Its record (:mod:`stratagem._record`) holds the placement, each replica's state
+    (``scaler_states``) and the replica a cross-replica ``update`` moves (``pinned``).
     """
 
     _scale = _routed("scale")
     _growth_tracker = _routed("growth_tracker")
     _per_optimizer_states = _routed("per_optimizer")
 
-    _sg_placement: Any
-    _sg_states: list[_ReplicaState]
-    _sg_pinned: threading.local   # .replica: the replica whose state the cross-replica update moves
-
-    # ------------------------------------------------------------- routing
-
-    def _sg_replica(self) -> int | None:
-        """The calling thread's local replica id, None in cross-replica context (or outside scopes)."""
-        frame = _context.current_frame()
-        ctx = frame.replica_context if frame is not None else None
-        if ctx is None:
-            return None
-        strategy = self._sg_placement.strategy
-        if ctx.strategy is not strategy:
-            raise ContextError(
-                f"a {type(self).__name__} created in the scope of {strategy!r} was used in a run of "
-                f"{ctx.strategy!r}; create a GradScaler in the scope of the strategy that runs the step")
-        return ctx.local_replica_id
-
-    def _sg_state(self) -> _ReplicaState:
-        local_id = self._sg_replica()
-        if local_id is None:
-            local_id = getattr(self._sg_pinned, "replica", 0)
-        return self._sg_states[local_id]
-
-    def _sg_require_replica(self, method: str) -> int:
-        local_id = self._sg_replica()
-        if local_id is not None:
-            return local_id
-        strategy = self._sg_placement.strategy
-        if strategy.num_replicas_in_sync > 1:
-            raise ContextError(
-                f"GradScaler.{method}() was called outside strategy.run, but the gradients it checks "
-                f"belong to the {strategy.num_replicas_in_sync} replicas of {strategy!r}; call "
-                f"scaler.{method}(optimizer) inside the replica function given to strategy.run, "
-                f"after loss.backward()")
-        return 0
-
     # ------------------------------------------------------------ the step
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if self._enabled:
-            self._sg_require_replica("unscale_")
+            _require_replica(self, "unscale_")
         super().unscale_(optimizer)
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                         found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
         """Unscale this replica's gradients; the inf check summed over every replica and worker."""
-        local_id = self._sg_require_replica("unscale_")
-        placement = self._sg_placement
+        local_id = _require_replica(self, "unscale_")
+        placement = record(self).placement
         tensors = replica_tensors(placement, optimizer, local_id)
         per_device = super()._unscale_grads_(_Gradients(tensors), inv_scale, found_inf, allow_fp16)
         total = found_inf.clone()
@@ -150,7 +115,7 @@ class ReplicaGradScaler(torch.amp.GradScaler):
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        self._sg_require_replica("step")
+        _require_replica(self, "step")
         self._check_scale_growth_tracker("step")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
@@ -164,22 +129,23 @@ class ReplicaGradScaler(torch.amp.GradScaler):
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """On a replica: that replica's copy (every replica moves its own alike). Outside
         ``run``: every replica's copy that exists."""
-        if not self._enabled or self._sg_replica() is not None:
+        if not self._enabled or _replica(self) is not None:
             return super().update(new_scale)
-        started = [r for r, state in enumerate(self._sg_states) if state.scale is not None] or [0]
+        mine = record(self)
+        started = [r for r, state in enumerate(mine.scaler_states) if state.scale is not None] or [0]
         for replica in started:
-            self._sg_pinned.replica = replica
+            mine.pinned.replica = replica
             try:
                 super().update(new_scale)
             finally:
-                del self._sg_pinned.replica
+                del mine.pinned.replica
 
     # ----------------------------------------------------- everything else
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         if self._enabled:   # every replica's copy, not only the calling thread's
-            for state in self._sg_states:
+            for state in record(self).scaler_states:
                 if state.scale is not None:
                     state.scale.fill_(state_dict["scale"])
                 if state.growth_tracker is not None:
@@ -192,7 +158,46 @@ class ReplicaGradScaler(torch.amp.GradScaler):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(device={self._device!r}, enabled={self._enabled}, created in the "
-                f"scope of {self._sg_placement.strategy!r})")
+                f"scope of {record(self).placement.strategy!r})")
+
+
+# ------------------------------------------------------------------ routing
+
+def _replica(scaler: ReplicaGradScaler) -> int | None:
+    """The calling thread's local replica id, None in cross-replica context (or outside scopes)."""
+    frame = _context.current_frame()
+    ctx = frame.replica_context if frame is not None else None
+    if ctx is None:
+        return None
+    strategy = record(scaler).placement.strategy
+    if ctx.strategy is not strategy:
+        raise ContextError(
+            f"a {type(scaler).__name__} created in the scope of {strategy!r} was used in a run of "
+            f"{ctx.strategy!r}; create a GradScaler in the scope of the strategy that runs the step")
+    return ctx.local_replica_id
+
+
+def _state(scaler: ReplicaGradScaler) -> _ReplicaState:
+    """The state the calling thread reads and writes: its replica's, else the pinned one (0)."""
+    local_id = _replica(scaler)
+    mine = record(scaler)
+    if local_id is None:
+        local_id = getattr(mine.pinned, "replica", 0)
+    return mine.scaler_states[local_id]
+
+
+def _require_replica(scaler: ReplicaGradScaler, method: str) -> int:
+    local_id = _replica(scaler)
+    if local_id is not None:
+        return local_id
+    strategy = record(scaler).placement.strategy
+    if strategy.num_replicas_in_sync > 1:
+        raise ContextError(
+            f"GradScaler.{method}() was called outside strategy.run, but the gradients it checks "
+            f"belong to the {strategy.num_replicas_in_sync} replicas of {strategy!r}; call "
+            f"scaler.{method}(optimizer) inside the replica function given to strategy.run, "
+            f"after loss.backward()")
+    return 0
 
 
 def replica_tensors(placement: Any, optimizer: torch.optim.Optimizer, local_id: int) -> list[torch.Tensor]:
@@ -234,9 +239,8 @@ def adopt(scaler: torch.amp.GradScaler, placement: Any) -> None:
             f"mixed_precision='mixed_bfloat16'))")
     for name in ("_scale", "_growth_tracker", "_per_optimizer_states"):
         scaler.__dict__.pop(name, None)   # (None or empty: just created)
-    scaler._sg_placement = placement
-    scaler._sg_states = [_ReplicaState() for _ in range(placement.strategy.topology.num_local_replicas)]
-    scaler._sg_pinned = threading.local()
+    attach(scaler, placement=placement, pinned=threading.local(),
+           scaler_states=[_ReplicaState() for _ in range(placement.strategy.topology.num_local_replicas)])
     scaler.__class__ = _scaler_class(type(scaler), placement.kind)
 
 

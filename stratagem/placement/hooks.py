@@ -1,31 +1,38 @@
 """How a scope sees what is created in it, and the class of optimizers created there.
 
 While at least one non-default strategy's scope is open (on any thread), these are
-installed in torch, and all are removed when the last such scope closes:
+installed in torch, and all are removed when the last such scope closes
+(:func:`scope_opened` / :func:`scope_closed`):
 
-- module registration hooks (``register_module_parameter_registration_hook`` and the
-  buffer one), which report each module that registers a tensor on a thread whose
-  innermost frame is a strategy's cross-replica scope;
-- a wrapper of ``torch.optim.Optimizer.__init__`` (torch has no optimizer-creation
-  hook: this is the one patch, and it is only in place while a scope is open). It
-  calls the original ``__init__`` and, only for an optimizer created on a thread
-  inside a scope, hands it to that strategy's placement. Optimizers created outside
-  every scope are never touched;
+- module registration hooks (``register_module_parameter_registration_hook``, the buffer
+  one and ``register_module_module_registration_hook``), which report each module that
+  registers a tensor or a submodule on a thread whose innermost frame is a strategy's
+  cross-replica scope to that strategy's placement (:func:`module_placement` answers later
+  in whose scope a module was built);
+- a wrapper of ``torch.optim.Optimizer.__init__`` (torch has no optimizer-creation hook,
+  so it is patched, and only while a scope is open). It calls the original ``__init__``
+  and, only for an optimizer created on a thread inside a scope, hands it to that
+  strategy's placement (``on_optimizer_created``, which calls :func:`adopt`). Optimizers
+  created outside every scope, and stratagem's own (:class:`internal_optimizers`), are
+  never touched;
 - the same for ``torch.amp.GradScaler.__init__``: a scaler created in scope is handed to
   :func:`stratagem.placement.grad_scaler.adopt` (one decision for every replica); and
   ``scale`` / ``unscale_`` / ``step`` / ``update`` refuse, inside a multi-replica ``run``, a
   scaler created outside every scope (:func:`~stratagem.placement.grad_scaler.refuse_unscoped`).
 
 An optimizer created in scope then has its class replaced by a subclass of its own
-class, named after the placement (``MirroredSGD``, ``ParameterServerAdam``), so that
-``isinstance`` checks and schedulers keep working while ``type(opt).__name__`` and
-``repr(opt)`` say what stratagem changed (the class also has Keras's
-``learning_rate``: :mod:`stratagem.placement.learning_rate`).
+class, named after the placement (``MirroredSGD``, ``ParameterServerAdam``;
+:func:`distributed_class`), so that ``isinstance`` checks and schedulers keep working while
+``type(opt).__name__`` and ``repr(opt)`` say what stratagem changed (the class also has
+Keras's ``learning_rate``: :mod:`stratagem.placement.learning_rate`). Its record
+(:mod:`stratagem._record`) holds the placement (:func:`placement_of`) and its own class
+(:func:`base_of`).
 
 Step hooks: torch runs an optimizer's step pre/post hooks inside its ``step``
 wrapper. A scoped optimizer's ``step`` is ours; it fires the user's hooks itself,
-once per logical step (:func:`run_pre_hooks` / :func:`run_post_hooks`), and applies
-the update to every copy through :func:`unhooked_step`, which skips torch's wrapper.
+once per logical step (:func:`step_hooks` lists them, :func:`run_hooks` runs them, in the
+order of :mod:`stratagem.placement.step`), and applies the update to every copy through
+:func:`unhooked_step`, which skips torch's wrapper.
 """
 
 from __future__ import annotations
@@ -37,10 +44,11 @@ import weakref
 from typing import Any, Callable
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 from torch import nn
-from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from stratagem import _context
+from stratagem._record import attach, record, record_of
 from stratagem.placement import grad_scaler
 from stratagem.placement.learning_rate import rate_attributes
 
@@ -99,7 +107,7 @@ def _on_submodule_registered(module: nn.Module, name: str, submodule: Any) -> No
 
 def _optimizer_init(self: torch.optim.Optimizer, params: Any, defaults: dict) -> None:
     placement = _scoped_placement()
-    if placement is None or getattr(_internal, "active", False) or type(self).__dict__.get("_sg_base") is not None:
+    if placement is None or getattr(_internal, "active", False) or type(self) in _SCOPED_CLASSES:
         return _original_init(self, params, defaults)
     placement.finalize()   # modules placed before the optimizer captures parameters
     _original_init(self, params, defaults)
@@ -169,6 +177,7 @@ def hooks_installed() -> bool:
 # ------------------------------------------------------------ the optimizer class
 
 _CLASSES: dict[tuple[type, str], type] = {}
+_SCOPED_CLASSES: set[type] = set()   # the classes of _CLASSES (an optimizer of one is ours already)
 _not_compiled = torch.compiler.disable(
     reason="stratagem: a strategy's optimizer step synchronizes replicas and workers; it runs eagerly")
 
@@ -184,55 +193,64 @@ def distributed_class(base: type, kind: str) -> type:
     # thread-local replica lookups
     @_not_compiled
     def step(self, closure=None):
-        return self._sg_placement.optimizer_step(self, closure)
+        return record(self).placement.optimizer_step(self, closure)
     # torch wraps an optimizer class's step to run the hooks (at __init__, and again in
     # load_state_dict); ours fires them itself, once per logical step: never wrap it
     step.hooked = True
 
     @_not_compiled
     def zero_grad(self, set_to_none: bool = True):
-        self._sg_placement.optimizer_zero_grad(self, set_to_none)
+        record(self).placement.optimizer_zero_grad(self, set_to_none)
 
     def state_dict(self):
-        return self._sg_placement.optimizer_state_dict(self)
+        return record(self).placement.optimizer_state_dict(self)
 
     def load_state_dict(self, state_dict):
-        self._sg_placement.optimizer_load_state_dict(self, state_dict)
+        record(self).placement.optimizer_load_state_dict(self, state_dict)
 
     def add_param_group(self, param_group):
-        placement = self.__dict__.get("_sg_placement")
+        placement = placement_of(self)
         if placement is None:  # still inside Optimizer.__init__
             return base.add_param_group(self, param_group)
         placement.optimizer_add_param_group(self, param_group)
 
     def __reduce_ex__(self, protocol):
-        return self._sg_placement.optimizer_reduce(self)
+        return record(self).placement.optimizer_reduce(self)
 
     def __repr__(self):
-        return f"{base.__repr__(self)}\n(created in the scope of {self._sg_placement.strategy!r})"
+        return f"{base.__repr__(self)}\n(created in the scope of {record(self).placement.strategy!r})"
 
     name = f"{kind}{base.__name__}"
     cls = type(name, (base,), {
         **rate_attributes(base), "step": step, "zero_grad": zero_grad, "state_dict": state_dict,
         "load_state_dict": load_state_dict, "add_param_group": add_param_group,
-        "__reduce_ex__": __reduce_ex__, "__repr__": __repr__, "_sg_base": base,
+        "__reduce_ex__": __reduce_ex__, "__repr__": __repr__,
         "__module__": "stratagem.placement",
         "__doc__": f"A {base.__name__} created in a stratagem strategy's scope ({kind.lower()} placement).",
     })
     cls.__qualname__ = name
     _CLASSES[(base, kind)] = cls
+    _SCOPED_CLASSES.add(cls)
     return cls
 
 
 def adopt(optimizer: torch.optim.Optimizer, placement: Any) -> None:
     """Make ``optimizer`` (just created in scope) ask ``placement`` what its methods mean."""
-    optimizer.__class__ = distributed_class(type(optimizer), placement.kind)
-    optimizer._sg_placement = placement
+    base = type(optimizer)
+    optimizer.__class__ = distributed_class(base, placement.kind)
+    attach(optimizer, placement=placement, base=base)
 
 
 def placement_of(optimizer: torch.optim.Optimizer) -> Any:
-    """The placement of an optimizer created in a strategy's scope, else None."""
-    return optimizer.__dict__.get("_sg_placement")
+    """The placement of an optimizer created in a strategy's scope (or of a replica's twin of
+    one), else None."""
+    found = record_of(optimizer)
+    return None if found is None else found.placement
+
+
+def base_of(optimizer: torch.optim.Optimizer) -> type:
+    """The own class of an optimizer created in a strategy's scope (``SGD`` under ``MirroredSGD``)."""
+    return record(optimizer).base
 
 
 def unhooked_step(base: type) -> Callable[..., Any]:
@@ -242,12 +260,23 @@ def unhooked_step(base: type) -> Callable[..., Any]:
 
 
 def step_hooks(optimizer: torch.optim.Optimizer) -> tuple[list, list]:
-    """The step pre- and post-hooks that torch would run for ``optimizer`` (global ones included)."""
-    pre = list(itertools.chain(_global_optimizer_pre_hooks.values(),
-                               optimizer.__dict__.get("_optimizer_step_pre_hooks", {}).values()))
-    post = list(itertools.chain(optimizer.__dict__.get("_optimizer_step_post_hooks", {}).values(),
-                                _global_optimizer_post_hooks.values()))
+    """The step pre- and post-hooks that torch would run for ``optimizer`` (global ones first
+    among the pre-hooks, last among the post-hooks, as torch's wrapper orders them)."""
+    global_pre, global_post = _global_step_hooks()
+    pre = list(itertools.chain(global_pre, optimizer.__dict__.get("_optimizer_step_pre_hooks", {}).values()))
+    post = list(itertools.chain(optimizer.__dict__.get("_optimizer_step_post_hooks", {}).values(), global_post))
     return pre, post
+
+
+def _global_step_hooks() -> tuple[list, list]:
+    """The hooks registered by ``torch.optim.optimizer.register_optimizer_step_pre_hook`` and
+    ``..._post_hook``. torch's private dicts, read here only: torch has no public way to list
+    them (the registration returns a handle that can only remove its hook), and only its own
+    step wrapper runs them, which a scoped optimizer's step replaces (it fires them once per
+    logical step, between its replicas' barriers). The optimizer's own hooks above are torch's
+    private ``_optimizer_step_pre_hooks`` / ``_optimizer_step_post_hooks`` for the same reason."""
+    return (list(torch_optimizer._global_optimizer_pre_hooks.values()),
+            list(torch_optimizer._global_optimizer_post_hooks.values()))
 
 
 def run_hooks(hooks: list, optimizer: torch.optim.Optimizer) -> None:

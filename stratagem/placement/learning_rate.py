@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stratagem._record import record_of
 from stratagem.errors import InvalidArgumentError
 
 __all__ = ["LearningRate", "RATE_ATTRIBUTES", "rate_attributes", "with_learning_rate"]
@@ -131,7 +132,8 @@ def rate_attributes(base: type) -> dict[str, Any]:
     return {name: _Rate(name) for name in RATE_ATTRIBUTES if not hasattr(base, name)}
 
 
-_PLAIN: dict[type, type] = {}
+_PLAIN: dict[type, type] = {}        # the user's class -> its subclass with the rate
+_USERS_CLASS: dict[type, type] = {}  # the reverse
 
 
 def with_learning_rate(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -147,10 +149,11 @@ def with_learning_rate(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
             return (_as_plain, (cls, self.__getstate__()))
 
         keras_cls = type(cls.__name__, (cls,), {
-            **rate_attributes(cls), "__reduce_ex__": __reduce_ex__, "_sg_plain_class": cls,
+            **rate_attributes(cls), "__reduce_ex__": __reduce_ex__,
             "__module__": cls.__module__, "__doc__": cls.__doc__})
         keras_cls.__qualname__ = cls.__qualname__
         _PLAIN[cls] = keras_cls
+        _USERS_CLASS[keras_cls] = cls
     optimizer.__class__ = keras_cls
     return optimizer
 
@@ -164,5 +167,8 @@ def _as_plain(cls: type, state: dict) -> torch.optim.Optimizer:
 
 def plain_class(optimizer: torch.optim.Optimizer) -> type:
     """The optimizer class the user chose (under a scope's or the rate's subclass)."""
+    found = record_of(optimizer)   # a scope's subclass: the record holds the user's class
+    if found is not None and found.base is not None:
+        return found.base
     cls = type(optimizer)
-    return cls.__dict__.get("_sg_base") or cls.__dict__.get("_sg_plain_class") or cls
+    return _USERS_CLASS.get(cls, cls)

@@ -245,8 +245,7 @@ class MirroredPlacement(MirroredOptimizers, Placement):
     # ------------------------------------------------------------- optimizers
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        adopt(optimizer, self)
-        optimizer._sg_twins = None
+        adopt(optimizer, self)   # its record's twins: built when the optimizer is finished
         self._pending_optimizers.append(optimizer)
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

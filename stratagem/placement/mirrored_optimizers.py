@@ -25,7 +25,8 @@ import torch
 
 from stratagem import _context
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.hooks import unhooked_step
+from stratagem._record import ATTRIBUTE, attach, record
+from stratagem.placement.hooks import base_of, unhooked_step
 from stratagem.placement.sharded_update import ShardedUpdate
 from stratagem.placement.step import synchronous_step
 
@@ -36,16 +37,17 @@ class MirroredOptimizers:
     # --------------------------------------------------------------- twins
 
     def twins(self, optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
-        if optimizer._sg_twins is None:
+        mine = record(optimizer)
+        if mine.twins is None:
             with self._build_lock:
-                if optimizer._sg_twins is None:
+                if mine.twins is None:
                     if optimizer in self._pending_optimizers:
                         self._pending_optimizers.remove(optimizer)
                     self._build_twins(optimizer)
-        return optimizer._sg_twins
+        return mine.twins
 
     def _build_twins(self, optimizer: torch.optim.Optimizer) -> None:
-        base = optimizer._sg_base
+        base = base_of(optimizer)
         twins = [optimizer]
         if self.num_replicas > 1:
             for group in optimizer.param_groups:
@@ -58,29 +60,30 @@ class MirroredOptimizers:
                             f"`with strategy.scope():` too")
             for r in range(1, self.num_replicas):
                 twin = object.__new__(base)
-                twin.__dict__.update(optimizer.__dict__)
+                twin.__dict__.update((k, v) for k, v in optimizer.__dict__.items() if k != ATTRIBUTE)
                 twin.state = defaultdict(dict)
                 twin.param_groups = [
                     {**group, "params": [self.all_copies(p)[r] for p in group["params"]]}
                     for group in optimizer.param_groups]
-                twin._sg_twins = None
+                attach(twin, placement=self)   # its own record: a twin is ours, and has no twins
                 if optimizer.state:
                     base.load_state_dict(twin, optimizer.state_dict())
                 twins.append(twin)
-        optimizer._sg_twins = twins
+        record(optimizer).twins = twins
 
     def sharded(self, optimizer: torch.optim.Optimizer) -> ShardedUpdate | None:
         """The range optimizers of ``optimizer`` when one update can be split between replicas."""
-        sharded = optimizer.__dict__.get("_sg_sharded", False)
+        mine = record(optimizer)
+        sharded = mine.sharded
         if sharded is False:
             twins = self.twins(optimizer)  # parameters are mirrored by now
             with self._build_lock:  # every replica thread asks at the first step: build it once
-                sharded = optimizer.__dict__.get("_sg_sharded", False)
+                sharded = mine.sharded
                 if sharded is False:
                     sharded = None
                     if self.collective.num_workers == 1 and ShardedUpdate.supports(optimizer, self.devices):
                         sharded = ShardedUpdate(optimizer, self.all_copies, len(twins))
-                    optimizer._sg_sharded = sharded
+                    mine.sharded = sharded
         return sharded
 
     # ---------------------------------------------------------------- step
@@ -108,11 +111,11 @@ class MirroredOptimizers:
         if sharded is not None:
             return functools.partial(sharded.step, replica)
         if self.shares_parameters:
-            return functools.partial(unhooked_step(optimizer._sg_base), optimizer) if replica == 0 else _nothing
+            return functools.partial(unhooked_step(base_of(optimizer)), optimizer) if replica == 0 else _nothing
         twin = twins[replica]
         if twin is not optimizer:
             _copy_hyperparameters(optimizer, twin)
-        return functools.partial(unhooked_step(optimizer._sg_base), twin)
+        return functools.partial(unhooked_step(base_of(optimizer)), twin)
 
     def _update_every_copy(self, optimizer: torch.optim.Optimizer, twins: list, sharded: Any) -> Any:
         if sharded is not None:
@@ -123,7 +126,7 @@ class MirroredOptimizers:
         for twin in twins[:1] if self.shares_parameters else twins:
             if twin is not optimizer:
                 _copy_hyperparameters(optimizer, twin)
-            result = unhooked_step(optimizer._sg_base)(twin)
+            result = unhooked_step(base_of(optimizer))(twin)
         return result
 
     def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any:
@@ -163,17 +166,17 @@ class MirroredOptimizers:
         for twin in mine:
             if self.gradients is not None:
                 self.gradients.forget([p for group in twin.param_groups for p in group["params"]])
-            optimizer._sg_base.zero_grad(twin, set_to_none)
+            base_of(optimizer).zero_grad(twin, set_to_none)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        result = optimizer._sg_base.state_dict(optimizer)  # replica 0's: one logical copy
+        result = base_of(optimizer).state_dict(optimizer)  # replica 0's: one logical copy
         sharded = self.sharded(optimizer)
         if sharded is not None:
             result["state"] = sharded.state()
         return result
 
     def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        base = optimizer._sg_base
+        base = base_of(optimizer)
         sharded = self.sharded(optimizer)
         if sharded is not None:  # hyperparameters here, the state in the range optimizers
             base.load_state_dict(optimizer, {**state_dict, "state": {}})
@@ -184,14 +187,15 @@ class MirroredOptimizers:
             base.load_state_dict(twin, state_dict)
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        if optimizer.__dict__.get("_sg_sharded"):
+        mine = record(optimizer)
+        if mine.sharded:
             raise InvalidArgumentError(
                 "add_param_group after the first step is not supported for an optimizer created in a "
                 "multi-replica scope; pass every parameter group when creating the optimizer")
-        optimizer._sg_sharded = False  # decided again at the next step
-        optimizer._sg_base.add_param_group(optimizer, param_group)
-        if optimizer.__dict__.get("_sg_twins"):
-            optimizer._sg_twins = None
+        mine.sharded = False  # decided again at the next step
+        base_of(optimizer).add_param_group(optimizer, param_group)
+        if mine.twins:
+            mine.twins = None
             self.twins(optimizer)
 
 

@@ -43,7 +43,7 @@ from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
 from stratagem.placement.roots import DataAxisSum, RootsPlacement
-from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
+from stratagem.placement.hooks import adopt, base_of, placement_of, run_hooks, step_hooks, unhooked_step
 from stratagem.placement.pipeline_plan import StageLayout, plan_stages
 from stratagem.placement.pipeline_trace import TracedStages
 
@@ -209,7 +209,7 @@ class PipelinePlacement(RootsPlacement):
         try:
             for group, params in zip(groups, own):
                 group["params"] = params
-            result = unhooked_step(optimizer._sg_base)(optimizer, closure)
+            result = unhooked_step(base_of(optimizer))(optimizer, closure)
         finally:
             for group, params in zip(groups, every):
                 group["params"] = params
@@ -218,7 +218,7 @@ class PipelinePlacement(RootsPlacement):
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         self._data_sum.forget([p for group in optimizer.param_groups for p in group["params"]])
-        optimizer._sg_base.zero_grad(optimizer, set_to_none)
+        base_of(optimizer).zero_grad(optimizer, set_to_none)
 
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
         """Clipping: this process's stages' gradients, summed over the data axis now (not again in
@@ -233,7 +233,7 @@ class PipelinePlacement(RootsPlacement):
         gathered = self._gathered.get(id(optimizer))
         if gathered is not None:
             return gathered
-        state = optimizer._sg_base.state_dict(optimizer)
+        state = base_of(optimizer).state_dict(optimizer)
         if self.pipe.num_workers > 1:
             mine = {k: {n: v.detach().cpu() if isinstance(v, torch.Tensor) else v for n, v in entry.items()}
                     for k, entry in state["state"].items()}
@@ -250,10 +250,10 @@ class PipelinePlacement(RootsPlacement):
         held = {i for i, p in zip(ids, params) if not p.is_meta}
         state = dict(state_dict)
         state["state"] = {k: v for k, v in state_dict.get("state", {}).items() if k in held}
-        optimizer._sg_base.load_state_dict(optimizer, state)
+        base_of(optimizer).load_state_dict(optimizer, state)
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        optimizer._sg_base.add_param_group(optimizer, param_group)
+        base_of(optimizer).add_param_group(optimizer, param_group)
 
     # ---------------------------------------------------------- checkpoints
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from stratagem.comm.collective import range_bounds
-from stratagem.placement.hooks import internal_optimizers, unhooked_step
+from stratagem.placement.hooks import base_of, internal_optimizers, unhooked_step
 
 #: Optimizers whose update of an element depends only on that element's history.
 ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
@@ -31,7 +31,7 @@ class ShardedUpdate:
 
     def __init__(self, optimizer: torch.optim.Optimizer, copies: Any, num_replicas: int):
         self._optimizer = optimizer
-        base = optimizer._sg_base
+        base = base_of(optimizer)
         entries = [(g, p) for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
         total = sum(p.numel() for _, p in entries)
         bounds = range_bounds(total, num_replicas)
@@ -62,7 +62,7 @@ class ShardedUpdate:
 
     @staticmethod
     def supports(optimizer: torch.optim.Optimizer, devices: tuple) -> bool:
-        if len(devices) < 2 or any(d.type == "cuda" for d in devices) or optimizer._sg_base not in ELEMENTWISE:
+        if len(devices) < 2 or any(d.type == "cuda" for d in devices) or base_of(optimizer) not in ELEMENTWISE:
             return False
         return all(p.is_contiguous() and not p.is_sparse
                    for group in optimizer.param_groups for p in group["params"])

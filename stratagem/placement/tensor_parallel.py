@@ -44,7 +44,7 @@ from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
 from stratagem.placement.roots import DataAxisSum, RootsPlacement
-from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
+from stratagem.placement.hooks import adopt, base_of, placement_of, run_hooks, step_hooks, unhooked_step
 
 #: plan style names and the torch ParallelStyle each stands for
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
@@ -193,13 +193,13 @@ class TensorParallelPlacement(RootsPlacement):
         self._data_sum.before_step([p for g in optimizer.param_groups for p in g["params"]])
         pre, post = step_hooks(optimizer)
         run_hooks(pre, optimizer)
-        result = unhooked_step(optimizer._sg_base)(optimizer, closure)
+        result = unhooked_step(base_of(optimizer))(optimizer, closure)
         run_hooks(post, optimizer)
         return result
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         self._data_sum.forget([p for g in optimizer.param_groups for p in g["params"]])
-        optimizer._sg_base.zero_grad(optimizer, set_to_none)
+        base_of(optimizer).zero_grad(optimizer, set_to_none)
 
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
         """Clipping: the gradients summed over the data axis now (not again in the step); each
@@ -208,7 +208,7 @@ class TensorParallelPlacement(RootsPlacement):
         return clipping.shard_parts(params, self.model.group)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        state = optimizer._sg_base.state_dict(optimizer)
+        state = base_of(optimizer).state_dict(optimizer)
         state["state"] = {k: {n: _full(v) for n, v in s.items()} for k, s in state["state"].items()}
         return state
 
@@ -217,10 +217,10 @@ class TensorParallelPlacement(RootsPlacement):
         state = dict(state_dict)
         state["state"] = {k: {n: _like(v, params[int(k)]) for n, v in s.items()}
                           for k, s in state_dict["state"].items()}
-        optimizer._sg_base.load_state_dict(optimizer, state)
+        base_of(optimizer).load_state_dict(optimizer, state)
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        optimizer._sg_base.add_param_group(optimizer, param_group)
+        base_of(optimizer).add_param_group(optimizer, param_group)
 
 
 def _check_divisible(name: str, module: nn.Module, style: Any, size: int) -> None:

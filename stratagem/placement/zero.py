@@ -41,7 +41,8 @@ from stratagem.comm.collective import range_bounds
 from stratagem.comm.scattered_gradients import ScatteredGradients
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
-from stratagem.placement.hooks import placement_of, step_hooks
+from stratagem._record import record
+from stratagem.placement.hooks import base_of, placement_of, step_hooks
 from stratagem.placement.mirrored import MirroredPlacement
 from stratagem.placement.sharded_update import ELEMENTWISE, ShardedUpdate
 
@@ -88,14 +89,15 @@ class ZeroPlacement(MirroredPlacement):
 
     def sharded(self, optimizer: torch.optim.Optimizer) -> ShardedUpdate:
         """The range optimizers of ``optimizer``: one range per worker, built at first use."""
-        sharded = optimizer.__dict__.get("_sg_sharded", False)
+        mine = record(optimizer)
+        sharded = mine.sharded
         if sharded is False:
             self.finalize()
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            if optimizer._sg_base not in ELEMENTWISE:
+            if base_of(optimizer) not in ELEMENTWISE:
                 raise InvalidArgumentError(
                     f"sharding={self.stage!r} splits the update element-wise between workers, which "
-                    f"{optimizer._sg_base.__name__} does not allow; use one of "
+                    f"{base_of(optimizer).__name__} does not allow; use one of "
                     f"{sorted(c.__name__ for c in ELEMENTWISE)} or sharding=None")
             kinds = {(p.dtype, p.device) for p in params}
             if len(kinds) > 1 or any(p.is_sparse or not p.is_contiguous() for p in params):
@@ -115,8 +117,7 @@ class ZeroPlacement(MirroredPlacement):
                         bytes_per_pack=self.collective.options.bytes_per_pack)
                     for p in params:
                         self._layout_by_param[id(p)] = layout
-                optimizer._sg_sharded = sharded
-                optimizer._sg_zero = layout
+                mine.sharded, mine.zero = sharded, layout
         return sharded
 
     def grad_scaler_refusal(self) -> str | None:
@@ -151,7 +152,7 @@ class ZeroPlacement(MirroredPlacement):
         if self.collective.num_workers == 1:
             return None
         with label("stratagem.gradients.cross_worker"):
-            return self._reduce_scattered(optimizer._sg_zero)
+            return self._reduce_scattered(record(optimizer).zero)
 
     def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any:
         """This worker's range of the update."""
@@ -161,7 +162,7 @@ class ZeroPlacement(MirroredPlacement):
         """Every worker's updated range reaches every worker (all-gather)."""
         if self.collective.num_workers > 1:
             with label("stratagem.parameters.all_gather"):
-                self._gather_parameters(optimizer._sg_zero)
+                self._gather_parameters(record(optimizer).zero)
         return None
 
     def _reduce_scattered(self, layout: "_Layout") -> Any:
@@ -213,7 +214,7 @@ class ZeroPlacement(MirroredPlacement):
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         super().optimizer_zero_grad(optimizer, set_to_none)
-        layout = optimizer.__dict__.get("_sg_zero")
+        layout = record(optimizer).zero
         if layout is not None and layout.scattered is not None:
             layout.summed = None             # a clip's sum that no step used
             layout.scattered.discard()   # gradients reduced during a backward that no step followed
@@ -229,8 +230,9 @@ class ZeroPlacement(MirroredPlacement):
     # --------------------------------------------------------- state dicts
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        ready = optimizer.__dict__.pop("_sg_gathered_state", None)
-        result = optimizer._sg_base.state_dict(optimizer)
+        mine = record(optimizer)
+        ready, mine.gathered_state = mine.gathered_state, None   # read once
+        result = base_of(optimizer).state_dict(optimizer)
         result["state"] = ready if ready is not None else self.gather_state(optimizer)
         return result
 
@@ -251,7 +253,7 @@ class ZeroPlacement(MirroredPlacement):
 
     def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         sharded = self.sharded(optimizer)
-        optimizer._sg_base.load_state_dict(optimizer, {**state_dict, "state": {}})
+        base_of(optimizer).load_state_dict(optimizer, {**state_dict, "state": {}})
         sharded.load_state(state_dict["state"], replicas=[self._rank])
 
     @contextlib.contextmanager
@@ -266,12 +268,12 @@ class ZeroPlacement(MirroredPlacement):
         for optimizer in sharded:
             state = self.gather_state(optimizer)
             if self._rank == 0:
-                optimizer._sg_gathered_state = state
+                record(optimizer).gathered_state = state
         try:
             yield
         finally:
             for optimizer in sharded:
-                optimizer.__dict__.pop("_sg_gathered_state", None)
+                record(optimizer).gathered_state = None
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of per-element optimizer state (moments, momentum; not step counters) this

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from stratagem.errors import CheckpointError, InvalidArgumentError
-from stratagem.placement.hooks import placement_of
+from stratagem.placement.hooks import base_of, placement_of
 from stratagem.ps.client import call_each
 from stratagem.ps.variables import RemoteVariable, remote_of
 from stratagem.checkpoint.pieces import PlacedRestore, pieces_descriptor
@@ -175,7 +175,7 @@ def _write_module(placement: Any, module: nn.Module, directory: Path, name: str)
 
 def _write_optimizer(placement: Any, optimizer: torch.optim.Optimizer, directory: Path, name: str) -> Any:
     placement.finalize()
-    result = optimizer._sg_base.state_dict(optimizer)   # hyperparameters and parameter indices
+    result = base_of(optimizer).state_dict(optimizer)   # hyperparameters and parameter indices
     wanted: dict[int, list[str]] = {}
     params = [p for group in optimizer.param_groups for p in group["params"]]
     result["state"] = {index: pieces_descriptor(_pieces(remote_of(p), name, wanted), remote_of(p).shape, state=True)

@@ -42,6 +42,7 @@ import torch
 
 from stratagem.errors import InvalidArgumentError, StratagemError
 from stratagem.metrics.base import Metric, closure_reference
+from stratagem.placement.hooks import placement_of
 from stratagem.ps.placement import ParameterServerPlacement, _VariableDict
 from stratagem.ps.runtime import WorkerOptimizer, WorkerRuntime
 from stratagem.ps.strategy import ParameterServerStrategy, _WorkerStrategy
@@ -69,7 +70,7 @@ class PerWorkerDataset:
     """A dataset created on every worker; ``iter()`` gives a per-worker iterator."""
 
     _counter = itertools.count()
-    _sg_checkpoint_refusal = _NO_POSITION   # sg.Checkpoint says why it cannot track one
+    checkpoint_refusal = _NO_POSITION   # sg.Checkpoint says why it cannot track one
 
     def __init__(self, dataset_id: str):
         self._dataset_id = dataset_id
@@ -81,10 +82,11 @@ class PerWorkerDataset:
 class PerWorkerIterator:
     """Stands for each worker's own iterator: pass it to scheduled functions, call ``next`` there."""
 
-    _sg_checkpoint_refusal = _NO_POSITION
+    checkpoint_refusal = _NO_POSITION
 
     def __init__(self, dataset_id: str, iterator_id: str):
         self._ids = (dataset_id, iterator_id)
+        self._dataset: PerWorkerDataset | None = None   # kept alive by its iterators (the coordinator's)
 
     def __next__(self) -> Any:
         raise InvalidArgumentError("a per-worker iterator is read inside a scheduled function, on a worker")
@@ -100,8 +102,7 @@ class ClosurePickler(Pickler):
             return pid
         if isinstance(obj, _VariableDict):
             return ("variables", obj.entries())
-        if isinstance(obj, torch.optim.Optimizer) and isinstance(
-                obj.__dict__.get("_sg_placement"), ParameterServerPlacement):
+        if isinstance(obj, torch.optim.Optimizer) and isinstance(placement_of(obj), ParameterServerPlacement):
             return ("optimizer", [remote_of(p).var_id for g in obj.param_groups for p in g["params"]])
         if isinstance(obj, PerWorkerIterator):
             return ("iterator", *obj._ids)

@@ -87,7 +87,7 @@ class _TrackedDataset(PerWorkerDataset):
 
     def __iter__(self) -> PerWorkerIterator:
         iterator = super().__iter__()
-        iterator._sg_dataset = self       # the dataset lives as long as any iterator of it
+        iterator._dataset = self          # the dataset lives as long as any iterator of it
         weakref.finalize(iterator, _call_weak, self._release, *iterator._ids)
         return iterator
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from stratagem.placement.hooks import base_of
 from stratagem.ps.client import call_each
 from stratagem.ps.variables import remote_of
 
@@ -23,7 +24,7 @@ __all__ = ["load_state_dict", "state_dict"]
 def state_dict(placement: Any, optimizer: torch.optim.Optimizer) -> dict:
     """One logical optimizer state dict, assembled from the shards' states."""
     placement.finalize()
-    result = optimizer._sg_base.state_dict(optimizer)
+    result = base_of(optimizer).state_dict(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     states = _get_states(placement, params)
     logical: dict[int, dict] = {}
@@ -45,7 +46,7 @@ def state_dict(placement: Any, optimizer: torch.optim.Optimizer) -> dict:
 
 def load_state_dict(placement: Any, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
     """Cut a logical optimizer state dict into the shards and write them to the ps."""
-    base = optimizer._sg_base
+    base = base_of(optimizer)
     placement.load_param_groups(optimizer, state_dict["param_groups"])
     params = [p for g in optimizer.param_groups for p in g["params"]]
     # A fresh ps (restarted, or not yet restored) lacks the variables: those keep the

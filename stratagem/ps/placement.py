@@ -5,7 +5,7 @@ A module created in scope has its ``_parameters`` and ``_buffers`` replaced by a
 optimizer, ``run`` or ``schedule``): each variable is created on the parameter servers --
 whole, round-robin over the ps tasks, or split along dim 0 by the partitioner into shards
 spread round-robin too -- and the module keeps a coordinator copy tagged with where it
-lives (``tensor._sg_remote``, a :class:`~stratagem.ps.variables.RemoteVariable`). A
+lives (its record's ``remote``, a :class:`~stratagem.ps.variables.RemoteVariable`). A
 whole ``nn.Embedding`` becomes a :class:`~stratagem.ps.embedding.PSEmbedding`, its table
 row-sparse.
 
@@ -34,10 +34,11 @@ from torch import nn
 
 from stratagem._frames import warn_at_users_line
 from stratagem._profiling import label
+from stratagem._record import attach
 from stratagem.data.sharding import split_sizes
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.base import Placement
-from stratagem.placement.hooks import adopt
+from stratagem.placement.hooks import adopt, base_of
 from stratagem.ps import optimizer_states
 from stratagem.ps.checkpointing import read_state, write_state
 from stratagem.ps.client import ParameterServerClient, call_each
@@ -202,7 +203,7 @@ class ParameterServerPlacement(Placement):
             placed = ShardedVariable(tensor.detach(), remote, requires_grad=tensor.requires_grad)
         else:
             placed = tensor
-            placed._sg_remote = remote
+            attach(placed, remote=remote)
         return placed
 
     def pull_into(self, tensors: list[torch.Tensor]) -> None:
@@ -283,7 +284,7 @@ class ParameterServerPlacement(Placement):
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Give every variable of ``optimizer`` its own optimizer on its ps, in place (the
         values stay where they are)."""
-        base = optimizer._sg_base
+        base = base_of(optimizer)
         calls = []
         clients = self.ps_clients
         for group in optimizer.param_groups:
@@ -331,17 +332,17 @@ class ParameterServerPlacement(Placement):
             self._sent_hyper[id(optimizer)] = now
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        optimizer._sg_base.zero_grad(optimizer, set_to_none)
+        base_of(optimizer).zero_grad(optimizer, set_to_none)
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        optimizer._sg_base.add_param_group(optimizer, param_group)
+        base_of(optimizer).add_param_group(optimizer, param_group)
         self.attach_optimizer(optimizer)
 
     def optimizer_reduce(self, optimizer: torch.optim.Optimizer) -> Any:
         # A scheduled function carries it to a worker by reference (stratagem.ps.closures);
         # there is no other copy of an optimizer whose state lives on the parameter servers.
         raise TypeError(
-            f"a {optimizer._sg_base.__name__} created in the scope of {self.strategy!r} cannot be pickled "
+            f"a {base_of(optimizer).__name__} created in the scope of {self.strategy!r} cannot be pickled "
             f"or deep-copied outside a scheduled function; save its state_dict() instead (one logical copy)")
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
@@ -352,7 +353,7 @@ class ParameterServerPlacement(Placement):
                           send: bool = False) -> None:
         """The coordinator's part of loading an optimizer state: its groups' hyperparameters
         (``send``: all of them to the ps now; else the caller sends them with the states)."""
-        base = optimizer._sg_base
+        base = base_of(optimizer)
         base.load_state_dict(optimizer, {"state": {}, "param_groups": param_groups})
         self.finalize()
         now = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]

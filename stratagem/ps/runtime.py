@@ -5,7 +5,7 @@ whatever needs it: the unpickler of each closure (:mod:`stratagem.ps.closures`) 
 closure's references against it -- a scoped module's variables become this runtime's local
 copies, its optimizer a :class:`WorkerOptimizer` bound to it, a per-worker iterator this
 worker's live iterator -- and the local copy of an embedding table carries it
-(``table._sg_runtime``) so that a lookup pulls only the rows it uses.
+(in its record, :mod:`stratagem._record`) so that a lookup pulls only the rows it uses.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from stratagem._profiling import label
+from stratagem._record import attach
 from stratagem.data.input import InputContext
 from stratagem.errors import InvalidArgumentError
 from stratagem.ps.client import ParameterServerClient, call_each
@@ -62,9 +63,7 @@ class WorkerRuntime:
             data = torch.zeros(remote.shape if not remote.row_sparse else (0, *remote.shape[1:]),
                                dtype=remote.dtype)
             local = nn.Parameter(data, requires_grad=remote.trainable) if is_parameter else data
-            local._sg_remote = remote
-            if remote.row_sparse:
-                local._sg_runtime = self
+            attach(local, remote=remote, runtime=self if remote.row_sparse else None)
             self.params[remote.var_id] = local
             self.remotes[remote.var_id] = remote
         return local

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratagem._record import attach, record, record_of
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -76,21 +78,21 @@ class ShardedVariable(nn.Parameter):
 
     def __new__(cls, data: torch.Tensor, remote: RemoteVariable, requires_grad: bool = True):
         instance = super().__new__(cls, data, requires_grad)
-        instance._sg_remote = remote
+        attach(instance, remote=remote)
         return instance
 
     @property
     def num_shards(self) -> int:
-        return self._sg_remote.num_shards
+        return record(self).remote.num_shards
 
     @property
     def shard_shapes(self) -> list[tuple[int, ...]]:
-        return [(s.stop - s.start, *self.shape[1:]) for s in self._sg_remote.shards]
+        return [(s.stop - s.start, *self.shape[1:]) for s in record(self).remote.shards]
 
     @property
     def variables(self) -> tuple[torch.Tensor, ...]:
         """The shards, as views of the logical value (refreshed from the ps on read)."""
-        return tuple(self.data[s.start:s.stop] for s in self._sg_remote.shards)
+        return tuple(self.data[s.start:s.stop] for s in record(self).remote.shards)
 
     def __repr__(self) -> str:
         return (f"ShardedVariable(shape={list(self.shape)}, num_shards={self.num_shards}, "
@@ -105,7 +107,9 @@ def _plain_parameter(data: torch.Tensor, requires_grad: bool) -> nn.Parameter:
 
 
 def remote_of(tensor: torch.Tensor) -> RemoteVariable | None:
-    return getattr(tensor, "_sg_remote", None)
+    """Where ``tensor`` lives on the parameter servers (its record's), None for another tensor."""
+    found = record_of(tensor)
+    return None if found is None else found.remote
 
 
 def gradients_by_ps(params: Any) -> dict[int, dict[str, torch.Tensor]]:

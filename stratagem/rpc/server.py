@@ -72,7 +72,7 @@ def reads_only(handler: Handler) -> Handler:
     elsewhere or uses them as gradients, and never writes them or keeps them): the server
     then decodes its requests without copying their tensors out of gRPC's read-only buffer
     (see :func:`~stratagem.rpc.codec.decode`). Returns ``handler``."""
-    handler._sg_reads_only = True   # type: ignore[attr-defined]
+    handler._rpc_reads_only = True   # type: ignore[attr-defined]
     return handler
 
 
@@ -82,7 +82,7 @@ def large_requests(handler: Handler) -> Handler:
     other handlers accept :data:`~stratagem.rpc.transport.SMALL_REQUEST_BYTES`. Keeping the
     large limit to the methods that need it bounds what one request can make a server hold.
     Returns ``handler``."""
-    handler._sg_large_requests = True   # type: ignore[attr-defined]
+    handler._rpc_large_requests = True   # type: ignore[attr-defined]
     return handler
 
 
@@ -95,7 +95,7 @@ def decodes_request(handler: Handler) -> Handler:
     def takes_bytes(message: bytes) -> Any:
         return handler(message)
 
-    takes_bytes._sg_decodes_request = True   # type: ignore[attr-defined]
+    takes_bytes._rpc_decodes_request = True   # type: ignore[attr-defined]
     return takes_bytes
 
 
@@ -310,7 +310,7 @@ class RpcServer:
         except AuthenticationError as err:
             self._refuse(method, context, err)
         limit = self._max_bytes
-        if not getattr(handler, "_sg_large_requests", False):
+        if not getattr(handler, "_rpc_large_requests", False):
             limit = min(limit, SMALL_REQUEST_BYTES)
         if header.length > limit:   # refused before its body is received
             advice = ("raise max_message_bytes on both sides" if limit == self._max_bytes else
@@ -336,10 +336,10 @@ class RpcServer:
             if handler is None:
                 raise RpcError(f"{self.name} has no method {method!r}; it serves "
                                f"{sorted(self._handlers)}.", code="UNIMPLEMENTED")
-            if getattr(handler, "_sg_decodes_request", False):
+            if getattr(handler, "_rpc_decodes_request", False):
                 result = handler(request)
             else:
-                result = handler(decode(request, writable=not getattr(handler, "_sg_reads_only", False)))
+                result = handler(decode(request, writable=not getattr(handler, "_rpc_reads_only", False)))
             reply = result.message if isinstance(result, EncodedReply) else encode((REPLY_OK, result))
             if len(reply) > self._max_bytes:
                 raise MessageTooLargeError(

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from stratagem._record import attach, record_of
 from stratagem.errors import InvalidArgumentError
 from stratagem.ps.closures import ClosurePickler, ClosureUnpickler, PerWorkerIterator
 from stratagem.ps.placement import _VariableDict
@@ -22,8 +23,8 @@ pytestmark = pytest.mark.timeout(30)
 def _placed(var_id: str, value: torch.Tensor) -> _VariableDict:
     """A module's parameter dict as the coordinator's placement leaves it (no ps needed)."""
     weight = nn.Parameter(value)
-    weight._sg_remote = RemoteVariable(var_id, tuple(value.shape), value.dtype,
-                                       (Shard(f"{var_id}/part_0", 0, 0, value.shape[0]),))
+    attach(weight, remote=RemoteVariable(var_id, tuple(value.shape), value.dtype,
+                                         (Shard(f"{var_id}/part_0", 0, 0, value.shape[0]),)))
     variables = _VariableDict(placement=None)
     dict.__setitem__(variables, "weight", weight)
     dict.__setitem__(variables, "bias", None)
@@ -53,7 +54,7 @@ def test_pickled_otherwise_a_placed_dict_is_a_dict_of_its_values() -> None:
     variables._placement = SimpleNamespace(version=-1, loading=False, written_buffers=set())  # values are current
     plain = decode(encode({"v": variables}))["v"]
     assert type(plain) is dict and plain["bias"] is None
-    assert torch.equal(plain["weight"], torch.full((2,), 3.0)) and not hasattr(plain["weight"], "_sg_remote")
+    assert torch.equal(plain["weight"], torch.full((2,), 3.0)) and record_of(plain["weight"]) is None
 
 
 def test_an_embedding_id_out_of_range_raises_on_the_worker() -> None:
