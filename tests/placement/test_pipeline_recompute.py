@@ -26,7 +26,7 @@ def test_recompute_equals_plain_pytorch_and_the_run_without_it(tmp_path: Path) -
             out = result[case]
             assert out["initial"] == outputs[0][case]["initial"], f"{case}: process {rank} did not start alike"
             assert_history_matches(out["history"], expected, f"{case}, process {rank}")
-            torch.testing.assert_close(torch.tensor(out["predict"]), predicted, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(torch.tensor(out["predict"], dtype=torch.float64), predicted, rtol=1e-12, atol=1e-12)
     for case in script.DROPOUT:
         for rank, result in enumerate(outputs):
             with_, without = result[case]["with"], result[case]["without"]
@@ -41,4 +41,4 @@ def test_recompute_equals_plain_pytorch_and_the_run_without_it(tmp_path: Path) -
         assert "recompute must be True or 'stage'" in errors["recompute_value"] and "got 5" in errors["recompute_value"]
         assert "recompute names '9', which is no submodule of the Sequential" in errors["recompute_missing"]
         assert "recompute names ['unused'], which no stage of the Tokens calls" in errors["recompute_uncalled"]
-    assert all(f"case {case} done" in printed[rank] for case in script.RECOMPUTE for rank in printed)
+    assert all(any(line.startswith(f"case {case} done") for line in printed[rank]) for case in script.RECOMPUTE for rank in printed)
