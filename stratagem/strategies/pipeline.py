@@ -47,6 +47,17 @@ class PipelineStrategy(MeshStrategy):
     and ``sg.Checkpoint`` hold the whole logical model. ``d * p`` must equal the number of
     processes (``mesh=None``: every process on the pipe axis). See docs/pipeline.md.
 
+    ``split_points="auto"`` cuts the model into ``num_stages`` (or the default count) by the
+    measured cost of its blocks (the children of an ``nn.Sequential``, the entries of the
+    longest ``nn.ModuleList`` otherwise) at the first step: ``balance_by="time"`` (forward +
+    backward on this machine, the default) or ``"memory"`` (parameters, gradients, saved
+    activations); the slowest stage is made as fast as it can be. Global rank 0 measures, every
+    process takes its split and rank 0 prints it in the form that pins it (see
+    :meth:`split_points_of`). ``recompute=True`` (or ``"stage"``) drops each stage's activations
+    after its forward and recomputes them in its backward (``torch.utils.checkpoint``,
+    non-reentrant: dropout masks are replayed, results unchanged); a list of module names
+    (``["blocks.0", "blocks.3"]``; a ``ModuleList``'s name: each entry) recomputes those modules.
+
     Run the same script on every process, e.g. ``stratagem launch --workers 2 train.py``.
 
     Example::
@@ -169,6 +180,20 @@ class PipelineStrategy(MeshStrategy):
 
         With ``split_points="auto"``: the measured split, once the first ``forward_backward`` (or
         ``predict``) has chosen it (None before), the same on every process.
+
+        Example::
+
+            import torch, stratagem as sg
+            strategy = sg.experimental.PipelineStrategy(
+                split_points="auto", num_stages=2, schedule="interleaved", num_microbatches=2,
+                recompute=True, loss_fn=torch.nn.functional.mse_loss)
+            with strategy.scope():   # one process here: it holds both stages
+                model = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            print(strategy.split_points_of(model))   # None: measured at the first step
+            loss = strategy.forward_backward(model, torch.randn(8, 4), torch.randn(8, 1))   # prints the split
+            optimizer.step()
+            print(strategy.split_points_of(model))   # e.g. ['2']: split_points=['2'] pins it
         """
         layout = self._placement.split_of(model).layout
         if layout.balance is not None:
