@@ -11,8 +11,8 @@ over rounds (range in brackets).
   and ``D`` for a light one (``L``): their costs differ 4x. Trained by the schedule with the even
   split (the default: the same number of blocks per stage), ``split_points="auto"`` (by time) and
   ``split_points="auto", balance_by="memory"``. Reported: each split, the step time against the
-  even split's, and the prediction from the measured block costs the strategy printed (step time
-  follows the slowest stage: its cost over the even split's slowest).
+  even split's, and the prediction from the per-stage costs the strategy printed: a step of m
+  micro-batches takes about ``(m - 1) max(c) + sum(c)``.
 - **recompute** (``--part recompute``): ``--layers`` transformer-MLP blocks ``LayerNorm - Linear(D,
   4D) - GELU - Linear(4D, D)`` plus the residual, trained without recomputation, with
   ``recompute=True`` (each stage) and with every block named. Reported per rank: the activations
@@ -183,22 +183,24 @@ def balance_report(args: argparse.Namespace, rounds: list[dict]) -> list[str]:
     for name in CONFIGS["balance"]:
         ratios = [paired(r["ranks"][0], name, "even") for r in rounds]
         announced = [ln for ln in rounds[0]["printed"] if ("balance_by='memory'" in ln) == (name == "auto-memory")]
-        predicted = _predicted(announced[0]) if announced and name != "even" else None
+        predicted = _predicted(announced[0], args.microbatches) if announced and name != "even" else None
         table.append([name, str(first["split"][name]), f"{h.median([h.median(r['ranks'][0]['ms'][name]) for r in rounds]):.1f}",
                       f"{h.median(ratios):.3f}", h.spread(ratios, 3), "" if predicted is None else f"{predicted:.3f}",
                       f"{first['loss'][name]:.6g}"])
     lines += [h.format_table(head, table), "what the strategy printed (rank 0, first round):"]
     lines += ["  " + ln for ln in rounds[0]["printed"]]
-    return lines + ["predicted: the slowest stage's measured cost over the even split's slowest (block costs as "
-                    "printed; for balance_by='memory' the time is not what was balanced, so no prediction)"]
+    return lines + ["predicted: a step of m micro-batches through stages of costs c_s (per micro-batch, as printed) "
+                    "takes (m - 1) max(c) + sum(c) (the slowest stage paces the others, the first and last "
+                    "micro-batch cross every stage; no communication, no optimizer); its ratio, balanced over "
+                    "even (for balance_by='memory' the time per stage was not printed, so no prediction)"]
 
 
-def _predicted(line: str) -> float | None:
+def _predicted(line: str, m: int) -> float | None:
     found = re.search(r"ms of forward\+backward per stage: \[([^\]]*)\] \(an even split: \[([^\]]*)\]\)", line)
     if not found:
         return None
     chosen, even = ([float(v) for v in part.split(",")] for part in found.groups())
-    return max(chosen) / max(even)
+    return ((m - 1) * max(chosen) + sum(chosen)) / ((m - 1) * max(even) + sum(even))
 
 
 def recompute_report(args: argparse.Namespace, rounds: list[dict]) -> list[str]:

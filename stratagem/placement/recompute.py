@@ -9,8 +9,7 @@ without recomputation. The regions:
 
 - ``True`` (or ``"stage"``): each stage's whole forward, for every micro-batch; a stage then
   holds one input per micro-batch in flight, and recomputes its forward once per micro-batch
-  (twice for the zero-bubble schedules, whose backward runs in two passes: input gradients,
-  then weight gradients);
+  (also under the zero-bubble schedules, whose backward runs in two passes);
 - a list of module names (as in ``named_modules()``: ``["blocks.0", "blocks.3"]``): each named
   module's forward; the name of an ``nn.ModuleList`` (or ``ModuleDict``), which ``forward``
   never calls itself, stands for each of its entries (``["blocks"]``: every block).
