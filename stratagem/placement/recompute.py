@@ -81,17 +81,22 @@ class CheckpointedForward:
     """A module's ``forward`` run under a non-reentrant checkpoint whenever gradients are enabled.
 
     Stored as the module's ``forward`` attribute (``nn.Module.__call__`` calls ``self.forward``):
-    the module keeps its class, its hooks, its names and its state dict; ``original`` is the
-    bound method it had (a deep copy of the module copies it bound to the copy).
+    the module keeps its class, its hooks, its names and its state dict. It holds the module and
+    the function its ``forward`` was bound to, so a deep copy of the module calls the copy.
     """
 
-    def __init__(self, original: Any):
-        self.original = original
+    def __init__(self, module: nn.Module):
+        forward = module.forward
+        bound = getattr(forward, "__self__", None) is module
+        self.module = module if bound else None
+        self.function = forward.__func__ if bound else forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.module is not None:
+            args = (self.module, *args)
         if not torch.is_grad_enabled():
-            return self.original(*args, **kwargs)
-        return checkpoint(self.original, *args, use_reentrant=False, **kwargs)
+            return self.function(*args, **kwargs)
+        return checkpoint(self.function, *args, use_reentrant=False, **kwargs)
 
 
 def apply(modules: dict[int, nn.Module], recompute: Recompute | None, model: nn.Module, *,
@@ -136,7 +141,7 @@ def apply(modules: dict[int, nn.Module], recompute: Recompute | None, model: nn.
 
 def _checkpoint_forward(module: nn.Module) -> None:
     if not isinstance(module.__dict__.get("forward"), CheckpointedForward):
-        module.forward = CheckpointedForward(module.forward)
+        module.forward = CheckpointedForward(module)
 
 
 def _example(model: nn.Module) -> str:

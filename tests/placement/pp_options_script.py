@@ -196,7 +196,8 @@ def train(case: str, spec: tuple, mesh: dict, seed: int, **override) -> dict:
         out["history"].append({"loss": loss.item(), "params": listed(model.state_dict())})
     out["split_points"] = strategy.split_points_of(model)
     out["stages"] = strategy.stages_of(model)
-    out["predict"] = strategy.predict(model.eval(), make_data((7,))[0][0]).tolist()
+    if isinstance(model, nn.Sequential):   # (a traced model would be traced again in eval mode: time)
+        out["predict"] = strategy.predict(model.eval(), make_data((7,))[0][0]).tolist()
     print(f"case {case} done at {time.monotonic() - STARTED:.1f} s", flush=True)
     return out
 

@@ -79,7 +79,9 @@ def test_auto_split_agrees_on_every_process_trains_as_plain_pytorch_and_pins(tmp
             out = result[case]
             assert (out["split_before"] is None) == (options.get("split_points") == "auto")
             assert_history_matches(out["history"], expected, f"{case}, process {rank}")
-            torch.testing.assert_close(torch.tensor(out["predict"], dtype=torch.float64), predicted, rtol=1e-12, atol=1e-12)
+            if "predict" in out:   # (nn.Sequential models)
+                torch.testing.assert_close(torch.tensor(out["predict"], dtype=torch.float64), predicted,
+                                           rtol=1e-12, atol=1e-12)
     assert outputs[0]["pinned"]["split_points"] == outputs[0]["auto-gpipe"]["split_points"]
     assert len(outputs[0]["auto-traced-interleaved"]["split_points"]) == 3
     assert all(p.startswith("blocks.") for p in outputs[0]["auto-traced-interleaved"]["split_points"])
