@@ -211,6 +211,7 @@ def error_of(fn):
 
 
 def errors(mesh: dict) -> dict:
+    first = sg.cluster.resolve().worker_rank == 0
     def build(model_fn, step=False, **options):
         strategy = sg.experimental.PipelineStrategy(mesh, num_microbatches=4, loss_fn=loss_fn, **options)
         with strategy.scope():
@@ -226,15 +227,52 @@ def errors(mesh: dict) -> dict:
         "auto_too_many_stages": error_of(lambda: build(sequential, split_points="auto", schedule="interleaved",
                                                        num_stages=10)),
         "auto_untraceable": error_of(lambda: build(Branches, step=True, split_points="auto")),
+        # a peer started with other options: every process refuses at start-up (none measures alone)
+        "mismatch_recompute": error_of(lambda: build(sequential, recompute=first)),
+        "mismatch_auto": error_of(lambda: build(sequential, split_points="auto" if first else None)),
     }
+
+
+#: seconds a process waits for a silent peer in the ``killed`` part
+TIMEOUT = 15
+
+
+def killed(out: str) -> None:
+    """The process that measures for split_points="auto" (global rank 0) SIGKILLs itself while measuring;
+    the other writes OUT_DIR/rank1.json: its error, and how long the step took to fail."""
+    import signal
+
+    options = sg.CommunicationOptions(timeout_seconds=TIMEOUT)
+    strategy = sg.experimental.PipelineStrategy(num_microbatches=4, schedule="gpipe", split_points="auto",
+                                                loss_fn=loss_fn, communication_options=options)
+    rank = sg.cluster.resolve().worker_rank
+    with strategy.scope():
+        model = sequential()
+    if rank == 0:
+        def lose(module, args):
+            print("losing while measuring", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        model[1].register_forward_pre_hook(lose)
+    started = time.monotonic()
+    try:
+        strategy.forward_backward(model, torch.randn(8, 6), torch.randn(8, 3))
+    except Exception as error:   # noqa: BLE001 - reported to the test
+        result = {"type": type(error).__name__, "error": str(error), "seconds": time.monotonic() - started}
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        print("failed as expected", flush=True)
+        os._exit(3)   # the process group is broken: leave without its teardown
+    os._exit(0)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--part", choices=("recompute", "balance"))
+    parser.add_argument("--part", choices=("recompute", "balance", "killed"))
     args = parser.parse_args()
     torch.set_default_dtype(torch.float64)
+    if args.part == "killed":
+        killed(args.out)
     rank = sg.cluster.resolve().worker_rank
     mesh = {"data": 1, "pipe": sg.cluster.resolve().num_workers}
     result = {}

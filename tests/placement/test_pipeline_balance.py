@@ -4,6 +4,7 @@ plain PyTorch (float64), print the split once, and train alike with that split p
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 import stratagem as sg
 from multi_worker.history import assert_history_matches
+from stratagem.testing import run_local_cluster
 from stratagem.placement.pipeline_balance import partition
 
 from . import pp_options_script as script
@@ -93,6 +95,7 @@ def test_auto_split_agrees_on_every_process_trains_as_plain_pytorch_and_pins(tmp
     assert not [line for line in printed[1] if "split_points='auto'" in line]
     for rank, result in enumerate(outputs):
         errors = result["errors"]
+        assert "different PipelineStrategy configurations" in errors["mismatch_auto"], errors["mismatch_auto"]
         assert "give split_points='auto' with it" in errors["balance_by_alone"]
         assert "balance_by must be one of ['time', 'memory'], got 'speed'" in errors["balance_by_value"]
         assert "needs 10 stages (num_stages=10)" in errors["auto_too_many_stages"]
@@ -100,3 +103,17 @@ def test_auto_split_agrees_on_every_process_trains_as_plain_pytorch_and_pins(tmp
         # the first process could not trace the model to measure it: every process raises, none waits
         assert "could not trace the Branches" in errors["auto_untraceable"] if rank == 0 else \
             "the first process could not measure the Branches's blocks" in errors["auto_untraceable"]
+
+
+@pytest.mark.timeout(180)
+def test_the_measuring_process_killed_stops_the_other_with_a_clear_error(tmp_path: Path) -> None:
+    """SIGKILL of global rank 0 while it measures the blocks: the other process, waiting for the split,
+    fails with an UnavailableError naming it and what it waited for, within the communication timeout."""
+    results = run_local_cluster(Path(script.__file__), 2, args=[str(tmp_path), "--part", "killed"], timeout=150)
+    first, second = results
+    assert "losing while measuring" in first.output
+    assert second.returncode == 3, second.output
+    out = json.loads((tmp_path / "rank1.json").read_text())
+    assert out["type"] == "UnavailableError", out
+    assert "split_points='auto'" in out["error"] and "worker 0" in out["error"], out["error"]
+    assert out["seconds"] < script.TIMEOUT + 60, out

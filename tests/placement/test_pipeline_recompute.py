@@ -40,6 +40,7 @@ def test_recompute_equals_plain_pytorch_and_the_run_without_it(tmp_path: Path) -
             assert 0 < with_["peak"] < 0.7 * without["peak"], (case, rank, with_["peak"], without["peak"])
     for rank, result in enumerate(outputs):
         errors = result["errors"]
+        assert "different PipelineStrategy configurations" in errors["mismatch_recompute"], errors["mismatch_recompute"]
         assert "recompute must be True or 'stage'" in errors["recompute_value"] and "got 5" in errors["recompute_value"]
         assert "recompute names '9', which is no submodule of the Sequential" in errors["recompute_missing"]
         assert "recompute names ['unused'], which no stage of the Tokens calls" in errors["recompute_uncalled"]
