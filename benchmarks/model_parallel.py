@@ -30,6 +30,13 @@ GPipe, step time against one process, DDP and the raw torch schedules) is in ``_
 ``--part pipeline`` every option is the pipeline part's:
 
     python benchmarks/model_parallel.py --part pipeline [--quick] [--help]
+
+PipelineStrategy's options (``_pipeline_options.py``, run only when named): balanced stages
+(``split_points="auto"`` against the even split on blocks whose costs differ 4x) and activation
+recomputation (memory saved and time paid against the textbook values):
+
+    python benchmarks/model_parallel.py --part balance [--quick] [--help]
+    python benchmarks/model_parallel.py --part recompute [--quick] [--help]
 """
 
 from __future__ import annotations
@@ -45,8 +52,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _pipeline  # noqa: E402
+import _pipeline_options  # noqa: E402
 
 STAGES = (None, "optimizer", "gradients", "parameters")
+PARTS = ("all", "zero", "pipeline", "balance", "recompute")
 BATCH = 256
 
 
@@ -139,7 +148,7 @@ def analytic(stage: str | None, psi: int, n: int) -> tuple[float, float, float]:
 def _part(argv) -> tuple[str, list[str]]:
     """``--part`` (all, zero, pipeline) and the other arguments."""
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--part", choices=("all", "zero", "pipeline"), default="all")
+    parser.add_argument("--part", choices=PARTS, default="all")
     args, rest = parser.parse_known_args(argv)
     return args.part, rest
 
@@ -148,13 +157,16 @@ def main(argv=None) -> int:
     part, rest = _part(argv)
     if part == "pipeline":
         return _pipeline.main(rest)
+    if part in _pipeline_options.CONFIGS:
+        return _pipeline_options.main(rest, part)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--worker", nargs="+", metavar="OUT STAGE [STEPS]", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds (each launches every stage and DDP)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per launch")
-    parser.add_argument("--part", choices=("all", "zero", "pipeline"), default="all",
-                        help="zero: this ZeRO part; pipeline: the pipeline part (its options: --part pipeline --help)")
+    parser.add_argument("--part", choices=PARTS, default="all",
+                        help="zero: this ZeRO part; pipeline: the pipeline part (its options: --part pipeline --help); "
+                             "balance, recompute: PipelineStrategy's options (--part balance --help)")
     args = parser.parse_args(argv)
     if args.worker:
         worker(*args.worker)

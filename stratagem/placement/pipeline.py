@@ -44,6 +44,7 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
 from stratagem.placement.roots import DataAxisSum, RootsPlacement
 from stratagem.placement.hooks import adopt, base_of, placement_of, run_hooks, step_hooks, unhooked_step
+from stratagem.placement.pipeline_balance import balance_layout
 from stratagem.placement.pipeline_plan import StageLayout, plan_stages
 from stratagem.placement.pipeline_trace import TracedStages
 
@@ -54,10 +55,14 @@ class SplitModel:
     layout: StageLayout
     local: dict[int, nn.Sequential]          # stage index -> its children (shared with the model)
     traced: TracedStages | None = None       # a model that is not an nn.Sequential: its stage graphs
+    model: nn.Module | None = None           # the model itself (the names recompute= gives)
+    waiting: list[int] | None = None         # an nn.Sequential that split_points="auto" cuts at the first step
 
     @property
     def stages(self) -> list[int]:
         """The stage indices this process holds."""
+        if self.waiting is not None:
+            return list(self.waiting)
         return sorted(self.local) if self.traced is None else list(self.traced.stages)
 
     def mode(self) -> Any:
@@ -107,19 +112,34 @@ class PipelinePlacement(RootsPlacement):
             if not isinstance(root, nn.Sequential):   # traced at the first step, when the inputs are known
                 stages = layout.stages_of(self.pipe_rank)
                 self.models[id(root)] = SplitModel(layout, {}, TracedStages(
-                    root, list(layout.points), num_stages=layout.num_stages, stages=stages, placement=self))
-                continue
-            children = list(root.children())
-            local = {s: nn.Sequential(*children[a:b]) for s, (a, b) in enumerate(layout.bounds)
-                     if layout.rank_of(s) == self.pipe_rank}
-            mine = {id(m) for stage in local.values() for m in stage.modules()}
-            elsewhere = [child for child in children if id(child) not in mine]
+                    root, list(layout.points), num_stages=layout.num_stages, stages=stages, placement=self), root)
+            elif layout.balance is not None:   # split_points="auto": cut once measured, at the first step
+                self.models[id(root)] = SplitModel(layout, {}, model=root, waiting=layout.stages_of(self.pipe_rank))
+            else:
+                self._cut(root, layout)
+
+    def _cut(self, root: nn.Sequential, layout: StageLayout, *, late: bool = False) -> None:
+        """Cut an ``nn.Sequential`` into stages: the children of the stages held elsewhere become meta
+        (``late``: after its optimizers were created, which then get meta placeholders too)."""
+        children = list(root.children())
+        local = {s: nn.Sequential(*children[a:b]) for s, (a, b) in enumerate(layout.bounds)
+                 if layout.rank_of(s) == self.pipe_rank}
+        mine = {id(m) for stage in local.values() for m in stage.modules()}
+        named = list(root.named_children())
+        elsewhere = [child for _, child in named if id(child) not in mine]
+        if late:
+            tensors = [(f"{name}.{n}", child) for name, child in named
+                       for n, _ in [*child.named_parameters(remove_duplicate=False),
+                                    *child.named_buffers(remove_duplicate=False)]]
+            self.keep_only(root, {n for n, child in tensors if id(child) in mine}, {n for n, _ in tensors},
+                           sorted(local))
+        else:
             for child in elsewhere:
                 child.to("meta")     # another process holds it
             if elsewhere:
                 root.register_forward_pre_hook(functools.partial(_not_whole, sorted(local)))
-            self.models[id(root)] = SplitModel(layout, local)
-            self._forget_pending(local.values())   # the stage containers, created in scope
+        self.models[id(root)] = SplitModel(layout, local, model=root)
+        self._forget_pending(local.values())   # the stage containers, created in scope
 
     def keep_only(self, model: nn.Module, held: set[str], used: set[str], stages: list[int]) -> None:
         """A traced model's first trace: its tensors that other stages use (``used`` but not ``held``)
@@ -179,7 +199,9 @@ class PipelinePlacement(RootsPlacement):
                 "another process of the pipeline could not trace the model (its error says why); make the "
                 "model's forward torch.export-compatible, or write it as nn.Sequential(embedding, *blocks, head)")
 
-    def split_of(self, model: Any) -> SplitModel:
+    def split_of(self, model: Any, batch: tuple[torch.Tensor, ...] | None = None) -> SplitModel:
+        """The split of ``model``; given the step's ``batch``, a split that ``split_points="auto"`` still has
+        to measure is measured on its first micro-batch and cut (every process at the same step)."""
         self.finalize()
         split = self.models.get(id(model))
         if split is None:
@@ -187,6 +209,14 @@ class PipelinePlacement(RootsPlacement):
                 f"forward_backward and predict need the model created in this PipelineStrategy's "
                 f"scope (the one it split into stages), got a {type(model).__name__} it did not place; "
                 f"create the model inside strategy.scope()")
+        if split.layout.balance is not None and batch is not None:
+            rows = -(-batch[0].shape[0] // self.config["num_microbatches"])
+            layout = balance_layout(model, split.layout, tuple(x[:rows] for x in batch), placement=self)
+            if split.traced is not None:
+                split.layout, split.traced.points = layout, list(layout.points)
+            else:
+                self._cut(model, layout, late=True)
+                split = self.models[id(model)]
         return split
 
     # ----------------------------------------------------------- optimizers

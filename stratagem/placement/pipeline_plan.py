@@ -4,7 +4,9 @@
 and returns a :class:`StageLayout`, the same on every process: an ``nn.Sequential`` is cut
 between its children (at the split points, or evenly); any other model at the modules its
 split points name, which torch's tracer cuts at the first step
-(:mod:`stratagem.placement.pipeline_trace`).
+(:mod:`stratagem.placement.pipeline_trace`). With ``split_points="auto"`` the layout is even
+until the first step measures the blocks (:mod:`stratagem.placement.pipeline_balance`); the
+checks that depend on the stage count alone are made at once.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.pipeline_trace import even_edges, traced_split_points
+from stratagem.placement.recompute import Recompute, expand_names
 
 #: schedule name -> (torch class name, stage placement: "loop" or "v", stages per process or None: any)
 SCHEDULES = {
@@ -44,6 +47,8 @@ class StageLayout:
     pipe_size: int
     style: str                       # "loop" or "v"
     points: tuple[str, ...] = ()     # a traced model's split points (bounds then index the stages)
+    recompute: Recompute | None = None   # what each stage recomputes in its backward (names expanded)
+    balance: str | None = None       # split_points="auto": the cost to balance at the first step (bounds even till then)
 
     @property
     def num_stages(self) -> int:
@@ -60,12 +65,16 @@ class StageLayout:
         return [s for s in range(self.num_stages) if self.rank_of(s) == rank]
 
 
-def plan_stages(model: nn.Module, *, split_points: list[str] | None, num_stages: int | None,
-                pipe_size: int, schedule: str, num_microbatches: int) -> StageLayout:
+def plan_stages(model: nn.Module, *, split_points: list[str] | str | None, num_stages: int | None,
+                pipe_size: int, schedule: str, num_microbatches: int, recompute: Recompute | None = None,
+                balance_by: str | None = None) -> StageLayout:
     """Validate the split of ``model`` for ``schedule`` and return its layout (same on every process)."""
     names = [name for name, _ in model.named_children()]
     _, style, per_rank = SCHEDULES[schedule]
     points: tuple[str, ...] = ()
+    balance = None
+    if split_points == "auto":   # even until measured; the count checked against the blocks now
+        split_points, balance = None, balance_by or "time"
     if not isinstance(model, nn.Sequential):   # cut by the tracer: stage s begins at points[s - 1]
         count = num_stages if num_stages is not None else pipe_size * (per_rank or 2)
         points = tuple(traced_split_points(model, split_points, count))
@@ -92,7 +101,7 @@ def plan_stages(model: nn.Module, *, split_points: list[str] | None, num_stages:
                 f"fewer stages, or a schedule with one stage per process")
         edges = even_edges(len(names), count)
     bounds = tuple(zip(edges[:-1], edges[1:]))
-    layout = StageLayout(bounds, pipe_size, style, points)
+    layout = StageLayout(bounds, pipe_size, style, points, expand_names(model, recompute), balance)
     stages = layout.num_stages
     if stages % pipe_size or (per_rank is not None and stages != per_rank * pipe_size):
         want = f"{per_rank * pipe_size}" if per_rank else f"a multiple of {pipe_size}"

@@ -31,6 +31,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
+from stratagem.placement import recompute
 from stratagem.placement.pipeline import SplitModel
 from stratagem.placement.pipeline_plan import SCHEDULES
 
@@ -154,8 +155,11 @@ class PipelineSchedules:
         layout = self.split.layout
         group = self.pipe.group.group
         micro = tuple(x.narrow(0, 0, x.shape[0] // self.num_microbatches) for x in inputs)   # (padded: divides)
+        modules = self.split.modules_for(micro)
+        recompute.apply(modules, layout.recompute, self.split.model,
+                        check_over=self.pipe if self.split.traced is not None else None)
         stages = [_without_side_effects(PipelineStage(module, s, layout.num_stages, self.device, group=group))
-                  for s, module in sorted(self.split.modules_for(micro).items())]
+                  for s, module in sorted(modules.items())]
         cls = getattr(schedules, SCHEDULES[self.schedule][0])
         if SCHEDULES[self.schedule][2] == 1:
             built = cls(stages[0], n_microbatches=self.num_microbatches, loss_fn=self._loss, scale_grads=False)

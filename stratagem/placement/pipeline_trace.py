@@ -48,19 +48,24 @@ def traced_split_points(model: nn.Module, split_points: list[str] | None, count:
         return list(split_points)
     if count == 1:
         return []
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
-        raise InvalidArgumentError(
-            f"the {type(model).__name__} is not an nn.Sequential and has no nn.ModuleList to split evenly: give "
-            f"split_points=['blocks.2', ...] (the modules where stages begin), or write the model as "
-            f"nn.Sequential(embedding, *blocks, head)")
-    name, blocks = max(lists, key=lambda item: len(item[1]))   # the first of the longest
+    name, blocks = longest_list(model)
     if count > len(blocks):
         raise InvalidArgumentError(
             f"the pipeline needs {count} stages, but the longest nn.ModuleList of the {type(model).__name__} "
             f"({name!r}) has only {len(blocks)} modules to split; give split_points, fewer stages, or a schedule "
             f"with one stage per process")
     return [f"{name}.{i}" for i in even_edges(len(blocks), count)[1:-1]]
+
+
+def longest_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's blocks: its longest ``nn.ModuleList`` (the first of the longest) and its name."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise InvalidArgumentError(
+            f"the {type(model).__name__} is not an nn.Sequential and has no nn.ModuleList to split evenly: give "
+            f"split_points=['blocks.2', ...] (the modules where stages begin), or write the model as "
+            f"nn.Sequential(embedding, *blocks, head)")
+    return max(lists, key=lambda item: len(item[1]))
 
 
 def even_edges(length: int, count: int) -> list[int]:
@@ -108,24 +113,7 @@ class TracedStages:
         return tuple(m.training for m in self.model.modules())
 
     def _trace(self, sample: tuple[torch.Tensor, ...]) -> dict[int, nn.Module]:
-        from torch.distributed.pipelining import SplitPoint, pipeline
-        shadow, origin = self._meta_copy()
-        example = tuple(torch.empty_like(x, device="meta") for x in sample)
-        try:
-            with warnings.catch_warnings():   # torch's own deprecations inside pipeline() (pytree)
-                warnings.simplefilter("ignore", FutureWarning)
-                pipe = pipeline(shadow, example, split_spec={p: SplitPoint.BEGINNING for p in self.points})
-        except Exception as e:   # torch.export's errors: data-dependent control flow, unsupported ops, ...
-            raise InvalidArgumentError(
-                f"PipelineStrategy could not trace the {type(self.model).__name__} with torch.export to cut it "
-                f"at {self.points} ({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}); make its "
-                f"forward torch.export-compatible (no Python branches on tensor values), or write the model "
-                f"as nn.Sequential(embedding, *blocks, head), which needs no tracing") from e
-        if pipe.num_stages != self.num_stages:
-            raise InvalidArgumentError(
-                f"cutting the {type(self.model).__name__} before {self.points} gave {pipe.num_stages} stages, "
-                f"not {self.num_stages}: every split point must name a module that forward calls, once (a "
-                f"container such as a whole ModuleList is never called)")
+        pipe, origin = trace(self.model, self.points, sample)
         if pipe.replicated_params:
             shared = sorted({origin.get(id(getattr(pipe.split_gm, stage).get_parameter(name)), name)
                              for use in pipe.replicated_params for stage, name in use.items()})
@@ -149,28 +137,58 @@ class TracedStages:
                 f"same modules for every input shape")
         held = {}
         for s in self.stages:
-            stage = pipe.get_stage_module(s)
-            _give_back_tensors(stage, self.model, origin)
-            _move_device_arguments(stage, self.placement.device)
-            held[s] = stage
+            held[s] = stage_module(pipe, s, self.model, origin, self.placement.device)
         return held
 
-    def _meta_copy(self) -> tuple[nn.Module, dict[int, str]]:
-        """A copy of the model on ``meta``, and the id of each of its tensors -> the model's name for it."""
-        memo: dict[int, Any] = {}
-        names: dict[int, str] = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-                names[id(memo[id(p)])] = name
-        for name, b in self.model.named_buffers(remove_duplicate=False):
-            if id(b) not in memo:
-                memo[id(b)] = torch.empty_like(b, device="meta")
-                names[id(memo[id(b)])] = name
-        shadow = copy.deepcopy(self.model, memo)
-        for hooks in (shadow._state_dict_hooks, shadow._load_state_dict_pre_hooks):
-            hooks.clear()   # the whole-model gather over the pipe axis is the model's, not the tracer's
-        return shadow, names
+
+def trace(model: nn.Module, points: list[str], sample: tuple[torch.Tensor, ...]) -> tuple[Any, dict[int, str]]:
+    """torch's ``Pipe`` of a ``meta`` copy of ``model`` cut before each of ``points``, traced for inputs
+    shaped as ``sample``, and the id of each of the copy's tensors -> the model's name for it."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+    shadow, origin = _meta_copy(model)
+    example = tuple(torch.empty_like(x, device="meta") for x in sample)
+    try:
+        with warnings.catch_warnings():   # torch's own deprecations inside pipeline() (pytree)
+            warnings.simplefilter("ignore", FutureWarning)
+            pipe = pipeline(shadow, example, split_spec={p: SplitPoint.BEGINNING for p in points})
+    except Exception as e:   # torch.export's errors: data-dependent control flow, unsupported ops, ...
+        raise InvalidArgumentError(
+            f"PipelineStrategy could not trace the {type(model).__name__} with torch.export to cut it "
+            f"at {points} ({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}); make its "
+            f"forward torch.export-compatible (no Python branches on tensor values), or write the model "
+            f"as nn.Sequential(embedding, *blocks, head), which needs no tracing") from e
+    if pipe.num_stages != len(points) + 1:
+        raise InvalidArgumentError(
+            f"cutting the {type(model).__name__} before {points} gave {pipe.num_stages} stages, "
+            f"not {len(points) + 1}: every split point must name a module that forward calls, once (a "
+            f"container such as a whole ModuleList is never called)")
+    return pipe, origin
+
+
+def stage_module(pipe: Any, stage: int, model: nn.Module, origin: dict[int, str], device: torch.device) -> nn.Module:
+    """Stage ``stage``'s graph of a :func:`trace`, computing with ``model``'s own tensors on ``device``."""
+    module = pipe.get_stage_module(stage)
+    _give_back_tensors(module, model, origin)
+    _move_device_arguments(module, device)
+    return module
+
+
+def _meta_copy(model: nn.Module) -> tuple[nn.Module, dict[int, str]]:
+    """A copy of the model on ``meta``, and the id of each of its tensors -> the model's name for it."""
+    memo: dict[int, Any] = {}
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in memo:
+            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            names[id(memo[id(p)])] = name
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if id(b) not in memo:
+            memo[id(b)] = torch.empty_like(b, device="meta")
+            names[id(memo[id(b)])] = name
+    shadow = copy.deepcopy(model, memo)
+    for hooks in (shadow._state_dict_hooks, shadow._load_state_dict_pre_hooks):
+        hooks.clear()   # the whole-model gather over the pipe axis is the model's, not the tracer's
+    return shadow, names
 
 
 def _give_back_tensors(stage: nn.Module, model: nn.Module, origin: dict[int, str]) -> None:

@@ -22,8 +22,10 @@ import torch
 from stratagem.comm.options import CommunicationOptions
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.pipeline import PipelinePlacement
+from stratagem.placement.pipeline_balance import BALANCE_BY
 from stratagem.placement.pipeline_plan import check_schedule
 from stratagem.placement.pipeline_schedule import PipelineSchedules, forward_only
+from stratagem.placement.recompute import check_recompute
 from stratagem.strategies.mesh import MeshStrategy
 
 
@@ -43,6 +45,17 @@ class PipelineStrategy(MeshStrategy):
     their rows); :meth:`predict` evaluates. ``model.state_dict()``, the optimizer's state dict
     and ``sg.Checkpoint`` hold the whole logical model. ``d * p`` must equal the number of
     processes (``mesh=None``: every process on the pipe axis). See docs/pipeline.md.
+
+    ``split_points="auto"`` cuts the model into ``num_stages`` (or the default count) by the
+    measured cost of its blocks (the children of an ``nn.Sequential``, the entries of the
+    longest ``nn.ModuleList`` otherwise) at the first step: ``balance_by="time"`` (forward +
+    backward on this machine, the default) or ``"memory"`` (parameters, gradients, saved
+    activations); the slowest stage is made as fast as it can be. Global rank 0 measures, every
+    process takes its split and rank 0 prints it in the form that pins it (see
+    :meth:`split_points_of`). ``recompute=True`` (or ``"stage"``) drops each stage's activations
+    after its forward and recomputes them in its backward (``torch.utils.checkpoint``,
+    non-reentrant: dropout masks are replayed, results unchanged); a list of module names
+    (``["blocks.0", "blocks.3"]``; a ``ModuleList``'s name: each entry) recomputes those modules.
 
     Run the same script on every process, e.g. ``stratagem launch --workers 2 train.py``.
 
@@ -67,12 +80,14 @@ class PipelineStrategy(MeshStrategy):
     axis = "pipe"
     model_steps_kind = "pipeline"   # sg.Model runs the schedule (stratagem.keras.pipeline_steps)
 
-    def __init__(self, mesh: dict[str, int] | None = None, *, split_points: Sequence[str] | None = None,
+    def __init__(self, mesh: dict[str, int] | None = None, *, split_points: Sequence[str] | str | None = None,
                  num_stages: int | None = None, num_microbatches: int = 4, schedule: str = "1f1b",
-                 loss_fn: Callable | None = None, cluster_resolver: Any = None,
+                 loss_fn: Callable | None = None, recompute: bool | str | Sequence[str] = False,
+                 balance_by: str | None = None, cluster_resolver: Any = None,
                  communication_options: CommunicationOptions | None = None):
         schedule = check_schedule(schedule)
         split_points = _check_options(split_points, num_stages, num_microbatches, loss_fn)
+        balance_by = _check_balance_by(balance_by, split_points)
         data_size, pipe_size = self._start_mesh(mesh, cluster_resolver, communication_options)
         data, self._pipe = self._axis_collective("data"), self._axis_collective("pipe")
         self._loss_fn = loss_fn
@@ -80,7 +95,8 @@ class PipelineStrategy(MeshStrategy):
         self._num_microbatches = num_microbatches
         self._schedules: dict[int, PipelineSchedules] = {}
         config = {"split_points": split_points, "num_stages": num_stages, "pipe_size": pipe_size,
-                  "schedule": schedule, "num_microbatches": num_microbatches}
+                  "schedule": schedule, "num_microbatches": num_microbatches,
+                  "recompute": check_recompute(recompute), "balance_by": balance_by}
         self._configure(self._data_topology(), data, PipelinePlacement(
             self, config=config, pipe_rank=self.pipe_rank, pipe=self._pipe, data=data, everyone=self._full,
             device=self._mesh_device.torch_device))
@@ -132,17 +148,18 @@ class PipelineStrategy(MeshStrategy):
             raise InvalidArgumentError(
                 f"forward_backward's inputs must be a tensor (or a tuple of tensors) with a batch "
                 f"dimension, got {[type(x).__name__ for x in inputs]}")
-        split = self._placement.split_of(model)
+        device = self._mesh_device.torch_device
+        inputs = tuple(x.to(device) for x in inputs)
+        split = self._placement.split_of(model, inputs)
         runner = self._schedules.get(id(model))
         if runner is None:
             runner = self._schedules[id(model)] = PipelineSchedules(
                 split, schedule=self._schedule, num_microbatches=self._num_microbatches,
                 pipe_rank=self.pipe_rank, pipe=self._pipe, data=self._collective,
                 device=self._mesh_device.torch_device)
-        device = self._mesh_device.torch_device
         if isinstance(target, torch.Tensor):
             target = target.to(device)
-        return runner.step(tuple(x.to(device) for x in inputs), target, loss_fn, return_outputs=return_outputs)
+        return runner.step(inputs, target, loss_fn, return_outputs=return_outputs)
 
     def predict(self, model: Any, inputs: Any) -> Any:
         """The output of ``model`` for the batch ``inputs``, on every process of the pipeline.
@@ -154,31 +171,71 @@ class PipelineStrategy(MeshStrategy):
         """
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         device = self._mesh_device.torch_device
-        return forward_only(self._placement.split_of(model), tuple(x.to(device) for x in inputs),
+        inputs = tuple(x.to(device) for x in inputs)
+        return forward_only(self._placement.split_of(model, inputs), inputs,
                             pipe_rank=self.pipe_rank, pipe=self._pipe, device=device)
 
+    def split_points_of(self, model: Any) -> list[str] | None:
+        """Where the stages of ``model`` begin, in the form ``split_points=`` takes (to pin a split).
+
+        With ``split_points="auto"``: the measured split, once the first ``forward_backward`` (or
+        ``predict``) has chosen it (None before), the same on every process.
+
+        Example::
+
+            import torch, stratagem as sg
+            strategy = sg.experimental.PipelineStrategy(
+                split_points="auto", num_stages=2, schedule="interleaved", num_microbatches=2,
+                recompute=True, loss_fn=torch.nn.functional.mse_loss)
+            with strategy.scope():   # one process here: it holds both stages
+                model = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            print(strategy.split_points_of(model))   # None: measured at the first step
+            loss = strategy.forward_backward(model, torch.randn(8, 4), torch.randn(8, 1))   # prints the split
+            optimizer.step()
+            print(strategy.split_points_of(model))   # e.g. ['2']: split_points=['2'] pins it
+        """
+        layout = self._placement.split_of(model).layout
+        if layout.balance is not None:
+            return None
+        if layout.points or not isinstance(model, torch.nn.Sequential):
+            return list(layout.points)
+        names = [name for name, _ in model.named_children()]
+        return [names[a] for a, _ in layout.bounds[1:]]
     def __repr__(self) -> str:
         return (f"PipelineStrategy({self._mesh_repr()}, schedule={self._schedule!r}, "
                 f"num_microbatches={self._num_microbatches}, process {self._full.worker_index} of "
                 f"{self._full.num_workers})")
 
 
-def _check_options(split_points: Any, num_stages: Any, num_microbatches: Any, loss_fn: Any) -> list[str] | None:
+def _check_options(split_points: Any, num_stages: Any, num_microbatches: Any, loss_fn: Any) -> list[str] | str | None:
     def positive(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 1
     if not positive(num_microbatches):
         raise InvalidArgumentError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
     if num_stages is not None and not positive(num_stages):
         raise InvalidArgumentError(f"num_stages must be a positive integer, got {num_stages!r}")
-    if split_points is not None:
+    if split_points is not None and split_points != "auto":   # "auto": measured at the first step
         if num_stages is not None:
             raise InvalidArgumentError("give split_points or num_stages, not both (split_points fix the stages)")
         if isinstance(split_points, str) or not all(isinstance(p, str) for p in split_points):
             raise InvalidArgumentError(
                 f"split_points must be a list of module names where a stage begins, e.g. ['2', '4'] "
-                f"(an nn.Sequential's children) or ['blocks.2'], "
+                f"(an nn.Sequential's children) or ['blocks.2'], or 'auto' (measured), "
                 f"got {split_points!r}")
         split_points = list(split_points)
     if loss_fn is not None and not callable(loss_fn):
         raise InvalidArgumentError(f"loss_fn must be callable, got {loss_fn!r}")
     return split_points
+
+
+def _check_balance_by(balance_by: Any, split_points: Any) -> str | None:
+    if balance_by is None:
+        return None
+    if split_points != "auto":
+        raise InvalidArgumentError(
+            f"balance_by={balance_by!r} chooses what split_points='auto' balances; give split_points='auto' with it "
+            f"(or leave balance_by out: split_points={split_points!r} fixes the stages)")
+    if balance_by not in BALANCE_BY:
+        raise InvalidArgumentError(f"balance_by must be one of {list(BALANCE_BY)}, got {balance_by!r}")
+    return balance_by
