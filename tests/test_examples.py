@@ -68,8 +68,8 @@ def test_parameter_server_example_trains() -> None:
 def test_every_example_is_tested() -> None:
     tested = {"train.py", "train_ps.py",
               "preemptible.py",   # tests/launch/test_restarts.py
-              "tensor_parallel.py"}   # tests/multi_worker/test_tensor_parallel.py
-    tested |= {"pipeline.py"}   # tests/multi_worker/test_pipeline.py
+              "tensor_parallel.py"}   # tests/strategies/test_multi_worker_tensor_parallel.py
+    tested |= {"pipeline.py"}   # tests/strategies/test_multi_worker_pipeline.py
     assert {path.name for path in EXAMPLES.glob("*.py")} == tested
 
 

@@ -1,6 +1,6 @@
 """Who may change a parameter server, in process: claims, takeovers, fenced requests (the
-real-process scenarios are in tests/coordinator/test_takeover.py and
-tests/ps_strategy/test_ps_takeover.py)."""
+real-process scenarios are in tests/ps/test_coordinator_takeover.py and
+tests/ps/test_ps_takeover.py)."""
 
 from __future__ import annotations
 

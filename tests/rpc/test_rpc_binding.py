@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rpc_processes import TOKEN, ServerProcess, launch_server, start_server_processes, wait_ready
+from .rpc_processes import TOKEN, ServerProcess, launch_server, start_server_processes, wait_ready
 from stratagem.errors import ClusterConfigError, UnavailableError
 from stratagem.rpc import Authenticator, RpcClient, RpcServer, decode, encode
 from stratagem.rpc.server import caller_gone

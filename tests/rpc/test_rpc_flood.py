@@ -20,7 +20,7 @@ import grpc
 import pytest
 import torch
 
-from rpc_processes import TOKEN, ServerProcess, memory_mb, start_server_processes
+from .rpc_processes import TOKEN, ServerProcess, memory_mb, start_server_processes
 from stratagem.rpc import MessageTooLargeError, RpcClient
 
 pytestmark = pytest.mark.timeout(180)

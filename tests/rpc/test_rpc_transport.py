@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from rpc_processes import TOKEN, ServerProcess, free_port
+from .rpc_processes import TOKEN, ServerProcess, free_port
 from stratagem.errors import ClusterConfigError, UnavailableError
 from stratagem.rpc.codec import Pickler, Unpickler
 from stratagem.rpc.server import EncodedReply, decodes_request, reads_only
