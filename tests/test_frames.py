@@ -157,6 +157,7 @@ with open(sys.argv[1] + f"/frames{{strategy.topology.worker_index}}.json", "w") 
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_multi_worker_reaches_torch_distributed_within_three_frames(tmp_path: Path, replicas: int) -> None:
     script = tmp_path / "frames_script.py"

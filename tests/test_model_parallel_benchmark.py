@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(200)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "model_parallel.py"
 
 

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from . import workers_script
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 SCRIPT = Path(workers_script.__file__)
 
 

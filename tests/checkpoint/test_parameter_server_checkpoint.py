@@ -48,6 +48,7 @@ def assert_report_state(state: dict, model, optimizer) -> None:
                                        atol=2e-6)
 
 
+@pytest.mark.multiprocess
 def test_mirrored_to_two_ps_to_three_ps_to_mirrored(tmp_path: Path) -> None:
     data = batches(4)
     strategy = make_strategy("mirrored2")

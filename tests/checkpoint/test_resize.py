@@ -133,6 +133,7 @@ def assert_as_plain_pytorch(loop: str, whole: list[dict], finals: list[dict],
 
 # ------------------------------------------------------------------ the tests
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("loop, first_kill, second_kill", [
     ("fit", 8, 13),          # in epoch 1 (6 steps an epoch, the last of 4 rows), then in epoch 2
     ("custom", 5, 14),
@@ -155,6 +156,7 @@ def test_three_workers_lose_one_then_get_it_back_and_end_as_if_never_stopped(
     assert_as_plain_pytorch(loop, whole, final(out, "back", 3), uninterrupted)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("sharding, placement", [("optimizer", "ZeroPlacement"), ("gradients", "ZeroPlacement"),
                                                  ("parameters", "FullyShardedPlacement")])
 def test_zero_checkpoints_resume_on_fewer_workers(tmp_path: Path, sharding: str, placement: str) -> None:
@@ -168,6 +170,7 @@ def test_zero_checkpoints_resume_on_fewer_workers(tmp_path: Path, sharding: str,
     assert_as_plain_pytorch("custom", stitched(tmp_path, [("three", 3), ("two", 2)]), finals)
 
 
+@pytest.mark.multiprocess
 def test_per_worker_pipelines_resize_at_epoch_boundaries_and_refuse_mid_epoch(tmp_path: Path) -> None:
     """distribute_datasets_from_function: each worker's position is its own pipeline's. Resized at
     the end of an epoch it resumes (a fresh epoch on every pipeline); resized in the middle of one
@@ -193,6 +196,7 @@ def test_per_worker_pipelines_resize_at_epoch_boundaries_and_refuse_mid_epoch(tm
     assert_as_plain_pytorch("function", whole, final(tmp_path, "end", 2))
 
 
+@pytest.mark.multiprocess
 def test_per_worker_pipelines_of_one_global_order_resize_mid_epoch(tmp_path: Path) -> None:
     launch(3, tmp_path, "function", "three", "--resizable", "--kill-at", "step 4", ok=False)
     launch(2, tmp_path, "function", "two", "--resizable")

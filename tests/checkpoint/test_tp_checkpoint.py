@@ -27,7 +27,7 @@ from stratagem.testing import run_local_cluster
 from ..strategies import tp_script
 from . import tp_ckpt_script as script
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 SCRIPT = Path(script.__file__)
 KINDS = script.KINDS
 

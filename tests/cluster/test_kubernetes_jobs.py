@@ -34,7 +34,7 @@ from ..strategies import train_script
 from ..strategies.test_multi_worker_equivalence import reference_history
 from .kube_pods import ROOT, container_env, containers, indexed_job_pods, jobset_pods, load, one, pytorchjob_env
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 TRAIN = Path(train_script.__file__)
 BATCHES = "12,12,7,12"
 # Run the rest of the command line with argv[1] as the host name (in a UTS namespace of its own).

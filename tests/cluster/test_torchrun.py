@@ -14,7 +14,7 @@ from stratagem.testing import free_ports
 
 from ..strategies import train_script
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 SCRIPT = Path(train_script.__file__)
 
 

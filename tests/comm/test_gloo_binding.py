@@ -254,6 +254,7 @@ def _gloo_sockets(tasks: list[dict]) -> tuple[list[tuple[str, int]], int, list[l
     return everyone, store, gloo
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_loopback_job_listens_on_loopback_only_and_another_namespace_reaches_none_of_its_ports(
         namespaces, tmp_path: Path) -> None:
@@ -279,6 +280,7 @@ def test_a_loopback_job_listens_on_loopback_only_and_another_namespace_reaches_n
     assert [task["gloo_interface"] for task in seen["tasks"]] == [LOOPBACK, LOOPBACK]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_job_naming_a_real_address_listens_on_that_addresss_interface(namespaces, tmp_path: Path) -> None:
     a, _ = namespaces
@@ -294,6 +296,7 @@ def test_a_job_naming_a_real_address_listens_on_that_addresss_interface(namespac
     assert [task["gloo_interface"] for task in seen["tasks"]] == ["sgside0", "sgside0"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_the_users_gloo_socket_ifname_is_respected_by_a_job(namespaces, tmp_path: Path) -> None:
     a, _ = namespaces

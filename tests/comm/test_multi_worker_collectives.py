@@ -11,7 +11,7 @@ from stratagem.testing import run_local_cluster
 
 from . import collectives_script
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 SCRIPT = Path(collectives_script.__file__)
 
 

@@ -55,6 +55,7 @@ def _listening(pid: int) -> list[tuple[str, int]]:
     return found
 
 
+@pytest.mark.multiprocess
 def test_the_chief_store_listens_only_on_the_loopback_address_of_the_cluster(tmp_path: Path) -> None:
     seen: dict = {}
 
@@ -106,6 +107,7 @@ for other in ("10.211.0.2", "127.0.0.1"):
 """
 
 
+@pytest.mark.multiprocess
 def test_a_chief_bound_to_one_address_is_not_reachable_on_another() -> None:
     """In a namespace of our own with two addresses (both ends of a veth pair live in it)."""
     if shutil.which("ip") is None:

@@ -80,6 +80,7 @@ def test_max_relative_difference() -> None:
     assert max_relative_difference({"w": ref["w"], "b": torch.full((3,), float("nan"))}, ref) == float("inf")
 
 
+@pytest.mark.multiprocess
 def test_command_line_quiet_run() -> None:
     completed = subprocess.run(
         [sys.executable, "-m", "stratagem", "demo", "--epochs", "1", "--quiet"],
@@ -95,6 +96,7 @@ def _demo(*flags: str, timeout: float = 150) -> subprocess.CompletedProcess[str]
                           timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["mirrored", "multi_worker"])
 def test_progress_without_a_terminal_is_plain_lines(strategy: str) -> None:
     # a bar redrawn with carriage returns makes CI logs and the launcher's prefixed output unreadable
@@ -107,6 +109,7 @@ def test_progress_without_a_terminal_is_plain_lines(strategy: str) -> None:
     assert "train 46/46 steps (100%) epoch 2/2 loss" in lines[-1], lines
 
 
+@pytest.mark.multiprocess
 def test_command_line_multi_worker_starts_its_workers_and_matches_plain_pytorch() -> None:
     completed = _demo("--strategy", "multi_worker", "--epochs", "1", "--quiet")
     assert completed.returncode == 0, completed.stdout + completed.stderr
@@ -116,6 +119,7 @@ def test_command_line_multi_worker_starts_its_workers_and_matches_plain_pytorch(
     assert "train:" not in completed.stderr and "[worker" not in completed.stderr   # --quiet
 
 
+@pytest.mark.multiprocess
 def test_command_line_parameter_server_passes_on_accuracy() -> None:
     # Asynchronous: no equivalence. 8 epochs' worth of steps (184) reach about 0.95 (threshold 0.9).
     completed = _demo("--strategy", "parameter_server", "--epochs", "8", "--quiet")
@@ -127,6 +131,7 @@ def test_command_line_parameter_server_passes_on_accuracy() -> None:
     assert "train:" not in completed.stderr and "[chief]" not in completed.stderr   # --quiet
 
 
+@pytest.mark.multiprocess
 def test_failed_cluster_raises_with_the_tasks_last_lines() -> None:
     config = TrainConfig(epochs=1, batch_size=64, lr=0.1, optimizer="no-such-optimizer", seed=0)
     with pytest.raises(ClusterDemoError, match="multi_worker cluster failed with exit status 1") as info:
@@ -178,6 +183,7 @@ def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "demo" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_the_digits_split_is_stratified_standardised_and_needs_no_scikit_learn_import() -> None:
     code = ("import sys, torch\nfrom stratagem.demo import load_digits_split\n"
             "d = load_digits_split()\n"

@@ -239,6 +239,7 @@ def test_overwrite_false_refuses_an_existing_file(tmp_path: Path) -> None:
     assert (tmp_path / "new" / "dir" / "model.pt").is_file()
 
 
+@pytest.mark.multiprocess
 def test_a_writer_killed_mid_save_leaves_the_previous_file(tmp_path: Path) -> None:
     path = tmp_path / "model.pt"
     [result] = run_local_cluster(Path(__file__).parent / "save_loop_script.py", 1, args=[str(path)],

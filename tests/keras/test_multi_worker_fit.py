@@ -12,7 +12,7 @@ from stratagem.testing import run_local_cluster
 
 from .common import data, fit, state
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 SCRIPT = Path(__file__).parent / "mw_fit_script.py"
 
 

@@ -16,7 +16,7 @@ from stratagem.testing import run_local_cluster
 
 from . import model_io_script as script
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 SCRIPT = Path(script.__file__)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from stratagem.testing import run_local_cluster
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 SCRIPT = Path(__file__).with_name("multi_worker_script.py")
 
 

@@ -11,7 +11,7 @@ from stratagem.testing import run_local_cluster
 
 from . import loss_scaling_script
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 SCRIPT = Path(loss_scaling_script.__file__)
 
 

@@ -35,6 +35,7 @@ def _read(path: Path, workers: int) -> list[dict]:
     return [json.loads((path / f"rank{rank}.json").read_text()) for rank in range(workers)]
 
 
+@pytest.mark.multiprocess
 def test_two_workers_match_one_process_and_checkpoints_cross_layouts(tmp_path: Path) -> None:
     save_plain(tmp_path / "plain")
     results = run_local_cluster(SCRIPT, 2, args=[str(tmp_path)], timeout=200)

@@ -15,7 +15,7 @@ from stratagem.testing import run_local_cluster
 
 from . import amp_script
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 SCRIPT = Path(amp_script.__file__)
 
 

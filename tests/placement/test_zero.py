@@ -36,6 +36,7 @@ def save_plain(path: Path) -> None:
     sg.Checkpoint(model_sgd=models[0], model_adam=models[1], sgd=optimizers[0], adam=optimizers[1]).save(path)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", ["optimizer", "gradients"])
 def test_two_workers_match_one_process_with_half_the_state(tmp_path: Path, stage: str) -> None:
     save_plain(tmp_path / "plain")

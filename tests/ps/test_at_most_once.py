@@ -16,7 +16,7 @@ import pytest
 
 from .test_coordinator_failures import HERE, Cluster, cluster_factory  # noqa: F401
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 SCRIPT = HERE / "at_most_once.py"
 
 

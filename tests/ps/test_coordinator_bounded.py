@@ -13,7 +13,7 @@ import pytest
 
 from .test_coordinator_failures import HERE, Cluster, cluster_factory  # noqa: F401
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 SCRIPT = HERE / "bounded_coordinator.py"
 
 

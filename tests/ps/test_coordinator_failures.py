@@ -20,7 +20,7 @@ import pytest
 
 from stratagem.testing import free_ports, local_cluster
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 HERE = Path(__file__).parent
 SCRIPT = HERE / "coordinator_failures.py"
 # `stratagem server` on a host whose clock is off by argv[1] seconds, as stratagem's RPC layer reads

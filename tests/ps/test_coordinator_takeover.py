@@ -19,7 +19,7 @@ import pytest
 
 from .test_coordinator_failures import HERE, Cluster, cluster_factory  # noqa: F401
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 SCRIPT = HERE / "takeover.py"
 
 

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.timeout(240)
 SCRIPT = Path(__file__).parent / "ps_fit_script.py"
 
 
+@pytest.mark.multiprocess
 def test_fit_schedules_steps_through_the_coordinator(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "stratagem", "launch", "--workers", "2", "--ps", "1",
                            str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=200)

@@ -114,6 +114,7 @@ def test_malformed_claims_are_refused(ps) -> None:
         handlers["claim"]({"identity": identity("a"), "lease_s": 0})
 
 
+@pytest.mark.multiprocess
 def test_a_coordinator_on_this_host_is_gone_when_its_process_is() -> None:
     child = subprocess.Popen([sys.executable, "-c",
                               "import json; from stratagem.ps.ownership import CoordinatorIdentity as C; "

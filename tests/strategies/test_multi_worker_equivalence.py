@@ -13,7 +13,7 @@ from stratagem.testing import run_local_cluster
 
 from . import train_script
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 SCRIPT = Path(train_script.__file__)
 
 

@@ -11,7 +11,7 @@ from stratagem.testing import run_local_cluster
 
 from . import train_script
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 SCRIPT = Path(train_script.__file__)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from . import nanogpt_loop, nanogpt_script
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 SCRIPT = Path(nanogpt_script.__file__)
 
 

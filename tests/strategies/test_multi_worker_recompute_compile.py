@@ -14,6 +14,8 @@ from stratagem.testing import run_local_cluster
 from . import tiny_gpt
 from .history import assert_history_matches
 
+pytestmark = pytest.mark.multiprocess
+
 SCRIPT = Path(__file__).with_name("recompute_script.py")   # imports tiny_gpt from its folder
 BATCHES = [8, 8, 6]   # 6 rows over 2 workers with 2 replicas each: 2/2/1/1
 CLIP = 2.0            # recompute_script.CLIP
