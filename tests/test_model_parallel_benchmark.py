@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "model_parallel.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "model_parallel.py"
 
 
 def test_pipeline_benchmark_quick_mode_prints_every_table() -> None:
