@@ -28,10 +28,10 @@ from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "cluster"))
+sys.path.insert(1, os.path.dirname(HERE))   # the repository: the tests' Slurm harness
 from _harness import Rounds, child_env, format_table, git_commit, spread  # noqa: E402
 from multi_node import _OURS, _THEIRS  # noqa: E402
-from slurm_harness import SlurmCluster, missing_requirements  # noqa: E402
+from tests.cluster.slurm_harness import SlurmCluster, missing_requirements  # noqa: E402
 
 
 def _first_step(command: list[str], env: dict[str, str], cwd: str, timeout: float = 240.0) -> dict:

@@ -273,6 +273,7 @@ def test_allow_list_has_no_stale_entries() -> None:
     assert not stale, f"LAZY_IMPORTS names imports that no longer exist; remove them: {stale}"
 
 
+@pytest.mark.multiprocess
 def test_import_stratagem_does_not_load_grpc_or_cryptography() -> None:
     code = ("import json, sys, stratagem; "
             "print(json.dumps(sorted(m for m in sys.modules "

@@ -44,6 +44,13 @@ def _examples() -> list[tuple[str, str]]:
 
 
 EXAMPLES = _examples()
+#: words of an example that starts processes (marked multiprocess)
+STARTS_PROCESSES = ("run_local_cluster", "launch_local", "subprocess", "Popen")
+
+
+def _param(name: str, code: str):
+    marks = [pytest.mark.multiprocess] if any(word in code for word in STARTS_PROCESSES) else []
+    return pytest.param(name, code, marks=marks, id=name)
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +67,7 @@ def test_examples_were_found() -> None:
     assert len(EXAMPLES) >= 15
 
 
-@pytest.mark.parametrize("name,code", EXAMPLES, ids=[name for name, _ in EXAMPLES])
+@pytest.mark.parametrize("name,code", [_param(name, code) for name, code in EXAMPLES])
 def test_example_runs(name: str, code: str, capsys: pytest.CaptureFixture) -> None:
     if ">>>" in code:  # doctest style: the shown output is checked too
         test = doctest.DocTestParser().get_doctest(code, {}, name, None, 0)

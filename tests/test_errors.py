@@ -263,6 +263,7 @@ print("SCOPED OK")
 """
 
 
+@pytest.mark.multiprocess
 def test_optimizer_created_outside_the_scope_is_refused_in_a_multi_replica_run():
     # it used to train silently wrong (the replicas drifted apart), and its zero_grad on one
     # replica's thread could crash the interpreter inside another's backward: a subprocess

@@ -38,6 +38,7 @@ def readme_blocks() -> list[tuple[int, str]]:
             for match in re.finditer(r"```python\n(.*?)```", text, re.S)]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("line, code", readme_blocks(), ids=lambda value: str(value)[:12])
 def test_readme_python_block_runs_as_its_first_line_says(tmp_path: Path, line: int, code: str) -> None:
     first = code.splitlines()[0]
@@ -49,6 +50,7 @@ def test_readme_python_block_runs_as_its_first_line_says(tmp_path: Path, line: i
     assert "loss" in output, output
 
 
+@pytest.mark.multiprocess
 def test_mirrored_and_multi_worker_runs_print_the_same_losses() -> None:
     # the docstring's commands, as written: the default strategy follows the way it is started
     mirrored = _run(sys.executable, str(EXAMPLE), "--epochs", "1")
@@ -58,6 +60,7 @@ def test_mirrored_and_multi_worker_runs_print_the_same_losses() -> None:
     assert f"[worker 0] {loss_line}" in launched and f"[worker 1] {loss_line}" in launched
 
 
+@pytest.mark.multiprocess
 def test_parameter_server_example_trains() -> None:
     output = _run(sys.executable, "-m", "stratagem", "launch", "--workers", "2", "--ps", "2",
                   str(EXAMPLES / "train_ps.py"), "--steps", "300")
@@ -68,8 +71,8 @@ def test_parameter_server_example_trains() -> None:
 def test_every_example_is_tested() -> None:
     tested = {"train.py", "train_ps.py",
               "preemptible.py",   # tests/launch/test_restarts.py
-              "tensor_parallel.py"}   # tests/multi_worker/test_tensor_parallel.py
-    tested |= {"pipeline.py"}   # tests/multi_worker/test_pipeline.py
+              "tensor_parallel.py"}   # tests/strategies/test_multi_worker_tensor_parallel.py
+    tested |= {"pipeline.py"}   # tests/strategies/test_multi_worker_pipeline.py
     assert {path.name for path in EXAMPLES.glob("*.py")} == tested
 
 

@@ -111,8 +111,8 @@ import json, sys
 import torch, torch.distributed as dist, torch.nn.functional as F
 from torch import nn
 import stratagem as sg
-sys.path.insert(0, {tests!r})
-from test_frames import ours_above
+sys.path.insert(0, {root!r})
+from tests.test_frames import ours_above
 
 replicas = int(sys.argv[2])
 strategy = sg.MultiWorkerMirroredStrategy(devices=[f"cpu:{{i}}" for i in range(replicas)])
@@ -157,10 +157,11 @@ with open(sys.argv[1] + f"/frames{{strategy.topology.worker_index}}.json", "w") 
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_multi_worker_reaches_torch_distributed_within_three_frames(tmp_path: Path, replicas: int) -> None:
     script = tmp_path / "frames_script.py"
-    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
+    script.write_text(SCRIPT.format(root=str(Path(__file__).resolve().parents[1])))
     results = run_local_cluster(script, 2, args=[str(tmp_path), str(replicas)], timeout=150)
     for r in results:
         assert r.returncode == 0, f"{r.task} failed:\n{r.output}"

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import stratagem as sg  # noqa: E402
-from tests.test_equivalence import BufferedNet, _data, _optimizer  # noqa: E402
+from tests.strategies.test_equivalence import BufferedNet, _data, _optimizer  # noqa: E402
 
 
 def _digest(tensors) -> str:
@@ -99,7 +99,7 @@ def multi_worker(name: str) -> str:
     from stratagem.testing import run_local_cluster
 
     num_workers, args = MULTI_WORKER[name]
-    script = ROOT / "tests" / "multi_worker" / "train_script.py"
+    script = ROOT / "tests" / "strategies" / "train_script.py"
     with tempfile.TemporaryDirectory() as out:
         results = run_local_cluster(script, num_workers, args=[out, *args, "--timeout", "60"], timeout=150)
         for r in results:

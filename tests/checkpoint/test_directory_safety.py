@@ -94,6 +94,7 @@ def saved_by(path: Path) -> int:
 # ------------------------------------------------------------------ two writers, one directory
 
 
+@pytest.mark.multiprocess
 def test_a_second_live_writer_is_refused_naming_the_first_until_it_is_killed(tmp_path: Path, writers) -> None:
     first = writers("writer", tmp_path)
     first.wait_for("SAVED")
@@ -155,6 +156,7 @@ def test_a_stale_lock_is_taken_over_and_a_live_lease_is_not(tmp_path: Path) -> N
     assert manager.checkpoints == [str(tmp_path / "ckpt-1"), str(tmp_path / "ckpt-2")]
 
 
+@pytest.mark.multiprocess
 def test_a_writer_whose_lock_was_taken_over_stops_instead_of_writing(tmp_path: Path, writers) -> None:
     # a writer out of reach (a stopped process on another host) past its lease: another took over
     first = writers("writer", tmp_path)
@@ -177,6 +179,7 @@ def test_a_writer_whose_lock_was_taken_over_stops_instead_of_writing(tmp_path: P
 # ----------------------------------------------------------------------- swapped directories
 
 
+@pytest.mark.multiprocess
 def test_swapped_checkpoint_directories_are_refused_not_restored_under_the_other_name(tmp_path: Path,
                                                                                       writers) -> None:
     saving = writers("save3", tmp_path)
@@ -218,6 +221,7 @@ def run_on_tmpfs(mode: str, tmp_path: Path, writers) -> dict:
     return writers(mode, directory, ("unshare", "--mount", "--propagation", "private")).result()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode, why", [("readonly", "Read-only file system [EROFS]"),
                                        ("full", "No space left on device [ENOSPC]")])
 def test_a_read_only_or_full_file_system_says_so_and_keeps_the_previous_checkpoint(

@@ -120,6 +120,7 @@ def test_distribute_datasets_from_function_resumes_exactly(tmp_path: Path) -> No
     assert first + rest == full and len(full) == 10
 
 
+@pytest.mark.multiprocess
 def test_a_killed_job_resumes_from_its_backup(tmp_path: Path) -> None:
     """SIGKILL after the job printed that a backup was saved; run again: the steps after the
     backup run again, and the whole sequence equals that of a job never stopped."""

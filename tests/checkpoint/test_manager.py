@@ -47,6 +47,7 @@ def test_arguments_are_checked(tmp_path: Path) -> None:
         sg.CheckpointManager({"step": 0}, tmp_path)
 
 
+@pytest.mark.multiprocess
 def test_a_crash_mid_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, str(HERE / "crash_script.py"), str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -29,12 +29,12 @@ import torch
 
 from stratagem.launch.lifeline import Reaper, die_with_parent
 from stratagem.testing import free_ports
-from tests.multi_worker import train_script
-from tests.multi_worker.test_equivalence import reference_history
 
+from ..strategies import train_script
+from ..strategies.test_multi_worker_equivalence import reference_history
 from .kube_pods import ROOT, container_env, containers, indexed_job_pods, jobset_pods, load, one, pytorchjob_env
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 TRAIN = Path(train_script.__file__)
 BATCHES = "12,12,7,12"
 # Run the rest of the command line with argv[1] as the host name (in a UTS namespace of its own).
@@ -117,7 +117,7 @@ def _train(out: Path, *extra: str) -> list[str]:
 
 
 def _check_equals_plain_pytorch(out: Path, num_workers: int) -> None:
-    """What tests/multi_worker/test_equivalence.py checks: every worker's every step is plain PyTorch's
+    """What tests/strategies/test_multi_worker_equivalence.py checks: every worker's every step is plain PyTorch's
     on the whole batch, from the chief's initial values."""
     outputs = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(num_workers)]
     expected = reference_history("adam", [int(b) for b in BATCHES.split(",")], outputs[0]["initial"])

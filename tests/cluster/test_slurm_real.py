@@ -34,7 +34,7 @@ import torch
 from . import slurm_train_script
 from .slurm_harness import SlurmCluster, missing_requirements
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TRAIN = HERE / "slurm_train_script.py"

@@ -80,6 +80,7 @@ def _assert_nothing_left(tmp_path: Path, expected: int, timeout: float = 10.0) -
     assert not alive, f"processes {alive} outlived the launcher"
 
 
+@pytest.mark.multiprocess
 def test_workers_that_hang_before_their_strategy_stop_the_job(tmp_path: Path) -> None:
     script = _script(tmp_path, '''
         record_pids()
@@ -100,6 +101,7 @@ def test_workers_that_hang_before_their_strategy_stop_the_job(tmp_path: Path) ->
     _assert_nothing_left(tmp_path, expected=4)   # 2 tasks and their children
 
 
+@pytest.mark.multiprocess
 def test_a_worker_stopped_before_joining_is_named_and_killed(tmp_path: Path) -> None:
     # worker 0 waits at the rendezvous (its own timeout is minutes away); worker 1 is stopped
     script = _script(tmp_path, '''
@@ -123,6 +125,7 @@ def test_a_worker_stopped_before_joining_is_named_and_killed(tmp_path: Path) -> 
     _assert_nothing_left(tmp_path, expected=4)
 
 
+@pytest.mark.multiprocess
 def test_a_coordinator_that_hangs_before_its_strategy_stops_a_ps_job(tmp_path: Path) -> None:
     script = _script(tmp_path, '''
         record_pids()
@@ -138,6 +141,7 @@ def test_a_coordinator_that_hangs_before_its_strategy_stops_a_ps_job(tmp_path: P
     _assert_nothing_left(tmp_path, expected=2)
 
 
+@pytest.mark.multiprocess
 def test_a_ps_coordinator_joins_once_its_strategy_reaches_the_servers(tmp_path: Path) -> None:
     script = _script(tmp_path, '''
         import stratagem as sg
@@ -155,6 +159,7 @@ def test_a_ps_coordinator_joins_once_its_strategy_reaches_the_servers(tmp_path: 
     assert status == 1   # (it never created a variable: the launcher's end-of-job check says so)
 
 
+@pytest.mark.multiprocess
 def test_a_restarted_group_must_join_again(tmp_path: Path) -> None:
     # The first start joins (its marks stay in the folder), then fails; the second start hangs
     # before joining: the old marks must not count for the new processes.
@@ -178,6 +183,7 @@ def test_a_restarted_group_must_join_again(tmp_path: Path) -> None:
     _assert_nothing_left(tmp_path, expected=4)
 
 
+@pytest.mark.multiprocess
 def test_tasks_that_joined_may_run_past_the_join_timeout(tmp_path: Path) -> None:
     script = _script(tmp_path, '''
         join()
@@ -190,6 +196,7 @@ def test_tasks_that_joined_may_run_past_the_join_timeout(tmp_path: Path) -> None
     assert out.getvalue().count("done") == 2 and err.getvalue() == ""
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("options", [
     {"num_workers": 1},                        # a lone worker has no cluster to join
     {"num_workers": 2, "join_timeout": 0},     # 0: no join timeout

@@ -96,6 +96,7 @@ def _pids(out: Path) -> list[int]:
 
 # -- what every task is given ---------------------------------------------------------------
 
+@pytest.mark.multiprocess
 def test_every_task_gets_its_tf_config_and_the_job_token(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "7")  # a stale torchrun variable must not reach the tasks
@@ -138,12 +139,14 @@ def test_every_task_gets_its_tf_config_and_the_job_token(tmp_path: Path,
                                         "[worker 1] recorded worker-1"]
 
 
+@pytest.mark.multiprocess
 def test_each_job_gets_a_fresh_token(tmp_path: Path) -> None:
     script = _script(tmp_path, 'print(os.environ["STRATAGEM_CLUSTER_TOKEN"])')
     tokens = [_launch(script, str(tmp_path), num_workers=1)[1] for _ in range(2)]
     assert tokens[0] != tokens[1]
 
 
+@pytest.mark.multiprocess
 def test_port_base_gives_consecutive_ports(tmp_path: Path) -> None:
     base = next(port for port in range(20000, 60000, 97) if _block_is_free(port, 3))
     script = _script(tmp_path, 'print(json.loads(os.environ["TF_CONFIG"])["cluster"])')
@@ -165,6 +168,7 @@ def _block_is_free(base: int, count: int) -> bool:
 
 # -- output ---------------------------------------------------------------------------------
 
+@pytest.mark.multiprocess
 def test_command_prefixes_every_line_with_its_task(tmp_path: Path) -> None:
     script = _script(tmp_path, '''
         print("out", NAME)
@@ -188,6 +192,7 @@ def test_command_prefixes_every_line_with_its_task(tmp_path: Path) -> None:
     assert "\r" not in result.stdout
 
 
+@pytest.mark.multiprocess
 def test_progress_bars_redraw_without_empty_prefixed_lines(tmp_path: Path) -> None:
     script = _script(tmp_path, '''
         for percent in (0, 50, 100):   # as tqdm draws: "\\r" first, then the bar
@@ -206,6 +211,7 @@ def test_progress_bars_redraw_without_empty_prefixed_lines(tmp_path: Path) -> No
 
 # -- failures, restarts, stopping -----------------------------------------------------------
 
+@pytest.mark.multiprocess
 def test_a_failed_task_fails_the_job_and_stops_the_others(tmp_path: Path) -> None:
     script = _script(tmp_path, '''
         if TASK["index"] == 0:
@@ -229,6 +235,7 @@ def test_a_failed_task_fails_the_job_and_stops_the_others(tmp_path: Path) -> Non
     assert elapsed < 15
 
 
+@pytest.mark.multiprocess
 def test_tasks_that_ignore_sigterm_are_killed_after_the_grace_period(tmp_path: Path) -> None:
     script = _script(tmp_path, '''
         if TASK["index"] == 0:
@@ -246,6 +253,7 @@ def test_tasks_that_ignore_sigterm_are_killed_after_the_grace_period(tmp_path: P
     _assert_gone(_pids(tmp_path), timeout=1)
 
 
+@pytest.mark.multiprocess
 def test_a_failed_task_restarts_the_whole_group_on_fresh_ports(tmp_path: Path) -> None:
     script = _script(tmp_path, '''
         with open(os.path.join(OUT, NAME + ".log"), "a") as f:
@@ -274,6 +282,7 @@ def test_a_failed_task_restarts_the_whole_group_on_fresh_ports(tmp_path: Path) -
     assert out.count("done") == 3
 
 
+@pytest.mark.multiprocess
 def test_with_port_base_a_restarted_group_gets_the_same_ports(tmp_path: Path) -> None:
     base = next(port for port in range(30000, 60000, 89) if _block_is_free(port, 2))
     script = _script(tmp_path, '''
@@ -286,6 +295,7 @@ def test_with_port_base_a_restarted_group_gets_the_same_ports(tmp_path: Path) ->
     assert f"[worker 0] 0 {cluster}" in out and f"[worker 0] 1 {cluster}" in out
 
 
+@pytest.mark.multiprocess
 def test_restarts_run_out(tmp_path: Path) -> None:
     script = _script(tmp_path, 'sys.exit(5 if NAME == "worker-0" else 0)')
     status, _, err = _launch(script, str(tmp_path), num_workers=2, max_restarts=1)
@@ -294,6 +304,7 @@ def test_restarts_run_out(tmp_path: Path) -> None:
     assert "[launch] worker 0 failed with exit code 5 (after 1 restart(s))" in err
 
 
+@pytest.mark.multiprocess
 def test_a_task_killed_by_a_signal_gives_status_1(tmp_path: Path) -> None:
     script = _script(tmp_path, 'os.kill(os.getpid(), signal.SIGTERM)')
     status, _, err = _launch(script, str(tmp_path), num_workers=1)
@@ -301,6 +312,7 @@ def test_a_task_killed_by_a_signal_gives_status_1(tmp_path: Path) -> None:
     assert err == "[launch] worker 0 failed: killed by SIGTERM\n"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("signum,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_to_the_launcher_stops_every_task(tmp_path: Path, signum: int, status: int) -> None:
     script = _script(tmp_path, '''
@@ -347,6 +359,7 @@ def _fake_server(tmp_path: Path) -> list[str]:
     return [sys.executable, str(server), str(tmp_path)]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("chief_status", [0, 4])
 def test_ps_mode_runs_the_script_as_chief_and_ends_with_it(tmp_path: Path, chief_status: int) -> None:
     script = _script(tmp_path, f'''
@@ -370,6 +383,7 @@ def test_ps_mode_runs_the_script_as_chief_and_ends_with_it(tmp_path: Path, chief
     _assert_gone(_pids(tmp_path), timeout=1)
 
 
+@pytest.mark.multiprocess
 def test_ps_mode_a_lost_server_is_reported_and_the_chief_decides(tmp_path: Path) -> None:
     server = _script(tmp_path, '''
         write("server-ran", "")
@@ -387,6 +401,7 @@ def test_ps_mode_a_lost_server_is_reported_and_the_chief_decides(tmp_path: Path)
     assert "[launch] ps 0 failed with exit code 1; the job goes on" in err
 
 
+@pytest.mark.multiprocess
 def test_ps_mode_a_failed_server_restarts_alone_with_the_same_tf_config(tmp_path: Path) -> None:
     server = _script(tmp_path, '''
         with open(os.path.join(OUT, NAME + ".log"), "a") as f:
@@ -422,6 +437,7 @@ def test_servers_run_stratagem_server_by_default() -> None:
 
 # -- bad input --------------------------------------------------------------------------------
 
+@pytest.mark.multiprocess
 def test_command_reports_a_missing_script(tmp_path: Path) -> None:
     result = _cli("--workers", "2", "missing.py", cwd=tmp_path)
     assert result.returncode == 2
@@ -484,6 +500,7 @@ def test_add_launch_parser_registers_the_subcommand() -> None:
         3, True, 30.0, "train.py", ["--workers", "9"])
 
 
+@pytest.mark.multiprocess
 def test_the_command_line_starts_its_tasks_without_importing_torch() -> None:
     # ``stratagem launch`` only starts processes: importing torch first would cost every job
     # about a second before its tasks even start (they import torch themselves).

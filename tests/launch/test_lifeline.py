@@ -22,7 +22,7 @@ import pytest
 
 from stratagem.launch.lifeline import Reaper
 
-pytestmark = [pytest.mark.timeout(180),
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
 _GONE_WITHIN = 30.0   # seconds after the launcher's death (the grace period is 2 s)

@@ -19,7 +19,7 @@ from stratagem.launch.ports import free_ports
 
 from .hosts import wait_for
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 HELLO = """
 import json, os, sys, time

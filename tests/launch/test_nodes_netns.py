@@ -25,7 +25,7 @@ from stratagem.launch import launch_local
 from .hosts import launch_command, make_hosts, start, stop, wait_for
 from .test_restarts import SCRIPT, _assert_as_uninterrupted, _committed
 
-pytestmark = [pytest.mark.timeout(400),
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400),
               pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")]
 
 PORT = 29517

@@ -110,6 +110,7 @@ def _cli(cluster: RayCluster, *args: str, env: dict[str, str] | None = None,
 
 # -- training: equal to plain PyTorch, and after a lost actor too ------------------------------------
 
+@pytest.mark.multiprocess
 def test_two_workers_as_ray_actors_train_as_plain_pytorch(ray_cluster: RayCluster, tmp_path: Path) -> None:
     status, out, err = _launch(SCRIPT, str(tmp_path), num_workers=2)
     assert status == 0, out + err
@@ -144,6 +145,7 @@ class _Watched(io.TextIOBase):
             return self._text
 
 
+@pytest.mark.multiprocess
 def test_an_actor_killed_mid_training_restarts_the_group_which_resumes_from_its_backup(
         ray_cluster: RayCluster, tmp_path: Path) -> None:
     from stratagem.launch.ray_launch import launch_ray
@@ -196,6 +198,7 @@ def _script(tmp_path: Path, body: str) -> Path:
     return path
 
 
+@pytest.mark.multiprocess
 def test_spread_on_a_one_node_cluster_is_refused_at_once(ray_cluster: RayCluster, tmp_path: Path) -> None:
     script = _script(tmp_path, "print('ran')\n")
     started = time.monotonic()
@@ -205,6 +208,7 @@ def test_spread_on_a_one_node_cluster_is_refused_at_once(ray_cluster: RayCluster
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.multiprocess
 def test_a_placement_ray_cannot_satisfy_is_refused_within_the_placement_timeout(
         ray_cluster: RayCluster, tmp_path: Path) -> None:
     import ray
@@ -219,6 +223,7 @@ def test_a_placement_ray_cannot_satisfy_is_refused_within_the_placement_timeout(
     assert all(group["state"] == "REMOVED" for group in groups), groups   # nothing left holding CPUs
 
 
+@pytest.mark.multiprocess
 def test_a_task_failing_beyond_max_restarts_fails_the_job_naming_it(ray_cluster: RayCluster, tmp_path: Path) -> None:
     script = _script(tmp_path, '''
         print("start", os.environ["STRATAGEM_RESTART"], flush=True)
@@ -235,6 +240,7 @@ def test_a_task_failing_beyond_max_restarts_fails_the_job_naming_it(ray_cluster:
     assert out.count("[worker 1] start") == 2 and "[worker 1] start 1" in out
 
 
+@pytest.mark.multiprocess
 def test_each_task_gets_its_tf_config_and_a_token_that_never_shows(ray_cluster: RayCluster, tmp_path: Path) -> None:
     script = _script(tmp_path, '''
         with open(os.path.join(sys.argv[1], name + ".json"), "w") as f:
@@ -266,6 +272,7 @@ def test_each_task_gets_its_tf_config_and_a_token_that_never_shows(ray_cluster: 
                                         "[worker 1] recorded worker-1"]
 
 
+@pytest.mark.multiprocess
 def test_a_token_in_the_nodes_environment_is_used_and_a_weak_one_refused(
         ray_cluster: RayCluster, tmp_path: Path) -> None:
     # runtime_env's variables stand for the environment of `ray start` on every node
@@ -282,6 +289,7 @@ def test_a_token_in_the_nodes_environment_is_used_and_a_weak_one_refused(
         _launch(script, num_workers=2, runtime_env={"env_vars": {"STRATAGEM_CLUSTER_TOKEN": "hunter2hunter2"}})
 
 
+@pytest.mark.multiprocess
 def test_parameter_server_training_runs_with_its_servers_as_actors(ray_cluster: RayCluster) -> None:
     # the chief (coordinator) runs the script; the worker and the ps run `stratagem server`, which
     # refuses to start without the job's token: the run shows that it reached them
@@ -316,6 +324,7 @@ def test_the_token_is_sent_only_where_it_stays_on_the_machine_and_nodes_must_agr
 
 # -- the command line: signals, a driver killed, addresses that cannot work ------------------------------
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_a_stopped_launcher_leaves_no_task_or_actor_behind(ray_cluster: RayCluster, tmp_path: Path,
                                                            signum: int) -> None:
@@ -350,6 +359,7 @@ def test_a_stopped_launcher_leaves_no_task_or_actor_behind(ray_cluster: RayClust
         launcher.communicate()
 
 
+@pytest.mark.multiprocess
 def test_a_signal_while_ray_places_the_tasks_stops_the_launch_at_once(ray_cluster: RayCluster,
                                                                         tmp_path: Path) -> None:
     import ray
@@ -378,6 +388,7 @@ def test_a_signal_while_ray_places_the_tasks_stops_the_launch_at_once(ray_cluste
         launcher.communicate()
 
 
+@pytest.mark.multiprocess
 def test_an_address_where_no_cluster_answers_fails_at_once(ray_cluster: RayCluster, tmp_path: Path) -> None:
     script = _script(tmp_path, "print('ran')\n")
     nobody = f"127.0.0.1:{free_ports(1)[0]}"
@@ -395,6 +406,7 @@ def test_an_address_where_no_cluster_answers_fails_at_once(ray_cluster: RayClust
     assert "a loopback address, but Ray on Linux replaces it with this machine's own address" in output
 
 
+@pytest.mark.multiprocess
 def test_without_ray_the_launcher_says_how_to_install_it(tmp_path: Path) -> None:
     code = ("import sys; sys.modules['ray'] = None\n"
             "import stratagem.launch\n"

@@ -35,7 +35,7 @@ import pytest
 
 from .ray_fixtures import SCRIPT, assert_as_plain_pytorch, assert_gone, listeners, ray_env, start_node, stop_session
 
-pytestmark = [pytest.mark.timeout(300),
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300),
               pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                  reason="ray is not installed (pip install 'stratagem[ray]')"),
               pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0

@@ -18,7 +18,7 @@ import torchmetrics  # noqa: E402
 
 import stratagem as sg  # noqa: E402
 from tests.metrics import oracle  # noqa: E402
-from tests.ps_strategy.failures_ps import task_pid  # noqa: E402
+from tests.ps.failures_ps import task_pid  # noqa: E402
 
 
 def main():

@@ -9,7 +9,7 @@ import torchmetrics
 
 import stratagem as sg
 from stratagem.errors import ContextError, InvalidArgumentError
-from tests.metrics import oracle
+from . import oracle
 
 pytestmark = pytest.mark.timeout(120)
 

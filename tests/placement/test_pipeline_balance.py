@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import stratagem as sg
-from multi_worker.history import assert_history_matches
+from ..strategies.history import assert_history_matches
 from stratagem.testing import run_local_cluster
 from stratagem.placement.pipeline_balance import partition
 
@@ -67,6 +67,7 @@ def test_partition_refuses_more_stages_than_blocks_and_bad_costs() -> None:
         partition([1.0, float("nan")], 1)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_auto_split_agrees_on_every_process_trains_as_plain_pytorch_and_pins(tmp_path: Path) -> None:
     outputs, printed = launch(tmp_path, "balance")
@@ -105,6 +106,7 @@ def test_auto_split_agrees_on_every_process_trains_as_plain_pytorch_and_pins(tmp
             "the first process could not measure the Branches's blocks" in errors["auto_untraceable"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_the_measuring_process_killed_stops_the_other_with_a_clear_error(tmp_path: Path) -> None:
     """SIGKILL of global rank 0 while it measures the blocks: the other process, waiting for the split,

@@ -1,5 +1,5 @@
 """PipelineStrategy(recompute=...) trains exactly as plain PyTorch (float64, 2 real processes) on every schedule
-of tests/multi_worker/test_pipeline.py, for an nn.Sequential and a traced model, the whole stage or named modules;
+of tests/strategies/test_multi_worker_pipeline.py, for an nn.Sequential and a traced model, the whole stage or named modules;
 with dropout it equals the run without recomputation (the random state is replayed); the activations held
 between forward and backward shrink; misuse is refused on every process."""
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from multi_worker.history import assert_history_matches
+from ..strategies.history import assert_history_matches
 
 from . import pp_options_script as script
 from .pp_options_runs import as_expected, launch, plain_history
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
 
 
 def test_recompute_equals_plain_pytorch_and_the_run_without_it(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Fences and leases on one ParameterServer, in process (the real-process scenarios are in
-tests/coordinator/test_at_most_once.py)."""
+tests/ps/test_at_most_once.py)."""
 
 from __future__ import annotations
 

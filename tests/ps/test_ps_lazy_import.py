@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 _LOADED = "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith(('grpc', 'cryptography'))}))"
 

@@ -1,6 +1,6 @@
 """Who may change a parameter server, in process: claims, takeovers, fenced requests (the
-real-process scenarios are in tests/coordinator/test_takeover.py and
-tests/ps_strategy/test_ps_takeover.py)."""
+real-process scenarios are in tests/ps/test_coordinator_takeover.py and
+tests/ps/test_ps_takeover.py)."""
 
 from __future__ import annotations
 
@@ -114,6 +114,7 @@ def test_malformed_claims_are_refused(ps) -> None:
         handlers["claim"]({"identity": identity("a"), "lease_s": 0})
 
 
+@pytest.mark.multiprocess
 def test_a_coordinator_on_this_host_is_gone_when_its_process_is() -> None:
     child = subprocess.Popen([sys.executable, "-c",
                               "import json; from stratagem.ps.ownership import CoordinatorIdentity as C; "

@@ -53,6 +53,7 @@ def _read_line(process: subprocess.Popen[str], timeout: float) -> str:
     raise AssertionError(f"no output within {timeout} s")
 
 
+@pytest.mark.multiprocess
 def test_ps_task_serves_and_stops_quickly_on_sigterm() -> None:
     port = _free_port()
     env = {**os.environ, "TF_CONFIG": _tf_config("ps", port), "STRATAGEM_CLUSTER_TOKEN": TOKEN,
@@ -85,6 +86,7 @@ def test_ps_task_serves_and_stops_quickly_on_sigterm() -> None:
             process.communicate()
 
 
+@pytest.mark.multiprocess
 def test_server_with_a_weak_token_exits_at_once_without_showing_it() -> None:
     weak = "hunter2-hunter2"
     env = {**os.environ, "TF_CONFIG": _tf_config("ps", _free_port()), "STRATAGEM_CLUSTER_TOKEN": weak,

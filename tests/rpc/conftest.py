@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from rpc_processes import start_server_processes
+from .rpc_processes import start_server_processes
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rpc_processes import TOKEN, ServerProcess, launch_server, start_server_processes, wait_ready
+from .rpc_processes import TOKEN, ServerProcess, launch_server, start_server_processes, wait_ready
 from stratagem.errors import ClusterConfigError, UnavailableError
 from stratagem.rpc import Authenticator, RpcClient, RpcServer, decode, encode
 from stratagem.rpc.server import caller_gone
@@ -53,6 +53,7 @@ def _refused(address: str, body: bytes, metadata: tuple[tuple[str, str], ...]) -
     return info.value
 
 
+@pytest.mark.multiprocess
 def test_a_captured_request_is_refused_by_another_server_and_after_a_restart(
         servers: list[ServerProcess]) -> None:
     first, second = servers
@@ -75,6 +76,7 @@ def test_a_captured_request_is_refused_by_another_server_and_after_a_restart(
     assert restarted.handler_calls("echo") == echoes
 
 
+@pytest.mark.multiprocess
 def test_a_client_carries_on_across_restarts_of_its_server(servers: list[ServerProcess]) -> None:
     client = RpcClient(servers[0].address, TOKEN, task="ps 0", default_timeout=20)
     assert client.call("echo", 1) == 1
@@ -96,6 +98,7 @@ def test_a_client_carries_on_across_restarts_of_its_server(servers: list[ServerP
     client.close()
 
 
+@pytest.mark.multiprocess
 def test_a_client_told_another_task_refuses_the_server(servers: list[ServerProcess]) -> None:
     with RpcClient(servers[0].address, TOKEN, task="ps 1") as client:
         with pytest.raises(ClusterConfigError, match=r"serves 'ps 0', not 'ps 1'.*\(TF_CONFIG\)"):
@@ -117,6 +120,7 @@ def _wait_for(condition, seconds: float) -> bool:
     return True
 
 
+@pytest.mark.multiprocess
 def test_cancelling_a_call_cancels_it_on_the_server(server_pair: list[ServerProcess]) -> None:
     server = server_pair[0]
     waits, gone = server.handler_calls("wait"), server.handler_calls("gone")

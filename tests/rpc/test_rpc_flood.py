@@ -20,10 +20,10 @@ import grpc
 import pytest
 import torch
 
-from rpc_processes import TOKEN, ServerProcess, memory_mb, start_server_processes
+from .rpc_processes import TOKEN, ServerProcess, memory_mb, start_server_processes
 from stratagem.rpc import MessageTooLargeError, RpcClient
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 MAX_GROWTH_MB = 50      # what unauthenticated callers may add to the server's peak memory
 MAX_REFUSAL_S = 5.0     # how long one may wait for its refusal

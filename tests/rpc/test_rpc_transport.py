@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from rpc_processes import TOKEN, ServerProcess, free_port
+from .rpc_processes import TOKEN, ServerProcess, free_port
 from stratagem.errors import ClusterConfigError, UnavailableError
 from stratagem.rpc.codec import Pickler, Unpickler
 from stratagem.rpc.server import EncodedReply, decodes_request, reads_only
@@ -63,6 +63,7 @@ def _bound_to(server: ServerProcess) -> dict[str, str]:
 # ---------------------------------------------------------------------------- calls
 
 
+@pytest.mark.multiprocess
 def test_round_trip_of_a_structure_with_tensors(client: RpcClient) -> None:
     request = {"weights": [torch.randn(4, 3), torch.arange(5)], "step": 3, "name": "dense"}
     reply = client.call("echo", request)
@@ -71,11 +72,13 @@ def test_round_trip_of_a_structure_with_tensors(client: RpcClient) -> None:
         assert torch.equal(sent, got)
 
 
+@pytest.mark.multiprocess
 def test_messages_beyond_grpc_default_4_mib_go_through(client: RpcClient) -> None:
     tensor = torch.randn(3 << 20)   # 12 MiB
     assert torch.equal(client.call("echo", tensor), tensor)
 
 
+@pytest.mark.multiprocess
 def test_remote_exception_reaches_the_caller_with_its_traceback(client: RpcClient) -> None:
     with pytest.raises(RemoteError) as info:
         client.call("fail", "embedding/shard_3")
@@ -86,11 +89,13 @@ def test_remote_exception_reaches_the_caller_with_its_traceback(client: RpcClien
     assert isinstance(err.__cause__, KeyError) and err.remote_exception is err.__cause__
 
 
+@pytest.mark.multiprocess
 def test_unknown_method_is_a_remote_error_listing_the_methods(client: RpcClient) -> None:
     with pytest.raises(RemoteError, match="has no method 'nope'.*'echo'"):
         client.call("nope", 1)
 
 
+@pytest.mark.multiprocess
 def test_threads_share_one_client(client: RpcClient) -> None:
     def work(index: int) -> bool:
         return all(torch.equal(client.call("echo", torch.full((64,), float(index * 100 + i))),
@@ -100,6 +105,7 @@ def test_threads_share_one_client(client: RpcClient) -> None:
         assert all(pool.map(work, range(4)))
 
 
+@pytest.mark.multiprocess
 def test_call_async_returns_futures_of_replies_and_errors(client: RpcClient) -> None:
     pending = [client.call_async("echo", torch.tensor(i)) for i in range(8)]
     assert [future.result(timeout=20).item() for future in pending] == list(range(8))
@@ -107,6 +113,7 @@ def test_call_async_returns_futures_of_replies_and_errors(client: RpcClient) -> 
         client.call_async("fail", "x").result(timeout=20)
 
 
+@pytest.mark.multiprocess
 def test_a_silent_server_hits_the_deadline(client: RpcClient) -> None:
     started = time.monotonic()
     with pytest.raises(UnavailableError, match="did not answer 'sleep' within 0.3 s") as info:
@@ -118,6 +125,7 @@ def test_a_silent_server_hits_the_deadline(client: RpcClient) -> None:
 # -------------------------------------------------------------------- authentication
 
 
+@pytest.mark.multiprocess
 def test_wrong_token_is_refused_logged_and_never_unpickled(server: ServerProcess, tmp_path: Path) -> None:
     marker = tmp_path / "unpickled"
     decode(encode(CreatesFile(tmp_path / "control")))   # the payload works when unpickled
@@ -140,6 +148,7 @@ def test_wrong_token_is_refused_logged_and_never_unpickled(server: ServerProcess
     assert TOKEN not in log and WRONG_TOKEN not in log
 
 
+@pytest.mark.multiprocess
 def test_request_without_proof_is_refused(server: ServerProcess, tmp_path: Path) -> None:
     marker = tmp_path / "unpickled"
     with pytest.raises(grpc.RpcError) as info:
@@ -149,6 +158,7 @@ def test_request_without_proof_is_refused(server: ServerProcess, tmp_path: Path)
     assert not marker.exists()
 
 
+@pytest.mark.multiprocess
 def test_replayed_and_stale_requests_are_refused(server: ServerProcess) -> None:
     auth = Authenticator(TOKEN)
     body = encode("hello")
@@ -192,6 +202,7 @@ def test_client_refuses_an_unsigned_reply_before_unpickling_it(tmp_path: Path) -
 # ------------------------------------------------------------------------- limits
 
 
+@pytest.mark.multiprocess
 def test_client_refuses_to_send_more_than_its_limit(server: ServerProcess) -> None:
     echoes = server.handler_calls("echo")
     with RpcClient(server.address, TOKEN, max_message_bytes=1 << 20) as small:
@@ -220,6 +231,7 @@ def test_size_limits_on_the_server_and_on_the_client_receiving() -> None:
 # --------------------------------------------------------------------- addresses
 
 
+@pytest.mark.multiprocess
 def test_servers_bind_exactly_their_address(server: ServerProcess) -> None:
     with pytest.raises(ClusterConfigError, match="every interface"):
         RpcServer("0.0.0.0:2222", {}, TOKEN)
@@ -233,6 +245,7 @@ def test_servers_bind_exactly_their_address(server: ServerProcess) -> None:
 # ---------------------------------------------------------------------- failures
 
 
+@pytest.mark.multiprocess
 def test_dead_server_is_unavailable_at_once_and_a_restarted_one_is_reached_again(
         server_pair: list[ServerProcess]) -> None:
     victim = server_pair[1]
