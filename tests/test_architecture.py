@@ -380,3 +380,32 @@ def test_the_layer_rule_sees_typing_imports(tmp_path: Path, monkeypatch) -> None
     assert [(imp.target, imp.type_checking) for imp in imports] == [("stratagem.keras.model", True)]
     assert any(_within(imp.source, layer) and _within(imp.target, forbidden)
                for layer, forbidden in LAYERS.items() for imp in imports)
+
+
+# ---------------------------------------------------------------- the tests' own layout
+
+TESTS = ROOT / "tests"
+#: folders of tests/ that mirror no package folder, and why
+TEST_FOLDERS_OF_NO_PACKAGE = {
+    "_support": "helpers shared by several test folders",
+    "tutorials": "TensorFlow's distributed-training tutorials, run end to end",
+}
+
+
+def test_test_files_have_unique_names() -> None:
+    seen: dict[str, list[str]] = {}
+    for path in TESTS.rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    repeated = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not repeated, f"test files share a name; name the second for its topology or subject: {repeated}"
+
+
+def test_test_folders_mirror_the_package() -> None:
+    folders = sorted(p for p in TESTS.rglob("*") if p.is_dir() and p.name != "__pycache__")
+    strays = [str(p.relative_to(ROOT)) for p in folders
+              if p.relative_to(TESTS).parts[0] not in TEST_FOLDERS_OF_NO_PACKAGE
+              and not (PACKAGE / p.relative_to(TESTS)).is_dir()]
+    assert not strays, (f"test folders with no package folder of the same path under stratagem/: {strays}; "
+                        f"put each test beside the module it tests (tests/README.md)")
+    not_packages = [str(p.relative_to(ROOT)) for p in [TESTS, *folders] if not (p / "__init__.py").exists()]
+    assert not not_packages, f"test folders without __init__.py (tests/ is a package): {not_packages}"
