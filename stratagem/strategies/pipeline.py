@@ -15,6 +15,7 @@ same input slice, and the same loss back from ``forward_backward``).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Sequence
 
 import torch
@@ -22,8 +23,11 @@ import torch
 from stratagem.comm.options import CommunicationOptions
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.pipeline import PipelinePlacement
+from stratagem.placement.pipeline_mesh import MeshStages
 from stratagem.placement.pipeline_plan import check_schedule
 from stratagem.placement.pipeline_schedule import PipelineSchedules, forward_only
+from stratagem.placement.tensor_parallel import check_plan
+from stratagem.placement.zero import STAGES
 from stratagem.strategies.mesh import MeshStrategy
 from stratagem.training.pipeline_steps import PipelineSteps
 
@@ -66,14 +70,17 @@ class PipelineStrategy(MeshStrategy):
     """
 
     axis = "pipe"
+    axes = ("data", "pipe", "model")
 
     def __init__(self, mesh: dict[str, int] | None = None, *, split_points: Sequence[str] | None = None,
                  num_stages: int | None = None, num_microbatches: int = 4, schedule: str = "1f1b",
-                 loss_fn: Callable | None = None, cluster_resolver: Any = None,
-                 communication_options: CommunicationOptions | None = None):
+                 loss_fn: Callable | None = None, plan: dict[str, Any] | None = None, sharding: str | None = None,
+                 cluster_resolver: Any = None, communication_options: CommunicationOptions | None = None):
         schedule = check_schedule(schedule)
         split_points = _check_options(split_points, num_stages, num_microbatches, loss_fn)
-        data_size, pipe_size = self._start_mesh(mesh, cluster_resolver, communication_options)
+        plan = _check_mesh_options(mesh, plan, sharding)
+        self._sharding = sharding
+        data_size, pipe_size, model_size = self._start_mesh(mesh, cluster_resolver, communication_options)
         data, self._pipe = self._axis_collective("data"), self._axis_collective("pipe")
         self._loss_fn = loss_fn
         self._schedule = schedule
@@ -83,13 +90,25 @@ class PipelineStrategy(MeshStrategy):
                   "schedule": schedule, "num_microbatches": num_microbatches}
         self._configure(self._data_topology(), data, PipelinePlacement(
             self, config=config, pipe_rank=self.pipe_rank, pipe=self._pipe, data=data, everyone=self._full,
-            device=self._mesh_device.torch_device))
-        self._check_same_configuration({**config, "mesh": (data_size, pipe_size)})
+            device=self._mesh_device.torch_device, mesh=MeshStages(self.mesh, plan, sharding, self._full)))
+        self._check_same_configuration({**config, "mesh": (data_size, pipe_size, model_size), "sharding": sharding,
+                                        "plan": plan and {k: re.sub(r" at 0x[0-9a-f]+", "", str(v))
+                                                          for k, v in plan.items()}})
 
     @property
     def pipe_rank(self) -> int:
         """This process's place along the pipe axis."""
         return self.mesh.get_local_rank("pipe")
+
+    @property
+    def model_rank(self) -> int:
+        """This process's place along the model (tensor-parallel) axis."""
+        return self.mesh.get_local_rank("model")
+
+    @property
+    def sharding(self) -> str | None:
+        """The ZeRO stage over the data axis: None, "optimizer", "gradients" or "parameters"."""
+        return self._sharding
 
     @property
     def schedule(self) -> str:
@@ -138,7 +157,7 @@ class PipelineStrategy(MeshStrategy):
             runner = self._schedules[id(model)] = PipelineSchedules(
                 split, schedule=self._schedule, num_microbatches=self._num_microbatches,
                 pipe_rank=self.pipe_rank, pipe=self._pipe, data=self._collective,
-                device=self._mesh_device.torch_device)
+                device=self._mesh_device.torch_device, same_shape_over_data=self._sharding == "parameters")
         device = self._mesh_device.torch_device
         if isinstance(target, torch.Tensor):
             target = target.to(device)
@@ -163,8 +182,26 @@ class PipelineStrategy(MeshStrategy):
 
     def __repr__(self) -> str:
         return (f"PipelineStrategy({self._mesh_repr()}, schedule={self._schedule!r}, "
-                f"num_microbatches={self._num_microbatches}, process {self._full.worker_index} of "
+                f"num_microbatches={self._num_microbatches}, "
+                + (f"sharding={self._sharding!r}, " if self._sharding else "")
+                + f"process {self._full.worker_index} of "
                 f"{self._full.num_workers})")
+
+
+def _check_mesh_options(mesh: Any, plan: Any, sharding: Any) -> dict[str, Any] | None:
+    if sharding is not None and sharding not in STAGES:
+        raise InvalidArgumentError(
+            f"sharding must be None, 'optimizer', 'gradients' or 'parameters' (ZeRO over the data axis), "
+            f"got {sharding!r}")
+    model = mesh.get("model", 1) if isinstance(mesh, dict) else 1
+    if plan is None:
+        if isinstance(model, int) and model > 1:
+            raise InvalidArgumentError(
+                f"the mesh has a model axis of {model} processes, but no tensor-parallel plan: pass "
+                f"plan={{'blocks.*.fc1': 'colwise', 'blocks.*.fc2': 'rowwise', ...}} (module names of the whole "
+                f"model), or leave 'model' out of the mesh")
+        return None
+    return check_plan(plan)
 
 
 def _check_options(split_points: Any, num_stages: Any, num_microbatches: Any, loss_fn: Any) -> list[str] | None:
