@@ -35,6 +35,10 @@ from stratagem.placement import clipping
 from stratagem.placement.hooks import internal_optimizers, unhooked_step
 from stratagem.placement.sharded_update import ELEMENTWISE, _hyper
 
+# (torch 2.13 names them *_single and deprecates the old names)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The memory of this process's part of ``tensor`` (a DTensor's shard), without autograd."""
@@ -164,7 +168,7 @@ class DataAxisZero:
                 send[r * self.longest:r * self.longest + b - a].copy_(flat[a:b])
             out = flat.new_empty(self.longest, device=group.device)
             with group.guard("optimizer.step (gradients reduce-scattered over the data axis)"):
-                dist.reduce_scatter_tensor(out, send, group=group.group)
+                _reduce_scatter(out, send, group=group.group)
             shard = out[:self.bounds[self.rank + 1] - self.bounds[self.rank]].to(flat.device)
         for _, _, p in self.entries:
             p.grad = None   # the sum lives in the ranges now
@@ -201,7 +205,7 @@ class DataAxisZero:
             mine[:hi - lo].copy_(torch.cat([view.detach().reshape(-1) for _, _, view, _, _ in self.pieces]))
         everyone = mine.new_empty(size * self.longest)
         with group.guard("optimizer.step (parameter ranges all-gathered over the data axis)"):
-            dist.all_gather_into_tensor(everyone, mine, group=group.group)
+            _all_gather(everyone, mine, group=group.group)
         flat = torch.cat([everyone[r * self.longest:r * self.longest + self.bounds[r + 1] - self.bounds[r]]
                           for r in range(size)]).to(self.locals[0].device)
         with torch.no_grad():

@@ -212,11 +212,12 @@ class PipelinePlacement(StageOptimizers, RootsPlacement):
         and skip it); the chief keeps it for :meth:`write_checkpoint_state`, dropped on exit."""
         if self.data.worker_index == 0 or self.sharding is not None:   # (ZeRO: collectives over data too)
             chief = self.everyone.worker_index == 0
-            for obj in objects.values():
-                if id(obj) in self.models or (isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self):
-                    state = obj.state_dict()
-                    if chief:
-                        self._gathered[id(obj)] = state
+            with self.everyone.group.guard("Checkpoint.save (the whole state, over the mesh)"):
+                for obj in objects.values():
+                    if id(obj) in self.models or (isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self):
+                        state = obj.state_dict()
+                        if chief:
+                            self._gathered[id(obj)] = state
         try:
             yield
         finally:
