@@ -1,12 +1,17 @@
 """PipelineStrategy: a model cut into stages over processes (GPipe, 1F1B, interleaved, zero bubble).
 
-The processes of the cluster form a 2-D mesh ``(data, pipe)``: process ``r`` is data
-rank ``r // pipe`` and pipe rank ``r % pipe``. Along the pipe axis, the model
+The processes of the cluster form a mesh ``(data, pipe, model)`` in row-major order:
+process ``r`` is data rank ``r // (pipe * model)``, pipe rank ``(r // model) % pipe`` and
+model rank ``r % model`` (the model axis innermost; with ``model = 1``, data rank
+``r // pipe`` and pipe rank ``r % pipe``). Along the pipe axis, the model
 created in scope is cut into stages (:mod:`stratagem.placement.pipeline`), each process
 keeping only its own; a step runs one of torch's pipeline schedules over micro-batches
 (:mod:`stratagem.placement.pipeline_schedule`). Along the data axis, each group of
 ``pipe`` processes is one data-parallel replica: it gets its own slice of each global
-batch, and gradients are summed over the data axis before every update.
+batch, and gradients are summed over the data axis before every update (or ZeRO shards
+the update, the gradients or the parameters over it). Along the model axis, the layers of
+each stage named by a tensor-parallel plan are split with ``parallelize_module``
+(:mod:`stratagem.placement.pipeline_mesh`).
 
 So ``num_replicas_in_sync`` is the data-parallel degree ``data``; ``strategy.reduce``
 and the input pipeline work over the data axis (the processes of one pipeline get the
@@ -33,7 +38,7 @@ from stratagem.training.pipeline_steps import PipelineSteps
 
 
 class PipelineStrategy(MeshStrategy):
-    """Pipeline parallelism over a ``{"data": d, "pipe": p}`` mesh of processes (experimental).
+    """Pipeline parallelism over a ``{"data": d, "pipe": p, "model": t}`` mesh of processes (experimental).
 
     The ``nn.Sequential`` created in :meth:`scope` is cut into stages: before each child
     named in ``split_points``, or into ``num_stages`` even runs of children (default: one
@@ -46,8 +51,17 @@ class PipelineStrategy(MeshStrategy):
     (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zero_bubble"``, ...) over
     ``num_microbatches`` micro-batches (any batch size: the micro-batches are weighted by
     their rows); :meth:`predict` evaluates. ``model.state_dict()``, the optimizer's state dict
-    and ``sg.Checkpoint`` hold the whole logical model. ``d * p`` must equal the number of
-    processes (``mesh=None``: every process on the pipe axis). See docs/pipeline.md.
+    and ``sg.Checkpoint`` hold the whole logical model. ``d * p * t`` must equal the number of
+    processes (``mesh=None``: every process on the pipe axis; ``model`` is 1 unless given).
+
+    Three axes: ``plan`` (module names of the whole model, or glob patterns, to ``"colwise"``,
+    ``"rowwise"``, ``"sequence"`` or a torch ``ParallelStyle``, as ``TensorParallelStrategy``
+    takes it) splits those layers of each stage over the ``model`` axis; ``sharding``
+    (``"optimizer"``, ``"gradients"`` or ``"parameters"``: ZeRO stages 1-3, the last on FSDP2)
+    shards over the ``data`` axis. Global rank ``r`` is ``(data_rank * p + pipe_rank) * t +
+    model_rank``: a model group is ``t`` consecutive ranks, a pipeline the ranks ``t`` apart, a
+    data group those ``p * t`` apart. With a plan or ``sharding``, the model must be an
+    ``nn.Sequential``. See docs/pipeline.md.
 
     Run the same script on every process, e.g. ``stratagem launch --workers 2 train.py``.
 
@@ -67,6 +81,18 @@ class PipelineStrategy(MeshStrategy):
 
         loss = strategy.run(train_step, args=(torch.randn(6, 4), torch.randn(6, 1)))
         print(strategy.reduce("sum", loss, axis=None))
+
+        # three axes, each of size 1 in one process: {"data": 2, "pipe": 2, "model": 2} on 8
+        mesh3d = sg.experimental.PipelineStrategy({"data": 1, "pipe": 1, "model": 1}, plan={"0": "colwise", "2": "rowwise"},
+                                                  sharding="parameters", num_microbatches=2, schedule="gpipe")
+        with mesh3d.scope():
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+            optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        assert mesh3d.mesh.mesh_dim_names == ("data", "pipe", "model") and mesh3d.sharding == "parameters"
+        loss = mesh3d.forward_backward(model, torch.randn(6, 4), torch.randn(6, 1), loss_fn=torch.nn.functional.mse_loss)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # the whole model's gradient norm
+        optimizer.step()
+        assert set(model.state_dict()) == {"0.weight", "0.bias", "2.weight", "2.bias"}   # whole tensors
     """
 
     axis = "pipe"

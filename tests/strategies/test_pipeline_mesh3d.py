@@ -177,3 +177,26 @@ def test_misuse_is_refused_on_every_process(runs) -> None:
         assert "multiple of 2" in errors["interleaved"]
         assert "needs the model as an nn.Sequential" in errors["traced"]
         assert "different PipelineStrategy configurations" in errors["different"]
+
+
+def test_mesh_sizes_are_inferred_axis_by_axis() -> None:
+    from stratagem.errors import InvalidArgumentError
+    from stratagem.strategies.mesh import mesh_shape
+    axes = ("data", "pipe", "model")
+    assert mesh_shape({"data": 2, "pipe": 2, "model": 2}, 8, axes) == (2, 2, 2)
+    assert mesh_shape({"pipe": 2, "model": 2}, 8, axes) == (2, 2, 2)       # data: the processes left
+    assert mesh_shape({"data": 2, "model": 2}, 8, axes) == (2, 2, 2)       # pipe: the processes left
+    assert mesh_shape({"model": 4}, 8, axes) == (1, 2, 4)                  # neither: data 1
+    assert mesh_shape({"data": 4, "pipe": 2}, 8, axes) == (4, 2, 1)        # model: 1 unless given
+    assert mesh_shape(None, 8, axes) == (1, 8, 1)
+    with pytest.raises(InvalidArgumentError, match="gives 12 processes, which does not divide the 8"):
+        mesh_shape({"pipe": 3, "model": 4}, 8, axes)
+    with pytest.raises(InvalidArgumentError, match=r"\{'data': 2, 'pipe': 2, 'model': 1\} has 4 processes"):
+        mesh_shape({"data": 2, "pipe": 2}, 8, axes)
+
+
+def test_every_data_group_can_pad_to_the_longest_batch() -> None:
+    from stratagem.placement.pipeline_schedule import _row_order
+    assert _row_order(4, 2, 4) is None
+    assert _row_order(3, 2, 4).tolist() == [0, 1, 2, -1]          # 2 micro-batches of 2 rows, as the longest
+    assert _row_order(2, 2, 5).tolist() == [0, -1, -1, 1, -1, -1]  # 2 of 3
