@@ -143,12 +143,16 @@ def worker(out: str, spec: str) -> None:
             optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
         (xs, ys), = list(strategy.experimental_distribute_dataset([(x, y)]))
         entry = {"kind": kind, "layout": layout, "sharding": sharding}
+
+        def step(xb, yb, measure=False):
+            optimizer.zero_grad(set_to_none=True)
+            strategy.forward_backward(model, xb, yb)
+            if measure:
+                entry["grads"] = _storage_bytes(q.grad for q in model.parameters())
+            optimizer.step()
         if kind == "memory":
             for _ in range(2):
-                optimizer.zero_grad(set_to_none=True)
-                strategy.forward_backward(model, xs, ys)
-                entry["grads"] = _storage_bytes(q.grad for q in model.parameters())
-                optimizer.step()
+                strategy.run(step, args=(xs, ys, True))
             optimizer.zero_grad(set_to_none=True)
             entry.update(params=_storage_bytes(model.parameters()), state=strategy.placement.state_bytes(optimizer),
                          psi_r=analytic_params(model, strategy, layout),
@@ -156,12 +160,10 @@ def worker(out: str, spec: str) -> None:
                                                           options["heads"]).parameters()))
         else:
             times = []
-            for step in range(options["warmup"] + options["steps"]):
+            for i in range(options["warmup"] + options["steps"]):
                 start = time.perf_counter()
-                optimizer.zero_grad(set_to_none=True)
-                strategy.forward_backward(model, xs, ys)
-                optimizer.step()
-                if step >= options["warmup"]:
+                strategy.run(step, args=(xs, ys))
+                if i >= options["warmup"]:
                     times.append(time.perf_counter() - start)
             entry["step_s"] = statistics.median(times)
         results.append(entry)
@@ -226,14 +228,14 @@ def _print_memory(got) -> None:
         return
     mib = 1 << 20
     print(f"\n1. memory per rank (MiB; measured / analytic), Ψ = {got[0][entries[0]]['psi'] / 1e6:.2f} M parameters")
-    print(f"{'d x p x t':<10}{'sharding':<12}{'rank':>5}{'params':>16}{'grads':>16}{'Adam state':>16}{'total ratio':>13}")
+    print(f"{'d x p x t':<10}{'sharding':<12}{'rank':>5}{'params':>18}{'grads':>18}{'Adam state':>18}{'total ratio':>13}")
     for i in entries:
         for rank in (0, WORLD - 1):
             e = got[rank][i]
             d, p, t = e["layout"]
             want = analytic(e["sharding"], e["psi_r"], d)
             have = (e["params"], e["grads"], e["state"])
-            cells = "".join(f"{h / mib:>8.2f} /{w / mib:>6.2f}" for h, w in zip(have, want))
+            cells = "".join(f"{h / mib:>9.3f} /{w / mib:>7.3f}" for h, w in zip(have, want))
             print(f"{f'{d}x{p}x{t}':<10}{str(e['sharding']):<12}{rank:>5}{cells}{sum(have) / sum(want):>13.3f}")
 
 
