@@ -11,7 +11,8 @@ Linear(D, V)) is left whole. float32, Adam, cross-entropy over the next token.
 1. **Memory per rank** (bytes of the tensors' storages, not RSS), for each layout x ``sharding``:
    parameters and optimizer state between steps (after ``zero_grad(set_to_none=True)``), and the
    gradients right after ``forward_backward``. Analytic, from the stage layout: rank r holds
-   Ψ_r = Σ over its stages (Ψ_split / t + Ψ_whole) parameters (Ψ_split: those of the plan's layers),
+   Ψ_r = Σ over its stages (Ψ_split / t + Ψ_whole) parameters (Ψ_split: the plan's weights, and the
+   biases of its colwise layers; a rowwise layer's bias is added once, whole),
    so in float32
 
        sharding      parameters   gradients   Adam state
@@ -110,9 +111,11 @@ def analytic_params(model, strategy, layout) -> float:
         a, b = split.layout.bounds[stage]
         for i in range(a, b):
             for name, module in children[i].named_modules(prefix=names[i]):
-                own = sum(q.numel() for q in module.parameters(recurse=False))
-                planned = any(fnmatch.fnmatchcase(name, pattern) for pattern in PLAN)
-                total += own / t if planned else own
+                style = next((s for pattern, s in PLAN.items() if fnmatch.fnmatchcase(name, pattern)), None)
+                for leaf, q in module.named_parameters(recurse=False):
+                    # colwise splits weight and bias; rowwise the weight only (its bias is added once, whole)
+                    split = style == "colwise" or (style == "rowwise" and leaf == "weight")
+                    total += q.numel() / t if split else q.numel()
     return total
 
 

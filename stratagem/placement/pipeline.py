@@ -134,6 +134,7 @@ class PipelinePlacement(StageOptimizers, RootsPlacement):
             self._forget_pending(local.values())   # the stage containers, created in scope
             if self.mesh is not None:
                 self._replaced.update(self.mesh.place(root, local))
+                self._forget_pending([*local.values(), *root.modules()])   # (re-registered by the mesh)
 
     def keep_only(self, model: nn.Module, held: set[str], used: set[str], stages: list[int]) -> None:
         """A traced model's first trace: its tensors that other stages use (``used`` but not ``held``)

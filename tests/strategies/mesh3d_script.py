@@ -243,7 +243,25 @@ def errors(rank):
         strategy = sg.experimental.PipelineStrategy(mesh, **{"plan": PLAN, "num_microbatches": 2, **options})
         with strategy.scope():
             model_fn()
+    def stepped(sharding, make_optimizer, again):
+        strategy = sg.experimental.PipelineStrategy(MESH, plan=PLAN, sharding=sharding, num_microbatches=2,
+                                                    schedule="gpipe", loss_fn=loss_fn)
+        with strategy.scope():
+            model = make_model()
+            optimizer = make_optimizer(model.parameters())
+        (x, y), = make_data((4,))
+
+        def step(x, y):
+            strategy.forward_backward(model, x, y)
+            if again:   # clipped, then another forward_backward adds to the reduce-scattered gradients
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                strategy.forward_backward(model, x, y)
+            optimizer.step()
+        (x, y), = strategy.experimental_distribute_dataset([(x, y)])
+        strategy.run(step, args=(x, y))
     return {
+        "again": error_of(lambda: stepped("gradients", lambda p: torch.optim.Adam(p), True)),
+        "not_elementwise": error_of(lambda: stepped("optimizer", lambda p: torch.optim.LBFGS(p), False)),
         "mesh": error_of(lambda: sg.experimental.PipelineStrategy({"data": 2, "pipe": 2, "model": 3}, plan=PLAN)),
         "no_plan": error_of(lambda: sg.experimental.PipelineStrategy(MESH)),
         "absent": error_of(lambda: make(plan={**PLAN, "7.mlp.0": "colwise"})),

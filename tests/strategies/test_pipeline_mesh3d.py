@@ -177,6 +177,8 @@ def test_misuse_is_refused_on_every_process(runs) -> None:
         assert "multiple of 2" in errors["interleaved"]
         assert "needs the model as an nn.Sequential" in errors["traced"]
         assert "different PipelineStrategy configurations" in errors["different"]
+        assert "accumulated into by another forward_backward" in errors["again"]
+        assert "LBFGS does not allow" in errors["not_elementwise"]
 
 
 def test_mesh_sizes_are_inferred_axis_by_axis() -> None:
