@@ -124,12 +124,10 @@ class MeshStages:
             for dim, (name, placement) in enumerate(zip(names, tensor.placements)):
                 if placement.is_partial():
                     raise AssertionError(f"a gradient is a partial DTensor ({tensor.placements})")
-                if placement.is_shard() or getattr(placement, "split_factor", None) is not None:
-                    replicated.discard(name)
-                elif tensor.device_mesh.get_local_rank(dim) != 0:
-                    return False
-                else:
-                    replicated.discard(name)
+                sharded = placement.is_shard() or getattr(placement, "split_factor", None) is not None   # (FSDP x TP)
+                if not sharded and tensor.device_mesh.get_local_rank(dim) != 0:
+                    return False   # replicated along this axis: counted on its rank 0
+                replicated.discard(name)
         return all(self.mesh.get_local_rank(name) == 0 for name in replicated)
 
     def parts(self, params: list[torch.Tensor], summed_over_data: bool) -> clipping.GradientParts:
