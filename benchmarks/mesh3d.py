@@ -184,7 +184,8 @@ def analytic(sharding, psi_r: float, d: int) -> tuple[float, float, float]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", nargs=2, metavar=("OUT", "SPEC"), help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="smoke test: a small model, 2 timed steps, fewer layouts")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: a small model, 2 timed steps, fewer layouts")
     parser.add_argument("--dim", type=int, help="model width D (default 256; --quick 64)")
     parser.add_argument("--layers", type=int, help="blocks L (default 8; --quick 4)")
     parser.add_argument("--steps", type=int, help="timed steps per layout (default 5; --quick 2)")
@@ -231,7 +232,8 @@ def _print_memory(got) -> None:
         return
     mib = 1 << 20
     print(f"\n1. memory per rank (MiB; measured / analytic), Ψ = {got[0][entries[0]]['psi'] / 1e6:.2f} M parameters")
-    print(f"{'d x p x t':<10}{'sharding':<12}{'rank':>5}{'params':>18}{'grads':>18}{'Adam state':>18}{'total ratio':>13}")
+    print(f"{'d x p x t':<10}{'sharding':<12}{'rank':>5}{'params':>18}{'grads':>18}{'Adam state':>18}"
+          f"{'total ratio':>13}")
     for i in entries:
         for rank in (0, WORLD - 1):
             e = got[rank][i]

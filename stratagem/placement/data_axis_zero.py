@@ -22,6 +22,7 @@ collectives); ``load`` keeps this process's range of a whole state.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -70,7 +71,9 @@ class DataAxisZero:
                 f"sharding={stage!r} splits the update element-wise between the data ranks, which "
                 f"{base.__name__} does not allow; use one of {sorted(c.__name__ for c in ELEMENTWISE)} "
                 f"or sharding=None / 'parameters'")
-        self.optimizer, self.data, self.stage = optimizer, data, stage
+        # (weakly: the pipeline keeps these ranges in a WeakKeyDictionary keyed by the optimizer)
+        self._optimizer, self._base = weakref.ref(optimizer), base
+        self.data, self.stage = data, stage
         self.rank, size = data.worker_index, data.num_workers
         self.entries: list[tuple[int, int, torch.Tensor]] = []   # (index in the state dict, group, parameter)
         index = 0
@@ -133,11 +136,11 @@ class DataAxisZero:
                 return None if param.grad is None else local_gradient(param).view(-1)[start:stop]
         if self.range_optimizer is not None:
             for group, g in zip(self.range_optimizer.param_groups, self._groups):
-                group.update(_hyper(self.optimizer.param_groups[g]))
+                group.update(_hyper(self._optimizer().param_groups[g]))
             for k, _, view, start, stop in self.pieces:
                 view.grad = grad_of(k, start, stop)
             try:
-                unhooked_step(self.optimizer._sg_base)(self.range_optimizer)   # the user's hooks fire once, outside
+                unhooked_step(self._base)(self.range_optimizer)   # the user's hooks fire once, outside
             finally:
                 for _, _, view, _, _ in self.pieces:
                     view.grad = None

@@ -43,7 +43,7 @@ from torch import nn
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
-from stratagem.placement.roots import DataAxisSum, RootsPlacement
+from stratagem.placement.roots import RootsPlacement
 from stratagem.placement.hooks import placement_of
 from stratagem.placement.pipeline_mesh import MeshStages
 from stratagem.placement.pipeline_optimizers import StageOptimizers
@@ -72,7 +72,7 @@ class SplitModel:
         return self.local if self.traced is None else self.traced.modules_for(sample)
 
 
-class PipelinePlacement(StageOptimizers, RootsPlacement):
+class PipelinePlacement(RootsPlacement):
     """Stages of ``nn.Sequential`` models over the pipe axis; gradients summed over the data axis."""
 
     kind = "Pipeline"
@@ -89,14 +89,12 @@ class PipelinePlacement(StageOptimizers, RootsPlacement):
         self.device = device
         self.mesh = mesh                 # the model axis (tensor parallelism) and ZeRO over data, if any
         self.sharding = None if mesh is None else mesh.sharding
+        self.optimizers = StageOptimizers(pipe=pipe, data=data, everyone=everyone, mesh=mesh)
         self._start_roots()
         self.models: dict[int, SplitModel] = {}   # id(model) -> its split
-        self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # parameters the mesh replaced
-        self._optimizers: list[weakref.ref] = []   # optimizers created in scope (trimmed by a first trace)
         self._hooks: dict[int, list[int]] = {}     # id(traced model) -> its forward pre-hooks set here
         # id(model or optimizer) -> its whole state dict, gathered for the chief's checkpoint
         self._gathered: dict[int, dict] = {}
-        self._data_sum = DataAxisSum(data)
         clipping.register(self)
 
     @property
@@ -133,7 +131,7 @@ class PipelinePlacement(StageOptimizers, RootsPlacement):
             self.models[id(root)] = SplitModel(layout, local)
             self._forget_pending(local.values())   # the stage containers, created in scope
             if self.mesh is not None:
-                self._replaced.update(self.mesh.place(root, local))
+                self.optimizers.replaced.update(self.mesh.place(root, local))
                 self._forget_pending([*local.values(), *root.modules()])   # (re-registered by the mesh)
 
     def keep_only(self, model: nn.Module, held: set[str], used: set[str], stages: list[int]) -> None:
@@ -155,7 +153,7 @@ class PipelinePlacement(StageOptimizers, RootsPlacement):
                 owner._parameters[leaf] = meta
             else:
                 owner._buffers[leaf] = tensor.to("meta")
-        for ref in self._optimizers:
+        for ref in self.optimizers.refs:
             optimizer = ref()
             if optimizer is None:
                 continue
@@ -204,6 +202,41 @@ class PipelinePlacement(StageOptimizers, RootsPlacement):
                 f"create the model inside strategy.scope()")
         return split
 
+    # ----------------------------------------------------------- optimizers
+    # (stratagem.placement.pipeline_optimizers; the modules are placed before each call needs them)
+
+    def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizers.created(optimizer, self)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+        self.finalize()
+        return self.optimizers.step(optimizer, closure)
+
+    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        self.optimizers.zero_grad(optimizer, set_to_none)
+
+    def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
+        self.finalize()
+        return self.optimizers.gradient_parts(params)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        gathered = self._gathered.get(id(optimizer))   # gathered already for the checkpoint being written
+        if gathered is not None:
+            return gathered
+        self.finalize()
+        return self.optimizers.state_dict(optimizer)
+
+    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        self.finalize()
+        self.optimizers.load_state_dict(optimizer, state_dict)
+
+    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+        self.optimizers.add_param_group(optimizer, param_group)
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """Bytes of per-element optimizer state this process holds for ``optimizer`` (benchmarks)."""
+        return self.optimizers.state_bytes(optimizer)
+
     # ---------------------------------------------------------- checkpoints
 
     @contextlib.contextmanager
@@ -215,7 +248,8 @@ class PipelinePlacement(StageOptimizers, RootsPlacement):
             chief = self.everyone.worker_index == 0
             with self.everyone.group.guard("Checkpoint.save (the whole state, over the mesh)"):
                 for obj in objects.values():
-                    if id(obj) in self.models or (isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self):
+                    ours = id(obj) in self.models or (isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self)
+                    if ours:
                         state = obj.state_dict()
                         if chief:
                             self._gathered[id(obj)] = state

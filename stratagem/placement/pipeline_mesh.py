@@ -62,7 +62,8 @@ class MeshStages:
         mine = {id(m) for stage in local.values() for m in stage.modules()}
         styles = self._resolve(root, mine)
         if styles and self.model_size > 1:
-            parallelize_module(root, self.mesh["model"], {n: TensorParallelPlacement._style(s) for n, s in styles.items()})
+            parallelize_module(root, self.mesh["model"],
+                               {name: TensorParallelPlacement._style(style) for name, style in styles.items()})
         if self.sharding == "parameters":
             self._shard(local)
         replaced = {}

@@ -1,7 +1,8 @@
 """The optimizers of a pipelined model: each process updates its own stages, on any mesh.
 
-:class:`StageOptimizers` is the optimizer half of
-:class:`~stratagem.placement.pipeline.PipelinePlacement`. An optimizer created in scope keeps
+:class:`StageOptimizers` answers :class:`~stratagem.placement.pipeline.PipelinePlacement`'s
+optimizer primitives (the placement places the modules, and finalizes them before handing an
+optimizer call over). An optimizer created in scope keeps
 every parameter of the model in its parameter groups, those of the stages held elsewhere as
 ``meta`` placeholders (no gradient, no state, no update), so that its state dict numbers
 parameters as a plain optimizer over the whole model does. ``step``:
@@ -33,32 +34,44 @@ import torch
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
 from stratagem.placement.data_axis_zero import DataAxisZero
-from stratagem.placement.hooks import adopt, placement_of, run_hooks, step_hooks, unhooked_step
-from stratagem.placement.pipeline_mesh import full_value
+from stratagem.comm.collective import Collective
+from stratagem.placement.hooks import adopt, run_hooks, step_hooks, unhooked_step
+from stratagem.placement.pipeline_mesh import MeshStages, full_value
+from stratagem.placement.roots import DataAxisSum
 from stratagem.placement.tensor_parallel import _like
 
 
 class StageOptimizers:
-    """Optimizer primitives of the pipeline placement (mixed into it)."""
+    """The optimizers created in a pipeline's scope: their steps, clipping parts and state dicts."""
 
-    def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        for group in optimizer.param_groups:   # a list of parameters taken before the mesh replaced them
-            group["params"] = [self._replaced.get(id(p), (p, p))[1] for p in group["params"]]
-        adopt(optimizer, self)
-        self._optimizers.append(weakref.ref(optimizer))
+    def __init__(self, *, pipe: Collective, data: Collective, everyone: Collective, mesh: MeshStages | None):
+        self.pipe, self.data, self.everyone = pipe, data, everyone
+        self.mesh = mesh
+        self.sharding = None if mesh is None else mesh.sharding
+        self.data_sum = DataAxisSum(data)
+        self.replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # parameters the mesh replaced
+        self.refs: list[weakref.ref] = []   # the optimizers (a traced model's first trace trims them)
+        # optimizer -> its ranges over the data axis (sharding="optimizer"/"gradients"), built at first use
+        self._zeros: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def created(self, optimizer: torch.optim.Optimizer, placement: Any) -> None:
+        """An optimizer created in ``placement``'s scope: its parameter groups keep every parameter
+        of the model (those of other stages as meta placeholders), the mesh's replacements for any
+        taken before the model was placed."""
+        for group in optimizer.param_groups:
+            group["params"] = [self.replaced.get(id(p), (p, p))[1] for p in group["params"]]
+        adopt(optimizer, placement)
+        self.refs.append(weakref.ref(optimizer))
 
     def _zero_of(self, optimizer: torch.optim.Optimizer) -> DataAxisZero | None:
-        """The optimizer's ranges over the data axis under sharding="optimizer"/"gradients" (built at first use)."""
         if self.sharding not in ("optimizer", "gradients"):
             return None
-        zero = optimizer.__dict__.get("_sg_data_zero")
+        zero = self._zeros.get(optimizer)
         if zero is None:
-            self.finalize()
-            zero = optimizer._sg_data_zero = DataAxisZero(optimizer, self.data, self.sharding)
+            zero = self._zeros[optimizer] = DataAxisZero(optimizer, self.data, self.sharding)
         return zero
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-        self.finalize()
+    def step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
         groups = optimizer.param_groups
         every = [group["params"] for group in groups]
         own = [[p for p in params if not p.is_meta] for params in every]
@@ -71,7 +84,7 @@ class StageOptimizers:
                 f"{'remove the step pre-hook' if closure is None else 'call optimizer.step() without a closure'}, "
                 f"or use sharding=None")
         if self.sharding in (None, "optimizer"):
-            self._data_sum.before_step([p for params in own for p in params])
+            self.data_sum.before_step([p for params in own for p in params])
         run_hooks(pre, optimizer)
         if zero is not None:
             zero.step()
@@ -87,9 +100,9 @@ class StageOptimizers:
         run_hooks(post, optimizer)
         return result
 
-    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        self._data_sum.forget([p for group in optimizer.param_groups for p in group["params"]])
-        zero = optimizer.__dict__.get("_sg_data_zero")
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        self.data_sum.forget([p for group in optimizer.param_groups for p in group["params"]])
+        zero = self._zeros.get(optimizer)
         if zero is not None:
             zero.discard()
         optimizer._sg_base.zero_grad(optimizer, set_to_none)
@@ -99,7 +112,7 @@ class StageOptimizers:
         again in the step), each counted on one process of the mesh."""
         own = [p for p in params if not p.is_meta]
         if self.mesh is None:   # a pipe axis only: the stages' gradients, summed over data now
-            self._data_sum.now(own)
+            self.data_sum.now(own)
             grads = [p.grad for p in own if p.grad is not None]
             return clipping.GradientParts(grads, grads, self.pipe.group)
         if self.sharding == "parameters":   # summed over data by FSDP during backward: shards
@@ -112,26 +125,19 @@ class StageOptimizers:
                 counted += part.counted
                 held = {id(p) for _, _, p in zero.entries}
                 own = [p for p in own if id(p) not in held]
-        self._data_sum.now(own)
+        self.data_sum.now(own)
         rest = self.mesh.parts(own, summed_over_data=True)
         return clipping.GradientParts(tensors + rest.tensors, counted + rest.counted, self.everyone.group)
 
     def _zeros_holding(self, params: list[torch.Tensor]) -> list[DataAxisZero]:
         ids = {id(p) for p in params}
-        found = []
-        for ref in self._optimizers:
-            optimizer = ref()
-            if optimizer is not None and placement_of(optimizer) is self and \
-                    any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
-                found.append(self._zero_of(optimizer))
-        return found
+        optimizers = [ref() for ref in self.refs]
+        return [self._zero_of(optimizer) for optimizer in optimizers if optimizer is not None and
+                any(id(p) in ids for group in optimizer.param_groups for p in group["params"])]
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+    def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """The whole model's optimizer state: shards made whole, each stage's gathered over the pipe
         axis (every process calls it)."""
-        gathered = self._gathered.get(id(optimizer))
-        if gathered is not None:
-            return gathered
         state = optimizer._sg_base.state_dict(optimizer)
         zero = self._zero_of(optimizer)
         if zero is not None:
@@ -147,7 +153,7 @@ class StageOptimizers:
             state["state"] = {k: merged[k] for k in sorted(merged)}
         return state
 
-    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    def load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         """Load the whole model's optimizer state; this process keeps its own parameters' entries (its
         shards of them, its range under ZeRO)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -161,11 +167,12 @@ class StageOptimizers:
             zero.load(state["state"])
             return
         if self.mesh is not None:
-            state["state"] = {k: {n: _like(v, held[k]) for n, v in entry.items()} for k, entry in state["state"].items()}
+            state["state"] = {k: {n: _like(v, held[k]) for n, v in entry.items()}
+                              for k, entry in state["state"].items()}
         optimizer._sg_base.load_state_dict(optimizer, state)
 
-    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        if optimizer.__dict__.get("_sg_data_zero") is not None or self.sharding == "parameters":
+    def add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+        if optimizer in self._zeros or self.sharding == "parameters":
             raise InvalidArgumentError(
                 f"add_param_group is not supported with sharding={self.sharding!r} (the parameters are laid "
                 f"out over the data axis already); create the optimizer with all its parameter groups")

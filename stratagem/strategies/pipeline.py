@@ -83,13 +83,14 @@ class PipelineStrategy(MeshStrategy):
         print(strategy.reduce("sum", loss, axis=None))
 
         # three axes, each of size 1 in one process: {"data": 2, "pipe": 2, "model": 2} on 8
-        mesh3d = sg.experimental.PipelineStrategy({"data": 1, "pipe": 1, "model": 1}, plan={"0": "colwise", "2": "rowwise"},
-                                                  sharding="parameters", num_microbatches=2, schedule="gpipe")
+        mesh3d = sg.experimental.PipelineStrategy({"data": 1, "pipe": 1, "model": 1}, sharding="parameters",
+                                                  plan={"0": "colwise", "2": "rowwise"}, num_microbatches=2,
+                                                  schedule="gpipe", loss_fn=torch.nn.functional.mse_loss)
         with mesh3d.scope():
             model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
             optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
         assert mesh3d.mesh.mesh_dim_names == ("data", "pipe", "model") and mesh3d.sharding == "parameters"
-        loss = mesh3d.forward_backward(model, torch.randn(6, 4), torch.randn(6, 1), loss_fn=torch.nn.functional.mse_loss)
+        loss = mesh3d.forward_backward(model, torch.randn(6, 4), torch.randn(6, 1))
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # the whole model's gradient norm
         optimizer.step()
         assert set(model.state_dict()) == {"0.weight", "0.bias", "2.weight", "2.bias"}   # whole tensors

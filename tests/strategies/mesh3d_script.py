@@ -4,16 +4,17 @@ plain PyTorch (float64).
 Usage (one process per task, under ``stratagem launch``, which sets TF_CONFIG and STRATAGEM_RESTART)::
 
     python mesh3d_script.py OUT main          # 8 processes: 2 x 2 x 2
-    python mesh3d_script.py OUT restore       # 2 processes: 1 x 2 x 1, then MultiWorkerMirroredStrategy
+    python mesh3d_script.py OUT restore --saved CKPT   # 2 processes: 1 x 2 x 1, then MultiWorkerMirrored
 
 ``main``: first ``sg.Model.fit`` with ``sharding="parameters"`` (a metric, BackupAndRestore every 2 steps);
 in the job's first run (STRATAGEM_RESTART=0) rank 5 SIGKILLs itself before the last step of the first
-epoch, the launcher restarts the job and the fit resumes from its backup (after the second step). Then, for each ZeRO stage
-over the data axis (none, "optimizer", "gradients", "parameters", each with its schedule) and SGD and
-Adam: :data:`STEPS` steps with ``clip_grad_norm_`` (every step clips, the norms alternate 2 and inf), each
-step's reduced loss and norm, and the final parameters; the last configuration saves an
-``sg.Checkpoint`` (OUT/ckpt), which a 2 x 2 x 2 strategy with another ZeRO stage and schedule restores
-and trains on. Then the refused configurations. Writes OUT/main-rank{R}.json.
+epoch, the launcher restarts the job and the fit resumes from its backup (after the second step).
+Then, for each ZeRO stage over the data axis (none, "optimizer", "gradients", "parameters", each
+with its schedule) and SGD and Adam: :data:`STEPS` steps with ``clip_grad_norm_`` (every step
+clips, the norms alternate 2 and inf), each step's reduced loss and norm, and the final parameters;
+the last configuration saves an ``sg.Checkpoint`` (OUT/ckpt), which a 2 x 2 x 2 strategy with
+another ZeRO stage and schedule restores and trains on. Then the refused configurations. Writes
+OUT/main-rank{R}.json.
 
 ``restore``: the checkpoint restored under 1 x 2 x 1 (no plan) and under MultiWorkerMirroredStrategy,
 each trained on for :data:`MORE` steps. Writes OUT/restore-rank{R}.json.
