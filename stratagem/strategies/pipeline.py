@@ -59,9 +59,9 @@ class PipelineStrategy(MeshStrategy):
     takes it) splits those layers of each stage over the ``model`` axis; ``sharding``
     (``"optimizer"``, ``"gradients"`` or ``"parameters"``: ZeRO stages 1-3, the last on FSDP2)
     shards over the ``data`` axis. Global rank ``r`` is ``(data_rank * p + pipe_rank) * t +
-    model_rank``: a model group is ``t`` consecutive ranks, a pipeline the ranks ``t`` apart, a
-    data group those ``p * t`` apart. With a plan or ``sharding``, the model must be an
-    ``nn.Sequential``. See docs/pipeline.md.
+    model_rank``: a model group is ``t`` consecutive ranks, a pipeline the ranks ``t`` apart, the
+    processes along the data axis those ``p * t`` apart. With a plan or ``sharding``, the model
+    must be an ``nn.Sequential``. See docs/pipeline.md.
 
     Run the same script on every process, e.g. ``stratagem launch --workers 2 train.py``.
 
