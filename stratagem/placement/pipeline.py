@@ -11,21 +11,22 @@ device: this process keeps only its own stages' parameters and buffers. Any othe
 is cut by torch's tracer at its first step (:mod:`stratagem.placement.pipeline_trace`),
 and its tensors of the stages held elsewhere become ``meta`` then (:meth:`keep_only`).
 
-Optimizers created in scope update only this process's parameters: their parameter groups
-still list every parameter of the model (those of other stages as meta placeholders, which
-get no gradient, no state and no update), so that their state dicts count parameters as a
-plain optimizer over the whole model does. ``step`` first sums this process's gradients
-over the data axis (each data group's loss is already weighted by its share of the global
-batch), then runs the update over this process's parameters only. ``clip_grad_norm_`` over
-the model's parameters does that sum earlier (the step then skips it) and clips by the norm
-of the whole model's gradients, each stage's measured where it lives
-(:mod:`stratagem.placement.clipping`).
+On a 3-D mesh (a ``model`` axis, or ``sharding=`` over the data axis), each process's stages
+are then split by the tensor-parallel plan and sharded over data
+(:class:`~stratagem.placement.pipeline_mesh.MeshStages`): an ``nn.Sequential`` only.
+
+Optimizers created in scope update only this process's parameters
+(:mod:`stratagem.placement.pipeline_optimizers`): their parameter groups still list every
+parameter of the model, those of other stages as meta placeholders; ``step`` sums this
+process's gradients over the data axis first (or ZeRO does its share), and
+``clip_grad_norm_`` clips by the norm of the whole model's gradients.
 
 State: a split model's ``state_dict()`` and its optimizer's read as the whole logical
 model on every process (the pipe axis gathers the stages: a collective, so every process
-calls them); ``load_state_dict`` takes the whole state and keeps this process's stages.
+calls them); ``load_state_dict`` takes the whole state and keeps this process's stages (and shards).
 ``sg.Checkpoint`` writes that logical copy (global rank 0; ``prepare_checkpoint`` gathers
-it on the chief's pipeline), restorable into any layout, or a plain model.
+it on the chief's pipeline, on every process under ZeRO), restorable into any layout, or a
+plain model.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ from torch import nn
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
-from stratagem.placement.roots import DataAxisSum, RootsPlacement
-from stratagem.placement.hooks import adopt, base_of, placement_of, run_hooks, step_hooks, unhooked_step
+from stratagem.placement.roots import RootsPlacement
+from stratagem.placement.hooks import placement_of
 from stratagem.placement.pipeline_balance import balance_layout
+from stratagem.placement.pipeline_mesh import MeshStages
+from stratagem.placement.pipeline_optimizers import StageOptimizers
 from stratagem.placement.pipeline_plan import StageLayout, plan_stages
 from stratagem.placement.pipeline_trace import TracedStages
 
@@ -81,7 +84,7 @@ class PipelinePlacement(RootsPlacement):
     checks_loss_scaling = False   # forward_backward weighs the micro-batches' mean losses itself
 
     def __init__(self, strategy: Any, *, config: dict[str, Any], pipe_rank: int, pipe: Collective,
-                 data: Collective, everyone: Collective, device: torch.device):
+                 data: Collective, everyone: Collective, device: torch.device, mesh: MeshStages | None = None):
         self._strategy_ref = weakref.ref(strategy)
         self.config = config             # split_points, num_stages, pipe_size, schedule, num_microbatches
         self.pipe_rank = pipe_rank
@@ -89,13 +92,14 @@ class PipelinePlacement(RootsPlacement):
         self.data = data                 # this process's data-parallel peers (same stages)
         self.everyone = everyone         # every process (start-up agreement)
         self.device = device
+        self.mesh = mesh                 # the model axis (tensor parallelism) and ZeRO over data, if any
+        self.sharding = None if mesh is None else mesh.sharding
+        self.optimizers = StageOptimizers(pipe=pipe, data=data, everyone=everyone, mesh=mesh)
         self._start_roots()
         self.models: dict[int, SplitModel] = {}   # id(model) -> its split
-        self._optimizers: list[weakref.ref] = []   # optimizers created in scope (trimmed by a first trace)
         self._hooks: dict[int, list[int]] = {}     # id(traced model) -> its forward pre-hooks set here
         # id(model or optimizer) -> its whole state dict, gathered for the chief's checkpoint
         self._gathered: dict[int, dict] = {}
-        self._data_sum = DataAxisSum(data)
         clipping.register(self)
 
     @property
@@ -110,10 +114,21 @@ class PipelinePlacement(RootsPlacement):
             root.register_state_dict_post_hook(functools.partial(_whole_state, weakref.ref(self)))
             root.register_load_state_dict_pre_hook(_own_state)
             if not isinstance(root, nn.Sequential):   # traced at the first step, when the inputs are known
+                if self.mesh is not None and self.mesh.needs_sequential:
+                    raise InvalidArgumentError(
+                        f"a tensor-parallel plan or sharding= inside a PipelineStrategy's stages needs the model "
+                        f"as an nn.Sequential (cut when it is placed), but got a {type(root).__name__} that "
+                        f"the tracer would cut at its first step; write it as nn.Sequential(embedding, *blocks, "
+                        f"head), or drop plan= / sharding=")
                 stages = layout.stages_of(self.pipe_rank)
                 self.models[id(root)] = SplitModel(layout, {}, TracedStages(
                     root, list(layout.points), num_stages=layout.num_stages, stages=stages, placement=self), root)
             elif layout.balance is not None:   # split_points="auto": cut once measured, at the first step
+                if self.mesh is not None and self.mesh.needs_sequential:
+                    raise InvalidArgumentError(
+                        "split_points='auto' measures and cuts the model at its first step, after a tensor-parallel "
+                        "plan or sharding= would have split its layers: pin the split instead (run once without "
+                        "plan= / sharding= to print the measured split_points=[...], then pass it)")
                 self.models[id(root)] = SplitModel(layout, {}, model=root, waiting=layout.stages_of(self.pipe_rank))
             else:
                 self._cut(root, layout)
@@ -140,6 +155,9 @@ class PipelinePlacement(RootsPlacement):
                 root.register_forward_pre_hook(functools.partial(_not_whole, sorted(local)))
         self.models[id(root)] = SplitModel(layout, local, model=root)
         self._forget_pending(local.values())   # the stage containers, created in scope
+        if self.mesh is not None:
+            self.optimizers.replaced.update(self.mesh.place(root, local))
+            self._forget_pending([*local.values(), *root.modules()])   # (re-registered by the mesh)
 
     def keep_only(self, model: nn.Module, held: set[str], used: set[str], stages: list[int]) -> None:
         """A traced model's first trace: its tensors that other stages use (``used`` but not ``held``)
@@ -160,7 +178,7 @@ class PipelinePlacement(RootsPlacement):
                 owner._parameters[leaf] = meta
             else:
                 owner._buffers[leaf] = tensor.to("meta")
-        for ref in self._optimizers:
+        for ref in self.optimizers.refs:
             optimizer = ref()
             if optimizer is None:
                 continue
@@ -220,70 +238,39 @@ class PipelinePlacement(RootsPlacement):
         return split
 
     # ----------------------------------------------------------- optimizers
+    # (stratagem.placement.pipeline_optimizers; the modules are placed before each call needs them)
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        # the parameter groups keep every parameter of the model, those of other stages as meta
-        # placeholders: the state dict then counts parameters as a plain optimizer over the whole
-        # model does; the update (and so the state) only ever sees this process's own
-        adopt(optimizer, self)
-        self._optimizers.append(weakref.ref(optimizer))
+        self.optimizers.created(optimizer, self)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
         self.finalize()
-        groups = optimizer.param_groups
-        every = [group["params"] for group in groups]
-        own = [[p for p in params if not p.is_meta] for params in every]
-        self._data_sum.before_step([p for params in own for p in params])
-        pre, post = step_hooks(optimizer)
-        run_hooks(pre, optimizer)
-        try:
-            for group, params in zip(groups, own):
-                group["params"] = params
-            result = unhooked_step(base_of(optimizer))(optimizer, closure)
-        finally:
-            for group, params in zip(groups, every):
-                group["params"] = params
-        run_hooks(post, optimizer)
-        return result
+        return self.optimizers.step(optimizer, closure)
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        self._data_sum.forget([p for group in optimizer.param_groups for p in group["params"]])
-        base_of(optimizer).zero_grad(optimizer, set_to_none)
+        self.optimizers.zero_grad(optimizer, set_to_none)
 
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
-        """Clipping: this process's stages' gradients, summed over the data axis now (not again in
-        the step); the pipe axis holds the others."""
-        own = [p for p in params if not p.is_meta]
-        self._data_sum.now(own)
-        grads = [p.grad for p in own if p.grad is not None]
-        return clipping.GradientParts(grads, grads, self.pipe.group)
+        self.finalize()
+        return self.optimizers.gradient_parts(params)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The whole model's optimizer state: each stage's, gathered over the pipe axis (every process calls it)."""
-        gathered = self._gathered.get(id(optimizer))
+        gathered = self._gathered.get(id(optimizer))   # gathered already for the checkpoint being written
         if gathered is not None:
             return gathered
-        state = base_of(optimizer).state_dict(optimizer)
-        if self.pipe.num_workers > 1:
-            mine = {k: {n: v.detach().cpu() if isinstance(v, torch.Tensor) else v for n, v in entry.items()}
-                    for k, entry in state["state"].items()}
-            merged = {}
-            for part in self.pipe.all_gather_object(mine, "optimizer.state_dict (the stages of the pipeline)"):
-                merged.update(part)
-            state["state"] = {k: merged[k] for k in sorted(merged)}
-        return state
+        self.finalize()
+        return self.optimizers.state_dict(optimizer)
 
     def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        """Load the whole model's optimizer state; this process keeps its own parameters' entries."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        ids = [i for group in state_dict.get("param_groups", []) for i in group.get("params", [])]
-        held = {i for i, p in zip(ids, params) if not p.is_meta}
-        state = dict(state_dict)
-        state["state"] = {k: v for k, v in state_dict.get("state", {}).items() if k in held}
-        base_of(optimizer).load_state_dict(optimizer, state)
+        self.finalize()
+        self.optimizers.load_state_dict(optimizer, state_dict)
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        base_of(optimizer).add_param_group(optimizer, param_group)
+        self.optimizers.add_param_group(optimizer, param_group)
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """Bytes of per-element optimizer state this process holds for ``optimizer`` (benchmarks)."""
+        return self.optimizers.state_bytes(optimizer)
 
     # ---------------------------------------------------------- checkpoints
 
@@ -292,13 +279,15 @@ class PipelinePlacement(RootsPlacement):
         """Every process, around the chief's writing: the chief's pipeline gathers the whole
         state of each split model and optimizer (the other data groups hold the same values
         and skip it); the chief keeps it for :meth:`write_checkpoint_state`, dropped on exit."""
-        if self.data.worker_index == 0:
+        if self.data.worker_index == 0 or self.sharding is not None:   # (ZeRO: collectives over data too)
             chief = self.everyone.worker_index == 0
-            for obj in objects.values():
-                if id(obj) in self.models or (isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self):
-                    state = obj.state_dict()
-                    if chief:
-                        self._gathered[id(obj)] = state
+            with self.everyone.group.guard("Checkpoint.save (the whole state, over the mesh)"):
+                for obj in objects.values():
+                    ours = id(obj) in self.models or (isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self)
+                    if ours:
+                        state = obj.state_dict()
+                        if chief:
+                            self._gathered[id(obj)] = state
         try:
             yield
         finally:

@@ -73,12 +73,15 @@ class PipelineSchedules:
     """Stages and schedules of one split model, per micro-batch shape; runs a step."""
 
     def __init__(self, split: SplitModel, *, schedule: str, num_microbatches: int, pipe_rank: int,
-                 pipe: Collective, data: Collective, device: torch.device):
+                 pipe: Collective, data: Collective, device: torch.device, same_shape_over_data: bool = False):
         self.split = split
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.pipe_rank = pipe_rank
         self.pipe, self.data, self.device = pipe, data, device
+        # FSDP over the data axis: a new micro-batch shape runs torch's shape inference, whose forward
+        # gathers parameters over data, so every data group pads its batch to the longest one's shape
+        self.same_shape_over_data = same_shape_over_data and data.num_workers > 1
         self._loss = _Loss()
         self._built: collections.OrderedDict[Any, Any] = collections.OrderedDict()
         layout = split.layout
@@ -101,16 +104,19 @@ class PipelineSchedules:
                 f"the target must be a tensor with one row per example ({rows}), got "
                 f"{tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__}")
         self._check_same_batch(inputs, rows)
-        total, empty = rows, rows == 0
+        total, empty, longest = rows, rows == 0, rows
         if self.data.num_workers > 1:   # the global batch: every data group's rows
             counts = torch.tensor([rows, int(rows == 0)], device=self.data.group.device)
             total, empty = self.data.group.all_reduce(counts, "forward_backward (global batch size)").tolist()
+        if self.same_shape_over_data:
+            most = torch.tensor([rows], device=self.data.group.device)
+            longest = int(self.data.group.all_reduce(most, "forward_backward (longest batch)", op="max").item())
         if empty:
             raise InvalidArgumentError(
                 f"forward_backward got an empty batch (0 rows) on {'some data group' if total else 'every process'}: "
                 f"every pipeline needs at least one row per step; drop a global batch smaller than the number "
                 f"of data groups ({self.data.num_workers})")
-        order = _row_order(rows, self.num_microbatches)
+        order = _row_order(rows, self.num_microbatches, longest)
         if order is not None:
             inputs = tuple(x[order.clamp(min=0).to(x.device)] for x in inputs)
         index = order if order is not None else torch.arange(rows)
@@ -204,17 +210,21 @@ def _without_side_effects(stage: PipelineStage) -> PipelineStage:
     forwards, on uninitialised tensors of the micro-batch's shape (torch forks the random
     generators around it): that run would move BatchNorm's running statistics by garbage.
     The buffers are copied when the inference starts and written back once torch has dropped
-    the inference's graph (writing them earlier would change tensors that graph saved).
+    the inference's graph (writing them earlier would change tensors that graph saved); so are
+    the parameters' gradients, which torch's cleanup drops under FSDP.
     """
     infer = getattr(stage, "_forward_metadata_inference", None)
     cleanup = getattr(stage, "_post_metadata_inference_cleanup", None)
     if infer is None or cleanup is None:   # another torch: its inference is its own
         return stage
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    grads: dict[int, tuple[torch.Tensor, Any]] = {}   # (torch's cleanup drops FSDP gradients)
 
     def keep_buffers(*args: Any, **kwargs: Any) -> Any:
         if not saved:
             saved.extend((buffer, buffer.detach().clone()) for buffer in stage.submod.buffers())
+        if not grads:
+            grads.update((id(p), (p, p.grad)) for p in stage.submod.parameters())
         return infer(*args, **kwargs)
 
     def put_back() -> None:
@@ -222,7 +232,10 @@ def _without_side_effects(stage: PipelineStage) -> PipelineStage:
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
+        for param, grad in grads.values():   # what earlier forward_backward calls of the step accumulated
+            param.grad = grad
         saved.clear()
+        grads.clear()
 
     stage._forward_metadata_inference = keep_buffers
     stage._post_metadata_inference_cleanup = put_back
@@ -235,11 +248,12 @@ def _in_order(parts: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tens
     return ordered
 
 
-def _row_order(rows: int, num_microbatches: int) -> torch.Tensor | None:
-    """Each padded row's index in the batch (-1: padding), micro-batch after micro-batch; None: no padding."""
-    if rows % num_microbatches == 0:
+def _row_order(rows: int, num_microbatches: int, longest: int = 0) -> torch.Tensor | None:
+    """Each padded row's index in the batch (-1: padding), micro-batch after micro-batch, every micro-batch
+    as long as those of a batch of ``max(rows, longest)`` rows; None: no padding."""
+    size = -(-max(rows, longest) // num_microbatches)
+    if size * num_microbatches == rows:
         return None
-    size = -(-rows // num_microbatches)
     counts = [len(c) for c in torch.arange(rows).tensor_split(num_microbatches)]
     order, start = [], 0
     for count in counts:

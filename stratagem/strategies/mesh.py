@@ -1,9 +1,10 @@
-"""MeshStrategy: the base of the model-parallel strategies, whose processes form a 2-D mesh.
+"""MeshStrategy: the base of the model-parallel strategies, whose processes form a mesh.
 
-The processes of the cluster form a mesh ``(data, <model axis>)``: process ``r`` is data
-rank ``r // size`` and model-axis rank ``r % size`` (the model axis is ``"model"`` for
-tensor parallelism, ``"pipe"`` for pipeline parallelism). Each group of processes along
-the model axis holds one replica of the model between them; the data axis is data
+The processes of the cluster form a mesh ``(data, <model axis>, <more axes>)`` in row-major
+order: with two axes, process ``r`` is data rank ``r // size`` and model-axis rank
+``r % size`` (the model axis is ``"model"`` for tensor parallelism, ``"pipe"`` for pipeline
+parallelism); ``PipelineStrategy`` adds a third, ``"model"``, innermost. The processes that
+share a data rank hold one replica of the model between them; the data axis is data
 parallelism over those groups. This base starts the process group (a lone process gets a
 one-process group: torch's DTensor and pipeline stages need one), the ``DeviceMesh``, a
 Collective per axis and one over every process, and checks at start-up that every
@@ -55,10 +56,12 @@ class MeshStrategy(Strategy):
 
     #: the model-parallel axis of the mesh ("model", "pipe")
     axis = "model"
+    #: every axis, outermost first: "data", ``axis``, then axes of size 1 unless given
+    axes: tuple[str, ...] = ("data", "model")
 
     def _start_mesh(self, mesh: dict[str, int] | None, cluster_resolver: Any,
-                    communication_options: CommunicationOptions | None) -> tuple[int, int]:
-        """Join the processes and build the mesh; returns ``(data size, model-axis size)``.
+                    communication_options: CommunicationOptions | None) -> tuple[int, ...]:
+        """Join the processes and build the mesh; returns the size of each of :attr:`axes`.
 
         Sets ``self.mesh``, ``self._mesh_device``, ``self._full`` (every process) and
         ``self._resolver``; :meth:`_axis_collective` then gives each axis's Collective.
@@ -67,7 +70,7 @@ class MeshStrategy(Strategy):
         options = CommunicationOptions() if communication_options is None else communication_options
         if not isinstance(options, CommunicationOptions):
             raise InvalidArgumentError(f"communication_options must be sg.CommunicationOptions, got {options!r}")
-        data_size, axis_size = mesh_shape(mesh, resolver.num_workers, self.axis)
+        sizes = mesh_shape(mesh, resolver.num_workers, self.axes)
         cuda = torch.cuda.is_available()
         device = Device("cuda", (resolver.worker_rank or 0) % torch.cuda.device_count()) if cuda else Device("cpu", 0)
         if cuda:
@@ -77,19 +80,19 @@ class MeshStrategy(Strategy):
         if full.solo and not dist.is_initialized():  # a lone process still needs a group for the mesh
             dist.init_process_group(full.backend, store=dist.HashStore(), rank=0, world_size=1)
             atexit.register(_leave_solo_group)
-        self.mesh = init_device_mesh(device.kind, (data_size, axis_size), mesh_dim_names=("data", self.axis))
+        self.mesh = init_device_mesh(device.kind, sizes, mesh_dim_names=self.axes)
         self._mesh_device = device
         self._options = options
         self._full = WorkerCollective(self._local_collective(), full, options)
         self._resolver = resolver
         _limit_threads(resolver, full.world_size, (device,))
-        return data_size, axis_size
+        return sizes
 
     def _local_collective(self) -> ReplicaCollective:
         return ReplicaCollective.create((self._mesh_device,), default_cross_device_ops((self._mesh_device,)))
 
     def _axis_collective(self, name: str) -> WorkerCollective:
-        """The processes along axis ``name`` ("data" or the model axis) that include this one."""
+        """The processes along axis ``name`` (one of :attr:`axes`) that include this one."""
         group = self.mesh.get_group(name)
         axis_group = AxisGroup(self._full.group, group, dist.get_process_group_ranks(group))
         return WorkerCollective(self._local_collective(), axis_group, self._options)
@@ -123,32 +126,50 @@ class MeshStrategy(Strategy):
                     f"{names[0]} but {theirs} on {names[rank]}; start every process with the same arguments")
 
     def _mesh_repr(self) -> str:
-        shape = tuple(self.mesh.shape)
-        return f"mesh={{'data': {shape[0]}, '{self.axis}': {shape[1]}}}"
+        sizes = ", ".join(f"'{name}': {size}" for name, size in zip(self.axes, self.mesh.shape))
+        return f"mesh={{{sizes}}}"
 
 
-def mesh_shape(mesh: dict[str, int] | None, world_size: int, axis: str) -> tuple[int, int]:
-    """``(data, axis)`` sizes from a mesh dict that gives one or both (None: every process on ``axis``)."""
+def mesh_shape(mesh: dict[str, int] | None, world_size: int, axes: tuple[str, ...]) -> tuple[int, ...]:
+    """The size of each of ``axes`` (``("data", axis, *more)``) from a mesh dict that gives some of them.
+
+    Axes after the second are 1 unless given; of ``data`` and ``axis``, a missing one takes the
+    processes left (``data`` 1 when both are missing; ``mesh=None``: every process on ``axis``).
+    """
+    axis, more = axes[1], axes[2:]
     if mesh is None:
-        return 1, world_size
-    if not isinstance(mesh, dict) or set(mesh) - {"data", axis} or \
+        return (1, world_size, *(1 for _ in more))
+    example = ", ".join(f"'{name}': 2" for name in axes)
+    others = "".join(f" (and '{name}')" for name in more)
+    if not isinstance(mesh, dict) or set(mesh) - set(axes) or \
             not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in mesh.values()):
         raise InvalidArgumentError(
-            f"mesh must be a dict with positive integer sizes for 'data' and/or '{axis}', e.g. "
-            f"{{'data': 2, '{axis}': 2}}; got {mesh!r}")
-    if len(mesh) == 1:
-        (name, size), = mesh.items()
-        if world_size % size:
+            f"mesh must be a dict with positive integer sizes for 'data' and/or '{axis}'{others}, e.g. "
+            f"{{{example}}}; got {mesh!r}")
+    extra = [mesh.get(name, 1) for name in more]
+    fixed = 1
+    for size in extra:
+        fixed *= size
+    main = {k: v for k, v in mesh.items() if k in ("data", axis)}
+    if len(main) < 2:
+        given = fixed * (main.get("data", 1) * main.get(axis, 1))
+        if world_size % given:
+            what = "gives {!r} {} processes".format(*next(iter(mesh.items()))) if len(mesh) == 1 else \
+                f"{mesh} gives {given} processes"
             raise InvalidArgumentError(
-                f"the mesh gives {name!r} {size} processes, which does not divide the {world_size} processes of "
-                f"the cluster; give a size that divides {world_size}, or both sizes")
-    data = mesh.get("data", world_size // mesh[axis] if mesh.get(axis) else 1)
-    other = mesh.get(axis, world_size // data)
-    if data * other != world_size:
+                f"the mesh {what}, which does not divide the {world_size} processes of the cluster; give "
+                f"sizes whose product divides {world_size}, or every size")
+    rest = world_size // fixed
+    data = main.get("data", rest // main[axis] if main.get(axis) else 1)
+    other = main.get(axis, rest // data)
+    sizes = (data, other, *extra)
+    total = data * other * fixed
+    if total != world_size:
+        named = ", ".join(f"'{name}': {size}" for name, size in zip(axes, sizes))
         raise InvalidArgumentError(
-            f"the mesh {{'data': {data}, '{axis}': {other}}} has {data * other} processes, but the cluster has "
-            f"{world_size}; give sizes whose product is {world_size}")
-    return data, other
+            f"the mesh {{{named}}} has {total} processes, but the cluster has {world_size}; give sizes whose "
+            f"product is {world_size}")
+    return sizes
 
 
 def _leave_solo_group() -> None:

@@ -1,12 +1,17 @@
 """PipelineStrategy: a model cut into stages over processes (GPipe, 1F1B, interleaved, zero bubble).
 
-The processes of the cluster form a 2-D mesh ``(data, pipe)``: process ``r`` is data
-rank ``r // pipe`` and pipe rank ``r % pipe``. Along the pipe axis, the model
+The processes of the cluster form a mesh ``(data, pipe, model)`` in row-major order:
+process ``r`` is data rank ``r // (pipe * model)``, pipe rank ``(r // model) % pipe`` and
+model rank ``r % model`` (the model axis innermost; with ``model = 1``, data rank
+``r // pipe`` and pipe rank ``r % pipe``). Along the pipe axis, the model
 created in scope is cut into stages (:mod:`stratagem.placement.pipeline`), each process
 keeping only its own; a step runs one of torch's pipeline schedules over micro-batches
 (:mod:`stratagem.placement.pipeline_schedule`). Along the data axis, each group of
 ``pipe`` processes is one data-parallel replica: it gets its own slice of each global
-batch, and gradients are summed over the data axis before every update.
+batch, and gradients are summed over the data axis before every update (or ZeRO shards
+the update, the gradients or the parameters over it). Along the model axis, the layers of
+each stage named by a tensor-parallel plan are split with ``parallelize_module``
+(:mod:`stratagem.placement.pipeline_mesh`).
 
 So ``num_replicas_in_sync`` is the data-parallel degree ``data``; ``strategy.reduce``
 and the input pipeline work over the data axis (the processes of one pipeline get the
@@ -15,6 +20,7 @@ same input slice, and the same loss back from ``forward_backward``).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Sequence
 
 import torch
@@ -23,14 +29,17 @@ from stratagem.comm.options import CommunicationOptions
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.pipeline import PipelinePlacement
 from stratagem.placement.pipeline_balance import BALANCE_BY
+from stratagem.placement.pipeline_mesh import MeshStages
 from stratagem.placement.pipeline_plan import check_schedule
 from stratagem.placement.pipeline_schedule import PipelineSchedules, forward_only
 from stratagem.placement.recompute import check_recompute
+from stratagem.placement.tensor_parallel import check_plan
+from stratagem.placement.zero import STAGES
 from stratagem.strategies.mesh import MeshStrategy
 
 
 class PipelineStrategy(MeshStrategy):
-    """Pipeline parallelism over a ``{"data": d, "pipe": p}`` mesh of processes (experimental).
+    """Pipeline parallelism over a ``{"data": d, "pipe": p, "model": t}`` mesh of processes (experimental).
 
     The ``nn.Sequential`` created in :meth:`scope` is cut into stages: before each child
     named in ``split_points``, or into ``num_stages`` even runs of children (default: one
@@ -43,8 +52,17 @@ class PipelineStrategy(MeshStrategy):
     (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zero_bubble"``, ...) over
     ``num_microbatches`` micro-batches (any batch size: the micro-batches are weighted by
     their rows); :meth:`predict` evaluates. ``model.state_dict()``, the optimizer's state dict
-    and ``sg.Checkpoint`` hold the whole logical model. ``d * p`` must equal the number of
-    processes (``mesh=None``: every process on the pipe axis). See docs/pipeline.md.
+    and ``sg.Checkpoint`` hold the whole logical model. ``d * p * t`` must equal the number of
+    processes (``mesh=None``: every process on the pipe axis; ``model`` is 1 unless given).
+
+    Three axes: ``plan`` (module names of the whole model, or glob patterns, to ``"colwise"``,
+    ``"rowwise"``, ``"sequence"`` or a torch ``ParallelStyle``, as ``TensorParallelStrategy``
+    takes it) splits those layers of each stage over the ``model`` axis; ``sharding``
+    (``"optimizer"``, ``"gradients"`` or ``"parameters"``: ZeRO stages 1-3, the last on FSDP2)
+    shards over the ``data`` axis. Global rank ``r`` is ``(data_rank * p + pipe_rank) * t +
+    model_rank``: a model group is ``t`` consecutive ranks, a pipeline the ranks ``t`` apart, the
+    processes along the data axis those ``p * t`` apart. With a plan or ``sharding``, the model
+    must be an ``nn.Sequential``. See docs/pipeline.md.
 
     ``split_points="auto"`` cuts the model into ``num_stages`` (or the default count) by the
     measured cost of its blocks (the children of an ``nn.Sequential``, the entries of the
@@ -75,20 +93,36 @@ class PipelineStrategy(MeshStrategy):
 
         loss = strategy.run(train_step, args=(torch.randn(6, 4), torch.randn(6, 1)))
         print(strategy.reduce("sum", loss, axis=None))
+
+        # three axes, each of size 1 in one process: {"data": 2, "pipe": 2, "model": 2} on 8
+        mesh3d = sg.experimental.PipelineStrategy({"data": 1, "pipe": 1, "model": 1}, sharding="parameters",
+                                                  plan={"0": "colwise", "2": "rowwise"}, num_microbatches=2,
+                                                  schedule="gpipe", loss_fn=torch.nn.functional.mse_loss)
+        with mesh3d.scope():
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+            optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        assert mesh3d.mesh.mesh_dim_names == ("data", "pipe", "model") and mesh3d.sharding == "parameters"
+        loss = mesh3d.forward_backward(model, torch.randn(6, 4), torch.randn(6, 1))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # the whole model's gradient norm
+        optimizer.step()
+        assert set(model.state_dict()) == {"0.weight", "0.bias", "2.weight", "2.bias"}   # whole tensors
     """
 
     axis = "pipe"
+    axes = ("data", "pipe", "model")
     model_steps_kind = "pipeline"   # sg.Model runs the schedule (stratagem.keras.pipeline_steps)
 
     def __init__(self, mesh: dict[str, int] | None = None, *, split_points: Sequence[str] | str | None = None,
                  num_stages: int | None = None, num_microbatches: int = 4, schedule: str = "1f1b",
-                 loss_fn: Callable | None = None, recompute: bool | str | Sequence[str] = False,
-                 balance_by: str | None = None, cluster_resolver: Any = None,
-                 communication_options: CommunicationOptions | None = None):
+                 loss_fn: Callable | None = None, plan: dict[str, Any] | None = None, sharding: str | None = None,
+                 recompute: bool | str | Sequence[str] = False, balance_by: str | None = None,
+                 cluster_resolver: Any = None, communication_options: CommunicationOptions | None = None):
         schedule = check_schedule(schedule)
         split_points = _check_options(split_points, num_stages, num_microbatches, loss_fn)
         balance_by = _check_balance_by(balance_by, split_points)
-        data_size, pipe_size = self._start_mesh(mesh, cluster_resolver, communication_options)
+        plan = _check_mesh_options(mesh, plan, sharding)
+        self._sharding = sharding
+        data_size, pipe_size, model_size = self._start_mesh(mesh, cluster_resolver, communication_options)
         data, self._pipe = self._axis_collective("data"), self._axis_collective("pipe")
         self._loss_fn = loss_fn
         self._schedule = schedule
@@ -99,13 +133,25 @@ class PipelineStrategy(MeshStrategy):
                   "recompute": check_recompute(recompute), "balance_by": balance_by}
         self._configure(self._data_topology(), data, PipelinePlacement(
             self, config=config, pipe_rank=self.pipe_rank, pipe=self._pipe, data=data, everyone=self._full,
-            device=self._mesh_device.torch_device))
-        self._check_same_configuration({**config, "mesh": (data_size, pipe_size)})
+            device=self._mesh_device.torch_device, mesh=MeshStages(self.mesh, plan, sharding, self._full)))
+        self._check_same_configuration({**config, "mesh": (data_size, pipe_size, model_size), "sharding": sharding,
+                                        "plan": plan and {k: re.sub(r" at 0x[0-9a-f]+", "", str(v))
+                                                          for k, v in plan.items()}})
 
     @property
     def pipe_rank(self) -> int:
         """This process's place along the pipe axis."""
         return self.mesh.get_local_rank("pipe")
+
+    @property
+    def model_rank(self) -> int:
+        """This process's place along the model (tensor-parallel) axis."""
+        return self.mesh.get_local_rank("model")
+
+    @property
+    def sharding(self) -> str | None:
+        """The ZeRO stage over the data axis: None, "optimizer", "gradients" or "parameters"."""
+        return self._sharding
 
     @property
     def schedule(self) -> str:
@@ -156,7 +202,7 @@ class PipelineStrategy(MeshStrategy):
             runner = self._schedules[id(model)] = PipelineSchedules(
                 split, schedule=self._schedule, num_microbatches=self._num_microbatches,
                 pipe_rank=self.pipe_rank, pipe=self._pipe, data=self._collective,
-                device=self._mesh_device.torch_device)
+                device=device, same_shape_over_data=self._sharding == "parameters")
         if isinstance(target, torch.Tensor):
             target = target.to(device)
         return runner.step(inputs, target, loss_fn, return_outputs=return_outputs)
@@ -204,8 +250,26 @@ class PipelineStrategy(MeshStrategy):
         return [names[a] for a, _ in layout.bounds[1:]]
     def __repr__(self) -> str:
         return (f"PipelineStrategy({self._mesh_repr()}, schedule={self._schedule!r}, "
-                f"num_microbatches={self._num_microbatches}, process {self._full.worker_index} of "
+                f"num_microbatches={self._num_microbatches}, "
+                + (f"sharding={self._sharding!r}, " if self._sharding else "")
+                + f"process {self._full.worker_index} of "
                 f"{self._full.num_workers})")
+
+
+def _check_mesh_options(mesh: Any, plan: Any, sharding: Any) -> dict[str, Any] | None:
+    if sharding is not None and sharding not in STAGES:
+        raise InvalidArgumentError(
+            f"sharding must be None, 'optimizer', 'gradients' or 'parameters' (ZeRO over the data axis), "
+            f"got {sharding!r}")
+    model = mesh.get("model", 1) if isinstance(mesh, dict) else 1
+    if plan is None:
+        if isinstance(model, int) and model > 1:
+            raise InvalidArgumentError(
+                f"the mesh has a model axis of {model} processes, but no tensor-parallel plan: pass "
+                f"plan={{'blocks.*.fc1': 'colwise', 'blocks.*.fc2': 'rowwise', ...}} (module names of the whole "
+                f"model), or leave 'model' out of the mesh")
+        return None
+    return check_plan(plan)
 
 
 def _check_options(split_points: Any, num_stages: Any, num_microbatches: Any, loss_fn: Any) -> list[str] | str | None:

@@ -67,7 +67,10 @@ def test_uneven_batches_are_padded_with_rows_that_reach_no_loss() -> None:
     ({"split_points": "2"}, "list of module names"),
     ({"mesh": {"data": 2}}, "'data' 2 processes, which does not divide the 1 processes"),
     ({"mesh": {"data": 1, "pipe": 2}}, "has 2 processes, but the cluster has 1"),
-    ({"mesh": {"model": 2}}, "'data' and/or 'pipe'"),
+    ({"mesh": {"pipeline": 2}}, "'data' and/or 'pipe'"),
+    ({"mesh": {"model": 2}}, "model axis of 2 processes, but no tensor-parallel plan"),
+    ({"mesh": {"model": 2}, "plan": {"0": "colwise"}}, "'model' 2 processes, which does not divide the 1"),
+    ({"mesh": {"pipe": 1, "model": 1}, "sharding": "stage3"}, "sharding must be None"),
     ({"loss_fn": "mse"}, "loss_fn must be callable"),
 ])
 def test_arguments_are_checked_before_any_process_group(options, message) -> None:

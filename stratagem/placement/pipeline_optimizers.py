@@ -1,0 +1,188 @@
+"""The optimizers of a pipelined model: each process updates its own stages, on any mesh.
+
+:class:`StageOptimizers` answers :class:`~stratagem.placement.pipeline.PipelinePlacement`'s
+optimizer primitives (the placement places the modules, and finalizes them before handing an
+optimizer call over). An optimizer created in scope keeps
+every parameter of the model in its parameter groups, those of the stages held elsewhere as
+``meta`` placeholders (no gradient, no state, no update), so that its state dict numbers
+parameters as a plain optimizer over the whole model does. ``step``:
+
+- sums this process's gradients over the data axis (each data group's loss is already weighted
+  by its share of the global batch) and runs the user's update over this process's parameters
+  (their tensor-parallel shards included: torch's own update over DTensors);
+- ``sharding="optimizer"`` / ``"gradients"``: the update is cut in ranges over the data axis
+  (:mod:`stratagem.placement.data_axis_zero`);
+- ``sharding="parameters"``: FSDP2 summed the gradients during the schedule's backward; the
+  update is torch's over this process's shards.
+
+``clip_grad_norm_`` over the model's parameters measures the whole model's gradients
+(:mod:`stratagem.placement.clipping`): the sum over the data axis (or, with ZeRO-2, its
+reduce-scatter) is done then, and the step does not repeat it.
+
+State dicts read as one optimizer's over the whole model: shards made whole over the model
+(and, under ZeRO, data) axis, then each stage's entries gathered over the pipe axis; every
+process calls them. ``load_state_dict`` takes the whole state; each process keeps its part.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from stratagem.errors import InvalidArgumentError
+from stratagem.placement import clipping
+from stratagem.placement.data_axis_zero import DataAxisZero
+from stratagem.comm.collective import Collective
+from stratagem.placement.hooks import adopt, base_of, run_hooks, step_hooks, unhooked_step
+from stratagem.placement.pipeline_mesh import MeshStages, full_value
+from stratagem.placement.roots import DataAxisSum
+from stratagem.placement.tensor_parallel import _like
+
+
+class StageOptimizers:
+    """The optimizers created in a pipeline's scope: their steps, clipping parts and state dicts."""
+
+    def __init__(self, *, pipe: Collective, data: Collective, everyone: Collective, mesh: MeshStages | None):
+        self.pipe, self.data, self.everyone = pipe, data, everyone
+        self.mesh = mesh
+        self.sharding = None if mesh is None else mesh.sharding
+        self.data_sum = DataAxisSum(data)
+        self.replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # parameters the mesh replaced
+        self.refs: list[weakref.ref] = []   # the optimizers (a traced model's first trace trims them)
+        # optimizer -> its ranges over the data axis (sharding="optimizer"/"gradients"), built at first use
+        self._zeros: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def created(self, optimizer: torch.optim.Optimizer, placement: Any) -> None:
+        """An optimizer created in ``placement``'s scope: its parameter groups keep every parameter
+        of the model (those of other stages as meta placeholders), the mesh's replacements for any
+        taken before the model was placed."""
+        for group in optimizer.param_groups:
+            group["params"] = [self.replaced.get(id(p), (p, p))[1] for p in group["params"]]
+        adopt(optimizer, placement)
+        self.refs.append(weakref.ref(optimizer))
+
+    def _zero_of(self, optimizer: torch.optim.Optimizer) -> DataAxisZero | None:
+        if self.sharding not in ("optimizer", "gradients"):
+            return None
+        zero = self._zeros.get(optimizer)
+        if zero is None:
+            zero = self._zeros[optimizer] = DataAxisZero(optimizer, self.data, self.sharding)
+        return zero
+
+    def step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+        groups = optimizer.param_groups
+        every = [group["params"] for group in groups]
+        own = [[p for p in params if not p.is_meta] for params in every]
+        zero = self._zero_of(optimizer)
+        pre, post = step_hooks(optimizer)
+        if zero is not None and (closure is not None or (pre and self.sharding == "gradients")):
+            raise InvalidArgumentError(
+                f"with sharding={self.sharding!r} the update runs in ranges over the data axis"
+                f"{', where no whole gradient exists for a step pre-hook' if closure is None else ''}: "
+                f"{'remove the step pre-hook' if closure is None else 'call optimizer.step() without a closure'}, "
+                f"or use sharding=None")
+        if self.sharding in (None, "optimizer"):
+            self.data_sum.before_step([p for params in own for p in params])
+        run_hooks(pre, optimizer)
+        if zero is not None:
+            zero.step()
+            result = None
+        else:
+            try:
+                for group, params in zip(groups, own):
+                    group["params"] = params
+                result = unhooked_step(base_of(optimizer))(optimizer, closure)
+            finally:
+                for group, params in zip(groups, every):
+                    group["params"] = params
+        run_hooks(post, optimizer)
+        return result
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        self.data_sum.forget([p for group in optimizer.param_groups for p in group["params"]])
+        zero = self._zeros.get(optimizer)
+        if zero is not None:
+            zero.discard()
+        base_of(optimizer).zero_grad(optimizer, set_to_none)
+
+    def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
+        """Clipping: this process's parts of the whole gradients, summed over the data axis now (not
+        again in the step), each counted on one process of the mesh."""
+        own = [p for p in params if not p.is_meta]
+        if self.mesh is None:   # a pipe axis only: the stages' gradients, summed over data now
+            self.data_sum.now(own)
+            grads = [p.grad for p in own if p.grad is not None]
+            return clipping.GradientParts(grads, grads, self.pipe.group)
+        if self.sharding == "parameters":   # summed over data by FSDP during backward: shards
+            return self.mesh.parts(own, summed_over_data=False)
+        tensors, counted = [], []
+        if self.sharding == "gradients":   # each data rank's range of the sum, per optimizer
+            for zero in self._zeros_holding(own):
+                part = zero.parts(own, lambda p: self.mesh.counts(p, summed_over_data=False))
+                tensors += part.tensors
+                counted += part.counted
+                held = {id(p) for _, _, p in zero.entries}
+                own = [p for p in own if id(p) not in held]
+        self.data_sum.now(own)
+        rest = self.mesh.parts(own, summed_over_data=True)
+        return clipping.GradientParts(tensors + rest.tensors, counted + rest.counted, self.everyone.group)
+
+    def _zeros_holding(self, params: list[torch.Tensor]) -> list[DataAxisZero]:
+        ids = {id(p) for p in params}
+        optimizers = [ref() for ref in self.refs]
+        return [self._zero_of(optimizer) for optimizer in optimizers if optimizer is not None and
+                any(id(p) in ids for group in optimizer.param_groups for p in group["params"])]
+
+    def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The whole model's optimizer state: shards made whole, each stage's gathered over the pipe
+        axis (every process calls it)."""
+        state = base_of(optimizer).state_dict(optimizer)
+        zero = self._zero_of(optimizer)
+        if zero is not None:
+            state["state"] = zero.state()
+        elif self.mesh is not None:
+            state["state"] = {k: {n: full_value(v) for n, v in entry.items()} for k, entry in state["state"].items()}
+        if self.pipe.num_workers > 1:
+            mine = {k: {n: v.detach().cpu() if isinstance(v, torch.Tensor) else v for n, v in entry.items()}
+                    for k, entry in state["state"].items()}
+            merged = {}
+            for part in self.pipe.all_gather_object(mine, "optimizer.state_dict (the stages of the pipeline)"):
+                merged.update(part)
+            state["state"] = {k: merged[k] for k in sorted(merged)}
+        return state
+
+    def load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        """Load the whole model's optimizer state; this process keeps its own parameters' entries (its
+        shards of them, its range under ZeRO)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        ids = [i for group in state_dict.get("param_groups", []) for i in group.get("params", [])]
+        held = {i: p for i, p in zip(ids, params) if not p.is_meta}
+        state = dict(state_dict)
+        state["state"] = {k: v for k, v in state_dict.get("state", {}).items() if k in held}
+        zero = self._zero_of(optimizer)
+        if zero is not None:
+            base_of(optimizer).load_state_dict(optimizer, {**state, "state": {}})
+            zero.load(state["state"])
+            return
+        if self.mesh is not None:
+            state["state"] = {k: {n: _like(v, held[k]) for n, v in entry.items()}
+                              for k, entry in state["state"].items()}
+        base_of(optimizer).load_state_dict(optimizer, state)
+
+    def add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+        if optimizer in self._zeros or self.sharding == "parameters":
+            raise InvalidArgumentError(
+                f"add_param_group is not supported with sharding={self.sharding!r} (the parameters are laid "
+                f"out over the data axis already); create the optimizer with all its parameter groups")
+        base_of(optimizer).add_param_group(optimizer, param_group)
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """Bytes of per-element optimizer state (moments, momentum) this process holds for ``optimizer``."""
+        zero = self._zero_of(optimizer)
+        if zero is not None:
+            return zero.state_bytes()
+        return sum(v.to_local().numel() * v.element_size() if hasattr(v, "to_local") else v.numel() * v.element_size()
+                   for s in optimizer.state.values() for v in s.values()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0 and not v.is_meta)
