@@ -124,11 +124,6 @@ class PipelinePlacement(RootsPlacement):
                 self.models[id(root)] = SplitModel(layout, {}, TracedStages(
                     root, list(layout.points), num_stages=layout.num_stages, stages=stages, placement=self), root)
             elif layout.balance is not None:   # split_points="auto": cut once measured, at the first step
-                if self.mesh is not None and self.mesh.needs_sequential:
-                    raise InvalidArgumentError(
-                        "split_points='auto' measures and cuts the model at its first step, after a tensor-parallel "
-                        "plan or sharding= would have split its layers: pin the split instead (run once without "
-                        "plan= / sharding= to print the measured split_points=[...], then pass it)")
                 self.models[id(root)] = SplitModel(layout, {}, model=root, waiting=layout.stages_of(self.pipe_rank))
             else:
                 self._cut(root, layout)

@@ -121,6 +121,11 @@ class PipelineStrategy(MeshStrategy):
         split_points = _check_options(split_points, num_stages, num_microbatches, loss_fn)
         balance_by = _check_balance_by(balance_by, split_points)
         plan = _check_mesh_options(mesh, plan, sharding)
+        if split_points == "auto" and (plan is not None or sharding is not None):
+            raise InvalidArgumentError(
+                "split_points='auto' measures and cuts the model at its first step, after plan= / sharding= would "
+                "have split its layers: pin the split instead (run once without plan= and sharding= to print the "
+                "measured split_points=[...], then pass that list)")
         self._sharding = sharding
         data_size, pipe_size, model_size = self._start_mesh(mesh, cluster_resolver, communication_options)
         data, self._pipe = self._axis_collective("data"), self._axis_collective("pipe")

@@ -72,6 +72,8 @@ def test_uneven_batches_are_padded_with_rows_that_reach_no_loss() -> None:
     ({"mesh": {"model": 2}, "plan": {"0": "colwise"}}, "'model' 2 processes, which does not divide the 1"),
     ({"mesh": {"pipe": 1, "model": 1}, "sharding": "stage3"}, "sharding must be None"),
     ({"loss_fn": "mse"}, "loss_fn must be callable"),
+    ({"split_points": "auto", "sharding": "optimizer"}, "pin the split instead"),
+    ({"split_points": "auto", "mesh": {"model": 1}, "plan": {"0": "colwise"}}, "pin the split instead"),
 ])
 def test_arguments_are_checked_before_any_process_group(options, message) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
