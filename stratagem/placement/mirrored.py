@@ -80,6 +80,7 @@ class MirroredPlacement(Placement):
         #: ``first_copy`` compute with the primary itself, the others with copies; whether the
         #: replicas' parameters share the primary's memory (several logical CPU devices)
         self.home, self.first_copy, self.shares_parameters = self.update.storage(self.devices)
+        self.update.bind(self)
         self._pending_modules: list[nn.Module] = []
         self._dicts: list[MirroredDict] = []
         # id(primary) -> (primary, every local replica's tensor)
@@ -90,7 +91,6 @@ class MirroredPlacement(Placement):
         self._hooked: tuple[int, list, Any] = (-1, [], None)   # (layout, primaries, their requires_grad)
         #: sums gradients when backward ends (None: one replica in all, nothing to sum)
         self.gradients = GradientSync(self) if collective.num_replicas > 1 and self.update.sums_gradients else None
-        self.update.bind(self)
 
     @property
     def strategy(self) -> Any:
