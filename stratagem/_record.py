@@ -59,7 +59,7 @@ class Record:
     # --- an optimizer (or GradScaler) created in a strategy's scope
     #: its strategy's placement (``stratagem.placement.base.Placement``): what ``step``,
     #: ``zero_grad``, the state dicts mean. Written by ``placement.hooks.adopt`` (optimizers, and
-    #: twins in ``mirrored_optimizers``) and ``grad_scaler.adopt``; read through
+    #: twins in ``mirrored_update``) and ``grad_scaler.adopt``; read through
     #: ``placement.hooks.placement_of`` and by the scoped classes' methods.
     placement: Any = None
     #: the optimizer's own class under the scope's subclass (``SGD`` under ``MirroredSGD``): the
@@ -67,14 +67,15 @@ class Record:
     #: read through ``hooks.base_of`` and ``learning_rate.plain_class``.
     base: type | None = None
     #: one optimizer per local replica (``twins[0]`` is the optimizer itself), None until built.
-    #: Written and read by ``placement/mirrored_optimizers.py``.
+    #: Written and read by ``placement/mirrored_update.py`` (``MirroredUpdate``) and
+    #: ``placement/update_rule.py``.
     twins: list | None = None
     #: the update split between threads or workers (``placement.sharded_update.ShardedUpdate``);
     #: None once decided that it is not split; False while not decided yet. Written and read by
-    #: the mirrored, central and ZeRO placements (``sharded()``).
+    #: the update rules (``MirroredUpdate``, ``CentralUpdate``, ``ZeroUpdate``: ``sharded()``).
     sharded: Any = False
     #: ZeRO's layout of the optimizer's parameters over the workers (``placement.zero._Layout``).
-    #: Written and read by ``placement/zero.py``.
+    #: Written and read by ``placement/zero.py`` (``ZeroUpdate``).
     zero: Any = None
     #: ZeRO's state gathered from every worker for the checkpoint being written, read once by
     #: ``state_dict()``. Written and read by ``placement/zero.py``.

@@ -19,8 +19,10 @@ created there (``on_optimizer_created``). The placement then owns them:
   replica-aware (:mod:`stratagem.placement.grad_scaler`).
 
 Implementations: :class:`~stratagem.placement.mirrored.MirroredPlacement` (a copy per
-local replica; also one device) and the parameter-server placement (variables on
-the ps tasks).
+local replica; also one device; how an optimizer's update is applied is its update rule's,
+:mod:`stratagem.placement.update_rule`: mirrored, central storage, ZeRO), the placements
+that take whole models (tensor parallel, pipeline), ZeRO-3's fully sharded placement, and
+the parameter-server placement (variables on the ps tasks).
 """
 
 from __future__ import annotations

@@ -1,17 +1,18 @@
-"""CentralPlacement: every variable once, on the parameter device; replicas compute with copies.
+"""CentralUpdate: every variable once, on the parameter device; replicas compute with copies.
 
 TensorFlow's ``CentralStorageStrategy`` keeps its variables on one device (the CPU by default)
-and mirrors only the computation. Here:
+and mirrors only the computation. Here the mirrored placement is given this update rule:
 
 - **Modules.** A module created in scope keeps its parameters and buffers (the *primaries*)
-  on the parameter device. Each compute replica computes with a tensor of its own, held by
-  the module's :class:`~stratagem.placement.mirrored_dict.MirroredDict` as the mirrored
-  placement does: a replica whose device shares the parameter device's memory (logical CPU
-  devices with the parameters on the CPU) computes with a ``Parameter`` over the primary's
-  memory -- replica 0 with the primary itself -- and any other replica (a GPU) with a copy on
-  its device. Every replica's ``Parameter`` has its own ``.grad``: the replicas' backward
-  passes never write the same gradient, and nothing depends on which thread finishes first.
-  Buffers keep one copy per replica and read, outside ``run``, as their mean over replicas.
+  on the parameter device (:meth:`CentralUpdate.storage`). Each compute replica computes with
+  a tensor of its own, held by the module's
+  :class:`~stratagem.placement.mirrored_dict.MirroredDict` as the mirrored placement does: a
+  replica whose device shares the parameter device's memory (logical CPU devices with the
+  parameters on the CPU) computes with a ``Parameter`` over the primary's memory -- replica 0
+  with the primary itself -- and any other replica (a GPU) with a copy on its device. Every
+  replica's ``Parameter`` has its own ``.grad``: the replicas' backward passes never write the
+  same gradient, and nothing depends on which thread finishes first. Buffers keep one copy per
+  replica and read, outside ``run``, as their mean over replicas.
 - **Optimizers.** An optimizer created in scope is the user's object over the primaries;
   its state lives once, beside them. One logical step, ``optimizer.step()`` on every
   replica's thread inside ``run``, in the order of :mod:`~stratagem.placement.step`:
@@ -35,87 +36,99 @@ placement only moves tensors there, as ``OneDeviceStrategy`` does.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from stratagem.comm.collective import Collective
-from stratagem.devices import Device, Topology
-from stratagem.errors import InvalidArgumentError
 from stratagem._record import record
-from stratagem.placement.hooks import adopt, base_of, unhooked_step
-from stratagem.placement.mirrored import MirroredPlacement
+from stratagem.devices import Device
+from stratagem.errors import InvalidArgumentError
+from stratagem.placement.hooks import base_of, unhooked_step
 from stratagem.placement.sharded_update import ShardedUpdate
+from stratagem.placement.update_rule import Storage, UpdateRule, nothing, params_of
 
-class CentralPlacement(MirroredPlacement):
-    """Variables once on the parameter device; each compute replica computes with its copy."""
+
+class CentralUpdate(UpdateRule):
+    """Variables and optimizer state once on the parameter device; each compute replica computes
+    with its copy (or over the same memory), and the update is applied once.
+
+    Example::
+
+        import torch, stratagem as sg
+        from stratagem.placement.central import CentralUpdate
+        strategy = sg.CentralStorageStrategy(["cpu:0", "cpu:1"])
+        assert isinstance(strategy.placement.update, CentralUpdate)
+        assert strategy.placement.update.parameter_device == torch.device("cpu")
+    """
 
     kind = "CentralStorage"
 
-    def __init__(self, strategy: Any, topology: Topology, collective: Collective, parameter_device: Device):
-        super().__init__(strategy, topology, collective)
-        self.home = parameter_device.torch_device
-        same = [_same_memory(d, self.home) for d in self.devices]
-        self.first_copy = 1 if same[0] else 0
-        self.shares_parameters = self.num_replicas > 1 and all(same)
+    def __init__(self, parameter_device: Device):
+        #: where the primaries and the optimizer state live
+        self.parameter_device = parameter_device.torch_device
+
+    def storage(self, devices: Sequence[torch.device]) -> Storage:
+        """The primaries on the parameter device; replica 0 computes with them where its device
+        shares their memory, else (a GPU) with a copy, like every other replica."""
+        home = self.parameter_device
+        same = [_same_memory(d, home) for d in devices]
+        return Storage(home, 1 if same[0] else 0, len(devices) > 1 and all(same))
+
+    def bind(self, placement: Any) -> None:
+        super().bind(placement)
+        self.first_copy = placement.first_copy
 
     # ------------------------------------------------------------- optimizers
 
-    def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        adopt(optimizer, self)   # its record's sharded: decided at the first step, once the parameters are placed
-        self._pending_optimizers.append(optimizer)
+    def add(self, optimizer: torch.optim.Optimizer) -> None:
+        record(optimizer).sharded = False   # decided at the first step, once the parameters are placed
+        super().add(optimizer)
 
-    def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self._check_placed(_params(optimizer))
+    def prepare(self, optimizer: torch.optim.Optimizer) -> None:
+        self._check_placed(params_of(optimizer))
 
     def _check_placed(self, params: list[torch.Tensor]) -> None:
         if self.num_replicas <= self.first_copy:
             return  # one replica computing with the primaries: nothing is copied
         for p in params:
-            if self.all_copies(p) is None:
+            if self.placement.all_copies(p) is None:
                 raise InvalidArgumentError(
-                    f"an optimizer created in the scope of {self.strategy!r} was given a parameter "
+                    f"an optimizer created in the scope of {self.placement.strategy!r} was given a parameter "
                     f"of shape {tuple(p.shape)} that was not created in that scope, so it does not "
                     f"live on the parameter device and no replica computes with it. Create the "
                     f"model inside `with strategy.scope():` too")
 
-    def twins(self, optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
-        """One optimizer over the parameters themselves: no twins."""
-        return [optimizer]
-
     def _replica_params(self, primaries: list[torch.Tensor], local_id: int) -> list[torch.Tensor]:
         """The tensors replica ``local_id`` computes with, one per primary."""
-        result = []
+        result, all_copies = [], self.placement.all_copies
         for p in primaries:
-            copies = self.all_copies(p)
+            copies = all_copies(p)
             result.append(p if copies is None else copies[local_id])
         return result
 
     def sharded(self, optimizer: torch.optim.Optimizer) -> ShardedUpdate | None:
         """The range optimizers when the update on the parameter device can be split between threads."""
-        mine = record(optimizer)
-        sharded = mine.sharded
+        sharded = record(optimizer).sharded
         if sharded is False:
-            with self._build_lock:   # every replica thread asks at the first step: build it once
-                sharded = mine.sharded
+            with self._lock:   # every replica thread asks at the first step: build it once
+                sharded = record(optimizer).sharded
                 if sharded is False:
-                    if optimizer in self._pending_optimizers:
-                        self._pending_optimizers.remove(optimizer)
-                        self._prepare_optimizer(optimizer)
+                    if self._claim(optimizer):
+                        self.prepare(optimizer)
                     # the update happens on the parameter device, whatever the compute devices
                     sharded = None
-                    if ShardedUpdate.supports(optimizer, (self.home,) * self.num_replicas):
+                    if ShardedUpdate.supports(optimizer, (self.parameter_device,) * self.num_replicas):
                         sharded = ShardedUpdate(optimizer, lambda p: (p,), self.num_replicas)
-                    mine.sharded = sharded
+                    record(optimizer).sharded = sharded
         return sharded
 
-    # the primitives of placement/step.py (optimizer_step is the mirrored placement's: the order)
+    # the primitives of placement/step.py
 
     def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any:
         """Where replica 0 computes with a copy (a GPU), its sums reach the primaries' ``.grad``."""
         if self.first_copy == 0:
             if replica in (None, 0):
-                primaries = _params(optimizer)
+                primaries = params_of(optimizer)
                 self._gradients_to_primaries(primaries, self._replica_params(primaries, 0))
             if replica is not None:
                 self.collective.exchange(replica, None, "optimizer.step (gradients on the parameter device)")
@@ -130,20 +143,20 @@ class CentralPlacement(MirroredPlacement):
             return functools.partial(sharded.step, replica)
         if replica in (None, 0):
             return functools.partial(unhooked_step(base_of(optimizer)), optimizer)
-        return _nothing
+        return nothing
 
     def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any:
         """The replicas meet (replica 0's result for everyone); each copies the new values into
         its own copy (every replica's, outside ``run``)."""
         if replica is not None and self.num_replicas > 1:
             result = self.collective.exchange(replica, result, "optimizer.step (parameters updated)")[0]
-        primaries = _params(optimizer)
+        primaries = params_of(optimizer)
         for r in range(self.num_replicas) if replica is None else (replica,):
             self._refresh(primaries, self._replica_params(primaries, r))
         return result
 
     def hooked_tensors(self, optimizer: torch.optim.Optimizer, replica: int) -> list[torch.Tensor]:
-        return _params(optimizer)   # the hooks see the primaries, which the update reads
+        return params_of(optimizer)   # the hooks see the primaries, which the update reads
 
     def copy_changed(self, optimizer: torch.optim.Optimizer, replica: int | None, changed: list[int],
                      grads: bool) -> None:
@@ -151,7 +164,7 @@ class CentralPlacement(MirroredPlacement):
         the primaries' own)."""
         if grads:
             return
-        primaries = _params(optimizer)
+        primaries = params_of(optimizer)
         chosen = [primaries[i] for i in changed]
         for r in range(self.num_replicas) if replica is None else (replica,):
             self._refresh(chosen, [self._replica_params(primaries, r)[i] for i in changed])
@@ -187,13 +200,13 @@ class CentralPlacement(MirroredPlacement):
 
     # ------------------------------------------------------ everything else
 
-    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        primaries = _params(optimizer)
-        ctx = self.own_replica_context()
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        primaries = params_of(optimizer)
+        ctx = self.placement.own_replica_context()
         replicas = list(range(self.num_replicas)) if ctx is None else [ctx.local_replica_id]
         tensors = {id(p): p for r in replicas for p in self._replica_params(primaries, r)}
-        if self.gradients is not None:
-            self.gradients.forget(list(tensors.values()))
+        if self.placement.gradients is not None:
+            self.placement.gradients.forget(list(tensors.values()))
         if replicas[0] == 0:   # the sums on the parameter device: replica 0 clears them
             tensors.update((id(p), p) for p in primaries)
         for p in tensors.values():
@@ -208,25 +221,18 @@ class CentralPlacement(MirroredPlacement):
                     p.grad.requires_grad_(False)
                 p.grad.zero_()
 
-    # state dicts: the mirrored placement's, over the one optimizer (its state, or its range optimizers')
+    # state dicts: UpdateRule's, over the one optimizer (its state, or its range optimizers')
 
-    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+    def add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         self._check_placed(params)   # before the group is added: a refused group leaves no trace
-        super().optimizer_add_param_group(optimizer, {**param_group, "params": params})
+        super().add_param_group(optimizer, {**param_group, "params": params})
+
 
 def _every_range(sharded: ShardedUpdate, num_replicas: int) -> None:
     for replica in range(num_replicas):
         sharded.step(replica)
-
-
-def _nothing() -> None:
-    return None
-
-
-def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _same_memory(device: torch.device, home: torch.device) -> bool:

@@ -7,7 +7,8 @@ a data axis (tensor or pipeline parallelism) each process's gradient is its data
 until the step sums it. ``torch.nn.utils.clip_grad_norm_`` over such parameters measures one
 process's part. This module makes it measure the whole.
 
-While a placement that holds gradients apart exists (it calls :func:`register`), torch's
+While a placement that holds gradients apart exists (it, or under ZeRO-2 the mirrored
+placement's update rule, calls :func:`register`), torch's
 ``clip_grad_norm_``, ``clip_grad_value_`` and ``clip_grads_with_norm_`` come here: torch
 has no hook for them, so the function that each of torch's (``no_grad``-decorated) wrappers
 calls is swapped, and the wrappers themselves stay -- a name imported earlier
@@ -68,7 +69,8 @@ class GradientParts:
 # ------------------------------------------------------------------ routing
 
 def register(placement: Any) -> None:
-    """``placement`` holds gradients apart: route torch's clipping through it while it lives.
+    """``placement`` (a placement, or ZeRO-2's update rule) holds gradients apart: route torch's
+    clipping through it while it lives.
 
     It answers ``splits_gradients(params) -> list[bool]`` and ``gradient_parts(params)``
     (:class:`~stratagem.placement.base.Placement`).

@@ -8,9 +8,15 @@ tensors in a :class:`~stratagem.placement.mirrored_dict.MirroredDict`. Across
 workers, the collective then checks that every worker built the same tensors and
 gives everyone the chief's initial values.
 
-Optimizers (:mod:`stratagem.placement.mirrored_optimizers`): each local replica gets
-a twin optimizer over its own copies; one logical step sums the gradients and
-applies the same update to every copy.
+Optimizers: an optimizer created in scope steps in the order of :mod:`.step`, with
+gradients summed when backward ends (:mod:`.gradient_sync`). How its update is applied and
+its state kept is the placement's *update rule* (:mod:`.update_rule`): by default
+:class:`~stratagem.placement.mirrored_update.MirroredUpdate` (a twin optimizer per local
+replica over its own copies, the same update applied to every copy); central storage's
+:class:`~stratagem.placement.central.CentralUpdate` (the primaries and the optimizer state
+once, on the parameter device); ZeRO's :class:`~stratagem.placement.zero.ZeroUpdate` (the
+update and its state split over the workers). The rule also says where the primaries live
+(:meth:`~stratagem.placement.update_rule.UpdateRule.storage`).
 
 On logical CPU devices (``"cpu:0"``, ``"cpu:1"``: one memory), the replicas' parameters
 share the primary's memory instead of copying it: every replica keeps its own
@@ -23,14 +29,11 @@ With one device this placement only moves tensors to that device.
 from __future__ import annotations
 
 import contextlib
-import functools
-import threading
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from stratagem import _context
 from stratagem.comm.collective import Collective
@@ -38,43 +41,56 @@ from stratagem.devices import Topology
 from stratagem.errors import ContextError, InvalidArgumentError
 from stratagem.placement.base import Placement
 from stratagem.placement.gradient_sync import GradientSync
-from stratagem.placement.hooks import adopt, placement_of
+from stratagem.placement.hooks import adopt
 from stratagem.placement.mirrored_dict import MirroredDict
-from stratagem.placement.mirrored_optimizers import MirroredOptimizers
+from stratagem.placement.mirrored_update import MirroredUpdate
+from stratagem.placement.step import synchronous_step
+from stratagem.placement.unscoped import unscoped_check
+from stratagem.placement.update_rule import UpdateRule
 
 
-class MirroredPlacement(MirroredOptimizers, Placement):
-    """Variables mirrored on the local replicas' devices (one device: just placed there)."""
+class MirroredPlacement(Placement):
+    """Variables mirrored on the local replicas' devices (one device: just placed there); an
+    optimizer's update applied by ``update``, the placement's update rule (default: one twin
+    optimizer per replica, :class:`~stratagem.placement.mirrored_update.MirroredUpdate`).
+
+    Example::
+
+        import torch, stratagem as sg
+        from stratagem.placement.mirrored_update import MirroredUpdate
+        strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+        assert isinstance(strategy.placement.update, MirroredUpdate)
+        with strategy.scope():
+            optimizer = torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1)
+        assert type(optimizer).__name__ == "MirroredSGD"
+    """
 
     kind = "Mirrored"
 
-    def __init__(self, strategy: Any, topology: Topology, collective: Collective):
+    def __init__(self, strategy: Any, topology: Topology, collective: Collective, *,
+                 update: UpdateRule | None = None):
         self._strategy_ref = weakref.ref(strategy)
         self.devices = topology.torch_devices
         self.num_replicas = topology.num_local_replicas
-        #: where the primaries (the tensors the module's dicts hold) live
-        self.home = self.devices[0]
-        #: replicas below it compute with the primary itself; the others with copies
-        self.first_copy = 1
-        #: replicas' parameters share the primary's memory (several logical CPU devices)
-        self.shares_parameters = self.num_replicas > 1 and all(d.type == "cpu" for d in self.devices)
         self.collective = collective
+        #: how an optimizer's update is applied and its state kept (:mod:`.update_rule`)
+        self.update = MirroredUpdate() if update is None else update
+        self.kind = self.update.kind
+        #: where the primaries (the tensors the module's dicts hold) live; replicas below
+        #: ``first_copy`` compute with the primary itself, the others with copies; whether the
+        #: replicas' parameters share the primary's memory (several logical CPU devices)
+        self.home, self.first_copy, self.shares_parameters = self.update.storage(self.devices)
+        self.update.bind(self)
         self._pending_modules: list[nn.Module] = []
-        self._pending_optimizers: list[torch.optim.Optimizer] = []
         self._dicts: list[MirroredDict] = []
         # id(primary) -> (primary, every local replica's tensor)
         self._copies: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
-        self._build_lock = threading.Lock()  # replica threads share one set of twins
-        self._unscoped_check: Any = None
         self._placed: list[nn.Module] = []   # in placing order (the same on every worker)
         self._owners: list[nn.Module] = []   # placed modules and their parents: DDP's sync attribute
         self._layout = 0   # bumped whenever the placed parameters change
         self._hooked: tuple[int, list, Any] = (-1, [], None)   # (layout, primaries, their requires_grad)
         #: sums gradients when backward ends (None: one replica in all, nothing to sum)
-        self.gradients = GradientSync(self) if self.syncs_gradients() else None
-
-    def syncs_gradients(self) -> bool:
-        return self.collective.num_replicas > 1
+        self.gradients = GradientSync(self) if collective.num_replicas > 1 and self.update.sums_gradients else None
 
     @property
     def strategy(self) -> Any:
@@ -104,10 +120,7 @@ class MirroredPlacement(MirroredOptimizers, Placement):
                 self._place_module(module)
             self.collective.agree_on_modules(unique)
             self._hook_gradients()
-        if self._pending_optimizers:
-            optimizers, self._pending_optimizers = self._pending_optimizers, []
-            for optimizer in optimizers:
-                self._prepare_optimizer(optimizer)
+        self.update.finalize()
 
     def on_submodule_registered(self, module: nn.Module) -> None:
         if self.gradients is not None and all(m is not module for m in self._owners):
@@ -216,13 +229,13 @@ class MirroredPlacement(MirroredOptimizers, Placement):
             self._hook_gradients()
             self.gradients.in_run = True
         if self.num_replicas > self.first_copy:  # some replica computes with copies
-            _unscoped_check.acquire()
+            unscoped_check.acquire()
 
     def after_run(self, failed: bool = False) -> None:
         if self.gradients is not None:
             self.gradients.in_run = False
         if self.num_replicas > self.first_copy:
-            _unscoped_check.release()
+            unscoped_check.release()
         written = self.record_updates()
         if written and not failed:
             why = ("the replicas' parameters share one memory, so every replica's write would land on it"
@@ -245,101 +258,45 @@ class MirroredPlacement(MirroredOptimizers, Placement):
     # ------------------------------------------------------------- optimizers
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        adopt(optimizer, self)   # its record's twins: built when the optimizer is finished
-        self._pending_optimizers.append(optimizer)
+        adopt(optimizer, self)
+        self.update.add(optimizer)
 
-    def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self._build_twins(optimizer)
+    def own_replica_context(self) -> Any:
+        """The calling thread's replica context if it is a replica of this strategy, else None."""
+        frame = _context.current_frame()
+        ctx = frame.replica_context if frame is not None else None
+        return ctx if ctx is not None and ctx.strategy is self.strategy else None
+
+    #: one logical step, in the order of placement/step.py with the rule's primitives (a function
+    #: of this placement: no extra frame)
+    optimizer_step = synchronous_step
+
+    # the rest is the update rule's
+
+    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        self.update.zero_grad(optimizer, set_to_none)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        return self.update.state_dict(optimizer)
+
+    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        self.update.load_state_dict(optimizer, state_dict)
+
+    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+        self.update.add_param_group(optimizer, param_group)
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """Bytes of per-element optimizer state this process holds for ``optimizer``."""
+        return self.update.state_bytes(optimizer)
 
     def grad_scaler_refusal(self) -> str | None:
-        return None   # every replica's copy has its .grad (also under CentralPlacement)
+        return self.update.grad_scaler_refusal()
 
+    def prepare_checkpoint(self, objects: dict[str, Any]) -> contextlib.AbstractContextManager:
+        return self.update.prepare_checkpoint(objects)
 
-class _UnscopedModuleCheck:
-    """While multi-replica runs are active, refuse modules whose parameters are not mirrored,
-    and optimizers created outside the scope over mirrored parameters.
+    def splits_gradients(self, params: list[torch.Tensor]) -> list[bool]:
+        return self.update.splits_gradients(params)
 
-    Such a module (created outside the scope) would be shared by every replica thread: the
-    replicas would silently diverge, or race inside autograd. Such an optimizer would be
-    stepped by every replica on the primary copy, and its ``zero_grad`` on one replica's
-    thread would clear gradients another replica's backward is writing (a crash, not just a
-    wrong result). Both are refused at their first use inside ``run``: the forward pre-hook,
-    torch's global optimizer step pre-hook, and ``Optimizer.zero_grad`` wrapped while such
-    runs are active (torch has no zero_grad hook).
-
-    The forward pre-hook, once installed, stays (outside such runs it returns at once):
-    ``torch.compile`` guards on the keys of torch's global hook dict, and a hook registered
-    anew at every run would make a compiled model recompile at every step, then silently
-    fall back to eager once ``torch._dynamo.config.recompile_limit`` is reached.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._handles: list[Any] = []
-        self._module_hook: Any = None
-
-    def acquire(self) -> None:
-        with self._lock:
-            if self._module_hook is None:
-                self._module_hook = nn.modules.module.register_module_forward_pre_hook(_forbid_unscoped)
-            if self._users == 0:
-                self._handles = [register_optimizer_step_pre_hook(_forbid_unscoped_optimizer)]
-                torch.optim.Optimizer.zero_grad = _checked_zero_grad
-            self._users += 1
-
-    def release(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                torch.optim.Optimizer.zero_grad = _original_zero_grad
-                for handle in self._handles:
-                    handle.remove()
-
-
-def _multi_replica_frame() -> Any:
-    frame = _context.current_frame()
-    if frame is None or frame.replica_context is None or frame.strategy.topology.num_local_replicas < 2:
-        return None
-    return frame
-
-
-def _forbid_unscoped(module: nn.Module, args: Any) -> None:
-    frame = _multi_replica_frame()
-    if frame is None:
-        return
-    params = module.__dict__.get("_parameters")
-    if params and not isinstance(params, MirroredDict):
-        names = ", ".join(repr(name) for name in params)
-        raise ContextError(
-            f"module {type(module).__name__} has parameters with no copy per replica ({names}): "
-            f"it was created outside strategy.scope(), or they were assigned to it after the scope "
-            f"closed. Every replica of {frame.strategy!r} would share one copy and the replicas "
-            f"would silently diverge. Create the module (or assign the parameters) inside "
-            f"`with strategy.scope():`")
-
-
-def _forbid_unscoped_optimizer(optimizer: torch.optim.Optimizer, *args: Any) -> None:
-    frame = _context.current_frame()   # (any replica count: only parameters with copies are looked at)
-    if frame is None or frame.replica_context is None or placement_of(optimizer) is not None:
-        return   # outside run, or ours: a scoped optimizer or a twin
-    placement = frame.strategy.placement
-    if any(placement.all_copies(p) is not None for group in optimizer.param_groups for p in group["params"]):
-        raise ContextError(
-            f"{type(optimizer).__name__} was created outside strategy.scope() but updates the "
-            f"parameters of a model created in the scope of {frame.strategy!r}: every replica would "
-            f"step it (and clear its gradients) on its own thread, so the replicas would diverge or "
-            f"race. Create the optimizer inside `with strategy.scope():` too; its step then sums the "
-            f"replicas' gradients and applies the update once")
-
-
-_original_zero_grad = torch.optim.Optimizer.zero_grad
-
-
-@functools.wraps(_original_zero_grad)
-def _checked_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-    _forbid_unscoped_optimizer(self)
-    _original_zero_grad(self, set_to_none)
-
-
-_unscoped_check = _UnscopedModuleCheck()
+    def gradient_parts(self, params: list[torch.Tensor]) -> Any:
+        return self.update.gradient_parts(params)

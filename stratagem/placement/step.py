@@ -1,9 +1,10 @@
 """The order of one synchronous optimizer step, written once.
 
-Every synchronous placement (mirrored, central storage, ZeRO) steps a scoped optimizer in the
-same order; only the primitives differ. By the time ``optimizer.step()`` runs, the gradients
-were summed over every replica and worker when backward ended (:mod:`.gradient_sync`), or,
-under ZeRO stage 2, reduce-scattered during backward:
+The mirrored placement steps a scoped optimizer in this order whatever its update rule
+(:mod:`.update_rule`: mirrored, central storage, ZeRO); only the rule's primitives differ. By
+the time ``optimizer.step()`` runs, the gradients were summed over every replica and worker
+when backward ended (:mod:`.gradient_sync`), or, under ZeRO stage 2, reduce-scattered during
+backward:
 
 1. ``prepare_gradients`` -- the summed gradients where the update reads them (central storage
    with GPU replicas: the parameter device; ZeRO stage 2: this worker's range of the sum);
@@ -32,20 +33,26 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.placement.hooks import run_hooks, step_hooks
 
 
-class SynchronousPlacement(Protocol):
-    """The primitives :func:`synchronous_step` asks of a placement."""
+class UpdatePrimitives(Protocol):
+    """What :func:`synchronous_step` asks of a placement's update rule."""
 
-    strategy: Any
-    collective: Any
-    num_replicas: int
-
-    def own_replica_context(self) -> Any: ...
     def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any: ...
     def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any: ...
     def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any: ...
     def hooked_tensors(self, optimizer: torch.optim.Optimizer, replica: int) -> list[torch.Tensor]: ...
     def copy_changed(self, optimizer: torch.optim.Optimizer, replica: int | None, changed: list[int],
                      grads: bool) -> None: ...
+
+
+class SynchronousPlacement(Protocol):
+    """What :func:`synchronous_step` asks of a placement: its replicas, and its update rule."""
+
+    strategy: Any
+    collective: Any
+    num_replicas: int
+    update: UpdatePrimitives
+
+    def own_replica_context(self) -> Any: ...
     def record_updates(self) -> list[str]: ...
 
 
@@ -56,13 +63,14 @@ def synchronous_step(placement: SynchronousPlacement, optimizer: torch.optim.Opt
     ctx = placement.own_replica_context()
     replica = None if ctx is None else ctx.local_replica_id
     pre, post = step_hooks(optimizer)
+    rule = placement.update
     with label("stratagem.optimizer.step"):
-        gradients = placement.prepare_gradients(optimizer, replica)
+        gradients = rule.prepare_gradients(optimizer, replica)
         if pre:
             _hooks_once(placement, pre, optimizer, replica, grads=True)
         with label("stratagem.optimizer.update"):
-            result = placement.update_call(optimizer, replica, gradients)()
-        result = placement.after_update(optimizer, replica, result)
+            result = rule.update_call(optimizer, replica, gradients)()
+        result = rule.after_update(optimizer, replica, result)
         if post:
             _hooks_once(placement, post, optimizer, replica, grads=False)
     if replica is None:
@@ -77,7 +85,7 @@ def _hooks_once(placement: SynchronousPlacement, hooks: list, optimizer: torch.o
         t = p.grad if grads else p
         return None if t is None else (id(t), t._version)
 
-    tensors = placement.hooked_tensors(optimizer, 0 if replica is None else replica)
+    tensors = placement.update.hooked_tensors(optimizer, 0 if replica is None else replica)
     changed = None
     if replica in (None, 0):
         before = [watched(p) for p in tensors]
@@ -89,7 +97,7 @@ def _hooks_once(placement: SynchronousPlacement, hooks: list, optimizer: torch.o
     if several:
         changed = placement.collective.exchange(replica, changed, "optimizer step hooks")[0]
     if changed:
-        placement.copy_changed(optimizer, replica, changed, grads)
+        placement.update.copy_changed(optimizer, replica, changed, grads)
         if several:
             placement.collective.exchange(replica, None, "optimizer step hooks (copied)")
 

@@ -1,4 +1,4 @@
-"""ZeroPlacement: mirrored parameters with the optimizer update sharded over the workers (ZeRO).
+"""ZeroUpdate: mirrored parameters with the optimizer update sharded over the workers (ZeRO).
 
 The parameters of every optimizer created in scope are laid end to end and cut into one
 contiguous range per worker. Worker ``r`` keeps the optimizer state of range ``r`` only
@@ -18,7 +18,9 @@ Stages (``MultiWorkerMirroredStrategy(sharding=...)``):
   packs early, measures every worker's range and scales this worker's, which the step then
   applies (:mod:`stratagem.placement.clipping`).
 
-Stage 3 (``"parameters"``) is :mod:`stratagem.placement.fully_sharded`.
+Stage 3 (``"parameters"``) is :mod:`stratagem.placement.fully_sharded`. Stages 1 and 2 are this
+update rule of the mirrored placement (:mod:`.update_rule`): the modules are mirrored (one
+replica per worker), the step runs in the order of :mod:`.step`, only the update differs.
 
 ``optimizer.state_dict()`` reads as one logical optimizer: it gathers every worker's
 ranges, so every worker must call it (as every worker calls ``Checkpoint.save``, which
@@ -36,15 +38,15 @@ from typing import Any, Iterator
 import torch
 
 from stratagem._profiling import label
+from stratagem._record import record
 from stratagem.comm import worker_ops
 from stratagem.comm.collective import range_bounds
 from stratagem.comm.scattered_gradients import ScatteredGradients
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
-from stratagem._record import record
 from stratagem.placement.hooks import base_of, placement_of, step_hooks
-from stratagem.placement.mirrored import MirroredPlacement
 from stratagem.placement.sharded_update import ELEMENTWISE, ShardedUpdate
+from stratagem.placement.update_rule import UpdateRule, params_of
 
 #: ``sharding=`` values, and the ones that exist only as names so far
 STAGES = ("optimizer", "gradients", "parameters")
@@ -65,23 +67,37 @@ def check_sharding(sharding: Any, num_local_replicas: int) -> None:
             f"`stratagem launch --workers N` or torchrun) and pass devices=[one device] or none")
 
 
-class ZeroPlacement(MirroredPlacement):
-    """One replica per worker; the optimizer state and update sharded over the workers."""
+class ZeroUpdate(UpdateRule):
+    """One replica per worker; the optimizer state and update sharded over the workers.
+
+    Example::
+
+        import stratagem as sg
+        from stratagem.placement.zero import ZeroUpdate
+        strategy = sg.MultiWorkerMirroredStrategy(sharding="optimizer")   # no cluster: one worker
+        assert isinstance(strategy.placement.update, ZeroUpdate)
+        assert strategy.placement.update.stage == "optimizer"
+    """
 
     kind = "Mirrored"
 
-    def __init__(self, strategy: Any, topology: Any, collective: Any, *, stage: str):
+    def __init__(self, stage: str):
+        if stage not in ("optimizer", "gradients"):
+            raise InvalidArgumentError(
+                f"ZeroUpdate's stage must be 'optimizer' or 'gradients' (sharding='parameters' is "
+                f"FullyShardedPlacement), got {stage!r}")
+        #: ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2)
         self.stage = stage
-        super().__init__(strategy, topology, collective)
-        check_sharding(stage, self.num_replicas)
+        #: stage 1 sums whole gradients when backward ends; stage 2 reduce-scatters them instead
+        self.sums_gradients = stage == "optimizer"
         # id(parameter) -> the layout whose packs take its gradients (sharding="gradients")
         self._layout_by_param: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        if stage == "gradients":
-            clipping.register(self)   # no worker holds a whole gradient: clipping asks this placement
 
-    def syncs_gradients(self) -> bool:
-        """Stage 1 sums whole gradients when backward ends; stage 2 reduce-scatters them instead."""
-        return super().syncs_gradients() and self.stage == "optimizer"
+    def bind(self, placement: Any) -> None:
+        check_sharding(self.stage, placement.num_replicas)
+        super().bind(placement)
+        if self.stage == "gradients":
+            clipping.register(self)   # no worker holds a whole gradient: clipping asks this rule
 
     @property
     def _rank(self) -> int:
@@ -89,10 +105,9 @@ class ZeroPlacement(MirroredPlacement):
 
     def sharded(self, optimizer: torch.optim.Optimizer) -> ShardedUpdate:
         """The range optimizers of ``optimizer``: one range per worker, built at first use."""
-        mine = record(optimizer)
-        sharded = mine.sharded
+        sharded = record(optimizer).sharded
         if sharded is False:
-            self.finalize()
+            self.placement.finalize()
             params = [p for group in optimizer.param_groups for p in group["params"]]
             if base_of(optimizer) not in ELEMENTWISE:
                 raise InvalidArgumentError(
@@ -104,7 +119,7 @@ class ZeroPlacement(MirroredPlacement):
                 raise InvalidArgumentError(
                     f"sharding={self.stage!r} needs dense contiguous parameters of one dtype and device, "
                     f"got {sorted(str(k) for k in kinds)}; use one dtype for the model or sharding=None")
-            with self._build_lock:
+            with self._lock:
                 sharded = ShardedUpdate(optimizer, lambda p: (p,), self.collective.num_workers)
                 layout = _Layout(params, sharded, self._rank)
                 if self.stage == "gradients" and self.collective.num_workers > 1:
@@ -117,6 +132,7 @@ class ZeroPlacement(MirroredPlacement):
                         bytes_per_pack=self.collective.options.bytes_per_pack)
                     for p in params:
                         self._layout_by_param[id(p)] = layout
+                mine = record(optimizer)
                 mine.sharded, mine.zero = sharded, layout
         return sharded
 
@@ -127,8 +143,7 @@ class ZeroPlacement(MirroredPlacement):
                 f"gradients, inside optimizer.step(), where GradScaler.unscale_ cannot see them; use "
                 f"sharding='optimizer' for float16 with a GradScaler")
 
-    def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        super()._prepare_optimizer(optimizer)
+    def prepare(self, optimizer: torch.optim.Optimizer) -> None:
         if self.stage == "gradients":   # the packs' hooks must exist before the first backward
             try:
                 self.sharded(optimizer)
@@ -137,7 +152,7 @@ class ZeroPlacement(MirroredPlacement):
 
     # ---------------------------------------------------------------- step
 
-    # the primitives of placement/step.py (optimizer_step is the mirrored placement's: the order)
+    # the primitives of placement/step.py
 
     def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any:
         """Stage 1: the whole sums, in ``.grad`` since backward ended. Stage 2: this worker's range
@@ -164,6 +179,13 @@ class ZeroPlacement(MirroredPlacement):
             with label("stratagem.parameters.all_gather"):
                 self._gather_parameters(record(optimizer).zero)
         return None
+
+    def hooked_tensors(self, optimizer: torch.optim.Optimizer, replica: int) -> list[torch.Tensor]:
+        return params_of(optimizer)   # one replica per worker: the parameters themselves
+
+    def copy_changed(self, optimizer: torch.optim.Optimizer, replica: int | None, changed: list[int],
+                     grads: bool) -> None:
+        return None   # one replica per worker: no other copy to reach
 
     def _reduce_scattered(self, layout: "_Layout") -> Any:
         """Sum the gradients over workers, each worker receiving its own range only (the packs
@@ -212,8 +234,10 @@ class ZeroPlacement(MirroredPlacement):
                     parts.append(shard[a - base:b - base])
         return clipping.GradientParts(parts, parts, self.collective.group)
 
-    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        super().optimizer_zero_grad(optimizer, set_to_none)
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        if self.placement.gradients is not None:
+            self.placement.gradients.forget(params_of(optimizer))
+        base_of(optimizer).zero_grad(optimizer, set_to_none)
         layout = record(optimizer).zero
         if layout is not None and layout.scattered is not None:
             layout.summed = None             # a clip's sum that no step used
@@ -229,7 +253,7 @@ class ZeroPlacement(MirroredPlacement):
 
     # --------------------------------------------------------- state dicts
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+    def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         mine = record(optimizer)
         ready, mine.gathered_state = mine.gathered_state, None   # read once
         result = base_of(optimizer).state_dict(optimizer)
@@ -251,7 +275,7 @@ class ZeroPlacement(MirroredPlacement):
                 merged.setdefault(index, []).extend(pieces)
         return sharded.merge(merged)
 
-    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    def load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         sharded = self.sharded(optimizer)
         base_of(optimizer).load_state_dict(optimizer, {**state_dict, "state": {}})
         sharded.load_state(state_dict["state"], replicas=[self._rank])
@@ -264,7 +288,7 @@ class ZeroPlacement(MirroredPlacement):
         dropped on exit, so a later ``state_dict()`` gathers afresh with the other workers.
         """
         sharded = [obj for obj in objects.values()
-                   if isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self]
+                   if isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self.placement]
         for optimizer in sharded:
             state = self.gather_state(optimizer)
             if self._rank == 0:
@@ -274,14 +298,6 @@ class ZeroPlacement(MirroredPlacement):
         finally:
             for optimizer in sharded:
                 record(optimizer).gathered_state = None
-
-    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        """Bytes of per-element optimizer state (moments, momentum; not step counters) this
-        worker holds for ``optimizer``."""
-        sharded = self.sharded(optimizer)
-        return sum(v.numel() * v.element_size() for range_optimizer in sharded.optimizers
-                   if range_optimizer is not None for state in range_optimizer.state.values()
-                   for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
 class _Layout:

@@ -3,8 +3,9 @@
 Configuration: the compute devices; a :class:`~stratagem.comm.replicas.ReplicaCollective`
 with the default cross-device op for them (it carries the replicas' exchanges and the
 collectives of ``sg.get_replica_context()``); a
-:class:`~stratagem.placement.central.CentralPlacement` on the parameter device; replica
-threads (inline with one compute device).
+:class:`~stratagem.placement.mirrored.MirroredPlacement` whose update rule is
+:class:`~stratagem.placement.central.CentralUpdate` on the parameter device; replica threads
+(inline with one compute device).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 from stratagem.comm.cross_device_ops import default_cross_device_ops
 from stratagem.comm.replicas import ReplicaCollective
 from stratagem.devices import Device, Topology, default_devices, parse_device, parse_devices
-from stratagem.placement.central import CentralPlacement
+from stratagem.placement.central import CentralUpdate
+from stratagem.placement.mirrored import MirroredPlacement
 from stratagem.strategies.base import Strategy
 
 
@@ -56,7 +58,8 @@ class CentralStorageStrategy(Strategy):
         topology = Topology(devices)
         collective = ReplicaCollective.create(devices, default_cross_device_ops(devices))
         self._parameter_device = home
-        self._configure(topology, collective, CentralPlacement(self, topology, collective, home))
+        placement = MirroredPlacement(self, topology, collective, update=CentralUpdate(home))
+        self._configure(topology, collective, placement)
 
     @property
     def parameter_device(self) -> str:

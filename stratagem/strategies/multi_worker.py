@@ -29,7 +29,7 @@ from stratagem.devices import Device, Topology, parse_devices
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.fully_sharded import FullyShardedPlacement
 from stratagem.placement.mirrored import MirroredPlacement
-from stratagem.placement.zero import ZeroPlacement, check_sharding
+from stratagem.placement.zero import ZeroUpdate, check_sharding
 from stratagem.strategies.base import Strategy
 
 
@@ -86,7 +86,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         elif sharding == "parameters":
             placement = FullyShardedPlacement(self, collective, local_devices[0].torch_device)
         else:
-            placement = ZeroPlacement(self, topology, collective, stage=sharding)
+            placement = MirroredPlacement(self, topology, collective, update=ZeroUpdate(sharding))
         self._configure(topology, collective, placement)
         _limit_threads(resolver, group.world_size, local_devices)
         self._check_same_configuration(group.names)

@@ -204,7 +204,7 @@ def main() -> None:
     params = {k: v.tolist() for k, v in net.body.state_dict().items()}
     Path(args.out, f"{args.tag}-final-rank{rank}.json").write_text(json.dumps(
         {"params": params, "step": step, "lr": optimizer.param_groups[0]["lr"], "module": sg.__file__,
-         "placement": type(strategy.placement).__name__}))
+         "placement": type(getattr(strategy.placement, "update", strategy.placement)).__name__}))
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ def test_three_workers_lose_one_then_get_it_back_and_end_as_if_never_stopped(
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("sharding, placement", [("optimizer", "ZeroPlacement"), ("gradients", "ZeroPlacement"),
+@pytest.mark.parametrize("sharding, placement", [("optimizer", "ZeroUpdate"), ("gradients", "ZeroUpdate"),
                                                  ("parameters", "FullyShardedPlacement")])
 def test_zero_checkpoints_resume_on_fewer_workers(tmp_path: Path, sharding: str, placement: str) -> None:
     """The optimizer state (and, at stage 3, the parameters) sharded over 3 workers, saved as one

@@ -1,0 +1,113 @@
+"""Refusing what a multi-replica ``run`` would share between replica threads.
+
+A module created outside every scope has no copy per replica; an optimizer created outside
+every scope over mirrored parameters would be stepped by every replica thread. Both are
+refused, with the fix, at their first use inside such a ``run`` (:class:`UnscopedCheck`,
+acquired by the mirrored placement around each ``run`` where some replica computes with copies).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from stratagem import _context
+from stratagem.errors import ContextError
+from stratagem.placement.hooks import placement_of
+from stratagem.placement.mirrored_dict import MirroredDict
+
+
+class UnscopedCheck:
+    """While multi-replica runs are active, refuse modules whose parameters are not mirrored,
+    and optimizers created outside the scope over mirrored parameters.
+
+    Such a module (created outside the scope) would be shared by every replica thread: the
+    replicas would silently diverge, or race inside autograd. Such an optimizer would be
+    stepped by every replica on the primary copy, and its ``zero_grad`` on one replica's
+    thread would clear gradients another replica's backward is writing (a crash, not just a
+    wrong result). Both are refused at their first use inside ``run``: the forward pre-hook,
+    torch's global optimizer step pre-hook, and ``Optimizer.zero_grad`` wrapped while such
+    runs are active (torch has no zero_grad hook).
+
+    The forward pre-hook, once installed, stays (outside such runs it returns at once):
+    ``torch.compile`` guards on the keys of torch's global hook dict, and a hook registered
+    anew at every run would make a compiled model recompile at every step, then silently
+    fall back to eager once ``torch._dynamo.config.recompile_limit`` is reached.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._handles: list[Any] = []
+        self._module_hook: Any = None
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._module_hook is None:
+                self._module_hook = nn.modules.module.register_module_forward_pre_hook(_forbid_unscoped)
+            if self._users == 0:
+                self._handles = [register_optimizer_step_pre_hook(_forbid_unscoped_optimizer)]
+                torch.optim.Optimizer.zero_grad = _checked_zero_grad
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                torch.optim.Optimizer.zero_grad = _original_zero_grad
+                for handle in self._handles:
+                    handle.remove()
+
+
+def _multi_replica_frame() -> Any:
+    frame = _context.current_frame()
+    if frame is None or frame.replica_context is None or frame.strategy.topology.num_local_replicas < 2:
+        return None
+    return frame
+
+
+def _forbid_unscoped(module: nn.Module, args: Any) -> None:
+    frame = _multi_replica_frame()
+    if frame is None:
+        return
+    params = module.__dict__.get("_parameters")
+    if params and not isinstance(params, MirroredDict):
+        names = ", ".join(repr(name) for name in params)
+        raise ContextError(
+            f"module {type(module).__name__} has parameters with no copy per replica ({names}): "
+            f"it was created outside strategy.scope(), or they were assigned to it after the scope "
+            f"closed. Every replica of {frame.strategy!r} would share one copy and the replicas "
+            f"would silently diverge. Create the module (or assign the parameters) inside "
+            f"`with strategy.scope():`")
+
+
+def _forbid_unscoped_optimizer(optimizer: torch.optim.Optimizer, *args: Any) -> None:
+    frame = _context.current_frame()   # (any replica count: only parameters with copies are looked at)
+    if frame is None or frame.replica_context is None or placement_of(optimizer) is not None:
+        return   # outside run, or ours: a scoped optimizer or a twin
+    placement = frame.strategy.placement
+    if any(placement.all_copies(p) is not None for group in optimizer.param_groups for p in group["params"]):
+        raise ContextError(
+            f"{type(optimizer).__name__} was created outside strategy.scope() but updates the "
+            f"parameters of a model created in the scope of {frame.strategy!r}: every replica would "
+            f"step it (and clear its gradients) on its own thread, so the replicas would diverge or "
+            f"race. Create the optimizer inside `with strategy.scope():` too; its step then sums the "
+            f"replicas' gradients and applies the update once")
+
+
+_original_zero_grad = torch.optim.Optimizer.zero_grad
+
+
+@functools.wraps(_original_zero_grad)
+def _checked_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    _forbid_unscoped_optimizer(self)
+    _original_zero_grad(self, set_to_none)
+
+
+#: the one check, shared by every mirrored placement
+unscoped_check = UnscopedCheck()
