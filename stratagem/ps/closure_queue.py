@@ -9,6 +9,10 @@ running); a closure put back after a lost worker never waits. A waiting ``put`` 
 ``check`` and wakes at once when the queue is closed, so it never outlives a failure.
 ``floor`` is the oldest unfinished closure's number: the fences of
 :mod:`stratagem.ps.fencing` carry it, so a ps forgets what older closures pushed.
+``errors`` are what ``join()`` raises next; ``clear_errors`` forgets them (the variables were
+restored after a ps loss), and ``finished`` records an error only if its ``keep`` says so at
+that moment, under the queue's lock: an error decided before a restore is never recorded
+after it.
 """
 
 from __future__ import annotations
@@ -24,13 +28,16 @@ from stratagem.ps.remote_value import RemoteValue
 
 class _Closure:
     """A scheduled function: ``seq`` numbers it at its coordinator, ``attempt`` counts its
-    executions (each one's pushes are fenced, see :mod:`stratagem.ps.fencing`)."""
+    executions (each one's pushes are fenced, see :mod:`stratagem.ps.fencing`); ``losses`` is
+    how many ps losses its coordinator had declared when it was scheduled (one declared
+    since fails it: :class:`~stratagem.ps.health.PsWatchdog`)."""
 
-    __slots__ = ("fn", "args", "kwargs", "value", "seq", "attempt", "ps_retries")
+    __slots__ = ("fn", "args", "kwargs", "value", "seq", "attempt", "ps_retries", "losses")
 
-    def __init__(self, fn: Callable, args: tuple, kwargs: dict, value: RemoteValue, seq: int = 0):
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, value: RemoteValue, seq: int = 0,
+                 losses: int = 0):
         self.fn, self.args, self.kwargs, self.value = fn, args, kwargs, value
-        self.seq, self.attempt, self.ps_retries = seq, 0, 0
+        self.seq, self.attempt, self.ps_retries, self.losses = seq, 0, 0, losses
 
 
 class _Queue:
@@ -74,13 +81,21 @@ class _Queue:
                 self._cond.wait(timeout)
             return self._waiting.popleft() if self._waiting else None
 
-    def finished(self, closure: _Closure, error: BaseException | None = None) -> None:
+    def finished(self, closure: _Closure, error: BaseException | None = None, *,
+                 keep: Callable[[], bool] | None = None) -> None:
+        """``closure`` is done; ``join()`` raises ``error`` next, unless ``keep`` (asked under
+        the queue's lock) says no."""
         with self._cond:
             self._unfinished -= 1
             self._done.add(closure.seq)
-            if error is not None:
+            if error is not None and (keep is None or keep()):
                 self.errors.append(error)
             self._cond.notify_all()
+
+    def clear_errors(self) -> None:
+        """Forget the errors ``join()`` would raise (the variables were restored after a loss)."""
+        with self._cond:
+            self.errors = []
 
     def close(self, error: BaseException) -> None:
         """Fail every waiting closure, and every one put later, with ``error``."""
@@ -121,6 +136,12 @@ class _Queue:
                 self._cond.wait(0.2 if deadline is None else min(0.2, max(deadline - time.monotonic(), 0)))
                 check()
             return True
+
+    @property
+    def next_seq(self) -> int:
+        """One more than the newest closure's seq put so far."""
+        with self._cond:
+            return self._next
 
     @property
     def unfinished(self) -> int:

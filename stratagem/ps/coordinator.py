@@ -186,12 +186,14 @@ class ClusterCoordinator:
         if not callable(fn):
             raise InvalidArgumentError(f"schedule needs a callable, got {type(fn).__name__}")
         with label("stratagem.ps.schedule"):
+            losses = self._ps_watch.losses    # (read first: a loss declared from now on fails it)
             self._raise_if_failed()
             placement = self.strategy.placement
             placement.finalize()
             placement.sync_hyperparameters()
             value = RemoteValue(self)
-            closure = _Closure(fn, tuple(args), dict(kwargs or {}), value, seq=next(self._seq))
+            closure = _Closure(fn, tuple(args), dict(kwargs or {}), value, seq=next(self._seq),
+                               losses=losses)
             self._queue.put(closure, check=self._raise_if_failed)
             return value
 
@@ -310,6 +312,6 @@ class ClusterCoordinator:
         self._ps_watch.restored()
         # the loss was raised to the user, who restored: the errors of steps that failed
         # before (on the lost ps, or on its empty restart) are not raised again by join(),
-        # nor those of steps dispatched before that end later (the watchdog counts restores)
-        self._queue.errors = []
+        # nor those of steps scheduled before that end later (they are failed, not recorded)
+        self._queue.clear_errors()
 

@@ -21,7 +21,9 @@ worker attaches to its pushes (:mod:`stratagem.ps.fencing`), so a closure re-que
 its first execution still runs (a stopped worker resumes) applies each update at most once.
 A closure that failed because a ps did not answer, or refused its pushes for a lapsed
 lease, runs again (a few times at most) unless the coordinator has declared that ps lost;
-once it has, no closure is run and the ones in flight fail.
+once it has, no closure is run and the ones in flight fail. A closure scheduled before a
+loss fails with it however it ends -- also when it ends, or is only about to start, after
+the user restored the variables (:meth:`~stratagem.ps.health.PsWatchdog.lost_since`).
 """
 
 from __future__ import annotations
@@ -137,19 +139,17 @@ class _Worker:
     def _serve(self, closure: _Closure) -> None:
         """Run one closure; a fatal error (refused token, not a worker) propagates."""
         queue, ps = self.link.queue, self.ps
-        lost = ps.failure
+        lost = ps.failure or ps.lost_since(closure)
         if lost is not None:   # a ps declared lost applies nothing more: run nothing
-            closure.value._set_error(lost)
-            queue.finished(closure, lost)
+            self._fail_with_loss(closure, lost)
             return
-        generation, restores = ps.generation, ps.restores
         try:
             ps.wait_leased()
             self._prepare()
+            self._raise_if_lost_since(closure)    # (the datasets may take long to create)
             closure.attempt += 1
             result = self._run(closure)
-            if ps.generation != generation:   # a ps was lost meanwhile
-                raise ps.last_failure  # type: ignore[misc]
+            self._raise_if_lost_since(closure)    # it ended after a loss: it fails with it
         except _WorkerLost:
             self.incarnation = None
             queue.put(closure, front=True, new=False)
@@ -159,17 +159,14 @@ class _Worker:
         except BaseException as error:  # noqa: BLE001 - belongs to this closure only
             if self._misconfigured(error):
                 raise
-            if ps.generation != generation:   # it ran into a lost ps
-                error = ps.last_failure  # type: ignore[assignment]
-                if ps.restores != restores:   # raised and restored since: join() is past it
-                    closure.value._set_error(error)
-                    queue.finished(closure)
-                    return
-            else:
-                error = ps.classify(error)
-                if ps.retry(closure, error):   # a ps stalled: run it again
-                    queue.put(closure, front=True, new=False)
-                    return
+            lost = ps.lost_since(closure)
+            if lost is not None:   # it ran into a lost ps: it fails with the loss
+                self._fail_with_loss(closure, lost)
+                return
+            error = ps.classify(error)
+            if ps.retry(closure, error):   # a ps stalled: run it again
+                queue.put(closure, front=True, new=False)
+                return
             closure.value._set_error(error)
             queue.finished(closure, error)
             return
@@ -181,6 +178,18 @@ class _Worker:
             accept_worker_deltas(strategy, result["metrics"])
         closure.value._set_value(result["result"])
         queue.finished(closure)
+
+    def _raise_if_lost_since(self, closure: _Closure) -> None:
+        lost = self.ps.lost_since(closure)
+        if lost is not None:
+            raise lost
+
+    def _fail_with_loss(self, closure: _Closure, lost: UnavailableError) -> None:
+        """``closure`` fails with a ps loss; join() raises it too, unless the variables were
+        restored since (the user has seen the loss: join() is past it)."""
+        closure.value._set_error(lost)
+        ps = self.ps
+        self.link.queue.finished(closure, lost, keep=lambda: ps.failure is not None)
 
     def _misconfigured(self, error: BaseException) -> bool:
         """The task has no handler for a worker's methods (told by status code, not text)."""

@@ -18,8 +18,9 @@ The ps keeps, per coordinator and closure, the newest attempt it has seen and wh
 ``(variable, index)`` updates it applied. A push is
 
 - *refused* (:class:`SupersededError`) when a newer attempt of its closure has already
-  pushed here, or its closure is older than the floor (that closure finished: any push
-  for it now comes from an abandoned execution);
+  pushed here, or its closure is older than the floor (that closure finished, or was
+  scheduled before the variables were restored after a ps loss: any push for it now comes
+  from an abandoned execution);
 - *skipped*, per variable, when that variable's update of that index was already applied
   by another attempt (so a re-run completes without applying it twice);
 - applied otherwise.
@@ -211,8 +212,9 @@ class Fences:
             self._raise_floor(entry, fence.floor)
             if fence.closure < entry.floor:
                 raise SupersededError(
-                    f"closure {fence.closure} of coordinator {fence.coordinator} has finished: "
-                    f"attempt {fence.attempt} was abandoned; its update is not applied")
+                    f"closure {fence.closure} of coordinator {fence.coordinator} has finished (or was "
+                    f"scheduled before a restore after a ps loss): attempt {fence.attempt} was "
+                    "abandoned; its update is not applied")
             closure = entry.closures.setdefault(fence.closure, _Closure())
             if fence.attempt < closure.attempt:
                 raise SupersededError(

@@ -19,6 +19,14 @@ naming the ps, and ``schedule``/``join``/``fetch`` raise it until the user resto
 variables (``model.load_state_dict`` / ``optimizer.load_state_dict``), which renews the
 leases.
 
+A closure scheduled before a loss fails with it even when it ends after the restore --
+it was held by a dispatcher (creating a worker's datasets, say) or still running on its
+worker: it never starts after the restore, and nothing it pushes after the restore is
+applied, because the first renewal after a restore carries a floor above every closure
+scheduled before it (a ps refuses the pushes of closures below the floor,
+:mod:`stratagem.ps.fencing`). The user restores from a checkpoint and schedules those
+steps again: each update is applied once.
+
 The watchdog also judges the errors of closures for the dispatchers: which come from a ps
 (one that stalled or lapsed its lease: the closure runs again, a few times at most; one
 declared lost: it fails with the loss), and which say another coordinator took the ps over.
@@ -53,10 +61,10 @@ class PsWatchdog:
     """Renews this coordinator's leases on the parameter servers and judges them lost.
 
     ``failure`` is the :class:`UnavailableError` of the first ps declared lost (None while
-    all count as alive); ``leased`` is set once every ps has granted a first lease.
-    ``generation`` counts the losses declared, ``last_failure`` is the latest one's error:
-    a step dispatched before a loss fails with it, even if it ends after the restore;
-    ``restores`` counts the user's restores of the variables after a loss.
+    all count as alive, and again once the variables were restored); ``leased`` is set once
+    every ps has granted a first lease. ``losses`` counts the losses declared and
+    ``last_failure`` is the latest one's error: a closure scheduled when ``losses`` was
+    lower fails with it, even if it ends after the restore (:meth:`lost_since`).
     """
 
     def __init__(self, link: CoordinatorLink, ps_timeout: float) -> None:
@@ -66,9 +74,9 @@ class PsWatchdog:
         self.cluster = link.strategy.cluster
         self.clients = self.cluster.ps_clients
         self.failure: UnavailableError | None = None
-        self.generation = 0
+        self.losses = 0
         self.last_failure: UnavailableError | None = None
-        self.restores = 0
+        self._floor = 0     # closures older than this were scheduled before the last restore
         self.leased = threading.Event()
         now = time.monotonic()
         self._last_renewed = [now] * len(self.clients)
@@ -102,7 +110,8 @@ class PsWatchdog:
             return
         sent = time.monotonic()
         request = {"coordinator": self.link.id, "lease_s": self.lease_s, "sent_at": time.time(),
-                   "floor": self.link.queue.floor}   # older closures have finished
+                   # older closures have finished, or belong to before a restore
+                   "floor": max(self.link.queue.floor, self._floor)}
         calls = [client.rpc.call_async("renew_lease", request, timeout=2 * HEARTBEAT_SECONDS)
                  for client in self.clients]   # (a restarted ps: a hello and the call again)
         for i, call in enumerate(calls):
@@ -149,11 +158,13 @@ class PsWatchdog:
         self._last_renewed[i] = time.monotonic() - self.lease_s   # alive: wait some more
         return True
 
-    def _declare_lost(self, i: int, why: str) -> None:
+    def _declare_lost(self, i: int, why: str) -> None:   # holding the lock
         task = self.clients[i].task
         self.failure = UnavailableError(
             f"parameter server {task} is lost: {why}. Nothing more is applied to it: the steps "
             f"waiting or running fail with this error. {_RESTORE}.", task=task)
+        self.last_failure = self.failure
+        self.losses += 1    # (after last_failure: whoever sees the count sees the error)
         self._expired.clear()
         self.link.queue.drain(self.failure)   # the waiting closures fail; the running ones' dispatchers see it
 
@@ -170,13 +181,22 @@ class PsWatchdog:
                 pass
 
     def restored(self) -> None:
-        """The user restored the variables: count every ps as alive and renew the leases now."""
-        self.failure = None
-        now = time.monotonic()
-        self._last_renewed = [now] * len(self.clients)
-        self._incarnations = [None] * len(self.clients)
-        self.heartbeat()
-        self.restores += 1
+        """The user restored the variables: count every ps as alive and renew the leases now.
+        After a loss, the renewal's floor is raised above every closure scheduled so far: the
+        pushes of those still running are refused from now on."""
+        with self._lock:
+            if self.failure is not None:
+                self._floor = max(self._floor, self.link.queue.next_seq)
+            self.failure = None
+            now = time.monotonic()
+            self._last_renewed = [now] * len(self.clients)
+            self._incarnations = [None] * len(self.clients)
+            self._round()
+
+    def lost_since(self, closure: _Closure) -> UnavailableError | None:
+        """The error of a ps loss declared after ``closure`` was scheduled, if any (the
+        latest one's): such a closure fails with it, however it ended."""
+        return self.last_failure if self.losses != closure.losses else None
 
     def release(self) -> None:
         """The coordinator shuts down: end its leases (best effort, bounded)."""
