@@ -158,11 +158,11 @@ class ClusterCoordinator:
         self.id = strategy.cluster.tenure.id   # names this program's requests and closures on the ps
         self._seq = itertools.count()
         self._fatal: BaseException | None = None
-        strategy.attach_coordinator(self)
+        self._stopping = threading.Event()
+        strategy.attach_coordinator(self, live=lambda: not self._stopping.is_set())
         self.strategy = strategy
         strategy.placement.on_restored = self._variables_restored
         self._queue = _Queue(max_queued)
-        self._stopping = threading.Event()
         strategy.cluster.tenure.on_failure(self._fail)   # another coordinator took the ps over
         self._datasets: dict[str, Callable] = {}
         self._keys: "weakref.WeakKeyDictionary[Callable, str]" = weakref.WeakKeyDictionary()
@@ -191,7 +191,7 @@ class ClusterCoordinator:
             placement = self.strategy.placement
             placement.finalize()
             placement.sync_hyperparameters()
-            value = RemoteValue(self)
+            value = RemoteValue(check=self._check)
             closure = _Closure(fn, tuple(args), dict(kwargs or {}), value, seq=next(self._seq),
                                losses=losses)
             self._queue.put(closure, check=self._raise_if_failed)

@@ -9,6 +9,10 @@ States and transitions::
 A closure whose worker dies stays PENDING and is scheduled again, so a RemoteValue
 is only ever set once. ``fetch(timeout=)`` raising ``TimeoutError`` or
 ``UnavailableError`` (no worker answering) changes nothing: the value stays PENDING.
+
+A RemoteValue does not hold its coordinator: the coordinator gives it ``check``, a
+callback that raises what makes waiting pointless (a fatal error, a lost ps, no worker
+answering, shutdown), which ``fetch`` calls while it waits.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from stratagem.errors import InvalidArgumentError
 
@@ -48,8 +52,8 @@ class RemoteValue:
         # loss = value.fetch()          # blocks until a worker has run the step
     """
 
-    def __init__(self, coordinator: Any = None):
-        self._coordinator = coordinator
+    def __init__(self, check: Callable[[], None] | None = None):
+        self._check = check   # raises what makes waiting pointless (given by the coordinator)
         self._event = threading.Event()
         self._status = RemoteValueStatus.PENDING
         self._value: Any = None
@@ -76,8 +80,8 @@ class RemoteValue:
         timeout = None if timeout is None else check_timeout(timeout, "timeout")
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._event.wait(0.2 if deadline is None else min(0.2, max(deadline - time.monotonic(), 0))):
-            if self._coordinator is not None:
-                self._coordinator._check()
+            if self._check is not None:
+                self._check()
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"the scheduled function did not finish within {timeout:g} s; "
                                    "it stays scheduled (fetch again to wait longer)")

@@ -120,6 +120,7 @@ class ParameterServerStrategy(Strategy):
         collective = ReplicaCollective.create(topology.devices, HierarchicalCopyAllReduce())
         self._configure(topology, collective, ParameterServerPlacement(self, clients, variable_partitioner))
         self._coordinator: Any = None
+        self._coordinator_live: Callable[[], bool] = lambda: False
 
     def __reduce__(self) -> Any:  # a step function that mentions the strategy runs on a worker
         return (_WorkerStrategy, ())
@@ -133,12 +134,14 @@ class ParameterServerStrategy(Strategy):
         """The :class:`~stratagem.ClusterCoordinator` of this strategy, or None before one is made."""
         return self._coordinator
 
-    def attach_coordinator(self, coordinator: Any) -> None:
-        """Called by :class:`~stratagem.ClusterCoordinator`: one coordinator per strategy."""
-        if self._coordinator is not None and not self._coordinator._stopping.is_set():
+    def attach_coordinator(self, coordinator: Any, live: Callable[[], bool]) -> None:
+        """Called by :class:`~stratagem.ClusterCoordinator`: one live coordinator per strategy.
+        ``live`` says whether ``coordinator`` still runs (False once it was shut down): a new
+        one may replace it then."""
+        if self._coordinator is not None and self._coordinator_live():
             raise InvalidArgumentError("this strategy already has a live ClusterCoordinator; use "
                                        "strategy.coordinator (ClusterCoordinator(strategy) returns it too)")
-        self._coordinator = coordinator
+        self._coordinator, self._coordinator_live = coordinator, live
 
     def __repr__(self) -> str:
         return (f"ParameterServerStrategy({len(self.cluster.worker_addresses)} workers, "
