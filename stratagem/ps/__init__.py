@@ -10,7 +10,8 @@ On the coordinator (the user's script):
   worker); :class:`~stratagem.ClusterCoordinator` (``coordinator.py``) sends them;
 - ``coordinator.py`` -- the coordinator; its threads, a dispatcher per worker
   (``dispatcher.py``, fed from ``closure_queue.py``) and the ps watchdog (``health.py``),
-  reach it only through the ``CoordinatorLink`` it hands them (``coordinator_link.py``);
+  reach it only through the ``CoordinatorLink`` it hands them (``coordinator_link.py``), a
+  :class:`RemoteValue` (``remote_value.py``) through the ``check`` callback it is given;
   ``fit_loop.py`` is ``Model.fit`` scheduled through it.
 
 On the servers (``stratagem server``, ``server.py``, serves one task from TF_CONFIG):

@@ -20,7 +20,9 @@ A parameter server that stops answering for ``ps_timeout`` seconds, or comes bac
 new process, is declared lost (:mod:`stratagem.ps.health`; a stall of a few
 seconds is not a loss): from then on nothing more is applied, and ``schedule``, ``join``
 and ``fetch`` raise :class:`~stratagem.errors.UnavailableError` naming it until the user
-restores the variables (``model.load_state_dict`` / ``optimizer.load_state_dict``).
+restores the variables (``model.load_state_dict`` / ``optimizer.load_state_dict``). A step
+scheduled before the loss fails with it, even one that ends after the restore (and nothing
+it pushes after the restore is applied).
 
 One coordinator drives the parameter servers at a time (the strategy's tenure,
 :mod:`stratagem.ps.tenure`; its id names this coordinator's requests and fences). When another
