@@ -38,6 +38,9 @@ class Strategy(Protocol):
     def default_replica_context(self) -> ReplicaContext:
         """The replica context a thread is in when no ``run`` is active."""
 
+    def outside_replica_context(self) -> "ReplicaContext | None":
+        """The replica code outside ``run`` acts as: this process's one replica, else None."""
+
 
 @dataclass(frozen=True)
 class _Frame:
@@ -107,6 +110,23 @@ def in_cross_replica_context() -> bool:
     """True inside a strategy's scope but outside ``strategy.run``."""
     frame = current_frame()
     return frame is not None and frame.replica_context is None
+
+
+def acting_replica_context() -> "ReplicaContext | None":
+    """The replica that code on this thread computes for: inside ``run``, its replica; outside
+    ``run``, in the scope of a strategy whose process holds exactly one replica, that replica
+    (the step written without ``run``, as under DistributedDataParallel); outside every scope,
+    the default strategy's; else None (several replicas in this process, outside ``run``).
+
+    Unlike :func:`get_replica_context` (TensorFlow's: None in cross-replica context), this is
+    what the loss helpers scale for.
+    """
+    frame = current_frame()
+    if frame is None:
+        return default_strategy().default_replica_context()
+    if frame.replica_context is not None:
+        return frame.replica_context
+    return frame.strategy.outside_replica_context()
 
 
 def get_replica_context() -> "ReplicaContext | None":

@@ -10,8 +10,9 @@ the fix (``with strategy.scope(): model = sg.Model(module)``):
 
 - at construction, a module created in the scope of a strategy other than the model's (the
   model built outside that scope, in another strategy's scope, or given another
-  ``strategy=``) -- :class:`~stratagem.errors.ContextError`; and a module created outside
-  every scope for a strategy with several local replicas (no copy per replica) --
+  ``strategy=``) -- :class:`~stratagem.errors.ContextError`; and, where several replicas are
+  in sync, a module with parameters the strategy does not hold (created outside every scope, or
+  assigned after it: no copy per replica, no agreed values or summed gradients across workers) --
   :class:`~stratagem.errors.InvalidArgumentError`;
 - at ``compile``, ``fit``, ``evaluate`` and ``predict``, a call inside the scope of another
   strategy than the model's -- :class:`~stratagem.errors.ContextError`.
@@ -61,16 +62,22 @@ def model_strategy(module: nn.Module, strategy: Any = None) -> Any:
 
 
 def _check_placed(module: nn.Module, strategy: Any) -> None:
-    """A module created outside every scope has no copy per replica: refused where there are several."""
+    """A module created outside every scope has no copy per replica, and across workers no agreed
+    values or summed gradients: refused where several replicas are in sync."""
     first = next(iter(module.parameters()), None)
-    if first is None or strategy.topology.num_local_replicas == 1:
+    if first is None or strategy.num_replicas_in_sync == 1 and strategy.topology.num_local_replicas == 1:
         return
-    strategy.placement.finalize()
-    if strategy.placement.all_copies(first) is None:
+    placement = strategy.placement
+    placement.finalize()
+    unheld = [".".join(part for part in (name, leaf) if part)
+              for name, inner in module.named_modules() for leaf in placement.unheld(inner)]
+    if unheld or (strategy.topology.num_local_replicas > 1 and placement.all_copies(first) is None):
+        shown = f"; parameters it does not hold: {', '.join(repr(n) for n in unheld[:6])}" \
+            f"{' ...' if len(unheld) > 6 else ''}" if unheld else ""
         raise InvalidArgumentError(
-            f"the module given to sg.Model was not created in the scope of {strategy!r}, so its "
-            f"replicas would not be kept in sync; create it inside `with strategy.scope():` "
-            f"and build the Model there too: {_FIX}")
+            f"the module given to sg.Model was not created in the scope of {strategy!r} (or parameters "
+            f"were assigned to it after the scope closed{shown}), so its replicas would not be kept in "
+            f"sync; create it inside `with strategy.scope():` and build the Model there too: {_FIX}")
 
 
 def check_used_in_scope(strategy: Any, method: str) -> None:

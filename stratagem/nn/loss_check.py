@@ -53,11 +53,12 @@ from stratagem import _context
 from stratagem._frames import warn_at_users_line
 from stratagem.errors import InvalidArgumentError
 
-__all__ = ["LossScalingWarning", "MAX_NODES", "mark", "watching"]
+__all__ = ["LossScalingWarning", "MAX_NODES", "act_outside_run", "mark", "reaches", "watching"]
 
 #: the most autograd nodes one check looks at
 MAX_NODES = 32
 _KEY = "stratagem.loss_scaling"
+_REPLICAS = "stratagem.loss_scaling.replicas"   # the replicas in sync the mark scaled for
 #: nodes of scalar arithmetic: the walk goes through them
 _THROUGH = frozenset({
     "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "RsubBackward0", "RsubBackward1",
@@ -88,11 +89,13 @@ class LossScalingWarning(UserWarning):
     """
 
 
-def mark(loss: torch.Tensor, how: str) -> torch.Tensor:
-    """Note on ``loss``'s autograd node that it is scaled for summed gradients (``how``)."""
+def mark(loss: torch.Tensor, how: str, num_replicas: int | None = None) -> torch.Tensor:
+    """Note on ``loss``'s autograd node that it is scaled for summed gradients (``how``): for
+    ``num_replicas`` replicas in sync, or for any number (None: exact whatever it is)."""
     node = loss.grad_fn if isinstance(loss, torch.Tensor) else None
     if node is not None:
         node.metadata[_KEY] = how
+        node.metadata[_REPLICAS] = num_replicas
     return loss
 
 
@@ -109,6 +112,7 @@ class _Term:
     numel: int = 1
     factors: list[float] = field(default_factory=list)
     unsure: bool = False          # a factor that could not be read, or a product of two losses
+    replicas: int | None = None   # a mark's: the replicas in sync it scaled for (None: any)
 
 
 def _terms(roots: list[Any]) -> list[_Term]:
@@ -124,7 +128,7 @@ def _terms(roots: list[Any]) -> list[_Term]:
             terms.append(_Term("cut"))   # not looked at: it could hold a scaled term
             break
         if node.metadata.get(_KEY) is not None:
-            terms.append(_Term("marked", node))
+            terms.append(_Term("marked", node, replicas=node.metadata.get(_REPLICAS)))
             continue
         name = node.name()
         inputs = [next_node for next_node, _ in node.next_functions]
@@ -209,9 +213,10 @@ def _close(a: float, b: float) -> bool:
 
 
 def _classify(term: _Term, num_replicas: int, global_batch: int | None) -> str:
-    """"good" (scaled), "neutral", "trap" (certainly a per-replica mean) or "doubt"."""
+    """"good" (scaled), "neutral", "trap" (certainly a per-replica mean), "doubt", or
+    "mismatch" (scaled by a helper for another number of replicas in sync)."""
     if term.kind == "marked":
-        return "good"
+        return "good" if term.replicas in (None, num_replicas) else "mismatch"
     if term.kind not in ("mean", "sum"):
         return "neutral"
     factors = list(term.factors)
@@ -258,21 +263,35 @@ def _advice(num_replicas: int) -> str:
             f"scaled elsewhere on purpose, `loss = sg.nn.skip_loss_scaling_check(loss)` lets it through")
 
 
-def check(roots: list[Any], strategy: Any, num_replicas: int, global_batch: int | None) -> None:
+def check(roots: list[Any], strategy: Any, num_replicas: int, global_batch: int | None,
+          where: str = "in a replica of", confirm: Any = None) -> None:
     """Raise or warn (once per strategy) if the loss whose graph starts at ``roots`` is a
-    per-replica mean under gradients summed over ``num_replicas`` replicas."""
+    per-replica mean under gradients summed over ``num_replicas`` replicas. ``where`` places the
+    backward in the messages; ``confirm(roots)``, if given, must say True (the loss reaches the
+    strategy's parameters) before anything is raised or warned."""
     judged = [(term, _classify(term, num_replicas, global_batch)) for term in _terms(roots)]
     verdicts = [verdict for _, verdict in judged]
-    if "trap" in verdicts and "good" not in verdicts and all(term.kind != "cut" for term, _ in judged):
+    if "mismatch" in verdicts and (confirm is None or confirm(roots)):
+        term = next(term for term, verdict in judged if verdict == "mismatch")
+        how = term.node.metadata.get(_KEY)
+        raise InvalidArgumentError(
+            f"loss.backward() {where} {strategy!r} got a loss scaled by sg.nn.{how} for "
+            f"{term.replicas} replica(s) in sync, but the gradients are summed over {num_replicas}: the "
+            f"loss was computed outside this strategy's scope and strategy.run (where the default "
+            f"strategy's one replica is in sync), so it trains with the wrong gradient. Compute the loss "
+            f"inside `with strategy.scope():` or inside strategy.run, where sg.nn.{how} scales for "
+            f"{num_replicas} replicas")
+    if "trap" in verdicts and "good" not in verdicts and all(term.kind != "cut" for term, _ in judged) \
+            and (confirm is None or confirm(roots)):
         term = next(term for term, verdict in judged if verdict == "trap")
         raise InvalidArgumentError(
-            f"loss.backward() in a replica of {strategy!r} got a per-replica mean loss: "
+            f"loss.backward() {where} {strategy!r} got a per-replica mean loss: "
             f"{_describe(term)}. {_advice(num_replicas)}")
     mixed = "good" in verdicts
     for term, verdict in judged:
-        if verdict in ("trap", "doubt"):
+        if verdict in ("trap", "doubt") and (confirm is None or confirm(roots)):
             _watch.warn_once(strategy, (
-                f"loss.backward() in a replica of {strategy!r} got a loss with a term that looks like a "
+                f"loss.backward() {where} {strategy!r} got a loss with a term that looks like a "
                 f"per-replica mean not scaled for the global batch: {_describe(term)}"
                 f"{_why_unsure(term, mixed)}. {_advice(num_replicas)}"))
             return
@@ -295,20 +314,22 @@ def _why_unsure(term: _Term, mixed: bool) -> str:
 
 
 class _Watch:
-    """Which strategies' runs are active with several replicas in sync; the wrapper while any is."""
+    """Which strategies' runs are active with several replicas in sync, and which strategies'
+    one replica per process is acted as outside ``run``; the wrapper while any is."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.active: dict[int, int] = {}   # id(strategy) -> runs active
+        #: strategies whose process holds one of several replicas in sync: a backward outside run
+        #: acts as that replica (checked too)
+        self.outside: weakref.WeakSet = weakref.WeakSet()
         self._warned: weakref.WeakSet = weakref.WeakSet()
         self._original: Any = None
 
     def acquire(self, strategy: Any) -> None:
         with self._lock:
-            if not self.active:
-                self._original = torch.autograd.backward
-                torch.autograd.backward = _make_checked(self._original)
             self.active[id(strategy)] = self.active.get(id(strategy), 0) + 1
+            self._install()
 
     def release(self, strategy: Any) -> None:
         with self._lock:
@@ -317,8 +338,22 @@ class _Watch:
                 self.active[id(strategy)] = left
             else:
                 del self.active[id(strategy)]
-            if not self.active:
-                torch.autograd.backward = self._original
+            self._install()
+
+    def act_outside_run(self, strategy: Any) -> None:
+        with self._lock:
+            self.outside.add(strategy)
+            self._install()
+
+    def _install(self) -> None:
+        """The wrapper while a run is active or a strategy is acted as outside run (the weak set
+        empties when its strategies are collected: the next run's end takes the wrapper off)."""
+        wanted = bool(self.active) or len(self.outside) > 0
+        if wanted and self._original is None:
+            self._original = torch.autograd.backward
+            torch.autograd.backward = _make_checked(self._original)
+        elif not wanted and self._original is not None:
+            torch.autograd.backward, self._original = self._original, None
 
     def warn_once(self, strategy: Any, message: str) -> None:
         with self._lock:
@@ -334,18 +369,62 @@ _watch = _Watch()
 def _make_checked(original: Any) -> Any:
     def backward(tensors: Any, grad_tensors: Any = None, retain_graph: Any = None, create_graph: bool = False,
                  grad_variables: Any = None, inputs: Any = None) -> None:
-        frame = _context.current_frame()
-        if (frame is not None and frame.replica_context is not None and id(frame.strategy) in _watch.active
-                and grad_tensors is None and grad_variables is None and _about_parameters(inputs)):
+        if grad_tensors is None and grad_variables is None and _about_parameters(inputs):
             roots = [t.grad_fn for t in ((tensors,) if isinstance(tensors, torch.Tensor) else tensors)
                      if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.numel() == 1]
             if roots:
-                ctx = frame.replica_context
-                check(roots, frame.strategy, ctx.num_replicas_in_sync, ctx.global_batch_size)
+                _check_where_called(roots)
         return original(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs=inputs)
     backward.__wrapped__ = original
     backward.__doc__ = original.__doc__
     return backward
+
+
+def _check_where_called(roots: list[Any]) -> None:
+    """The check for a backward on this thread: inside a run, for its replica; outside run in the
+    scope of a strategy acted as outside run, for its one replica here; outside every scope, for
+    each such strategy whose parameters the loss reaches."""
+    frame = _context.current_frame()
+    if frame is not None and frame.replica_context is not None:
+        if id(frame.strategy) in _watch.active:
+            ctx = frame.replica_context
+            check(roots, frame.strategy, ctx.num_replicas_in_sync, ctx.global_batch_size)
+        return
+    if frame is not None and not frame.strategy.is_default:
+        if frame.strategy in _watch.outside:
+            check(roots, frame.strategy, frame.strategy.num_replicas_in_sync, None,
+                  "outside strategy.run, in the scope of")
+        return
+    for strategy in list(_watch.outside):
+        placement = strategy.placement
+        check(roots, strategy, strategy.num_replicas_in_sync, None,
+              "outside strategy.scope() and strategy.run, over parameters of",
+              confirm=lambda roots: reaches(roots, placement))
+
+
+def reaches(roots: list[Any], placement: Any) -> bool:
+    """Whether the autograd graph below ``roots`` accumulates into a parameter ``placement``
+    holds (a walk of the whole graph: only on the way to an error)."""
+    seen: set[int] = set()
+    todo = [node for node in roots if node is not None]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None and placement.holds(variable):
+            return True
+        todo += [n for n, _ in node.next_functions if n is not None]
+    return False
+
+
+def act_outside_run(strategy: Any) -> None:
+    """Check ``backward()`` outside ``run`` for ``strategy`` where its process holds one of
+    several replicas in sync whose gradients are summed: code outside run acts as that replica."""
+    if (strategy.outside_replica_context() is not None and strategy.num_replicas_in_sync > 1
+            and strategy.placement.checks_loss_scaling):
+        _watch.act_outside_run(strategy)
 
 
 def _about_parameters(inputs: Any) -> bool:

@@ -39,20 +39,27 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
     loss = per_example_loss
     if sample_weight is not None:
         loss = loss * torch.as_tensor(sample_weight, dtype=loss.dtype, device=loss.device)
+    scaled_for = None   # a global batch size given: exact whatever the replicas in sync
     if global_batch_size is None:
-        global_batch_size = _current_global_batch_size(per_example_loss.shape[0])
+        global_batch_size, scaled_for = _global_batch_and_replicas(per_example_loss.shape[0])
     elif not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size <= 0:
         raise InvalidArgumentError(f"global_batch_size must be a positive int or None, got {global_batch_size!r}")
-    return mark(loss.sum() / global_batch_size, "compute_average_loss")
+    return mark(loss.sum() / global_batch_size, "compute_average_loss", scaled_for)
 
 
 def _current_global_batch_size(local_size: int) -> int:
-    ctx = _context.get_replica_context()
+    """The current global batch's size, for a replica with ``local_size`` rows of it."""
+    return _global_batch_and_replicas(local_size)[0]
+
+
+def _global_batch_and_replicas(local_size: int) -> tuple[int, int]:
+    """The global batch's size, and the replicas in sync it was found for."""
+    ctx = _context.acting_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:
-        return local_size or 1
+        return local_size or 1, 1 if ctx is None else ctx.num_replicas_in_sync
     if ctx.global_batch_size is not None:
-        return ctx.global_batch_size
-    return int(ctx.all_reduce("sum", local_size)) or 1
+        return ctx.global_batch_size, ctx.num_replicas_in_sync
+    return int(ctx.all_reduce("sum", local_size)) or 1, ctx.num_replicas_in_sync
 
 
 def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor:
@@ -64,7 +71,8 @@ def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor
         weight = torch.ones(3, requires_grad=True)
         loss = sg.nn.scale_regularization_loss(1e-4 * weight.pow(2).sum())   # one replica: unchanged
     """
-    return mark(regularization_loss / _num_replicas(), "scale_regularization_loss")
+    n = _num_replicas()
+    return mark(regularization_loss / n, "scale_regularization_loss", n)
 
 
 def mean_over_replicas(loss: torch.Tensor) -> torch.Tensor:
@@ -83,7 +91,8 @@ def mean_over_replicas(loss: torch.Tensor) -> torch.Tensor:
         loss = sg.nn.mean_over_replicas(F.cross_entropy(logits, labels))   # one replica: unchanged
         loss.backward()
     """
-    return mark(loss / _num_replicas(), "mean_over_replicas")
+    n = _num_replicas()
+    return mark(loss / n, "mean_over_replicas", n)
 
 
 def skip_loss_scaling_check(loss: torch.Tensor) -> torch.Tensor:
@@ -107,5 +116,5 @@ def skip_loss_scaling_check(loss: torch.Tensor) -> torch.Tensor:
 
 
 def _num_replicas() -> int:
-    ctx = _context.get_replica_context()
+    ctx = _context.acting_replica_context()
     return ctx.num_replicas_in_sync if ctx is not None else _context.get_strategy().num_replicas_in_sync

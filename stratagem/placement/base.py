@@ -78,6 +78,17 @@ class Placement(abc.ABC):
         """Every local replica's copy of a placed tensor, else None."""
         return None
 
+    def holds(self, tensor: torch.Tensor) -> bool | None:
+        """Whether ``tensor`` is a parameter this placement placed (so its gradient is summed and
+        its initial value agreed between workers), or None where the placement does not say."""
+        return None
+
+    def unheld(self, module: nn.Module) -> list[str]:
+        """The names of ``module``'s own parameters that this placement neither placed nor is
+        about to place (created outside the scope, or assigned after it): used by the unscoped
+        checks of :mod:`stratagem.placement.unscoped`. Default: it does not say (none)."""
+        return []
+
     def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> tuple[Any, dict[str, dict]] | None:
         """Save a module's or optimizer's state where it lives, for ``sg.Checkpoint``.
 

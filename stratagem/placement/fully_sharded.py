@@ -75,6 +75,9 @@ class FullyShardedPlacement(RootsPlacement):
         # of parameters taken before the model was placed gets the replacements
         self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sharded_ids: set[int] = set()
+        self._gathered_ids: set[int] = set()   # FSDP2's whole parameters (kept between forwards)
+        #: every module of a sharded model -> the names of its parameters then
+        self._sharded_names: "weakref.WeakKeyDictionary[nn.Module, frozenset]" = weakref.WeakKeyDictionary()
         self._stash: dict[int, dict] = {}   # chief, while a checkpoint is written: gathered states
         clipping.register(self)
 
@@ -103,7 +106,9 @@ class FullyShardedPlacement(RootsPlacement):
         if top is not None:
             fully_shard(top, mesh=self.mesh)
         for module in root.modules():
+            self._sharded_names[module] = frozenset(n for n, p in module._parameters.items() if p is not None)
             if isinstance(module, FSDPModule):
+                module.register_forward_pre_hook(self._note_gathered)   # (after FSDP2's: it gathers)
                 module.set_gradient_divide_factor(1.0)   # a sum over workers, as every other path,
                 module.set_force_sum_reduction_for_comms(True)   # with ReduceOp.SUM (gloo has no PREMUL_SUM)
             for n, p in module._parameters.items():
@@ -131,6 +136,24 @@ class FullyShardedPlacement(RootsPlacement):
             yield
         finally:
             self._stash.clear()
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Sharded by this placement (its gradient reduce-scattered over the workers), or the
+        whole parameter FSDP2 gathered from such shards for a forward."""
+        return id(tensor) in self._sharded_ids or id(tensor) in self._gathered_ids
+
+    def _note_gathered(self, module: nn.Module, args: Any) -> None:
+        """After FSDP2's own forward pre-hook: the unit's parameters are the gathered ones."""
+        self._gathered_ids.update(id(p) for p in module.parameters())
+
+    def unheld(self, module: nn.Module) -> list[str]:
+        """A module of a sharded model holds FSDP2's parameters under the names it had when it
+        was sharded (sharded, or gathered for its forward); any other parameter, or any
+        parameter of another module, was created outside the scope or assigned after it."""
+        if any(m is module for m in self._pending):
+            return []
+        names = self._sharded_names.get(module, frozenset())
+        return [name for name, p in module._parameters.items() if p is not None and name not in names]
 
     def _owns(self, obj: Any) -> bool:
         if isinstance(obj, torch.optim.Optimizer):

@@ -98,9 +98,16 @@ def module_placement(module: nn.Module) -> Any:
     return None
 
 
+def own_placement(module: nn.Module) -> Any:
+    """The placement in whose scope ``module`` itself registered a tensor or a submodule, else None."""
+    found = _module_placements.get(module)
+    return None if found is None else found()
+
+
 def _on_submodule_registered(module: nn.Module, name: str, submodule: Any) -> None:
     placement = _scoped_placement()
     if placement is not None and submodule is not None:
+        _module_placements[module] = weakref.ref(placement)
         placement.on_submodule_registered(module)
     return None
 

@@ -85,6 +85,9 @@ class MirroredPlacement(Placement):
         self._dicts: list[MirroredDict] = []
         # id(primary) -> (primary, every local replica's tensor)
         self._copies: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+        # id(parameter) -> it, for every parameter placed with its module (its initial value agreed
+        # between workers, its gradient summed): what `holds` answers
+        self._held: dict[int, torch.Tensor] = {}
         self._placed: list[nn.Module] = []   # in placing order (the same on every worker)
         self._owners: list[nn.Module] = []   # placed modules and their parents: DDP's sync attribute
         self._layout = 0   # bumped whenever the placed parameters change
@@ -138,6 +141,8 @@ class MirroredPlacement(Placement):
                 if tensor is not None and tensor.device != first:
                     with torch.no_grad():
                         tensor.data = tensor.data.to(first)
+                if attr == "_parameters" and tensor is not None:
+                    self._held[id(tensor)] = tensor
             if isinstance(entries, MirroredDict):
                 for key in dict.keys(entries):
                     self.mirror_entry(entries, key)
@@ -178,6 +183,17 @@ class MirroredPlacement(Placement):
     def all_copies(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         entry = self._copies.get(id(tensor))
         return entry[1] if entry is not None and entry[0] is tensor else None
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Placed with its module; or, in one process, mirrored when assigned to a placed module
+        after the scope (no other process needs to agree on its value)."""
+        return self._held.get(id(tensor)) is tensor or (
+            self.collective.num_workers == 1 and self.all_copies(tensor) is not None)
+
+    def unheld(self, module: nn.Module) -> list[str]:
+        if any(m is module for m in self._pending_modules):
+            return []   # created in the scope, placed at the next finalize
+        return [name for name, p in dict.items(module.__dict__["_parameters"]) if p is not None and not self.holds(p)]
 
     def replica_copy(self, tensor: torch.Tensor, local_id: int) -> torch.Tensor:
         if not self._copies:
@@ -258,6 +274,18 @@ class MirroredPlacement(Placement):
     # ------------------------------------------------------------- optimizers
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.collective.num_replicas > 1:
+            outside = [p for group in optimizer.param_groups for p in group["params"] if not self.holds(p)]
+            if outside:
+                shapes = [list(p.shape) for p in outside[:4]]
+                raise InvalidArgumentError(
+                    f"{type(optimizer).__name__} was created in the scope of {self.strategy!r} over "
+                    f"{len(outside)} parameter(s) it does not hold (shapes {shapes}"
+                    f"{' ...' if len(outside) > 4 else ''}): they belong to a module created outside the "
+                    f"scope, or were assigned to one after the scope closed, so their initial values are "
+                    f"not agreed between the {self.collective.num_replicas} replicas in sync and their "
+                    f"gradients are not summed. Create the model (and assign every parameter) inside "
+                    f"`with strategy.scope():`")
         adopt(optimizer, self)
         self.update.add(optimizer)
 

@@ -1,15 +1,25 @@
-"""Refusing what a multi-replica ``run`` would share between replica threads.
+"""Refusing parameters a strategy does not hold, and what a multi-replica ``run`` would share.
 
 A module created outside every scope has no copy per replica; an optimizer created outside
 every scope over mirrored parameters would be stepped by every replica thread. Both are
 refused, with the fix, at their first use inside such a ``run`` (:class:`UnscopedCheck`,
 acquired by the mirrored placement around each ``run`` where some replica computes with copies).
+
+Across processes, a parameter the strategy did not place (a module created outside the scope,
+a parameter or submodule assigned to a placed module after the scope closed) has no agreed
+initial value and no summed gradient: each worker would silently train its own copy. Where
+several replicas are in sync, a module's forward refuses it (:func:`refuse_unheld`, on every
+worker alike, since every worker runs the same forward): inside ``run``; outside ``run`` in the
+scope of a strategy whose process holds one replica (that replica's step); and outside every
+scope, for a module the strategy placed (its own parameters and children are looked at). The
+look is remembered per module until its parameters or children change.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -18,7 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from stratagem import _context
 from stratagem.errors import ContextError
-from stratagem.placement.hooks import placement_of
+from stratagem.placement.hooks import own_placement, placement_of
 from stratagem.placement.mirrored_dict import MirroredDict
 
 
@@ -46,10 +56,15 @@ class UnscopedCheck:
         self._handles: list[Any] = []
         self._module_hook: Any = None
 
-    def acquire(self) -> None:
+    def watch_modules(self) -> None:
+        """Install the forward pre-hook (it stays: see the class docstring)."""
         with self._lock:
             if self._module_hook is None:
                 self._module_hook = nn.modules.module.register_module_forward_pre_hook(_forbid_unscoped)
+
+    def acquire(self) -> None:
+        self.watch_modules()
+        with self._lock:
             if self._users == 0:
                 self._handles = [register_optimizer_step_pre_hook(_forbid_unscoped_optimizer)]
                 torch.optim.Optimizer.zero_grad = _checked_zero_grad
@@ -73,17 +88,66 @@ def _multi_replica_frame() -> Any:
 
 def _forbid_unscoped(module: nn.Module, args: Any) -> None:
     frame = _multi_replica_frame()
-    if frame is None:
+    if frame is not None:
+        params = module.__dict__.get("_parameters")
+        if params and not isinstance(params, MirroredDict):
+            names = ", ".join(repr(name) for name in params)
+            raise ContextError(
+                f"module {type(module).__name__} has parameters with no copy per replica ({names}): "
+                f"it was created outside strategy.scope(), or they were assigned to it after the scope "
+                f"closed. Every replica of {frame.strategy!r} would share one copy and the replicas "
+                f"would silently diverge. Create the module (or assign the parameters) inside "
+                f"`with strategy.scope():`")
+    placement = _acting_placement(module)
+    if placement is not None:
+        refuse_unheld(module, placement)
+
+
+def _acting_placement(module: nn.Module) -> Any:
+    """The placement whose parameters ``module``'s forward must use here, where several
+    replicas are in sync: the strategy's whose replica this thread acts as (inside ``run``, or
+    outside it with one replica in this process), else, outside every scope, the one that
+    placed ``module``."""
+    frame = _context.current_frame()
+    if frame is None or frame.strategy.is_default:
+        placement = own_placement(module)
+    elif frame.replica_context is not None or frame.strategy.outside_replica_context() is not None:
+        placement = frame.strategy.placement
+    else:
+        return None   # several replicas in this process, outside run: not a replica's step
+    if placement is None or placement.strategy is None or placement.strategy.num_replicas_in_sync < 2:
+        return None
+    return placement
+
+
+#: module -> (placement, its parameters' and children's ids) when they were last found held
+_looked: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def refuse_unheld(module: nn.Module, placement: Any) -> None:
+    """Raise, naming them and the fix, if ``module``'s parameters or its children's (those not
+    placed themselves) include one ``placement`` neither placed nor is about to place."""
+    params, children = module.__dict__.get("_parameters", {}), module.__dict__.get("_modules", {})
+    key = (id(placement), tuple(map(id, dict.values(params))), tuple(map(id, dict.values(children))))
+    if _looked.get(module) == key:
         return
-    params = module.__dict__.get("_parameters")
-    if params and not isinstance(params, MirroredDict):
-        names = ", ".join(repr(name) for name in params)
+    unheld = placement.unheld(module)
+    for name, child in dict.items(children):
+        if child is None or own_placement(child) is placement:
+            continue   # (its own forward, or its parent's, looks at it)
+        unheld += [".".join(part for part in (name, sub, leaf) if part)
+                   for sub, inner in child.named_modules() for leaf in placement.unheld(inner)]
+    if unheld:
+        strategy = placement.strategy
         raise ContextError(
-            f"module {type(module).__name__} has parameters with no copy per replica ({names}): "
-            f"it was created outside strategy.scope(), or they were assigned to it after the scope "
-            f"closed. Every replica of {frame.strategy!r} would share one copy and the replicas "
-            f"would silently diverge. Create the module (or assign the parameters) inside "
+            f"{type(module).__name__} computes with parameters that {strategy!r} does not hold "
+            f"({', '.join(repr(n) for n in unheld[:6])}{' ...' if len(unheld) > 6 else ''}): they were "
+            f"created outside strategy.scope(), or assigned to a module after the scope closed. Their "
+            f"initial values are not agreed between the {strategy.num_replicas_in_sync} replicas in sync "
+            f"and their gradients are not summed, so each worker would silently train its own copy. "
+            f"Create the module (and assign every parameter or submodule) inside "
             f"`with strategy.scope():`")
+    _looked[module] = key
 
 
 def _forbid_unscoped_optimizer(optimizer: torch.optim.Optimizer, *args: Any) -> None:

@@ -32,6 +32,7 @@ from stratagem.errors import ContextError, InvalidArgumentError
 from stratagem.nn import loss_check
 from stratagem.placement import hooks
 from stratagem.placement.base import Placement
+from stratagem.placement.unscoped import unscoped_check
 from stratagem.strategies.replica_context import CrossReplicaCollectives, ReplicaContext
 from stratagem.strategies.runner import InlineRunner, ThreadRunner
 from stratagem.values import DistributedValues, PerReplica, ReduceOp, flatten, map_structure, pack_as, regroup
@@ -84,7 +85,32 @@ class Strategy:
         contexts = [ReplicaContext(self, i, device, collective) for i, device in enumerate(topology.devices)]
         self._runner: Runner = ThreadRunner(contexts, collective) if len(contexts) > 1 else \
             InlineRunner(contexts, name_errors=not self.is_default)
+        # with one replica in this process, code outside run acts as it (a context of its own:
+        # no run's batch size)
+        self._outside_context = ReplicaContext(self, 0, topology.devices[0], collective) \
+            if len(contexts) == 1 else None
+        loss_check.act_outside_run(self)
+        if self.num_replicas_in_sync > 1:   # parameters no replica agreed on are refused at forward
+            unscoped_check.watch_modules()
         self._scope_depth = threading.local()
+
+    def outside_replica_context(self) -> ReplicaContext | None:
+        """The replica that code outside ``run`` (in this strategy's scope) acts as: this process's
+        one replica, or None where the process holds several.
+
+        With one replica per process (``MultiWorkerMirroredStrategy`` with one device per worker,
+        ``OneDeviceStrategy``), a step written without ``strategy.run`` -- DistributedDataParallel's
+        shape -- computes for that replica: the loss helpers scale for ``num_replicas_in_sync``
+        and ``backward()`` checks the loss's scaling as inside ``run``.
+
+        Example::
+
+            import stratagem as sg
+            strategy = sg.OneDeviceStrategy("cpu")
+            assert strategy.outside_replica_context().num_replicas_in_sync == 1
+            assert sg.MirroredStrategy(["cpu:0", "cpu:1"]).outside_replica_context() is None
+        """
+        return self._outside_context
 
     # -------------------------------------------------------------- topology
 

@@ -84,13 +84,16 @@ def per_sequence_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tor
 
 
 def train(strategy=None, *, steps: int = 4, micro: int = 2, rows: int = 6, clip: float = 0.5,
-          skip: str = "no_sync", recompute: bool = False) -> dict:
+          skip: str = "no_sync", recompute: bool = False, outside_run: str | None = None) -> dict:
     """The loop; returns every step's gradient norm (as clip returned it), the gradients seen
     after the last backward of the step, and the parameters after the step.
 
     ``skip``: how micro-steps before the last avoid the exchange: ``"no_sync"``
     (``strategy.no_sync()``), ``"attribute"`` (``model.require_backward_grad_sync``), or
-    ``"none"`` (every backward exchanges).
+    ``"none"`` (every backward exchanges). ``outside_run``: DistributedDataParallel's shape, for a
+    strategy with one replica per process: no ``strategy.run``, the step called in the scope on
+    this process's rows, the loss scaled by ``"mean_over_replicas"`` (of a per-replica mean) or
+    ``"compute_average_loss"``.
     """
     if strategy is None:
         model = build(recompute)
@@ -108,6 +111,8 @@ def train(strategy=None, *, steps: int = 4, micro: int = 2, rows: int = 6, clip:
             last = k == len(micro_batches) - 1
             if strategy is None:
                 loss = per_sequence_loss(model, x, y).mean() / len(micro_batches)
+            elif outside_run == "mean_over_replicas":
+                loss = sg.nn.mean_over_replicas(per_sequence_loss(model, x, y).mean()) / len(micro_batches)
             else:
                 loss = sg.nn.compute_average_loss(per_sequence_loss(model, x, y)) / len(micro_batches)
             if skip == "attribute":
@@ -129,6 +134,11 @@ def train(strategy=None, *, steps: int = 4, micro: int = 2, rows: int = 6, clip:
             norm, grads = step(number, micro_batches)
             norms = [norm]
             all_grads = [grads]
+        elif outside_run:
+            mine = [_rows(strategy.outside_replica_context(), x, y) for x, y in micro_batches]
+            with strategy.scope():
+                norm, grads = step(number, mine)
+            norms, all_grads = [norm], [grads]
         else:
             mine = strategy.experimental_distribute_values_from_function(
                 lambda ctx, micro_batches=micro_batches: [_rows(ctx, x, y) for x, y in micro_batches])

@@ -3,8 +3,9 @@
 After every ``backward()`` each worker's ``.grad`` is plain PyTorch's for the whole global batch,
 so ``clip_grad_norm_`` returns plain PyTorch's norm and clips by it; parameters equal plain
 PyTorch step for step (float64) with one or two replicas per worker, DDP's
-``require_backward_grad_sync``, an exchange at every backward with small packs, and ZeRO stage 1
-with activation checkpointing.
+``require_backward_grad_sync``, an exchange at every backward with small packs, ZeRO stage 1
+with activation checkpointing, and the step written without ``strategy.run`` as under
+DistributedDataParallel (a per-replica mean through ``sg.nn.mean_over_replicas``; ZeRO 1 too).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def test_nanogpt_loop_equals_plain_pytorch_on_two_workers(tmp_path: Path) -> Non
     launched = subprocess.run([sys.executable, "-m", "stratagem", "launch", "--workers", "2", str(SCRIPT),
                                str(tmp_path)], capture_output=True, text=True, timeout=220)
     assert launched.returncode == 0, launched.stdout + launched.stderr
-    for name, (_, _, _, recompute, _) in nanogpt_script.CONFIGS.items():
+    for name, (_, _, _, recompute, _, _) in nanogpt_script.CONFIGS.items():
         plain = nanogpt_loop.train(None, recompute=recompute)
         assert max(n[0] for n in plain["norms"]) > 0.5, "the clip must really clip"
         for rank in range(2):
