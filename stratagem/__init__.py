@@ -46,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "has_strategy": "stratagem._context", "in_cross_replica_context": "stratagem._context",
     # strategies and their configuration
     "Strategy": "stratagem.strategies.base",
+    "experimental_set_strategy": "stratagem.strategies.set_strategy",
     "OneDeviceStrategy": "stratagem.strategies.one_device",
     "MirroredStrategy": "stratagem.strategies.mirrored",
     "MultiWorkerMirroredStrategy": "stratagem.strategies.multi_worker",
@@ -119,6 +120,7 @@ if TYPE_CHECKING:   # what the names are, for type checkers and editors
     from stratagem.strategies.multi_worker import MultiWorkerMirroredStrategy
     from stratagem.strategies.one_device import OneDeviceStrategy
     from stratagem.strategies.replica_context import ReplicaContext
+    from stratagem.strategies.set_strategy import experimental_set_strategy
     from stratagem.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint
     from stratagem.keras import losses
     from stratagem.keras.model import Model

@@ -65,6 +65,11 @@ def pop() -> None:
     _state.stack.pop()
 
 
+def depth() -> int:
+    """How many frames this thread's stack holds."""
+    return len(_state.stack)
+
+
 def current_frame() -> _Frame | None:
     stack = _state.stack
     return stack[-1] if stack else None

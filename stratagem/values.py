@@ -190,3 +190,27 @@ def regroup(per_replica_results: Sequence[Any], strategy: Any = None) -> Any:
         else:
             grouped.append(PerReplica(components, strategy))
     return pack_as(first, grouped)
+
+
+def check_owned(strategy: Any, num_local_replicas: int, structure: Any, method: str) -> None:
+    """Refuse distributed values in ``structure`` that ``strategy.<method>()`` cannot take: made by
+    another strategy, or with another number of components than its local replicas."""
+    for leaf in flatten(structure):
+        if isinstance(leaf, DistributedValues):
+            if leaf.strategy is not None and leaf.strategy is not strategy:
+                raise InvalidArgumentError(
+                    f"strategy.{method}() got a {type(leaf).__name__} produced by another "
+                    f"strategy ({leaf.strategy!r}); distributed values can only be used with "
+                    f"the strategy that made them")
+            if len(leaf.values) != num_local_replicas:
+                raise InvalidArgumentError(
+                    f"strategy.{method}() got a {type(leaf).__name__} with {len(leaf.values)} "
+                    f"components, but this strategy has {num_local_replicas} local replicas")
+
+
+def global_batch_size_of(structure: Any) -> int | None:
+    """The global batch size a distributed batch in ``structure`` was cut from, else None."""
+    for leaf in flatten(structure):
+        if isinstance(leaf, DistributedValues) and leaf.global_batch_size is not None:
+            return leaf.global_batch_size
+    return None

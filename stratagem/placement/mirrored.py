@@ -280,8 +280,8 @@ class MirroredPlacement(Placement):
                 shapes = [list(p.shape) for p in outside[:4]]
                 raise InvalidArgumentError(
                     f"{type(optimizer).__name__} was created in the scope of {self.strategy!r} over "
-                    f"{len(outside)} parameter(s) it does not hold (shapes {shapes}"
-                    f"{' ...' if len(outside) > 4 else ''}): they belong to a module created outside the "
+                    f"{len(outside)} parameter(s) (shapes {shapes}{' ...' if len(outside) > 4 else ''}) "
+                    f"that were not created in that scope: they belong to a module created outside the "
                     f"scope, or were assigned to one after the scope closed, so their initial values are "
                     f"not agreed between the {self.collective.num_replicas} replicas in sync and their "
                     f"gradients are not summed. Create the model (and assign every parameter) inside "

@@ -98,6 +98,8 @@ def _forbid_unscoped(module: nn.Module, args: Any) -> None:
                 f"closed. Every replica of {frame.strategy!r} would share one copy and the replicas "
                 f"would silently diverge. Create the module (or assign the parameters) inside "
                 f"`with strategy.scope():`")
+    if torch.compiler.is_compiling():
+        return   # (traced by torch.compile: the compiled module's own call, eager, looked at its tree)
     placement = _acting_placement(module)
     if placement is not None:
         refuse_unheld(module, placement)
@@ -131,6 +133,11 @@ def refuse_unheld(module: nn.Module, placement: Any) -> None:
     key = (id(placement), tuple(map(id, dict.values(params))), tuple(map(id, dict.values(children))))
     if _looked.get(module) == key:
         return
+    other = own_placement(module)
+    if other is not None and other is not placement:
+        raise ContextError(
+            f"a module created in the scope of {other.strategy!r} ({type(module).__name__}) computes for "
+            f"{placement.strategy!r}; use each module only with the strategy it was created under")
     unheld = placement.unheld(module)
     for name, child in dict.items(children):
         if child is None or own_placement(child) is placement:

@@ -29,13 +29,15 @@ from stratagem.data.from_function import DistributedDatasetsFromFunction
 from stratagem.data.input import DistributedDataset, ValueContext
 from stratagem.devices import Topology
 from stratagem.errors import ContextError, InvalidArgumentError
-from stratagem.nn import loss_check
+from stratagem.nn import loss_watch
 from stratagem.placement import hooks
 from stratagem.placement.base import Placement
 from stratagem.placement.unscoped import unscoped_check
+from stratagem.strategies.set_strategy import mixing_refusal
 from stratagem.strategies.replica_context import CrossReplicaCollectives, ReplicaContext
 from stratagem.strategies.runner import InlineRunner, ThreadRunner
-from stratagem.values import DistributedValues, PerReplica, ReduceOp, flatten, map_structure, pack_as, regroup
+from stratagem.values import (DistributedValues, PerReplica, ReduceOp, check_owned, flatten, global_batch_size_of,
+                              map_structure, pack_as, regroup)
 
 
 class Runner(Protocol):
@@ -85,23 +87,17 @@ class Strategy:
         contexts = [ReplicaContext(self, i, device, collective) for i, device in enumerate(topology.devices)]
         self._runner: Runner = ThreadRunner(contexts, collective) if len(contexts) > 1 else \
             InlineRunner(contexts, name_errors=not self.is_default)
-        # with one replica in this process, code outside run acts as it (a context of its own:
-        # no run's batch size)
+        # code outside run acts as the one replica of this process (no run's batch size)
         self._outside_context = ReplicaContext(self, 0, topology.devices[0], collective) \
             if len(contexts) == 1 else None
-        loss_check.act_outside_run(self)
+        loss_watch.act_outside_run(self)
         if self.num_replicas_in_sync > 1:   # parameters no replica agreed on are refused at forward
             unscoped_check.watch_modules()
         self._scope_depth = threading.local()
 
     def outside_replica_context(self) -> ReplicaContext | None:
-        """The replica that code outside ``run`` (in this strategy's scope) acts as: this process's
-        one replica, or None where the process holds several.
-
-        With one replica per process (``MultiWorkerMirroredStrategy`` with one device per worker,
-        ``OneDeviceStrategy``), a step written without ``strategy.run`` -- DistributedDataParallel's
-        shape -- computes for that replica: the loss helpers scale for ``num_replicas_in_sync``
-        and ``backward()`` checks the loss's scaling as inside ``run``.
+        """The replica that code outside ``run``, in the scope, acts as (a step written without
+        ``run``, as under DistributedDataParallel): this process's one replica, else None.
 
         Example::
 
@@ -169,10 +165,7 @@ class Strategy:
     def _scope(self) -> Iterator["Strategy"]:
         frame = _context.current_frame()
         if frame is not None and frame.strategy is not self:
-            raise ContextError(
-                f"cannot enter the scope of {self!r} while the scope of {frame.strategy!r} is "
-                f"active on this thread: mixing strategies is not supported. Leave the first "
-                f"scope, or create everything under one strategy")
+            raise mixing_refusal(self, frame.strategy)
         replica_context = frame.replica_context if frame is not None else None
         _context.push(self, replica_context)
         depth = getattr(self._scope_depth, "value", 0)
@@ -217,14 +210,14 @@ class Strategy:
                 f"args must be a tuple or list of positional arguments, got {type(args).__name__}; "
                 f"write args=(x,) for a single argument")
         kwargs = {} if kwargs is None else kwargs
-        with self._enter_cross_replica("run"), label("stratagem.run"), loss_check.watching(self):
+        with self._enter_cross_replica("run"), label("stratagem.run"), loss_watch.watching(self):
             self._check_owned((args, kwargs), "run")
             placement = self._placement
             placement.before_run()
             try:
                 per_replica_args = [self._select_replica(i, (tuple(args), kwargs))
                                     for i in range(self._topology.num_local_replicas)]
-                results = self._runner.run(fn, per_replica_args, _global_batch_size_of((args, kwargs)))
+                results = self._runner.run(fn, per_replica_args, global_batch_size_of((args, kwargs)))
             except BaseException:
                 placement.after_run(failed=True)
                 raise
@@ -394,27 +387,10 @@ class Strategy:
         return CrossReplicaCollectives(self)
 
     def _check_owned(self, structure: Any, method: str) -> None:
-        for leaf in flatten(structure):
-            if isinstance(leaf, DistributedValues):
-                if leaf.strategy is not None and leaf.strategy is not self:
-                    raise InvalidArgumentError(
-                        f"strategy.{method}() got a {type(leaf).__name__} produced by another "
-                        f"strategy ({leaf.strategy!r}); distributed values can only be used with "
-                        f"the strategy that made them")
-                if len(leaf.values) != self._topology.num_local_replicas:
-                    raise InvalidArgumentError(
-                        f"strategy.{method}() got a {type(leaf).__name__} with {len(leaf.values)} "
-                        f"components, but this strategy has {self._topology.num_local_replicas} local replicas")
+        check_owned(self, self._topology.num_local_replicas, structure, method)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(devices={list(self.worker_devices)})"
-
-
-def _global_batch_size_of(structure: Any) -> int | None:
-    for leaf in flatten(structure):
-        if isinstance(leaf, DistributedValues) and leaf.global_batch_size is not None:
-            return leaf.global_batch_size
-    return None
 
 
 def _mean(total: torch.Tensor, count: int) -> torch.Tensor:

@@ -92,10 +92,16 @@ def train(strategy=None, *, steps: int = 4, micro: int = 2, rows: int = 6, clip:
     (``strategy.no_sync()``), ``"attribute"`` (``model.require_backward_grad_sync``), or
     ``"none"`` (every backward exchanges). ``outside_run``: DistributedDataParallel's shape, for a
     strategy with one replica per process: no ``strategy.run``, the step called in the scope on
-    this process's rows, the loss scaled by ``"mean_over_replicas"`` (of a per-replica mean) or
-    ``"compute_average_loss"``.
+    this process's rows, the loss scaled by ``"mean_over_replicas"`` (of a per-replica mean; the
+    scope entered by ``sg.experimental_set_strategy``, as a ported DDP script does) or
+    ``"compute_average_loss"`` (each step in ``with strategy.scope():``).
     """
+    set_strategy = outside_run == "mean_over_replicas"
     if strategy is None:
+        model = build(recompute)
+        optimizer = make_optimizer(model)
+    elif set_strategy:
+        sg.experimental_set_strategy(strategy)
         model = build(recompute)
         optimizer = make_optimizer(model)
     else:
@@ -136,8 +142,11 @@ def train(strategy=None, *, steps: int = 4, micro: int = 2, rows: int = 6, clip:
             all_grads = [grads]
         elif outside_run:
             mine = [_rows(strategy.outside_replica_context(), x, y) for x, y in micro_batches]
-            with strategy.scope():
+            if set_strategy:   # DDP's shape: no run, no `with`
                 norm, grads = step(number, mine)
+            else:
+                with strategy.scope():
+                    norm, grads = step(number, mine)
             norms, all_grads = [norm], [grads]
         else:
             mine = strategy.experimental_distribute_values_from_function(
@@ -149,6 +158,8 @@ def train(strategy=None, *, steps: int = 4, micro: int = 2, rows: int = 6, clip:
         history["norms"].append([float(n) for n in norms])
         history["grads"].append(all_grads)
         history["params"].append([p.detach().clone() for p in model.parameters()])
+    if set_strategy:
+        sg.experimental_set_strategy(None)
     return history
 
 
