@@ -36,7 +36,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
@@ -107,8 +107,7 @@ class TensorParallelPlacement(RootsPlacement):
         if not roots:
             return
         assignments = self._resolve(roots)
-        for root, names in zip(roots, assignments):
-            styles = {name: self._style(style) for name, style in names.items()}
+        for root, styles in zip(roots, assignments):
             before = {(id(m), n): p for m in root.modules() for n, p in m._parameters.items() if p is not None}
             parallelize_module(root, self.mesh["model"], styles)
             for m in root.modules():
@@ -121,17 +120,17 @@ class TensorParallelPlacement(RootsPlacement):
                     module.register_state_dict_post_hook(_full_state)
                     module.register_load_state_dict_pre_hook(_sharded_state)
 
-    def _resolve(self, roots: list[nn.Module]) -> list[dict[str, Any]]:
-        """For each root, {module name: style}; every plan entry names a module of some root."""
+    def _resolve(self, roots: list[nn.Module]) -> list[dict[str, ParallelStyle]]:
+        """For each root, {module name: torch style}; every plan entry names a module of some root."""
         size = self.mesh["model"].size()
-        assignments: list[dict[str, Any]] = [{} for _ in roots]
+        assignments: list[dict[str, ParallelStyle]] = [{} for _ in roots]
         for pattern, style in self.plan.items():
             found = False
             for root, names in zip(roots, assignments):
                 for name, module in root.named_modules():
                     if name and (name == pattern or fnmatch.fnmatchcase(name, pattern)):
-                        _check_divisible(name, module, style, size)
-                        names[name] = style
+                        check_entry(name, module, style, size)
+                        names[name] = torch_style(style, module)
                         found = True
             if not found:
                 available = [n for root in roots for n, _ in root.named_modules() if n]
@@ -139,10 +138,6 @@ class TensorParallelPlacement(RootsPlacement):
                     f"the tensor-parallel plan names {pattern!r}, but no module created in scope has that "
                     f"name; available: {available}")
         return assignments
-
-    @staticmethod
-    def _style(style: Any) -> ParallelStyle:
-        return STYLES[style]() if isinstance(style, str) else style
 
     # ---------------------------------------------------------- checkpoints
 
@@ -223,7 +218,26 @@ class TensorParallelPlacement(RootsPlacement):
         base_of(optimizer).add_param_group(optimizer, param_group)
 
 
-def _check_divisible(name: str, module: nn.Module, style: Any, size: int) -> None:
+def torch_style(style: Any, module: nn.Module) -> ParallelStyle:
+    """The torch ParallelStyle that a checked plan style stands for on ``module``.
+
+    torch's ``RowwiseParallel()`` takes its input as this process's share of the last dimension
+    (a rowwise Linear's input is a colwise layer's output); an ``nn.Embedding``'s input is the
+    token ids, the same on every process of the model axis, so "rowwise" gives an Embedding
+    ``RowwiseParallel(input_layouts=Replicate())``, as torchtitan splits its token embedding. Its
+    output is whole (replicated), as every plan style but "colwise" leaves it.
+    """
+    if not isinstance(style, str):
+        return style
+    if style == "rowwise" and isinstance(module, nn.Embedding):
+        return RowwiseParallel(input_layouts=Replicate())
+    return STYLES[style]()
+
+
+def check_entry(name: str, module: nn.Module, style: Any, size: int) -> None:
+    """Refuses a plan entry that does not fit ``module`` or the model-axis ``size``, naming the fix."""
+    if isinstance(module, nn.Embedding):
+        _check_embedding_input(name, style)
     if not isinstance(style, str) or style not in _SPLIT_DIM:
         return
     if isinstance(module, nn.Linear):
@@ -239,6 +253,27 @@ def _check_divisible(name: str, module: nn.Module, style: Any, size: int) -> Non
         raise InvalidArgumentError(
             f"plan entry {name!r} is {style}: it splits {dims[dim]} ({length}) over the {size} processes "
             f"of the model axis, which does not divide; pick a model-axis size that divides {length}")
+
+
+def _check_embedding_input(name: str, style: Any) -> None:
+    """An Embedding's input is token ids, whole on every process of the model axis: a style that
+    takes them as this process's share would gather them (a batch of (4, 16) ids looked up as
+    (4, 32) on 2 processes), or treat them as a share of the sequence. Refused, naming the fix."""
+    if style == "sequence" or isinstance(style, SequenceParallel):
+        raise InvalidArgumentError(
+            f"plan entry {name!r} is {style!r} on an nn.Embedding: SequenceParallel takes its input as this "
+            f"process's share of the sequence, but an Embedding's input is the token ids, the same on every "
+            f"process of the model axis; split the embedding with 'rowwise' (its rows) or 'colwise' (its "
+            f"embedding dim)")
+    layouts = tuple(getattr(style, "input_layouts", None) or ())
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)) and layouts != (Replicate(),):
+        kind = type(style).__name__
+        raise InvalidArgumentError(
+            f"plan entry {name!r} gives an nn.Embedding {kind} with input_layouts={layouts[0]!r}: torch would "
+            f"take the token ids as this process's share of them and gather the shares over the model axis "
+            f"(each process's copy of the ids looked up together), but every process of the model axis has "
+            f"the same token ids; pass {kind}(input_layouts=Replicate(), ...) (from "
+            f"torch.distributed.tensor), or the plan string {'rowwise' if kind == 'RowwiseParallel' else 'colwise'!r}")
 
 
 def _full(value: Any) -> Any:
