@@ -82,7 +82,6 @@ def main() -> None:
     parser.add_argument("--data", type=int, default=2, help="data-parallel pipelines")
     parser.add_argument("--pipe", type=int, default=2, help="pipeline stages")
     parser.add_argument("--model", type=int, default=2, help="processes each named layer is split over")
-    parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args()
@@ -90,13 +89,13 @@ def main() -> None:
     torch.manual_seed(0)
     strategy = sg.experimental.PipelineStrategy(
         mesh={"data": args.data, "pipe": args.pipe, "model": args.model},
-        plan={"0": "rowwise",                      # the embedding's rows (its input: the token ids, whole)
+        plan={"0": "rowwise",                      # the embedding's rows (it takes the token ids whole)
               "*.attn.q": "colwise", "*.attn.k": "colwise", "*.attn.v": "colwise", "*.attn.out": "rowwise",
               "*.mlp.0": "colwise", "*.mlp.2": "rowwise"},
-        sharding="parameters",                     # ZeRO-3 over the data axis
+        sharding="parameters",                     # ZeRO-3 over the data axis (or None, "optimizer", "gradients")
         num_microbatches=4, schedule="1f1b", loss_fn=loss_fn)
     with strategy.scope():
-        model = nn.Sequential(nn.Embedding(VOCAB, WIDTH), *[Block() for _ in range(args.blocks)], Head())
+        model = nn.Sequential(nn.Embedding(VOCAB, WIDTH), *[Block() for _ in range(8)], Head())
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     def step(tokens, targets):
