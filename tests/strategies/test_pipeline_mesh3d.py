@@ -236,3 +236,14 @@ def test_three_axes_example_runs_as_its_docstring_says() -> None:
         output = run(sys.executable, "-m", "stratagem", "launch", "--workers", "4", str(EXAMPLE_3D), axis, "1")
         for worker in range(4):
             assert losses(output, worker) == pytest.approx(alone, abs=1e-3), (axis, output)
+
+
+def test_three_axes_example_is_the_documented_one() -> None:
+    # docs/pipeline.md shows the example's strategy and model: every line of that block is in the script (the
+    # mesh's sizes there come from the command line)
+    document = (Path(__file__).resolve().parents[2] / "docs" / "pipeline.md").read_text()
+    block = re.search(r"```text\n(def loss_fn.*?)```", document, re.S).group(1)
+    script = {line.split("#")[0].strip() for line in EXAMPLE_3D.read_text().splitlines()}
+    lines = [line.split("#")[0].strip() for line in block.splitlines()]
+    missing = [line for line in lines if line and line not in script and not line.startswith("mesh=")]
+    assert not missing, missing

@@ -131,15 +131,21 @@ def test_an_embedding_takes_its_token_ids_whole() -> None:
     assert torch_style("rowwise", embedding).input_layouts == (Replicate(),)
     assert torch_style("rowwise", nn.Linear(4, 4)).input_layouts == (Shard(-1),)
     assert torch_style("colwise", embedding).input_layouts == (Replicate(),)
+    # "sequence" takes its input whole too (it cuts this process's share itself), so it is refused after a
+    # style object that hands on a share of the sequence (torchtitan's layout: SequenceParallel() there)
+    assert isinstance(torch_style("sequence", nn.LayerNorm(4)), SequenceParallel)
+    with pytest.raises(InvalidArgumentError, match=r"plan entry '0' is RowwiseParallel\(.*share along dimension 1, "
+                                                   r"but 'sequence' \(plan entries \['1'\]\) takes a plain input as whole"):
+        sg.experimental.TensorParallelStrategy(plan={"0": RowwiseParallel(input_layouts=Replicate(),
+                                                                          output_layouts=Shard(1)), "1": "sequence"})
 
     def model():
         return nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 2))
     refused = {RowwiseParallel(): r"'0' gives an nn.Embedding RowwiseParallel with input_layouts=Shard\(dim=-1\).*"
                                   r"pass RowwiseParallel\(input_layouts=Replicate\(\), \.\.\.\).*the plan string 'rowwise'",
                ColwiseParallel(input_layouts=Shard(0)): r"ColwiseParallel with input_layouts=Shard\(dim=0\)",
-               "sequence": r"'0' is 'sequence' on an nn.Embedding: SequenceParallel takes its input as this process's "
-                           r"share of the sequence",
-               SequenceParallel(): "SequenceParallel takes its input"}
+               "sequence": r"'0' is 'sequence' on an nn.Embedding: 'sequence' splits activations",
+               SequenceParallel(): "SequenceParallel would take the token ids as this process's share"}
     for style, message in refused.items():
         with pytest.raises(InvalidArgumentError, match=message):
             with sg.experimental.TensorParallelStrategy(plan={"0": style}).scope():

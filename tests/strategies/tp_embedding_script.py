@@ -4,8 +4,8 @@ compares it with plain PyTorch (float64).
 Usage (one process per task, with TF_CONFIG): python tp_embedding_script.py OUT_DIR
 
 On a {"data": 1, "model": <every process>} mesh, for each plan of :data:`PLANS` (the embedding "rowwise",
-"colwise", or given torch's ``RowwiseParallel(input_layouts=Replicate())``): :data:`STEPS` steps of SGD with
-momentum, the loss a cross-entropy over every token ((batch * tokens, vocab) logits against (batch * tokens)
+"colwise", or given torch's ``RowwiseParallel(input_layouts=Replicate())``; a LayerNorm under "sequence", whose
+input is whole too): :data:`STEPS` steps of SGD with momentum, the loss a cross-entropy over every token ((batch * tokens, vocab) logits against (batch * tokens)
 targets). Writes OUT_DIR/rank{R}.json: per plan, the initial and per-step full parameters and reduced losses;
 and the errors of the Embedding styles that would take the token ids as this process's share.
 """
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import stratagem as sg
 
@@ -28,20 +28,24 @@ PLANS = {
     "rowwise": {"embed": "rowwise", "fc1": "colwise", "fc2": "rowwise"},
     "colwise": {"embed": "colwise", "fc1": "rowwise"},   # the embedding's share of features, summed by fc1
     "object": {"embed": RowwiseParallel(input_layouts=Replicate()), "fc1": "colwise", "fc2": "rowwise"},
+    # the norm over this process's share of the tokens (5: 3 and 2), the head gathers them
+    "sequence": {"embed": "rowwise", "fc1": "colwise", "fc2": "rowwise", "norm": "sequence",
+                 "head": ColwiseParallel(output_layouts=Replicate())},
 }
 
 
 class TokenModel(nn.Module):
-    """Logits over the vocabulary for every token: embedding, MLP, a head the plans leave whole."""
+    """Logits over the vocabulary for every token: embedding, MLP, norm, head."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
         self.fc1, self.fc2 = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, tokens):
-        return self.head(self.fc2(torch.tanh(self.fc1(self.embed(tokens)))))
+        return self.head(self.norm(self.fc2(torch.tanh(self.fc1(self.embed(tokens))))))
 
 
 def make_model() -> TokenModel:
