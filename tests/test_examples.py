@@ -73,6 +73,7 @@ def test_every_example_is_tested() -> None:
               "preemptible.py",   # tests/launch/test_restarts.py
               "tensor_parallel.py"}   # tests/strategies/test_multi_worker_tensor_parallel.py
     tested |= {"pipeline.py"}   # tests/strategies/test_multi_worker_pipeline.py
+    tested |= {"pipeline_3d.py"}   # tests/strategies/test_pipeline_mesh3d.py
     assert {path.name for path in EXAMPLES.glob("*.py")} == tested
 
 

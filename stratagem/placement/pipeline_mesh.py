@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
 from stratagem.placement.fully_sharded import units
-from stratagem.placement.tensor_parallel import TensorParallelPlacement, _check_divisible, _full_state, _sharded_state
+from stratagem.placement.tensor_parallel import _full_state, _sharded_state, check_entry, torch_style
 
 
 class MeshStages:
@@ -62,8 +62,7 @@ class MeshStages:
         mine = {id(m) for stage in local.values() for m in stage.modules()}
         styles = self._resolve(root, mine)
         if styles and self.model_size > 1:
-            parallelize_module(root, self.mesh["model"],
-                               {name: TensorParallelPlacement._style(style) for name, style in styles.items()})
+            parallelize_module(root, self.mesh["model"], styles)
         if self.sharding == "parameters":
             self._shard(local)
         replaced = {}
@@ -78,7 +77,7 @@ class MeshStages:
         return replaced
 
     def _resolve(self, root: nn.Module, mine: set[int]) -> dict[str, Any]:
-        """{module name: style} for this process's stages; every entry names a module of some stage."""
+        """{module name: torch style} for this process's stages; every entry names a module of some stage."""
         if self.plan is None:
             return {}
         found: dict[str, Any] = {}
@@ -92,9 +91,9 @@ class MeshStages:
                     f"{type(root).__name__} has a module of that name (names are relative to the whole "
                     f"model); available: {available}")
             for name, module in matches:
-                _check_divisible(name, module, style, self.model_size)
+                check_entry(name, module, style, self.model_size)
                 if id(module) in mine:
-                    found[name] = style
+                    found[name] = torch_style(style, module)
         return found
 
     def _shard(self, local: dict[int, nn.Sequential]) -> None:

@@ -5,10 +5,13 @@ no other module created in scope holds) gets the chief's initial values (so that
 data-parallel group starts alike) and is handed to torch's ``parallelize_module`` with
 the plan: each named layer's parameters become DTensors sharded over the model axis
 (``ColwiseParallel``: output features; ``RowwiseParallel``: input features;
-``SequenceParallel``: activations along the sequence dimension). The plan is checked
-first -- every entry must name a module, with a known style, whose sharded dimension
-divides by the model-axis size -- after the processes agreed that they built the same
-modules, so that a wrong plan raises the same InvalidArgumentError on every process.
+``SequenceParallel``: activations along the sequence dimension). The strings give a layer
+whose input is whole on every process of the model axis the style that takes it whole: an
+Embedding's token ids under "rowwise", any input under "sequence" (:func:`torch_style`). The
+plan is checked first -- every entry must name a module, with a known style that fits it (an
+Embedding's style must take the token ids whole), whose sharded dimension divides by the
+model-axis size -- after the processes agreed that they built the same modules, so that a
+wrong plan raises the same InvalidArgumentError on every process.
 
 Optimizers created in scope keep torch's own update over the DTensor parameters; their
 ``step`` first sums each gradient's local shard over the data axis (one all-reduce per
@@ -36,7 +39,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
@@ -69,7 +72,27 @@ def check_plan(plan: Any) -> dict[str, Any]:
                 f"plan entry {pattern!r} has the unknown style {style!r}; use one of {sorted(STYLES)} "
                 f"or a torch.distributed.tensor.parallel.ParallelStyle object")
         checked[pattern] = style
+    _check_sequence_inputs(checked)
     return checked
+
+
+def _check_sequence_inputs(plan: dict[str, Any]) -> None:
+    """"sequence" takes a plain input as whole (what the plan's strings hand on): refused in a plan whose
+    style object hands the next module a plain tensor that is this process's share along the
+    sequence (torchtitan's ``RowwiseParallel(output_layouts=Shard(1))``), which it would cut again."""
+    sequence = [pattern for pattern, style in plan.items() if style == "sequence"]
+    for pattern, style in plan.items():
+        if isinstance(style, str) or not getattr(style, "use_local_output", False):
+            continue
+        layouts = getattr(style, "sequence_sharding" if isinstance(style, SequenceParallel) else "output_layouts", ())
+        shares = [layout for layout in layouts or () if isinstance(layout, Shard) and layout.dim != -1]
+        if sequence and shares:
+            raise InvalidArgumentError(
+                f"plan entry {pattern!r} is {style!r}, which hands the next module a plain tensor that is this "
+                f"process's share along dimension {shares[0].dim}, but 'sequence' (plan entries {sequence}) takes "
+                f"a plain input as whole, the same on every process of the model axis, and would cut it again; "
+                f"give the modules after {pattern!r} torch's SequenceParallel() instead of 'sequence', as "
+                f"torchtitan does, or leave the output of {pattern!r} whole")
 
 
 class TensorParallelPlacement(RootsPlacement):
@@ -107,8 +130,7 @@ class TensorParallelPlacement(RootsPlacement):
         if not roots:
             return
         assignments = self._resolve(roots)
-        for root, names in zip(roots, assignments):
-            styles = {name: self._style(style) for name, style in names.items()}
+        for root, styles in zip(roots, assignments):
             before = {(id(m), n): p for m in root.modules() for n, p in m._parameters.items() if p is not None}
             parallelize_module(root, self.mesh["model"], styles)
             for m in root.modules():
@@ -121,17 +143,17 @@ class TensorParallelPlacement(RootsPlacement):
                     module.register_state_dict_post_hook(_full_state)
                     module.register_load_state_dict_pre_hook(_sharded_state)
 
-    def _resolve(self, roots: list[nn.Module]) -> list[dict[str, Any]]:
-        """For each root, {module name: style}; every plan entry names a module of some root."""
+    def _resolve(self, roots: list[nn.Module]) -> list[dict[str, ParallelStyle]]:
+        """For each root, {module name: torch style}; every plan entry names a module of some root."""
         size = self.mesh["model"].size()
-        assignments: list[dict[str, Any]] = [{} for _ in roots]
+        assignments: list[dict[str, ParallelStyle]] = [{} for _ in roots]
         for pattern, style in self.plan.items():
             found = False
             for root, names in zip(roots, assignments):
                 for name, module in root.named_modules():
                     if name and (name == pattern or fnmatch.fnmatchcase(name, pattern)):
-                        _check_divisible(name, module, style, size)
-                        names[name] = style
+                        check_entry(name, module, style, size)
+                        names[name] = torch_style(style, module)
                         found = True
             if not found:
                 available = [n for root in roots for n, _ in root.named_modules() if n]
@@ -139,10 +161,6 @@ class TensorParallelPlacement(RootsPlacement):
                     f"the tensor-parallel plan names {pattern!r}, but no module created in scope has that "
                     f"name; available: {available}")
         return assignments
-
-    @staticmethod
-    def _style(style: Any) -> ParallelStyle:
-        return STYLES[style]() if isinstance(style, str) else style
 
     # ---------------------------------------------------------- checkpoints
 
@@ -223,7 +241,49 @@ class TensorParallelPlacement(RootsPlacement):
         base_of(optimizer).add_param_group(optimizer, param_group)
 
 
-def _check_divisible(name: str, module: nn.Module, style: Any, size: int) -> None:
+def torch_style(style: Any, module: nn.Module) -> ParallelStyle:
+    """The torch ParallelStyle that a checked plan style stands for on ``module``.
+
+    Between the modules of a plan of strings, a plain tensor is whole on every process of the model
+    axis (the model's input, the output of a "rowwise" or unsplit layer), except after "colwise"
+    (this process's share of the features, for a rowwise layer). torch's ``RowwiseParallel()``
+    takes its input as a share of the last dimension, right after a colwise Linear; an
+    ``nn.Embedding``'s input is the token ids, whole, so "rowwise" gives an Embedding
+    ``RowwiseParallel(input_layouts=Replicate())``, as torchtitan splits its token embedding (its
+    output whole). torch's ``SequenceParallel()`` takes its input as a share of the sequence, so
+    "sequence" is :class:`_SequenceOfWhole`, which cuts that share from the whole input.
+    """
+    if not isinstance(style, str):
+        return style
+    if style == "rowwise" and isinstance(module, nn.Embedding):
+        return RowwiseParallel(input_layouts=Replicate())
+    if style == "sequence":
+        return _SequenceOfWhole()
+    return STYLES[style]()
+
+
+class _SequenceOfWhole(SequenceParallel):
+    """The plan string "sequence": torch's SequenceParallel on a module whose plain-tensor input is
+    whole on every process of the model axis. The input becomes a replicated DTensor, which torch's
+    own input hook (registered after this one) cuts to this process's share of the sequence, a
+    local slice; the output is a DTensor sharded along the sequence, so a colwise layer after it
+    gathers the whole sequence again (and an unsplit layer or a sum with a plain tensor is refused by
+    DTensor: "mixed torch.Tensor and DTensor"). A DTensor input is left to torch."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def whole(_module: nn.Module, inputs: tuple) -> tuple:
+            first, *rest = inputs
+            if isinstance(first, torch.Tensor) and not isinstance(first, DTensor):
+                first = DTensor.from_local(first, device_mesh, [Replicate()], run_check=False)
+            return (first, *rest)
+        module.register_forward_pre_hook(whole)
+        return super()._apply(module, device_mesh)
+
+
+def check_entry(name: str, module: nn.Module, style: Any, size: int) -> None:
+    """Refuses a plan entry that does not fit ``module`` or the model-axis ``size``, naming the fix."""
+    if isinstance(module, nn.Embedding):
+        _check_embedding_input(name, style)
     if not isinstance(style, str) or style not in _SPLIT_DIM:
         return
     if isinstance(module, nn.Linear):
@@ -239,6 +299,28 @@ def _check_divisible(name: str, module: nn.Module, style: Any, size: int) -> Non
         raise InvalidArgumentError(
             f"plan entry {name!r} is {style}: it splits {dims[dim]} ({length}) over the {size} processes "
             f"of the model axis, which does not divide; pick a model-axis size that divides {length}")
+
+
+def _check_embedding_input(name: str, style: Any) -> None:
+    """An Embedding's input is token ids, whole on every process of the model axis: a torch style that
+    takes them as this process's share would gather them (a batch of (4, 16) ids looked up as
+    (4, 32) on 2 processes), or look up a share of the sequence as if it were all of it. Refused,
+    naming the fix; so is "sequence", which splits no table."""
+    if style == "sequence" or isinstance(style, SequenceParallel):
+        raise InvalidArgumentError(
+            f"plan entry {name!r} is {style!r} on an nn.Embedding: 'sequence' splits activations (norms, "
+            f"dropout) and leaves a table whole, and torch's SequenceParallel would take the token ids as this "
+            f"process's share of the sequence, but every process of the model axis has them all; split the "
+            f"embedding with 'rowwise' (its rows) or 'colwise' (its embedding dim)")
+    layouts = tuple(getattr(style, "input_layouts", None) or ())
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)) and layouts != (Replicate(),):
+        kind = type(style).__name__
+        raise InvalidArgumentError(
+            f"plan entry {name!r} gives an nn.Embedding {kind} with input_layouts={layouts[0]!r}: torch would "
+            f"take the token ids as this process's share of them and gather the shares over the model axis "
+            f"(each process's copy of the ids looked up together), but every process of the model axis has "
+            f"the same token ids; pass {kind}(input_layouts=Replicate(), ...) (from "
+            f"torch.distributed.tensor), or the plan string {'rowwise' if kind == 'RowwiseParallel' else 'colwise'!r}")
 
 
 def _full(value: Any) -> Any:

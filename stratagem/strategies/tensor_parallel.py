@@ -29,8 +29,10 @@ class TensorParallelStrategy(MeshStrategy):
 
     ``plan`` maps module names (or glob patterns such as ``"blocks.*.fc1"``), relative to the
     model created in scope, to ``"colwise"``, ``"rowwise"``, ``"sequence"`` or a torch
-    ``ParallelStyle``. ``d * t`` must equal the number of processes; ``mesh=None`` means
-    ``{"data": 1, "model": <all processes>}``.
+    ``ParallelStyle``; an ``nn.Embedding`` takes its token ids whole (``"rowwise"`` is
+    ``RowwiseParallel(input_layouts=Replicate())`` there), and so does a ``"sequence"`` layer its
+    input (see docs/tensor_parallel.md). ``d * t`` must equal the number of processes;
+    ``mesh=None`` means ``{"data": 1, "model": <all processes>}``.
 
     Run the same script on every process, e.g. ``stratagem launch --workers 4 train.py``.
 

@@ -14,7 +14,7 @@ import torch
 from stratagem.testing import run_local_cluster
 
 from .._support import clips
-from . import tp_script
+from . import tp_embedding_script, tp_script
 from .history import assert_history_matches, check_clipping, plain_history
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
@@ -71,6 +71,31 @@ def test_one_data_by_two_model_with_sgd(tmp_path: Path) -> None:
 
 def test_two_data_by_two_model_with_adam(tmp_path: Path) -> None:
     run_and_compare(tmp_path, 2, 2, "adam")
+
+
+def test_a_split_embedding_looks_up_the_whole_batch_of_token_ids(tmp_path: Path) -> None:
+    # torch's RowwiseParallel() takes its input as this process's share of the last dimension: on an
+    # Embedding it would gather the token ids along the sequence ((4, 5) ids looked up as (4, 10)), which a
+    # per-token loss refuses and a loss averaged over the tokens hides. "rowwise" gives an Embedding its ids
+    # whole, as "colwise" and RowwiseParallel(input_layouts=Replicate()) do.
+    script = Path(tp_embedding_script.__file__)
+    results = run_local_cluster(script, 2, args=[str(tmp_path)], timeout=170)
+    for r in results:
+        assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
+    outputs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for name in tp_embedding_script.PLANS:
+        model = tp_embedding_script.make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        expected = plain_history(model, optimizer, tp_embedding_script.make_data(),
+                                 lambda logits, y: tp_embedding_script.per_token_loss(logits, y).mean())
+        for rank, out in enumerate(outputs):
+            assert out[name]["initial"] == outputs[0][name]["initial"]
+            assert_history_matches(out[name]["history"], expected, f"plan {name!r}, process {rank}")
+    for out in outputs:
+        errors = out["errors"]
+        assert "input_layouts=Shard(dim=-1)" in errors["RowwiseParallel()"], errors
+        assert "pass RowwiseParallel(input_layouts=Replicate(), ...)" in errors["RowwiseParallel()"], errors
+        assert "plan entry 'embed' is 'sequence' on an nn.Embedding" in errors["sequence"], errors
 
 
 def test_example_runs_as_its_docstring_says() -> None:

@@ -18,6 +18,9 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,7 @@ from . import mesh3d_script as script
 
 pytestmark = pytest.mark.timeout(400)
 SCRIPT = Path(script.__file__)
+EXAMPLE_3D = Path(__file__).resolve().parents[2] / "examples" / "pipeline_3d.py"
 
 
 def _launch(out: Path, workers: int, *args: str, max_restarts: int = 0) -> str:
@@ -206,3 +210,40 @@ def test_every_data_group_can_pad_to_the_longest_batch() -> None:
     assert _row_order(4, 2, 4) is None
     assert _row_order(3, 2, 4).tolist() == [0, 1, 2, -1]          # 2 micro-batches of 2 rows, as the longest
     assert _row_order(2, 2, 5).tolist() == [0, -1, -1, 1, -1, -1]  # 2 of 3
+
+
+@pytest.mark.multiprocess
+def test_three_axes_example_runs_as_its_docstring_says() -> None:
+    # docs/pipeline.md's example, complete: a token embedding split "rowwise" and a per-token loss. torch's
+    # RowwiseParallel() would gather the token ids along the sequence, so that the logits of a (4, 16)
+    # micro-batch came as (4 * 32, vocab) against 4 * 16 targets on every mesh with a model axis. Run on
+    # 1 x 2 x 2 and 2 x 1 x 2 (4 processes each; 2 x 2 x 2 needs 8, which the tests above already start), each
+    # against the one-process run (float32, so the printed losses to 1e-3).
+    def run(*command: str) -> str:
+        proc = subprocess.run([*command, "--steps", "10"], capture_output=True, text=True, timeout=150)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    def losses(output: str, worker: int | None = None) -> list[float]:
+        prefix = "" if worker is None else rf"\[worker {worker}\] "
+        found = re.findall(rf"^{prefix}(?:step \d+|held-out) loss ([0-9.]+)", output, re.M)
+        assert len(found) == 3, output   # steps 1 and 10, held out
+        return [float(value) for value in found]
+
+    alone = losses(run(sys.executable, str(EXAMPLE_3D), "--data", "1", "--pipe", "1", "--model", "1"))
+    assert alone[1] < alone[0] - 1.0, alone   # it learns
+    for axis in ("--data", "--pipe"):
+        output = run(sys.executable, "-m", "stratagem", "launch", "--workers", "4", str(EXAMPLE_3D), axis, "1")
+        for worker in range(4):
+            assert losses(output, worker) == pytest.approx(alone, abs=1e-3), (axis, output)
+
+
+def test_three_axes_example_is_the_documented_one() -> None:
+    # docs/pipeline.md shows the example's strategy and model: every line of that block is in the script (the
+    # mesh's sizes there come from the command line)
+    document = (Path(__file__).resolve().parents[2] / "docs" / "pipeline.md").read_text()
+    block = re.search(r"```text\n(def loss_fn.*?)```", document, re.S).group(1)
+    script = {line.split("#")[0].strip() for line in EXAMPLE_3D.read_text().splitlines()}
+    lines = [line.split("#")[0].strip() for line in block.splitlines()]
+    missing = [line for line in lines if line and line not in script and not line.startswith("mesh=")]
+    assert not missing, missing

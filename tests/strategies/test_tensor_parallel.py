@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 import stratagem as sg
 from stratagem.errors import InvalidArgumentError
+from stratagem.placement.tensor_parallel import torch_style
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,3 +121,37 @@ def test_training_matches_plain_torch_and_state_dicts_are_full_tensors(tmp_path)
     torch.testing.assert_close(optimizer.state_dict()["state"], expected_optimizer.state_dict()["state"],
                                rtol=1e-12, atol=1e-12)
     assert not any(isinstance(v, DTensor) for v in torch.load(f"{path}/model.pt", weights_only=True).values())
+
+
+def test_an_embedding_takes_its_token_ids_whole() -> None:
+    # torch's RowwiseParallel() takes its input as this process's share of the last dimension; an Embedding's
+    # token ids are the same on every process of the model axis (tests/strategies/test_multi_worker_tensor_
+    # parallel.py trains one on two processes): the plan string gives it RowwiseParallel(input_layouts=Replicate())
+    embedding = nn.Embedding(8, 4)
+    assert torch_style("rowwise", embedding).input_layouts == (Replicate(),)
+    assert torch_style("rowwise", nn.Linear(4, 4)).input_layouts == (Shard(-1),)
+    assert torch_style("colwise", embedding).input_layouts == (Replicate(),)
+    # "sequence" takes its input whole too (it cuts this process's share itself), so it is refused after a
+    # style object that hands on a share of the sequence (torchtitan's layout: SequenceParallel() there)
+    assert isinstance(torch_style("sequence", nn.LayerNorm(4)), SequenceParallel)
+    with pytest.raises(InvalidArgumentError, match=r"plan entry '0' is RowwiseParallel\(.*share along dimension 1, "
+                                                   r"but 'sequence' \(plan entries \['1'\]\) takes a plain input as whole"):
+        sg.experimental.TensorParallelStrategy(plan={"0": RowwiseParallel(input_layouts=Replicate(),
+                                                                          output_layouts=Shard(1)), "1": "sequence"})
+
+    def model():
+        return nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 2))
+    refused = {RowwiseParallel(): r"'0' gives an nn.Embedding RowwiseParallel with input_layouts=Shard\(dim=-1\).*"
+                                  r"pass RowwiseParallel\(input_layouts=Replicate\(\), \.\.\.\).*the plan string 'rowwise'",
+               ColwiseParallel(input_layouts=Shard(0)): r"ColwiseParallel with input_layouts=Shard\(dim=0\)",
+               "sequence": r"'0' is 'sequence' on an nn.Embedding: 'sequence' splits activations",
+               SequenceParallel(): "SequenceParallel would take the token ids as this process's share"}
+    for style, message in refused.items():
+        with pytest.raises(InvalidArgumentError, match=message):
+            with sg.experimental.TensorParallelStrategy(plan={"0": style}).scope():
+                model()
+        pipeline = sg.experimental.PipelineStrategy({"data": 1, "pipe": 1, "model": 1}, plan={"0": style},
+                                                    num_microbatches=1, schedule="gpipe")
+        with pytest.raises(InvalidArgumentError, match=message):
+            with pipeline.scope():
+                model()
