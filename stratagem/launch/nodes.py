@@ -36,6 +36,8 @@ Example (two nodes, 10.0.0.1 and 10.0.0.2)::
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import logging
 import os
 import shutil
@@ -46,8 +48,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
-from typing import TextIO
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
 
 from stratagem.cluster import ClusterSpec
 from stratagem.cluster.joined import JOINED_VARIABLE
@@ -107,6 +109,26 @@ def read_token(token_file: str | None, environ: dict[str, str] | None = None) ->
     return token
 
 
+#: launch_nodes' parameters that are not options every node shares (the rest are, named as
+#: on the command line: ``grace_period`` is ``--grace-period``).
+_NOT_SHARED = frozenset({"script", "args", "token", "node_rank", "host", "rdzv", "options", "stdout", "stderr"})
+
+
+def _keyword_options(given: Mapping[str, Any]) -> dict[str, Any]:
+    """launch_nodes' shared keyword arguments as the options of its command line."""
+    names = inspect.signature(launch_nodes).parameters
+    return {"--" + name.replace("_", "-"): given[name] for name in names if name not in _NOT_SHARED}
+
+
+def _digest(script: str) -> str:
+    """The SHA-256 of the script's contents: the nodes compare it, not its path."""
+    try:
+        with open(script, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError as error:
+        raise InvalidArgumentError(f"cannot read the script {script!r}: {error.strerror or error}.") from None
+
+
 def _route_address(host: str) -> str:
     """This machine's address on the way to ``host`` (a UDP connect sends nothing)."""
     bare = host.strip("[]")
@@ -160,13 +182,21 @@ def launch_nodes(script: str, args: Sequence[str] = (), *, nnodes: str | int, rd
                  workers: int = 1, chief: bool = False, evaluator: int = 0, max_restarts: int = 0,
                  max_preemptions: int = 100, grace_period: float = 5.0, join_timeout: float = 600.0,
                  evaluator_timeout: float = 600.0, node_timeout: float = 30.0, rdzv_timeout: float = 600.0,
+                 per_node_args: bool = False, options: Mapping[str, Any] | None = None,
                  stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     """Runs this node's part of a multi-node job; returns the job's exit status.
 
     The arguments are ``stratagem launch``'s (see the module docstring); ``token`` is the
     job's cluster token (:func:`read_token`). Bad arguments raise InvalidArgumentError or
     ClusterConfigError before anything starts.
+
+    Every node must agree on ``options`` (the command line's options by name, all but
+    :data:`~stratagem.launch.rendezvous.PER_NODE_OPTIONS`; default: this call's keyword
+    arguments, named so), on the script's contents and, unless ``per_node_args``, on ``args``:
+    the rendezvous refuses a node that differs, naming each difference with both values.
     """
+    if options is None:
+        options = _keyword_options(locals())
     least, most = parse_nnodes(nnodes)
     validate_address(rdzv, where=f"--rdzv {rdzv!r}")
     rdzv_host = rdzv.rpartition(":")[0]
@@ -182,7 +212,9 @@ def launch_nodes(script: str, args: Sequence[str] = (), *, nnodes: str | int, rd
     host = host or _route_address(rdzv_host)
     shape = JobShape(max_nodes=most, min_nodes=least if least < most else 0, workers_per_node=workers,
                      chief=chief, evaluator=evaluator, max_restarts=max_restarts,
-                     max_preemptions=max_preemptions, script=os.path.basename(script))
+                     max_preemptions=max_preemptions, script=os.path.basename(script),
+                     options=tuple(options.items()), script_digest=_digest(script),
+                     script_args=None if per_node_args else tuple(args))
     output = TaskOutput(sys.stdout if stdout is None else stdout, sys.stderr if stderr is None else stderr)
     if evaluator not in (0, 1):
         raise InvalidArgumentError(f"--evaluator must be 0 or 1, got {evaluator}: a cluster has at most one "
@@ -243,7 +275,7 @@ def _serve(rdzv: str, token: str, shape: JobShape, node_rank: int | None, node_t
     """Starts the rendezvous when this node hosts it; None when another node does."""
     if node_rank is not None and node_rank > 0:
         return None
-    state = Rendezvous(shape, node_timeout=node_timeout, rdzv_timeout=rdzv_timeout)
+    state = Rendezvous(shape, node_timeout=node_timeout, rdzv_timeout=rdzv_timeout, say=output.say)
     try:
         server = RpcServer(rdzv, state.handlers(), token, name="rendezvous").start()
     except ClusterConfigError as error:

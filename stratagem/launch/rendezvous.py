@@ -41,18 +41,29 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stratagem.launch.ports import format_address
 from stratagem.preemption import PREEMPTED_EXIT_CODE
 
-__all__ = ["JobShape", "Rendezvous"]
+__all__ = ["JobShape", "PER_NODE_OPTIONS", "Rendezvous"]
+
+#: The options of ``stratagem launch`` that may differ from node to node; every other one
+#: (and the script's contents, and its arguments unless ``--per-node-args``) must be the same.
+PER_NODE_OPTIONS = ("--node-rank", "--host", "--rdzv", "--token-file")
 
 
 @dataclass(frozen=True)
 class JobShape:
-    """What every node must agree on: the host's launch options, checked at each join."""
+    """What every node must agree on: the host's launch options, checked at each join.
+
+    ``options`` are the command line's options by name (``(("--grace-period", 5.0), ...)``),
+    all but the per-node ones; ``script_digest`` is the SHA-256 of the script's contents
+    (``script`` its file name, for messages), and ``script_args`` its arguments, or None where
+    they may differ from node to node (``--per-node-args``).
+    """
 
     max_nodes: int
     workers_per_node: int
@@ -62,6 +73,9 @@ class JobShape:
     max_restarts: int = 0
     max_preemptions: int = 100
     script: str = ""
+    options: tuple[tuple[str, Any], ...] = ()
+    script_digest: str = ""
+    script_args: tuple[str, ...] | None = None
 
     @property
     def elastic(self) -> bool:
@@ -78,6 +92,48 @@ class JobShape:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def differences(self, theirs: dict[str, Any], there: str, here: str) -> list[str]:
+        """What another node's shape (its :meth:`as_dict`) has otherwise, each with both values.
+
+        ``there`` and ``here`` name the two nodes in the text ("on node 1 (10.0.0.2)").
+        """
+        said = []
+        mine, other = dict(self.options), dict(theirs.get("options") or ())
+        for name in dict.fromkeys([*mine, *other]):
+            if mine.get(name, _ABSENT) != other.get(name, _ABSENT):
+                said.append(f"{name} {_show(other.get(name, _ABSENT))} {there}, "
+                            f"{_show(mine.get(name, _ABSENT))} {here}")
+        if theirs.get("script_digest") != self.script_digest:
+            said.append(f"the script's contents differ: {theirs.get('script')} (sha256 "
+                        f"{str(theirs.get('script_digest'))[:12]}) {there}, {self.script} (sha256 "
+                        f"{self.script_digest[:12]}) {here}; copy the same script to every node")
+        args = theirs.get("script_args")
+        if args is not None and self.script_args is not None and tuple(args) != self.script_args:
+            said.append(f"the script's arguments differ: {list(args)} {there}, {list(self.script_args)} "
+                        f"{here}; give --per-node-args to every node where they differ on purpose")
+        if not said:   # the job's shape itself (made from the options: it differs only when they do)
+            ours = {key: value for key, value in self.as_dict().items() if key not in _DESCRIBED}
+            said = [f"{key} {_show(theirs.get(key, _ABSENT))} {there}, {_show(value)} {here}"
+                    for key, value in ours.items() if theirs.get(key, _ABSENT) != value]
+        return said
+
+
+_ABSENT = object()
+_DESCRIBED = ("options", "script", "script_digest", "script_args")
+
+
+def _show(value: Any) -> str:
+    """An option's value as a command line would give it."""
+    if value is _ABSENT:
+        return "(unknown to that launcher)"
+    if isinstance(value, bool):
+        return "given" if value else "not given"
+    if value is None:
+        return "not given"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
 
 
 @dataclass
@@ -104,8 +160,9 @@ class Rendezvous:
     """The job's rounds; thread-safe (the RPC server calls it from several threads)."""
 
     def __init__(self, shape: JobShape, *, node_timeout: float = 30.0, rdzv_timeout: float = 600.0,
-                 settle: float | None = None) -> None:
+                 settle: float | None = None, say: Callable[[str], None] | None = None) -> None:
         self.shape = shape
+        self._say = say   # tells the host's output what the nodes are not told (a late refusal)
         self._node_timeout = node_timeout
         self._rdzv_timeout = rdzv_timeout
         self._settle = node_timeout if settle is None else settle
@@ -179,12 +236,12 @@ class Rendezvous:
             return self._answer(node, request.get("round"))
 
     def ended_for_everyone(self) -> bool:
-        """Whether every member of the last round has been told the job ended (or is lost)."""
+        """Whether every node of the last round (or waiting for one) has been told the job ended (or is lost)."""
         with self._lock:
             self._advance()
             now = time.monotonic()
             return all(each.node in self._told_end or now - each.seen > self._node_timeout
-                       for each in self._members)
+                       for each in (*self._members, *self._joining.values()))
 
     def stop(self, status: int, why: str) -> None:
         """Ends the job (the host is going): every node is told at its next poll."""
@@ -200,14 +257,18 @@ class Rendezvous:
     # -- the state -------------------------------------------------------------------------
 
     def _refusal(self, request: dict[str, Any]) -> str:
-        theirs, ours = request.get("shape", {}), self.shape.as_dict()
-        different = [f"{key}: {theirs.get(key)!r} there, {value!r} on the rendezvous host"
-                     for key, value in ours.items() if theirs.get(key) != value]
-        if different:
-            return (f"the node at {request.get('host')} was started with other options than the "
-                    f"rendezvous host ({'; '.join(different)}); start every node with the same "
-                    "stratagem launch command line (only --node-rank and --host differ)")
         rank = request.get("rank")
+        who = f"node {rank} ({request.get('host')})" if rank is not None else f"the node at {request.get('host')}"
+        different = self.shape.differences(request.get("shape", {}), f"on {who}", "on the rendezvous host")
+        if different:
+            refusal = (f"{who} was started otherwise than the rendezvous host: "
+                       f"{'; '.join(different)}. Start every node with the same stratagem launch command "
+                       f"line and script (only {', '.join(PER_NODE_OPTIONS)} may differ)")
+            if self._round == 0 and self._phase == "forming":   # the job never ran: it cannot start so
+                self._finish(1, refusal)
+            elif self._say is not None:                          # a running job goes on without it
+                self._say(f"refused a node: {refusal}")
+            return refusal
         if rank is not None and not 0 <= rank < self.shape.max_nodes:
             return f"--node-rank {rank} is out of range for --nnodes {self.shape.max_nodes} (0 to {self.shape.max_nodes - 1})"
         others = (*self._joining.values(), *(self._members if self._phase == "running" else ()))

@@ -42,15 +42,52 @@ def test_the_host_comes_first_and_runs_the_chief_and_the_evaluator() -> None:
 
 
 def test_a_node_with_other_options_or_a_taken_rank_is_refused_naming_both() -> None:
-    rdzv = Rendezvous(SHAPE)
+    said: list[str] = []
+    rdzv = Rendezvous(SHAPE, say=said.append)
     other = JobShape(max_nodes=3, workers_per_node=2, max_restarts=1)
     answer = join(rdzv, "x", "10.0.0.9", shape=other)
     assert answer["state"] == "refused"
-    assert "max_nodes: 3 there, 2 on the rendezvous host" in answer["message"]
+    assert "max_nodes 3 on the node at 10.0.0.9, 2 on the rendezvous host" in answer["message"]
+    assert rdzv.ended == (1, answer["message"])   # before the first round: the job cannot start
+    rdzv = Rendezvous(SHAPE, say=said.append)
     join(rdzv, "a", "10.0.0.1", 0)
     taken = join(rdzv, "c", "10.0.0.3", 0)
     assert taken["state"] == "refused" and "--node-rank 0 is taken by the node at 10.0.0.1" in taken["message"]
     assert "out of range" in join(rdzv, "d", "10.0.0.4", 5)["message"]
+    assert rdzv.ended is None   # a taken or wrong rank is this node's mistake alone
+    # once the job ran, a node started otherwise is refused alone; the host says so
+    join(rdzv, "b", "10.0.0.2", 1)
+    assert join(rdzv, "y", "10.0.0.9", shape=other)["state"] == "refused"
+    assert rdzv.ended is None and rdzv.poll({"node": "a", "round": 0})["state"] == "run"
+    assert len(said) == 1 and said[0].startswith("refused a node: the node at 10.0.0.9 was started otherwise")
+
+
+def test_every_option_the_script_and_its_arguments_are_compared_naming_both_values() -> None:
+    def shape(grace: float, digest: str, args: tuple[str, ...] | None) -> JobShape:
+        return JobShape(max_nodes=2, workers_per_node=1, script="train.py", script_digest=digest,
+                        options=(("--grace-period", grace), ("--nnodes", "2"), ("--per-node-args", args is None)),
+                        script_args=args)
+    said: list[str] = []
+    rdzv = Rendezvous(shape(30.0, "a" * 64, ("--lr", "0.1")), say=said.append)
+    join(rdzv, "a", "10.0.0.1", 0, first=True, ports=(1,))
+    answer = join(rdzv, "b", "10.0.0.2", 1, shape=shape(5.0, "b" * 64, ("--lr", "0.2")), ports=(1,))
+    assert answer["state"] == "refused"
+    assert "--grace-period 5 on node 1 (10.0.0.2), 30 on the rendezvous host" in answer["message"]
+    assert ("the script's contents differ: train.py (sha256 bbbbbbbbbbbb) on node 1 (10.0.0.2), train.py "
+            "(sha256 aaaaaaaaaaaa) on the rendezvous host") in answer["message"]
+    assert ("the script's arguments differ: ['--lr', '0.2'] on node 1 (10.0.0.2), ['--lr', '0.1'] on the "
+            "rendezvous host; give --per-node-args") in answer["message"]
+    assert "--nnodes" not in answer["message"]
+    told = rdzv.poll({"node": "a", "round": 0})   # every node hears it
+    assert told == {"state": "failed", "status": 1, "message": answer["message"]}
+    # with --per-node-args on both, the arguments may differ (the script may not)
+    rdzv = Rendezvous(shape(30.0, "a" * 64, None))
+    join(rdzv, "a", "10.0.0.1", 0, first=True, ports=(1,))
+    assert join(rdzv, "b", "10.0.0.2", 1, shape=shape(30.0, "a" * 64, None), ports=(1,))["state"] == "run"
+    refused = Rendezvous(shape(30.0, "a" * 64, None))
+    answer = join(refused, "b", "10.0.0.2", 1, shape=shape(30.0, "a" * 64, ("--lr", "0.2")), ports=(1,))
+    assert "--per-node-args not given on node 1 (10.0.0.2), given on the rendezvous host" in answer["message"]
+    assert "arguments differ" not in answer["message"]
 
 
 def test_a_failure_restarts_every_node_in_a_new_round_then_fails_the_job_when_no_restart_is_left() -> None:
