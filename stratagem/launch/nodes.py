@@ -62,6 +62,7 @@ from stratagem.launch.rendezvous import JobShape, Rendezvous
 from stratagem.launch.supervisor import EXIT_STATUS_ON_SIGNAL
 from stratagem.launch.tasks import Task
 from stratagem.rpc import RpcServer
+from stratagem.rpc.server import caller_gone
 from stratagem.rpc.tokens import MAKE_TOKEN, check_token_strength
 
 __all__ = ["launch_nodes", "parse_nnodes", "read_token"]
@@ -275,9 +276,11 @@ def _serve(rdzv: str, token: str, shape: JobShape, node_rank: int | None, node_t
     """Starts the rendezvous when this node hosts it; None when another node does."""
     if node_rank is not None and node_rank > 0:
         return None
-    state = Rendezvous(shape, node_timeout=node_timeout, rdzv_timeout=rdzv_timeout, say=output.say)
-    try:
-        server = RpcServer(rdzv, state.handlers(), token, name="rendezvous").start()
+    state = Rendezvous(shape, node_timeout=node_timeout, rdzv_timeout=rdzv_timeout, say=output.say,
+                       caller_gone=caller_gone)
+    try:   # (every node holds a thread with its attend call, and polls beside it)
+        server = RpcServer(rdzv, state.handlers(), token, name="rendezvous",
+                           max_workers=16 + 2 * shape.max_nodes).start()
     except ClusterConfigError as error:
         if node_rank == 0:
             raise ClusterConfigError(

@@ -41,14 +41,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stratagem.launch.ports import format_address
 from stratagem.preemption import PREEMPTED_EXIT_CODE
 
-__all__ = ["JobShape", "PER_NODE_OPTIONS", "Rendezvous"]
+__all__ = ["ATTEND_SECONDS", "CLOSED_GRACE", "JobShape", "PER_NODE_OPTIONS", "Rendezvous"]
+
+ATTEND_SECONDS = 10.0   # how long the rendezvous holds a node's attend call before it answers
+CLOSED_GRACE = 2.0      # a node whose attend call's connection closed is lost unless it calls again within this
 
 #: The options of ``stratagem launch`` that may differ from node to node; every other one
 #: (and the script's contents, and its arguments unless ``--per-node-args``) must be the same.
@@ -160,9 +163,13 @@ class Rendezvous:
     """The job's rounds; thread-safe (the RPC server calls it from several threads)."""
 
     def __init__(self, shape: JobShape, *, node_timeout: float = 30.0, rdzv_timeout: float = 600.0,
-                 settle: float | None = None, say: Callable[[str], None] | None = None) -> None:
+                 settle: float | None = None, say: Callable[[str], None] | None = None,
+                 caller_gone: Callable[[], bool] = lambda: False) -> None:
         self.shape = shape
         self._say = say   # tells the host's output what the nodes are not told (a late refusal)
+        self._caller_gone = caller_gone   # in a handler: whether its caller's connection closed
+        self._closed: dict[str, float] = {}   # node -> when its attend call's connection closed
+        self._expected: dict[str, _Node] = {}   # the last round's nodes, not lost: a new round waits for them
         self._node_timeout = node_timeout
         self._rdzv_timeout = rdzv_timeout
         self._settle = node_timeout if settle is None else settle
@@ -184,7 +191,7 @@ class Rendezvous:
     # -- the handlers ----------------------------------------------------------------------
 
     def handlers(self) -> dict[str, Any]:
-        return {"join": self.join, "poll": self.poll, "report": self.report}
+        return {"join": self.join, "poll": self.poll, "report": self.report, "attend": self.attend}
 
     def join(self, request: dict[str, Any]) -> dict[str, Any]:
         """A node asks to take part in the round being formed (it gives its ports for it)."""
@@ -212,6 +219,23 @@ class Rendezvous:
             self._advance()
             return self._answer(node, request.get("round"))
 
+    def attend(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A node's open line: held for ATTEND_SECONDS (the node calls again at once).
+
+        Its connection closing while held (the caller gone: its launcher was killed, its
+        machine went down) is news at once; the node is lost when it does not call again
+        within CLOSED_GRACE seconds. A node that is alive but silent (SIGSTOP, a network
+        cut without a reset) is lost after ``node_timeout`` instead.
+        """
+        held = time.monotonic()
+        while time.monotonic() - held < ATTEND_SECONDS:
+            if self._caller_gone():
+                with self._lock:
+                    self._closed[request["node"]] = time.monotonic()
+                return {"state": "gone"}
+            time.sleep(0.05)
+        return {"state": "held"}
+
     def report(self, request: dict[str, Any]) -> dict[str, Any]:
         """A node says its tasks failed, finished, or that it is leaving the job (SIGTERM)."""
         with self._lock:
@@ -228,7 +252,7 @@ class Rendezvous:
                     self._finish(0, "every task of every node exited 0")
             elif event == "leaving":
                 self._next_round(f"{member.name} is leaving the job (its launcher got "
-                                 f"{request.get('signal', 'a signal')})", preempted=True)
+                                 f"{request.get('signal', 'a signal')})", preempted=True, lost=[node])
             else:
                 code = int(request["code"])
                 self._next_round(f"{request['task']} on {member.name} {request['how']}",
@@ -240,7 +264,7 @@ class Rendezvous:
         with self._lock:
             self._advance()
             now = time.monotonic()
-            return all(each.node in self._told_end or now - each.seen > self._node_timeout
+            return all(each.node in self._told_end or self._gone(each, now)
                        for each in (*self._members, *self._joining.values()))
 
     def stop(self, status: int, why: str) -> None:
@@ -274,7 +298,7 @@ class Rendezvous:
         others = (*self._joining.values(), *(self._members if self._phase == "running" else ()))
         taken = next((each for each in others
                       if rank is not None and each.rank == rank and each.node != request["node"]
-                      and time.monotonic() - each.seen <= self._node_timeout), None)
+                      and not self._gone(each, time.monotonic())), None)
         if taken is not None:
             return (f"--node-rank {rank} is taken by the node at {taken.host}, which is still "
                     "running; give every node its own --node-rank")
@@ -284,18 +308,21 @@ class Rendezvous:
         """Applies what time alone changes: lost nodes, a round that forms or times out."""
         now = time.monotonic()
         if self._phase == "running":
-            lost = [each for each in self._members if now - each.seen > self._node_timeout]
+            lost = [(each, why) for each in self._members if (why := self._gone(each, now))]
             if lost:
-                self._next_round(f"{lost[0].name} stopped answering for {self._node_timeout:g} s")
+                self._next_round(f"{lost[0][0].name} {lost[0][1]}", lost=[each.node for each, _ in lost])
             return
         if self._phase != "forming":
             return
         for node, each in list(self._joining.items()):
-            if now - each.seen > self._node_timeout:
+            if self._gone(each, now):
                 del self._joining[node]
         count = len(self._joining)
+        # after a round, the nodes still in the job have all come back: waiting longer waits for nobody
+        back = self._round > 0 and all(node in self._joining or self._gone(each, now)
+                                       for node, each in self._expected.items())
         if count >= self.shape.max_nodes or (self.shape.elastic and count >= self.shape.least
-                                             and now - self._last_join >= self._settle):
+                                             and (back or now - self._last_join >= self._settle)):
             self._form()
         elif now - self._forming_since > self._rdzv_timeout:
             self._finish(1, self._missing(count))
@@ -321,7 +348,16 @@ class Rendezvous:
         self._joining = {node: each for node, each in self._joining.items() if each not in members}
         self._phase, self._done = "running", set()
 
-    def _next_round(self, why: str, *, preempted: bool = False, code: int = 1) -> None:
+    def _gone(self, node: _Node, now: float) -> str:
+        """Why ``node`` is lost ("" while it is not): silent too long, or its connection closed."""
+        if now - node.seen > self._node_timeout:
+            return f"stopped answering for {self._node_timeout:g} s"
+        closed = self._closed.get(node.node)
+        if closed is not None and node.seen < closed and now - closed >= CLOSED_GRACE:
+            return "is gone: its launcher's connection to the rendezvous closed (killed, or its machine went down)"
+        return ""
+
+    def _next_round(self, why: str, *, preempted: bool = False, code: int = 1, lost: Sequence[str] = ()) -> None:
         count = sum(len(self.shape.tasks_on(i == 0)) for i in range(len(self._members)))
         where = f"all {count} tasks on {len(self._members)} node(s)"
         if preempted and self._preemptions < self.shape.max_preemptions:
@@ -342,7 +378,10 @@ class Rendezvous:
         self._phase, self._forming_since = "forming", time.monotonic()
         self._last_join = self._forming_since
         for each in self._members:   # each survivor rejoins with fresh ports
-            each.seen = time.monotonic()
+            if each.node not in lost:
+                each.seen = time.monotonic()
+        self._expected = {each.node: each for each in (*self._members, *self._joining.values())
+                          if each.node not in lost}
         self._joining = {}
 
     def _finish(self, status: int, why: str) -> None:

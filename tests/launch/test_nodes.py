@@ -150,6 +150,36 @@ def test_losing_the_host_stops_the_other_nodes_tasks_with_a_clear_error(tmp_path
     assert "has not answered for" in log1.read_text() and "node-rank 0" in log1.read_text()
 
 
+UNTIL_RESTARTED = """
+import os, time
+print("hello from restart", os.environ["STRATAGEM_RESTART"], flush=True)
+if os.environ["STRATAGEM_RESTART"] == "0":
+    time.sleep(600)
+"""
+
+
+def test_a_killed_node_is_lost_at_once_and_an_elastic_job_goes_on_without_waiting_for_it(tmp_path: Path) -> None:
+    script = tmp_path / "until_restarted.py"
+    script.write_text(UNTIL_RESTARTED)
+    rdzv, token = f"127.0.0.1:{free_ports(1)[0]}", secrets.token_urlsafe(32)
+    # --node-timeout 120: before the fix, noticing the loss took that long, and so did settling after it
+    common = ("--nnodes", "2:3", "--rdzv", rdzv, "--node-timeout", "120", "--max-restarts", "1")
+    nodes = [_node(tmp_path, f"node{rank}", *common, "--node-rank", str(rank), str(script), token=token)
+             for rank in range(3)]
+    (host, log0), (other, log1), (doomed, log2) = nodes
+    try:
+        for rank, (_, log) in enumerate(nodes):
+            wait_for(log, f"[worker {rank}] hello from restart 0", 90, host, other, doomed)
+        doomed.send_signal(signal.SIGKILL)
+        assert host.wait(timeout=60) == 0, log0.read_text()
+        assert other.wait(timeout=30) == 0, log1.read_text()
+    finally:
+        _finish(host, other, doomed)
+    assert ("node 2 (127.0.0.1) is gone: its launcher's connection to the rendezvous closed (killed, or its "
+            "machine went down); restarting all 3 tasks on 3 node(s) (restart 1/1)") in log0.read_text()
+    assert "round 1: 2 node(s)" in log0.read_text() and "[worker 1] hello from restart 1" in log1.read_text()
+
+
 def test_a_node_started_with_other_options_another_script_or_other_arguments_stops_every_node_naming_them(
         tmp_path: Path, script: Path) -> None:
     rdzv, token = f"127.0.0.1:{free_ports(1)[0]}", secrets.token_urlsafe(32)

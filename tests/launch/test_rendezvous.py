@@ -128,9 +128,9 @@ def test_a_preemption_spends_no_restart_and_the_job_is_done_when_every_node_is()
     assert rdzv.ended_for_everyone()
 
 
-def test_a_silent_node_is_lost_and_an_elastic_job_goes_on_with_fewer_after_settling() -> None:
+def test_a_silent_node_is_lost_and_an_elastic_job_goes_on_with_the_others_without_waiting_for_it() -> None:
     rdzv = Rendezvous(JobShape(max_nodes=3, min_nodes=2, workers_per_node=1, max_restarts=1),
-                      node_timeout=0.3, settle=0.3)
+                      node_timeout=0.3, settle=60)
     for node, host in (("a", "h1"), ("b", "h2"), ("c", "h3")):
         join(rdzv, node, host, ports=(1,), first=node == "a")
     assert rdzv.poll({"node": "a", "round": 0})["cluster"]["worker"] == ["h1:1", "h2:1", "h3:1"]
@@ -144,14 +144,45 @@ def test_a_silent_node_is_lost_and_an_elastic_job_goes_on_with_fewer_after_settl
         time.sleep(0.05)
     assert answer["state"] == "restart" and "node (h3) stopped answering" in answer["message"]
     join(rdzv, "a", "h1", ports=(2,), first=True)
-    assert join(rdzv, "b", "h2", ports=(2,))["state"] == "wait"   # 2 of 3: waits for c a while
-    while (answer := rdzv.poll({"node": "b", "round": 1}))["state"] == "wait":
-        rdzv.poll({"node": "a", "round": 1})
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert answer["state"] == "run" and answer["cluster"] == {"worker": ["h1:2", "h2:2"]}
+    # b was the last node still in the job: the round forms without settling (60 s) for c
+    assert join(rdzv, "b", "h2", ports=(2,)) | {"tasks": None} == {
+        "state": "run", "round": 1, "cluster": {"worker": ["h1:2", "h2:2"]}, "tasks": None, "nodes": 2}
     # c comes back: it waits for the next restart instead of disturbing the running round
     assert join(rdzv, "c2", "h3", ports=(3,))["state"] == "wait"
+
+
+def test_an_elastic_round_settles_for_a_node_it_has_not_heard_from_yet() -> None:
+    rdzv = Rendezvous(JobShape(max_nodes=3, min_nodes=2, workers_per_node=1), node_timeout=60, settle=0.3)
+    join(rdzv, "a", "h1", ports=(1,), first=True)
+    assert join(rdzv, "b", "h2", ports=(1,))["state"] == "wait"   # the first round: a third may come
+    deadline = time.monotonic() + 5
+    while (answer := rdzv.poll({"node": "b", "round": 0}))["state"] == "wait":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert answer["cluster"] == {"worker": ["h1:1", "h2:1"]}
+
+
+def test_a_node_whose_connection_closes_is_lost_at_once_unless_it_calls_again(monkeypatch) -> None:
+    from stratagem.launch import rendezvous
+
+    monkeypatch.setattr(rendezvous, "CLOSED_GRACE", 0.05)
+    gone = {"value": False}
+    rdzv = Rendezvous(JobShape(max_nodes=3, min_nodes=2, workers_per_node=1, max_restarts=1), node_timeout=600,
+                      caller_gone=lambda: gone["value"])
+    for node, host in (("a", "h1"), ("b", "h2"), ("c", "h3")):
+        join(rdzv, node, host, ports=(1,), first=node == "a")
+    gone["value"] = True
+    assert rdzv.attend({"node": "b"}) == {"state": "gone"}   # b's connection closed, but b calls again
+    time.sleep(0.1)
+    rdzv.poll({"node": "b", "round": 0})
+    assert rdzv.attend({"node": "c"}) == {"state": "gone"}   # c's closed for good
+    time.sleep(0.1)
+    answer = rdzv.poll({"node": "a", "round": 0})
+    assert answer["state"] == "restart" and answer["message"] == (
+        "node (h3) is gone: its launcher's connection to the rendezvous closed (killed, or its machine "
+        "went down); restarting all 3 tasks on 3 node(s) (restart 1/1)")
+    join(rdzv, "a", "h1", ports=(2,), first=True)
+    assert join(rdzv, "b", "h2", ports=(2,))["cluster"] == {"worker": ["h1:2", "h2:2"]}   # at once
 
 
 def test_a_rendezvous_that_never_completes_fails_naming_the_missing_nodes() -> None:
