@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from stratagem.errors import InvalidArgumentError, StratagemError
 from stratagem.launch.local import check_script, launch_local
 from stratagem.launch.ray_command import add_ray_arguments, run_ray
-from stratagem.launch.rendezvous import PER_NODE_OPTIONS
+from stratagem.launch.job_shape import PER_NODE_OPTIONS
 
 __all__ = ["add_launch_parser", "add_subcommand", "build_parser", "main", "run_launch", "shared_options"]
 
@@ -111,8 +111,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a file (mode 600) holding the job's cluster token, the same on every node "
                             "(default: the environment variable STRATAGEM_CLUSTER_TOKEN)")
     nodes.add_argument("--node-timeout", type=float, default=30.0, metavar="S",
-                       help="a node silent this long is lost; an elastic job waits this long for more "
-                            "nodes before it goes on with fewer (default: 30)")
+                       help="a node silent this long is lost (one whose launcher dies is lost at once); "
+                            "an elastic job first waits this long for more nodes before it starts with "
+                            "fewer (default: 30)")
     nodes.add_argument("--rdzv-timeout", type=float, default=600.0, metavar="S",
                        help="seconds for all nodes (MIN in an elastic job) to join, before the job "
                             "fails naming the missing ones (default: 600)")

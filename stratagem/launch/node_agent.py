@@ -30,7 +30,8 @@ from stratagem.cluster import ClusterSpec
 from stratagem.errors import ClusterConfigError, StratagemError, UnavailableError
 from stratagem.launch.output import TaskOutput
 from stratagem.launch.ports import free_ports
-from stratagem.launch.rendezvous import ATTEND_SECONDS, JobShape
+from stratagem.launch.job_shape import JobShape
+from stratagem.launch.rendezvous import ATTEND_SECONDS
 from stratagem.launch.supervisor import Supervisor, blame_order, describe_exit
 from stratagem.launch.tasks import Task
 from stratagem.rpc import AuthenticationError, RpcClient, RpcError

@@ -16,7 +16,10 @@ restart; SIGTERM (or SIGINT) on one node stops its tasks (a ``PreemptionWatcher`
 script makes the whole group save and exit 75) and that node leaves the job, which restarts
 without it: an elastic job (``--nnodes MIN:MAX``) goes on with the nodes left, a fixed-size
 one waits for the node's return (its replacement runs the same command). A node that stops
-answering for ``--node-timeout`` seconds is lost, the same way. A rendezvous that does not
+answering for ``--node-timeout`` seconds is lost, the same way, and one whose launcher dies
+at once (its connection to the rendezvous closes). Every node must be started with the same
+options but the per-node ones, the same script and, without ``--per-node-args``, the same
+script arguments: the rendezvous compares them and names each difference. A rendezvous that does not
 complete within ``--rdzv-timeout`` seconds fails the job, naming the missing nodes. The host
 is the one node the job cannot lose: without it the others stop, saying so.
 
@@ -58,7 +61,8 @@ from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.launch.local import TOKEN_VARIABLE, task_env
 from stratagem.launch.node_agent import NodeAgent, NodeSupervisor, RendezvousLost
 from stratagem.launch.output import TaskOutput
-from stratagem.launch.rendezvous import JobShape, Rendezvous
+from stratagem.launch.job_shape import JobShape
+from stratagem.launch.rendezvous import Rendezvous
 from stratagem.launch.supervisor import EXIT_STATUS_ON_SIGNAL
 from stratagem.launch.tasks import Task
 from stratagem.rpc import RpcServer
@@ -192,7 +196,7 @@ def launch_nodes(script: str, args: Sequence[str] = (), *, nnodes: str | int, rd
     ClusterConfigError before anything starts.
 
     Every node must agree on ``options`` (the command line's options by name, all but
-    :data:`~stratagem.launch.rendezvous.PER_NODE_OPTIONS`; default: this call's keyword
+    :data:`~stratagem.launch.job_shape.PER_NODE_OPTIONS`; default: this call's keyword
     arguments, named so), on the script's contents and, unless ``per_node_args``, on ``args``:
     the rendezvous refuses a node that differs, naming each difference with both values.
     """

@@ -16,18 +16,28 @@ round's number)::
 
 *Enough nodes*: all ``max_nodes`` of them; in an elastic job (``min_nodes < max_nodes``)
 also ``min_nodes`` or more once no other node has joined for ``settle`` seconds (so a node
-lost for good does not hold the job back; one that comes back joins at the next restart).
+lost for good does not hold the job back; one that comes back joins at the next restart),
+or, after the first round, as soon as every node of the last round that is not lost is
+back (there is nobody left to wait for).
 The members of a round are ordered by ``--node-rank`` when the nodes give one, else by
 when each node first joined (the host first); the chief and the evaluator run on the
 first member, which is the host. Each member lists its own free ports for the round;
 the cluster spec is put together from them.
 
-A node that stops polling for ``node_timeout`` seconds is lost: in a running round that
-is a failure of the round; while forming it is dropped from the round.
+A node that stops polling for ``node_timeout`` seconds is lost, and so is one whose
+``attend`` call's connection closed (its launcher died: see :meth:`Rendezvous.attend`) at
+once: in a running round that is a failure of the round; while forming it is dropped from
+the round, and the next round does not wait for it.
+
+Every node must agree on the :class:`~stratagem.launch.job_shape.JobShape`: the options of its command line (all but
+:data:`PER_NODE_OPTIONS`), the script's contents and its arguments. A node that differs is
+refused, each difference named with both values; before the first round that ends the job
+on every node (it could not start as its nodes were told), later the job goes on without it.
 
 Example::
 
-    >>> from stratagem.launch.rendezvous import JobShape, Rendezvous
+    >>> from stratagem.launch.job_shape import JobShape
+    >>> from stratagem.launch.rendezvous import Rendezvous
     >>> rdzv = Rendezvous(JobShape(max_nodes=2, workers_per_node=1), node_timeout=30)
     >>> rdzv.join({"node": "a", "host": "10.0.0.1", "ports": [2222], "shape": rdzv.shape.as_dict()})["state"]
     'wait'
@@ -42,102 +52,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
+from stratagem.launch.job_shape import PER_NODE_OPTIONS, JobShape
 from stratagem.launch.ports import format_address
 from stratagem.preemption import PREEMPTED_EXIT_CODE
 
-__all__ = ["ATTEND_SECONDS", "CLOSED_GRACE", "JobShape", "PER_NODE_OPTIONS", "Rendezvous"]
+__all__ = ["ATTEND_SECONDS", "CLOSED_GRACE", "Rendezvous"]
 
 ATTEND_SECONDS = 10.0   # how long the rendezvous holds a node's attend call before it answers
 CLOSED_GRACE = 2.0      # a node whose attend call's connection closed is lost unless it calls again within this
-
-#: The options of ``stratagem launch`` that may differ from node to node; every other one
-#: (and the script's contents, and its arguments unless ``--per-node-args``) must be the same.
-PER_NODE_OPTIONS = ("--node-rank", "--host", "--rdzv", "--token-file")
-
-
-@dataclass(frozen=True)
-class JobShape:
-    """What every node must agree on: the host's launch options, checked at each join.
-
-    ``options`` are the command line's options by name (``(("--grace-period", 5.0), ...)``),
-    all but the per-node ones; ``script_digest`` is the SHA-256 of the script's contents
-    (``script`` its file name, for messages), and ``script_args`` its arguments, or None where
-    they may differ from node to node (``--per-node-args``).
-    """
-
-    max_nodes: int
-    workers_per_node: int
-    min_nodes: int = 0        # 0: the same as max_nodes (not elastic)
-    chief: bool = False
-    evaluator: int = 0
-    max_restarts: int = 0
-    max_preemptions: int = 100
-    script: str = ""
-    options: tuple[tuple[str, Any], ...] = ()
-    script_digest: str = ""
-    script_args: tuple[str, ...] | None = None
-
-    @property
-    def elastic(self) -> bool:
-        return 0 < self.min_nodes < self.max_nodes
-
-    @property
-    def least(self) -> int:
-        return self.min_nodes or self.max_nodes
-
-    def tasks_on(self, first: bool) -> list[str]:
-        """The task types one node runs, in order: the first member has the chief and evaluator."""
-        extra = ["chief"] * self.chief + ["evaluator"] * self.evaluator if first else []
-        return extra[:1] + ["worker"] * self.workers_per_node + extra[1:]
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def differences(self, theirs: dict[str, Any], there: str, here: str) -> list[str]:
-        """What another node's shape (its :meth:`as_dict`) has otherwise, each with both values.
-
-        ``there`` and ``here`` name the two nodes in the text ("on node 1 (10.0.0.2)").
-        """
-        said = []
-        mine, other = dict(self.options), dict(theirs.get("options") or ())
-        for name in dict.fromkeys([*mine, *other]):
-            if mine.get(name, _ABSENT) != other.get(name, _ABSENT):
-                said.append(f"{name} {_show(other.get(name, _ABSENT))} {there}, "
-                            f"{_show(mine.get(name, _ABSENT))} {here}")
-        if theirs.get("script_digest") != self.script_digest:
-            said.append(f"the script's contents differ: {theirs.get('script')} (sha256 "
-                        f"{str(theirs.get('script_digest'))[:12]}) {there}, {self.script} (sha256 "
-                        f"{self.script_digest[:12]}) {here}; copy the same script to every node")
-        args = theirs.get("script_args")
-        if args is not None and self.script_args is not None and tuple(args) != self.script_args:
-            said.append(f"the script's arguments differ: {list(args)} {there}, {list(self.script_args)} "
-                        f"{here}; give --per-node-args to every node where they differ on purpose")
-        if not said:   # the job's shape itself (made from the options: it differs only when they do)
-            ours = {key: value for key, value in self.as_dict().items() if key not in _DESCRIBED}
-            said = [f"{key} {_show(theirs.get(key, _ABSENT))} {there}, {_show(value)} {here}"
-                    for key, value in ours.items() if theirs.get(key, _ABSENT) != value]
-        return said
-
-
-_ABSENT = object()
-_DESCRIBED = ("options", "script", "script_digest", "script_args")
-
-
-def _show(value: Any) -> str:
-    """An option's value as a command line would give it."""
-    if value is _ABSENT:
-        return "(unknown to that launcher)"
-    if isinstance(value, bool):
-        return "given" if value else "not given"
-    if value is None:
-        return "not given"
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
-
 
 @dataclass
 class _Node:
@@ -222,10 +147,10 @@ class Rendezvous:
     def attend(self, request: dict[str, Any]) -> dict[str, Any]:
         """A node's open line: held for ATTEND_SECONDS (the node calls again at once).
 
-        Its connection closing while held (the caller gone: its launcher was killed, its
-        machine went down) is news at once; the node is lost when it does not call again
-        within CLOSED_GRACE seconds. A node that is alive but silent (SIGSTOP, a network
-        cut without a reset) is lost after ``node_timeout`` instead.
+        Its connection closing while held (the caller's process died: SIGKILL, a crash, the
+        OOM killer; its kernel closes the connection) is news at once: the node is lost when
+        it does not call again within CLOSED_GRACE seconds. A node that is silent without a
+        closed connection (SIGSTOP, a power cut, a network cut) is lost after ``node_timeout``.
         """
         held = time.monotonic()
         while time.monotonic() - held < ATTEND_SECONDS:
@@ -354,7 +279,7 @@ class Rendezvous:
             return f"stopped answering for {self._node_timeout:g} s"
         closed = self._closed.get(node.node)
         if closed is not None and node.seen < closed and now - closed >= CLOSED_GRACE:
-            return "is gone: its launcher's connection to the rendezvous closed (killed, or its machine went down)"
+            return "is gone: its launcher's connection to the rendezvous closed (the launcher died)"
         return ""
 
     def _next_round(self, why: str, *, preempted: bool = False, code: int = 1, lost: Sequence[str] = ()) -> None:

@@ -175,8 +175,8 @@ def test_a_killed_node_is_lost_at_once_and_an_elastic_job_goes_on_without_waitin
         assert other.wait(timeout=30) == 0, log1.read_text()
     finally:
         _finish(host, other, doomed)
-    assert ("node 2 (127.0.0.1) is gone: its launcher's connection to the rendezvous closed (killed, or its "
-            "machine went down); restarting all 3 tasks on 3 node(s) (restart 1/1)") in log0.read_text()
+    assert ("node 2 (127.0.0.1) is gone: its launcher's connection to the rendezvous closed (the launcher "
+            "died); restarting all 3 tasks on 3 node(s) (restart 1/1)") in log0.read_text()
     assert "round 1: 2 node(s)" in log0.read_text() and "[worker 1] hello from restart 1" in log1.read_text()
 
 

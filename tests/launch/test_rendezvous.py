@@ -9,7 +9,8 @@ import time
 import pytest
 
 from stratagem.launch.nodes import parse_nnodes, read_token
-from stratagem.launch.rendezvous import JobShape, Rendezvous
+from stratagem.launch.job_shape import JobShape
+from stratagem.launch.rendezvous import Rendezvous
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 
 SHAPE = JobShape(max_nodes=2, workers_per_node=2, max_restarts=1)
@@ -179,8 +180,7 @@ def test_a_node_whose_connection_closes_is_lost_at_once_unless_it_calls_again(mo
     time.sleep(0.1)
     answer = rdzv.poll({"node": "a", "round": 0})
     assert answer["state"] == "restart" and answer["message"] == (
-        "node (h3) is gone: its launcher's connection to the rendezvous closed (killed, or its machine "
-        "went down); restarting all 3 tasks on 3 node(s) (restart 1/1)")
+        "node (h3) is gone: its launcher's connection to the rendezvous closed (the launcher died); restarting all 3 tasks on 3 node(s) (restart 1/1)")
     join(rdzv, "a", "h1", ports=(2,), first=True)
     assert join(rdzv, "b", "h2", ports=(2,))["cluster"] == {"worker": ["h1:2", "h2:2"]}   # at once
 
