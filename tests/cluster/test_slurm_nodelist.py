@@ -242,7 +242,8 @@ def test_malformed_descriptions_name_the_problem(arguments: dict, env_extra: dic
     assert problem in str(caught.value)
 
 
-@pytest.mark.parametrize("extra", [{}, {"SLURMD_NODENAME": "n2", "SLURM_LOCALID": "0"}, {"SLURM_DISTRIBUTION": "cyclic"}])
+@pytest.mark.parametrize("extra", [{}, {"SLURMD_NODENAME": "n2", "SLURM_LOCALID": "0"},
+                                   {"SLURM_DISTRIBUTION": "cyclic"}])
 def test_a_node_without_tasks_is_refused_naming_the_variable_whatever_else_is_set(extra: dict) -> None:
     step = step_env(0, "n[1-2]", "0,2", num_tasks=2, **extra)   # 2 tasks, both said to run on n2
     with pytest.raises(ClusterConfigError, match=r"SLURM_STEP_TASKS_PER_NODE='0,2': '0' gives node 1 of the "

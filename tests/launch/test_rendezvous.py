@@ -180,7 +180,8 @@ def test_a_node_whose_connection_closes_is_lost_at_once_unless_it_calls_again(mo
     time.sleep(0.1)
     answer = rdzv.poll({"node": "a", "round": 0})
     assert answer["state"] == "restart" and answer["message"] == (
-        "node (h3) is gone: its launcher's connection to the rendezvous closed (the launcher died); restarting all 3 tasks on 3 node(s) (restart 1/1)")
+        "node (h3) is gone: its launcher's connection to the rendezvous closed (the launcher died); "
+        "restarting all 3 tasks on 3 node(s) (restart 1/1)")
     join(rdzv, "a", "h1", ports=(2,), first=True)
     assert join(rdzv, "b", "h2", ports=(2,))["cluster"] == {"worker": ["h1:2", "h2:2"]}   # at once
 
@@ -212,3 +213,20 @@ def test_nnodes_and_the_token_are_checked(tmp_path) -> None:
         read_token(str(path), {})
     path.chmod(0o600)
     assert read_token(str(path), {}) == "9f86d081884c7d659a2feaa0c55ad0159f86d081884c7d65"
+
+
+def test_every_option_of_the_command_line_but_the_per_node_ones_is_shared() -> None:
+    from stratagem.launch.command import build_parser, shared_options
+    from stratagem.launch.job_shape import PER_NODE_OPTIONS
+
+    parser = build_parser()
+    options = shared_options(parser.parse_args(["--nnodes", "2", "--node-rank", "1", "--host", "10.0.0.2",
+                                                "--rdzv", "10.0.0.1:29400", "--token-file", "t", "train.py"]))
+    assert not set(PER_NODE_OPTIONS) & set(options)
+    for name in ("--grace-period", "--node-timeout", "--rdzv-timeout", "--join-timeout", "--evaluator-timeout",
+                 "--max-restarts", "--max-preemptions", "--workers", "--chief", "--evaluator", "--nnodes",
+                 "--per-node-args"):
+        assert name in options
+    usage = parser.format_usage()
+    for name in (*options, *PER_NODE_OPTIONS):   # each name is the command line's own
+        assert f"[{name}" in usage, name
