@@ -17,11 +17,14 @@ script makes the whole group save and exit 75) and that node leaves the job, whi
 without it: an elastic job (``--nnodes MIN:MAX``) goes on with the nodes left, a fixed-size
 one waits for the node's return (its replacement runs the same command). A node that stops
 answering for ``--node-timeout`` seconds is lost, the same way, and one whose launcher dies
-at once (its connection to the rendezvous closes). Every node must be started with the same
-options but the per-node ones, the same script and, without ``--per-node-args``, the same
-script arguments: the rendezvous compares them and names each difference. A rendezvous that does not
-complete within ``--rdzv-timeout`` seconds fails the job, naming the missing nodes. The host
-is the one node the job cannot lose: without it the others stop, saying so.
+at once (its connection to the rendezvous closes). A rendezvous that does not complete
+within ``--rdzv-timeout`` seconds fails the job, naming the missing nodes. The host is the
+one node the job cannot lose: without it the others stop, saying so.
+
+**The same command line.** Every node must be started with the same options but the
+per-node ones (``--node-rank``, ``--host``, ``--rdzv``, ``--token-file``), the same script
+(its contents: their SHA-256 is compared) and, without ``--per-node-args``, the same script
+arguments: the rendezvous compares them and names each difference with both values.
 
 **The token.** Every node must hold the same cluster token: the user's secret, from the file
 ``--token-file`` (readable by its owner alone) or the environment variable
