@@ -139,21 +139,32 @@ def expand_nodelist(text: str) -> list[str]:
     return nodes
 
 
-def expand_tasks_per_node(text: str) -> list[int]:
-    """The task count of each node from Slurm's ``2(x3),1`` form: ``[2, 2, 2, 1]``."""
+def expand_tasks_per_node(text: str, variable: str | None = None) -> list[int]:
+    """The task count of each node from Slurm's ``2(x3),1`` form: ``[2, 2, 2, 1]``.
+
+    Every count is 1 or more: Slurm lists the nodes that run tasks only, so a 0 (``0,2``)
+    means the text was not written by Slurm. ``variable`` (``SLURM_STEP_TASKS_PER_NODE``)
+    names where the text came from in the errors.
+    """
+    what = f"{variable}={text!r}" if variable else f"tasks per node {text!r}"
     if not isinstance(text, str) or not text.strip():
-        raise ClusterConfigError(f"tasks per node {text!r} is empty; Slurm writes it like '2(x3),1'.")
+        raise ClusterConfigError(f"{what} is empty; Slurm writes it like '2(x3),1'.")
     counts: list[int] = []
     for item in text.strip().split(","):
         match = _TASK_COUNT.fullmatch(item.strip())
         if match is None:
             raise ClusterConfigError(
-                f"tasks per node {text!r}: {item!r} is not a count like '2' or a repeated count "
+                f"{what}: {item!r} is not a count like '2' or a repeated count "
                 "like '2(x3)' (2 tasks on each of 3 nodes).")
         count, repeat = int(match.group(1)), int(match.group(2) or 1)
         if repeat == 0 or len(counts) + repeat > MAX_NODES:
-            raise ClusterConfigError(f"tasks per node {text!r}: {item!r} repeats its count "
+            raise ClusterConfigError(f"{what}: {item!r} repeats its count "
                                      f"{repeat} times; that must be 1 to {MAX_NODES}.")
+        if count == 0:
+            raise ClusterConfigError(
+                f"{what}: {item!r} gives node {len(counts) + 1} of the node list no task, but Slurm "
+                "lists only the nodes that run tasks (every count is 1 or more); srun sets it: check "
+                "what overwrote it, or describe the cluster with TF_CONFIG.")
         counts += [count] * repeat
     return counts
 

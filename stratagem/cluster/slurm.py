@@ -286,7 +286,7 @@ class SlurmClusterResolver(ClusterResolver):
             return nodes, [tasks_per_node] * len(nodes)
         count_name = "SLURM_STEP_TASKS_PER_NODE" if step else "SLURM_TASKS_PER_NODE"
         _require(env.get(count_name), (count_name,))
-        return nodes, expand_tasks_per_node(env[count_name])
+        return nodes, expand_tasks_per_node(env[count_name], count_name)
 
     @staticmethod
     def _resolve_jobs(jobs: Mapping[str, int] | None, env: Mapping[str, str],

@@ -32,8 +32,9 @@ from collections.abc import Sequence
 from stratagem.errors import InvalidArgumentError, StratagemError
 from stratagem.launch.local import check_script, launch_local
 from stratagem.launch.ray_command import add_ray_arguments, run_ray
+from stratagem.launch.job_shape import PER_NODE_OPTIONS
 
-__all__ = ["add_launch_parser", "add_subcommand", "build_parser", "main", "run_launch"]
+__all__ = ["add_launch_parser", "add_subcommand", "build_parser", "main", "run_launch", "shared_options"]
 
 _DESCRIPTION = (
     "Start a local cluster on loopback and run SCRIPT in it: every task gets TensorFlow's "
@@ -110,11 +111,16 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a file (mode 600) holding the job's cluster token, the same on every node "
                             "(default: the environment variable STRATAGEM_CLUSTER_TOKEN)")
     nodes.add_argument("--node-timeout", type=float, default=30.0, metavar="S",
-                       help="a node silent this long is lost; an elastic job waits this long for more "
-                            "nodes before it goes on with fewer (default: 30)")
+                       help="a node silent this long is lost (one whose launcher dies is lost at once); "
+                            "an elastic job first waits this long for more nodes before it starts with "
+                            "fewer (default: 30)")
     nodes.add_argument("--rdzv-timeout", type=float, default=600.0, metavar="S",
                        help="seconds for all nodes (MIN in an elastic job) to join, before the job "
                             "fails naming the missing ones (default: 600)")
+    nodes.add_argument("--per-node-args", action="store_true",
+                       help="let the script's arguments differ from node to node (give it on every "
+                            "node); without it a node started with other arguments is refused, as is "
+                            "one with other options or another script")
     add_ray_arguments(parser)   # --ray ADDRESS and the --ray-* options (ray_command.py)
     parser.add_argument("script", metavar="SCRIPT", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
@@ -154,14 +160,37 @@ def _run_nodes(args: argparse.Namespace) -> int:
             "--ps and --port-base are for one machine; across nodes, run collective training "
             "(--workers per node), or parameter-server training under a scheduler whose "
             "TF_CONFIG names every task (see docs/slurm.md and docs/kubernetes.md).")
+    if args.workers is None:
+        args.workers = 1   # per node: a node given --workers 1 agrees with one given none
     return launch_nodes(check_script(args.script), args.args, nnodes=args.nnodes, rdzv=args.rdzv,
                         token=read_token(args.token_file), node_rank=args.node_rank,
-                        host=args.host,
-                        workers=1 if args.workers is None else args.workers, chief=args.chief,
+                        host=args.host, workers=args.workers, chief=args.chief,
                         evaluator=args.evaluator, max_restarts=args.max_restarts,
                         max_preemptions=args.max_preemptions, grace_period=args.grace_period,
                         join_timeout=args.join_timeout, evaluator_timeout=args.evaluator_timeout,
-                        node_timeout=args.node_timeout, rdzv_timeout=args.rdzv_timeout)
+                        node_timeout=args.node_timeout, rdzv_timeout=args.rdzv_timeout,
+                        per_node_args=args.per_node_args, options=shared_options(args))
+
+
+def shared_options(args: argparse.Namespace) -> dict[str, object]:
+    """The options every node of a multi-node launch must agree on, by name, with their values.
+
+    Every option of ``stratagem launch`` is one, except :data:`PER_NODE_OPTIONS`: a new
+    option is compared by default. The script and its arguments are compared apart (by the
+    rendezvous: the script's contents, and the arguments unless ``--per-node-args``).
+
+    Example::
+
+        >>> from stratagem.launch.command import build_parser, shared_options
+        >>> args = build_parser().parse_args(["--nnodes", "2", "--node-rank", "1", "--grace-period", "30", "t.py"])
+        >>> options = shared_options(args)
+        >>> options["--grace-period"], options["--nnodes"], "--node-rank" in options
+        (30.0, '2', False)
+    """
+    defaults = vars(build_parser().parse_args(["SCRIPT"]))   # every option's name, none given
+    skipped = {*PER_NODE_OPTIONS, "--script", "--args"}
+    named = {"--" + dest.replace("_", "-"): dest for dest in defaults}
+    return {name: getattr(args, dest) for name, dest in named.items() if name not in skipped}
 
 
 def add_launch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

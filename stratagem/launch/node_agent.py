@@ -11,7 +11,8 @@ done when every node is.
 
 The agent polls the rendezvous every :data:`POLL_SECONDS`; when it cannot reach it for
 ``node_timeout`` seconds, it stops its tasks and the launch fails, saying so (the host is
-gone: nobody can restart the job).
+gone: nobody can restart the job). Beside the polls it keeps an ``attend`` call open: when
+the agent's process dies its connection closes, and the host loses the node at once.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from stratagem.cluster import ClusterSpec
 from stratagem.errors import ClusterConfigError, StratagemError, UnavailableError
 from stratagem.launch.output import TaskOutput
 from stratagem.launch.ports import free_ports
-from stratagem.launch.rendezvous import JobShape
+from stratagem.launch.job_shape import JobShape
+from stratagem.launch.rendezvous import ATTEND_SECONDS
 from stratagem.launch.supervisor import Supervisor, blame_order, describe_exit
 from stratagem.launch.tasks import Task
 from stratagem.rpc import AuthenticationError, RpcClient, RpcError
@@ -66,6 +69,7 @@ class NodeAgent:
         self.ended: dict[str, Any] | None = None   # the rendezvous' last answer, once the job ended
         self._answered = time.monotonic()   # when the rendezvous last answered
         self._next_poll = 0.0
+        self._attending: Future[Any] | None = None   # the attend call in flight
 
     def close(self) -> None:
         self._client.close()
@@ -119,7 +123,19 @@ class NodeAgent:
     def report(self, event: str, **details: Any) -> dict[str, Any]:
         return self._call("report", {"node": self.node, "round": self.round, "event": event, **details})
 
+    def _attend(self) -> None:
+        """Keeps an attend call open to the rendezvous: when this launcher dies, its connection
+        closes and the host knows at once (instead of after ``node_timeout`` of silence)."""
+        if self._attending is not None and not self._attending.done():
+            return
+        try:
+            self._attending = self._client.call_async("attend", {"node": self.node},
+                                                      timeout=ATTEND_SECONDS + self._node_timeout)
+        except (RpcError, UnavailableError):
+            self._attending = None   # the host is unreachable: the polls say so
+
     def _call(self, method: str, request: dict[str, Any]) -> dict[str, Any]:
+        self._attend()
         while True:
             try:
                 answer = self._client.call(method, request)

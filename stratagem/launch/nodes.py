@@ -16,9 +16,15 @@ restart; SIGTERM (or SIGINT) on one node stops its tasks (a ``PreemptionWatcher`
 script makes the whole group save and exit 75) and that node leaves the job, which restarts
 without it: an elastic job (``--nnodes MIN:MAX``) goes on with the nodes left, a fixed-size
 one waits for the node's return (its replacement runs the same command). A node that stops
-answering for ``--node-timeout`` seconds is lost, the same way. A rendezvous that does not
-complete within ``--rdzv-timeout`` seconds fails the job, naming the missing nodes. The host
-is the one node the job cannot lose: without it the others stop, saying so.
+answering for ``--node-timeout`` seconds is lost, the same way, and one whose launcher dies
+at once (its connection to the rendezvous closes). A rendezvous that does not complete
+within ``--rdzv-timeout`` seconds fails the job, naming the missing nodes. The host is the
+one node the job cannot lose: without it the others stop, saying so.
+
+**The same command line.** Every node must be started with the same options but the
+per-node ones (``--node-rank``, ``--host``, ``--rdzv``, ``--token-file``), the same script
+(its contents: their SHA-256 is compared) and, without ``--per-node-args``, the same script
+arguments: the rendezvous compares them and names each difference with both values.
 
 **The token.** Every node must hold the same cluster token: the user's secret, from the file
 ``--token-file`` (readable by its owner alone) or the environment variable
@@ -36,6 +42,8 @@ Example (two nodes, 10.0.0.1 and 10.0.0.2)::
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import logging
 import os
 import shutil
@@ -46,8 +54,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
-from typing import TextIO
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
 
 from stratagem.cluster import ClusterSpec
 from stratagem.cluster.joined import JOINED_VARIABLE
@@ -56,10 +64,12 @@ from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.launch.local import TOKEN_VARIABLE, task_env
 from stratagem.launch.node_agent import NodeAgent, NodeSupervisor, RendezvousLost
 from stratagem.launch.output import TaskOutput
-from stratagem.launch.rendezvous import JobShape, Rendezvous
+from stratagem.launch.job_shape import JobShape
+from stratagem.launch.rendezvous import Rendezvous
 from stratagem.launch.supervisor import EXIT_STATUS_ON_SIGNAL
 from stratagem.launch.tasks import Task
 from stratagem.rpc import RpcServer
+from stratagem.rpc.server import caller_gone
 from stratagem.rpc.tokens import MAKE_TOKEN, check_token_strength
 
 __all__ = ["launch_nodes", "parse_nnodes", "read_token"]
@@ -105,6 +115,26 @@ def read_token(token_file: str | None, environ: dict[str, str] | None = None) ->
             f"export {TOKEN_VARIABLE}); it never goes on a command line.")
     check_token_strength(token, source=source)
     return token
+
+
+#: launch_nodes' parameters that are not options every node shares (the rest are, named as
+#: on the command line: ``grace_period`` is ``--grace-period``).
+_NOT_SHARED = frozenset({"script", "args", "token", "node_rank", "host", "rdzv", "options", "stdout", "stderr"})
+
+
+def _keyword_options(given: Mapping[str, Any]) -> dict[str, Any]:
+    """launch_nodes' shared keyword arguments as the options of its command line."""
+    names = inspect.signature(launch_nodes).parameters
+    return {"--" + name.replace("_", "-"): given[name] for name in names if name not in _NOT_SHARED}
+
+
+def _digest(script: str) -> str:
+    """The SHA-256 of the script's contents: the nodes compare it, not its path."""
+    try:
+        with open(script, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError as error:
+        raise InvalidArgumentError(f"cannot read the script {script!r}: {error.strerror or error}.") from None
 
 
 def _route_address(host: str) -> str:
@@ -160,13 +190,21 @@ def launch_nodes(script: str, args: Sequence[str] = (), *, nnodes: str | int, rd
                  workers: int = 1, chief: bool = False, evaluator: int = 0, max_restarts: int = 0,
                  max_preemptions: int = 100, grace_period: float = 5.0, join_timeout: float = 600.0,
                  evaluator_timeout: float = 600.0, node_timeout: float = 30.0, rdzv_timeout: float = 600.0,
+                 per_node_args: bool = False, options: Mapping[str, Any] | None = None,
                  stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     """Runs this node's part of a multi-node job; returns the job's exit status.
 
     The arguments are ``stratagem launch``'s (see the module docstring); ``token`` is the
     job's cluster token (:func:`read_token`). Bad arguments raise InvalidArgumentError or
     ClusterConfigError before anything starts.
+
+    Every node must agree on ``options`` (the command line's options by name, all but
+    :data:`~stratagem.launch.job_shape.PER_NODE_OPTIONS`; default: this call's keyword
+    arguments, named so), on the script's contents and, unless ``per_node_args``, on ``args``:
+    the rendezvous refuses a node that differs, naming each difference with both values.
     """
+    if options is None:
+        options = _keyword_options(locals())
     least, most = parse_nnodes(nnodes)
     validate_address(rdzv, where=f"--rdzv {rdzv!r}")
     rdzv_host = rdzv.rpartition(":")[0]
@@ -182,7 +220,9 @@ def launch_nodes(script: str, args: Sequence[str] = (), *, nnodes: str | int, rd
     host = host or _route_address(rdzv_host)
     shape = JobShape(max_nodes=most, min_nodes=least if least < most else 0, workers_per_node=workers,
                      chief=chief, evaluator=evaluator, max_restarts=max_restarts,
-                     max_preemptions=max_preemptions, script=os.path.basename(script))
+                     max_preemptions=max_preemptions, script=os.path.basename(script),
+                     options=tuple(options.items()), script_digest=_digest(script),
+                     script_args=None if per_node_args else tuple(args))
     output = TaskOutput(sys.stdout if stdout is None else stdout, sys.stderr if stderr is None else stderr)
     if evaluator not in (0, 1):
         raise InvalidArgumentError(f"--evaluator must be 0 or 1, got {evaluator}: a cluster has at most one "
@@ -243,9 +283,11 @@ def _serve(rdzv: str, token: str, shape: JobShape, node_rank: int | None, node_t
     """Starts the rendezvous when this node hosts it; None when another node does."""
     if node_rank is not None and node_rank > 0:
         return None
-    state = Rendezvous(shape, node_timeout=node_timeout, rdzv_timeout=rdzv_timeout)
-    try:
-        server = RpcServer(rdzv, state.handlers(), token, name="rendezvous").start()
+    state = Rendezvous(shape, node_timeout=node_timeout, rdzv_timeout=rdzv_timeout, say=output.say,
+                       caller_gone=caller_gone)
+    try:   # (every node holds a thread with its attend call, and polls beside it)
+        server = RpcServer(rdzv, state.handlers(), token, name="rendezvous",
+                           max_workers=16 + 2 * shape.max_nodes).start()
     except ClusterConfigError as error:
         if node_rank == 0:
             raise ClusterConfigError(

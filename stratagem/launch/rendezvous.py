@@ -16,18 +16,28 @@ round's number)::
 
 *Enough nodes*: all ``max_nodes`` of them; in an elastic job (``min_nodes < max_nodes``)
 also ``min_nodes`` or more once no other node has joined for ``settle`` seconds (so a node
-lost for good does not hold the job back; one that comes back joins at the next restart).
+lost for good does not hold the job back; one that comes back joins at the next restart),
+or, after the first round, as soon as every node of the last round that is not lost is
+back (there is nobody left to wait for).
 The members of a round are ordered by ``--node-rank`` when the nodes give one, else by
 when each node first joined (the host first); the chief and the evaluator run on the
 first member, which is the host. Each member lists its own free ports for the round;
 the cluster spec is put together from them.
 
-A node that stops polling for ``node_timeout`` seconds is lost: in a running round that
-is a failure of the round; while forming it is dropped from the round.
+A node that stops polling for ``node_timeout`` seconds is lost, and so is one whose
+``attend`` call's connection closed (its launcher died: see :meth:`Rendezvous.attend`) at
+once: in a running round that is a failure of the round; while forming it is dropped from
+the round, and the next round does not wait for it.
+
+Every node must agree on the :class:`~stratagem.launch.job_shape.JobShape`: the options of its command line (all but
+:data:`PER_NODE_OPTIONS`), the script's contents and its arguments. A node that differs is
+refused, each difference named with both values; before the first round that ends the job
+on every node (it could not start as its nodes were told), later the job goes on without it.
 
 Example::
 
-    >>> from stratagem.launch.rendezvous import JobShape, Rendezvous
+    >>> from stratagem.launch.job_shape import JobShape
+    >>> from stratagem.launch.rendezvous import Rendezvous
     >>> rdzv = Rendezvous(JobShape(max_nodes=2, workers_per_node=1), node_timeout=30)
     >>> rdzv.join({"node": "a", "host": "10.0.0.1", "ports": [2222], "shape": rdzv.shape.as_dict()})["state"]
     'wait'
@@ -41,44 +51,18 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from stratagem.launch.job_shape import PER_NODE_OPTIONS, JobShape
 from stratagem.launch.ports import format_address
 from stratagem.preemption import PREEMPTED_EXIT_CODE
 
-__all__ = ["JobShape", "Rendezvous"]
+__all__ = ["ATTEND_SECONDS", "CLOSED_GRACE", "Rendezvous"]
 
-
-@dataclass(frozen=True)
-class JobShape:
-    """What every node must agree on: the host's launch options, checked at each join."""
-
-    max_nodes: int
-    workers_per_node: int
-    min_nodes: int = 0        # 0: the same as max_nodes (not elastic)
-    chief: bool = False
-    evaluator: int = 0
-    max_restarts: int = 0
-    max_preemptions: int = 100
-    script: str = ""
-
-    @property
-    def elastic(self) -> bool:
-        return 0 < self.min_nodes < self.max_nodes
-
-    @property
-    def least(self) -> int:
-        return self.min_nodes or self.max_nodes
-
-    def tasks_on(self, first: bool) -> list[str]:
-        """The task types one node runs, in order: the first member has the chief and evaluator."""
-        extra = ["chief"] * self.chief + ["evaluator"] * self.evaluator if first else []
-        return extra[:1] + ["worker"] * self.workers_per_node + extra[1:]
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
+ATTEND_SECONDS = 10.0   # how long the rendezvous holds a node's attend call before it answers
+CLOSED_GRACE = 2.0      # a node whose attend call's connection closed is lost unless it calls again within this
 
 @dataclass
 class _Node:
@@ -104,8 +88,13 @@ class Rendezvous:
     """The job's rounds; thread-safe (the RPC server calls it from several threads)."""
 
     def __init__(self, shape: JobShape, *, node_timeout: float = 30.0, rdzv_timeout: float = 600.0,
-                 settle: float | None = None) -> None:
+                 settle: float | None = None, say: Callable[[str], None] | None = None,
+                 caller_gone: Callable[[], bool] = lambda: False) -> None:
         self.shape = shape
+        self._say = say   # tells the host's output what the nodes are not told (a late refusal)
+        self._caller_gone = caller_gone   # in a handler: whether its caller's connection closed
+        self._closed: dict[str, float] = {}   # node -> when its attend call's connection closed
+        self._expected: dict[str, _Node] = {}   # the last round's nodes, not lost: a new round waits for them
         self._node_timeout = node_timeout
         self._rdzv_timeout = rdzv_timeout
         self._settle = node_timeout if settle is None else settle
@@ -127,7 +116,7 @@ class Rendezvous:
     # -- the handlers ----------------------------------------------------------------------
 
     def handlers(self) -> dict[str, Any]:
-        return {"join": self.join, "poll": self.poll, "report": self.report}
+        return {"join": self.join, "poll": self.poll, "report": self.report, "attend": self.attend}
 
     def join(self, request: dict[str, Any]) -> dict[str, Any]:
         """A node asks to take part in the round being formed (it gives its ports for it)."""
@@ -155,6 +144,23 @@ class Rendezvous:
             self._advance()
             return self._answer(node, request.get("round"))
 
+    def attend(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A node's open line: held for ATTEND_SECONDS (the node calls again at once).
+
+        Its connection closing while held (the caller's process died: SIGKILL, a crash, the
+        OOM killer; its kernel closes the connection) is news at once: the node is lost when
+        it does not call again within CLOSED_GRACE seconds. A node that is silent without a
+        closed connection (SIGSTOP, a power cut, a network cut) is lost after ``node_timeout``.
+        """
+        held = time.monotonic()
+        while time.monotonic() - held < ATTEND_SECONDS:
+            if self._caller_gone():
+                with self._lock:
+                    self._closed[request["node"]] = time.monotonic()
+                return {"state": "gone"}
+            time.sleep(0.05)
+        return {"state": "held"}
+
     def report(self, request: dict[str, Any]) -> dict[str, Any]:
         """A node says its tasks failed, finished, or that it is leaving the job (SIGTERM)."""
         with self._lock:
@@ -171,7 +177,7 @@ class Rendezvous:
                     self._finish(0, "every task of every node exited 0")
             elif event == "leaving":
                 self._next_round(f"{member.name} is leaving the job (its launcher got "
-                                 f"{request.get('signal', 'a signal')})", preempted=True)
+                                 f"{request.get('signal', 'a signal')})", preempted=True, lost=[node])
             else:
                 code = int(request["code"])
                 self._next_round(f"{request['task']} on {member.name} {request['how']}",
@@ -179,12 +185,12 @@ class Rendezvous:
             return self._answer(node, request.get("round"))
 
     def ended_for_everyone(self) -> bool:
-        """Whether every member of the last round has been told the job ended (or is lost)."""
+        """Whether every node of the last round (or waiting for one) has been told the job ended (or is lost)."""
         with self._lock:
             self._advance()
             now = time.monotonic()
-            return all(each.node in self._told_end or now - each.seen > self._node_timeout
-                       for each in self._members)
+            return all(each.node in self._told_end or self._gone(each, now)
+                       for each in (*self._members, *self._joining.values()))
 
     def stop(self, status: int, why: str) -> None:
         """Ends the job (the host is going): every node is told at its next poll."""
@@ -200,20 +206,24 @@ class Rendezvous:
     # -- the state -------------------------------------------------------------------------
 
     def _refusal(self, request: dict[str, Any]) -> str:
-        theirs, ours = request.get("shape", {}), self.shape.as_dict()
-        different = [f"{key}: {theirs.get(key)!r} there, {value!r} on the rendezvous host"
-                     for key, value in ours.items() if theirs.get(key) != value]
-        if different:
-            return (f"the node at {request.get('host')} was started with other options than the "
-                    f"rendezvous host ({'; '.join(different)}); start every node with the same "
-                    "stratagem launch command line (only --node-rank and --host differ)")
         rank = request.get("rank")
+        who = f"node {rank} ({request.get('host')})" if rank is not None else f"the node at {request.get('host')}"
+        different = self.shape.differences(request.get("shape", {}), f"on {who}", "on the rendezvous host")
+        if different:
+            refusal = (f"{who} was started otherwise than the rendezvous host: "
+                       f"{'; '.join(different)}. Start every node with the same stratagem launch command "
+                       f"line and script (only {', '.join(PER_NODE_OPTIONS)} may differ)")
+            if self._round == 0 and self._phase == "forming":   # the job never ran: it cannot start so
+                self._finish(1, refusal)
+            elif self._say is not None:                          # a running job goes on without it
+                self._say(f"refused a node: {refusal}")
+            return refusal
         if rank is not None and not 0 <= rank < self.shape.max_nodes:
             return f"--node-rank {rank} is out of range for --nnodes {self.shape.max_nodes} (0 to {self.shape.max_nodes - 1})"
         others = (*self._joining.values(), *(self._members if self._phase == "running" else ()))
         taken = next((each for each in others
                       if rank is not None and each.rank == rank and each.node != request["node"]
-                      and time.monotonic() - each.seen <= self._node_timeout), None)
+                      and not self._gone(each, time.monotonic())), None)
         if taken is not None:
             return (f"--node-rank {rank} is taken by the node at {taken.host}, which is still "
                     "running; give every node its own --node-rank")
@@ -223,18 +233,21 @@ class Rendezvous:
         """Applies what time alone changes: lost nodes, a round that forms or times out."""
         now = time.monotonic()
         if self._phase == "running":
-            lost = [each for each in self._members if now - each.seen > self._node_timeout]
+            lost = [(each, why) for each in self._members if (why := self._gone(each, now))]
             if lost:
-                self._next_round(f"{lost[0].name} stopped answering for {self._node_timeout:g} s")
+                self._next_round(f"{lost[0][0].name} {lost[0][1]}", lost=[each.node for each, _ in lost])
             return
         if self._phase != "forming":
             return
         for node, each in list(self._joining.items()):
-            if now - each.seen > self._node_timeout:
+            if self._gone(each, now):
                 del self._joining[node]
         count = len(self._joining)
+        # after a round, the nodes still in the job have all come back: waiting longer waits for nobody
+        back = self._round > 0 and all(node in self._joining or self._gone(each, now)
+                                       for node, each in self._expected.items())
         if count >= self.shape.max_nodes or (self.shape.elastic and count >= self.shape.least
-                                             and now - self._last_join >= self._settle):
+                                             and (back or now - self._last_join >= self._settle)):
             self._form()
         elif now - self._forming_since > self._rdzv_timeout:
             self._finish(1, self._missing(count))
@@ -260,7 +273,16 @@ class Rendezvous:
         self._joining = {node: each for node, each in self._joining.items() if each not in members}
         self._phase, self._done = "running", set()
 
-    def _next_round(self, why: str, *, preempted: bool = False, code: int = 1) -> None:
+    def _gone(self, node: _Node, now: float) -> str:
+        """Why ``node`` is lost ("" while it is not): silent too long, or its connection closed."""
+        if now - node.seen > self._node_timeout:
+            return f"stopped answering for {self._node_timeout:g} s"
+        closed = self._closed.get(node.node)
+        if closed is not None and node.seen < closed and now - closed >= CLOSED_GRACE:
+            return "is gone: its launcher's connection to the rendezvous closed (the launcher died)"
+        return ""
+
+    def _next_round(self, why: str, *, preempted: bool = False, code: int = 1, lost: Sequence[str] = ()) -> None:
         count = sum(len(self.shape.tasks_on(i == 0)) for i in range(len(self._members)))
         where = f"all {count} tasks on {len(self._members)} node(s)"
         if preempted and self._preemptions < self.shape.max_preemptions:
@@ -281,7 +303,10 @@ class Rendezvous:
         self._phase, self._forming_since = "forming", time.monotonic()
         self._last_join = self._forming_since
         for each in self._members:   # each survivor rejoins with fresh ports
-            each.seen = time.monotonic()
+            if each.node not in lost:
+                each.seen = time.monotonic()
+        self._expected = {each.node: each for each in (*self._members, *self._joining.values())
+                          if each.node not in lost}
         self._joining = {}
 
     def _finish(self, status: int, why: str) -> None:

@@ -20,9 +20,9 @@ from stratagem.errors import ClusterConfigError
 
 
 def step_env(procid: int, nodelist: str = "node[01-02]", tasks_per_node: str = "2(x2)",
-             **extra: str) -> dict[str, str]:
+             num_tasks: int | None = None, **extra: str) -> dict[str, str]:
     """The variables srun gives task ``procid`` of a step (SLURMD_NODENAME/LOCALID left out)."""
-    total = sum(expand_tasks_per_node(tasks_per_node))
+    total = sum(expand_tasks_per_node(tasks_per_node)) if num_tasks is None else num_tasks
     env = {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(procid),
            "SLURM_STEP_NUM_TASKS": str(total), "SLURM_NTASKS": str(total),
            "SLURM_STEP_NODELIST": nodelist, "SLURM_JOB_NODELIST": nodelist,
@@ -82,7 +82,6 @@ def test_malformed_node_lists_name_the_problem(text: str, problem: str) -> None:
     ("2(x3),1", [2, 2, 2, 1]),
     ("1(x1)", [1]),
     ("16(x2),8,4(x3)", [16, 16, 8, 4, 4, 4]),
-    ("2,0,1", [2, 0, 1]),
 ])
 def test_tasks_per_node_expand(text: str, counts: list[int]) -> None:
     assert expand_tasks_per_node(text) == counts
@@ -91,6 +90,7 @@ def test_tasks_per_node_expand(text: str, counts: list[int]) -> None:
 @pytest.mark.parametrize("text, problem", [
     ("", "is empty"), ("x", "'x' is not a count"), ("2(3)", "'2(3)' is not a count"),
     ("-1", "'-1' is not a count"), ("2,,1", "'' is not a count"), ("2(x0)", "repeats its count 0 times"),
+    ("2,0,1", "'0' gives node 2 of the node list no task"), ("1,0(x2)", "'0(x2)' gives node 2 of the node list no task"),
 ])
 def test_malformed_tasks_per_node_name_the_problem(text: str, problem: str) -> None:
     with pytest.raises(ClusterConfigError, match="tasks per node") as caught:
@@ -242,6 +242,19 @@ def test_malformed_descriptions_name_the_problem(arguments: dict, env_extra: dic
     assert problem in str(caught.value)
 
 
+@pytest.mark.parametrize("extra", [{}, {"SLURMD_NODENAME": "n2", "SLURM_LOCALID": "0"},
+                                   {"SLURM_DISTRIBUTION": "cyclic"}])
+def test_a_node_without_tasks_is_refused_naming_the_variable_whatever_else_is_set(extra: dict) -> None:
+    step = step_env(0, "n[1-2]", "0,2", num_tasks=2, **extra)   # 2 tasks, both said to run on n2
+    with pytest.raises(ClusterConfigError, match=r"SLURM_STEP_TASKS_PER_NODE='0,2': '0' gives node 1 of the "
+                       r"node list no task.*every count is 1 or more") as caught:
+        SlurmClusterResolver(environment=step)
+    assert "--distribution" not in str(caught.value)
+    job = {key: value for key, value in step_env(1, "n[1-3]", "1", **extra).items() if "STEP" not in key}
+    with pytest.raises(ClusterConfigError, match=r"SLURM_TASKS_PER_NODE='1\(x2\),0'"):   # outside a step: the job's
+        SlurmClusterResolver(environment={**job, "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "1(x2),0"})
+
+
 def test_outside_slurm_it_says_how_to_start() -> None:
     with pytest.raises(ClusterConfigError, match="SLURM_PROCID is not set.*`srun --ntasks=2 python train.py`"):
         SlurmClusterResolver(environment={})
@@ -340,6 +353,10 @@ def test_strategies_find_the_slurm_step_by_themselves(slurm_environ) -> None:
     slurm_environ({"STRATAGEM_SLURM_JOBS": "chief=1"})
     with pytest.raises(ClusterConfigError, match="needs 'ps' tasks.*STRATAGEM_SLURM_JOBS"):
         sg.ParameterServerStrategy()
+    slurm_environ({**step_env(0, "localhost,other", "0,1", num_tasks=1), "STRATAGEM_SLURM_JOBS": "worker=1",
+                   "SLURMD_NODENAME": "other", "SLURM_LOCALID": "0"})
+    with pytest.raises(ClusterConfigError, match="SLURM_STEP_TASKS_PER_NODE='0,1'"):
+        sg.MultiWorkerMirroredStrategy()
 
 
 def test_stratagem_server_finds_its_task_in_the_step() -> None:

@@ -5,6 +5,7 @@ process left behind. The real hosts (network namespaces) are in test_nodes_netns
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import signal
@@ -24,7 +25,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 HELLO = """
 import json, os, sys, time
 task = json.loads(os.environ["TF_CONFIG"])["task"]
-print("hello from", task["type"], task["index"], "restart", os.environ["STRATAGEM_RESTART"], flush=True)
+print("hello from", task["type"], task["index"], "restart", os.environ["STRATAGEM_RESTART"], "args", sys.argv[1:],
+      flush=True)
 if len(sys.argv) > 1:
     time.sleep(float(sys.argv[1]))
 """
@@ -57,16 +59,19 @@ def _finish(*processes: subprocess.Popen) -> None:
 
 def test_two_nodes_on_loopback_run_one_cluster(tmp_path: Path, script: Path) -> None:
     rdzv, token = f"127.0.0.1:{free_ports(1)[0]}", secrets.token_urlsafe(32)
-    common = ("--nnodes", "2", "--rdzv", rdzv, "--workers", "2", "--node-timeout", "10")
+    common = ("--nnodes", "2", "--rdzv", rdzv, "--workers", "2", "--node-timeout", "10", "--per-node-args")
+    copy = tmp_path / "elsewhere" / script.name   # the same script at another path
+    copy.parent.mkdir()
+    copy.write_text(script.read_text())
     host, log0 = _node(tmp_path, "node0", *common, "--node-rank", "0", str(script), token=token)
-    other, log1 = _node(tmp_path, "node1", *common, "--node-rank", "1", str(script), token=token)
+    other, log1 = _node(tmp_path, "node1", *common, "--node-rank", "1", str(copy), "0.1", token=token)
     try:
         assert host.wait(timeout=120) == 0, log0.read_text()
         assert other.wait(timeout=30) == 0, log1.read_text()
     finally:
         _finish(host, other)
-    assert "[worker 0] hello from worker 0 restart 0" in log0.read_text()
-    assert "[worker 3] hello from worker 3 restart 0" in log1.read_text()
+    assert "[worker 0] hello from worker 0 restart 0 args []" in log0.read_text()
+    assert "[worker 3] hello from worker 3 restart 0 args ['0.1']" in log1.read_text()   # --per-node-args
     assert token not in log0.read_text() + log1.read_text()
 
 
@@ -145,17 +150,67 @@ def test_losing_the_host_stops_the_other_nodes_tasks_with_a_clear_error(tmp_path
     assert "has not answered for" in log1.read_text() and "node-rank 0" in log1.read_text()
 
 
-def test_a_node_started_with_other_options_is_refused_naming_them(tmp_path: Path, script: Path) -> None:
+UNTIL_RESTARTED = """
+import os, time
+print("hello from restart", os.environ["STRATAGEM_RESTART"], flush=True)
+if os.environ["STRATAGEM_RESTART"] == "0":
+    time.sleep(600)
+"""
+
+
+def test_a_killed_node_is_lost_at_once_and_an_elastic_job_goes_on_without_waiting_for_it(tmp_path: Path) -> None:
+    script = tmp_path / "until_restarted.py"
+    script.write_text(UNTIL_RESTARTED)
     rdzv, token = f"127.0.0.1:{free_ports(1)[0]}", secrets.token_urlsafe(32)
+    # --node-timeout 120: before the fix, noticing the loss took that long, and so did settling after it
+    common = ("--nnodes", "2:3", "--rdzv", rdzv, "--node-timeout", "120", "--max-restarts", "1")
+    nodes = [_node(tmp_path, f"node{rank}", *common, "--node-rank", str(rank), str(script), token=token)
+             for rank in range(3)]
+    (host, log0), (other, log1), (doomed, log2) = nodes
+    try:
+        for rank, (_, log) in enumerate(nodes):
+            wait_for(log, f"[worker {rank}] hello from restart 0", 90, host, other, doomed)
+        doomed.send_signal(signal.SIGKILL)
+        assert host.wait(timeout=60) == 0, log0.read_text()
+        assert other.wait(timeout=30) == 0, log1.read_text()
+    finally:
+        _finish(host, other, doomed)
+    assert ("node 2 (127.0.0.1) is gone: its launcher's connection to the rendezvous closed (the launcher "
+            "died); restarting all 3 tasks on 3 node(s) (restart 1/1)") in log0.read_text()
+    assert "round 1: 2 node(s)" in log0.read_text() and "[worker 1] hello from restart 1" in log1.read_text()
+
+
+def test_a_node_started_with_other_options_another_script_or_other_arguments_stops_every_node_naming_them(
+        tmp_path: Path, script: Path) -> None:
+    rdzv, token = f"127.0.0.1:{free_ports(1)[0]}", secrets.token_urlsafe(32)
+    other_script = tmp_path / "other" / script.name   # the same name, other contents
+    other_script.parent.mkdir()
+    other_script.write_text(HELLO + "print('changed')\n")
     host, log0 = _node(tmp_path, "node0", "--nnodes", "2", "--node-rank", "0", "--rdzv", rdzv,
-                       "--rdzv-timeout", "60", str(script), token=token)
+                       "--grace-period", "30", "--node-timeout", "20", "--rdzv-timeout", "60", "--join-timeout", "100",
+                       "--max-restarts", "3", str(script), "0", "--lr", "0.1", token=token)
+    wait_for(log0, "serving the rendezvous", 60, host)
     other, log1 = _node(tmp_path, "node1", "--nnodes", "2", "--node-rank", "1", "--rdzv", rdzv,
-                        "--max-restarts", "3", str(script), token=token)
+                        str(other_script), "0", "--lr", "0.2", token=token)
     try:
         assert other.wait(timeout=60) == 1, log1.read_text()
+        assert host.wait(timeout=60) == 1, log0.read_text()   # the job cannot start: every node says why
     finally:
         _finish(host, other)
-    assert "max_restarts: 3 there, 0 on the rendezvous host" in log1.read_text()
+    digests = [hashlib.sha256(path.read_bytes()).hexdigest()[:12] for path in (other_script, script)]
+    for log in (log0, log1):
+        text = log.read_text()
+        for difference in ("--grace-period 5 on node 1 (127.0.0.1), 30 on the rendezvous host",
+                           "--node-timeout 30 on node 1 (127.0.0.1), 20 on the rendezvous host",
+                           "--rdzv-timeout 600 on node 1 (127.0.0.1), 60 on the rendezvous host",
+                           "--join-timeout 600 on node 1 (127.0.0.1), 100 on the rendezvous host",
+                           "--max-restarts 0 on node 1 (127.0.0.1), 3 on the rendezvous host",
+                           f"the script's contents differ: hello.py (sha256 {digests[0]}) on node 1 (127.0.0.1), "
+                           f"hello.py (sha256 {digests[1]}) on the rendezvous host",
+                           "the script's arguments differ: ['0', '--lr', '0.2'] on node 1 (127.0.0.1), "
+                           "['0', '--lr', '0.1'] on the rendezvous host; give --per-node-args"):
+            assert difference in text, text
+        assert "hello from" not in text and "--nnodes" not in text.partition("started otherwise")[2]
 
 
 @pytest.mark.parametrize("options, message", [
