@@ -17,6 +17,20 @@ target's) must be the recorded one, unless the caller says which checkpoint it r
 (``restore(path, saved_as=...)``: a copy renamed on purpose). A copy under the same name
 elsewhere (a whole checkpoint folder moved to another disk) restores as usual. Checkpoints of
 older versions, which record no name, restore with a warning that says so.
+
+Example::
+
+    import os, shutil, tempfile, torch, stratagem as sg
+    folder = tempfile.mkdtemp()
+    ckpt = sg.Checkpoint(model=torch.nn.Linear(2, 2), step=3)
+    ckpt.save(os.path.join(folder, "ckpt-3"))
+    shutil.copytree(os.path.join(folder, "ckpt-3"), os.path.join(folder, "best"))
+    try:
+        ckpt.restore(os.path.join(folder, "best"))
+        raise AssertionError("restored without a word")
+    except sg.errors.CheckpointError as err:   # asked for 'best', found the checkpoint saved as 'ckpt-3' ...
+        assert "found the checkpoint saved as 'ckpt-3'" in str(err)
+    ckpt.restore(os.path.join(folder, "best"), saved_as="ckpt-3")   # a copy renamed on purpose
 """
 
 from __future__ import annotations
