@@ -300,6 +300,8 @@ class Checkpoint:
         saved as ``saved_as``. This Checkpoint then continues the restored one's job.
         """
         self._check_context("restore")
+        if saved_as is not None and not isinstance(saved_as, str):
+            raise InvalidArgumentError(f"saved_as names the checkpoint (such as 'ckpt-3'), got {saved_as!r}")
         self.wait()
         strategy = self.strategy
         loaded: dict[str, Any] = {}
