@@ -13,7 +13,9 @@ ps share.
 
 Restoring under a parameter-server strategy whose shards are those the checkpoint names (same
 model, same partitioner, same number of ps) goes the same way (:func:`read_state`): each ps
-verifies its files (size, CRC-32, the pieces and their shapes), then -- once every ps and
+verifies its files (size, CRC-32, the pieces and their shapes, and that they are listed in the
+manifest the coordinator verified: the same checkpoint, not another one found at that path
+on the ps's host or swapped in meanwhile), then -- once every ps and
 every other object of the checkpoint passed -- loads them into its variables, in parallel.
 Otherwise (another layout, or restored under another strategy) the coordinator reads and
 assembles the logical state dict from the pieces, and ``load_state_dict`` cuts it into the
@@ -259,9 +261,10 @@ class ShardRestore(PlacedRestore):
         self._after = after
         self._requests = {ps: {"directory": str(directory), "file_name": f"{name}.ps{ps}.pt", "pieces": pieces}
                           for ps, pieces in sorted(per_ps.items())}
-        for request in self._requests.values() if manifest is not None else ():
-            request["expect"] = {"identity": manifest.get("identity"), "checkpoint": describe(manifest),
-                                 "file": manifest.get("files", {}).get(request["file_name"])}
+        if manifest is not None:   # each ps reads the checkpoint verified here, not another one at that path
+            for request in self._requests.values():
+                request["expect"] = {"identity": manifest.get("identity"), "checkpoint": describe(manifest),
+                                     "file": manifest.get("files", {}).get(request["file_name"])}
         problems = self._call(check_only=True)
         self.problem = next((p for p in problems if p is not None), None)
 

@@ -1,6 +1,7 @@
 """Multi-worker checkpoints with real processes: a 2-worker job saves (only the chief writes), a
 3-worker job restores it and trains on, equal to plain PyTorch, input position included -- from a
-shared directory, and from disks of their own where only the chief's holds the checkpoint."""
+shared directory, and from disks of their own where only the chief's holds the checkpoint.
+Checkpoints swapped on disk are refused on every worker, naming both."""
 
 from __future__ import annotations
 
