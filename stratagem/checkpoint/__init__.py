@@ -3,7 +3,8 @@
 - ``checkpoint.py`` -- :class:`Checkpoint`: one logical copy of the tracked objects, saved by the
   processes that hold it (``pieces.py`` for tensors held in pieces), ``background.py`` for
   ``save(blocking=False)``, ``validate.py`` for the checks made before anything is loaded;
-- ``storage.py`` -- the directory, manifest and checksums, written atomically;
+- ``storage.py`` -- the directory, manifest and checksums, written atomically; ``identity.py`` --
+  what a checkpoint is (its name, job, save counter), checked against what a restore asked for;
 - ``manager.py`` -- :class:`CheckpointManager`: numbered checkpoints, the newest few kept;
 - ``writer_lock.py`` -- one live writer per series; ``chief_copy.py`` -- the chief's copy sent
   to workers that do not share its directory.

@@ -41,17 +41,17 @@ class BackgroundWriter(DirectoryWriter):
     def add(self, name: str, value: Any) -> None:
         self.values[name] = owned_copy(value, into=self._staging.get(name))
 
-    def commit(self, objects: dict[str, dict], info: dict) -> Path:
-        self._thread = threading.Thread(target=self._write_all, args=(objects, info),
+    def commit(self, objects: dict[str, dict], info: dict, identity: dict | None = None) -> Path:
+        self._thread = threading.Thread(target=self._write_all, args=(objects, info, identity),
                                         name=f"stratagem checkpoint {self.path.name}")
         self._thread.start()   # not a daemon: an exiting program finishes the checkpoint first
         return self.given
 
-    def _write_all(self, objects: dict[str, dict], info: dict) -> None:
+    def _write_all(self, objects: dict[str, dict], info: dict, identity: dict | None) -> None:
         try:
             for name, value in self.values.items():
                 DirectoryWriter.add(self, name, value)
-            DirectoryWriter.commit(self, objects, info)
+            DirectoryWriter.commit(self, objects, info, identity)
         except BaseException as err:   # raised by wait(); nothing is left at the path
             self._error = err
             self.abort()

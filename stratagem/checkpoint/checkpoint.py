@@ -34,6 +34,7 @@ from stratagem.errors import CheckpointError, ContextError, InvalidArgumentError
 from stratagem.placement.hooks import module_placement, placement_of
 from stratagem.checkpoint.background import BackgroundWriter
 from stratagem.checkpoint.chief_copy import ChiefCopy, open_checkpoint
+from stratagem.checkpoint.identity import new_job, record
 from stratagem.checkpoint.pieces import PlacedRestore, assemble
 from stratagem.checkpoint.storage import CheckpointReader, DirectoryWriter, check_loadable, owned_copy, write_failure
 from stratagem.checkpoint.validate import problems_with
@@ -74,7 +75,9 @@ class Checkpoint:
     any object with ``state_dict()`` / ``load_state_dict()``. ``save(path)`` writes one
     logical copy atomically and returns the path; ``restore(path)`` verifies everything
     (checksums, names, shapes) before it changes anything, and raises
-    :class:`~stratagem.errors.CheckpointError` naming the file and the problem.
+    :class:`~stratagem.errors.CheckpointError` naming the file and the problem -- also when
+    the directory holds another checkpoint than its name says (swapped or renamed on disk:
+    every checkpoint records the name it was saved as, this job and its save counter).
 
     Example::
 
@@ -111,6 +114,7 @@ class Checkpoint:
         object.__setattr__(self, "_scope_strategy", _context.get_strategy() if _context.has_strategy() else None)
         object.__setattr__(self, "_pending", None)   # a BackgroundWriter of save(blocking=False)
         object.__setattr__(self, "_staging", {})     # its copies, reused by the next one
+        object.__setattr__(self, "_job", [new_job(), 0])   # this job's id and saves: identity.py
 
     # ------------------------------------------------------------- attributes
 
@@ -226,6 +230,7 @@ class Checkpoint:
         status, detail = outcome
         if status != "ok":
             raise CheckpointError(f"the chief could not write the checkpoint {path}: {detail}")
+        self._job[1] += 1   # (on every worker: the same count)
         return detail
 
     def wait(self) -> None:
@@ -250,7 +255,7 @@ class Checkpoint:
             info = {"strategy": type(strategy).__name__, "num_replicas_in_sync": strategy.num_replicas_in_sync,
                     "num_workers": strategy.topology.num_workers, "torch": torch.__version__,
                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            return writer.commit(entries, info)
+            return writer.commit(entries, info, record(writer.path.name, self._job[0], self._job[1] + 1))
         except BaseException as err:
             writer.abort()
             cause = err if isinstance(err, OSError) else getattr(err, "remote_exception", None)  # (a ps's)
@@ -285,19 +290,26 @@ class Checkpoint:
 
     # --------------------------------------------------------------- restore
 
-    def restore(self, path: "str | os.PathLike") -> str:
+    def restore(self, path: "str | os.PathLike", *, saved_as: str | None = None) -> str:
         """Restore every tracked object from ``path``; return the path.
 
         Verifies first (manifest, sizes, checksums, names, kinds, shapes) and changes
         nothing unless everything matches -- on every worker. Every worker must call it.
+        The checkpoint must be the one saved under the directory's name (one swapped or
+        renamed on disk is refused, naming both), or, for a copy renamed on purpose, the one
+        saved as ``saved_as``. This Checkpoint then continues the restored one's job.
         """
         self._check_context("restore")
+        if saved_as is not None and not isinstance(saved_as, str):
+            raise InvalidArgumentError(f"saved_as names the checkpoint (such as 'ckpt-3'), got {saved_as!r}")
         self.wait()
         strategy = self.strategy
         loaded: dict[str, Any] = {}
         problem = None
         try:
-            loaded = self._read(open_checkpoint(path, strategy))
+            reader = open_checkpoint(path, strategy, saved_as)
+            loaded = self._read(reader)
+            identity = reader.manifest.get("identity") or {}
         except CheckpointError as err:
             problem = str(err)
         savers = strategy.checkpoint_collective
@@ -309,6 +321,8 @@ class Checkpoint:
         elif problem is not None:
             raise CheckpointError(problem)
         self._apply(loaded)
+        if identity.get("job") is not None:   # saves go on counting in the restored job
+            self._job[:] = [identity["job"], int(identity.get("save_counter") or 0)]
         return str(path)
 
     def _read(self, reader: "CheckpointReader | ChiefCopy") -> dict[str, Any]:
@@ -331,7 +345,8 @@ class Checkpoint:
                 continue
             value = reader.load(entry["file"])   # tensors: views of the file's memory map
             if entry.get("pieces"):   # written where the state lives; restored there if it can
-                placed = self.strategy.placement.read_checkpoint_state(obj, value, reader.path, name)
+                placed = self.strategy.placement.read_checkpoint_state(obj, value, reader.path, name,
+                                                                       manifest=reader.manifest)
                 if placed is not None:
                     if placed.problem is not None:
                         raise CheckpointError(placed.problem)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import CheckpointError
+from stratagem.checkpoint.identity import describe
 from stratagem.checkpoint.storage import MANIFEST, CheckpointReader, serialize
 
 __all__ = ["ChiefCopy", "manifest_digest", "open_checkpoint"]
@@ -59,9 +60,9 @@ class ChiefCopy:
         self._files = files
 
     @classmethod
-    def read(cls, path: "str | os.PathLike") -> "ChiefCopy":
+    def read(cls, path: "str | os.PathLike", saved_as: str | None = None) -> "ChiefCopy":
         """Read and verify every file of the checkpoint at ``path`` (raises CheckpointError)."""
-        reader = CheckpointReader(path)
+        reader = CheckpointReader(path, saved_as=saved_as)
         return cls(path, reader.manifest, {name: reader.load(name) for name in reader.manifest["files"]})
 
     def load(self, name: str) -> Any:
@@ -78,24 +79,33 @@ class ChiefCopy:
         return cls(path, content["manifest"], content["files"])
 
 
-def open_checkpoint(path: "str | os.PathLike", strategy: Any) -> "CheckpointReader | ChiefCopy":
+def open_checkpoint(path: "str | os.PathLike", strategy: Any,
+                    saved_as: str | None = None) -> "CheckpointReader | ChiefCopy":
     """What this worker restores ``path`` from: its own files, or the chief's copy (module docstring).
 
     A collective when the strategy has several workers: every worker calls it, and every
     one completes the same exchanges before anything is raised (CheckpointError, on the
-    workers that cannot read what they must).
+    workers that cannot read what they must). The checkpoint must be the one asked for
+    (``saved_as``: :func:`~stratagem.checkpoint.identity.check`), and every worker reads the
+    same one: a manifest that changed since the workers compared theirs is refused.
     """
     collective = strategy.checkpoint_collective   # every process that restores; its worker 0 is the chief
     if collective.num_workers == 1:
-        return CheckpointReader(path)
+        return CheckpointReader(path, saved_as=saved_as)
     mine = manifest_digest(path)
     views = collective.all_gather_object(mine, "Checkpoint.restore (the checkpoint each worker sees)")
     if views[0] is None or all(view == views[0] for view in views):
-        return CheckpointReader(path)
+        reader = CheckpointReader(path, saved_as=saved_as)
+        if views[0] is not None and reader.digest != views[0]:   # replaced meanwhile (renamed, swapped)
+            raise CheckpointError(
+                f"checkpoint {path}: manifest.json changed while the workers opened it: worker "
+                f"{collective.worker_index} now reads {describe(reader.manifest)}, which is not the checkpoint "
+                f"every worker saw a moment before; was it replaced, renamed or swapped during the restore?")
+        return reader
     outcome: tuple[str, Any] | None = None
     if collective.worker_index == 0:
         try:
-            copy = ChiefCopy.read(path)
+            copy = ChiefCopy.read(path, saved_as)
             outcome = ("ok", copy.to_bytes())
         except Exception as err:   # told to every worker, then raised everywhere
             outcome = ("error", f"{type(err).__name__}: {err}")

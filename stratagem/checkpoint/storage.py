@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import CheckpointError, InvalidArgumentError
+from stratagem.checkpoint.identity import check, record
 from stratagem.checkpoint.writer_lock import hold_writer_lock, series_of
 
 try:   # ISA-L: zlib's CRC-32, the same values, several times faster
@@ -184,9 +185,11 @@ class DirectoryWriter:
                                   f"the directory must be on a file system the parameter servers share")
         self._entries[name] = {"bytes": entry["bytes"], "crc32": entry["crc32"]}
 
-    def commit(self, objects: dict[str, dict], info: dict) -> Path:
+    def commit(self, objects: dict[str, dict], info: dict, identity: dict | None = None) -> Path:
+        """Write the manifest (``identity``: what :func:`~stratagem.checkpoint.identity.record` made, else
+        the name alone), then rename the directory into place; return the path."""
         manifest = {"format": FORMAT, "version": VERSION, "files": self._entries, "objects": objects, "info": info,
-                    "identity": {"name": self.path.name}}   # a directory renamed within its series is refused
+                    "identity": identity or record(self.path.name)}   # what it is: identity.py
         manifest["manifest_sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
         _write_bytes(self.temporary / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _fsync_directory(self.temporary)
@@ -244,12 +247,21 @@ class CheckpointReader:
 
     ``read_manifest()`` checks the format, version and the manifest's own checksum;
     ``load(name)`` checks a file's size and CRC-32, then ``torch.load(weights_only=True)``.
-    Every problem raises :class:`~stratagem.errors.CheckpointError` naming the file.
+    Every problem raises :class:`~stratagem.errors.CheckpointError` naming the file. Unless
+    ``asked`` is False, the checkpoint must be the one asked for: saved under the directory's
+    name, or as ``saved_as`` (:func:`~stratagem.checkpoint.identity.check`). ``digest`` is the
+    sha256 of the manifest file as read.
     """
 
-    def __init__(self, path: "str | os.PathLike"):
+    def __init__(self, path: "str | os.PathLike", *, saved_as: str | None = None, asked: bool = True):
         self.path = Path(path)
+        self.digest: str | None = None
         self.manifest = self._read_manifest()
+        if asked:
+            try:
+                check(self.manifest, self.path, saved_as)
+            except CheckpointError as err:
+                raise self._fail(MANIFEST, str(err)) from None
 
     def _fail(self, name: str, problem: str) -> CheckpointError:
         return CheckpointError(f"checkpoint {self.path}: {name}: {problem}")
@@ -265,7 +277,9 @@ class CheckpointReader:
                 f"every worker can read)")
         file = self.path / MANIFEST
         try:
-            manifest = json.loads(file.read_bytes())
+            data = file.read_bytes()
+            self.digest = hashlib.sha256(data).hexdigest()
+            manifest = json.loads(data)
         except FileNotFoundError:
             raise self._fail(MANIFEST, "missing: this is not a complete checkpoint") from None
         except (ValueError, UnicodeDecodeError) as err:
@@ -278,14 +292,6 @@ class CheckpointReader:
         if manifest.get("version") != VERSION:
             raise self._fail(MANIFEST, f"format version {manifest.get('version')!r}, but this stratagem "
                                        f"reads version {VERSION}; restore it with the stratagem that wrote it")
-        saved = (manifest.get("identity") or {}).get("name")   # (absent in checkpoints of older versions)
-        here = os.path.basename(os.path.abspath(self.path))
-        if isinstance(saved, str) and saved != here and series_of(saved) == series_of(here):
-            raise self._fail(MANIFEST, (
-                f"this is the checkpoint saved as {saved!r} (at {(manifest.get('info') or {}).get('saved_at')}), "
-                f"not {here!r}: the directories were swapped or renamed within their series, and restoring it "
-                f"under this name would bring back the state of {saved!r}. Rename it back to {saved!r}; to "
-                f"restore it on purpose, copy it to a name outside the series (such as '{saved}-copy')"))
         return manifest
 
     def load(self, name: str) -> Any:

@@ -105,10 +105,13 @@ class Placement(abc.ABC):
         drops what the writing did not use on exit). Default: nothing."""
         return contextlib.nullcontext()
 
-    def read_checkpoint_state(self, obj: Any, skeleton: Any, directory: Any, name: str) -> Any:
+    def read_checkpoint_state(self, obj: Any, skeleton: Any, directory: Any, name: str,
+                              manifest: dict | None = None) -> Any:
         """Restore ``obj`` where its state lives, from the files that ``write_checkpoint_state``
         wrote: a :class:`~stratagem.checkpoint.pieces.PlacedRestore`, or None (the default): the
-        checkpoint assembles the logical state from ``skeleton`` and calls ``load_state_dict``."""
+        checkpoint assembles the logical state from ``skeleton`` and calls ``load_state_dict``.
+        ``manifest`` is the one the restore verified: the files read where the state lives must
+        be those it lists (the same checkpoint, not another one found at that path)."""
         return None
 
     # ------------------------------------------------------------ gradients

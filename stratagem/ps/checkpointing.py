@@ -13,7 +13,9 @@ ps share.
 
 Restoring under a parameter-server strategy whose shards are those the checkpoint names (same
 model, same partitioner, same number of ps) goes the same way (:func:`read_state`): each ps
-verifies its files (size, CRC-32, the pieces and their shapes), then -- once every ps and
+verifies its files (size, CRC-32, the pieces and their shapes, and that they are listed in the
+manifest the coordinator verified: the same checkpoint, not another one found at that path
+on the ps's host or swapped in meanwhile), then -- once every ps and
 every other object of the checkpoint passed -- loads them into its variables, in parallel.
 Otherwise (another layout, or restored under another strategy) the coordinator reads and
 assembles the logical state dict from the pieces, and ``load_state_dict`` cuts it into the
@@ -36,6 +38,7 @@ from stratagem.placement.hooks import base_of, placement_of
 from stratagem.ps.client import call_each
 from stratagem.ps.variables import RemoteVariable, remote_of
 from stratagem.checkpoint.pieces import PlacedRestore, pieces_descriptor
+from stratagem.checkpoint.identity import describe
 from stratagem.checkpoint.storage import CheckpointReader, check_loadable, write_file
 
 __all__ = ["checkpoint_handlers", "load_shards", "read_state", "write_shards", "write_state"]
@@ -68,15 +71,25 @@ def write_shards(ps: Any, directory: str, file_name: str, var_ids: list[str],
     return write_file(folder / file_name, payload)
 
 
-def load_shards(ps: Any, directory: str, file_name: str, pieces: dict[str, dict], check_only: bool) -> str | None:
+def load_shards(ps: Any, directory: str, file_name: str, pieces: dict[str, dict], check_only: bool,
+                expect: dict | None = None) -> str | None:
     """Verify ``directory/file_name`` (a checkpoint's file of this ps's shards), then unless
     ``check_only`` load its pieces into the variables; return the problem found, else None.
 
     ``pieces``: per shard id, ``{"part": "value" | "optimizer_state", "shape": [...],
-    "optimizer_spec": ...}`` -- what to load and the shape the shard must have."""
+    "optimizer_spec": ...}`` -- what to load and the shape the shard must have. ``expect``:
+    the checkpoint the coordinator verified (``identity``, the file's manifest entry as
+    ``file``, and the words that name it, ``checkpoint``); the file must be listed in that one."""
     _check_file_name("load_shards", file_name)
     try:
-        payload = CheckpointReader(directory).load(file_name)   # views of the file: set_state copies
+        reader = CheckpointReader(directory, asked=False)   # the coordinator checked the name it asked for
+        if expect is not None and (reader.manifest.get("identity") != expect.get("identity")
+                                   or reader.manifest["files"].get(file_name) != expect.get("file")):
+            return (f"checkpoint {directory}: {file_name}: {getattr(ps, 'name', 'a parameter server')} reads "
+                    f"{describe(reader.manifest)} there, but the coordinator restores {expect.get('checkpoint')}; "
+                    f"nothing was restored. Every parameter server must see the coordinator's checkpoint "
+                    f"directory (a shared file system), unchanged while it is restored")
+        payload = reader.load(file_name)   # views of the file: set_state copies
     except CheckpointError as err:
         return str(err)
     problem = _pieces_problem(payload, pieces)
@@ -192,9 +205,11 @@ def _write_on_ps(placement: Any, directory: Path, name: str, wanted: dict[int, l
     return {f"{name}.ps{ps}.pt": entry for ps, entry in zip(order, call_each(calls))}
 
 
-def read_state(placement: Any, obj: Any, skeleton: Any, directory: Path, name: str) -> PlacedRestore | None:
+def read_state(placement: Any, obj: Any, skeleton: Any, directory: Path, name: str,
+               manifest: dict | None = None) -> PlacedRestore | None:
     """The ParameterServerPlacement's ``read_checkpoint_state``: a restore that every ps does
-    from its own files, or None when the checkpoint's pieces are not this job's shards."""
+    from its own files, or None when the checkpoint's pieces are not this job's shards. Every
+    ps checks that its files are those ``manifest`` (the coordinator's) lists."""
     placement.finalize()
     if isinstance(obj, nn.Module):
         placement.loading = True   # which tensors and where: no pull of their values
@@ -233,18 +248,23 @@ def read_state(placement: Any, obj: Any, skeleton: Any, directory: Path, name: s
             shape = [shard.stop - shard.start, *remote.shape[1:]] if remote.shape else []
             per_ps.setdefault(shard.ps, {})[shard.shard_id] = {
                 "part": part, "shape": shape, "optimizer_spec": placement.optimizer_spec(remote.var_id)}
-    return ShardRestore(placement, Path(directory).absolute(), name, per_ps, after)
+    return ShardRestore(placement, Path(directory).absolute(), name, per_ps, after, manifest)
 
 
 class ShardRestore(PlacedRestore):
-    """Every ps verifies its own files now (``problem``) and loads them in :meth:`apply`."""
+    """Every ps verifies its own files now (``problem``) and loads them in :meth:`apply`: files of
+    the checkpoint ``manifest`` (the coordinator's) describes, also when loading."""
 
     def __init__(self, placement: Any, directory: Path, name: str, per_ps: dict[int, dict[str, dict]],
-                 after: Callable[[], None] | None):
+                 after: Callable[[], None] | None, manifest: dict | None = None):
         self._placement = placement
         self._after = after
         self._requests = {ps: {"directory": str(directory), "file_name": f"{name}.ps{ps}.pt", "pieces": pieces}
                           for ps, pieces in sorted(per_ps.items())}
+        if manifest is not None:   # each ps reads the checkpoint verified here, not another one at that path
+            for request in self._requests.values():
+                request["expect"] = {"identity": manifest.get("identity"), "checkpoint": describe(manifest),
+                                     "file": manifest.get("files", {}).get(request["file_name"])}
         problems = self._call(check_only=True)
         self.problem = next((p for p in problems if p is not None), None)
 

@@ -257,9 +257,11 @@ class ParameterServerPlacement(Placement):
         """Every ps writes its shards of ``obj`` into the checkpoint, in parallel (:mod:`.checkpointing`)."""
         return write_state(self, obj, directory, name)
 
-    def read_checkpoint_state(self, obj: Any, skeleton: Any, directory: Any, name: str) -> Any:
-        """Every ps restores its shards of ``obj`` from its own files, when they are this layout's."""
-        return read_state(self, obj, skeleton, directory, name)
+    def read_checkpoint_state(self, obj: Any, skeleton: Any, directory: Any, name: str,
+                              manifest: dict | None = None) -> Any:
+        """Every ps restores its shards of ``obj`` from its own files, when they are this layout's
+        and those ``manifest`` lists."""
+        return read_state(self, obj, skeleton, directory, name, manifest)
 
     def optimizer_spec(self, var_id: str) -> Any:
         return self._specs.get(var_id)   # how the ps makes the optimizer of var_id (None: none yet)

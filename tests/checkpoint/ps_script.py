@@ -5,10 +5,14 @@ checkpoint FROM_CKPT (saved under another strategy or layout), records the resto
 trains one step on a worker, records the state again, and saves its own checkpoint to
 OUT/NAME (every ps writes its shards). Then trains one more step and restores OUT/NAME again:
 the same layout, so every ps loads its own files (counted in its stats); and a copy of it
-with one ps file corrupted, which must fail and change nothing. Writes OUT/NAME.json.
+with one ps file corrupted, which must fail and change nothing. Last, OUT/race/NAME (a copy)
+is swapped on disk with another checkpoint after every ps verified its files and before they
+load them: the ps must refuse the other checkpoint's files, and nothing may change. Writes
+OUT/NAME.json.
 """
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import stratagem as sg
+from stratagem.ps import checkpointing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.checkpoint.common import Net, batches  # noqa: E402
@@ -71,7 +76,7 @@ def main() -> None:
     report["restored_again"] = {"model": as_lists(model.state_dict()),
                                 "optimizer": as_lists(optimizer.state_dict()["state"])}
 
-    broken = out / f"{name}-broken"
+    broken = out / "broken" / name   # (a copy under its own name, in another folder)
     shutil.copytree(report["saved"], broken)
     data = bytearray((broken / "optimizer.ps1.pt").read_bytes())
     data[len(data) // 2] ^= 0x10
@@ -85,7 +90,33 @@ def main() -> None:
     report["step_after_broken"] = ckpt.step
     report["after_broken"] = {"model": as_lists(model.state_dict()),
                               "optimizer": as_lists(optimizer.state_dict()["state"])}
+    race(ckpt, out, name, report, lambda: (coordinator.schedule(step, args=(x, y)), coordinator.join()))
     (out / f"{name}.json").write_text(json.dumps(report))
+
+
+def race(ckpt, out: Path, name: str, report: dict, train_one_step) -> None:
+    """OUT/race/NAME swapped with OUT/race/other between the ps' verification and their loading."""
+    ckpt.restore(report["saved"])
+    shutil.copytree(report["saved"], out / "race" / name)
+    train_one_step()
+    ckpt.save(out / "race" / "other")
+    before = {"model": as_lists(ckpt.model.state_dict()), "step": ckpt.step}
+    verified_then_load = checkpointing.ShardRestore.apply
+
+    def swapped_then_load(self):
+        os.rename(out / "race" / name, out / "race" / "swap")
+        os.rename(out / "race" / "other", out / "race" / name)
+        os.rename(out / "race" / "swap", out / "race" / "other")
+        checkpointing.ShardRestore.apply = verified_then_load
+        return verified_then_load(self)
+
+    checkpointing.ShardRestore.apply = swapped_then_load
+    try:
+        ckpt.restore(out / "race" / name)
+        report["race"] = "restored without an error"
+    except sg.errors.CheckpointError as err:
+        report["race"] = str(err)
+    report["race_unchanged"] = before == {"model": as_lists(ckpt.model.state_dict()), "step": ckpt.step}
 
 
 if __name__ == "__main__":

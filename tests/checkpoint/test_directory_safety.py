@@ -195,16 +195,21 @@ def test_swapped_checkpoint_directories_are_refused_not_restored_under_the_other
     assert len(result["warnings"]) == 2, result   # ckpt-3, then ckpt-2: each is the other
     for name, saved in (("ckpt-3", "ckpt-2"), ("ckpt-2", "ckpt-3")):
         assert any(f"checkpoint {tmp_path / name} cannot be restored" in w and
-                   f"this is the checkpoint saved as '{saved}'" in w for w in result["warnings"]), result
+                   f"asked for '{name}', found the checkpoint saved as '{saved}' (save {saved[-1]} of job " in w
+                   for w in result["warnings"]), result
     assert result["direct"]["type"] == "CheckpointError"
     assert result["direct"]["message"].startswith(
-        f"checkpoint {tmp_path / 'ckpt-3'}: manifest.json: this is the checkpoint saved as 'ckpt-2' (at ")
+        f"checkpoint {tmp_path / 'ckpt-3'}: manifest.json: asked for 'ckpt-3', found the checkpoint saved as "
+        f"'ckpt-2' (save 2 of job "), result["direct"]
     assert "Rename it back to 'ckpt-2'" in result["direct"]["message"]
 
-    # restored on purpose under a name outside the series: accepted
+    # a copy under another name is refused too, unless the restore says which checkpoint it is
     shutil.copytree(tmp_path / "ckpt-3", tmp_path / "ckpt-2-copy")
     ckpt = sg.Checkpoint(model=torch.nn.Linear(16, 16), step=0)
-    ckpt.restore(tmp_path / "ckpt-2-copy")
+    with pytest.raises(sg.errors.CheckpointError, match=r"asked for 'ckpt-2-copy', found the checkpoint saved as "
+                                                         r"'ckpt-2' .* restore\(path, saved_as='ckpt-2'\)"):
+        ckpt.restore(tmp_path / "ckpt-2-copy")
+    ckpt.restore(tmp_path / "ckpt-2-copy", saved_as="ckpt-2")
     assert ckpt.step == 2
 
 

@@ -1,6 +1,7 @@
 """Multi-worker checkpoints with real processes: a 2-worker job saves (only the chief writes), a
 3-worker job restores it and trains on, equal to plain PyTorch, input position included -- from a
-shared directory, and from disks of their own where only the chief's holds the checkpoint."""
+shared directory, and from disks of their own where only the chief's holds the checkpoint.
+Checkpoints swapped on disk are refused on every worker, naming both."""
 
 from __future__ import annotations
 
@@ -121,3 +122,21 @@ def test_backups_are_deleted_only_once_every_worker_finished_training(tmp_path: 
     assert "BACKUPS 2" in output, output          # still there while worker 1 had not finished
     assert output.count("DONE") == 2, output
     assert not [p for p in (tmp_path / "backups").iterdir() if p.name.startswith("backup-")]
+
+
+def test_checkpoints_swapped_on_disk_are_refused_on_every_worker(tmp_path: Path) -> None:
+    # 2 workers save ckpt-a (step 3) and ckpt-b (step 5); the chief copies the folder whole, then
+    # swaps them on disk; every worker's restore of ckpt-a is refused, naming both, and changes nothing
+    out, ckpt_dir = tmp_path / "out", tmp_path / "ckpts"
+    out.mkdir()
+    launch(2, str(out), str(ckpt_dir), "--mode", "swap")
+    reports = [json.loads((out / f"swap-rank{r}.json").read_text()) for r in range(2)]
+    job = json.loads((ckpt_dir / "ckpt-b" / "manifest.json").read_text())["identity"]["job"]
+    for report in reports:
+        assert report["refused"] is not None, f"worker {report['rank']} restored the swapped ckpt-a"
+        for worker in (0, 1):
+            assert (f"worker {worker}: checkpoint {ckpt_dir / 'ckpt-a'}: manifest.json: asked for 'ckpt-a', found "
+                    f"the checkpoint saved as 'ckpt-b' (save 2 of job {job}, at ") in report["refused"], report
+        assert report["unchanged"], report
+        assert report["moved"] == {"steps": 3, "params": reports[0]["step3"]}      # the copy elsewhere restores
+        assert report["saved_as"] == {"steps": 5, "params": reports[0]["step5"]}   # renamed, said on purpose

@@ -86,6 +86,13 @@ def test_mirrored_to_two_ps_to_three_ps_to_mirrored(tmp_path: Path) -> None:
     assert two["restored_again"] == two["trained"]
     assert "optimizer.ps1.pt: its CRC-32 does not match" in two["broken"]
     assert two["step_after_broken"] == 0 and two["after_broken"] == two["restored_again"]   # nothing changed
+    # swapped on disk after every ps verified its files: each ps refuses the other checkpoint's files
+    race, job = str(tmp_path / "race" / "two_ps"), json.loads((saved / "manifest.json").read_text())["identity"]["job"]
+    for ps in (0, 1):   # (the job that saved `source` goes on: two_ps is its second save, `other` its third)
+        assert (f"checkpoint {race}: model.ps{ps}.pt: ps {ps} reads the checkpoint saved as 'other' (save 3 of "
+                f"job {job}, at ") in two["race"], two["race"]
+    assert f"but the coordinator restores the checkpoint saved as 'two_ps' (save 2 of job {job}, at " in two["race"]
+    assert two["race_unchanged"]
 
     three = launch(3, tmp_path, str(saved), "three_ps")   # resharded: 3 shards over 3 ps
     assert three["shards"] == 3 and three["step"] == 3

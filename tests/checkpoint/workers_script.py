@@ -10,11 +10,18 @@ checkpoint, whether the checkpoint was complete when save returned, and the fina
 --own-disk simulates hosts that do not share a file system: worker r works in CKPT_DIR/worker<r>
 and its manager's directory is the relative path "ckpts" there -- the same path on every worker,
 with different files behind it.
+
+Mode swap saves CKPT_DIR/ckpt-a at step 3 and CKPT_DIR/ckpt-b at step 5 (Checkpoint.save), then
+the chief copies CKPT_DIR whole to CKPT_DIR-moved and swaps ckpt-a and ckpt-b on disk; after one
+more step every worker restores CKPT_DIR/ckpt-a (refused: "refused" is the error, or None),
+CKPT_DIR-moved/ckpt-a, and CKPT_DIR/ckpt-a with saved_as="ckpt-b", recording the steps and
+parameters after each.
 """
 
 import argparse
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -40,7 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("ckpt_dir")
-    parser.add_argument("--mode", choices=["save", "restore"], required=True)
+    parser.add_argument("--mode", choices=["save", "restore", "swap"], required=True)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--own-disk", action="store_true")
     args = parser.parse_args()
@@ -72,6 +79,9 @@ def main() -> None:
     if args.mode == "restore":
         report["restored"] = manager.restore_or_initialize()
 
+    def params() -> dict:
+        return {k: v.tolist() for k, v in model.state_dict().items()}
+
     def step(x, y):
         loss = sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
         optimizer.zero_grad()
@@ -88,6 +98,13 @@ def main() -> None:
                 report["saved"] = path
                 report["complete_on_return"] = (Path(path) / "manifest.json").is_file()
                 break
+            if args.mode == "swap" and ckpt.steps in (3, 5, 6):
+                if ckpt.steps < 6:
+                    report[f"step{ckpt.steps}"] = params()
+                    ckpt.save(Path(args.ckpt_dir, "ckpt-a" if ckpt.steps == 3 else "ckpt-b"))
+                    continue
+                swap(strategy, ckpt, Path(args.ckpt_dir), report, params)
+                break
         else:
             continue
         break
@@ -95,6 +112,27 @@ def main() -> None:
     report["steps"] = ckpt.steps
     report["final"] = {k: v.tolist() for k, v in model.state_dict().items()}
     Path(args.out, f"{args.mode}-rank{rank}.json").write_text(json.dumps(report))
+
+
+def swap(strategy, ckpt, ckpt_dir: Path, report: dict, params) -> None:
+    """Mode swap after step 6: the chief swaps the checkpoints on disk, every worker restores them."""
+    if strategy.cluster_resolver.worker_rank == 0:
+        shutil.copytree(ckpt_dir, f"{ckpt_dir}-moved")   # a legitimate copy, names kept
+        os.rename(ckpt_dir / "ckpt-a", ckpt_dir / "swap")
+        os.rename(ckpt_dir / "ckpt-b", ckpt_dir / "ckpt-a")
+        os.rename(ckpt_dir / "swap", ckpt_dir / "ckpt-b")
+    strategy.checkpoint_collective.broadcast_object("swapped")   # every worker waits for the chief
+    before = params()
+    try:
+        ckpt.restore(ckpt_dir / "ckpt-a")
+        report["refused"] = None
+    except sg.errors.CheckpointError as err:
+        report["refused"] = str(err)
+    report["unchanged"] = ckpt.steps == 6 and params() == before
+    ckpt.restore(Path(f"{ckpt_dir}-moved", "ckpt-a"))
+    report["moved"] = {"steps": ckpt.steps, "params": params()}
+    ckpt.restore(ckpt_dir / "ckpt-a", saved_as="ckpt-b")
+    report["saved_as"] = {"steps": ckpt.steps, "params": params()}
 
 
 if __name__ == "__main__":
