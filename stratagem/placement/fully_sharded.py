@@ -59,6 +59,7 @@ class FullyShardedPlacement(RootsPlacement):
     """Each worker holds 1/N of every parameter, gradient and optimizer state (FSDP2 units)."""
 
     kind = "FullySharded"
+    synchronizes_batch_norm = True
 
     def __init__(self, strategy: Any, collective: Any, device: torch.device):
         self._strategy_ref = weakref.ref(strategy)

@@ -45,6 +45,7 @@ from stratagem.placement.hooks import adopt
 from stratagem.placement.mirrored_dict import MirroredDict
 from stratagem.placement.mirrored_update import MirroredUpdate
 from stratagem.placement.step import synchronous_step
+from stratagem.placement import sync_batch_norm
 from stratagem.placement.unscoped import unscoped_check
 from stratagem.placement.update_rule import UpdateRule
 
@@ -66,6 +67,7 @@ class MirroredPlacement(Placement):
     """
 
     kind = "Mirrored"
+    synchronizes_batch_norm = True
 
     def __init__(self, strategy: Any, topology: Topology, collective: Collective, *,
                  update: UpdateRule | None = None):
@@ -99,6 +101,7 @@ class MirroredPlacement(Placement):
     # ---------------------------------------------------------------- modules
 
     def on_module_registered(self, module: nn.Module) -> None:
+        sync_batch_norm.adopt(module)
         if self.num_replicas > self.first_copy:  # some replica computes with copies
             for attr, is_buffers in (("_parameters", False), ("_buffers", True)):
                 current = module.__dict__[attr]
