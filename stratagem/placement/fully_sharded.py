@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
+from stratagem.placement.buffers import BufferSync
 from stratagem.placement.roots import RootsPlacement
 from stratagem.placement.hooks import adopt, base_of, placement_of, run_hooks, step_hooks, unhooked_step
 # full tensors out of DTensors in state dicts, and back into each process's shards: the same
@@ -77,6 +78,10 @@ class FullyShardedPlacement(RootsPlacement):
         self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sharded_ids: set[int] = set()
         self._stash: dict[int, dict] = {}   # chief, while a checkpoint is written: gathered states
+        placed = self._placed
+        #: BatchNorm's running statistics (buffers are not sharded) averaged over the workers at each
+        #: step and checkpoint
+        self.buffers = BufferSync(strategy, collective, lambda: [m for root in placed for m in root.modules()])
         clipping.register(self)
 
     @property
@@ -123,6 +128,7 @@ class FullyShardedPlacement(RootsPlacement):
     def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
         """Every worker, around the chief's writing: gather each sharded state once (collectives)."""
         chief = self.collective.worker_index == 0
+        self.buffers.average(None)
         for obj in objects.values():
             if self._owns(obj):
                 state = obj.state_dict()
@@ -171,6 +177,7 @@ class FullyShardedPlacement(RootsPlacement):
         run_hooks(pre, optimizer)
         result = unhooked_step(base_of(optimizer))(optimizer, closure)
         run_hooks(post, optimizer)
+        self.buffers.step(None)
         return result
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:

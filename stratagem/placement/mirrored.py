@@ -40,6 +40,7 @@ from stratagem.comm.collective import Collective
 from stratagem.devices import Topology
 from stratagem.errors import ContextError, InvalidArgumentError
 from stratagem.placement.base import Placement
+from stratagem.placement.buffers import BufferSync
 from stratagem.placement.gradient_sync import GradientSync
 from stratagem.placement.hooks import adopt
 from stratagem.placement.mirrored_dict import MirroredDict
@@ -93,6 +94,9 @@ class MirroredPlacement(Placement):
         self._hooked: tuple[int, list, Any] = (-1, [], None)   # (layout, primaries, their requires_grad)
         #: sums gradients when backward ends (None: one replica in all, nothing to sum)
         self.gradients = GradientSync(self) if collective.num_replicas > 1 and self.update.sums_gradients else None
+        #: averages the buffers over the workers at each step and checkpoint (None: one replica in all)
+        self.buffers = BufferSync(strategy, collective, self._placed.copy, self.all_copies) \
+            if collective.num_replicas > 1 else None
 
     @property
     def strategy(self) -> Any:
@@ -296,6 +300,8 @@ class MirroredPlacement(Placement):
         return self.update.grad_scaler_refusal()
 
     def prepare_checkpoint(self, objects: dict[str, Any]) -> contextlib.AbstractContextManager:
+        if self.buffers is not None:   # every worker is here: the file gets the averaged buffers
+            self.buffers.average(None)
         return self.update.prepare_checkpoint(objects)
 
     def splits_gradients(self, params: list[torch.Tensor]) -> list[bool]:
