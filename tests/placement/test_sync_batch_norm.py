@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import stratagem as sg
+from stratagem.errors import InvalidArgumentError
 
 from . import batch_norm_model
 
@@ -67,3 +68,18 @@ def test_plain_batch_norm_is_per_replica_with_averaged_buffers() -> None:
     with pytest.warns(sg.nn.BatchNormWarning):
         model = batch_norm_model.train(sg.MirroredStrategy(["cpu:0", "cpu:1"]), sync=False)
     _assert_equal_states(batch_norm_model.state(model), batch_norm_model.train_per_replica(2))
+
+
+def test_sync_batch_norm_is_refused_under_tensor_parallel_at_its_first_training_forward() -> None:
+    strategy = sg.experimental.TensorParallelStrategy(plan={"0": "colwise"})   # a 1 x 1 mesh
+    try:
+        with strategy.scope():
+            model = nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4))
+        model.eval()
+        strategy.run(model, args=(torch.randn(6, 4),))   # eval: the running statistics, nothing to combine
+        model.train()
+        with pytest.raises(InvalidArgumentError, match=r"torch.nn.SyncBatchNorm cannot combine.*torch.nn.LayerNorm"):
+            strategy.run(model, args=(torch.randn(6, 4),))
+    finally:
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1:
+            torch.distributed.destroy_process_group()   # (the 1 x 1 mesh's group: later tests find none)
