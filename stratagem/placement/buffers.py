@@ -13,12 +13,14 @@ others forever):
 - when ``sg.Checkpoint.save`` is entered on every worker (the placement's
   ``prepare_checkpoint``), so the file the chief writes holds the combined values.
 
-What is averaged: the floating-point buffers of the modules placed in scope that some replica of
-some worker wrote since the last average (their version counters tell), as the mean over all
-replicas (``num_replicas_in_sync``); integer buffers (``num_batches_tracked``) are counted alike
-everywhere and left alone. First one small all-reduce of the flags of which buffers changed
-(so every worker averages the same ones, whatever it saw itself), then one of their values; a
-model without floating buffers exchanges nothing. A forward with no step after it (an
+What is averaged: the floating-point buffers of each module placed in scope that some replica of
+some worker wrote since the last average, as the mean over all replicas
+(``num_replicas_in_sync``). A module counts as written when the version counter of one of its
+buffers moved (BatchNorm's kernel writes the running statistics without moving theirs, but it
+counts ``num_batches_tracked`` with ``add_``); integer buffers count alike everywhere and are
+left alone. First one small all-reduce of the flags of which modules were written (so every
+worker averages the same buffers, whatever it saw itself), then one of their values; a model
+without floating buffers exchanges nothing. A forward with no step after it (an
 evaluation in training mode, the last forward of a loop) leaves each worker's own values until
 the next step or checkpoint.
 
@@ -76,7 +78,7 @@ class BufferSync:
 
     def step(self, replica: int | None) -> None:
         """At the end of an optimizer step: warn once about plain BatchNorm, then average."""
-        if not self._warned:
+        if not self._warned and replica in (None, 0):   # (one replica thread says it)
             self._warned = True
             self._warn_per_replica_statistics()
         self.average(replica)
@@ -101,10 +103,9 @@ class BufferSync:
             changed = [copies for (_, floating), flag in zip(holders, flags.tolist()) if flag for copies in floating]
             if changed:
                 self._average(replica, changed)
-        for watched, _ in holders:
-            for copies in watched:
-                for r in mine:
-                    self._seen[r][id(copies[r])] = (copies[r], copies[r]._version)
+        for r in mine:   # (each replica thread its own: only the tensors the modules hold now)
+            self._seen[r] = {id(copies[r]): (copies[r], copies[r]._version) for watched, _ in holders
+                             for copies in watched}
 
     def _sum(self, replica: int | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if replica is None:

@@ -38,6 +38,7 @@ from torch import nn
 from stratagem import _context
 from stratagem.comm.collective import Collective
 from stratagem.devices import Topology
+from stratagem.placement import sync_batch_norm
 from stratagem.errors import ContextError, InvalidArgumentError
 from stratagem.placement.base import Placement
 from stratagem.placement.buffers import BufferSync
@@ -46,7 +47,6 @@ from stratagem.placement.hooks import adopt
 from stratagem.placement.mirrored_dict import MirroredDict
 from stratagem.placement.mirrored_update import MirroredUpdate
 from stratagem.placement.step import synchronous_step
-from stratagem.placement import sync_batch_norm
 from stratagem.placement.unscoped import unscoped_check
 from stratagem.placement.update_rule import UpdateRule
 

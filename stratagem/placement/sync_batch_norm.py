@@ -77,11 +77,11 @@ class SyncBatchNorm(nn.SyncBatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return super().forward(input)   # running statistics (or the batch's, untracked): no exchange
-        group = _group(self)
-        if group is None:
-            return F.batch_norm(input, *self._statistics(), self.weight, self.bias, True, self._factor(), self.eps)
         self._check_input_dim(input)
         self._check_non_zero_input_channels(input)
+        group = _group(self)
+        if group is None:   # one replica in all (torch's own would want a GPU where a process group exists)
+            return F.batch_norm(input, *self._statistics(), self.weight, self.bias, True, self._factor(), self.eps)
         running_mean, running_var = self._statistics()
         return _SyncBatchNorm.apply(input, self.weight, self.bias, running_mean, running_var, self.eps,
                                     self._factor(), group)
@@ -137,7 +137,7 @@ def _group(module: nn.Module) -> _Group | None:
     from_scope = module_placement(module)
     if from_scope is None:
         return None
-    if not getattr(from_scope, "synchronizes_batch_norm", False):
+    if not from_scope.synchronizes_batch_norm:
         raise InvalidArgumentError(refusal(from_scope))
     collective = from_scope.collective
     frame = _context.current_frame()
