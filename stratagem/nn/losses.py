@@ -84,6 +84,13 @@ def mean_over_replicas(loss: torch.Tensor) -> torch.Tensor:
     replicas' means (an example of a smaller batch weighs more, as under DDP).
     :func:`compute_average_loss` is exact for uneven batches too.
 
+    A token mean is not a per-example mean: with ignored labels (``-100``) falling unevenly over
+    the replicas, this of each replica's token mean is not the global token mean. The exact form
+    divides the sum of token losses by the global number of counted tokens, e.g. inside ``run``
+    ``tokens = sg.get_replica_context().all_reduce("sum", int((y != -100).sum()))`` and
+    ``compute_average_loss(per_token_losses, global_batch_size=int(tokens))`` (or that count as
+    Hugging Face's ``num_items_in_batch=``).
+
     Example::
 
         import torch, torch.nn.functional as F, stratagem as sg

@@ -46,6 +46,10 @@ class Placement(abc.ABC):
     #: batch, and is checked (:mod:`stratagem.nn.loss_check`): the replicas' gradients are summed.
     #: False where the strategy's own schedule runs the backward passes (the pipeline).
     checks_loss_scaling = True
+    #: Whether a ``torch.nn.SyncBatchNorm`` created in scope combines its training-mode batch statistics
+    #: over every replica and worker through the placement's ``collective``
+    #: (:mod:`stratagem.placement.sync_batch_norm`); where False, its first training-mode forward is refused.
+    synchronizes_batch_norm = False
 
     # -------------------------------------------------------------- modules
 

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
+from stratagem.placement.buffers import BufferSync
 from stratagem.placement.roots import RootsPlacement
 from stratagem.placement.hooks import adopt, base_of, placement_of, run_hooks, step_hooks, unhooked_step
 # full tensors out of DTensors in state dicts, and back into each process's shards: the same
@@ -59,6 +60,7 @@ class FullyShardedPlacement(RootsPlacement):
     """Each worker holds 1/N of every parameter, gradient and optimizer state (FSDP2 units)."""
 
     kind = "FullySharded"
+    synchronizes_batch_norm = True
 
     def __init__(self, strategy: Any, collective: Any, device: torch.device):
         self._strategy_ref = weakref.ref(strategy)
@@ -79,6 +81,10 @@ class FullyShardedPlacement(RootsPlacement):
         #: every module of a sharded model -> the names of its parameters then
         self._sharded_names: "weakref.WeakKeyDictionary[nn.Module, frozenset]" = weakref.WeakKeyDictionary()
         self._stash: dict[int, dict] = {}   # chief, while a checkpoint is written: gathered states
+        placed = self._placed
+        #: BatchNorm's running statistics (buffers are not sharded) averaged over the workers at each
+        #: step and checkpoint
+        self.buffers = BufferSync(strategy, collective, lambda: [m for root in placed for m in root.modules()])
         clipping.register(self)
 
     @property
@@ -127,6 +133,7 @@ class FullyShardedPlacement(RootsPlacement):
     def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
         """Every worker, around the chief's writing: gather each sharded state once (collectives)."""
         chief = self.collective.worker_index == 0
+        self.buffers.average(None)
         for obj in objects.values():
             if self._owns(obj):
                 state = obj.state_dict()
@@ -193,6 +200,7 @@ class FullyShardedPlacement(RootsPlacement):
         run_hooks(pre, optimizer)
         result = unhooked_step(base_of(optimizer))(optimizer, closure)
         run_hooks(post, optimizer)
+        self.buffers.step(None)
         return result
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:

@@ -38,8 +38,10 @@ from torch import nn
 from stratagem import _context
 from stratagem.comm.collective import Collective
 from stratagem.devices import Topology
+from stratagem.placement import sync_batch_norm
 from stratagem.errors import ContextError, InvalidArgumentError
 from stratagem.placement.base import Placement
+from stratagem.placement.buffers import BufferSync
 from stratagem.placement.gradient_sync import GradientSync
 from stratagem.placement.hooks import adopt
 from stratagem.placement.mirrored_dict import MirroredDict
@@ -66,6 +68,7 @@ class MirroredPlacement(Placement):
     """
 
     kind = "Mirrored"
+    synchronizes_batch_norm = True
 
     def __init__(self, strategy: Any, topology: Topology, collective: Collective, *,
                  update: UpdateRule | None = None):
@@ -94,6 +97,9 @@ class MirroredPlacement(Placement):
         self._hooked: tuple[int, list, Any] = (-1, [], None)   # (layout, primaries, their requires_grad)
         #: sums gradients when backward ends (None: one replica in all, nothing to sum)
         self.gradients = GradientSync(self) if collective.num_replicas > 1 and self.update.sums_gradients else None
+        #: averages the buffers over the workers at each step and checkpoint (None: one replica in all)
+        self.buffers = BufferSync(strategy, collective, self._placed.copy, self.all_copies) \
+            if collective.num_replicas > 1 else None
 
     @property
     def strategy(self) -> Any:
@@ -102,6 +108,7 @@ class MirroredPlacement(Placement):
     # ---------------------------------------------------------------- modules
 
     def on_module_registered(self, module: nn.Module) -> None:
+        sync_batch_norm.adopt(module)
         if self.num_replicas > self.first_copy:  # some replica computes with copies
             for attr, is_buffers in (("_parameters", False), ("_buffers", True)):
                 current = module.__dict__[attr]
@@ -321,6 +328,8 @@ class MirroredPlacement(Placement):
         return self.update.grad_scaler_refusal()
 
     def prepare_checkpoint(self, objects: dict[str, Any]) -> contextlib.AbstractContextManager:
+        if self.buffers is not None:   # every worker is here: the file gets the averaged buffers
+            self.buffers.average(None)
         return self.update.prepare_checkpoint(objects)
 
     def splits_gradients(self, params: list[torch.Tensor]) -> list[bool]:

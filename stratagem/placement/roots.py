@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
+from stratagem.placement import sync_batch_norm
 from stratagem.placement.base import Placement
 
 
@@ -36,6 +37,7 @@ class RootsPlacement(Placement):
         self._placed: list[nn.Module] = []
 
     def on_module_registered(self, module: nn.Module) -> None:
+        sync_batch_norm.adopt(module)   # (synchronized or refused at its first training-mode forward)
         if not any(m is module for m in self._pending):
             self._pending.append(module)
 

@@ -16,7 +16,9 @@ backward:
 4. ``after_update`` -- the replicas meet; the new values reach every copy (central storage: its
    replicas' copies; ZeRO: the all-gather of the ranges);
 5. the post-hooks, once, seeing the updated parameters; parameters a hook changed reach the
-   other replicas.
+   other replicas;
+6. ``buffers`` -- across workers, the floating buffers that forwards wrote (BatchNorm's running
+   statistics) averaged over every replica (:mod:`.buffers`).
 
 Called outside ``run`` (``replica`` None) the same order runs on the calling thread for every
 local replica.
@@ -51,6 +53,7 @@ class SynchronousPlacement(Protocol):
     collective: Any
     num_replicas: int
     update: UpdatePrimitives
+    buffers: Any   # a BufferSync, or None (one replica in all)
 
     def own_replica_context(self) -> Any: ...
     def record_updates(self) -> list[str]: ...
@@ -73,6 +76,8 @@ def synchronous_step(placement: SynchronousPlacement, optimizer: torch.optim.Opt
         result = rule.after_update(optimizer, replica, result)
         if post:
             _hooks_once(placement, post, optimizer, replica, grads=False)
+        if placement.buffers is not None:
+            placement.buffers.step(replica)
     if replica is None:
         placement.record_updates()
     return result
