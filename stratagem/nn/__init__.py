@@ -1,7 +1,9 @@
-"""Loss helpers that make per-replica losses add up to the single-device loss, and gradient
-clipping by the global norm where no process holds a whole gradient."""
+"""Loss helpers that make per-replica losses add up to the single-device loss, gradient
+clipping by the global norm where no process holds a whole gradient, and the embedding lookup
+that pulls only the rows used from parameter servers. Part of the core (the strategies' loss
+check lives here): it imports nothing of the layers built on it."""
 
-from stratagem.ps.embedding import embedding_lookup
+from stratagem.nn.embedding import embedding_lookup
 from stratagem.nn.loss_check import LossScalingWarning
 from stratagem.nn.losses import (compute_average_loss, mean_over_replicas, scale_regularization_loss,
                                  skip_loss_scaling_check)
