@@ -35,7 +35,9 @@ bodies), and for each ``import b`` under ``if TYPE_CHECKING:``. ``from pkg impor
 when that is a module and ``pkg`` otherwise; a package is its ``__init__``. Importing
 ``stratagem.a.b`` also runs ``stratagem/a/__init__.py`` first, so that is an edge too --
 but not the root ``stratagem/__init__``: it is always being imported already (every import
-of a submodule starts there), and as an edge it would put every module in one cycle.
+of a submodule starts there), and as an edge it would put every module in one cycle. An import
+by name is an edge like the others where it runs at import time (module level); in a function
+it is a function-level import, listed in :data:`LAZY_IMPORTS` or a package's lazy name.
 """
 
 from __future__ import annotations
