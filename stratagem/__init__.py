@@ -34,6 +34,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from stratagem import _context   # the context stack alone: no torch
+
 __version__ = "0.1.0"
 
 # Every public name loads on first use (PEP 562), so ``import stratagem`` costs nothing until
@@ -98,6 +100,18 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+def _make_default_strategy() -> Any:
+    # What sg.get_strategy() returns outside every scope, built on that first call. Registered
+    # here because every import of a stratagem module runs this file first, and the context
+    # stack sits below the strategies (it cannot import the one it falls back to).
+    from stratagem.strategies.default import _DefaultStrategy
+
+    return _DefaultStrategy._create()
+
+
+_context.set_default_strategy_factory(_make_default_strategy)
 
 
 if TYPE_CHECKING:   # what the names are, for type checkers and editors

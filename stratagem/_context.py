@@ -11,7 +11,6 @@ other's state.
 
 from __future__ import annotations
 
-import importlib
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -54,7 +53,7 @@ class _ThreadState(threading.local):
 
 
 _state = _ThreadState()
-_default: dict[str, Any] = {}   # "factory": set by stratagem.strategies.default; "strategy": made on first use
+_default: dict[str, Any] = {}   # "factory": set by stratagem/__init__.py; "strategy": made on first use
 
 
 def push(strategy: "Strategy", replica_context: "ReplicaContext | None") -> None:
@@ -76,16 +75,14 @@ def current_frame() -> _Frame | None:
 
 
 def set_default_strategy_factory(factory: Callable[[], "Strategy"]) -> None:
-    """Called once by the module that defines the default strategy, when it is imported."""
+    """Called once, by the package's ``__init__`` (which every import of this module runs first):
+    the default strategy is built on top of this module, so this module cannot import it."""
     _default["factory"] = factory
 
 
 def default_strategy() -> "Strategy":
     strategy = _default.get("strategy")
     if strategy is None:
-        if "factory" not in _default:
-            # Imported on first use, not at the top: that module needs torch and imports this one.
-            importlib.import_module("stratagem.strategies.default")
         strategy = _default.setdefault("strategy", _default["factory"]())
     return strategy
 

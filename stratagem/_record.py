@@ -92,10 +92,10 @@ class Record:
     # --- a variable of parameter-server training
     #: where it lives on the parameter servers (``ps.variables.RemoteVariable``). Written by
     #: ``ps/placement.py`` (the coordinator), ``ps/runtime.py`` (a worker's copy) and
-    #: ``ShardedVariable``; read through ``ps.variables.remote_of``.
+    #: ``ShardedVariable``; read through ``ps.variables.remote_of`` and by ``nn/embedding.py``.
     remote: Any = None
     #: a worker's embedding table: the runtime that pulls the rows a lookup uses
-    #: (``ps.runtime.WorkerRuntime``). Written by ``ps/runtime.py``; read by ``ps/embedding.py``.
+    #: (``ps.runtime.WorkerRuntime``). Written by ``ps/runtime.py``; read by ``nn/embedding.py``.
     runtime: Any = None
 
 

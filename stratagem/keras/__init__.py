@@ -12,5 +12,6 @@
 
 The layer calls the core through declared hooks: a strategy names the kind of steps its
 models run (``Strategy.model_steps_kind``), and :func:`stratagem.keras.step_kinds.steps_for`
-picks the class; the core imports nothing from here.
+picks the class; it names how ``fit`` runs its epochs (``Strategy.model_fit_loop_kind``:
+``"scheduled"`` for the parameter-server loop); the core imports nothing from here.
 """

@@ -17,7 +17,6 @@ The loop's order per epoch: reset the metrics, ``on_epoch_begin``, then per step
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -199,7 +198,7 @@ class Model(ModelIO):
         if validation_split:
             (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight, validation_split)
         progress = ProgressLogger(verbose, chief=self._is_chief())
-        if _is_parameter_server(self.strategy):
+        if _fit_loop_kind(self.strategy) == "scheduled":
             from stratagem.ps.fit_loop import ScheduledEpochs   # grpc: loaded for a ps fit only
 
             loop: Any = ScheduledEpochs(self, x, y, sample_weight, batch_size=batch_size,
@@ -389,6 +388,9 @@ def _check_count(name: str, value: Any, *, minimum: int) -> None:
         raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-def _is_parameter_server(strategy: Any) -> bool:
-    ps = sys.modules.get("stratagem.ps.strategy")   # not imported: no parameter-server strategy exists
-    return ps is not None and isinstance(strategy, ps.ParameterServerStrategy)
+def _fit_loop_kind(strategy: Any) -> str:
+    kind = getattr(strategy, "model_fit_loop_kind", "replicated")   # (Strategy.model_fit_loop_kind)
+    if kind not in ("replicated", "scheduled"):
+        raise InvalidArgumentError(f"{type(strategy).__name__}.model_fit_loop_kind is {kind!r}; sg.Model knows "
+                                   f"'replicated' and 'scheduled'")
+    return kind

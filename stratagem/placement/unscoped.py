@@ -13,12 +13,25 @@ worker alike, since every worker runs the same forward): inside ``run``; outside
 scope of a strategy whose process holds one replica (that replica's step); and outside every
 scope, for a module the strategy placed (its own parameters and children are looked at). The
 look is remembered per module until its parameters or children change.
+
+Why ``Optimizer.zero_grad`` is replaced on the class while multi-replica runs are active, not
+on the optimizers involved alone: none of torch's hooks sees it (torch 2.13's ``Optimizer``
+has global and per-optimizer hooks for ``step`` and the state dicts only; ``zero_grad`` calls
+none). The optimizers involved are not ours: created outside every scope, possibly before any
+scope opened, when no creation wrapper is installed, and nothing leads from a parameter to
+the optimizers that hold it, so they cannot be found at a run's start to be wrapped one by
+one. Their first ``step()`` (torch's global step pre-hook finds them) comes too late: a loop's
+``zero_grad()`` precedes it, and on one replica's thread it clears gradients another replica's
+backward is writing. So the class's method is wrapped while such runs are active (the first
+acquire wraps the method it finds there, the last release puts that one back); the wrapper
+passes the call on at once outside such runs and for every optimizer created in scope.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -67,6 +80,9 @@ class UnscopedCheck:
         with self._lock:
             if self._users == 0:
                 self._handles = [register_optimizer_step_pre_hook(_forbid_unscoped_optimizer)]
+                found = torch.optim.Optimizer.__dict__["zero_grad"]   # torch's, or what someone put there
+                if found is not _checked_zero_grad:   # (ours, put back after the runs by who replaced it: kept)
+                    _found[0] = found
                 torch.optim.Optimizer.zero_grad = _checked_zero_grad
             self._users += 1
 
@@ -74,7 +90,14 @@ class UnscopedCheck:
         with self._lock:
             self._users -= 1
             if self._users == 0:
-                torch.optim.Optimizer.zero_grad = _original_zero_grad
+                current = torch.optim.Optimizer.__dict__["zero_grad"]
+                if current is not _checked_zero_grad:   # (it may call ours, and cannot be told apart: loudly)
+                    warnings.warn(
+                        f"torch.optim.Optimizer.zero_grad was replaced ({current!r}) while a multi-replica "
+                        f"run was active, over the method stratagem wraps during such runs; stratagem puts "
+                        f"back {_found[0]!r}, found at the runs' start. Replace it before or after "
+                        f"strategy.run", RuntimeWarning, stacklevel=2)
+                torch.optim.Optimizer.zero_grad = _found[0]
                 for handle in self._handles:
                     handle.remove()
 
@@ -171,13 +194,14 @@ def _forbid_unscoped_optimizer(optimizer: torch.optim.Optimizer, *args: Any) -> 
             f"replicas' gradients and applies the update once")
 
 
-_original_zero_grad = torch.optim.Optimizer.zero_grad
+#: the ``Optimizer.zero_grad`` that :func:`_checked_zero_grad` calls: the one found at acquire
+_found: list[Any] = [torch.optim.Optimizer.zero_grad]
 
 
-@functools.wraps(_original_zero_grad)
+@functools.wraps(torch.optim.Optimizer.zero_grad)
 def _checked_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
     _forbid_unscoped_optimizer(self)
-    _original_zero_grad(self, set_to_none)
+    _found[0](self, set_to_none)
 
 
 #: the one check, shared by every mirrored placement

@@ -79,6 +79,8 @@ class ParameterServerStrategy(Strategy):
         #     model = Net(); optimizer = torch.optim.Adam(model.parameters())
     """
 
+    model_fit_loop_kind = "scheduled"   # sg.Model.fit schedules its steps (stratagem.ps.fit_loop)
+
     def __init__(self, cluster_resolver: Any = None, variable_partitioner: Callable | None = None):
         if cluster_resolver is None:  # the environment's: TF_CONFIG, a Slurm step, a Kubernetes pod
             cluster_resolver = resolve()

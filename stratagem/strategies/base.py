@@ -74,6 +74,8 @@ class Strategy:
     #: (:func:`stratagem.keras.step_kinds.steps_for`): ``"replica"`` -- the forward, then
     #: ``loss.backward()``, in each replica; ``"pipeline"`` -- a schedule of micro-batches.
     model_steps_kind = "replica"
+    #: How ``sg.Model.fit`` runs epochs: ``"replicated"`` (each step by ``run`` here, ``keras/epochs.py``)
+    model_fit_loop_kind = "replicated"   # or "scheduled": onto workers by a ClusterCoordinator (ps/fit_loop.py)
 
     def _configure(self, topology: Topology, collective: Collective, placement: Placement) -> None:
         """Set the collaborators (each strategy's ``__init__`` calls this once).

@@ -1,8 +1,12 @@
-"""The default strategy: one replica, pass-through, a process-wide singleton."""
+"""The default strategy: one replica, pass-through, a process-wide singleton.
+
+``stratagem/__init__.py`` registers :meth:`_DefaultStrategy._create` with the context stack
+(:func:`stratagem._context.set_default_strategy_factory`), loading this module on the first
+``sg.get_strategy()`` outside every scope.
+"""
 
 from __future__ import annotations
 
-from stratagem import _context
 from stratagem.comm.cross_device_ops import HierarchicalCopyAllReduce
 from stratagem.comm.replicas import ReplicaCollective
 from stratagem.devices import Device, Topology
@@ -47,5 +51,3 @@ class _DefaultStrategy(Strategy):
     def __repr__(self) -> str:
         return "DefaultStrategy()"
 
-
-_context.set_default_strategy_factory(_DefaultStrategy._create)

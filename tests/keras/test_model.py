@@ -141,6 +141,20 @@ def test_clear_errors() -> None:
         sg.Model(outside, strategy=sg.MirroredStrategy(["cpu:0", "cpu:1"]))
 
 
+def test_the_strategy_declares_how_fit_runs() -> None:
+    # sg.Model.fit picks its loop by Strategy.model_fit_loop_kind (the parameter-server strategy's
+    # coordinator loop: tests/ps/test_fit_loop.py); a kind it does not know is a clear error
+    class Unknown(sg.OneDeviceStrategy):
+        model_fit_loop_kind = "asynchronous"
+
+    assert (sg.Strategy.model_fit_loop_kind, sg.ParameterServerStrategy.model_fit_loop_kind) == \
+        ("replicated", "scheduled")
+    x, y, _ = data()
+    with pytest.raises(ValueError, match="Unknown.model_fit_loop_kind is 'asynchronous'; sg.Model knows "
+                                         "'replicated' and 'scheduled'"):
+        build(Unknown("cpu")).fit(x, y, verbose=0)
+
+
 class Recorder(sg.callbacks.Callback):
     def __init__(self, stop_at: tuple[int, int] | None = None) -> None:
         super().__init__()

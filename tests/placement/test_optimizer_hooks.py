@@ -179,6 +179,35 @@ def test_the_class_says_what_changed_and_nothing_stays_patched() -> None:
         copy.deepcopy(optimizer)
 
 
+def test_a_zero_grad_method_of_another_survives_multi_replica_runs() -> None:
+    # while such runs are active Optimizer.zero_grad is wrapped (placement/unscoped.py says why):
+    # the wrapper calls the method it found there and gives that one back; a method put there
+    # during such a run cannot stay (it would call the wrapper for good): put back, with a warning
+    torch_zero_grad = torch.optim.Optimizer.zero_grad
+    calls: list[str] = []
+
+    def counted(self, set_to_none=True):
+        calls.append("counted")
+        torch_zero_grad(self, set_to_none)
+
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+    plain = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)   # over parameters no strategy holds
+    torch.optim.Optimizer.zero_grad = counted
+    try:
+        strategy.run(lambda: plain.zero_grad())
+        assert calls == ["counted", "counted"] and torch.optim.Optimizer.zero_grad is counted
+
+        def put_there():
+            if sg.get_replica_context().replica_id_in_sync_group == 0:
+                torch.optim.Optimizer.zero_grad = torch_zero_grad
+        with pytest.warns(RuntimeWarning, match="zero_grad was replaced .* while a multi-replica run was "
+                                                "active.*puts back <function .*counted"):
+            strategy.run(put_there)
+        assert torch.optim.Optimizer.zero_grad is counted
+    finally:
+        torch.optim.Optimizer.zero_grad = torch_zero_grad
+
+
 def test_hooks_removed_even_when_the_scope_raises() -> None:
     strategy = sg.OneDeviceStrategy("cpu")
     with pytest.raises(RuntimeError, match="boom"):
