@@ -85,6 +85,10 @@ def test_the_ddp_port_changes_six_lines_none_reindented() -> None:
     assert "import stratagem as sg" in added
     assert "    strategy = sg.MultiWorkerMirroredStrategy(); sg.experimental_set_strategy(strategy)" in added
     assert not [line for line in port if re.search(r"DDP\(|\.module\b|process_group\(", line)]
+    # docs/from_ddp.md shows this very diff
+    diff = "\n".join(difflib.unified_diff(ddp, port, "examples/ddp_train.py", "examples/ddp_train_ported.py",
+                                          n=1, lineterm=""))
+    assert f"```diff\n{diff}\n```" in (ROOT / "docs" / "from_ddp.md").read_text()
 
 
 def _iterations(output: str) -> list[str]:
