@@ -125,6 +125,7 @@ class GPT(nn.Module):
         return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas, fused=use_fused)
 
 
+# each process draws other initial values (its seed differs); training starts from rank 0's
 model = GPT().to(device=device, dtype=param_dtype)
 scaler = torch.amp.GradScaler(device, enabled=(args.dtype == "float16"))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device)

@@ -22,7 +22,7 @@ Who runs the user's script:
 Example::
 
     >>> import json
-    >>> from stratagem.launch.tasks import plan_cluster, tf_config
+    >>> from stratagem.launch.tasks import plan_cluster, tf_config, torchrun_variables
     >>> spec, tasks = plan_cluster(["train.py", "--lr", "0.1"], num_workers=2, num_ps=0,
     ...                            chief=True, ports=[2220, 2221, 2222])
     >>> spec
