@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import os
 import re
 import shlex
 import subprocess
@@ -9,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,8 +71,69 @@ def test_parameter_server_example_trains() -> None:
     assert accuracy > 0.9, output
 
 
+def test_the_ddp_port_changes_six_lines_none_reindented() -> None:
+    ddp = (EXAMPLES / "ddp_train.py").read_text().splitlines()
+    port = (EXAMPLES / "ddp_train_ported.py").read_text().splitlines()
+    removed, added, changed = [], [], 0
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, ddp, port, autojunk=False).get_opcodes():
+        if tag != "equal":
+            removed += ddp[i1:i2]
+            added += port[j1:j2]
+            changed += max(i2 - i1, j2 - j1)   # a line replaced counts once
+    assert changed <= 6, "\n".join(difflib.unified_diff(ddp, port, lineterm=""))
+    assert not {line.strip() for line in removed} & {line.strip() for line in added}, "a line re-indented"
+    assert "import stratagem as sg" in added
+    assert "    strategy = sg.MultiWorkerMirroredStrategy(); sg.experimental_set_strategy(strategy)" in added
+    assert not [line for line in port if re.search(r"DDP\(|\.module\b|process_group\(", line)]
+    # docs/from_ddp.md shows this very diff
+    diff = "\n".join(difflib.unified_diff(ddp, port, "examples/ddp_train.py", "examples/ddp_train_ported.py",
+                                          n=1, lineterm=""))
+    assert f"```diff\n{diff}\n```" in (ROOT / "docs" / "from_ddp.md").read_text()
+
+
+def _iterations(output: str) -> list[str]:
+    """Rank 0's per-iteration lines ("iter N: loss ..., grad norm ..., lr ...") and its final evaluation."""
+    return re.findall(r"^(?:\[worker 0\] )?((?:iter|step) \d+: .*)$", output, re.M)
+
+
+@pytest.mark.multiprocess
+def test_ddp_script_and_its_port_print_the_same_losses_and_gradient_norms(tmp_path: Path) -> None:
+    # float16 autocast, so the GradScaler is on; accumulation, clipping (every norm > 0.25),
+    # AdamW groups and the cosine schedule as nanoGPT has them. The outputs must be equal to every
+    # printed digit: with two workers DDP's average (a + b) / 2 and stratagem's sum a/2 + b/2
+    # round alike, and everything else is the same code on the same numbers.
+    options = ["--dtype", "float16", "--max-iters", "4"]
+    env = {key: value for key, value in os.environ.items() if key not in ("TF_CONFIG", "RANK", "WORLD_SIZE")}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    runs = {"ddp under torchrun": [*torchrun, str(EXAMPLES / "ddp_train.py")],
+            "port under torchrun": [*torchrun, str(EXAMPLES / "ddp_train_ported.py")],
+            "port under stratagem launch": [sys.executable, "-m", "stratagem", "launch", "--workers", "2",
+                                            str(EXAMPLES / "ddp_train_ported.py")]}
+    lines, checkpoints = {}, {}
+    for name, command in runs.items():
+        folder = tmp_path / name.replace(" ", "_")
+        proc = subprocess.run([*command, *options, "--out-dir", str(folder)], env=env, capture_output=True,
+                              text=True, timeout=200)
+        assert proc.returncode == 0, f"{name}:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+        lines[name] = _iterations(proc.stdout)
+        checkpoints[name] = torch.load(folder / "ckpt.pt", weights_only=True)
+    ddp = lines.pop("ddp under torchrun")
+    assert len(ddp) == 5 and all(float(norm) > 0.25 for norm in re.findall(r"grad norm ([0-9.]+)", "\n".join(ddp)))
+    for name, port in lines.items():
+        assert port == ddp, f"{name}:\n" + "\n".join(difflib.unified_diff(ddp, port, lineterm=""))
+    # the checkpoints: the same names (no "module." prefix) and values
+    reference = checkpoints.pop("ddp under torchrun")
+    assert reference["scaler"]["scale"] > 0   # the GradScaler ran
+    for name, checkpoint in checkpoints.items():
+        assert list(checkpoint["model"]) == list(reference["model"]), name
+        for key, value in reference["model"].items():
+            assert torch.equal(checkpoint["model"][key], value), (name, key)
+        torch.testing.assert_close(checkpoint["optimizer"], reference["optimizer"], rtol=0, atol=0)
+        assert checkpoint["scaler"] == reference["scaler"] and checkpoint["iter_num"] == 4, name
+
+
 def test_every_example_is_tested() -> None:
-    tested = {"train.py", "train_ps.py",
+    tested = {"train.py", "train_ps.py", "ddp_train.py", "ddp_train_ported.py",
               "preemptible.py",   # tests/launch/test_restarts.py
               "tensor_parallel.py"}   # tests/strategies/test_multi_worker_tensor_parallel.py
     tested |= {"pipeline.py"}   # tests/strategies/test_multi_worker_pipeline.py

@@ -31,7 +31,8 @@ from stratagem.errors import ClusterConfigError
 __all__ = ["TorchrunClusterResolver", "TORCHRUN_VARIABLES"]
 
 #: Every variable torchrun sets for its processes (besides ``TORCHELASTIC_*``); the resolver
-#: reads the first six, and ``stratagem launch`` removes them all from its tasks' environment.
+#: reads the first six. ``stratagem launch`` removes the inherited ones from its tasks' environment
+#: and sets the first four from each task's TF_CONFIG (``stratagem.launch.tasks.torchrun_variables``).
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")
 

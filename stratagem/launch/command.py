@@ -38,7 +38,9 @@ __all__ = ["add_launch_parser", "add_subcommand", "build_parser", "main", "run_l
 
 _DESCRIPTION = (
     "Start a local cluster on loopback and run SCRIPT in it: every task gets TensorFlow's "
-    "TF_CONFIG and a fresh cluster token (STRATAGEM_CLUSTER_TOKEN), each output line is "
+    "TF_CONFIG (without --ps the chief and workers also get torchrun's RANK, WORLD_SIZE, "
+    "LOCAL_RANK and LOCAL_WORLD_SIZE to match) and a fresh cluster token "
+    "(STRATAGEM_CLUSTER_TOKEN), each output line is "
     "prefixed with its task, a failure restarts the job up to --max-restarts times (every "
     "task together, with a new rendezvous; with --ps the failed server alone), a task that "
     "exits with 75 (preempted, after its group saved) restarts the group without spending a "

@@ -24,9 +24,12 @@ training each server restarts alone, with the same TF_CONFIG and port.
 Each process has the environment of the launcher plus ``TF_CONFIG``, ``PYTHONUNBUFFERED=1``,
 ``STRATAGEM_RESTART`` (how many restarts came before this process: ``"0"`` at first) and
 ``STRATAGEM_CLUSTER_TOKEN``, a secret made fresh for every job that the cluster's servers
-use to refuse strangers; it is never printed. torchrun's variables (``RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR``, ...) are removed, since this cluster is described by
-TF_CONFIG alone and an inherited, stale copy would contradict it.
+use to refuse strangers; it is never printed. torchrun's variables inherited by the launcher
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``TORCHELASTIC_*``, ...) are removed: a stale copy
+would contradict TF_CONFIG. In collective training the chief and the workers get instead
+the ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` that torchrun would give
+them, read from their TF_CONFIG (``tasks.torchrun_variables``), so that a script's own rank
+logic works under both launchers; TF_CONFIG still describes the cluster (it comes first).
 
 SIGINT (Ctrl-C) or SIGTERM sent to the launcher stop every task (SIGTERM, then SIGKILL
 after ``grace_period`` seconds) and the launcher returns 130 or 143: a script with a
@@ -79,7 +82,7 @@ from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.launch.output import TaskOutput
 from stratagem.launch.ports import format_address, free_ports, ports_from_base
 from stratagem.launch.supervisor import EXIT_STATUS_ON_SIGNAL, Supervisor
-from stratagem.launch.tasks import Task, plan_cluster, tf_config
+from stratagem.launch.tasks import Task, plan_cluster, tf_config, torchrun_variables
 
 __all__ = ["RESTART_VARIABLE", "TOKEN_VARIABLE", "launch_local"]
 
@@ -127,11 +130,11 @@ def check_script(script: str | os.PathLike[str]) -> str:
 
 def task_env(base: Mapping[str, str], spec: ClusterSpec, task: Task, token: str,
               restart: int) -> dict[str, str]:
-    # torchrun's variables: a child of this launcher is described by TF_CONFIG alone.
+    # torchrun's variables: inherited ones would be stale; the task's own follow its TF_CONFIG.
     env = {key: value for key, value in base.items() if key not in TORCHRUN_VARIABLES
            and not key.startswith("TORCHELASTIC_")}
     env.update({"TF_CONFIG": tf_config(spec, task), TOKEN_VARIABLE: token, "PYTHONUNBUFFERED": "1",
-                RESTART_VARIABLE: str(restart)})
+                RESTART_VARIABLE: str(restart), **torchrun_variables(spec, task)})
     return env
 
 

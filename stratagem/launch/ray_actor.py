@@ -121,8 +121,8 @@ class TaskRunner:
               token: str | None) -> int:
         """Starts the task ``name``: this node's Python runs ``command``; returns its pid.
 
-        ``env`` is added to the environment of this Ray worker (torchrun's variables are
-        removed); ``token``, when given, becomes ``STRATAGEM_CLUSTER_TOKEN``. ``cwd`` is the
+        ``env`` is added to the environment of this Ray worker (its torchrun variables are
+        removed first); ``token``, when given, becomes ``STRATAGEM_CLUSTER_TOKEN``. ``cwd`` is the
         driver's working directory: used when it exists here, else the actor's.
         """
         assert self._process is None, "one task process per runner"

@@ -57,7 +57,7 @@ from stratagem.errors import ClusterConfigError
 from stratagem.launch.ports import format_address
 from stratagem.launch.local import TOKEN_VARIABLE
 from stratagem.launch.ray_actor import NodeReport, TaskRunner
-from stratagem.launch.tasks import Task, tf_config
+from stratagem.launch.tasks import Task, tf_config, torchrun_variables
 
 __all__ = ["GroupEvent", "RayGroup", "choose_token", "is_loopback"]
 
@@ -215,7 +215,8 @@ class RayGroup:
         spec = ClusterSpec(cluster)
         calls = []
         for task, actor in zip(self._tasks, self._actors):
-            env = {"TF_CONFIG": tf_config(spec, task), "PYTHONUNBUFFERED": "1", "STRATAGEM_RESTART": str(restart)}
+            env = {"TF_CONFIG": tf_config(spec, task), "PYTHONUNBUFFERED": "1", "STRATAGEM_RESTART": str(restart),
+                   **torchrun_variables(spec, task)}
             calls.append(actor.start.remote(task.name, list(task.command[1:]), env, cwd, token))
         try:
             self._ray.get(calls)

@@ -3,7 +3,11 @@
 A launch asks for ``num_workers`` workers, optionally a chief, ``num_ps`` parameter
 servers and an evaluator. :func:`plan_cluster` turns that into a :class:`ClusterSpec` on loopback and one
 :class:`Task` per process, ordered chief, workers, parameter servers; :func:`tf_config`
-writes the TF_CONFIG each task is given, in TensorFlow's exact format.
+writes the TF_CONFIG each task is given, in TensorFlow's exact format, and
+:func:`torchrun_variables` the ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+``LOCAL_WORLD_SIZE`` that torchrun would give a task of collective training, so that a script's
+own rank logic (``int(os.environ.get("RANK", -1))``, as in a DistributedDataParallel script)
+reads the same under both launchers.
 
 Who runs the user's script:
 
@@ -18,7 +22,7 @@ Who runs the user's script:
 Example::
 
     >>> import json
-    >>> from stratagem.launch.tasks import plan_cluster, tf_config
+    >>> from stratagem.launch.tasks import plan_cluster, tf_config, torchrun_variables
     >>> spec, tasks = plan_cluster(["train.py", "--lr", "0.1"], num_workers=2, num_ps=0,
     ...                            chief=True, ports=[2220, 2221, 2222])
     >>> spec
@@ -29,6 +33,8 @@ Example::
     {'type': 'worker', 'index': 1}
     >>> tasks[2].command[1:]
     ('train.py', '--lr', '0.1')
+    >>> torchrun_variables(spec, tasks[2])
+    {'RANK': '2', 'WORLD_SIZE': '3', 'LOCAL_RANK': '2', 'LOCAL_WORLD_SIZE': '3'}
 """
 
 from __future__ import annotations
@@ -38,10 +44,11 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from stratagem.cluster import ClusterSpec
+from stratagem.cluster import ClusterSpec, SimpleClusterResolver
+from stratagem.cluster.resolver import COLLECTIVE_JOBS
 from stratagem.launch.ports import format_address
 
-__all__ = ["Task", "plan_cluster", "server_command", "tf_config"]
+__all__ = ["Task", "plan_cluster", "server_command", "tf_config", "torchrun_variables"]
 
 
 def server_command() -> list[str]:
@@ -104,3 +111,26 @@ def tf_config(spec: ClusterSpec, task: Task) -> str:
     """TF_CONFIG for ``task``: ``{"cluster": {...}, "task": {"type": ..., "index": ...}}``."""
     return json.dumps({"cluster": spec.as_dict(),
                        "task": {"type": task.task_type, "index": task.task_id}})
+
+
+def torchrun_variables(spec: ClusterSpec, task: Task) -> dict[str, str]:
+    """What torchrun would set for ``task``, consistent with its TF_CONFIG; ``{}`` outside the collective.
+
+    In collective training (no parameter servers) the chief and the workers are the ranks
+    of one group, in TF_CONFIG's order (the chief 0, then the workers): ``RANK`` and
+    ``WORLD_SIZE`` are that rank and that count, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` the
+    same among the tasks whose address has this task's host. An evaluator, and every task of
+    parameter-server training (which has no such group), gets none. ``MASTER_ADDR`` and
+    ``MASTER_PORT`` are not set: TF_CONFIG says where the group meets, and it comes first.
+    """
+    if "ps" in spec.jobs:
+        return {}
+    rank = SimpleClusterResolver(spec, task_type=task.task_type, task_id=task.task_id).worker_rank
+    if rank is None:
+        return {}
+    members = [(job, index) for job in COLLECTIVE_JOBS if job in spec.jobs
+               for index in spec.task_indices(job)]
+    hosts = [spec.task_address(job, index).rpartition(":")[0] for job, index in members]
+    local = [i for i, host in enumerate(hosts) if host == hosts[rank]]
+    return {"RANK": str(rank), "WORLD_SIZE": str(len(members)),
+            "LOCAL_RANK": str(local.index(rank)), "LOCAL_WORLD_SIZE": str(len(local))}

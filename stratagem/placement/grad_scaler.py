@@ -26,7 +26,10 @@ decision impossible even so.)
 
 Outside ``run`` the scaler reads as replica 0's (``get_scale()``, ``state_dict()``);
 ``load_state_dict`` and ``update`` reach every replica's copy; ``unscale_`` and ``step``
-belong inside ``run`` when the strategy has several replicas (refused outside).
+belong inside ``run`` when this process holds several replicas (refused outside). With one
+replica per process (``MultiWorkerMirroredStrategy`` with one device per worker, as under
+DistributedDataParallel) they act outside ``run`` as that replica, the inf check still summed
+over the workers.
 """
 
 from __future__ import annotations
@@ -191,13 +194,14 @@ def _require_replica(scaler: ReplicaGradScaler, method: str) -> int:
     if local_id is not None:
         return local_id
     strategy = record(scaler).placement.strategy
-    if strategy.num_replicas_in_sync > 1:
-        raise ContextError(
-            f"GradScaler.{method}() was called outside strategy.run, but the gradients it checks "
-            f"belong to the {strategy.num_replicas_in_sync} replicas of {strategy!r}; call "
-            f"scaler.{method}(optimizer) inside the replica function given to strategy.run, "
-            f"after loss.backward()")
-    return 0
+    acting = strategy.outside_replica_context()   # one replica in this process: the step without run
+    if acting is not None:
+        return acting.local_replica_id
+    raise ContextError(
+        f"GradScaler.{method}() was called outside strategy.run, but the gradients it checks "
+        f"belong to the {strategy.topology.num_local_replicas} replicas of this process "
+        f"({strategy!r}); call scaler.{method}(optimizer) inside the replica function given to "
+        f"strategy.run, after loss.backward()")
 
 
 def replica_tensors(placement: Any, optimizer: torch.optim.Optimizer, local_id: int) -> list[torch.Tensor]:

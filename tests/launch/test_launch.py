@@ -27,7 +27,8 @@ from stratagem.cluster import TFConfigClusterResolver
 from stratagem.errors import ClusterConfigError, InvalidArgumentError
 from stratagem.launch import add_launch_parser, launch_local
 from stratagem.launch.command import main as command_main, run_launch
-from stratagem.launch.tasks import plan_cluster, server_command
+from stratagem.cluster import ClusterSpec
+from stratagem.launch.tasks import Task, plan_cluster, server_command, torchrun_variables
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -99,12 +100,14 @@ def _pids(out: Path) -> list[int]:
 @pytest.mark.multiprocess
 def test_every_task_gets_its_tf_config_and_the_job_token(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RANK", "7")  # a stale torchrun variable must not reach the tasks
+    monkeypatch.setenv("RANK", "7")  # stale torchrun variables must not reach the tasks
+    monkeypatch.setenv("MASTER_PORT", "29500")
     script = _script(tmp_path, '''
         write(NAME + ".json", json.dumps({
             "tf_config": os.environ["TF_CONFIG"], "token": os.environ["STRATAGEM_CLUSTER_TOKEN"],
             "argv": sys.argv[2:], "unbuffered": os.environ.get("PYTHONUNBUFFERED"),
-            "rank": os.environ.get("RANK")}))
+            "torchrun": {name: os.environ.get(name) for name in
+                         ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")}}))
         print("recorded", NAME)
     ''')
     status, out, err = _launch(script, str(tmp_path), "--lr", "0.5", chief=True, num_workers=2)
@@ -127,7 +130,11 @@ def test_every_task_gets_its_tf_config_and_the_job_token(tmp_path: Path,
         assert (resolver.task_type, resolver.task_id) == (task_type, int(index))
         assert resolver.is_chief == (task_type == "chief")
     assert all(r["argv"] == ["--lr", "0.5"] for r in records.values())
-    assert all(r["unbuffered"] == "1" and r["rank"] is None for r in records.values())
+    assert all(r["unbuffered"] == "1" for r in records.values())
+    # torchrun's variables as torchrun would set them, from TF_CONFIG: the chief is rank 0
+    for name, rank in {"chief-0": "0", "worker-0": "1", "worker-1": "2"}.items():
+        assert records[name]["torchrun"] == {"RANK": rank, "WORLD_SIZE": "3", "LOCAL_RANK": rank,
+                                             "LOCAL_WORLD_SIZE": "3", "MASTER_PORT": None}
 
     tokens = {r["token"] for r in records.values()}
     assert len(tokens) == 1
@@ -433,6 +440,19 @@ def test_servers_run_stratagem_server_by_default() -> None:
     assert tasks[0].command == (sys.executable, "train.py")
     assert all(task.command == tuple(server_command()) for task in tasks[1:])
     assert server_command() == [sys.executable, "-m", "stratagem", "server"]
+
+
+def test_torchrun_variables_follow_tf_config_for_the_collective_only() -> None:
+    # several hosts (as `stratagem launch --nnodes` plans them): local ranks count per host
+    spec = ClusterSpec({"chief": ["10.0.0.1:1"], "worker": ["10.0.0.1:2", "10.0.0.2:1", "10.0.0.2:2"],
+                        "evaluator": ["10.0.0.1:3"]})
+    assert [torchrun_variables(spec, Task(*task, (), True)) for task in
+            [("chief", 0), ("worker", 0), ("worker", 1), ("worker", 2)]] == [
+        {"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": "2"}
+        for rank, local in [(0, 0), (1, 1), (2, 0), (3, 1)]]
+    assert torchrun_variables(spec, Task("evaluator", 0, (), True)) == {}   # not in the group
+    spec, tasks = plan_cluster(["train.py"], num_workers=2, num_ps=1, chief=False, ports=[1, 2, 3, 4])
+    assert all(torchrun_variables(spec, task) == {} for task in tasks)   # parameter-server training
 
 
 # -- bad input --------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import json, os, sys, time
 task = json.loads(os.environ["TF_CONFIG"])["task"]
 print("hello from", task["type"], task["index"], "restart", os.environ["STRATAGEM_RESTART"], "args", sys.argv[1:],
       flush=True)
+print("torchrun's rank", os.environ.get("RANK"), "of", os.environ.get("WORLD_SIZE"), flush=True)
 if len(sys.argv) > 1:
     time.sleep(float(sys.argv[1]))
 """
@@ -72,6 +73,7 @@ def test_two_nodes_on_loopback_run_one_cluster(tmp_path: Path, script: Path) -> 
         _finish(host, other)
     assert "[worker 0] hello from worker 0 restart 0 args []" in log0.read_text()
     assert "[worker 3] hello from worker 3 restart 0 args ['0.1']" in log1.read_text()   # --per-node-args
+    assert "[worker 3] torchrun's rank 3 of 4" in log1.read_text()   # RANK and WORLD_SIZE follow TF_CONFIG
     assert token not in log0.read_text() + log1.read_text()
 
 

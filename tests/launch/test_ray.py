@@ -246,6 +246,7 @@ def test_each_task_gets_its_tf_config_and_a_token_that_never_shows(ray_cluster: 
         with open(os.path.join(sys.argv[1], name + ".json"), "w") as f:
             json.dump({"tf_config": os.environ["TF_CONFIG"], "token": os.environ["STRATAGEM_CLUSTER_TOKEN"],
                        "argv": sys.argv[1:], "restart": os.environ["STRATAGEM_RESTART"],
+                       "rank": [os.environ.get(key) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK")],
                        "cmdline": open("/proc/self/cmdline").read(),
                        "actor_cmdline": open(f"/proc/{os.getppid()}/cmdline").read()}, f)
         print("recorded", name)
@@ -262,6 +263,8 @@ def test_each_task_gets_its_tf_config_and_a_token_that_never_shows(ray_cluster: 
         assert config["cluster"] == cluster
         assert config["task"] == {"type": name.split("-")[0], "index": int(name.split("-")[1])}
         assert record["argv"] == [str(tmp_path), "--lr", "0.5"] and record["restart"] == "0"
+        rank = str({"chief-0": 0, "worker-0": 1, "worker-1": 2}[name])   # torchrun's, from TF_CONFIG
+        assert record["rank"] == [rank, "3", rank]
     tokens = {record["token"] for record in records.values()}
     assert len(tokens) == 1
     token = tokens.pop()
