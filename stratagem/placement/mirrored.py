@@ -292,7 +292,7 @@ class MirroredPlacement(Placement):
                     f"scope, or were assigned to one after the scope closed, so their initial values are "
                     f"not agreed between the {self.collective.num_replicas} replicas in sync and their "
                     f"gradients are not summed. Create the model (and assign every parameter) inside "
-                    f"`with strategy.scope():`")
+                    f"`with strategy.scope():`, or after `sg.experimental_set_strategy(strategy)`")
         adopt(optimizer, self)
         self.update.add(optimizer)
 

@@ -176,7 +176,7 @@ def refuse_unheld(module: nn.Module, placement: Any) -> None:
             f"initial values are not agreed between the {strategy.num_replicas_in_sync} replicas in sync "
             f"and their gradients are not summed, so each worker would silently train its own copy. "
             f"Create the module (and assign every parameter or submodule) inside "
-            f"`with strategy.scope():`")
+            f"`with strategy.scope():`, or after `sg.experimental_set_strategy(strategy)`")
     _looked[module] = key
 
 

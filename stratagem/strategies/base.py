@@ -17,6 +17,7 @@ A public method validates its input, then hands over to one of them. The
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
@@ -80,8 +81,7 @@ class Strategy:
     def _configure(self, topology: Topology, collective: Collective, placement: Placement) -> None:
         """Set the collaborators (each strategy's ``__init__`` calls this once).
 
-        The runner follows from the topology: the one local replica runs inline, several
-        run on replica threads.
+        The runner follows from the topology: one local replica runs inline, several on threads.
         """
         self._topology = topology
         self._collective = collective
@@ -89,7 +89,6 @@ class Strategy:
         contexts = [ReplicaContext(self, i, device, collective) for i, device in enumerate(topology.devices)]
         self._runner: Runner = ThreadRunner(contexts, collective) if len(contexts) > 1 else \
             InlineRunner(contexts, name_errors=not self.is_default)
-        # code outside run acts as the one replica of this process (no run's batch size)
         self._outside_context = ReplicaContext(self, 0, topology.devices[0], collective) \
             if len(contexts) == 1 else None
         loss_watch.act_outside_run(self)
@@ -176,13 +175,14 @@ class Strategy:
             hooks.scope_opened()
         try:
             yield self
-        finally:
-            if not self.is_default:
-                hooks.scope_closed()
-            self._scope_depth.value = depth
-            _context.pop()
-            if depth == 0:
-                self._placement.finalize()
+        finally:   # (a scope left open for good, by experimental_set_strategy, may be collected at exit)
+            if not sys.is_finalizing():
+                if not self.is_default:
+                    hooks.scope_closed()
+                self._scope_depth.value = depth
+                _context.pop()
+                if depth == 0:
+                    self._placement.finalize()
 
     def _enter_cross_replica(self, method: str) -> contextlib.AbstractContextManager:
         """Enter the scope for a cross-replica method, refusing replica context."""
