@@ -11,8 +11,6 @@ process, and every data-parallel group, starts alike).
 
 from __future__ import annotations
 
-import functools
-import weakref
 from typing import Any
 
 import torch
@@ -20,7 +18,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from stratagem.comm.collective import Collective
-from stratagem.errors import InvalidArgumentError
 from stratagem.placement.base import Placement
 
 
@@ -78,7 +75,7 @@ def sum_gradients_over(axis: Collective, params: list[torch.Tensor]) -> None:
         return
     group = axis.group
     present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-    group.all_reduce(present, "optimizer.step (which gradients exist on the data axis)")
+    group.all_reduce(present, "the end of backward (which gradients exist on the data axis)")
     for p, count in zip(params, present.tolist()):
         if count and p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -87,59 +84,46 @@ def sum_gradients_over(axis: Collective, params: list[torch.Tensor]) -> None:
         for dtype in dict.fromkeys(g.dtype for g in grads):
             same = [g for g in grads if g.dtype == dtype]
             flat = group.all_reduce(torch.cat([g.reshape(-1) for g in same]),
-                                    "optimizer.step (gradients over the data axis)")
+                                    "the end of backward (gradients summed over the data axis)")
             for g, part in zip(same, flat.split([g.numel() for g in same])):
                 g.copy_(part.view_as(g))
 
 
-class DataAxisSum:
-    """The sum of gradients over the data axis, once per step: in ``optimizer.step()``, or earlier
-    when clipping needs the whole gradients (:meth:`now`), which the step then leaves as they are.
+class DataAxis:
+    """A mesh's data axis as the collective of a
+    :class:`~stratagem.placement.gradient_sync.GradientSync`: one replica per process, whose
+    gradients (a DTensor gradient's local shard) are summed over the axis when backward ends, one
+    all-reduce per dtype (:func:`sum_gradients_over`). So under tensor and pipeline parallelism,
+    too, ``.grad`` holds the global batch's gradient when ``backward()`` (``forward_backward``)
+    returns, and ``optimizer.step()`` sums nothing.
 
-    A gradient summed early and then accumulated into by another backward before the step
-    would need only the new part summed: the step refuses it instead. A hook on each parameter
-    summed early sees each new gradient arrive: onto a ``.grad`` still there (refused at the
-    step), or onto none (``zero_grad`` dropped the sum: a fresh gradient, summed in the step).
+    Example::
+
+        import torch
+        from stratagem.placement.roots import DataAxis
+
+        class Alone:   # a data axis of one process: the sum is the identity
+            num_workers = 1
+
+        axis = DataAxis(Alone())
+        p = torch.nn.Parameter(torch.ones(2))
+        p.grad = torch.full((2,), 3.0)
+        axis.sum_over_workers([p])
+        assert p.grad.tolist() == [3.0, 3.0] and axis.gradient_packs([p]) is None
     """
+
+    num_local = 1
+    overlaps_backward = False   # (one flat all-reduce when backward ends: DTensor shards fit no pack)
 
     def __init__(self, axis: Collective):
         self.axis = axis
-        self._hooks: dict[int, Any] = {}   # id(parameter summed early) -> its hook's handle
-        self._mixed: set[int] = set()
+        self.num_workers = axis.num_workers
 
-    def now(self, params: list[torch.Tensor]) -> None:
-        """Sum those of ``params`` not summed yet this step (a collective over the data axis)."""
-        if self.axis.num_workers == 1:
-            return
-        fresh = [p for p in params if id(p) not in self._hooks]
-        sum_gradients_over(self.axis, fresh)
-        for p in fresh:
-            self._hooks[id(p)] = p.register_hook(functools.partial(self._arriving, weakref.ref(p)))
+    def gradient_packs(self, params: list[torch.Tensor]) -> None:
+        return None
 
-    def _arriving(self, ref: Any, grad: torch.Tensor) -> None:
-        param = ref()   # (before the new gradient is added to param.grad)
-        if param is not None and id(param) in self._hooks:
-            if param.grad is not None:
-                self._mixed.add(id(param))
-            else:
-                self.forget([param])
+    def sum_gradients(self, local_id: int, params: list[torch.Tensor]) -> None:
+        sum_gradients_over(self.axis, params)
 
-    def before_step(self, params: list[torch.Tensor]) -> None:
-        """Sum what clipping did not (a collective); then forget this step's sums."""
-        mixed = [p for p in params if id(p) in self._mixed]
-        if mixed:
-            raise InvalidArgumentError(
-                f"{len(mixed)} gradient(s) (shapes {[tuple(p.shape) for p in mixed[:4]]}) were summed over the "
-                f"data axis by clip_grad_norm_/clip_grad_value_ and then accumulated into by another backward "
-                f"before optimizer.step(); clip after the last backward of the step (or call "
-                f"optimizer.zero_grad() before a new one)")
-        sum_gradients_over(self.axis, [p for p in params if id(p) not in self._hooks])
-        self.forget(params)
-
-    def forget(self, params: list[torch.Tensor]) -> None:
-        """Drop what is known about ``params``' sums (after the step, or ``zero_grad``)."""
-        for p in params:
-            handle = self._hooks.pop(id(p), None)
-            if handle is not None:
-                handle.remove()
-            self._mixed.discard(id(p))
+    def sum_over_workers(self, params: list[torch.Tensor]) -> None:
+        sum_gradients_over(self.axis, params)

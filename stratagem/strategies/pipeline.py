@@ -210,7 +210,8 @@ class PipelineStrategy(MeshStrategy):
                 device=device, same_shape_over_data=self._sharding == "parameters")
         if isinstance(target, torch.Tensor):
             target = target.to(device)
-        return runner.step(inputs, target, loss_fn, return_outputs=return_outputs)
+        with self._placement.summing_gradients(model):   # .grad: the global batch's when it returns
+            return runner.step(inputs, target, loss_fn, return_outputs=return_outputs)
 
     def predict(self, model: Any, inputs: Any) -> Any:
         """The output of ``model`` for the batch ``inputs``, on every process of the pipeline.
