@@ -7,6 +7,10 @@ returns the root modules among them -- those that no other pending or placed mod
 holds, with parameters -- moved to this process's device, after every process checked
 that all built the same modules and took the chief's initial values (so that every
 process, and every data-parallel group, starts alike).
+
+:class:`DataAxis` is a mesh's data axis as the collective of the gradient sync
+(:mod:`stratagem.placement.gradient_sync`), which those placements use to sum gradients over
+it when backward ends.
 """
 
 from __future__ import annotations
