@@ -260,7 +260,7 @@ class PipelinePlacement(RootsPlacement):
         params = [p for p in own if id(p) not in scattered]
         sync = self._gradients.get(id(model))
         if sync is None:
-            sync = self._gradients[id(model)] = GradientSync(self, DataAxis(self.data))
+            sync = self._gradients[id(model)] = DataAxis.gradient_sync(self, self.data)
         sync.update(tuple(id(p) for p in params), [params], hooked=False)
         with sync.accumulating():
             yield

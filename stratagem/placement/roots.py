@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from stratagem.comm.collective import Collective
 from stratagem.placement.base import Placement
+from stratagem.placement.gradient_sync import GradientSync
 
 
 class RootsPlacement(Placement):
@@ -118,6 +119,15 @@ class DataAxis:
 
     num_local = 1
     overlaps_backward = False   # (one flat all-reduce when backward ends: DTensor shards fit no pack)
+
+    @classmethod
+    def gradient_sync(cls, placement: Any, axis: Collective) -> GradientSync | None:
+        """The gradient sync of ``placement`` over ``axis`` (None: an axis of one process, nothing to sum)."""
+        if axis.num_workers == 1:
+            return None
+        sync = GradientSync(placement, cls(axis))
+        sync.in_run = True   # every backward here is this process's one replica's: summed in place
+        return sync
 
     def __init__(self, axis: Collective):
         self.axis = axis

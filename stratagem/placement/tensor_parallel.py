@@ -49,7 +49,6 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
-from stratagem.placement.gradient_sync import GradientSync
 from stratagem.placement.roots import DataAxis, RootsPlacement
 from stratagem.placement.hooks import adopt, base_of, placement_of, run_hooks, step_hooks, unhooked_step
 
@@ -113,7 +112,7 @@ class TensorParallelPlacement(RootsPlacement):
         self.data = data           # the data axis (this process's data-parallel peers)
         self.model = model         # the model axis (this process's model group: the shards of its gradients)
         #: sums the gradients over the data axis when backward ends (None: a data axis of one)
-        self.gradients = GradientSync(self, DataAxis(data)) if data.num_workers > 1 else None
+        self.gradients = DataAxis.gradient_sync(self, data)
         self.everyone = everyone   # every process (start-up agreement)
         self._start_roots()
         self._optimizers: list[torch.optim.Optimizer] = []

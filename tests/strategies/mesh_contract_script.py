@@ -8,7 +8,8 @@ accumulates by hand; ZeRO-1 and ZeRO-2 over the data axis) and ``{"data": 2, "pi
 (a tensor-parallel plan inside the stage). Each case runs the same steps (:data:`STEPS`) and writes,
 per step, the gradients each process holds when the last backward returns (whole tensors: a
 DTensor's ``full_tensor``), a NaN check over them, the norm ``clip_grad_norm_`` returns and the
-parameters after ``optimizer.step()``. OUT_DIR/rank{R}.json holds them; the test compares every
+parameters after ``optimizer.step()``. A "local" pass runs under ``strategy.no_sync()`` (the
+pipelines but zero bubble: DDP's ``require_backward_grad_sync = False``). OUT_DIR/rank{R}.json holds them; the test compares every
 process with plain PyTorch on the whole global batches.
 """
 
@@ -100,7 +101,7 @@ def tensor_parallel() -> dict:
                                                    strategy.no_sync)}
 
 
-def pipeline(mesh: dict, options: dict) -> dict:
+def pipeline(name: str, mesh: dict, options: dict) -> dict:
     strategy = sg.experimental.PipelineStrategy(mesh, num_microbatches=pp_script.NUM_MICROBATCHES,
                                                 loss_fn=pp_script.loss_fn, **options)
     with strategy.scope():
@@ -118,7 +119,8 @@ def pipeline(mesh: dict, options: dict) -> dict:
         def __exit__(self, *exc):
             model.require_backward_grad_sync = True
     return {"initial": initial, "stages": strategy.stages_of(model),
-            "steps": run_steps(strategy, model, optimizer, batches(6, 3), backward, Unsynced)}
+            "steps": run_steps(strategy, model, optimizer, batches(6, 3), backward,
+                               strategy.no_sync if name == "zero_bubble" else Unsynced)}
 
 
 def main() -> None:
@@ -130,7 +132,7 @@ def main() -> None:
     torch.manual_seed(rank)   # every process builds other values: the chief's win
     result = {"tp": tensor_parallel()}
     for name, mesh, options in PIPELINES:
-        result[name] = pipeline(mesh, options)
+        result[name] = pipeline(name, mesh, options)
         print(f"{name} done", flush=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
