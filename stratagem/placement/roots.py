@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from stratagem.comm.collective import Collective
 from stratagem.placement.base import Placement
@@ -73,52 +72,36 @@ class RootsPlacement(Placement):
         self._pending = [m for m in self._pending if id(m) not in ids]
 
 
-def sum_gradients_over(axis: Collective, params: list[torch.Tensor]) -> None:
-    """Sum the gradients of ``params`` over ``axis`` in place: one all-reduce per dtype, zeros
-    where a peer has a gradient and this process none; a DTensor gradient's local shard is summed."""
-    if not params or axis.num_workers == 1:   # (no parameters here: none on the axis peers either)
-        return
-    group = axis.group
-    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-    group.all_reduce(present, "the end of backward (which gradients exist on the data axis)")
-    for p, count in zip(params, present.tolist()):
-        if count and p.grad is None:
-            p.grad = torch.zeros_like(p)
-    with torch.no_grad():   # to_local() is then the shard's own memory: summed in place
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
-        for dtype in dict.fromkeys(g.dtype for g in grads):
-            same = [g for g in grads if g.dtype == dtype]
-            flat = group.all_reduce(torch.cat([g.reshape(-1) for g in same]),
-                                    "the end of backward (gradients summed over the data axis)")
-            for g, part in zip(same, flat.split([g.numel() for g in same])):
-                g.copy_(part.view_as(g))
-
-
 class DataAxis:
     """A mesh's data axis as the collective of a
     :class:`~stratagem.placement.gradient_sync.GradientSync`: one replica per process, whose
-    gradients (a DTensor gradient's local shard) are summed over the axis when backward ends, one
-    all-reduce per dtype (:func:`sum_gradients_over`). So under tensor and pipeline parallelism,
-    too, ``.grad`` holds the global batch's gradient when ``backward()`` (``forward_backward``)
-    returns, and ``optimizer.step()`` sums nothing.
+    gradients (a DTensor gradient's local shard) are summed over the axis in packs that leave
+    while backward still runs (:mod:`stratagem.comm.gradients`, as across the workers of
+    ``MultiWorkerMirroredStrategy``), finished when it ends. So under tensor and pipeline
+    parallelism, too, ``.grad`` holds the global batch's gradient when ``backward()``
+    (``forward_backward``) returns, and ``optimizer.step()`` sums nothing.
 
     Example::
 
         import torch
         from stratagem.placement.roots import DataAxis
 
-        class Alone:   # a data axis of one process: the sum is the identity
+        class Alone:   # a data axis of one process: nothing to sum
             num_workers = 1
 
         axis = DataAxis(Alone())
         p = torch.nn.Parameter(torch.ones(2))
         p.grad = torch.full((2,), 3.0)
         axis.sum_over_workers([p])
-        assert p.grad.tolist() == [3.0, 3.0] and axis.gradient_packs([p]) is None
+        assert p.grad.tolist() == [3.0, 3.0] and not axis.overlaps_backward
+        assert DataAxis.gradient_sync(object(), Alone()) is None
     """
 
     num_local = 1
-    overlaps_backward = False   # (one flat all-reduce when backward ends: DTensor shards fit no pack)
+
+    def __init__(self, axis: Collective):
+        self.axis = axis
+        self.num_workers = axis.num_workers
 
     @classmethod
     def gradient_sync(cls, placement: Any, axis: Collective) -> GradientSync | None:
@@ -126,18 +109,20 @@ class DataAxis:
         if axis.num_workers == 1:
             return None
         sync = GradientSync(placement, cls(axis))
-        sync.in_run = True   # every backward here is this process's one replica's: summed in place
+        sync.in_run = True   # every backward here is this process's one replica's: its packs leave early
         return sync
 
-    def __init__(self, axis: Collective):
-        self.axis = axis
-        self.num_workers = axis.num_workers
+    @property
+    def overlaps_backward(self) -> bool:
+        return self.num_workers > 1
 
-    def gradient_packs(self, params: list[torch.Tensor]) -> None:
-        return None
+    def gradient_packs(self, params: list[torch.Tensor]) -> Any:
+        return self.axis.gradient_packs(params) if self.num_workers > 1 else None
 
     def sum_gradients(self, local_id: int, params: list[torch.Tensor]) -> None:
-        sum_gradients_over(self.axis, params)
+        self.sum_over_workers(params)
 
     def sum_over_workers(self, params: list[torch.Tensor]) -> None:
-        sum_gradients_over(self.axis, params)
+        packs = self.gradient_packs(params)
+        if packs is not None:
+            packs.finish()
