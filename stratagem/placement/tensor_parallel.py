@@ -16,7 +16,7 @@ wrong plan raises the same InvalidArgumentError on every process.
 Gradients: when ``backward()`` returns, each process's ``.grad`` holds the global batch's
 gradient of the parameters (DTensor shards) it holds, as under the data-parallel strategies:
 the gradient sync of :mod:`stratagem.placement.gradient_sync` sums each gradient's local shard
-over the data axis when backward ends (one all-reduce per dtype, :class:`~.roots.DataAxis`);
+over the data axis (:class:`~.roots.DataAxis`: in packs that leave while backward runs);
 ``strategy.no_sync()`` and DDP's ``require_backward_grad_sync`` skip that sum as there.
 Optimizers created in scope keep torch's own update over the DTensor parameters.
 ``clip_grad_norm_`` over the model's parameters clips by the norm of the whole gradients, the
