@@ -19,6 +19,11 @@ and keeps ``grad=None``; elsewhere a missing gradient counts as zeros. A gradien
 accumulated again after its pack was launched (several backward passes per step)
 is noticed and its pack is reduced once more at ``finish()``, from the full local
 gradient, so the result stays exact.
+
+A DTensor parameter (tensor parallelism, summed over a mesh's data axis) takes the room of its
+local shard in its pack; its gradient is laid out as the parameter first (torch gives a row-wise
+Embedding's sharded weight a replicated gradient: this process's rows of it), and becomes a
+DTensor over a copy of its sum (the next backward refills the pack).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 DEFAULT_BYTES_PER_PACK = 25 << 20   # DistributedDataParallel's bucket_cap_mb
 FIRST_PACK_BYTES = 1 << 20          # a small first pack starts communication early
@@ -41,7 +47,7 @@ class _Pack:
         offset = 0
         for p in params:
             self.offsets.append(offset)
-            offset += p.numel()
+            offset += _local(p).numel()
         first = params[0]
         self.buffer = torch.zeros(offset + len(params), dtype=first.dtype, device=first.device)
         self.flags = self.buffer[offset:]
@@ -50,17 +56,29 @@ class _Pack:
         self.stale = False
 
     def slot(self, i: int) -> torch.Tensor:
-        p = self.params[i]
+        p = _local(self.params[i])
         return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
 
     def fill(self, i: int) -> None:
-        grad = self.params[i].grad
+        p = self.params[i]
+        grad = p.grad
         if grad is None:
             self.slot(i).zero_()
             self.flags[i] = 0
         else:
+            if isinstance(grad, DTensor):
+                if grad.placements != p.placements:
+                    grad = grad.redistribute(p.device_mesh, p.placements)
+                grad = grad.to_local()
             self.slot(i).copy_(grad)
             self.flags[i] = 1
+
+    def result(self, i: int) -> torch.Tensor:
+        """The sum in slot ``i``, as the parameter's gradient."""
+        p = self.params[i]
+        if isinstance(p, DTensor):
+            return DTensor.from_local(self.slot(i).clone(), p.device_mesh, p.placements, run_check=False)
+        return self.slot(i)
 
 
 class GradientPacks:
@@ -79,7 +97,7 @@ class GradientPacks:
                 self._add_pack(current)
                 current, size = [], 0
             current.append(p)  # like DDP: a pack closes once it reaches its size, not before
-            size += p.numel() * p.element_size()
+            size += _local(p).numel() * p.element_size()
             if size >= (first_cap if not self.packs else cap):
                 self._add_pack(current)
                 current, size = [], 0
@@ -139,6 +157,14 @@ class GradientPacks:
                     if present[i] != 0:
                         # the sum becomes the gradient: a view of the pack, no copy back. The next
                         # backward sets it aside (a copy: the pack is refilled) or finds it None.
-                        p.grad = pack.slot(i)
+                        p.grad = pack.result(i)
                 pack.work, pack.filled, pack.stale = None, 0, False
         self._next_launch = 0
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``tensor`` (a DTensor's local shard), outside autograd."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()

@@ -2,10 +2,9 @@
 
 Under ``sharding="gradients"`` (ZeRO-2) a worker holds its range of the summed gradients,
 under ``sharding="parameters"`` (ZeRO-3) its shard of each, under tensor parallelism its
-shards along the model axis, under pipeline parallelism its own stages' gradients; and with
-a data axis (tensor or pipeline parallelism) each process's gradient is its data group's part
-until the step sums it. ``torch.nn.utils.clip_grad_norm_`` over such parameters measures one
-process's part. This module makes it measure the whole.
+shards along the model axis, under pipeline parallelism its own stages' gradients (summed over
+a data axis when backward ended). ``torch.nn.utils.clip_grad_norm_`` over such parameters
+measures one process's part. This module makes it measure the whole.
 
 While a placement that holds gradients apart exists (it, or under ZeRO-2 the mirrored
 placement's update rule, calls :func:`register`), torch's
@@ -18,8 +17,8 @@ functions, unchanged. Over a placement's parameters, ``clip_grad_norm_``:
 
 1. asks the placement for each gradient's parts on this process (:class:`GradientParts`);
    the placement first makes the gradients whole where they are only summed at the step
-   (ZeRO-2: the packs are finished now and this worker's range of the sum is kept for the
-   step; a data axis: the sum over it is done now, and the step does not repeat it);
+   (ZeRO-2 over workers: the packs are finished now and this worker's range of the sum is kept
+   for the step);
 2. measures the parts this process counts (each element of a whole gradient is counted on
    exactly one process) with torch's own norm, and sums their p-th power (inf-norm: takes
    the max) over the processes the parts are spread on;

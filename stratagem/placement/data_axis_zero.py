@@ -8,12 +8,16 @@ cut into one contiguous range per data rank. Data rank ``r`` keeps the optimizer
 hyperparameters at every step) and updates only that range; the ranges are then all-gathered
 over the data axis, so every process again holds its stages whole.
 
-- ``"optimizer"`` (ZeRO-1): the gradients are summed over the data axis first (all-reduce), as
-  without sharding; each range's update reads its slice of the sum.
-- ``"gradients"`` (ZeRO-2): the gradients are reduce-scattered instead: each data rank receives
-  the sum of its range only, and ``.grad`` is dropped. A pipeline accumulates every micro-batch's
-  gradient before the step, so each process holds its stages' whole (unsummed) gradient until
-  then: stage 2 saves the summed copy and half the all-reduce, not the local gradient.
+- ``"optimizer"`` (ZeRO-1): the gradients are summed over the data axis when the schedule ends
+  (all-reduce, :mod:`~stratagem.placement.gradient_sync`), as without sharding; each range's
+  update reads its slice of the sum.
+- ``"gradients"`` (ZeRO-2): the gradients are reduce-scattered instead when the schedule ends
+  (:meth:`DataAxisZero.reduce`): each data rank receives the sum of its range only, added to the
+  range kept since the last step (several ``forward_backward`` calls accumulate), and ``.grad``
+  is dropped (None until the step, as under ``MultiWorkerMirroredStrategy(sharding="gradients")``).
+  A pipeline accumulates every micro-batch's gradient before that, so each process holds its
+  stages' whole (unsummed) gradient until the schedule ends: stage 2 saves the summed copy and
+  half the all-reduce, not the local gradient.
 
 The optimizer's state dict reads as one optimizer's over the whole model: the ranges are
 gathered over the data axis, a shard's state made whole over the model axis (both
@@ -119,10 +123,10 @@ class DataAxisZero:
         if self.stage == "gradients":
             if self.summed is not None and any(p.grad is not None for _, _, p in self.entries):
                 raise InvalidArgumentError(
-                    "gradients were reduce-scattered over the data axis by clip_grad_norm_/clip_grad_value_ "
-                    "(sharding='gradients') and then accumulated into by another forward_backward before "
-                    "optimizer.step(); clip after the step's last forward_backward (or call "
-                    "optimizer.zero_grad() before a new one)")
+                    "gradients were accumulated into .grad (under strategy.no_sync(), or set by hand) after "
+                    "this step's gradients were reduce-scattered over the data axis (sharding='gradients'); "
+                    "run the step's last forward_backward outside no_sync (or call optimizer.zero_grad() "
+                    "before a new step)")
             shard, exists = self.reduced()
             self.summed = None
             lo = self.bounds[self.rank]
@@ -148,10 +152,15 @@ class DataAxisZero:
 
     def reduced(self) -> tuple[torch.Tensor, list[bool]]:
         """Stage 2: this data rank's range of the gradients summed over the data axis, and which
-        parameters have a gradient on some data rank (a collective, once per step: kept until the
-        step uses it); ``.grad`` is dropped."""
-        if self.summed is not None:
-            return self.summed
+        parameters have a gradient on some data rank (reduced now if no schedule did: a collective)."""
+        if self.summed is None:
+            self.reduce()
+        return self.summed
+
+    def reduce(self) -> None:
+        """Stage 2, when a step's schedule ends (every data rank): the gradients in ``.grad``
+        reduce-scattered over the data axis, this data rank's range of the sum added to the one kept
+        since the last step; ``.grad`` is dropped."""
         group = self.data.group
         present = torch.tensor([p.grad is not None for _, _, p in self.entries], dtype=torch.int32)
         if self.data.num_workers > 1:
@@ -175,12 +184,15 @@ class DataAxisZero:
             shard = out[:self.bounds[self.rank + 1] - self.bounds[self.rank]].to(flat.device)
         for _, _, p in self.entries:
             p.grad = None   # the sum lives in the ranges now
+        if self.summed is not None:   # an earlier forward_backward of the step: accumulate
+            kept, known = self.summed
+            shard = kept.add_(shard)
+            exists = [a or b for a, b in zip(known, exists)]
         self.summed = (shard, exists)
-        return self.summed
 
     def parts(self, params: list[torch.Tensor], counts: Callable[[torch.Tensor], bool]) -> clipping.GradientParts:
         """Clipping under stage 2: the pieces of this range of the summed gradients that belong to
-        ``params`` (reduce-scattered now, kept for the step); ``counts(parameter)``: whether this
+        ``params`` (scaled in place, kept for the step); ``counts(parameter)``: whether this
         process counts its shard (not replicated along the model axis, or model rank 0)."""
         shard, exists = self.reduced()
         chosen = {id(p) for p in params}

@@ -1,7 +1,9 @@
 """The gradient contract: when ``backward()`` returns, ``.grad`` is the whole global batch's.
 
 DistributedDataParallel's promise, kept for every synchronous placement (mirrored, central
-storage, ZeRO stage 1): code between ``loss.backward()`` and ``optimizer.step()`` --
+storage, ZeRO stage 1, and the data axis of the mesh strategies: tensor parallel, pipeline, with
+:class:`~stratagem.placement.roots.DataAxis` as the collective): code between
+``loss.backward()`` (or a pipeline's ``forward_backward``) and ``optimizer.step()`` --
 ``clip_grad_norm_``, gradient logging, ``GradScaler.unscale_`` and its inf check -- sees on
 every replica the gradient plain single-device PyTorch would hold.
 
@@ -29,6 +31,12 @@ A backward pass inside ``run`` touches one replica's tensors and runs on that re
 thread: the replicas meet in the collective at its end. A backward outside ``run`` (through
 ``strategy.reduce`` of the replicas' losses) reaches every replica's tensors in one pass: its
 end sums them on the calling thread.
+
+A pipeline schedule runs a backward pass per micro-batch, and torch's zero-bubble schedules
+accumulate weight gradients into ``.grad`` by hand, where no hook sees them: the pipeline
+places no hooks and runs its schedule in :meth:`GradientSync.accumulating` instead, which
+sets the global parts aside first and sums the new contributions once, when the schedule
+ends (its micro-batches accumulate as under ``no_sync``; one exchange per step).
 """
 
 from __future__ import annotations
@@ -64,9 +72,9 @@ class _Backward:
 class GradientSync:
     """Sums the gradients of one placement's parameters over all replicas when backward ends."""
 
-    def __init__(self, placement: Any):
-        self._placement = placement
-        self._collective = placement.collective
+    def __init__(self, placement: Any, collective: Any = None):
+        self._placement = placement   # its requires_sync(): DDP's attribute on the models
+        self._collective = placement.collective if collective is None else collective
         self._version = -1
         #: per local replica, the tensors it computes with (one per logical parameter, in order)
         self._replicas: list[list[torch.Tensor]] = []
@@ -82,8 +90,9 @@ class GradientSync:
 
     # ------------------------------------------------------------ the tensors
 
-    def update(self, version: int, replicas: list[list[torch.Tensor]]) -> None:
-        """The placement's parameters changed (``version``): hook the tensors of ``replicas``."""
+    def update(self, version: Any, replicas: list[list[torch.Tensor]], *, hooked: bool = True) -> None:
+        """The placement's parameters changed (``version``): hook the tensors of ``replicas``
+        (``hooked=False``: only know them, for :meth:`accumulating`)."""
         if version == self._version:
             return
         self.close()
@@ -94,7 +103,7 @@ class GradientSync:
         for r, tensors in enumerate(replicas):
             for i, p in enumerate(tensors):
                 self._where[id(p)] = (r, i)
-                if not p.requires_grad:
+                if not hooked or not p.requires_grad:
                     continue
                 with torch.inference_mode(False), torch.enable_grad():   # placed under no_grad (inference) too
                     accumulator = p.view_as(p).grad_fn.next_functions[0][0]
@@ -174,9 +183,40 @@ class GradientSync:
 
     # --------------------------------------------------------- end of backward
 
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Around code that accumulates into the ``.grad`` of the (one replica's) tensors where no
+        hook sees it (a pipeline schedule): it acts as one backward pass. On entry each global part
+        (a sum from an earlier pass of the step) is set aside; when the code returns, what was
+        accumulated since the last sum is summed, once (kept as this process's own under
+        ``no_sync``), and the global parts are added back. Every process of the axis calls it."""
+        (params,) = self._replicas
+        local, aside = self._local[0], self._set_aside[0]
+        for i, p in enumerate(params):
+            grad = p.grad
+            if grad is not None and grad is not local.get(i):
+                aside[i] = grad.clone() if grad._base is not None else grad   # (a view of a pack: refilled)
+                p.grad = None
+        try:
+            yield
+        except BaseException:
+            for i in list(aside):   # (what a failed schedule accumulated is dropped)
+                params[i].grad = aside.pop(i)
+            raise
+        task = _Backward(self.syncing(0))
+        task.replicas.add(0)
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                task.accumulated.add((0, i))
+            elif i in aside:   # no new contribution: its global part stays as it was
+                p.grad = aside.pop(i)
+        self._finish(task)
+
     @_eager
     def _backward_done(self, key: int) -> None:
-        task = self._tasks.pop(key)
+        self._finish(self._tasks.pop(key))
+
+    def _finish(self, task: _Backward) -> None:
         if not task.accumulated:
             return
         with label("stratagem.gradients.sync"):

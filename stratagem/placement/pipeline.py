@@ -15,11 +15,20 @@ On a 3-D mesh (a ``model`` axis, or ``sharding=`` over the data axis), each proc
 are then split by the tensor-parallel plan and sharded over data
 (:class:`~stratagem.placement.pipeline_mesh.MeshStages`): an ``nn.Sequential`` only.
 
+Gradients: when ``forward_backward`` returns, each process's ``.grad`` holds the global batch's
+gradient of its stages' parameters (shards), as ``backward()`` does under the data-parallel
+strategies. The schedule's micro-batches accumulate this process's own part; when the schedule
+ends, :meth:`PipelinePlacement.summing_gradients` sums it over the data axis, once per
+``forward_backward`` (:class:`~stratagem.placement.gradient_sync.GradientSync`, which keeps the
+accumulation over several calls exact; ``strategy.no_sync()`` or DDP's
+``require_backward_grad_sync = False`` skip the sum, the next call outside sums everything).
+Under ``sharding="gradients"`` the gradients are reduce-scattered into each data rank's range
+instead and ``.grad`` is None; under ``"parameters"`` FSDP2 sums them during the backward.
+
 Optimizers created in scope update only this process's parameters
 (:mod:`stratagem.placement.pipeline_optimizers`): their parameter groups still list every
-parameter of the model, those of other stages as meta placeholders; ``step`` sums this
-process's gradients over the data axis first (or ZeRO does its share), and
-``clip_grad_norm_`` clips by the norm of the whole model's gradients.
+parameter of the model, those of other stages as meta placeholders; ``clip_grad_norm_`` clips
+by the norm of the whole model's gradients.
 
 State: a split model's ``state_dict()`` and its optimizer's read as the whole logical
 model on every process (the pipe axis gathers the stages: a collective, so every process
@@ -43,7 +52,8 @@ from torch import nn
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
-from stratagem.placement.roots import RootsPlacement
+from stratagem.placement.gradient_sync import GradientSync
+from stratagem.placement.roots import DataAxis, RootsPlacement
 from stratagem.placement.hooks import placement_of
 from stratagem.placement.pipeline_balance import balance_layout
 from stratagem.placement.pipeline_mesh import MeshStages
@@ -95,6 +105,8 @@ class PipelinePlacement(RootsPlacement):
         self.mesh = mesh                 # the model axis (tensor parallelism) and ZeRO over data, if any
         self.sharding = None if mesh is None else mesh.sharding
         self.optimizers = StageOptimizers(pipe=pipe, data=data, everyone=everyone, mesh=mesh)
+        self._gradients: dict[int, GradientSync] = {}   # id(model) -> its sum over the data axis
+        self._unsynced = 0   # inside strategy.no_sync()
         self._start_roots()
         self.models: dict[int, SplitModel] = {}   # id(model) -> its split
         self._hooks: dict[int, list[int]] = {}     # id(traced model) -> its forward pre-hooks set here
@@ -232,6 +244,43 @@ class PipelinePlacement(RootsPlacement):
                 split = self.models[id(model)]
         return split
 
+    # -------------------------------------------------------------- gradients
+
+    @contextlib.contextmanager
+    def summing_gradients(self, model: nn.Module) -> Iterator[None]:
+        """Around a step's schedule for ``model`` (every process): what its micro-batches accumulate
+        is summed over the data axis when it ends (ZeRO-2: reduce-scattered into the ranges), unless
+        in ``no_sync``; a sum from an earlier call of the step is set aside and added back."""
+        if self.data.num_workers == 1 or self.sharding == "parameters":   # (FSDP2 sums in backward)
+            yield
+            return
+        own = [p for p in model.parameters() if not p.is_meta]
+        zeros = self.optimizers.reduce_scattered(own)
+        scattered = {id(p) for zero in zeros for _, _, p in zero.entries}
+        params = [p for p in own if id(p) not in scattered]
+        sync = self._gradients.get(id(model))
+        if sync is None:
+            sync = self._gradients[id(model)] = DataAxis.gradient_sync(self, self.data)
+        sync.update(tuple(id(p) for p in params), [params], hooked=False)
+        with sync.accumulating():
+            yield
+        if zeros and self.requires_sync():
+            for zero in zeros:
+                zero.reduce()
+
+    def requires_sync(self) -> bool:
+        """False inside ``strategy.no_sync()``, or while a user set DistributedDataParallel's
+        ``require_backward_grad_sync = False`` on a model created in scope."""
+        return not self._unsynced and all(m.__dict__.get("require_backward_grad_sync", True) for m in self._placed)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self._unsynced += 1
+        try:
+            yield
+        finally:
+            self._unsynced -= 1
+
     # ----------------------------------------------------------- optimizers
     # (stratagem.placement.pipeline_optimizers; the modules are placed before each call needs them)
 
@@ -243,6 +292,9 @@ class PipelinePlacement(RootsPlacement):
         return self.optimizers.step(optimizer, closure)
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for sync in self._gradients.values():
+            sync.forget(params)
         self.optimizers.zero_grad(optimizer, set_to_none)
 
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:

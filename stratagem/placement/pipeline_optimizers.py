@@ -7,17 +7,18 @@ every parameter of the model in its parameter groups, those of the stages held e
 ``meta`` placeholders (no gradient, no state, no update), so that its state dict numbers
 parameters as a plain optimizer over the whole model does. ``step``:
 
-- sums this process's gradients over the data axis (each data group's loss is already weighted
-  by its share of the global batch) and runs the user's update over this process's parameters
-  (their tensor-parallel shards included: torch's own update over DTensors);
+- runs the user's update over this process's parameters (their tensor-parallel shards included:
+  torch's own update over DTensors), whose gradients were summed over the data axis when the
+  schedule ended (:meth:`~stratagem.placement.pipeline.PipelinePlacement.summing_gradients`;
+  each data group's loss is already weighted by its share of the global batch);
 - ``sharding="optimizer"`` / ``"gradients"``: the update is cut in ranges over the data axis
-  (:mod:`stratagem.placement.data_axis_zero`);
+  (:mod:`stratagem.placement.data_axis_zero`; under ``"gradients"`` the schedule's end
+  reduce-scattered the gradients into those ranges);
 - ``sharding="parameters"``: FSDP2 summed the gradients during the schedule's backward; the
   update is torch's over this process's shards.
 
 ``clip_grad_norm_`` over the model's parameters measures the whole model's gradients
-(:mod:`stratagem.placement.clipping`): the sum over the data axis (or, with ZeRO-2, its
-reduce-scatter) is done then, and the step does not repeat it.
+(:mod:`stratagem.placement.clipping`).
 
 State dicts read as one optimizer's over the whole model: shards made whole over the model
 (and, under ZeRO, data) axis, then each stage's entries gathered over the pipe axis; every
@@ -37,7 +38,6 @@ from stratagem.placement.data_axis_zero import DataAxisZero
 from stratagem.comm.collective import Collective
 from stratagem.placement.hooks import adopt, base_of, run_hooks, step_hooks, unhooked_step
 from stratagem.placement.pipeline_mesh import MeshStages, full_value
-from stratagem.placement.roots import DataAxisSum
 from stratagem.placement.tensor_parallel import _like
 
 
@@ -48,7 +48,6 @@ class StageOptimizers:
         self.pipe, self.data, self.everyone = pipe, data, everyone
         self.mesh = mesh
         self.sharding = None if mesh is None else mesh.sharding
-        self.data_sum = DataAxisSum(data)
         self.replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # parameters the mesh replaced
         self.refs: list[weakref.ref] = []   # the optimizers (a traced model's first trace trims them)
         # optimizer -> its ranges over the data axis (sharding="optimizer"/"gradients"), built at first use
@@ -83,8 +82,6 @@ class StageOptimizers:
                 f"{', where no whole gradient exists for a step pre-hook' if closure is None else ''}: "
                 f"{'remove the step pre-hook' if closure is None else 'call optimizer.step() without a closure'}, "
                 f"or use sharding=None")
-        if self.sharding in (None, "optimizer"):
-            self.data_sum.before_step([p for params in own for p in params])
         run_hooks(pre, optimizer)
         if zero is not None:
             zero.step()
@@ -101,18 +98,16 @@ class StageOptimizers:
         return result
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        self.data_sum.forget([p for group in optimizer.param_groups for p in group["params"]])
         zero = self._zeros.get(optimizer)
         if zero is not None:
             zero.discard()
         base_of(optimizer).zero_grad(optimizer, set_to_none)
 
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
-        """Clipping: this process's parts of the whole gradients, summed over the data axis now (not
-        again in the step), each counted on one process of the mesh."""
+        """Clipping: this process's parts of the whole gradients (summed over the data axis when the
+        schedule ended), each counted on one process of the mesh."""
         own = [p for p in params if not p.is_meta]
-        if self.mesh is None:   # a pipe axis only: the stages' gradients, summed over data now
-            self.data_sum.now(own)
+        if self.mesh is None:   # a pipe axis only: the stages' gradients, the same on every data rank
             grads = [p.grad for p in own if p.grad is not None]
             return clipping.GradientParts(grads, grads, self.pipe.group)
         if self.sharding == "parameters":   # summed over data by FSDP during backward: shards
@@ -125,9 +120,13 @@ class StageOptimizers:
                 counted += part.counted
                 held = {id(p) for _, _, p in zero.entries}
                 own = [p for p in own if id(p) not in held]
-        self.data_sum.now(own)
         rest = self.mesh.parts(own, summed_over_data=True)
         return clipping.GradientParts(tensors + rest.tensors, counted + rest.counted, self.everyone.group)
+
+    def reduce_scattered(self, params: list[torch.Tensor]) -> list[DataAxisZero]:
+        """Under ``sharding="gradients"``: the ranges of the optimizers that hold some of ``params``
+        (their gradients are reduce-scattered into them when a schedule ends); else none."""
+        return self._zeros_holding(params) if self.sharding == "gradients" else []
 
     def _zeros_holding(self, params: list[torch.Tensor]) -> list[DataAxisZero]:
         ids = {id(p) for p in params}

@@ -7,22 +7,23 @@ returns the root modules among them -- those that no other pending or placed mod
 holds, with parameters -- moved to this process's device, after every process checked
 that all built the same modules and took the chief's initial values (so that every
 process, and every data-parallel group, starts alike).
+
+:class:`DataAxis` is a mesh's data axis as the collective of the gradient sync
+(:mod:`stratagem.placement.gradient_sync`), which those placements use to sum gradients over
+it when backward ends.
 """
 
 from __future__ import annotations
 
-import functools
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from stratagem.comm.collective import Collective
-from stratagem.errors import InvalidArgumentError
 from stratagem.placement import sync_batch_norm
 from stratagem.placement.base import Placement
+from stratagem.placement.gradient_sync import GradientSync
 
 
 class RootsPlacement(Placement):
@@ -73,75 +74,57 @@ class RootsPlacement(Placement):
         self._pending = [m for m in self._pending if id(m) not in ids]
 
 
-def sum_gradients_over(axis: Collective, params: list[torch.Tensor]) -> None:
-    """Sum the gradients of ``params`` over ``axis`` in place: one all-reduce per dtype, zeros
-    where a peer has a gradient and this process none; a DTensor gradient's local shard is summed."""
-    if not params or axis.num_workers == 1:   # (no parameters here: none on the axis peers either)
-        return
-    group = axis.group
-    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-    group.all_reduce(present, "optimizer.step (which gradients exist on the data axis)")
-    for p, count in zip(params, present.tolist()):
-        if count and p.grad is None:
-            p.grad = torch.zeros_like(p)
-    with torch.no_grad():   # to_local() is then the shard's own memory: summed in place
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
-        for dtype in dict.fromkeys(g.dtype for g in grads):
-            same = [g for g in grads if g.dtype == dtype]
-            flat = group.all_reduce(torch.cat([g.reshape(-1) for g in same]),
-                                    "optimizer.step (gradients over the data axis)")
-            for g, part in zip(same, flat.split([g.numel() for g in same])):
-                g.copy_(part.view_as(g))
+class DataAxis:
+    """A mesh's data axis as the collective of a
+    :class:`~stratagem.placement.gradient_sync.GradientSync`: one replica per process, whose
+    gradients (a DTensor gradient's local shard) are summed over the axis in packs that leave
+    while backward still runs (:mod:`stratagem.comm.gradients`, as across the workers of
+    ``MultiWorkerMirroredStrategy``), finished when it ends. So under tensor and pipeline
+    parallelism, too, ``.grad`` holds the global batch's gradient when ``backward()``
+    (``forward_backward``) returns, and ``optimizer.step()`` sums nothing.
 
+    Example::
 
-class DataAxisSum:
-    """The sum of gradients over the data axis, once per step: in ``optimizer.step()``, or earlier
-    when clipping needs the whole gradients (:meth:`now`), which the step then leaves as they are.
+        import torch
+        from stratagem.placement.roots import DataAxis
 
-    A gradient summed early and then accumulated into by another backward before the step
-    would need only the new part summed: the step refuses it instead. A hook on each parameter
-    summed early sees each new gradient arrive: onto a ``.grad`` still there (refused at the
-    step), or onto none (``zero_grad`` dropped the sum: a fresh gradient, summed in the step).
+        class Alone:   # a data axis of one process: nothing to sum
+            num_workers = 1
+
+        axis = DataAxis(Alone())
+        p = torch.nn.Parameter(torch.ones(2))
+        p.grad = torch.full((2,), 3.0)
+        axis.sum_over_workers([p])
+        assert p.grad.tolist() == [3.0, 3.0] and not axis.overlaps_backward
+        assert DataAxis.gradient_sync(object(), Alone()) is None
     """
+
+    num_local = 1
 
     def __init__(self, axis: Collective):
         self.axis = axis
-        self._hooks: dict[int, Any] = {}   # id(parameter summed early) -> its hook's handle
-        self._mixed: set[int] = set()
+        self.num_workers = axis.num_workers
 
-    def now(self, params: list[torch.Tensor]) -> None:
-        """Sum those of ``params`` not summed yet this step (a collective over the data axis)."""
-        if self.axis.num_workers == 1:
-            return
-        fresh = [p for p in params if id(p) not in self._hooks]
-        sum_gradients_over(self.axis, fresh)
-        for p in fresh:
-            self._hooks[id(p)] = p.register_hook(functools.partial(self._arriving, weakref.ref(p)))
+    @classmethod
+    def gradient_sync(cls, placement: Any, axis: Collective) -> GradientSync | None:
+        """The gradient sync of ``placement`` over ``axis`` (None: an axis of one process, nothing to sum)."""
+        if axis.num_workers == 1:
+            return None
+        sync = GradientSync(placement, cls(axis))
+        sync.in_run = True   # every backward here is this process's one replica's: its packs leave early
+        return sync
 
-    def _arriving(self, ref: Any, grad: torch.Tensor) -> None:
-        param = ref()   # (before the new gradient is added to param.grad)
-        if param is not None and id(param) in self._hooks:
-            if param.grad is not None:
-                self._mixed.add(id(param))
-            else:
-                self.forget([param])
+    @property
+    def overlaps_backward(self) -> bool:
+        return self.num_workers > 1
 
-    def before_step(self, params: list[torch.Tensor]) -> None:
-        """Sum what clipping did not (a collective); then forget this step's sums."""
-        mixed = [p for p in params if id(p) in self._mixed]
-        if mixed:
-            raise InvalidArgumentError(
-                f"{len(mixed)} gradient(s) (shapes {[tuple(p.shape) for p in mixed[:4]]}) were summed over the "
-                f"data axis by clip_grad_norm_/clip_grad_value_ and then accumulated into by another backward "
-                f"before optimizer.step(); clip after the last backward of the step (or call "
-                f"optimizer.zero_grad() before a new one)")
-        sum_gradients_over(self.axis, [p for p in params if id(p) not in self._hooks])
-        self.forget(params)
+    def gradient_packs(self, params: list[torch.Tensor]) -> Any:
+        return self.axis.gradient_packs(params) if self.num_workers > 1 else None
 
-    def forget(self, params: list[torch.Tensor]) -> None:
-        """Drop what is known about ``params``' sums (after the step, or ``zero_grad``)."""
-        for p in params:
-            handle = self._hooks.pop(id(p), None)
-            if handle is not None:
-                handle.remove()
-            self._mixed.discard(id(p))
+    def sum_gradients(self, local_id: int, params: list[torch.Tensor]) -> None:
+        self.sum_over_workers(params)
+
+    def sum_over_workers(self, params: list[torch.Tensor]) -> None:
+        packs = self.gradient_packs(params)
+        if packs is not None:
+            packs.finish()

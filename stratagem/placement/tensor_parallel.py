@@ -13,12 +13,14 @@ Embedding's style must take the token ids whole), whose sharded dimension divide
 model-axis size -- after the processes agreed that they built the same modules, so that a
 wrong plan raises the same InvalidArgumentError on every process.
 
-Optimizers created in scope keep torch's own update over the DTensor parameters; their
-``step`` first sums each gradient's local shard over the data axis (one all-reduce per
-dtype), as the data-parallel strategies sum over replicas. ``clip_grad_norm_`` over the
-model's parameters does that sum earlier (the step then skips it) and clips by the norm of
-the whole gradients, the shards measured on every process of the model axis
-(:mod:`stratagem.placement.clipping`).
+Gradients: when ``backward()`` returns, each process's ``.grad`` holds the global batch's
+gradient of the parameters (DTensor shards) it holds, as under the data-parallel strategies:
+the gradient sync of :mod:`stratagem.placement.gradient_sync` sums each gradient's local shard
+over the data axis (:class:`~.roots.DataAxis`: in packs that leave while backward runs);
+``strategy.no_sync()`` and DDP's ``require_backward_grad_sync`` skip that sum as there.
+Optimizers created in scope keep torch's own update over the DTensor parameters.
+``clip_grad_norm_`` over the model's parameters clips by the norm of the whole gradients, the
+shards measured on every process of the model axis (:mod:`stratagem.placement.clipping`).
 
 State: a placed module's ``state_dict()`` holds full tensors (``DTensor.full_tensor``,
 a collective over the model axis: every process calls it), and ``load_state_dict``
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import weakref
 from typing import Any, Iterator
 
@@ -46,7 +49,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
-from stratagem.placement.roots import DataAxisSum, RootsPlacement
+from stratagem.placement.roots import DataAxis, RootsPlacement
 from stratagem.placement.hooks import adopt, base_of, placement_of, run_hooks, step_hooks, unhooked_step
 
 #: plan style names and the torch ParallelStyle each stands for
@@ -108,7 +111,8 @@ class TensorParallelPlacement(RootsPlacement):
         self.plan = check_plan(plan)
         self.data = data           # the data axis (this process's data-parallel peers)
         self.model = model         # the model axis (this process's model group: the shards of its gradients)
-        self._data_sum = DataAxisSum(data)
+        #: sums the gradients over the data axis when backward ends (None: a data axis of one)
+        self.gradients = DataAxis.gradient_sync(self, data)
         self.everyone = everyone   # every process (start-up agreement)
         self._start_roots()
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -142,6 +146,26 @@ class TensorParallelPlacement(RootsPlacement):
                 if any(isinstance(t, DTensor) for t in module.parameters(recurse=False)):
                     module.register_state_dict_post_hook(_full_state)
                     module.register_load_state_dict_pre_hook(_sharded_state)
+            if self.gradients is not None:   # (a parameter frozen or unfrozen since: hooked again)
+                root.register_forward_pre_hook(functools.partial(_rehook, weakref.ref(self)))
+        self._hook_gradients()
+
+    # -------------------------------------------------------------- gradients
+
+    def _hook_gradients(self) -> None:
+        """Give the gradient sync the parameters of the placed models that require grad."""
+        if self.gradients is None:
+            return
+        params = list({id(p): p for root in self._placed for p in root.parameters()}.values())
+        self.gradients.update(tuple((id(p), p.requires_grad) for p in params), [params])
+
+    def requires_sync(self) -> bool:
+        """False while a user set DistributedDataParallel's ``require_backward_grad_sync = False``
+        on a model created in scope (nanoGPT's accumulation idiom)."""
+        return all(m.__dict__.get("require_backward_grad_sync", True) for m in self._placed)
+
+    def no_sync(self) -> Any:
+        return contextlib.nullcontext() if self.gradients is None else self.gradients.no_sync(None)
 
     def _resolve(self, roots: list[nn.Module]) -> list[dict[str, ParallelStyle]]:
         """For each root, {module name: torch style}; every plan entry names a module of some root."""
@@ -208,7 +232,6 @@ class TensorParallelPlacement(RootsPlacement):
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
         self.finalize()
-        self._data_sum.before_step([p for g in optimizer.param_groups for p in g["params"]])
         pre, post = step_hooks(optimizer)
         run_hooks(pre, optimizer)
         result = unhooked_step(base_of(optimizer))(optimizer, closure)
@@ -216,13 +239,13 @@ class TensorParallelPlacement(RootsPlacement):
         return result
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        self._data_sum.forget([p for g in optimizer.param_groups for p in g["params"]])
+        if self.gradients is not None:
+            self.gradients.forget([p for g in optimizer.param_groups for p in g["params"]])
         base_of(optimizer).zero_grad(optimizer, set_to_none)
 
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
-        """Clipping: the gradients summed over the data axis now (not again in the step); each
-        process's shards along the model axis (replicated gradients count once)."""
-        self._data_sum.now(params)
+        """Clipping: each process's shards of the gradients (summed over the data axis when backward
+        ended) along the model axis (replicated gradients count once)."""
         return clipping.shard_parts(params, self.model.group)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
@@ -239,6 +262,12 @@ class TensorParallelPlacement(RootsPlacement):
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
         base_of(optimizer).add_param_group(optimizer, param_group)
+
+
+def _rehook(placement_ref: Any, module: nn.Module, args: Any) -> None:
+    placement = placement_ref()   # (weakly: the model does not keep its strategy alive)
+    if placement is not None:
+        placement._hook_gradients()
 
 
 def torch_style(style: Any, module: nn.Module) -> ParallelStyle:

@@ -8,7 +8,8 @@ created in scope is cut into stages (:mod:`stratagem.placement.pipeline`), each 
 keeping only its own; a step runs one of torch's pipeline schedules over micro-batches
 (:mod:`stratagem.placement.pipeline_schedule`). Along the data axis, each group of
 ``pipe`` processes is one data-parallel replica: it gets its own slice of each global
-batch, and gradients are summed over the data axis before every update (or ZeRO shards
+batch, and gradients are summed over the data axis when the step's schedule ends, so that
+``.grad`` holds the global batch's gradient when ``forward_backward`` returns (or ZeRO shards
 the update, the gradients or the parameters over it). Along the model axis, the layers of
 each stage named by a tensor-parallel plan are split with ``parallelize_module``
 (:mod:`stratagem.placement.pipeline_mesh`).
@@ -180,7 +181,9 @@ class PipelineStrategy(MeshStrategy):
         ``loss_fn(output)`` without a target) returns the mean loss of the micro-batch it
         is given; gradients accumulate in the ``.grad`` of this process's parameters
         exactly as ``loss_fn(model(inputs), target).backward()`` over the whole global batch
-        would put them (micro-batches weighted by their rows; any batch size). Returns,
+        would put them (micro-batches weighted by their rows; any batch size; summed over the
+        data axis when the schedule ends, unless in ``strategy.no_sync()``; under
+        ``sharding="gradients"`` the sum goes to each data rank's range and ``.grad`` is None). Returns,
         on every process, this data group's share of that mean loss: reduce it with
         ``strategy.reduce("sum", loss, axis=None)`` (with one data group, it is the loss).
         Call it in ``strategy.run`` (or outside), on every process, at the same step.
@@ -210,7 +213,8 @@ class PipelineStrategy(MeshStrategy):
                 device=device, same_shape_over_data=self._sharding == "parameters")
         if isinstance(target, torch.Tensor):
             target = target.to(device)
-        return runner.step(inputs, target, loss_fn, return_outputs=return_outputs)
+        with self._placement.summing_gradients(model):   # .grad: the global batch's when it returns
+            return runner.step(inputs, target, loss_fn, return_outputs=return_outputs)
 
     def predict(self, model: Any, inputs: Any) -> Any:
         """The output of ``model`` for the batch ``inputs``, on every process of the pipeline.

@@ -5,7 +5,8 @@ rank ``r // model`` and model rank ``r % model``. Along the model axis, the laye
 by the plan are split with torch's ``parallelize_module`` (their parameters become
 DTensors; see :mod:`stratagem.placement.tensor_parallel`); along the data axis, each
 group of ``model`` processes is one data-parallel replica: it gets its own slice of each
-global batch, and gradients are summed over the data axis before every update.
+global batch, and gradients are summed over the data axis when backward ends (``.grad`` then
+holds the global batch's gradient, as under the data-parallel strategies).
 
 So ``num_replicas_in_sync`` is the data-parallel degree ``data``; ``strategy.reduce``
 and the input pipeline work over the data axis (the processes of one model group hold

@@ -21,7 +21,6 @@ from torch import nn
 import stratagem as sg
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
-from stratagem.placement.roots import DataAxisSum
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -160,31 +159,3 @@ def _holders(obj: object) -> str:
         outer = [type(h).__name__ for h in gc.get_referrers(holder) if not isinstance(h, types.FrameType)][:6]
         lines.append(f"{type(holder).__name__} {repr(holder)[:160]} <- {outer}")
     return "\n".join(lines)
-
-
-class _Axis:
-    """A data axis of two processes whose sum is the identity (DataAxisSum's bookkeeping, alone)."""
-
-    num_workers = 2
-
-    class group:
-        @staticmethod
-        def all_reduce(tensor, what=""):
-            return tensor
-
-
-def test_a_backward_after_an_early_sum_is_refused_unless_the_sum_was_dropped() -> None:
-    model = nn.Linear(3, 1)
-    params = list(model.parameters())
-    sums = DataAxisSum(_Axis())
-    model(torch.ones(2, 3)).sum().backward()
-    sums.now(params)   # (a clip)
-    model(torch.ones(2, 3)).sum().backward()   # onto the summed gradient
-    with pytest.raises(InvalidArgumentError, match="accumulated into by another backward"):
-        sums.before_step(params)
-    sums.forget(params)   # (zero_grad)
-    sums.now(params)
-    model.zero_grad()   # set to None: the next backward's gradient is fresh
-    model(torch.ones(2, 3)).sum().backward()
-    sums.before_step(params)
-    assert not sums._hooks and not sums._mixed

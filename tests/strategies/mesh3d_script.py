@@ -256,7 +256,7 @@ def errors(rank):
 
         def step(x, y):
             strategy.forward_backward(model, x, y)
-            if again:   # clipped, then another forward_backward adds to the reduce-scattered gradients
+            if again:   # clipped, then another forward_backward adds to the reduce-scattered sum
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 strategy.forward_backward(model, x, y)
             optimizer.step()
