@@ -48,6 +48,7 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
 from stratagem.placement.buffers import BufferSync
 from stratagem.placement.roots import RootsPlacement
+from stratagem.placement.unscoped import refuse_optimizer_over
 from stratagem.placement.hooks import adopt, base_of, placement_of, run_hooks, step_hooks, unhooked_step
 # full tensors out of DTensors in state dicts, and back into each process's shards: the same
 # as for tensor parallelism (any DTensor layout)
@@ -184,14 +185,8 @@ class FullyShardedPlacement(RootsPlacement):
         for group in optimizer.param_groups:
             group["params"] = [self._replaced.get(id(p), (p, p))[1] for p in group["params"]]
             outside += [p for p in group["params"] if id(p) not in self._sharded_ids]
-        if outside:
-            shapes = [list(p.shape) for p in outside[:4]]
-            raise InvalidArgumentError(
-                f"{type(optimizer).__name__} was created in the scope of sharding='parameters' over "
-                f"{len(outside)} parameter(s) this strategy did not shard (shapes {shapes}"
-                f"{' ...' if len(outside) > 4 else ''}): they belong to a module created outside the "
-                f"scope, or created without parameters of its own. Create the model inside "
-                f"`with strategy.scope():` (its parameters are then sharded over the workers)")
+        refuse_optimizer_over(optimizer, outside, "sharding='parameters'",
+                              "this strategy did not shard them over the workers")
         adopt(optimizer, self)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:

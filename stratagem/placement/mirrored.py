@@ -47,7 +47,7 @@ from stratagem.placement.hooks import adopt
 from stratagem.placement.mirrored_dict import MirroredDict
 from stratagem.placement.mirrored_update import MirroredUpdate
 from stratagem.placement.step import synchronous_step
-from stratagem.placement.unscoped import unscoped_check
+from stratagem.placement.unscoped import refuse_optimizer_over, unscoped_check
 from stratagem.placement.update_rule import UpdateRule
 
 
@@ -282,17 +282,10 @@ class MirroredPlacement(Placement):
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
         if self.collective.num_replicas > 1:
-            outside = [p for group in optimizer.param_groups for p in group["params"] if not self.holds(p)]
-            if outside:
-                shapes = [list(p.shape) for p in outside[:4]]
-                raise InvalidArgumentError(
-                    f"{type(optimizer).__name__} was created in the scope of {self.strategy!r} over "
-                    f"{len(outside)} parameter(s) (shapes {shapes}{' ...' if len(outside) > 4 else ''}) "
-                    f"that were not created in that scope: they belong to a module created outside the "
-                    f"scope, or were assigned to one after the scope closed, so their initial values are "
-                    f"not agreed between the {self.collective.num_replicas} replicas in sync and their "
-                    f"gradients are not summed. Create the model (and assign every parameter) inside "
-                    f"`with strategy.scope():`, or after `sg.experimental_set_strategy(strategy)`")
+            refuse_optimizer_over(
+                optimizer, [p for group in optimizer.param_groups for p in group["params"] if not self.holds(p)],
+                repr(self.strategy), f"their initial values are not agreed between the "
+                f"{self.collective.num_replicas} replicas in sync and their gradients are not summed")
         adopt(optimizer, self)
         self.update.add(optimizer)
 

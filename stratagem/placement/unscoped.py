@@ -40,7 +40,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from stratagem import _context
-from stratagem.errors import ContextError
+from stratagem.errors import ContextError, InvalidArgumentError
 from stratagem.placement.hooks import own_placement, placement_of
 from stratagem.placement.mirrored_dict import MirroredDict
 
@@ -178,6 +178,19 @@ def refuse_unheld(module: nn.Module, placement: Any) -> None:
             f"Create the module (and assign every parameter or submodule) inside "
             f"`with strategy.scope():`, or after `sg.experimental_set_strategy(strategy)`")
     _looked[module] = key
+
+
+def refuse_optimizer_over(optimizer: torch.optim.Optimizer, outside: list, strategy: str, why: str) -> None:
+    """Refuse ``optimizer``, created in the scope of ``strategy`` (its description), if ``outside``
+    lists parameters the strategy did not place; ``why`` says what that would break."""
+    if outside:
+        shapes = [list(p.shape) for p in outside[:4]]
+        raise InvalidArgumentError(
+            f"{type(optimizer).__name__} was created in the scope of {strategy} over {len(outside)} "
+            f"parameter(s) (shapes {shapes}{' ...' if len(outside) > 4 else ''}) that were not created in "
+            f"that scope: they belong to a module created outside the scope, or were assigned to one after "
+            f"the scope closed, so {why}. Create the model (and assign every parameter) inside "
+            f"`with strategy.scope():`, or after `sg.experimental_set_strategy(strategy)`")
 
 
 def _forbid_unscoped_optimizer(optimizer: torch.optim.Optimizer, *args: Any) -> None:
