@@ -210,13 +210,13 @@ class GradientSync:
                 task.accumulated.add((0, i))
             elif i in aside:   # no new contribution: its global part stays as it was
                 p.grad = aside.pop(i)
-        self._finish(task)
+        self._backward_done(None, task)
 
     @_eager
-    def _backward_done(self, key: int) -> None:
-        self._finish(self._tasks.pop(key))
-
-    def _finish(self, task: _Backward) -> None:
+    def _backward_done(self, key: int | None, task: _Backward | None = None) -> None:
+        """A backward pass ended (``key``: its task; or ``task``, the one :meth:`accumulating`
+        made): sum what it accumulated (one frame between the hook and the collective)."""
+        task = self._tasks.pop(key) if task is None else task
         if not task.accumulated:
             return
         with label("stratagem.gradients.sync"):
