@@ -102,16 +102,9 @@ class UnscopedCheck:
                     handle.remove()
 
 
-def _multi_replica_frame() -> Any:
-    frame = _context.current_frame()
-    if frame is None or frame.replica_context is None or frame.strategy.topology.num_local_replicas < 2:
-        return None
-    return frame
-
-
 def _forbid_unscoped(module: nn.Module, args: Any) -> None:
-    frame = _multi_replica_frame()
-    if frame is not None:
+    frame = _context.current_frame()   # (read once: this runs at every module call)
+    if frame is not None and frame.replica_context is not None and frame.strategy.topology.num_local_replicas > 1:
         params = module.__dict__.get("_parameters")
         if params and not isinstance(params, MirroredDict):
             names = ", ".join(repr(name) for name in params)
@@ -123,17 +116,16 @@ def _forbid_unscoped(module: nn.Module, args: Any) -> None:
                 f"`with strategy.scope():`")
     if torch.compiler.is_compiling():
         return   # (traced by torch.compile: the compiled module's own call, eager, looked at its tree)
-    placement = _acting_placement(module)
+    placement = _acting_placement(module, frame)
     if placement is not None:
         refuse_unheld(module, placement)
 
 
-def _acting_placement(module: nn.Module) -> Any:
+def _acting_placement(module: nn.Module, frame: Any) -> Any:
     """The placement whose parameters ``module``'s forward must use here, where several
     replicas are in sync: the strategy's whose replica this thread acts as (inside ``run``, or
     outside it with one replica in this process), else, outside every scope, the one that
-    placed ``module``."""
-    frame = _context.current_frame()
+    placed ``module`` (``frame``: this thread's)."""
     if frame is None or frame.strategy.is_default:
         placement = own_placement(module)
     elif frame.replica_context is not None or frame.strategy.outside_replica_context() is not None:
