@@ -270,7 +270,9 @@ def check(roots: list[Any], strategy: Any, num_replicas: int, global_batch: int 
     strategy's parameters) before anything is raised or warned."""
     judged = [(term, _classify(term, num_replicas, global_batch)) for term in _terms(roots)]
     verdicts = [verdict for _, verdict in judged]
-    if "mismatch" in verdicts and (confirm is None or confirm(roots)):
+    if confirm is not None and any(v in ("mismatch", "trap", "doubt") for v in verdicts) and not confirm(roots):
+        return   # (asked once: a whole-graph walk) the loss does not reach the strategy's parameters
+    if "mismatch" in verdicts:
         term = next(term for term, verdict in judged if verdict == "mismatch")
         how = term.node.metadata.get(_KEY)
         raise InvalidArgumentError(
@@ -280,15 +282,14 @@ def check(roots: list[Any], strategy: Any, num_replicas: int, global_batch: int 
             f"strategy's one replica is in sync), so it trains with the wrong gradient. Compute the loss "
             f"inside `with strategy.scope():` or inside strategy.run, where sg.nn.{how} scales for "
             f"{num_replicas} replicas")
-    if "trap" in verdicts and "good" not in verdicts and all(term.kind != "cut" for term, _ in judged) \
-            and (confirm is None or confirm(roots)):
+    if "trap" in verdicts and "good" not in verdicts and all(term.kind != "cut" for term, _ in judged):
         term = next(term for term, verdict in judged if verdict == "trap")
         raise InvalidArgumentError(
             f"loss.backward() {where} {strategy!r} got a per-replica mean loss: "
             f"{_describe(term)}. {_advice(num_replicas)}")
     mixed = "good" in verdicts
     for term, verdict in judged:
-        if verdict in ("trap", "doubt") and (confirm is None or confirm(roots)):
+        if verdict in ("trap", "doubt"):
             _warn_once(strategy, (
                 f"loss.backward() {where} {strategy!r} got a loss with a term that looks like a "
                 f"per-replica mean not scaled for the global batch: {_describe(term)}"
