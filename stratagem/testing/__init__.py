@@ -34,7 +34,7 @@ from typing import Sequence
 from stratagem.launch.lifeline import Reaper, die_with_parent
 from stratagem.launch.ports import free_ports
 
-__all__ = ["TaskResult", "free_ports", "local_cluster", "run_local_cluster"]
+__all__ = ["TaskResult", "assert_succeeded", "free_ports", "local_cluster", "run_local_cluster"]
 
 
 def local_cluster(num_workers: int, *, chief: bool = False, num_ps: int = 0,
@@ -122,6 +122,23 @@ def run_local_cluster(script: "str | Path", num_workers: int, *, args: Sequence[
     for log in logs:
         log.close()
     return results
+
+
+def assert_succeeded(results: Sequence[TaskResult], *, tail: int = 8000) -> None:
+    """Raise ``AssertionError`` unless every task exited 0, showing the output of each one that
+    did not (the last ``tail`` characters): the task that failed first is often not worker 0,
+    whose error only says that a peer stopped answering.
+
+    Example::
+
+        results = run_local_cluster(script, num_workers=2, timeout=60)
+        assert_succeeded(results)
+    """
+    failed = [r for r in results if r.returncode != 0]
+    if failed:
+        raise AssertionError(
+            f"{', '.join(f'{r.task} exited {r.returncode}' for r in failed)}:\n" +
+            "\n".join(f"--- {r.task} (exit {r.returncode}) ---\n{r.output[-tail:]}" for r in failed))
 
 
 def _peek(log) -> str:

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import stratagem as sg
-from stratagem.testing import run_local_cluster
+from stratagem.testing import assert_succeeded, run_local_cluster
 
 from ..strategies import tp_script
 from . import tp_ckpt_script as script
@@ -57,8 +57,7 @@ def train(model, optimizer, data, ckpt, stop: int | None = None) -> list[float]:
 
 def launch(out: Path, workers: int, tag: str, *args: str) -> list[dict]:
     results = run_local_cluster(SCRIPT, workers, args=[str(out), "--tag", tag, *args], timeout=240)
-    for r in results:
-        assert r.returncode == 0, f"{tag}: {r.task} failed:\n{r.output[-5000:]}"
+    assert_succeeded(results)
     return [json.loads((out / f"{tag}-rank{rank}.json").read_text()) for rank in range(workers)]
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.testing import run_local_cluster
+from stratagem.testing import assert_succeeded, run_local_cluster
 
 from . import collectives_script
 
@@ -19,7 +19,6 @@ SCRIPT = Path(collectives_script.__file__)
 def test_every_collective_results_gradients_and_errors(tmp_path: Path, workers: int, local: int) -> None:
     results = run_local_cluster(SCRIPT, workers, args=[str(tmp_path), "--replicas-per-worker", str(local)],
                                 timeout=200)
-    for r in results:
-        assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
+    assert_succeeded(results)
     for rank in range(workers):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [], f"worker {rank}"

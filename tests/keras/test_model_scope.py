@@ -12,7 +12,7 @@ import torch
 
 import stratagem as sg
 from stratagem.errors import ContextError, InvalidArgumentError
-from stratagem.testing import run_local_cluster
+from stratagem.testing import assert_succeeded, run_local_cluster
 
 from . import model_scope_script
 
@@ -137,8 +137,7 @@ def test_two_workers_refuse_the_model_built_outside_and_train_the_one_built_insi
     # before the check, the Model built outside trained on both workers without an error, to
     # other weights than one process computes
     results = run_local_cluster(SCRIPT, 2, timeout=200)
-    for r in results:
-        assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
+    assert_succeeded(results)
     expected = model_scope_script.fit(sg.get_strategy())
     for r in results:
         lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in r.output.splitlines()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import stratagem as sg
-from stratagem.testing import run_local_cluster
+from stratagem.testing import assert_succeeded, run_local_cluster
 
 from .common import data, fit, state
 
@@ -18,8 +18,7 @@ SCRIPT = Path(__file__).parent / "mw_fit_script.py"
 
 def test_two_workers_fit_evaluate_predict_like_one_device(tmp_path: Path) -> None:
     results = run_local_cluster(SCRIPT, 2, args=[str(tmp_path), "--replicas", "2"], timeout=200)
-    for r in results:
-        assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
+    assert_succeeded(results)
     reference, history = fit(sg.get_strategy())
     expected = state(reference)
     x, y, w = data()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import stratagem as sg
-from stratagem.testing import run_local_cluster
+from stratagem.testing import assert_succeeded, run_local_cluster
 
 from . import model_io_script as script
 
@@ -30,8 +30,7 @@ def assert_equal(a: dict, b: dict) -> None:
 def test_two_workers_save_one_copy_that_loads_under_mirrored(tmp_path: Path, sharding: str | None) -> None:
     args = [str(tmp_path)] + (["--sharding", sharding] if sharding else [])
     results = run_local_cluster(SCRIPT, 2, args=args, timeout=240)
-    for r in results:
-        assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
+    assert_succeeded(results)
     reports = [torch.load(tmp_path / f"worker{i}.pt", weights_only=False) for i in range(2)]
     assert reports[0]["module_file"] == sg.__file__   # the workers ran this checkout
     chief = reports[0]
@@ -71,8 +70,7 @@ def test_two_workers_save_one_copy_that_loads_under_mirrored(tmp_path: Path, sha
 
 def test_a_worker_that_does_not_save_fails_the_save_in_bounded_time(tmp_path: Path) -> None:
     results = run_local_cluster(SCRIPT, 2, args=[str(tmp_path), "--absent", "--timeout", "10"], timeout=200)
-    for r in results:
-        assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
+    assert_succeeded(results)
     seen = json.loads((tmp_path / "absent.json").read_text())
     assert seen["error"] is not None and "model.save" in seen["error"], seen
     assert seen["seconds"] < 90, seen   # the 10 s timeout, not gloo's 30 minutes

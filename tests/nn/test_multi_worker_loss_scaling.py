@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.testing import run_local_cluster
+from stratagem.testing import assert_succeeded, run_local_cluster
 
 from . import loss_scaling_script
 
@@ -19,8 +19,7 @@ def test_workers_refuse_the_trap_and_go_on(tmp_path: Path) -> None:
     # MultiWorkerMirroredStrategy, one replica per worker (nothing summed locally): every worker
     # refuses (no hang), the next, scaled step is plain PyTorch's, a doubtful loss warns once
     results = run_local_cluster(SCRIPT, 2, args=[str(tmp_path)], timeout=120)
-    for r in results:
-        assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
+    assert_succeeded(results)
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert report["num_replicas"] == 2

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import stratagem as sg
 from stratagem.errors import InvalidArgumentError
-from stratagem.testing import run_local_cluster
+from stratagem.testing import assert_succeeded, run_local_cluster
 
 from . import zero3_script
 from .test_zero import check_clipping, restores_as_plain_pytorch, save_plain
@@ -39,8 +39,7 @@ def _read(path: Path, workers: int) -> list[dict]:
 def test_two_workers_match_one_process_and_checkpoints_cross_layouts(tmp_path: Path) -> None:
     save_plain(tmp_path / "plain")
     results = run_local_cluster(SCRIPT, 2, args=[str(tmp_path)], timeout=200)
-    for r in results:
-        assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
+    assert_succeeded(results)
     outputs = _read(tmp_path, 2)
     for rank, out in enumerate(outputs):
         assert out["num_replicas"] == 2
@@ -69,8 +68,7 @@ def test_two_workers_match_one_process_and_checkpoints_cross_layouts(tmp_path: P
     three = tmp_path / "three"
     three.mkdir()
     results = run_local_cluster(SCRIPT, 3, args=[str(three), "--restore", str(tmp_path / "ckpt3")], timeout=200)
-    for r in results:
-        assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
+    assert_succeeded(results)
     for rank, out in enumerate(_read(three, 3)):
         assert out["num_replicas"] == 3
         assert out["restored_error"] < 1e-12, f"worker {rank} of 3: {out['restored_error']}"

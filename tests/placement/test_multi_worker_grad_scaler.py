@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stratagem.testing import run_local_cluster
+from stratagem.testing import assert_succeeded, run_local_cluster
 
 from . import amp_script
 
@@ -39,8 +39,7 @@ def run_and_compare(tmp_path: Path, num_workers: int, *, replicas_per_worker: in
     if clip is not None:
         args += ["--clip", str(clip)]
     results = run_local_cluster(SCRIPT, num_workers, args=args, timeout=150)
-    for r in results:
-        assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
+    assert_succeeded(results)
     outputs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(num_workers)]
     assert outputs[0]["num_replicas"] == num_workers * replicas_per_worker
     expected, final_state = plain_history(outputs[0]["initial"], num_workers, poison, clip)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import stratagem as sg
 from stratagem.errors import InvalidArgumentError
-from stratagem.testing import run_local_cluster
+from stratagem.testing import assert_succeeded, run_local_cluster
 
 from .._support import clips
 from . import sharding_script
@@ -41,8 +41,7 @@ def save_plain(path: Path) -> None:
 def test_two_workers_match_one_process_with_half_the_state(tmp_path: Path, stage: str) -> None:
     save_plain(tmp_path / "plain")
     results = run_local_cluster(SCRIPT, 2, args=[str(tmp_path), "--sharding", stage], timeout=150)
-    for r in results:
-        assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
+    assert_succeeded(results)
     outputs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     for rank, out in enumerate(outputs):
         assert out["num_replicas"] == 2

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stratagem.testing import run_local_cluster
+from stratagem.testing import assert_succeeded, run_local_cluster
 
 from . import train_script
 
@@ -37,8 +37,7 @@ def run_and_compare(tmp_path: Path, num_workers: int, *, optimizer: str = "sgd",
             "--replicas-per-worker", str(replicas_per_worker), "--batches", batches, "--input", input_kind,
             "--timeout", "60"]
     results = run_local_cluster(SCRIPT, num_workers, args=args, timeout=150)
-    for r in results:
-        assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
+    assert_succeeded(results)
     outputs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(num_workers)]
     chief = outputs[0]
     assert chief["num_replicas"] == num_workers * replicas_per_worker

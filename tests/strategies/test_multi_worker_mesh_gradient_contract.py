@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stratagem.testing import run_local_cluster
+from stratagem.testing import assert_succeeded, run_local_cluster
 
 from . import mesh_contract_script as script
 from . import pp_script, tp_script
@@ -85,8 +85,7 @@ def check(case: str, outputs: list[dict], want: list[dict]) -> None:
 
 def test_grad_after_backward_is_the_global_batchs_on_every_process(tmp_path: Path) -> None:
     results = run_local_cluster(Path(script.__file__), 4, args=[str(tmp_path)], timeout=270)
-    for r in results:
-        assert r.returncode == 0, f"{r.task} failed:\n{r.output[-5000:]}"
+    assert_succeeded(results)
     outputs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
     check("tp", outputs, plain(tp_script.NormedMLP, lambda out, y: tp_script.per_example_loss(out, y).mean(),
                                outputs[0]["tp"]["initial"], script.batches(8, 8)))

@@ -13,7 +13,7 @@ import torch
 
 import stratagem as sg
 
-from stratagem.testing import run_local_cluster
+from stratagem.testing import assert_succeeded, run_local_cluster
 
 from . import pp_script
 from .history import assert_history_matches, check_clipping, plain_history
@@ -117,8 +117,7 @@ def run_and_compare(tmp_path: Path, data: int, pipe: int, cases: list[str], *, f
     results = run_local_cluster(SCRIPT, workers, args=[str(tmp_path), "--mesh", f"{data},{pipe}",
                                                        "--cases", ",".join(cases), *(["--fit"] if fit else []),
                                                        "--clip", ",".join(clip)], timeout=250)
-    for r in results:
-        assert r.returncode == 0, f"{r.task} failed:\n{r.output[-5000:]}"
+    assert_succeeded(results)
     outputs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(workers)]
     if fit:
         check_fit(outputs, [r.output for r in results])

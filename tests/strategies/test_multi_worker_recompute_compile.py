@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stratagem.testing import run_local_cluster
+from stratagem.testing import assert_succeeded, run_local_cluster
 
 from . import tiny_gpt
 from .history import assert_history_matches
@@ -25,8 +25,7 @@ def run_and_compare(tmp_path: Path, modes: list[str], replicas_per_worker: int, 
     args = [str(tmp_path), "--modes", ",".join(modes), "--replicas-per-worker", str(replicas_per_worker),
             "--batches", ",".join(map(str, BATCHES))]
     results = run_local_cluster(SCRIPT, 2, args=args, timeout=timeout)
-    for r in results:
-        assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
+    assert_succeeded(results)
     outputs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     for rank, out in enumerate(outputs):
         assert out["num_replicas"] == 2 * replicas_per_worker

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stratagem.testing import run_local_cluster
+from stratagem.testing import assert_succeeded, run_local_cluster
 
 from .._support import clips
 from . import tp_embedding_script, tp_script
@@ -38,8 +38,7 @@ def run_and_compare(tmp_path: Path, data: int, model: int, optimizer: str) -> li
     workers = data * model
     results = run_local_cluster(SCRIPT, workers, args=[str(tmp_path), "--mesh", f"{data},{model}",
                                                        "--optimizer", optimizer], timeout=170)
-    for r in results:
-        assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
+    assert_succeeded(results)
     outputs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(workers)]
     expected, reference_optimizer = reference_history(optimizer, outputs[0]["initial"])
     want_state = reference_optimizer.state_dict()["state"]
@@ -80,8 +79,7 @@ def test_a_split_embedding_looks_up_the_whole_batch_of_token_ids(tmp_path: Path)
     # whole, as "colwise" and RowwiseParallel(input_layouts=Replicate()) do.
     script = Path(tp_embedding_script.__file__)
     results = run_local_cluster(script, 2, args=[str(tmp_path)], timeout=170)
-    for r in results:
-        assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
+    assert_succeeded(results)
     outputs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     for name in tp_embedding_script.PLANS:
         model = tp_embedding_script.make_model()
