@@ -73,7 +73,8 @@ def run_local_cluster(script: "str | Path", num_workers: int, *, args: Sequence[
     tasks = [(job, i) for job in ("chief", "worker") for i in range(len(cluster.get(job, [])))]
     procs: list[tuple[str, subprocess.Popen]] = []
     logs: list = []
-    base_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    # a task that crashes in C (a signal) prints every thread's Python stack before it dies
+    base_env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {}), "PYTHONUNBUFFERED": "1"}
     reaper = Reaper(grace_period=0.0)
     try:
         for job, index in tasks:

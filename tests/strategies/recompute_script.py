@@ -73,7 +73,9 @@ def main(argv=None):
 
     strategy = sg.MultiWorkerMirroredStrategy(
         devices=[f"cpu:{i}" for i in range(args.replicas_per_worker)],
-        communication_options=sg.CommunicationOptions(timeout_seconds=60))
+        # the default timeout (180 s): the first compiled step's compilation, on a busy 2-core
+        # machine, may keep one worker from the collective much longer than a step takes
+        communication_options=sg.CommunicationOptions())
     rank = strategy.cluster_resolver.worker_rank
     batch_sizes = [int(b) for b in args.batches.split(",")]
     results = {mode: train(strategy, mode, batch_sizes, rank) for mode in args.modes.split(",")}
