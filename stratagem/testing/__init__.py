@@ -33,6 +33,7 @@ from typing import Sequence
 
 from stratagem.launch.lifeline import Reaper, die_with_parent
 from stratagem.launch.ports import free_ports
+from stratagem.testing.forked import shared_server
 
 __all__ = ["TaskResult", "assert_succeeded", "free_ports", "local_cluster", "run_local_cluster"]
 
@@ -67,7 +68,9 @@ def run_local_cluster(script: "str | Path", num_workers: int, *, args: Sequence[
     ``kill_after={"worker 1": 3.0}`` SIGKILLs that task after 3 s, ``kill_after={"worker 1":
     "reached step 1"}`` once its output contains that text (observable progress: what a fault test
     should wait for, whatever the machine's load); ``stop_after`` SIGSTOPs it (a hung peer).
-    Raises ``TimeoutError`` (after killing everything) when the deadline passes.
+    Raises ``TimeoutError`` (after killing everything) when the deadline passes. Tasks are
+    forked from a process that imported torch once (:mod:`stratagem.testing.forked`: the
+    same script, arguments, environment and signals, without each task's seconds of import).
     """
     cluster = local_cluster(num_workers, chief=chief)
     tasks = [(job, i) for job in ("chief", "worker") for i in range(len(cluster.get(job, [])))]
@@ -76,16 +79,20 @@ def run_local_cluster(script: "str | Path", num_workers: int, *, args: Sequence[
     # a task that crashes in C (a signal) prints every thread's Python stack before it dies
     base_env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {}), "PYTHONUNBUFFERED": "1"}
     reaper = Reaper(grace_period=0.0)
+    server = shared_server()
     try:
         for job, index in tasks:
             task_env = {**base_env, "TF_CONFIG": json.dumps({"cluster": cluster,
                                                            "task": {"type": job, "index": index}})}
             name = "chief" if job == "chief" else f"{job} {index}"
-            log = tempfile.TemporaryFile(mode="w+")  # a file, never a pipe that could fill up
+            log = tempfile.NamedTemporaryFile(mode="w+", prefix="stratagem-task-")  # never a pipe that could fill up
             logs.append(log)
-            proc = subprocess.Popen([sys.executable, str(script), *args], env=task_env,
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True, text=True,
-                                    preexec_fn=die_with_parent(signal.SIGKILL))
+            if server is not None and server.can_start(task_env):
+                proc = server.start(str(script), list(args), task_env, log.name)
+            else:
+                proc = subprocess.Popen([sys.executable, str(script), *args], env=task_env,
+                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, text=True,
+                                        preexec_fn=die_with_parent(signal.SIGKILL))
             reaper.watch(proc.pid)
             procs.append((name, proc))
         deadline = time.monotonic() + timeout

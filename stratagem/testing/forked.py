@@ -1,0 +1,126 @@
+"""Start a test cluster's tasks by forking a process that has imported torch already.
+
+Each task of :func:`stratagem.testing.run_local_cluster` is a process of its own that runs a
+script, and most of such a process's start-up is ``import torch``: seconds on a busy 2-core
+machine, paid by every task of every multi-process test. A fork server imports torch once;
+each task is then a child forked from it that runs the script as ``python script.py`` would:
+as ``__main__`` with its ``sys.argv``, the script's folder first on ``sys.path``, the task's
+environment and working directory, its output (unbuffered) to the task's log, stdin from
+``/dev/null``, a session of its own (one signal to its process group reaches all of it), an
+uncaught exception's traceback and exit code 1, ``atexit`` handlers at the end. It is still a
+real process: its own interpreter state, its own sockets, killed and stopped by signals.
+
+What a child inherits that a fresh interpreter would not is what ``import torch`` did, before
+any task's environment was read. So a task whose environment differs from the server's in a
+variable read at start-up or at that import (:data:`_READ_AT_IMPORT`) starts as a fresh
+interpreter instead; so does every task when ``STRATAGEM_TEST_FORKSERVER=0``, or when the
+cluster is started from a thread other than the main thread (the server must live as long as
+the test process: the kernel's parent-death signal follows the thread that started it).
+
+The server (``forkserver.py`` beside this file) dies with the test process (parent-death
+signal), and its children die with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+from stratagem.launch.lifeline import die_with_parent
+
+#: the server: run as a script, it imports the standard library and torch only
+_SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver.py")
+
+#: variable prefixes read when the interpreter starts or torch is imported: a task whose value
+#: differs from the server's cannot be forked from it (the two kept as the server sets them)
+_READ_AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "OPENBLAS", "KMP_", "GOMP_", "TORCH", "CUDA", "LD_", "MALLOC")
+_SET_PER_TASK = ("PYTHONUNBUFFERED", "PYTHONFAULTHANDLER")
+
+
+class ForkedTask:
+    """A forked task, with the part of :class:`subprocess.Popen`'s interface that tests use."""
+
+    def __init__(self, server: "ForkServer", pid: int) -> None:
+        self._server, self.pid, self.returncode = server, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.exit_code(self.pid, wait=False)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = self._server.exit_code(self.pid, wait=True)
+        return self.returncode
+
+
+class ForkServer:
+    """The test process's side: asks the server for tasks and learns when they exit."""
+
+    def __init__(self) -> None:
+        self._env = dict(os.environ)
+        self._process = subprocess.Popen(
+            [sys.executable, _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, start_new_session=True, bufsize=0, preexec_fn=die_with_parent(signal.SIGKILL))
+        self._lock = threading.Lock()            # one request at a time
+        self._changed = threading.Condition()
+        self._started: list[int] = []
+        self._exited: dict[int, int] = {}
+        self._gone = False
+        threading.Thread(target=self._read_replies, daemon=True, name="stratagem-forkserver").start()
+
+    def can_start(self, env: dict[str, str]) -> bool:
+        if self._gone:
+            return False
+        keys = {k for k in {*env, *self._env} if k.startswith(_READ_AT_IMPORT) and k not in _SET_PER_TASK}
+        return all(env.get(k) == self._env.get(k) for k in keys)
+
+    def start(self, script: str, args: list[str], env: dict[str, str], log_path: str) -> ForkedTask:
+        request = {"script": os.path.abspath(script), "args": list(args), "env": env, "cwd": os.getcwd(),
+                   "log": log_path}
+        with self._lock, self._changed:
+            self._process.stdin.write(json.dumps(request).encode() + b"\n")
+            while not self._started and not self._gone:
+                self._changed.wait()
+            if not self._started:
+                raise RuntimeError("the test fork server exited")
+            return ForkedTask(self, self._started.pop(0))
+
+    def exit_code(self, pid: int, *, wait: bool) -> int | None:
+        with self._changed:
+            while wait and pid not in self._exited and not self._gone:
+                self._changed.wait()
+            if pid in self._exited:
+                return self._exited.pop(pid)
+            return -9 if self._gone else None    # the server's death killed its children
+
+    def _read_replies(self) -> None:
+        for line in self._process.stdout:
+            reply = json.loads(line)
+            with self._changed:
+                if "started" in reply:
+                    self._started.append(reply["started"])
+                else:
+                    self._exited[reply["exited"]] = reply["code"]
+                self._changed.notify_all()
+        with self._changed:
+            self._gone = True
+            self._changed.notify_all()
+
+
+_shared: list[ForkServer] = []
+
+
+def shared_server() -> ForkServer | None:
+    """The test process's fork server (started at the first call), or None where tasks start fresh."""
+    if os.environ.get("STRATAGEM_TEST_FORKSERVER", "1") == "0" or not sys.platform.startswith("linux"):
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if not _shared or _shared[0]._gone:
+        _shared[:] = [ForkServer()]
+    return _shared[0]

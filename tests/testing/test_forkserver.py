@@ -1,0 +1,111 @@
+"""Tasks forked from the test fork server behave as fresh ``python script.py`` processes
+(real processes: the server, its children, signals)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from stratagem.testing import run_local_cluster
+from stratagem.testing.forked import shared_server
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180),
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a fork server needs Linux")]
+
+_SCRIPT = '''
+import atexit, json, os, sys
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+atexit.register(lambda: print("atexit ran", flush=True))
+print("REPORT " + json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
+                              "ppid": os.getppid(), "pgid": os.getpgid(0), "pid": os.getpid(),
+                              "stdin": sys.stdin.read(), "extra": os.environ.get("EXTRA"),
+                              "torch": "torch" in sys.modules}), flush=True)
+if sys.argv[1] == "raise" and task["index"] == 1:
+    raise ValueError("worker 1 fails")
+if sys.argv[1] == "wait":
+    import time
+    print("waiting", flush=True)
+    time.sleep(600)
+sys.exit(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+'''
+
+
+def _report(output: str) -> dict:
+    return json.loads(output.split("REPORT ", 1)[1].splitlines()[0])
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "scripts" / "task.py"
+    path.parent.mkdir()
+    path.write_text(_SCRIPT)
+    return path
+
+
+def test_a_forked_task_runs_as_a_fresh_interpreter_would(script: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    server = shared_server()
+    assert server is not None
+    results = run_local_cluster(script, 2, args=["ok", "7"], env={"EXTRA": "x"}, timeout=120)
+    for r in results:
+        report = _report(r.output)
+        assert r.returncode == 7
+        assert report["name"] == "__main__" and report["argv"] == [str(script), "ok", "7"]
+        assert report["path0"] == str(script.parent) and report["cwd"] == str(tmp_path)
+        assert report["pgid"] == report["pid"]          # a session of its own
+        assert report["ppid"] == server._process.pid    # forked: torch came imported
+        assert report["torch"] and report["stdin"] == "" and report["extra"] == "x"
+        assert "atexit ran" in r.output
+
+
+def test_an_uncaught_exception_prints_its_traceback_and_exits_1(script: Path) -> None:
+    results = run_local_cluster(script, 2, args=["raise"], timeout=120)
+    assert [r.returncode for r in results] == [0, 1]
+    assert "ValueError: worker 1 fails" in results[1].output and "Traceback" in results[1].output
+    assert "atexit ran" in results[1].output
+
+
+def test_an_environment_read_at_import_starts_a_fresh_interpreter(script: Path) -> None:
+    results = run_local_cluster(script, 1, args=["ok"], env={"OMP_NUM_THREADS": "1"}, timeout=120)
+    report = _report(results[0].output)
+    assert results[0].returncode == 0 and report["ppid"] == os.getpid() and not report["torch"]
+
+
+def test_kill_and_stop_reach_a_forked_task(script: Path) -> None:
+    results = run_local_cluster(script, 2, args=["wait"], kill_after={"worker 0": "waiting"},
+                                stop_after={"worker 1": "waiting"}, timeout=120)
+    assert [r.returncode for r in results] == [-signal.SIGKILL, -signal.SIGKILL]
+
+
+def test_the_tasks_die_with_the_server(script: Path, tmp_path: Path) -> None:
+    server = shared_server()
+    log = tmp_path / "task.log"
+    log.touch()
+    task = server.start(str(script), ["wait"], {**os.environ, "TF_CONFIG": json.dumps(
+        {"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}})}, str(log))
+    deadline = time.monotonic() + 60
+    while "waiting" not in log.read_text():
+        assert time.monotonic() < deadline and task.poll() is None, log.read_text()
+        time.sleep(0.05)
+    os.kill(server._process.pid, signal.SIGKILL)
+    server._process.wait()
+    assert task.wait() == -9    # what the server's death means for its tasks
+    while os.path.exists(f"/proc/{task.pid}") and _state(task.pid) not in ("Z", "X"):
+        assert time.monotonic() < deadline, f"task {task.pid} outlived the fork server"
+        time.sleep(0.05)
+    assert shared_server() is not server    # the next cluster gets a new server
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
