@@ -32,7 +32,7 @@ import time
 from typing import Any, Callable, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MLP_LAYERS = (784, 1024, 1024, 10)   # 1.86 M parameters: the README's tables use this MLP
+MLP_LAYERS = (784, 1024, 1024, 10)   # 1.86 M parameters: docs/benchmarks.md's tables use this MLP
 LR, MOMENTUM = 0.01, 0.9
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 

@@ -1,8 +1,14 @@
-"""The examples and every Python block of the README run as their text says, so they cannot rot."""
+"""The examples and the documentation's code run as their text says, so they cannot rot.
+
+Every Python block of the README, and every one of ``docs/*.md`` that begins with ``# run: COMMAND``,
+runs in a temporary folder as that line says; ``>>>`` blocks of ``docs/*.md`` run as doctests. Every
+relative link of the README and the guides points to a file, and a heading, that exist.
+"""
 
 from __future__ import annotations
 
 import difflib
+import doctest
 import os
 import re
 import shlex
@@ -34,23 +40,93 @@ def _python_command(words: list[str]) -> list[str]:
     raise AssertionError(f"no way to run {shlex.join(words)!r} here")
 
 
-def readme_blocks() -> list[tuple[int, str]]:
-    """(line, code) of each Python block of the README."""
-    text = (ROOT / "README.md").read_text()
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _python_blocks(path: Path) -> list[tuple[int, str]]:
+    """(line, code) of each Python block of one Markdown file."""
+    text = path.read_text()
     return [(text[:match.start()].count("\n") + 1, match.group(1))
-            for match in re.finditer(r"```python\n(.*?)```", text, re.S)]
+            for match in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)]
+
+
+def runnable_blocks() -> list[tuple[str, str]]:
+    """("FILE:LINE", code) of each block run as its first line says: all of the README's, the
+    guides' that begin with ``# run: ``."""
+    return [(f"{path.relative_to(ROOT)}:{line}", code) for path in DOCUMENTS for line, code in _python_blocks(path)
+            if path.name == "README.md" and path.parent == ROOT or code.startswith("# run: ")]
+
+
+def doctest_blocks() -> list[tuple[str, str]]:
+    """("FILE:LINE", code) of each ``>>>`` block of the guides."""
+    return [(f"{path.relative_to(ROOT)}:{line}", code) for path in DOCUMENTS for line, code in _python_blocks(path)
+            if code.startswith(">>> ")]
+
+
+def test_the_documentation_has_runnable_blocks() -> None:
+    # the blocks that ran when they all lived in the README (4) run where they moved to
+    where = [place.split(":")[0] for place, _ in runnable_blocks()]
+    assert len(where) >= 4 and where.count("README.md") >= 1, where
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("line, code", readme_blocks(), ids=lambda value: str(value)[:12])
-def test_readme_python_block_runs_as_its_first_line_says(tmp_path: Path, line: int, code: str) -> None:
+@pytest.mark.parametrize("place, code", runnable_blocks(), ids=[place for place, _ in runnable_blocks()])
+def test_documented_python_block_runs_as_its_first_line_says(tmp_path: Path, place: str, code: str) -> None:
     first = code.splitlines()[0]
-    assert first.startswith("# run: "), f"README block at line {line}: say how to run it ('# run: ...')"
+    assert first.startswith("# run: "), f"block at {place}: say how to run it ('# run: ...')"
     words = shlex.split(first[len("# run: "):].split("(")[0])
     script = next(word for word in words if word.endswith(".py"))
     (tmp_path / script).write_text(code)
     output = _run(*_python_command(words), cwd=tmp_path)
     assert "loss" in output, output
+
+
+@pytest.mark.parametrize("place, code", doctest_blocks(), ids=[place for place, _ in doctest_blocks()])
+def test_documented_doctest_block_shows_what_it_prints(place: str, code: str) -> None:
+    test = doctest.DocTestParser().get_doctest(code, {}, place, place, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    assert runner.failures == 0, f"{place}: {runner.failures} doctest failures"
+
+
+def _heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings (outside code blocks)."""
+    anchors: set[str] = set()
+    counts: dict[str, int] = {}
+    for line in re.sub(r"^```.*?^```", "", text, flags=re.S | re.M).splitlines():
+        heading = re.match(r"#{1,6} (.+)", line)
+        if not heading:
+            continue
+        title = re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", heading.group(1).strip())   # a link: its text
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        anchors.add(slug if slug not in counts else f"{slug}-{counts[slug]}")
+        counts[slug] = counts.get(slug, 0) + 1
+    return anchors
+
+
+def test_every_relative_link_of_the_readme_and_the_guides_points_to_something() -> None:
+    broken = []
+    for path in DOCUMENTS:
+        text = path.read_text()
+        prose = re.sub(r"`[^`\n]*`", "", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M))
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"[a-z]+:", target):   # https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            if not linked.exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in _heading_anchors(linked.read_text()):
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such heading in {linked.name})")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_readme_starts_with_the_demo_and_the_command_ci_runs() -> None:
+    # .ci/run ends with the README's test command: a new user and CI run the same tests
+    first_block = re.search(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    commands = [line.split("#")[0].strip() for line in first_block.splitlines()]
+    assert "stratagem demo" in commands and ci in commands, (ci, first_block)
 
 
 @pytest.mark.multiprocess

@@ -14,7 +14,10 @@ in the namespace killed by pid -- whatever happens. The tests:
 - parameter-server training under srun: ``sg.ParameterServerStrategy()`` on rank 0, ``stratagem
   server`` on the others (the wrapper of docs/slurm.md), the result plain PyTorch's and the
   step ending cleanly;
-- an ``sbatch`` batch script that runs Python without srun is a lone task, with a warning.
+- an ``sbatch`` batch script that runs Python without srun is a lone task, with a warning;
+- docs/slurm.md's batch scripts, taken from the page as written and submitted with ``sbatch
+  --wait``: the one-node CPU script (both workers train and print the same losses) and the
+  parameter-server one (its three files; the coordinator trains, the servers stop, the job ends).
 
 Needs root and the packages (`apt-get install slurm-wlm munge`); skips, saying which, without.
 """
@@ -22,6 +25,8 @@ Needs root and the packages (`apt-get install slurm-wlm munge`); skips, saying w
 from __future__ import annotations
 
 import json
+import os
+import re
 import secrets
 import subprocess
 import sys
@@ -177,3 +182,51 @@ def test_a_batch_script_without_srun_is_one_task(slurm: SlurmCluster, tmp_path: 
     assert result.returncode == 0, _output(result) + text
     assert "SimpleClusterResolver 1" in text, text
     assert "RuntimeWarning: this process runs in Slurm job" in text and "of 2 tasks" in text, text
+
+
+def _guide_block(language: str, first_line: str) -> str:
+    """The ``language`` block of docs/slurm.md whose text begins with ``first_line``."""
+    guide = (ROOT / "docs" / "slurm.md").read_text()
+    blocks = [b for b in re.findall(rf"^```{language}\n(.*?)^```", guide, re.S | re.M) if b.startswith(first_line)]
+    assert len(blocks) == 1, f"docs/slurm.md: {len(blocks)} {language} blocks begin with {first_line!r}"
+    return blocks[0]
+
+
+def _submit_as_written(slurm: SlurmCluster, folder: Path, script: str, **env: str) -> str:
+    """``sbatch --wait SCRIPT`` in ``folder`` with this interpreter as ``python``; the job's output."""
+    out = folder / "job.out"
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"   # `python`, `stratagem`
+    started = time.monotonic()
+    result = subprocess.run(slurm.inside("sbatch", "--wait", f"--output={out}", script), capture_output=True,
+                            text=True, env=slurm.env(PYTHONPATH=str(ROOT), PATH=path, **env), timeout=240,
+                            cwd=folder)
+    text = out.read_text() if out.exists() else ""
+    assert result.returncode == 0, _output(result) + text
+    print(f"docs/slurm.md's {script}: {time.monotonic() - started:.1f} s from sbatch to its end")
+    return text
+
+
+def test_the_guides_one_node_cpu_script_runs_as_written(slurm: SlurmCluster, tmp_path: Path) -> None:
+    (tmp_path / "train_cpu.sbatch").write_text(_guide_block("bash", "#!/bin/bash\n# train_cpu.sbatch"))
+    (tmp_path / "train_cpu.py").write_text(_guide_block("python", "# train_cpu.py"))
+    text = _submit_as_written(slurm, tmp_path, "train_cpu.sbatch")
+    losses = {worker: re.findall(rf"^worker {worker}: epoch (\d): loss ([0-9.]+)$", text, re.M) for worker in (0, 1)}
+    assert [epoch for epoch, _ in losses[0]] == ["1", "2", "3"], text
+    assert losses[0] == losses[1], text   # one model: the same reduced loss on both workers
+
+
+def test_the_guides_parameter_server_scripts_run_as_written(slurm: SlurmCluster, tmp_path: Path) -> None:
+    home = tmp_path / "home"   # the guide's token file, made by the guide's command
+    token = subprocess.run(["bash", "-c", _guide_block("bash", "mkdir -p ~/.stratagem")], env={**os.environ,
+                           "HOME": str(home), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"},
+                           capture_output=True, text=True, timeout=60)
+    assert token.returncode == 0 and (home / ".stratagem" / "token").stat().st_mode & 0o077 == 0, token
+    (tmp_path / "train_ps.sbatch").write_text(_guide_block("bash", "#!/bin/bash\n# train_ps.sbatch"))
+    (tmp_path / "ps_task.sh").write_text(_guide_block("bash", "#!/bin/bash\n# ps_task.sh"))
+    (tmp_path / "ps_task.sh").chmod(0o755)   # the guide's `chmod +x ps_task.sh`
+    (tmp_path / "train_ps.py").write_text(_guide_block("python", "# train_ps.py"))
+    text = _submit_as_written(slurm, tmp_path, "train_ps.sbatch", HOME=str(home))
+    loss = re.search(r"^coordinator: last loss ([0-9.]+)$", text, re.M)
+    assert loss and float(loss.group(1)) < 1.0, text
+    for line in ("ps 0 stopped (SIGTERM)", "worker 0 stopped (SIGTERM)", "worker 1 stopped (SIGTERM)"):
+        assert line in text, text
