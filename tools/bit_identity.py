@@ -107,6 +107,8 @@ MULTI_WORKER = {
     "mw3-adam-tiny-packs": (3, ["--optimizer", "adam", "--bytes-per-pack", "1", "--batches", "12,12,7,2"]),
     "mw2-sgd-big-pack-loader": (2, ["--optimizer", "sgd", "--bytes-per-pack", str(1 << 30),
                                     "--batches", "8,8,8,5", "--input", "loader"]),
+    "mw2-adam-zero1": (2, ["--optimizer", "adam", "--sharding", "optimizer", "--batches", "12,12,7,2"]),
+    "mw2-sgd-zero2": (2, ["--optimizer", "sgd", "--sharding", "gradients", "--batches", "12,12,7,2"]),
 }
 
 
