@@ -6,8 +6,9 @@ callback) to the torch call that sums the gradients (the in-place add of the sum
 ``batch_reduce``, ``torch.distributed.all_reduce``); ``optimizer.step()`` to the optimizer's own
 ``step``; across workers ``strategy.reduce`` to ``torch.distributed`` (its checked message: an
 all-gather that carries a small sum itself). Every frame of ours between the two counts, also
-frames separated by torch's (a decorator, autograd's engine): the budget measures how deep a
-call goes, not how the code is cut into functions.
+where torch's frames lie between ours (a decorator such as ``torch.compiler.disable``): the
+budget measures how deep a call goes, not how the code is cut into functions. Autograd's engine
+calling our hooks and end-of-backward callbacks starts a count of its own, as a user's call does.
 
 The budget is 3 frames, and one more where that frame is a shared helper (``SHARED_HELPERS``):
 a function several callers share so that their code is written once -- the shape check and the
