@@ -41,7 +41,8 @@ def _train(strategy, optimizer_kind: str, batch_sizes: list[int], scheduler: boo
     reference = BufferedNet()
     with strategy.scope():
         model = BufferedNet()
-        optimizer = _optimizer(optimizer_kind, model.parameters())
+        optimizer = (torch.optim.Adafactor(model.parameters(), lr=0.01) if optimizer_kind == "adafactor"
+                     else _optimizer(optimizer_kind, model.parameters()))   # (not split by ranges: twins)
     model.load_state_dict(reference.state_dict())
     sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if scheduler else None
     data = _data(batch_sizes)
@@ -68,6 +69,10 @@ def _train(strategy, optimizer_kind: str, batch_sizes: list[int], scheduler: boo
     return _digest(tensors)
 
 
+class _PluginOps(sg.CrossDeviceOps):
+    """A user's cross-device op: the base class's reference sums, through the plug-in collective."""
+
+
 def local_configurations():
     for replicas in (1, 2, 3, 4):
         for kind in ("sgd", "adam"):
@@ -81,6 +86,16 @@ def local_configurations():
             yield f"op-{name}-{kind}", lambda m=make, k=kind: _train(
                 sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], cross_device_ops=m()), k, [9, 9, 5, 1])
     for kind in ("sgd", "adam"):
+        yield f"op-ring-{kind}", lambda k=kind: _train(
+            sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], cross_device_ops=sg.RingAllReduce()), k, [9, 9, 5, 1])
+        yield f"op-plugin-{kind}", lambda k=kind: _train(
+            sg.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], cross_device_ops=_PluginOps()), k, [9, 9, 5, 1])
+    for replicas in (2, 3):
+        for kind in ("sgd", "adam", "adafactor"):
+            yield f"central{replicas}-{kind}", lambda r=replicas, k=kind: _train(
+                sg.CentralStorageStrategy([f"cpu:{i}" for i in range(r)]), k, [12, 12, 7, 12, 2])
+    yield "mirrored2-adafactor", lambda: _train(sg.MirroredStrategy(["cpu:0", "cpu:1"]), "adafactor", [12, 12, 7])
+    for kind in ("sgd", "adam"):
         yield f"one_device-{kind}", lambda k=kind: _train(sg.OneDeviceStrategy("cpu"), k, [8, 8, 3])
     yield "default-adam", lambda: _train(sg.get_strategy(), "adam", [8, 3])
     yield "scheduler-sgd", lambda: _train(sg.MirroredStrategy(["cpu:0", "cpu:1"]), "sgd", [8] * 5, True)
@@ -92,6 +107,8 @@ MULTI_WORKER = {
     "mw3-adam-tiny-packs": (3, ["--optimizer", "adam", "--bytes-per-pack", "1", "--batches", "12,12,7,2"]),
     "mw2-sgd-big-pack-loader": (2, ["--optimizer", "sgd", "--bytes-per-pack", str(1 << 30),
                                     "--batches", "8,8,8,5", "--input", "loader"]),
+    "mw2-adam-zero1": (2, ["--optimizer", "adam", "--sharding", "optimizer", "--batches", "12,12,7,2"]),
+    "mw2-sgd-zero2": (2, ["--optimizer", "sgd", "--sharding", "gradients", "--batches", "12,12,7,2"]),
 }
 
 

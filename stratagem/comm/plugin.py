@@ -33,28 +33,23 @@ class PluginCollective(ReplicaCollective):
     def _destinations(self) -> tuple[str, ...]:
         return tuple(str(d) for d in self.devices)
 
-    def sum_exchanged(self, local_id, everyone, op, *, copy_back=True):
-        n = len(everyone)
-        if n == 1:
+    def reduce_in_place(self, local_id, everyone, op, copy_back):
+        if local_id != 0:  # the others wait at the "done" exchange
             return
-        self._check(everyone)
-        try:
-            if local_id == 0:  # the others wait at the "done" exchange
-                destinations = self._destinations()
-                pairs = [(PerReplica([e[i] for e in everyone]), destinations) for i in range(len(everyone[0]))]
-                with torch.no_grad():
-                    results = self.options.batch_reduce(op, pairs)
-                    if len(results) != len(pairs):
-                        raise ValueError(
-                            f"{type(self.options).__name__}.batch_reduce returned {len(results)} results "
-                            f"for {len(pairs)} (value, destinations) pairs; it must return one per pair")
-                    for i, result in enumerate(results):
-                        parts = result_components(result, n, "batch_reduce")
-                        for r in range(n) if copy_back else range(1):
-                            if parts[r] is not everyone[r][i]:
-                                everyone[r][i].copy_(parts[r])
-        finally:
-            self.sync.exchange(local_id, None, "all_reduce:done")
+        n = len(everyone)
+        destinations = self._destinations()
+        pairs = [(PerReplica([e[i] for e in everyone]), destinations) for i in range(len(everyone[0]))]
+        with torch.no_grad():
+            results = self.options.batch_reduce(op, pairs)
+            if len(results) != len(pairs):
+                raise ValueError(
+                    f"{type(self.options).__name__}.batch_reduce returned {len(results)} results "
+                    f"for {len(pairs)} (value, destinations) pairs; it must return one per pair")
+            for i, result in enumerate(results):
+                parts = result_components(result, n, "batch_reduce")
+                for r in range(n) if copy_back else range(1):
+                    if parts[r] is not everyone[r][i]:
+                        everyone[r][i].copy_(parts[r])
 
     def broadcast(self, local_id: int, tensors: list[torch.Tensor], source: int) -> list[torch.Tensor]:
         everyone = self.exchange_all(local_id, tensors, "broadcast")

@@ -55,12 +55,9 @@ def check_mean(tensors: Sequence[torch.Tensor], op: ReduceOp) -> None:
 
 
 class ReplicaCollective(Collective):
-    """Replica threads of one process; subclasses hold one cross-device op's arithmetic.
-
-    Each subclass's ``sum_exchanged`` repeats the same frame (shape check, then the sum inside
-    ``try``/``finally`` around the closing exchange) instead of sharing a wrapper: the sum must
-    stay the third frame under ``optimizer.step()`` (``tests/test_frames.py``).
-    """
+    """Replica threads of one process; subclasses hold one cross-device op's arithmetic
+    (``reduce_in_place``), which :meth:`sum_exchanged` runs between the checks and the closing
+    exchange that every op shares."""
 
     def __init__(self, devices: Sequence[Device], options: CrossDeviceOps):
         super().__init__(devices)
@@ -133,6 +130,26 @@ class ReplicaCollective(Collective):
         self.sync.exchange(local_id, None, "reduce_scatter:done")  # inputs stay untouched until all read
         return acc
 
+    def sum_exchanged(self, local_id: int, everyone: list[list[torch.Tensor]], op: ReduceOp, *,
+                      copy_back: bool = True) -> None:
+        """The shapes checked, then this op's arithmetic; the replicas meet once more when it ends
+        (the "done" exchange, reached even when the arithmetic fails), so no replica takes its
+        tensors back while another still reads them. (The one shared frame that
+        ``tests/test_frames.py`` allows on the way from backward to the sum.)"""
+        if len(everyone) == 1:
+            return
+        self._check(everyone)
+        try:
+            self.reduce_in_place(local_id, everyone, op, copy_back)
+        finally:
+            self.sync.exchange(local_id, None, "all_reduce:done")
+
+    def reduce_in_place(self, local_id: int, everyone: list[list[torch.Tensor]], op: ReduceOp,
+                        copy_back: bool) -> None:
+        """This replica's part of the sum (or MEAN) into the exchanged tensors (``copy_back=False``:
+        replica 0's must hold it; the others' may)."""
+        raise NotImplementedError
+
     def _check(self, everyone: list[list[torch.Tensor]]) -> None:
         first = everyone[0]
         for r, theirs in enumerate(everyone[1:], start=1):
@@ -174,30 +191,24 @@ class RangeCollective(ReplicaCollective):
             self._plans[(n,) + numels] = plan
         return plan
 
-    def sum_exchanged(self, local_id, everyone, op, *, copy_back=True):
+    def reduce_in_place(self, local_id, everyone, op, copy_back):
         n = len(everyone)
-        if n == 1:
-            return
-        self._check(everyone)
-        try:
-            plan = self._plan(tuple(t.numel() for t in everyone[0]), n)
-            for i, start, stop in plan[local_id]:
-                if all(everyone[r][i].is_contiguous() for r in range(n)):
-                    pieces = [everyone[r][i].view(-1)[start:stop] for r in range(n)]
-                elif start == 0:  # e.g. channels_last: no flat view, so reduce the whole tensor
-                    pieces = [everyone[r][i] for r in range(n)]
-                else:
-                    continue  # the replica holding this tensor's first element reduces all of it
-                acc = pieces[0]
+        plan = self._plan(tuple(t.numel() for t in everyone[0]), n)
+        for i, start, stop in plan[local_id]:
+            if all(everyone[r][i].is_contiguous() for r in range(n)):
+                pieces = [everyone[r][i].view(-1)[start:stop] for r in range(n)]
+            elif start == 0:  # e.g. channels_last: no flat view, so reduce the whole tensor
+                pieces = [everyone[r][i] for r in range(n)]
+            else:
+                continue  # the replica holding this tensor's first element reduces all of it
+            acc = pieces[0]
+            for piece in pieces[1:]:
+                acc.add_(piece.to(acc.device, non_blocking=True))
+            if op is ReduceOp.MEAN:
+                acc.div_(n)
+            if copy_back:
                 for piece in pieces[1:]:
-                    acc.add_(piece.to(acc.device, non_blocking=True))
-                if op is ReduceOp.MEAN:
-                    acc.div_(n)
-                if copy_back:
-                    for piece in pieces[1:]:
-                        piece.copy_(acc, non_blocking=True)
-        finally:
-            self.sync.exchange(local_id, None, "all_reduce:done")
+                    piece.copy_(acc, non_blocking=True)
 
 
 class OneDeviceCollective(ReplicaCollective):
@@ -205,26 +216,21 @@ class OneDeviceCollective(ReplicaCollective):
 
     serves = ReductionToOneDevice
 
-    def sum_exchanged(self, local_id, everyone, op, *, copy_back=True):
-        n = len(everyone)
-        if n == 1:
+    def reduce_in_place(self, local_id, everyone, op, copy_back):
+        if local_id != 0:  # the others wait for replica 0 at the "done" exchange
             return
-        self._check(everyone)
-        try:
-            if local_id == 0:  # the others wait for replica 0 at the "done" exchange
-                target = self.options.reduce_to_device
-                target = target.torch_device if target is not None else None
-                for i, first in enumerate(everyone[0]):
-                    acc = first if target is None or first.device == target else first.to(target)
-                    for r in range(1, n):
-                        acc.add_(everyone[r][i].to(acc.device, non_blocking=True))
-                    if op is ReduceOp.MEAN:
-                        acc.div_(n)
-                    for r in range(n) if copy_back else range(1):
-                        if everyone[r][i] is not acc:
-                            everyone[r][i].copy_(acc, non_blocking=True)
-        finally:
-            self.sync.exchange(local_id, None, "all_reduce:done")
+        n = len(everyone)
+        target = self.options.reduce_to_device
+        target = target.torch_device if target is not None else None
+        for i, first in enumerate(everyone[0]):
+            acc = first if target is None or first.device == target else first.to(target)
+            for r in range(1, n):
+                acc.add_(everyone[r][i].to(acc.device, non_blocking=True))
+            if op is ReduceOp.MEAN:
+                acc.div_(n)
+            for r in range(n) if copy_back else range(1):
+                if everyone[r][i] is not acc:
+                    everyone[r][i].copy_(acc, non_blocking=True)
 
 
 class NcclCollective(ReplicaCollective):
@@ -236,29 +242,24 @@ class NcclCollective(ReplicaCollective):
 
     serves = NcclAllReduce
 
-    def sum_exchanged(self, local_id, everyone, op, *, copy_back=True):
-        n = len(everyone)
-        if n == 1:
+    def reduce_in_place(self, local_id, everyone, op, copy_back):
+        if local_id != 0:  # one NCCL call drives every GPU
             return
-        self._check(everyone)
-        try:
-            if local_id == 0:  # one NCCL call drives every GPU
-                by_dtype: dict[torch.dtype, list[int]] = {}
-                for i, t in enumerate(everyone[0]):
-                    by_dtype.setdefault(t.dtype, []).append(i)
-                for indices in by_dtype.values():
-                    packs = self.options.num_packs
-                    for k in range(min(packs, len(indices))):
-                        chunk = indices[k * len(indices) // packs:(k + 1) * len(indices) // packs]
-                        flat = [torch.cat([everyone[r][i].reshape(-1) for i in chunk]) for r in range(n)]
-                        torch.cuda.nccl.all_reduce(flat)
-                        for r in range(n) if copy_back else range(1):
-                            if op is ReduceOp.MEAN:
-                                flat[r].div_(n)
-                            offset = 0
-                            for i in chunk:
-                                t = everyone[r][i]
-                                t.copy_(flat[r][offset:offset + t.numel()].view_as(t))
-                                offset += t.numel()
-        finally:
-            self.sync.exchange(local_id, None, "all_reduce:done")
+        n = len(everyone)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(everyone[0]):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        for indices in by_dtype.values():
+            packs = self.options.num_packs
+            for k in range(min(packs, len(indices))):
+                chunk = indices[k * len(indices) // packs:(k + 1) * len(indices) // packs]
+                flat = [torch.cat([everyone[r][i].reshape(-1) for i in chunk]) for r in range(n)]
+                torch.cuda.nccl.all_reduce(flat)
+                for r in range(n) if copy_back else range(1):
+                    if op is ReduceOp.MEAN:
+                        flat[r].div_(n)
+                    offset = 0
+                    for i in chunk:
+                        t = everyone[r][i]
+                        t.copy_(flat[r][offset:offset + t.numel()].view_as(t))
+                        offset += t.numel()

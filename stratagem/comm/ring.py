@@ -67,6 +67,8 @@ class RingCollective(ReplicaCollective):
         return plan
 
     def sum_exchanged(self, local_id, everyone, op, *, copy_back=True):
+        """Not the shared frame: the ring's own exchanges close it (the last all-gather step is
+        the final barrier), and a replica that fails leaves the others to the abort."""
         n = len(everyone)
         if n == 1:
             return

@@ -35,7 +35,6 @@ placement only moves tensors there, as ``OneDeviceStrategy`` does.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Sequence
 
 import torch
@@ -45,7 +44,7 @@ from stratagem.devices import Device
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.hooks import base_of, unhooked_step
 from stratagem.placement.sharded_update import ShardedUpdate
-from stratagem.placement.update_rule import Storage, UpdateRule, nothing, params_of
+from stratagem.placement.update_rule import Storage, UpdateRule, params_of
 
 
 class CentralUpdate(UpdateRule):
@@ -135,15 +134,14 @@ class CentralUpdate(UpdateRule):
         return None
 
     def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any:
-        """The update of the primaries: this thread's range (split updates), else replica 0's."""
+        """The update of the primaries: this thread's range (split updates), else replica 0's
+        (outside ``run``, on this thread: every range, or the one update)."""
         sharded = self.sharded(optimizer)
         if sharded is not None:
-            if replica is None:
-                return functools.partial(_every_range, sharded, self.num_replicas)
-            return functools.partial(sharded.step, replica)
-        if replica in (None, 0):
-            return functools.partial(unhooked_step(base_of(optimizer)), optimizer)
-        return nothing
+            for r in range(self.num_replicas) if replica is None else (replica,):
+                sharded.step(r)
+            return None
+        return unhooked_step(base_of(optimizer))(optimizer) if replica in (None, 0) else None
 
     def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any:
         """The replicas meet (replica 0's result for everyone); each copies the new values into
@@ -228,11 +226,6 @@ class CentralUpdate(UpdateRule):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         self._check_placed(params)   # before the group is added: a refused group leaves no trace
         super().add_param_group(optimizer, {**param_group, "params": params})
-
-
-def _every_range(sharded: ShardedUpdate, num_replicas: int) -> None:
-    for replica in range(num_replicas):
-        sharded.step(replica)
 
 
 def _same_memory(device: torch.device, home: torch.device) -> bool:

@@ -17,7 +17,6 @@ copy itself.
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 from typing import Any
 
@@ -27,7 +26,7 @@ from stratagem._record import ATTRIBUTE, attach, record
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.hooks import base_of, unhooked_step
 from stratagem.placement.sharded_update import ShardedUpdate
-from stratagem.placement.update_rule import UpdateRule, nothing
+from stratagem.placement.update_rule import UpdateRule
 
 
 class MirroredUpdate(UpdateRule):
@@ -99,26 +98,16 @@ class MirroredUpdate(UpdateRule):
 
     def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any:
         """This replica's share of the update: its range (split updates), replica 0's one update
-        where the replicas share one memory, else its twin on its own copy."""
+        where the replicas share one memory, else its twin on its own copy (outside ``run``, every
+        replica's share on this thread)."""
         twins, sharded = self.twins(optimizer), self.sharded(optimizer)
-        if replica is None:
-            return functools.partial(self._update_every_copy, optimizer, twins, sharded)
         if sharded is not None:
-            return functools.partial(sharded.step, replica)
-        if self.shares_parameters:
-            return functools.partial(unhooked_step(base_of(optimizer)), optimizer) if replica == 0 else nothing
-        twin = twins[replica]
-        if twin is not optimizer:
-            _copy_hyperparameters(optimizer, twin)
-        return functools.partial(unhooked_step(base_of(optimizer)), twin)
-
-    def _update_every_copy(self, optimizer: torch.optim.Optimizer, twins: list, sharded: Any) -> Any:
-        if sharded is not None:
-            for replica in range(len(twins)):
-                sharded.step(replica)
+            for r in range(len(twins)) if replica is None else (replica,):
+                sharded.step(r)
             return None
+        mine = twins[:1] if self.shares_parameters else twins   # twins[0]: the optimizer itself
         result = None
-        for twin in twins[:1] if self.shares_parameters else twins:
+        for twin in mine if replica is None else mine[replica:replica + 1]:
             if twin is not optimizer:
                 _copy_hyperparameters(optimizer, twin)
             result = unhooked_step(base_of(optimizer))(twin)

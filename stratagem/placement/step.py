@@ -10,9 +10,8 @@ backward:
    with GPU replicas: the parameter device; ZeRO stage 2: this worker's range of the sum);
 2. the user's step pre-hooks, once (replica 0 while the others wait), seeing the summed
    gradients; gradients a hook changed reach the other replicas (``copy_changed``);
-3. ``update_call`` -- the update, called here so that the torch call stays three frames under
-   ``optimizer.step()``: this replica's range (split updates), replica 0's single update on
-   shared memory, or this replica's twin on its own copy;
+3. ``update_call`` -- the update: this replica's range (split updates), replica 0's single
+   update on shared memory, or this replica's twin on its own copy;
 4. ``after_update`` -- the replicas meet; the new values reach every copy (central storage: its
    replicas' copies; ZeRO: the all-gather of the ranges);
 5. the post-hooks, once, seeing the updated parameters; parameters a hook changed reach the
@@ -72,7 +71,7 @@ def synchronous_step(placement: SynchronousPlacement, optimizer: torch.optim.Opt
         if pre:
             _hooks_once(placement, pre, optimizer, replica, grads=True)
         with label("stratagem.optimizer.update"):
-            result = rule.update_call(optimizer, replica, gradients)()
+            result = rule.update_call(optimizer, replica, gradients)
         result = rule.after_update(optimizer, replica, result)
         if post:
             _hooks_once(placement, post, optimizer, replica, grads=False)

@@ -206,8 +206,3 @@ class UpdateRule:
 def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every parameter of ``optimizer``, group after group."""
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def nothing() -> None:
-    """The update call of a replica with nothing to update."""
-    return None

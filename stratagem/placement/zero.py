@@ -31,7 +31,6 @@ gathers the state on every worker once and lets the chief write it).
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from typing import Any, Iterator
 
@@ -171,7 +170,7 @@ class ZeroUpdate(UpdateRule):
 
     def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any:
         """This worker's range of the update."""
-        return functools.partial(self.sharded(optimizer).step, self._rank, gradients)
+        return self.sharded(optimizer).step(self._rank, gradients)
 
     def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any:
         """Every worker's updated range reaches every worker (all-gather)."""

@@ -51,11 +51,13 @@ def main(argv=None):
     parser.add_argument("--die-on-rank", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--repeat", type=int, default=1, help="pass over the batches this many times")
+    parser.add_argument("--sharding", default=None, choices=[None, "optimizer", "gradients"])
     args = parser.parse_args(argv)
 
     options = sg.CommunicationOptions(bytes_per_pack=args.bytes_per_pack, timeout_seconds=args.timeout)
     devices = [f"cpu:{i}" for i in range(args.replicas_per_worker)]
-    strategy = sg.MultiWorkerMirroredStrategy(communication_options=options, devices=devices)
+    strategy = sg.MultiWorkerMirroredStrategy(communication_options=options, devices=devices,
+                                              sharding=args.sharding)
     rank = strategy.cluster_resolver.worker_rank
     torch.manual_seed(100 + rank)  # different on every worker: the chief's values must win
     with strategy.scope():
