@@ -30,7 +30,7 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.mixed_precision import Policy
 from stratagem.nn.losses import compute_average_loss
 from stratagem.keras.inputs import unpack
-from stratagem.keras.structured import OutputChoice, call_module
+from stratagem.keras.structured import OutputChoice, call_module, check_inputs
 from stratagem.values import map_structure
 
 __all__ = ["ModelSteps", "StepPrecision", "check_jit_compile", "compiled", "make_predict_step", "make_test_step", "make_train_step",
@@ -49,6 +49,7 @@ class StepPrecision:
     def forward(self, module: torch.nn.Module, x: Any) -> Any:
         """The module's outputs, computed under autocast and read in float32 (a dict ``x`` is
         passed as keyword arguments, a tuple as positional ones: :func:`call_module`)."""
+        check_inputs(module, x)
         if self.jit_compile:
             module = compiled(module)
         if self.policy.compute_dtype is None:

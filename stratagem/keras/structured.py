@@ -8,8 +8,9 @@ several outputs returns a list or a dict. So ``sg.Model``:
 
 - calls the module with a dict ``x`` as keyword arguments (``module(**x)``), with a tuple
   ``x`` as positional arguments (``module(*x)``), with anything else as one argument
-  (:func:`call_module`). A list is not spread: it stays one argument, and a list given to
-  ``fit`` is an iterable of batches;
+  (:func:`call_module`), after checking that ``forward`` takes them (:func:`check_inputs`).
+  A list is not spread: it stays one argument, and a list given to ``fit`` is an iterable of
+  batches;
 - gives the loss and the metrics one tensor of the output (:meth:`OutputChoice.for_loss`):
   the output named by ``sg.Model(module, output=...)`` (a key of a dict or ``ModelOutput``,
   an index of a tuple), or, when ``output`` is None, the output itself if it is a tensor, its
@@ -23,6 +24,7 @@ several outputs returns a list or a dict. So ``sg.Model``:
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,43 +34,80 @@ import torch
 from stratagem.errors import InvalidArgumentError
 from stratagem.values import flatten
 
-__all__ = ["OutputChoice", "call_module"]
+__all__ = ["OutputChoice", "call_module", "check_inputs"]
 
 
 def call_module(module: Any, x: Any) -> Any:
-    """``module(**x)`` for a dict, ``module(*x)`` for a tuple, else ``module(x)``; a call the
-    module's ``forward`` cannot take raises an error naming its parameters."""
-    try:
-        if isinstance(x, dict):
-            return module(**x)
-        if isinstance(x, tuple):
-            return module(*x)
-        return module(x)
-    except TypeError as err:
-        problem = _binding_problem(module, x)
-        if problem is None:   # the call fits the signature: the error came from inside forward
-            raise
-        raise InvalidArgumentError(problem) from err
+    """``module(**x)`` for a dict, ``module(*x)`` for a tuple, else ``module(x)``."""
+    if isinstance(x, dict):
+        return module(**x)
+    if isinstance(x, tuple):
+        return module(*x)
+    return module(x)
 
 
-def _binding_problem(module: Any, x: Any) -> str | None:
-    forward = getattr(module, "forward", None)
-    try:
-        signature = inspect.signature(forward)
-    except (TypeError, ValueError):
-        return None
+def check_inputs(module: Any, x: Any) -> None:
+    """Raise, naming ``forward``'s parameters, when ``module`` cannot take ``x`` as
+    :func:`call_module` passes it -- before the call, so that a misspelt key is not swallowed
+    by a ``**kwargs`` whose accepted keys are declared (``**kwargs: Unpack[SomeTypedDict]``, as
+    Hugging Face models declare theirs)."""
+    signature, keywords = _forward_of(type(module), module)
+    if signature is None:
+        return
     args, kwargs = ((), x) if isinstance(x, dict) else (x, {}) if isinstance(x, tuple) else ((x,), {})
     try:
         signature.bind(*args, **kwargs)
+        unknown = sorted(set(kwargs) - keywords) if keywords is not None else []
+        if unknown:
+            raise TypeError(f"it takes no {', '.join(map(repr, unknown))}")
     except TypeError as err:
         given = (f"the keys {sorted(x)} of the dict x" if isinstance(x, dict)
                  else f"{len(x)} positional inputs (a tuple x)" if isinstance(x, tuple) else "one input x")
         stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
         params = ", ".join(stars.get(p.kind, "") + name for name, p in signature.parameters.items())
-        return (f"{type(module).__name__}.forward({params}) cannot take {given}: {err}. A dict x is passed as "
-                f"keyword arguments and a tuple x as positional ones: name the inputs as forward's parameters "
-                f"(drop the others), or give x as one tensor")
-    return None
+        raise InvalidArgumentError(
+            f"{type(module).__name__}.forward({params}) cannot take {given}: {err}. A dict x is passed as keyword "
+            f"arguments and a tuple x as positional ones: name the inputs as forward's parameters (drop the "
+            f"others), or give x as one tensor") from None
+
+
+#: a module class -> forward's signature and the keywords it takes (None: any); read once per class
+_FORWARDS: dict[type, tuple[inspect.Signature | None, frozenset[str] | None]] = {}
+
+
+def _forward_of(cls: type, module: Any) -> tuple[inspect.Signature | None, frozenset[str] | None]:
+    found = _FORWARDS.get(cls)
+    if found is None:
+        signature = _signature(module.forward)
+        keywords: set[str] | None = set()
+        for name, parameter in (signature.parameters.items() if signature is not None else ()):
+            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
+                keywords.add(name)
+            elif parameter.kind is parameter.VAR_KEYWORD:
+                declared = _typed_keys(parameter.annotation)
+                keywords = None if declared is None or keywords is None else keywords | declared
+        found = _FORWARDS[cls] = (signature, None if keywords is None else frozenset(keywords))
+    return found
+
+
+def _signature(forward: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(forward, eval_str=True)   # annotations written as strings too
+    except Exception:   # a name an annotation uses cannot be resolved: the annotations as written
+        pass
+    try:
+        return inspect.signature(forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def _typed_keys(annotation: Any) -> set[str] | None:
+    """The keys of ``**kwargs: Unpack[TD]`` (a TypedDict), or None: any key."""
+    if getattr(typing.get_origin(annotation), "_name", None) != "Unpack":   # typing's or typing_extensions'
+        return None
+    (typed,) = typing.get_args(annotation)
+    required, optional = getattr(typed, "__required_keys__", None), getattr(typed, "__optional_keys__", None)
+    return None if required is None or optional is None else set(required) | set(optional)
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,12 @@ with outputs that are not one tensor (``output=``): equivalence, predict, and th
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 import pytest
 import torch
+from typing_extensions import Unpack
 
 import stratagem as sg
 from stratagem.errors import InvalidArgumentError
@@ -161,3 +163,27 @@ def test_save_and_load_keep_the_output(tmp_path: Path) -> None:
     loaded = sg.models.load_model(tmp_path / "model.pt", custom_objects={"TwoInputs": TwoInputs})
     assert loaded.output == "scores"
     torch.testing.assert_close(loaded.predict(named), model.predict(named))
+
+
+class Options(TypedDict, total=False):
+    temperature: float
+
+
+class Declared(torch.nn.Module):
+    def forward(self, features: torch.Tensor, **kwargs: Unpack[Options]) -> torch.Tensor:
+        return features * kwargs.get("temperature", 1.0)
+
+
+class Open(torch.nn.Module):
+    def forward(self, features: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        return features
+
+
+def test_declared_keyword_arguments_are_checked_open_ones_are_not() -> None:
+    features = np.ones((4, 2), dtype=np.float32)
+    assert sg.Model(Declared()).predict({"features": features, "temperature": features}).shape == (4, 2)
+    with pytest.raises(InvalidArgumentError, match=r"Declared\.forward\(features, \*\*kwargs\) cannot take the keys "
+                                                   r"\['features', 'temprature'\] of the dict x: it takes no "
+                                                   r"'temprature'"):
+        sg.Model(Declared()).predict({"features": features, "temprature": features})
+    assert sg.Model(Open()).predict({"features": features, "anything": features}).shape == (4, 2)
