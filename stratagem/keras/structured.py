@@ -38,12 +38,27 @@ __all__ = ["OutputChoice", "call_module", "check_inputs"]
 
 
 def call_module(module: Any, x: Any) -> Any:
-    """``module(**x)`` for a dict, ``module(*x)`` for a tuple, else ``module(x)``."""
-    if isinstance(x, dict):
-        return module(**x)
-    if isinstance(x, tuple):
-        return module(*x)
-    return module(x)
+    """``module(**x)`` for a dict, ``module(*x)`` for a tuple, else ``module(x)``.
+
+    A replica's slice of a last batch with fewer rows than replicas is empty, and the module
+    runs on it (its loss adds nothing); a module that cannot (attention reshaping with ``-1``
+    fails on 0 rows) gets an error saying why and what to change.
+    """
+    try:
+        if isinstance(x, dict):
+            return module(**x)
+        if isinstance(x, tuple):
+            return module(*x)
+        return module(x)
+    except Exception as err:
+        leaves = [leaf for leaf in flatten(x) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+        if not leaves or leaves[0].shape[0] > 0:
+            raise
+        raise InvalidArgumentError(
+            f"{type(module).__name__} failed on this replica's empty slice of a batch with fewer rows than "
+            f"replicas ({type(err).__name__}: {err}); choose batch_size and the number of rows so that every batch "
+            f"has at least num_replicas_in_sync rows, or drop the last partial batch "
+            f"(DataLoader(..., drop_last=True))") from err
 
 
 def check_inputs(module: Any, x: Any) -> None:

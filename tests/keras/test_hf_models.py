@@ -107,7 +107,17 @@ def test_bert_under_multi_worker_mirrored_trains_like_plain_pytorch(tmp_path: Pa
         expected = plain(**x).logits
     for index in range(2):
         got = torch.load(tmp_path / f"worker{index}.pt", weights_only=False)
-        for name, value in plain.state_dict().items():   # 2 workers x 2 replicas, the last batch 1/1/1/0
+        for name, value in plain.state_dict().items():   # 2 workers x 2 replicas, the last batch 2/2/2/1
             torch.testing.assert_close(got["state"][name], value, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(got["logits"], expected)
         assert got["rows"] == ROWS
+
+
+def test_a_model_that_cannot_run_on_an_empty_slice_says_how_to_avoid_it() -> None:
+    x, y = bert_data()
+    with sg.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+        model = sg.Model(bert())
+        model.compile("adam", sg.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(InvalidArgumentError, match=r"BertForSequenceClassification failed on this replica's empty "
+                                                   r"slice.*at least num_replicas_in_sync rows.*drop_last=True"):
+        model.fit(x, y, batch_size=11, verbose=0)   # 23 = 11 + 11 + 1: one replica gets no row
