@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 import stratagem as sg  # noqa: E402
 from stratagem.errors import InvalidArgumentError  # noqa: E402
 from stratagem.testing import run_local_cluster  # noqa: E402
+from stratagem.values import flatten  # noqa: E402
 
 from .hf_models import (BATCH, EPOCHS, ROWS, bert, bert_data, gpt2, next_token_loss, plain_training,  # noqa: E402
                         sparse_cross_entropy, token_data)
@@ -74,6 +75,10 @@ def test_gpt2_trains_like_plain_pytorch_with_its_embeddings_tied() -> None:
 
 def test_gpt2_without_output_cannot_predict_its_cache() -> None:
     model = sg.Model(gpt2())
+    with torch.no_grad():
+        record = model.module(token_data()[:2])
+    if all(isinstance(leaf, torch.Tensor) for leaf in flatten(record)):
+        pytest.skip("this version of transformers returns GPT-2's cache as tensors, which predict can join")
     with pytest.raises(InvalidArgumentError, match=r"one of them is a DynamicCache.*sg\.Model\(module, output=KEY\) "
                                                    r"\(its keys: 'logits'"):
         model.predict(token_data())
@@ -84,7 +89,7 @@ def test_a_key_bert_does_not_take_is_refused_before_the_call() -> None:
     x, _ = bert_data()
     model = sg.Model(bert())
     with pytest.raises(InvalidArgumentError, match=r"BertForSequenceClassification\.forward\(input_ids, attention_mask, "
-                                                   r".*\*\*kwargs\) cannot take the keys .* it takes no 'attention_masks'"):
+                                                   r".*\) cannot take the keys .*: .*'attention_masks'"):
         model.predict({"input_ids": x["input_ids"], "attention_masks": x["attention_mask"]})
 
 
