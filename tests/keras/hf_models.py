@@ -1,7 +1,7 @@
 """Tiny Hugging Face models built from configs (no download), their data, and plain PyTorch's training.
 
 Shared by tests/keras/test_hf_models.py and the workers of hf_mw_script.py (which import it as
-``hf_models``). Everything is float64 and dropout-free, so that sg.Model's training can be
+``hf_models``). Everything is dropout-free and float64 by default, so that sg.Model's training can be
 compared with a plain loop to rounding.
 """
 
@@ -17,11 +17,11 @@ VOCAB, LENGTH, ROWS, CLASSES = 40, 8, 23, 3
 BATCH, EPOCHS = 8, 2   # 23 = 8 + 8 + 7: no replica of 4 gets an empty slice
 
 
-def float64(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-    """``build()`` seeded, its parameters created in float64 (not converted after: a module made
+def seeded(build: Callable[[], torch.nn.Module], dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    """``build()`` seeded, its parameters created in ``dtype`` (not converted after: a module made
     in a strategy's scope is placed as it is created)."""
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
+    torch.set_default_dtype(dtype)
     try:
         torch.manual_seed(0)
         return build()
@@ -29,17 +29,17 @@ def float64(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
         torch.set_default_dtype(previous)
 
 
-def bert() -> BertForSequenceClassification:
+def bert(dtype: torch.dtype = torch.float64) -> BertForSequenceClassification:
     config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=16, num_labels=CLASSES,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return float64(lambda: BertForSequenceClassification(config))
+    return seeded(lambda: BertForSequenceClassification(config), dtype)
 
 
 def gpt2() -> GPT2LMHeadModel:
     config = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return float64(lambda: GPT2LMHeadModel(config))
+    return seeded(lambda: GPT2LMHeadModel(config))
 
 
 def bert_data() -> tuple[dict[str, torch.Tensor], torch.Tensor]:

@@ -126,3 +126,12 @@ def test_a_model_that_cannot_run_on_an_empty_slice_says_how_to_avoid_it() -> Non
     with pytest.raises(InvalidArgumentError, match=r"BertForSequenceClassification failed on this replica's empty "
                                                    r"slice.*at least num_replicas_in_sync rows.*drop_last=True"):
         model.fit(x, y, batch_size=11, verbose=0)   # 23 = 11 + 11 + 1: one replica gets no row
+
+
+def test_mixed_precision_reads_a_model_output_in_float32() -> None:
+    x, y = bert_data()
+    model = sg.Model(bert(torch.float32))
+    model.compile("adam", sg.losses.SparseCategoricalCrossentropy(from_logits=True), mixed_precision="mixed_bfloat16")
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    predicted = model.predict(x)
+    assert type(predicted).__name__ == "SequenceClassifierOutput" and predicted.logits.dtype == torch.float32

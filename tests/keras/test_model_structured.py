@@ -187,3 +187,16 @@ def test_declared_keyword_arguments_are_checked_open_ones_are_not() -> None:
                                                    r"'temprature'"):
         sg.Model(Declared()).predict({"features": features, "temprature": features})
     assert sg.Model(Open()).predict({"features": features, "anything": features}).shape == (4, 2)
+
+
+def test_a_parameter_server_worker_cuts_dict_batches_from_the_arrays_it_is_sent() -> None:
+    from stratagem.ps.fit_loop import _dataset_fn   # grpc: loaded for this test only
+
+    class Context:
+        input_pipeline_id = 0
+
+    named, y, _ = inputs()
+    batch = next(iter(_dataset_fn(named, y, None, 8, False)(Context())))
+    x, labels = batch
+    assert sorted(x) == ["features", "scale"] and x["features"].shape == (8, FEATURES) and x["scale"].shape == (8, 1)
+    torch.testing.assert_close(labels, torch.from_numpy(y[:8]))
