@@ -79,7 +79,7 @@ class Model(ModelIO):
     def __init__(self, module: nn.Module, *, strategy: Any = None, output: str | int | None = None) -> None:
         if not isinstance(module, nn.Module):
             raise InvalidArgumentError(f"sg.Model wraps a torch.nn.Module, got {type(module).__name__}")
-        self.module, self.output, self._output = module, output, OutputChoice(output)
+        self.module, self._output = module, OutputChoice(output)
         self.strategy = model_strategy(module, strategy)
         self.optimizer: torch.optim.Optimizer | None = None
         self.loss: Any = None
@@ -95,6 +95,11 @@ class Model(ModelIO):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    @property
+    def output(self) -> str | int | None:
+        """The ``output=`` the model was built with: what the loss, metrics and ``predict`` read."""
+        return self._output.key
 
     @property
     def metrics(self) -> list[Any]:
