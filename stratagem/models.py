@@ -75,16 +75,16 @@ def load_model(filepath: "str | os.PathLike", custom_objects: dict[str, Any] | N
     except Exception as err:   # raised on every worker, after they compared
         error = err
     agree(strategy, error, "load_model")
-    return _build(strategy, module, compiled, path)
+    return _build(strategy, module, compiled, path, content.get("output"))
 
 
-def _build(strategy: Any, module: nn.Module, compiled: dict | None, path: str) -> Model:
+def _build(strategy: Any, module: nn.Module, compiled: dict | None, path: str, output: Any = None) -> Model:
     """Create the model in ``strategy``'s scope (placed as if constructed there), then compile
     it and restore the optimizer's and the loss scaler's state."""
     with strategy.scope():
         architecture.register_in_scope(module)
         strategy.placement.finalize()
-        model = Model(module)
+        model = Model(module, output=output)
         if compiled is None:
             return model
         spec = compiled["optimizer"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -28,28 +27,20 @@ from stratagem.callbacks import BackupAndRestore
 from stratagem.errors import InvalidArgumentError, StratagemError
 from stratagem.mixed_precision import Policy, as_policy, global_policy
 from stratagem.placement.learning_rate import with_learning_rate
-from stratagem.keras import losses as losses_module
+from stratagem.keras import losses as losses_module, optimizers
 from stratagem.keras.callback_list import CallbackList, History
 from stratagem.checkpoint.checkpoint import Checkpoint
 from stratagem.keras.epochs import EpochBatches, ReplicatedEpochs, concat, global_rows, length, step_logs
-from stratagem.keras.inputs import as_batches, split_validation
+from stratagem.keras.inputs import as_batches, is_array_input, split_validation
 from stratagem.keras.model_io import ModelIO
 from stratagem.keras.model_scope import check_used_in_scope, model_strategy
 from stratagem.keras.progress import ProgressLogger
 from stratagem.keras.step_kinds import steps_for
 from stratagem.keras.steps import StepPrecision, check_jit_compile
+from stratagem.keras.structured import OutputChoice
 from stratagem.values import map_structure, select_replica
 
 __all__ = ["Model", "NotCompiledError"]
-
-# Keras's default learning rates; every other argument is torch's default (RMSprop: Keras's rho=0.9)
-_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict]] = {
-    "sgd": (torch.optim.SGD, {"lr": 0.01}),
-    "adam": (torch.optim.Adam, {"lr": 0.001}),
-    "adamw": (torch.optim.AdamW, {"lr": 0.001}),
-    "rmsprop": (torch.optim.RMSprop, {"lr": 0.001, "alpha": 0.9}),
-}
-
 
 class NotCompiledError(StratagemError, RuntimeError):
     """``fit`` or ``evaluate`` was called before ``compile``."""
@@ -64,7 +55,11 @@ class Model(ModelIO):
     called in it or outside every scope (else :class:`~stratagem.errors.ContextError`:
     :mod:`stratagem.keras.model_scope`). Callbacks may read and set ``model.stop_training`` and read
     ``optimizer``, ``module``, ``strategy``, ``history``, ``loss``, ``metrics``,
-    ``dtype_policy`` and ``loss_scaler``. Saving and inspecting (``save``, ``save_weights``,
+    ``dtype_policy`` and ``loss_scaler``. ``output``: which part of what the module returns the
+    loss, the metrics and ``predict`` read -- a key of a dict or Hugging Face ``ModelOutput``,
+    an index of a tuple, or None: a tensor as is, else ``"logits"``, else the first element
+    (:mod:`stratagem.keras.structured`). A dict ``x`` is passed to the module as keyword
+    arguments, a tuple as positional ones. Saving and inspecting (``save``, ``save_weights``,
     ``load_weights``, ``summary``, ``weights``, ``get_weights``, ...): :class:`ModelIO`.
 
     Example::
@@ -81,10 +76,10 @@ class Model(ModelIO):
         print(model.predict(x).shape)   # torch.Size([100, 3])
     """
 
-    def __init__(self, module: nn.Module, *, strategy: Any = None) -> None:
+    def __init__(self, module: nn.Module, *, strategy: Any = None, output: str | int | None = None) -> None:
         if not isinstance(module, nn.Module):
             raise InvalidArgumentError(f"sg.Model wraps a torch.nn.Module, got {type(module).__name__}")
-        self.module = module
+        self.module, self._output = module, OutputChoice(output)
         self.strategy = model_strategy(module, strategy)
         self.optimizer: torch.optim.Optimizer | None = None
         self.loss: Any = None
@@ -100,6 +95,11 @@ class Model(ModelIO):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    @property
+    def output(self) -> str | int | None:
+        """The ``output=`` the model was built with: what the loss, metrics and ``predict`` read."""
+        return self._output.key
 
     @property
     def metrics(self) -> list[Any]:
@@ -143,32 +143,20 @@ class Model(ModelIO):
             compiled_metrics = [metrics_module.get(m, loss=loss) for m in (metrics or [])]
             loss_tracker = metrics_module.Mean(name="loss")
             scaler = torch.amp.GradScaler(device_type) if policy.loss_scaling else None
-            self.optimizer = with_learning_rate(self._make_optimizer(optimizer))   # Keras's learning_rate
+            optimizer = optimizers.get(optimizer, self.module.parameters())
+            self.optimizer = with_learning_rate(optimizer)   # Keras's learning_rate
         self.dtype_policy, self.loss_scaler = policy, scaler
         self._precision = StepPrecision(policy, device_type, scaler, jit_compile)
         self.steps_per_execution = steps_per_execution
         self.loss, self._loss_fn = loss, loss_fn
         self._loss_tracker, self.compiled_metrics = loss_tracker, compiled_metrics
 
-    def _make_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
-        if isinstance(optimizer, torch.optim.Optimizer):
-            return optimizer
-        if isinstance(optimizer, str):
-            entry = _OPTIMIZERS.get(optimizer.lower())
-            if entry is None:
-                raise InvalidArgumentError(f"unknown optimizer {optimizer!r}; use one of "
-                                           f"{', '.join(_OPTIMIZERS)}, or a torch.optim optimizer")
-            cls, kwargs = entry
-            return cls(self.module.parameters(), **kwargs)
-        raise InvalidArgumentError(f"optimizer must be a name ({', '.join(_OPTIMIZERS)}) or a torch.optim "
-                                   f"optimizer, got {type(optimizer).__name__}")
-
     def make_train_function(self) -> Callable[[Any], tuple[torch.Tensor, int]]:
         """The function that runs one training step on a replica (or a parameter-server worker):
         ``step(batch) -> (loss, rows)`` -- forward, loss, backward, optimizer step, metrics."""
         self._require_compiled("fit")
         return steps_for(self.strategy).train(self.module, self.optimizer, self._loss_fn, self._loss_tracker,
-                                                  self.compiled_metrics, self._precision)
+                                              self.compiled_metrics, self._precision, output=self._output)
 
     def _require_compiled(self, method: str) -> None:
         if self.optimizer is None:
@@ -257,7 +245,7 @@ class Model(ModelIO):
     def _validate(self, validation_data: Any, batch_size: int | None, callback_list: CallbackList) -> dict:
         """The ``val_*`` logs; the callbacks' ``on_test_*`` hooks are called, as Keras does."""
         if isinstance(validation_data, tuple) and len(validation_data) in (2, 3) and \
-                isinstance(validation_data[0], (torch.Tensor, np.ndarray)):
+                is_array_input(validation_data[0]):
             data = as_batches(*validation_data, batch_size=batch_size, shuffle=False, method="fit")
         else:
             data = as_batches(validation_data, batch_size=None, shuffle=False, method="fit")
@@ -293,7 +281,7 @@ class Model(ModelIO):
         strategy = self.strategy
         call = callback_list.call if callback_list is not None else (lambda *args: None)
         step_fn = steps_for(strategy).test(self.module, self._loss_fn, self._loss_tracker, self.compiled_metrics,
-                                               self._precision)
+                                           self._precision, output=self._output)
         self.reset_metrics()
         batch_logs = step_logs(self, callback_list, progress, "on_test_batch_end", steps or length(data))
         call("on_test_begin", None)
@@ -319,7 +307,8 @@ class Model(ModelIO):
     def predict(self, x: Any, batch_size: int | None = None, steps: int | None = None,
                 callbacks: Sequence[Any] | None = None, verbose: Any = 0) -> Any:
         """The module's outputs for every example of ``x``, in input order (on every worker), as
-        CPU tensors (a tuple or dict of them for a module that returns one).
+        CPU tensors: the output named by ``sg.Model(module, output=...)``, or without it the whole
+        output (a tuple, dict or ``ModelOutput`` of them for a module that returns one).
 
         Each replica computes its slice; the slices are put back in order, across workers
         too, with no padding rows. Batches of ``(x, y)`` have their ``y`` ignored.
@@ -332,7 +321,7 @@ class Model(ModelIO):
         callback_list = CallbackList(callbacks or [], model=self,
                                      params={"epochs": 1, "steps": steps or length(data), "verbose": verbose})
         progress = ProgressLogger(verbose, chief=self._is_chief())
-        step_fn = steps_for(strategy).predict(self.module, self._precision)
+        step_fn = steps_for(strategy).predict(self.module, self._precision, output=self._output)
         num_local = strategy.topology.num_local_replicas
         outputs: list[Any] = []
         callback_list.call("on_predict_begin", None)

@@ -16,6 +16,7 @@
                                     "state_dict": the optimizer's state_dict (state {} without
                                                   include_optimizer)},
                       "loss_scaler": a GradScaler's state_dict or None},
+     "output":       the Model's output= (a key, an index or None; absent in older files)
      "info":         {"stratagem", "torch", "strategy", "num_replicas_in_sync", "saved_at"}}
 
 ``model.save_weights`` writes the state_dict alone (a plain ``{name: tensor}``).
@@ -70,7 +71,7 @@ def model_payload(model: Any, module: nn.Module, *, include_optimizer: bool) -> 
     tensors: list[torch.Tensor] = []
     payload = {"format": FORMAT, "format_version": VERSION, "state_dict": state,
                "architecture": architecture.dump(skeleton, keys, tensors, what="the module"), "tensors": tensors,
-               "compile": None,
+               "compile": None, "output": model.output,
                "info": {"stratagem": __version__, "torch": str(torch.__version__), "strategy": type(strategy).__name__,
                         "num_replicas_in_sync": strategy.num_replicas_in_sync,
                         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}

@@ -28,6 +28,7 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.nn.losses import _current_global_batch_size
 from stratagem.keras.inputs import unpack
 from stratagem.keras.steps import ModelSteps, StepPrecision, per_example_losses, update_metrics
+from stratagem.keras.structured import OutputChoice
 from stratagem.values import flatten, map_structure
 
 __all__ = ["PipelineSteps"]
@@ -43,9 +44,9 @@ class PipelineSteps(ModelSteps):
         self.strategy = strategy
 
     def train(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-              loss_tracker: Any, metrics: Sequence[Any],
-              precision: StepPrecision | None = None) -> Callable[[Any], tuple[torch.Tensor, int]]:
-        strategy = self.strategy
+              loss_tracker: Any, metrics: Sequence[Any], precision: StepPrecision | None = None, *,
+              output: OutputChoice | None = None) -> Callable[[Any], tuple[torch.Tensor, int]]:
+        strategy = _one_output(self.strategy, output)
 
         def train_step(batch: Any) -> tuple[torch.Tensor, int]:
             parts = unpack(batch)
@@ -66,8 +67,9 @@ class PipelineSteps(ModelSteps):
         return train_step
 
     def test(self, module: torch.nn.Module, loss_fn: Callable, loss_tracker: Any,
-             metrics: Sequence[Any], precision: StepPrecision | None = None) -> Callable[[Any], None]:
-        strategy = self.strategy
+             metrics: Sequence[Any], precision: StepPrecision | None = None, *,
+             output: OutputChoice | None = None) -> Callable[[Any], None]:
+        strategy = _one_output(self.strategy, output)
 
         def test_step(batch: Any) -> None:
             parts = unpack(batch)
@@ -77,8 +79,9 @@ class PipelineSteps(ModelSteps):
             update_metrics(loss_tracker, metrics, parts.y, y_pred, losses, weights)
         return test_step
 
-    def predict(self, module: torch.nn.Module, precision: StepPrecision | None = None) -> Callable[[Any], Any]:
-        strategy = self.strategy
+    def predict(self, module: torch.nn.Module, precision: StepPrecision | None = None, *,
+                output: OutputChoice | None = None) -> Callable[[Any], Any]:
+        strategy = _one_output(self.strategy, output)
         return lambda batch: strategy.predict(module, unpack(batch).x)
 
 
@@ -97,6 +100,15 @@ class _MicroBatchLoss:
         losses, weights = per_example_losses(self.loss_fn, y, y_pred, weight)
         weighted = losses if weights is None else losses * weights
         return weighted.sum() / max(rows.numel(), 1)
+
+
+def _one_output(strategy: Any, output: OutputChoice | None) -> Any:
+    """The strategy, once sure the model reads the last stage's output as it is (a tensor)."""
+    if output is not None and output.key is not None:
+        raise InvalidArgumentError(f"sg.Model(module, output={output.key!r}) is not supported under "
+                                   f"{type(strategy).__name__}: the last stage returns the one tensor the loss "
+                                   f"reads; build the Model without output=")
+    return strategy
 
 
 def _check_rows(parts: Any) -> int:

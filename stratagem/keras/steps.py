@@ -30,6 +30,7 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.mixed_precision import Policy
 from stratagem.nn.losses import compute_average_loss
 from stratagem.keras.inputs import unpack
+from stratagem.keras.structured import OutputChoice, call_module, check_inputs
 from stratagem.values import map_structure
 
 __all__ = ["ModelSteps", "StepPrecision", "check_jit_compile", "compiled", "make_predict_step", "make_test_step", "make_train_step",
@@ -46,13 +47,15 @@ class StepPrecision:
     jit_compile: bool = False   # compile(jit_compile=True): the forward through torch.compile
 
     def forward(self, module: torch.nn.Module, x: Any) -> Any:
-        """The module's outputs, computed under autocast and read in float32."""
+        """The module's outputs, computed under autocast and read in float32 (a dict ``x`` is
+        passed as keyword arguments, a tuple as positional ones: :func:`call_module`)."""
+        check_inputs(module, x)
         if self.jit_compile:
             module = compiled(module)
         if self.policy.compute_dtype is None:
-            return module(x)
+            return call_module(module, x)
         with self.policy.autocast(self.device_type):
-            outputs = module(x)
+            outputs = call_module(module, x)
         return map_structure(_to_float32, outputs)
 
     def backward_and_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
@@ -67,6 +70,7 @@ class StepPrecision:
 
 
 _FULL = StepPrecision(Policy("float32"))
+_AUTO = OutputChoice()
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
 _COMPILING = threading.Lock()
 
@@ -139,14 +143,14 @@ def update_metrics(loss_tracker: Any, metrics: Sequence[Any], y: Any, y_pred: to
 
 
 def make_train_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-                    loss_tracker: Any, metrics: Sequence[Any],
-                    precision: StepPrecision = _FULL) -> Callable[[Any], tuple[torch.Tensor, int]]:
-    """``step(batch) -> (loss, rows)``: forward, backward, optimizer step, metrics."""
+                    loss_tracker: Any, metrics: Sequence[Any], precision: StepPrecision = _FULL, *,
+                    output: OutputChoice = _AUTO) -> Callable[[Any], tuple[torch.Tensor, int]]:
+    """``step(batch) -> (loss, rows)``: forward, backward, optimizer step, metrics (on ``output``'s tensor)."""
     def train_step(batch: Any) -> tuple[torch.Tensor, int]:
         if not module.training:   # Keras's training=True (dropout, batch statistics)
             module.train()
         parts = unpack(batch)
-        y_pred = precision.forward(module, parts.x)
+        y_pred = output.for_loss(precision.forward(module, parts.x))
         losses, weights = per_example_losses(loss_fn, parts.y, y_pred, parts.sample_weight)
         loss = compute_average_loss(losses, sample_weight=weights)
         optimizer.zero_grad()
@@ -157,26 +161,28 @@ def make_train_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, l
 
 
 def make_test_step(module: torch.nn.Module, loss_fn: Callable, loss_tracker: Any,
-                   metrics: Sequence[Any], precision: StepPrecision = _FULL) -> Callable[[Any], None]:
+                   metrics: Sequence[Any], precision: StepPrecision = _FULL, *,
+                   output: OutputChoice = _AUTO) -> Callable[[Any], None]:
     """``step(batch)``: forward and metrics, no gradients."""
     def test_step(batch: Any) -> None:
         if module.training:   # Keras's training=False (Model restores the mode afterwards)
             module.eval()
         parts = unpack(batch)
         with torch.no_grad():
-            y_pred = precision.forward(module, parts.x)
+            y_pred = output.for_loss(precision.forward(module, parts.x))
             losses, weights = per_example_losses(loss_fn, parts.y, y_pred, parts.sample_weight)
         update_metrics(loss_tracker, metrics, parts.y, y_pred, losses, weights)
     return test_step
 
 
-def make_predict_step(module: torch.nn.Module, precision: StepPrecision = _FULL) -> Callable[[Any], torch.Tensor]:
-    """``step(batch) -> outputs``: the module's outputs for the batch's inputs."""
-    def predict_step(batch: Any) -> torch.Tensor:
+def make_predict_step(module: torch.nn.Module, precision: StepPrecision = _FULL, *,
+                      output: OutputChoice = _AUTO) -> Callable[[Any], Any]:
+    """``step(batch) -> outputs``: the module's outputs for the batch's inputs (``output``'s part)."""
+    def predict_step(batch: Any) -> Any:
         if module.training:
             module.eval()
         with torch.no_grad():
-            return precision.forward(module, unpack(batch).x)
+            return output.for_predict(precision.forward(module, unpack(batch).x))
     return predict_step
 
 
@@ -191,13 +197,14 @@ class ModelSteps:
     supports_jit_compile = True
 
     def train(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-              loss_tracker: Any, metrics: Sequence[Any],
-              precision: StepPrecision = _FULL) -> Callable[[Any], tuple[torch.Tensor, int]]:
-        return make_train_step(module, optimizer, loss_fn, loss_tracker, metrics, precision)
+              loss_tracker: Any, metrics: Sequence[Any], precision: StepPrecision = _FULL, *,
+              output: OutputChoice = _AUTO) -> Callable[[Any], tuple[torch.Tensor, int]]:
+        return make_train_step(module, optimizer, loss_fn, loss_tracker, metrics, precision, output=output)
 
-    def test(self, module: torch.nn.Module, loss_fn: Callable, loss_tracker: Any,
-             metrics: Sequence[Any], precision: StepPrecision = _FULL) -> Callable[[Any], None]:
-        return make_test_step(module, loss_fn, loss_tracker, metrics, precision)
+    def test(self, module: torch.nn.Module, loss_fn: Callable, loss_tracker: Any, metrics: Sequence[Any],
+             precision: StepPrecision = _FULL, *, output: OutputChoice = _AUTO) -> Callable[[Any], None]:
+        return make_test_step(module, loss_fn, loss_tracker, metrics, precision, output=output)
 
-    def predict(self, module: torch.nn.Module, precision: StepPrecision = _FULL) -> Callable[[Any], Any]:
-        return make_predict_step(module, precision)
+    def predict(self, module: torch.nn.Module, precision: StepPrecision = _FULL, *,
+                output: OutputChoice = _AUTO) -> Callable[[Any], Any]:
+        return make_predict_step(module, precision, output=output)

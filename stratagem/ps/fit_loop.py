@@ -94,16 +94,16 @@ def _dataset_fn(x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuf
     data = as_batches(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method="fit")
     if isinstance(data, DataLoader) and isinstance(data.dataset, ArrayDataset):
         # send the tensors, not the loader: each worker cuts its own batches
-        return functools.partial(_array_batches, data.dataset.tensors, data.batch_size or DEFAULT_BATCH_SIZE,
-                                 shuffle)
+        return functools.partial(_array_batches, data.dataset.tensors, data.dataset.template,
+                                 data.batch_size or DEFAULT_BATCH_SIZE, shuffle)
     return functools.partial(_repeat, data)
 
 
-def _array_batches(tensors: tuple[torch.Tensor, ...], batch_size: int, shuffle: bool,
+def _array_batches(tensors: tuple[torch.Tensor, ...], template: Any, batch_size: int, shuffle: bool,
                    context: Any) -> Iterator[Any]:
     generator = torch.Generator()
     generator.manual_seed(int(torch.randint(0, 2**62, (1,)).item()) + context.input_pipeline_id)
-    loader = DataLoader(ArrayDataset(*tensors), batch_size=batch_size, shuffle=shuffle, collate_fn=keep_batch,
+    loader = DataLoader(ArrayDataset(*tensors, template=template), batch_size=batch_size, shuffle=shuffle, collate_fn=keep_batch,
                         generator=generator)
     return _repeat(loader, context)
 
