@@ -139,8 +139,11 @@ def assert_succeeded(results: Sequence[TaskResult], *, tail: int = 8000) -> None
 
     Example::
 
-        results = run_local_cluster(script, num_workers=2, timeout=60)
-        assert_succeeded(results)
+        import tempfile, pathlib
+        from stratagem.testing import assert_succeeded, run_local_cluster
+        script = pathlib.Path(tempfile.mkdtemp()) / "ok.py"
+        script.write_text("print('trained')")
+        assert_succeeded(run_local_cluster(script, num_workers=2, timeout=60))
     """
     failed = [r for r in results if r.returncode != 0]
     if failed:
