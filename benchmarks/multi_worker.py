@@ -199,23 +199,13 @@ def rank_main(args: argparse.Namespace) -> dict:
 
 def run_ranks(args: argparse.Namespace, child: str, profile: bool = False) -> list[dict]:
     """Both ranks of one measurement, in fresh processes with a deadline; their results."""
-    from stratagem.testing import free_ports, local_cluster
-
-    cluster, port = local_cluster(WORLD), free_ports(1)[0]
     per_step = 2.0 if child.endswith("large") or child.startswith("bw") else 0.3
     timeout = 90 + (args.steps + args.warmup) * per_step * (2 if child.startswith("ab") else 1)
-    argv = ["--child", child, "--port", str(port), "--steps", str(args.bw_steps if child.startswith("bw") else
-            args.steps), "--warmup", str(args.warmup), "--distinct", str(args.distinct), "--seed", str(args.seed),
+    argv = ["--child", child, "--steps", str(args.bw_steps if child.startswith("bw") else args.steps),
+            "--warmup", str(args.warmup), "--distinct", str(args.distinct), "--seed", str(args.seed),
             "--max-other-load", str(args.max_other_load), "--accumulate", str(args.accumulate)] + \
         (["--profile"] if profile else [])
-    with h.Processes() as procs:
-        for rank in range(WORLD):
-            tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}})
-            procs.start(f"rank {rank}", [sys.executable, os.path.abspath(__file__), *argv, "--rank", str(rank)],
-                        h.child_env(TF_CONFIG=tf_config))
-        names = [f"rank {r}" for r in range(WORLD)]
-        procs.wait(names, timeout)
-        return [json.loads([ln for ln in procs.output(n).splitlines() if ln.startswith("{")][-1]) for n in names]
+    return h.run_workers(os.path.abspath(__file__), argv, world=WORLD, timeout=timeout)
 
 
 def measure(args: argparse.Namespace, child: str) -> dict:
