@@ -136,17 +136,24 @@ def quartiles(values: Sequence[float], digits: int = 3) -> str:
     return "" if len(values) < 2 else f"{percentile(values, 25):.{digits}f}-{percentile(values, 75):.{digits}f}"
 
 
-def verdict(ratios: Sequence[float], target: float) -> str:
+def decision(ratios: Sequence[float], target: float) -> str:
     """Whether per-round ``ratios`` decide ``ratio <= target``: ``ok`` or ``MISSED`` when the
-    middle half of the rounds (the interquartile range) lies on one side of the target, else
-    ``undecided`` (the spread is wider than the margin to the target: more rounds, or a quieter
-    machine). One round decides nothing."""
+    middle half of at least two rounds (the interquartile range) lies on one side of the target,
+    else ``undecided`` (the spread is wider than the margin to the target: more rounds, or a
+    quieter machine). One round decides nothing."""
     if len(ratios) < 2:
-        return f"<={target:.2f} {'ok' if ratios and ratios[0] <= target else 'MISSED'} (1 round: undecided)" \
-            if ratios else f"<={target:.2f} n/a"
-    lo, mid, hi = percentile(ratios, 25), median(ratios), percentile(ratios, 75)
-    word = "ok" if hi <= target else "MISSED" if lo > target else "undecided"
-    return f"<={target:.2f} {word} (margin {target - mid:+.3f}, IQR {hi - lo:.3f})"
+        return "undecided"
+    lo, hi = percentile(ratios, 25), percentile(ratios, 75)
+    return "ok" if hi <= target else "MISSED" if lo > target else "undecided"
+
+
+def verdict(ratios: Sequence[float], target: float) -> str:
+    """:func:`decision` with the target, the margin of the median and the IQR, for a table."""
+    if not ratios:
+        return f"<={target:.2f} n/a"
+    iqr = percentile(ratios, 75) - percentile(ratios, 25)
+    return (f"<={target:.2f} {decision(ratios, target)} (margin {target - median(ratios):+.3f}, IQR {iqr:.3f}, "
+            f"{len(ratios)} round{'s' if len(ratios) > 1 else ''})")
 
 
 # ---------------------------------------------------------------- contention
@@ -325,9 +332,13 @@ class Rounds:
         self.results: dict[str, list[dict]] = {c: [] for c in self.configs}
         self.errors: list[str] = []
 
-    def run(self, measure: Callable[[str, int], dict]) -> "Rounds":
-        started = time.monotonic()
-        for rnd in range(self.rounds):
+    def run(self, measure: Callable[[str, int], dict], *, max_rounds: int = 0,
+            decided: Callable[[], bool] = lambda: True) -> "Rounds":
+        """``self.rounds`` rounds, then more, up to ``max_rounds`` in all, until ``decided()``."""
+        started, rnd = time.monotonic(), 0
+        while rnd < self.rounds or (rnd < max_rounds and not decided()):
+            if rnd >= self.rounds:
+                log(f"  round {rnd + 1}: not decided yet")
             k = rnd % len(self.configs)
             for config in self.configs[k:] + self.configs[:k]:
                 if self.quiet is not None:
@@ -343,6 +354,8 @@ class Rounds:
                 log(f"[round {rnd + 1}/{self.rounds}, {time.monotonic() - started:4.0f} s] {config}: "
                          + ", ".join(f"{k} {v:.2f}" for k, v in result.items() if k.endswith("_ms")
                                      and isinstance(v, float)))
+            rnd += 1
+        self.rounds = rnd
         return self
 
     def finish(self) -> int:

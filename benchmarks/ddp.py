@@ -228,9 +228,9 @@ def report(args: argparse.Namespace, rounds: h.Rounds) -> list[str]:
 def _ratio_line(name: str, ratios: list[float], target: float | None) -> str:
     if not ratios:
         return f"{name}: n/a (no round measured both)"
-    text = (f"{name}: {h.median(ratios):.3f}  IQR {h.quartiles(ratios) or '-'}  range {h.spread(ratios, 3) or '-'}"
-            f"  ({len(ratios)} round{'s' if len(ratios) > 1 else ''})")
-    return text + (f"  target {h.verdict(ratios, target)}" if target is not None else "")
+    text = f"{name}: {h.median(ratios):.3f}  IQR {h.quartiles(ratios) or '-'}  range {h.spread(ratios, 3) or '-'}"
+    return text + (f"  target {h.verdict(ratios, target)}" if target is not None else
+                   f"  ({len(ratios)} round{'s' if len(ratios) > 1 else ''})")
 
 
 def _compiled_summary(config: str, rs: list[dict]) -> str:
@@ -252,6 +252,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps first (compiled: they compile)")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds, fresh processes each")
+    p.add_argument("--max-rounds", type=int, default=0,
+                   help="rounds in all at most, run past --rounds while ours/DDP is undecided (default: no more)")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
     p.add_argument("--dim", type=int, default=64, help="model width")
     p.add_argument("--heads", type=int, default=4)
@@ -286,7 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     h.log(f"DDP vs its stratagem port: {args.configs}, {args.rounds} round(s) of {args.warmup} warm-up + "
           f"{args.steps} steps, load {h.loadavg()}")
     rounds = h.Rounds(args.configs, args.rounds, h.Quiet(args.max_wait, args.max_other_load))
-    rounds.run(lambda config, rnd: measure(args, config))
+
+    def decided() -> bool:   # ours / DDP, eager and compiled, met or missed by the middle half of the rounds
+        return all(h.decision(rounds.ratio(f"ours:{mode}", f"ddp:{mode}", "median_ms", clean=True), STEP_TARGET)
+                   != "undecided" for mode in ("eager", "compiled") if f"ours:{mode}" in rounds.results)
+    rounds.run(lambda config, rnd: measure(args, config), max_rounds=args.max_rounds, decided=decided)
     print(f"\nGPT {args.layers} x {args.dim} ({args.heads} heads, vocab {args.vocab}, tied), {args.block} tokens x "
           f"{args.rows} rows per worker x {args.accumulate} micro-steps, AdamW, clip {args.clip}, float32; "
           f"workers: {WORLD} processes x 1 thread, gloo on loopback; {args.rounds} round(s) x {args.steps} steps "
