@@ -136,6 +136,16 @@ def quartiles(values: Sequence[float], digits: int = 3) -> str:
     return "" if len(values) < 2 else f"{percentile(values, 25):.{digits}f}-{percentile(values, 75):.{digits}f}"
 
 
+def loss_check(label: str, losses: Sequence[float], tolerance: float = 1e-3) -> str | None:
+    """``label``'s check line: whether ``losses``, which the same training gives, agree (None for
+    fewer than two)."""
+    if len(losses) < 2:
+        return None
+    diff = (max(losses) - min(losses)) / abs(losses[0])
+    return f"{label}, max relative difference {diff:.1e}: " + (
+        "same training" if diff < tolerance else "DIFFERENT TRAINING")
+
+
 def decision(ratios: Sequence[float], target: float) -> str:
     """Whether per-round ``ratios`` decide ``ratio <= target``: ``ok`` or ``MISSED`` when the
     middle half of at least two rounds (the interquartile range) lies on one side of the target,
@@ -511,6 +521,16 @@ def emit(result: dict) -> None:
 def exit_cleanly_on_sigterm() -> None:
     """SIGTERM raises SystemExit, so that ``with Processes()`` blocks kill their children."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def as_child(args: Any, child: Callable[[Any], dict]) -> bool:
+    """A script's two roles: with ``--child`` (``args.child`` set) run ``child(args)``, emit its
+    result and return True; else (the parent) make SIGTERM end cleanly and return False."""
+    if args.child:
+        emit(child(args))
+        return True
+    exit_cleanly_on_sigterm()
+    return False
 
 
 # ---------------------------------------------------------------- profiling

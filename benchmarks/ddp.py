@@ -213,10 +213,8 @@ def report(args: argparse.Namespace, rounds: h.Rounds) -> list[str]:
         for kind, base in PAIRS:
             losses = [r["loss"] for c in (f"{kind}:{mode}", f"{base}:{mode}") for r in rounds.results.get(c, [])
                       if r.get("loss") is not None]
-            if len(losses) > 1:
-                diff = (max(losses) - min(losses)) / abs(losses[0])
-                lines.append(f"Check ({kind} vs {base}, {mode}): loss after warm-up + steps, max relative difference "
-                             f"{diff:.1e}: " + ("same training" if diff < 1e-3 else "DIFFERENT TRAINING"))
+            check = h.loss_check(f"Check ({kind} vs {base}, {mode}): loss after warm-up + steps", losses)
+            lines += [check] if check else []
     lines.append("Step times: the median of rank 0's kept steps (other processes kept <= "
                  f"{args.max_other_load} cores busy); a ratio: per round, the same round's medians (rounds where "
                  "neither side was disturbed throughout, when there are any), then median and interquartile range "
@@ -281,10 +279,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.child:
-        h.emit(child_main(args))
+    if h.as_child(args, child_main):
         return 0
-    h.exit_cleanly_on_sigterm()
     h.log(f"DDP vs its stratagem port: {args.configs}, {args.rounds} round(s) of {args.warmup} warm-up + "
           f"{args.steps} steps, load {h.loadavg()}")
     rounds = h.Rounds(args.configs, args.rounds, h.Quiet(args.max_wait, args.max_other_load))

@@ -236,10 +236,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.child:
-        h.emit(torch_child(args))
+    if h.as_child(args, torch_child):
         return 0
-    h.exit_cleanly_on_sigterm()
     if args.profile:
         raw = run_profile(args)
         errors = []

@@ -282,10 +282,8 @@ def report(args: argparse.Namespace, rounds: h.Rounds) -> list[str]:
                                       "bus GB/s", "ours/raw"], rows, align="lrrr")]
     for model in args.models:
         values = [loss for m, _, loss in losses if m == model and loss is not None]
-        if len(values) > 1:
-            diff = (max(values) - min(values)) / abs(values[0])
-            lines.append(f"Check ({model}): loss on global batch 0 after warmup+steps, ours vs DDP, max relative "
-                         f"difference {diff:.1e}: " + ("same training" if diff < 1e-3 else "DIFFERENT TRAINING"))
+        check = h.loss_check(f"Check ({model}): loss on global batch 0 after warmup+steps, ours vs DDP", values)
+        lines += [check] if check else []
     lines.append("Step times are rank 0's kept steps (steps during which other processes kept <= "
                  f"{args.max_other_load} cores busy); 'ours/DDP' = median over rounds of the same round's ratio, "
                  "'range' its min-max; 'CPU ms' = both ranks' CPU time per step; '!' = some round had no "
