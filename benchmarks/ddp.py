@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -114,8 +115,8 @@ def child_main(args: argparse.Namespace) -> dict:
         optimizer.zero_grad(set_to_none=True)
 
     if kind == "mirrored":
-        iterator = iter(strategy.experimental_distribute_dataset(
-            [batches[i % len(batches)] for i in range(args.warmup + 2 * args.steps + 2)]))
+        # an endless cycle over references to the batches; next() splits one for the replicas
+        iterator = iter(strategy.experimental_distribute_dataset(itertools.cycle(batches)))
 
         def step(i: int) -> None:
             strategy.run(train_step, args=next(iterator))
