@@ -160,7 +160,8 @@ def measure(args: argparse.Namespace, config: str) -> dict:
     argv = ["--child", config, "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
             "--max-other-load", str(args.max_other_load), "--patience", str(args.patience)] + \
         [f"--{name}={getattr(args, name)}" for name in MODEL_OPTIONS]
-    timeout = 120 + (240 if mode == "compiled" else 0) + (args.steps + args.warmup) * 2.0 + args.patience
+    # generous: under load plain PyTorch's two intra-op threads take seconds a step, and compiling minutes
+    timeout = 120 + (300 if mode == "compiled" else 0) + (args.steps + args.warmup) * 6.0 + args.patience
     script = os.path.abspath(__file__)
     if kind in ("ddp", "ours"):
         ranks = h.run_workers(script, argv, world=WORLD, timeout=timeout)
