@@ -195,19 +195,18 @@ def report(args: argparse.Namespace, rounds: h.Rounds) -> list[str]:
                 if mode == "compiled":
                     compile_lines.append(_compiled_summary(name, rs))
             if config in rounds.results and baseline in rounds.results:
-                ratios_by[(kind, mode)] = rounds.ratio(config, baseline, "median_ms", clean=True) or \
-                    rounds.ratio(config, baseline, "median_ms")
+                clean = rounds.ratio(config, baseline, "median_ms", clean=True)   # (False: disturbed rounds only)
+                ratios_by[(kind, mode)] = (clean or rounds.ratio(config, baseline, "median_ms"), bool(clean))
     for mode in ("eager", "compiled"):
-        ratios = ratios_by.get(("ours", mode))
-        if ratios is not None:
-            ratio_lines.append(_ratio_line(f"ours/DDP {mode}", ratios, STEP_TARGET))
+        if ("ours", mode) in ratios_by:
+            ratio_lines.append(_ratio_line(f"ours/DDP {mode}", *ratios_by[("ours", mode)], STEP_TARGET))
     eager, compiled = ratios_by.get(("mirrored", "eager")), ratios_by.get(("mirrored", "compiled"))
     if eager is not None:
-        ratio_lines.append(_ratio_line("Mirrored(2)/plain eager", eager, None))
+        ratio_lines.append(_ratio_line("Mirrored(2)/plain eager", *eager, None))
     if compiled is not None:
-        target = h.median(eager) if eager else None
-        ratio_lines.append(_ratio_line("Mirrored(2)/plain compiled", compiled, target)
-                           + ("" if eager else "  (target: the eager ratio, not measured)"))
+        target = h.median(eager[0]) if eager and eager[0] else None
+        ratio_lines.append(_ratio_line("Mirrored(2)/plain compiled", *compiled, target)
+                           + ("" if target else "  (target: the eager ratio, not measured)"))
     lines = [h.format_table(["config", "what", "median ms", "p90 ms", "round ms range", "CPU ms", "warm-up s",
                              "steps kept", "rounds"], table, align="llrrrrrrr"), ""]
     lines += ratio_lines + [""] + compile_lines
@@ -225,10 +224,16 @@ def report(args: argparse.Namespace, rounds: h.Rounds) -> list[str]:
     return lines
 
 
-def _ratio_line(name: str, ratios: list[float], target: float | None) -> str:
+def _ratio_line(name: str, ratios: list[float], undisturbed: bool, target: float | None) -> str:
+    """The ratio's line; ``undisturbed``: from rounds in which both sides kept undisturbed steps
+    (else from disturbed rounds: no verdict)."""
     if not ratios:
         return f"{name}: n/a (no round measured both)"
-    text = f"{name}: {h.median(ratios):.3f}  IQR {h.quartiles(ratios) or '-'}  range {h.spread(ratios, 3) or '-'}"
+    if not undisturbed and target is not None:
+        return (f"{name}: {h.median(ratios):.3f}!  range {h.spread(ratios, 3) or '-'}  target <={target:.2f} n/a "
+                f"(!: no round kept undisturbed steps on both sides)")
+    text = (f"{name}: {h.median(ratios):.3f}{'' if undisturbed else '!'}  IQR {h.quartiles(ratios) or '-'}  "
+            f"range {h.spread(ratios, 3) or '-'}")
     return text + (f"  target {h.verdict(ratios, target)}" if target is not None else
                    f"  ({len(ratios)} round{'s' if len(ratios) > 1 else ''})")
 

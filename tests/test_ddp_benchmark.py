@@ -26,7 +26,7 @@ def test_ddp_benchmark_prints_the_ratios_of_one_round() -> None:
                          capture_output=True, text=True, timeout=220)
     out = run.stdout
     assert run.returncode == 0, out + run.stderr[-3000:]
-    assert re.search(rf"^ours/DDP eager: {NUMBER} .*  target <=1\.05 undecided \(margin .*, 1 round\)$", out, re.M), out
-    assert re.search(rf"^Mirrored\(2\)/plain eager: {NUMBER} ", out, re.M), out
+    assert re.search(rf"^ours/DDP eager: {NUMBER}!? .*  target <=1\.05 (undecided|n/a) \(.*\)$", out, re.M), out
+    assert re.search(rf"^Mirrored\(2\)/plain eager: {NUMBER}!? ", out, re.M), out
     assert "Check (ours vs ddp, eager): " in out and "Check (mirrored vs plain, eager): " in out, out
     assert "DIFFERENT TRAINING" not in out, out
