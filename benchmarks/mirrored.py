@@ -146,8 +146,8 @@ def run_tables(args: argparse.Namespace) -> tuple[list[str], list[dict], dict]:
             return rounds.ratio(config, "plain", "median_ms", clean=True) or rounds.ratio(config, "plain", "median_ms")
 
         def decided() -> bool:   # every target met or missed by the middle half of the rounds
-            return all(h.decision(paired(c), TARGETS[(c, batch)]) != "undecided" for c in configs
-                       if (c, batch) in TARGETS)
+            return all(h.decision(rounds.ratio(c, "plain", "median_ms", clean=True), TARGETS[(c, batch)])
+                       != "undecided" for c in configs if (c, batch) in TARGETS)
         rounds.run(lambda config, rnd: measure(args, config, batch), max_rounds=args.max_rounds, decided=decided)
         raw[batch] = {"rounds": rounds.results, "errors": rounds.errors, "baseline_rss_mib": baseline}
         mem: dict[str, float] = {}
@@ -166,9 +166,9 @@ def run_tables(args: argparse.Namespace) -> tuple[list[str], list[dict], dict]:
             target = TARGETS.get((config, batch))
             mem[config] = h.median([r["peak_rss_mib"] for r in results]) - h.median(baseline)
             contended = all(r["contended"] for r in results)
-            plain_contended = all(r["contended"] for r in rounds.results["plain"])
+            unpaired = not rounds.ratio(config, "plain", "median_ms", clean=True)   # no round undisturbed on both
             verdict = "" if target is None or ratio is None else \
-                f"<={target:.2f} n/a (!)" if contended or plain_contended else h.verdict(ratios, target)
+                f"<={target:.2f} n/a (!)" if contended or unpaired else h.verdict(ratios, target)
             row = {"config": config, "batch": batch, "median_ms": h.median(steps), "ratio": ratio,
                    "ratios": ratios, "mem_mib": mem[config], "loss": h.median([r["final_loss"] for r in results])}
             rows.append(row)
