@@ -53,6 +53,52 @@ def mlp(layers: Sequence[int] = MLP_LAYERS):
     return torch.nn.Sequential(*mods)
 
 
+def gpt(dim: int, layers: int, vocab: int, heads: int, *, tied: bool = False, seed: int = 0):
+    """A GPT as ``nn.Sequential(Embedding(vocab, dim), layers x Block, Head)``: each block a
+    LayerNorm, causal self-attention (``q``, ``k``, ``v`` and ``out`` projections: the names a
+    tensor-parallel plan addresses) and an MLP (dim -> 4 dim -> dim); the head a LayerNorm and
+    ``Linear(dim, vocab)``. ``tied``: the embedding's weight is the head's (GPT-2's tying, which
+    gives one parameter two gradient contributions); leave it off where stages split the model."""
+    import torch
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
+            self.head = dim // heads
+
+        def forward(self, h):
+            q, k, v = (f(h).unflatten(-1, (-1, self.head)).transpose(1, 2) for f in (self.q, self.k, self.v))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.out(out.transpose(1, 2).flatten(2))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+            self.attn = Attention()
+            self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+        def forward(self, h):
+            h = h + self.attn(self.norm1(h))
+            return h + self.mlp(self.norm2(h))
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.proj = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+        def forward(self, h):
+            return self.proj(self.norm(h))
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Embedding(vocab, dim), *(Block() for _ in range(layers)), Head())
+    if tied:
+        model[0].weight = model[-1].proj.weight   # (nanoGPT: wte.weight = lm_head.weight)
+    return model
+
+
 def synthetic_batches(batch_size: int, distinct: int, features: int = 784, classes: int = 10, seed: int = 0):
     """``distinct`` batches (float32 ``(distinct, batch, features)``, int64 labels), made with numpy
     so that PyTorch and TensorFlow train on bit-identical data."""
@@ -83,6 +129,41 @@ def median(values: Sequence[float]) -> float:
 def spread(values: Sequence[float], digits: int = 2) -> str:
     """``lo-hi`` of per-round values: how far one round is from deciding anything."""
     return "" if len(values) < 2 else f"{min(values):.{digits}f}-{max(values):.{digits}f}"
+
+
+def quartiles(values: Sequence[float], digits: int = 3) -> str:
+    """``q1-q3`` of per-round values: the middle half, which one run's verdict has to clear."""
+    return "" if len(values) < 2 else f"{percentile(values, 25):.{digits}f}-{percentile(values, 75):.{digits}f}"
+
+
+def loss_check(label: str, losses: Sequence[float], tolerance: float = 1e-3) -> str | None:
+    """``label``'s check line: whether ``losses``, which the same training gives, agree (None for
+    fewer than two)."""
+    if len(losses) < 2:
+        return None
+    diff = (max(losses) - min(losses)) / abs(losses[0])
+    return f"{label}, max relative difference {diff:.1e}: " + (
+        "same training" if diff < tolerance else "DIFFERENT TRAINING")
+
+
+def decision(ratios: Sequence[float], target: float) -> str:
+    """Whether per-round ``ratios`` decide ``ratio <= target``: ``ok`` or ``MISSED`` when the
+    middle half of at least two rounds (the interquartile range) lies on one side of the target,
+    else ``undecided`` (the spread is wider than the margin to the target: more rounds, or a
+    quieter machine). One round decides nothing."""
+    if len(ratios) < 2:
+        return "undecided"
+    lo, hi = percentile(ratios, 25), percentile(ratios, 75)
+    return "ok" if hi <= target else "MISSED" if lo > target else "undecided"
+
+
+def verdict(ratios: Sequence[float], target: float) -> str:
+    """:func:`decision` with the target, the margin of the median and the IQR, for a table."""
+    if not ratios:
+        return f"<={target:.2f} n/a"
+    iqr = percentile(ratios, 75) - percentile(ratios, 25)
+    return (f"<={target:.2f} {decision(ratios, target)} (margin {target - median(ratios):+.3f}, IQR {iqr:.3f}, "
+            f"{len(ratios)} round{'s' if len(ratios) > 1 else ''})")
 
 
 # ---------------------------------------------------------------- contention
@@ -261,9 +342,13 @@ class Rounds:
         self.results: dict[str, list[dict]] = {c: [] for c in self.configs}
         self.errors: list[str] = []
 
-    def run(self, measure: Callable[[str, int], dict]) -> "Rounds":
-        started = time.monotonic()
-        for rnd in range(self.rounds):
+    def run(self, measure: Callable[[str, int], dict], *, max_rounds: int = 0,
+            decided: Callable[[], bool] = lambda: True) -> "Rounds":
+        """``self.rounds`` rounds, then more, up to ``max_rounds`` in all, until ``decided()``."""
+        started, rnd = time.monotonic(), 0
+        while rnd < self.rounds or (rnd < max_rounds and not decided()):
+            if rnd >= self.rounds:
+                log(f"  round {rnd + 1}: not decided yet")
             k = rnd % len(self.configs)
             for config in self.configs[k:] + self.configs[:k]:
                 if self.quiet is not None:
@@ -279,6 +364,8 @@ class Rounds:
                 log(f"[round {rnd + 1}/{self.rounds}, {time.monotonic() - started:4.0f} s] {config}: "
                          + ", ".join(f"{k} {v:.2f}" for k, v in result.items() if k.endswith("_ms")
                                      and isinstance(v, float)))
+            rnd += 1
+        self.rounds = rnd
         return self
 
     def finish(self) -> int:
@@ -290,12 +377,14 @@ class Rounds:
             print(warning)
         return 1 if self.errors else 0
 
-    def per_round(self, config: str, key: str) -> dict[int, float]:
-        return {r["round"]: r[key] for r in self.results.get(config, []) if r.get(key) is not None}
+    def per_round(self, config: str, key: str, *, clean: bool = False) -> dict[int, float]:
+        return {r["round"]: r[key] for r in self.results.get(config, [])
+                if r.get(key) is not None and not (clean and r.get("contended"))}
 
-    def ratio(self, config: str, baseline: str, key: str) -> list[float]:
-        """Per round in which both ran: ``config``'s value over ``baseline``'s (paired)."""
-        a, b = self.per_round(config, key), self.per_round(baseline, key)
+    def ratio(self, config: str, baseline: str, key: str, *, clean: bool = False) -> list[float]:
+        """Per round in which both ran: ``config``'s value over ``baseline``'s (paired);
+        ``clean``: only the rounds in which neither kept disturbed steps alone (``contended``)."""
+        a, b = self.per_round(config, key, clean=clean), self.per_round(baseline, key, clean=clean)
         return [a[r] / b[r] for r in a if r in b and b[r]]
 
 
@@ -395,6 +484,24 @@ def _signal_groups(pids: Sequence[int], sig: int) -> None:
                 kill()
 
 
+def run_workers(script: str, argv: Sequence[str], *, world: int, timeout: float) -> list[dict]:
+    """The ``world`` worker processes of one measurement (``script`` with ``argv`` and ``--rank R
+    --port P``), each in its own session, with a deadline; the last JSON line of each, by rank.
+    Every worker gets the TF_CONFIG of a loopback cluster (for the strategies) and ``P``, one more
+    free loopback port (for torch's own process group, ``tcp://127.0.0.1:P``)."""
+    from stratagem.testing import free_ports, local_cluster
+
+    cluster, port = local_cluster(world), free_ports(1)[0]
+    names = [f"rank {rank}" for rank in range(world)]
+    with Processes() as procs:
+        for rank, name in enumerate(names):
+            tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}})
+            procs.start(name, [sys.executable, script, *argv, "--rank", str(rank), "--port", str(port)],
+                        child_env(TF_CONFIG=tf_config))
+        procs.wait(names, timeout)
+        return [json.loads([ln for ln in procs.output(n).splitlines() if ln.startswith("{")][-1]) for n in names]
+
+
 def run_json(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> dict:
     """Run one child to completion (with a deadline); return the last JSON line it printed."""
     with Processes() as procs:
@@ -414,6 +521,16 @@ def emit(result: dict) -> None:
 def exit_cleanly_on_sigterm() -> None:
     """SIGTERM raises SystemExit, so that ``with Processes()`` blocks kill their children."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def as_child(args: Any, child: Callable[[Any], dict]) -> bool:
+    """A script's two roles: with ``--child`` (``args.child`` set) run ``child(args)``, emit its
+    result and return True; else (the parent) make SIGTERM end cleanly and return False."""
+    if args.child:
+        emit(child(args))
+        return True
+    exit_cleanly_on_sigterm()
+    return False
 
 
 # ---------------------------------------------------------------- profiling

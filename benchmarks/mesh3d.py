@@ -43,50 +43,16 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _harness import gpt as build  # noqa: E402
+
 WORLD = 8
 SHARDINGS = (None, "optimizer", "gradients", "parameters")
 MEMORY_LAYOUTS = ((8, 1, 1), (2, 4, 1), (2, 1, 4), (2, 2, 2), (1, 2, 4))
 TIME_LAYOUTS = ((8, 1, 1), (1, 1, 8), (4, 2, 1), (2, 4, 1), (4, 1, 2), (2, 1, 4), (1, 2, 4), (1, 4, 2), (2, 2, 2))
 PLAN = {"*.attn.q": "colwise", "*.attn.k": "colwise", "*.attn.v": "colwise", "*.attn.out": "rowwise",
         "*.mlp.0": "colwise", "*.mlp.2": "rowwise"}
-
-
-def build(dim: int, layers: int, vocab: int, heads: int):
-    import torch
-    from torch import nn
-
-    class Attention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
-            self.head = dim // heads
-
-        def forward(self, h):
-            q, k, v = (f(h).unflatten(-1, (-1, self.head)).transpose(1, 2) for f in (self.q, self.k, self.v))
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.out(out.transpose(1, 2).flatten(2))
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-            self.attn = Attention()
-            self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-        def forward(self, h):
-            h = h + self.attn(self.norm1(h))
-            return h + self.mlp(self.norm2(h))
-
-    class Head(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm, self.proj = nn.LayerNorm(dim), nn.Linear(dim, vocab)
-
-        def forward(self, h):
-            return self.proj(self.norm(h))
-
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(vocab, dim), *(Block() for _ in range(layers)), Head())
 
 
 def _storage_bytes(tensors) -> int:

@@ -199,23 +199,13 @@ def rank_main(args: argparse.Namespace) -> dict:
 
 def run_ranks(args: argparse.Namespace, child: str, profile: bool = False) -> list[dict]:
     """Both ranks of one measurement, in fresh processes with a deadline; their results."""
-    from stratagem.testing import free_ports, local_cluster
-
-    cluster, port = local_cluster(WORLD), free_ports(1)[0]
     per_step = 2.0 if child.endswith("large") or child.startswith("bw") else 0.3
     timeout = 90 + (args.steps + args.warmup) * per_step * (2 if child.startswith("ab") else 1)
-    argv = ["--child", child, "--port", str(port), "--steps", str(args.bw_steps if child.startswith("bw") else
-            args.steps), "--warmup", str(args.warmup), "--distinct", str(args.distinct), "--seed", str(args.seed),
+    argv = ["--child", child, "--steps", str(args.bw_steps if child.startswith("bw") else args.steps),
+            "--warmup", str(args.warmup), "--distinct", str(args.distinct), "--seed", str(args.seed),
             "--max-other-load", str(args.max_other_load), "--accumulate", str(args.accumulate)] + \
         (["--profile"] if profile else [])
-    with h.Processes() as procs:
-        for rank in range(WORLD):
-            tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}})
-            procs.start(f"rank {rank}", [sys.executable, os.path.abspath(__file__), *argv, "--rank", str(rank)],
-                        h.child_env(TF_CONFIG=tf_config))
-        names = [f"rank {r}" for r in range(WORLD)]
-        procs.wait(names, timeout)
-        return [json.loads([ln for ln in procs.output(n).splitlines() if ln.startswith("{")][-1]) for n in names]
+    return h.run_workers(os.path.abspath(__file__), argv, world=WORLD, timeout=timeout)
 
 
 def measure(args: argparse.Namespace, child: str) -> dict:
@@ -292,10 +282,8 @@ def report(args: argparse.Namespace, rounds: h.Rounds) -> list[str]:
                                       "bus GB/s", "ours/raw"], rows, align="lrrr")]
     for model in args.models:
         values = [loss for m, _, loss in losses if m == model and loss is not None]
-        if len(values) > 1:
-            diff = (max(values) - min(values)) / abs(values[0])
-            lines.append(f"Check ({model}): loss on global batch 0 after warmup+steps, ours vs DDP, max relative "
-                         f"difference {diff:.1e}: " + ("same training" if diff < 1e-3 else "DIFFERENT TRAINING"))
+        check = h.loss_check(f"Check ({model}): loss on global batch 0 after warmup+steps, ours vs DDP", values)
+        lines += [check] if check else []
     lines.append("Step times are rank 0's kept steps (steps during which other processes kept <= "
                  f"{args.max_other_load} cores busy); 'ours/DDP' = median over rounds of the same round's ratio, "
                  "'range' its min-max; 'CPU ms' = both ranks' CPU time per step; '!' = some round had no "

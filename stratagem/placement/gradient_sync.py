@@ -30,7 +30,9 @@ backward outside it sums everything accumulated since (k micro-steps, one exchan
 A backward pass inside ``run`` touches one replica's tensors and runs on that replica's
 thread: the replicas meet in the collective at its end. A backward outside ``run`` (through
 ``strategy.reduce`` of the replicas' losses) reaches every replica's tensors in one pass: its
-end sums them on the calling thread.
+end sums them on the calling thread. Where a process holds one replica, every backward is that
+replica's, inside ``run`` or not (DistributedDataParallel's shape: ``backward()`` at top level),
+so its packs leave while it runs in both cases, as DDP's buckets do.
 
 A pipeline schedule runs a backward pass per micro-batch, and torch's zero-bubble schedules
 accumulate weight gradients into ``.grad`` by hand, where no hook sees them: the pipeline
@@ -178,7 +180,7 @@ class GradientSync:
         task = self._task(replica)
         task.replicas.add(replica)
         task.accumulated.add((replica, index))
-        if task.sync and self.in_run and self._collective.overlaps_backward:   # its pack may leave now
+        if task.sync and self._collective.overlaps_backward:   # one local replica: its pack may leave now
             self._collective.gradient_packs(self._replicas[replica]).ready(p)
 
     # --------------------------------------------------------- end of backward
@@ -224,8 +226,8 @@ class GradientSync:
                 for replica, index in task.accumulated:
                     self._local[replica][index] = self._replicas[replica][index].grad
                 return
-            if not self.in_run or len(task.replicas) > 1:   # one pass through every replica's graph
-                self._sum_all(task)
+            if len(task.replicas) > 1 or (not self.in_run and len(self._replicas) > 1):
+                self._sum_all(task)   # one pass through every replica's graph, or one that could be
                 return
             (replica,) = task.replicas
             params = self._replicas[replica]

@@ -10,10 +10,10 @@ environment and working directory, its output (unbuffered) to the task's log, st
 uncaught exception's traceback and exit code 1, ``atexit`` handlers at the end. It is still a
 real process: its own interpreter state, its own sockets, killed and stopped by signals.
 
-What a child inherits that a fresh interpreter would not is what ``import torch`` did, before
-any task's environment was read. So a task whose environment differs from the server's in a
-variable read at start-up or at that import (:data:`_READ_AT_IMPORT`) starts as a fresh
-interpreter instead; so does every task when ``STRATAGEM_TEST_FORKSERVER=0``, or when the
+What a child inherits that a fresh interpreter would not is what the server's imports did
+(torch, torch.distributed, DTensor, dynamo: most of a strategy's start-up), before any task's
+environment was read. So a task whose environment differs from the server's in a variable read
+at start-up or at those imports (:data:`_READ_AT_IMPORT`) starts as a fresh interpreter instead; so does every task when ``STRATAGEM_TEST_FORKSERVER=0``, or when the
 cluster is started from a thread other than the main thread (the server must live as long as
 the test process: the kernel's parent-death signal follows the thread that started it).
 
@@ -37,7 +37,8 @@ _SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver.p
 
 #: variable prefixes read when the interpreter starts or torch is imported: a task whose value
 #: differs from the server's cannot be forked from it (the two kept as the server sets them)
-_READ_AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "OPENBLAS", "KMP_", "GOMP_", "TORCH", "CUDA", "LD_", "MALLOC")
+_READ_AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "OPENBLAS", "KMP_", "GOMP_", "TORCH", "CUDA", "LD_", "MALLOC",
+                   "SYMPY")
 _SET_PER_TASK = ("PYTHONUNBUFFERED", "PYTHONFAULTHANDLER")
 
 

@@ -17,8 +17,12 @@ import sys
 def _serve() -> dict:
     """Fork a child per request; report its pid, then its exit code. Returns in a child only,
     with its request; when the test process closes the pipe (or dies), the server exits."""
-    import torch  # noqa: F401 - the import each child would otherwise make
+    # what a task of a strategy imports before its first step (most of its start-up): torch,
+    # torch.distributed, DTensor and dynamo (the compiler's decorators; sympy with them)
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
     import torch.distributed  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
 
     replies = os.fdopen(os.dup(1), "wb", buffering=0)
     pending, children = b"", set()

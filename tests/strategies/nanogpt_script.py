@@ -24,6 +24,8 @@ CONFIGS = {
     "zero1_recompute": (1, "optimizer", "no_sync", True, 0, False),
     "outside_run_attribute": (1, None, "attribute", False, 0, "mean_over_replicas"),
     "outside_run_zero1_no_sync": (1, "optimizer", "no_sync", False, 0, "compute_average_loss"),
+    # packs leave while a backward outside run still runs, as DDP's buckets do
+    "outside_run_every_backward_small_packs": (1, None, "none", False, 2048, "mean_over_replicas"),
 }
 
 

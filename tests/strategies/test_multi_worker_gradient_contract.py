@@ -5,7 +5,8 @@ so ``clip_grad_norm_`` returns plain PyTorch's norm and clips by it; parameters 
 PyTorch step for step (float64) with one or two replicas per worker, DDP's
 ``require_backward_grad_sync``, an exchange at every backward with small packs, ZeRO stage 1
 with activation checkpointing, and the step written without ``strategy.run`` as under
-DistributedDataParallel (a per-replica mean through ``sg.nn.mean_over_replicas``; ZeRO 1 too).
+DistributedDataParallel (a per-replica mean through ``sg.nn.mean_over_replicas``; ZeRO 1 too; an
+exchange at every backward with small packs, which leave while that backward runs).
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ from stratagem.testing import run_local_cluster
 from stratagem.testing.forked import shared_server
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180),
-              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a fork server needs Linux")]
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a fork server needs Linux"),
+              pytest.mark.skipif(os.environ.get("STRATAGEM_TEST_FORKSERVER") == "0",
+                                 reason="STRATAGEM_TEST_FORKSERVER=0: every task starts fresh")]
 
 _SCRIPT = '''
 import atexit, json, os, sys
