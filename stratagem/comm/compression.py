@@ -66,16 +66,15 @@ class LowPrecision:
         self.dtype = torch.bfloat16 if name == "bf16" else torch.float16
         # float16 overflows above 65504: divide by the number of workers first (DDP's fp16 hook)
         self.scale = 1 if name == "bf16" else num_workers
-        self._wires: dict[int, torch.Tensor] = {}   # id(pack) -> its half-precision buffer
 
     def rounds(self, pack: Any) -> Iterator[torch.Tensor]:
         buffer = pack.buffer
         if buffer.dtype not in _COMPRESSIBLE:
             yield buffer
             return
-        wire = self._wires.get(id(pack))
+        wire = pack.coded   # (the pack's half-precision buffer)
         if wire is None:
-            wire = self._wires[id(pack)] = torch.empty(buffer.shape, dtype=self.dtype, device=buffer.device)
+            wire = pack.coded = torch.empty(buffer.shape, dtype=self.dtype, device=buffer.device)
         if self.scale == 1:
             wire.copy_(buffer)
         else:
@@ -132,12 +131,11 @@ class PowerSGD:
 
     def __init__(self, rank: int):
         self.rank = rank
-        self._plans: dict[int, _Plan] = {}   # id(pack) -> its plan and state
 
     def rounds(self, pack: Any) -> Iterator[torch.Tensor]:
-        plan = self._plans.get(id(pack))
+        plan = pack.coded   # (its plan and state)
         if plan is None:
-            plan = self._plans[id(pack)] = _Plan(pack, self.rank)
+            plan = pack.coded = _Plan(pack, self.rank)
         if not plan.matrices:
             yield pack.buffer
             return

@@ -46,7 +46,7 @@ FIRST_PACK_BYTES = 1 << 20          # a small first pack starts communication ea
 
 
 class _Pack:
-    __slots__ = ("params", "offsets", "buffer", "flags", "filled", "work", "stale", "index", "rounds")
+    __slots__ = ("params", "offsets", "buffer", "flags", "filled", "work", "stale", "index", "rounds", "coded")
 
     def __init__(self, params: list[torch.Tensor], index: int):
         self.params = params
@@ -63,6 +63,7 @@ class _Pack:
         self.work: Any = None
         self.stale = False
         self.rounds: Any = None   # the codec's rounds once the first has left
+        self.coded: Any = None    # the codec's own state for this pack
 
     def slot(self, i: int) -> torch.Tensor:
         p = _local(self.params[i])

@@ -1,0 +1,74 @@
+"""Trains a small regression under MultiWorkerMirroredStrategy with gradient compression.
+
+Usage (one process per worker, with TF_CONFIG): ``python compression_script.py OUT COMPRESSION STEPS``
+(COMPRESSION: none, bf16, fp16, powersgd). Writes ``OUT/rank{r}.pt``: this worker's gradient of
+the first batch alone (under ``no_sync``), the summed gradient of the same batch, the global loss
+at every step and the final parameters. Packs are small (2 KiB) so that several leave while
+backward runs.
+"""
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stratagem as sg
+
+GLOBAL_BATCH = 128
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def make_data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(GLOBAL_BATCH, 16, generator=g)
+    teacher = torch.randn(16, 4, generator=g)
+    return x, torch.tanh(x @ teacher) + 0.05 * torch.randn(GLOBAL_BATCH, 4, generator=g)
+
+
+def main() -> None:
+    out, compression, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    options = sg.CommunicationOptions(compression=None if compression == "none" else compression,
+                                      bytes_per_pack=2048)
+    strategy = sg.MultiWorkerMirroredStrategy(communication_options=options)
+    rank, workers = strategy.cluster_resolver.worker_rank, strategy.num_replicas_in_sync
+    with strategy.scope():
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = make_data()
+    x, y = x[rank::workers], y[rank::workers]
+
+    def loss():
+        per_example = F.mse_loss(model(x), y, reduction="none").mean(dim=1)
+        return sg.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+
+    def gradients(sync: bool):
+        optimizer.zero_grad()
+        if sync:
+            loss().backward()
+        else:
+            with strategy.no_sync():
+                loss().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    local = strategy.run(gradients, args=(False,))
+    summed = strategy.run(gradients, args=(True,))
+
+    def step():
+        optimizer.zero_grad()
+        value = loss()
+        value.backward()
+        optimizer.step()
+        return value.detach()
+
+    losses = [strategy.reduce("sum", strategy.run(step), axis=None).item() for _ in range(steps)]
+    torch.save({"local": local, "summed": summed, "losses": losses,
+                "params": [p.detach().clone() for p in model.parameters()]}, f"{out}/rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
