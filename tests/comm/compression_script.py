@@ -1,7 +1,9 @@
 """Trains a small regression under MultiWorkerMirroredStrategy with gradient compression.
 
-Usage (one process per worker, with TF_CONFIG): ``python compression_script.py OUT COMPRESSION STEPS``
-(COMPRESSION: none, bf16, fp16, powersgd). Writes ``OUT/rank{r}.pt``: this worker's gradient of
+Usage (one process per worker, with TF_CONFIG): ``python compression_script.py OUT COMPRESSION STEPS
+[STRATEGY]`` (COMPRESSION: none, bf16, fp16, powersgd; STRATEGY: mirrored, the default, "zero1"
+for ``sharding="optimizer"``, or "tensor_parallel" for the data axis of a ``{"data": 2, "model":
+1}`` mesh). Writes ``OUT/rank{r}.pt``: this worker's gradient of
 the first batch alone (under ``no_sync``), the summed gradient of the same batch, the global loss
 at every step and the final parameters. Packs are small (2 KiB) so that several leave while
 backward runs.
@@ -12,6 +14,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import stratagem as sg
 
@@ -30,12 +33,23 @@ def make_data():
     return x, torch.tanh(x @ teacher) + 0.05 * torch.randn(GLOBAL_BATCH, 4, generator=g)
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel DTensor as a plain tensor (one model rank: its local shard is all of it)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def main() -> None:
     out, compression, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     options = sg.CommunicationOptions(compression=None if compression == "none" else compression,
                                       bytes_per_pack=2048)
-    strategy = sg.MultiWorkerMirroredStrategy(communication_options=options)
-    rank, workers = strategy.cluster_resolver.worker_rank, strategy.num_replicas_in_sync
+    kind = sys.argv[4] if len(sys.argv) > 4 else "mirrored"
+    if kind == "tensor_parallel":
+        strategy = sg.experimental.TensorParallelStrategy({"data": 2, "model": 1}, {"0": "colwise", "2": "rowwise"},
+                                                          communication_options=options)
+    else:
+        strategy = sg.MultiWorkerMirroredStrategy(communication_options=options,
+                                                  sharding="optimizer" if kind == "zero1" else None)
+    rank, workers = strategy.cluster_resolver.worker_rank or 0, strategy.num_replicas_in_sync
     with strategy.scope():
         model = make_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -53,7 +67,7 @@ def main() -> None:
         else:
             with strategy.no_sync():
                 loss().backward()
-        return [p.grad.clone() for p in model.parameters()]
+        return [whole(p.grad).clone() for p in model.parameters()]
 
     local = strategy.run(gradients, args=(False,))
     summed = strategy.run(gradients, args=(True,))
@@ -67,7 +81,7 @@ def main() -> None:
 
     losses = [strategy.reduce("sum", strategy.run(step), axis=None).item() for _ in range(steps)]
     torch.save({"local": local, "summed": summed, "losses": losses,
-                "params": [p.detach().clone() for p in model.parameters()]}, f"{out}/rank{rank}.pt")
+                "params": [whole(p.detach()).clone() for p in model.parameters()]}, f"{out}/rank{rank}.pt")
 
 
 if __name__ == "__main__":

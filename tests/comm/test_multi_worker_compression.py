@@ -3,7 +3,8 @@
 Every worker ends with the same parameters; the first step's summed gradient is computed
 independently here from each worker's own gradient (taken under ``no_sync``): bf16 is exactly
 ``bf16(g0) + bf16(g1)``, fp16 exactly ``2 * (fp16(g0 / 2) + fp16(g1 / 2))``, PowerSGD sums the
-biases exactly; and the loss falls like plain PyTorch's on the whole batch.
+biases exactly; and the loss falls like plain PyTorch's on the whole batch. The same holds with
+ZeRO-1 (``sharding="optimizer"``) and over a tensor-parallel mesh's data axis.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ def _plain_losses(steps: int) -> list[float]:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("compression", ["bf16", "fp16", "powersgd"])
-def test_compressed_gradient_sums_across_two_workers(tmp_path: Path, compression: str) -> None:
-    results = run_local_cluster(SCRIPT, 2, args=[str(tmp_path), compression, str(STEPS)], timeout=100,
+@pytest.mark.parametrize("compression,strategy", [("bf16", "mirrored"), ("fp16", "mirrored"), ("powersgd", "mirrored"),
+                                                  ("powersgd", "zero1"), ("bf16", "tensor_parallel")])
+def test_compressed_gradient_sums_across_two_workers(tmp_path: Path, compression: str, strategy: str) -> None:
+    results = run_local_cluster(SCRIPT, 2, args=[str(tmp_path), compression, str(STEPS), strategy], timeout=100,
                                 env={"OMP_NUM_THREADS": "1"})
     for r in results:
         assert r.returncode == 0, f"{r.task} failed:\n{r.output}"
