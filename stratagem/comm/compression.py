@@ -52,8 +52,6 @@ _COMPRESSIBLE = (torch.float32, torch.float64)
 class Exact:
     """The sum as it is: the pack's buffer, one round."""
 
-    name = None
-
     def rounds(self, pack: Any) -> Iterator[torch.Tensor]:
         yield pack.buffer
 
@@ -62,7 +60,6 @@ class LowPrecision:
     """``"bf16"`` / ``"fp16"``: the buffer travels in half precision (module docstring)."""
 
     def __init__(self, name: str, num_workers: int):
-        self.name = name
         self.dtype = torch.bfloat16 if name == "bf16" else torch.float16
         # float16 overflows above 65504: divide by the number of workers first (DDP's fp16 hook)
         self.scale = 1 if name == "bf16" else num_workers
@@ -75,11 +72,9 @@ class LowPrecision:
         wire = pack.coded   # (the pack's half-precision buffer)
         if wire is None:
             wire = pack.coded = torch.empty(buffer.shape, dtype=self.dtype, device=buffer.device)
-        if self.scale == 1:
-            wire.copy_(buffer)
-        else:
-            torch.div(buffer, self.scale, out=buffer)
-            wire.copy_(buffer)
+        if self.scale != 1:
+            buffer.div_(self.scale)   # (the buffer is overwritten by the sum, or refilled)
+        wire.copy_(buffer)
         yield wire
         buffer.copy_(wire)
         if self.scale != 1:
@@ -126,8 +121,6 @@ class _Plan:
 
 class PowerSGD:
     """``"powersgd"``: rank-``rank`` approximations with error feedback (module docstring)."""
-
-    name = "powersgd"
 
     def __init__(self, rank: int):
         self.rank = rank
