@@ -8,7 +8,10 @@ launch the first round while backward runs and the others when it ends; a genera
 codec's own frames off the stack while torch.distributed works (``tests/test_frames.py``).
 A codec commits its state (PowerSGD's residual and ``Q``) only after its last round, so a pack
 whose rounds are dropped after the first (a gradient that arrived after launch: the pack is
-summed again) leaves no trace.
+summed again) leaves no trace. What a codec reads of a pack: ``buffer`` (every gradient end to
+end, then one presence flag per parameter: ``flags``), ``params``, ``offsets`` and ``slot(i)``
+(parameter ``i``'s gradient in the buffer), ``index`` (its place among the packs); it keeps its
+own state for the pack in ``coded``.
 
 - :class:`Exact` (the default): the pack's buffer, as it is. One round.
 - :class:`LowPrecision` (``"bf16"``, ``"fp16"``): a half-precision copy of the buffer is summed

@@ -4,19 +4,25 @@ Usage (one process per worker, with TF_CONFIG): ``python compression_script.py O
 [STRATEGY]`` (COMPRESSION: none, bf16, fp16, powersgd; STRATEGY: mirrored, the default, "zero1"
 for ``sharding="optimizer"``, or "tensor_parallel" for the data axis of a ``{"data": 2, "model":
 1}`` mesh). Writes ``OUT/rank{r}.pt``: this worker's gradient of
-the first batch alone (under ``no_sync``), the summed gradient of the same batch, the global loss
-at every step and the final parameters. Packs are small (2 KiB) so that several leave while
-backward runs.
+the first batch alone (under ``no_sync``), the summed gradient of the same batch (and how many
+frames of stratagem's were above each ``torch.distributed.all_reduce`` of that sum), the global
+loss at every step and the final parameters. Packs are small (512 B: two packs) so that one
+leaves while backward runs.
 """
 
 import sys
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 import stratagem as sg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.test_frames import ours_above  # noqa: E402
 
 GLOBAL_BATCH = 128
 
@@ -41,7 +47,7 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     out, compression, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     options = sg.CommunicationOptions(compression=None if compression == "none" else compression,
-                                      bytes_per_pack=2048)
+                                      bytes_per_pack=512)
     kind = sys.argv[4] if len(sys.argv) > 4 else "mirrored"
     if kind == "tensor_parallel":
         strategy = sg.experimental.TensorParallelStrategy({"data": 2, "model": 1}, {"0": "colwise", "2": "rowwise"},
@@ -70,7 +76,16 @@ def main() -> None:
         return [whole(p.grad).clone() for p in model.parameters()]
 
     local = strategy.run(gradients, args=(False,))
-    summed = strategy.run(gradients, args=(True,))
+    depths, all_reduce = [], dist.all_reduce
+
+    def counted(*args, **kwargs):   # stratagem's frames above each all-reduce of the gradient sum
+        depths.append(ours_above(sys._getframe(1)))
+        return all_reduce(*args, **kwargs)
+    dist.all_reduce = counted
+    try:
+        summed = strategy.run(gradients, args=(True,))
+    finally:
+        dist.all_reduce = all_reduce
 
     def step():
         optimizer.zero_grad()
@@ -80,7 +95,7 @@ def main() -> None:
         return value.detach()
 
     losses = [strategy.reduce("sum", strategy.run(step), axis=None).item() for _ in range(steps)]
-    torch.save({"local": local, "summed": summed, "losses": losses,
+    torch.save({"local": local, "summed": summed, "losses": losses, "depths": depths,
                 "params": [whole(p.detach()).clone() for p in model.parameters()]}, f"{out}/rank{rank}.pt")
 
 

@@ -3,7 +3,8 @@
 Every worker ends with the same parameters; the first step's summed gradient is computed
 independently here from each worker's own gradient (taken under ``no_sync``): bf16 is exactly
 ``bf16(g0) + bf16(g1)``, fp16 exactly ``2 * (fp16(g0 / 2) + fp16(g1 / 2))``, PowerSGD sums the
-biases exactly; and the loss falls like plain PyTorch's on the whole batch. The same holds with
+biases exactly; the loss falls like plain PyTorch's on the whole batch; and at most 3 frames of
+stratagem's lie between the end of backward (or a gradient hook) and each all-reduce. The same holds with
 ZeRO-1 (``sharding="optimizer"``) and over a tensor-parallel mesh's data axis.
 """
 
@@ -54,6 +55,9 @@ def test_compressed_gradient_sums_across_two_workers(tmp_path: Path, compression
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
         assert torch.equal(a, b)
+    for rank in ranks:   # the frame budget of tests/test_frames.py, two rounds per pack for PowerSGD
+        assert rank["depths"] and max(rank["depths"]) <= 3, rank["depths"]
+        assert len(rank["depths"]) >= (4 if compression == "powersgd" else 2), rank["depths"]
     g0, g1 = ranks[0]["local"], ranks[1]["local"]
     for rank in ranks:
         for summed, a, b in zip(rank["summed"], g0, g1):
