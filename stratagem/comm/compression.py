@@ -32,8 +32,10 @@ own state for the pack in ``coded``.
   ``P`` is orthonormalized (Gram-Schmidt, the same on every worker: its input is the sum);
   round 2 sums ``Q = M^T P``; the sum of the workers' gradients is approximated by ``P Q^T``,
   and ``E`` becomes ``M - P (M^T P)^T``, this worker's part that the approximation missed. The
-  summed ``Q`` is the next step's starting point (warm start: one power iteration per step);
-  the first ``Q`` is drawn from a fixed seed per parameter, so every worker starts alike.
+  summed ``Q``, orthonormalized, is the next step's starting point (warm start: one step of
+  subspace iteration per training step; not orthonormalized, its columns would all turn towards
+  the first singular vector, rank 1 in effect); the first ``Q`` is drawn from a fixed seed per
+  parameter and orthonormalized, so every worker starts alike.
   Where no worker has a gradient for a parameter, its residual is kept whole.
 
 The residuals and ``Q`` live in the process only: a checkpoint does not hold them, and a
@@ -93,6 +95,7 @@ class _Matrix:
         self.index, self.n, self.m, self.rank = index, n, m, rank
         generator = torch.Generator().manual_seed(seed)
         self.q = torch.randn(m, rank, generator=generator, dtype=torch.float64).to(like.device, like.dtype)
+        _orthonormalize(self.q)
         self.residual: torch.Tensor | None = None
 
 
@@ -163,8 +166,9 @@ class PowerSGD:
                 torch.addmm(m, p, q.T, alpha=-1, out=x.residual)   # E = M - P (M^T P)^T, this worker's miss
         yield second   # round 2: every Q
         for x, m, p, q in zip(plan.matrices, ms, ps, qs):
-            x.q.copy_(q)   # the next step's warm start, the same on every worker
             torch.matmul(p, q.T, out=m)
+            x.q.copy_(q)   # the next step's warm start, the same on every worker, orthonormal: without it
+            _orthonormalize(x.q)   # the power iteration turns every column to the first singular vector
 
 
 def _extend(ranges: list[tuple[int, int]], start: int, stop: int) -> None:
