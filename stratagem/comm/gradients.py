@@ -24,6 +24,11 @@ A DTensor parameter (tensor parallelism, summed over a mesh's data axis) takes t
 local shard in its pack; its gradient is laid out as the parameter first (torch gives a row-wise
 Embedding's sharded weight a replicated gradient: this process's rows of it), and becomes a
 DTensor over a copy of its sum (the next backward refills the pack).
+
+How a pack travels is its *codec*'s (:mod:`stratagem.comm.compression`): by default the buffer
+itself, one all-reduce; with ``CommunicationOptions(compression=...)`` a half-precision copy, or
+PowerSGD's two rounds. The first round leaves when the pack is complete, the others when
+backward ends (``finish``), pack after pack in index order on every worker.
 """
 
 from __future__ import annotations
@@ -34,15 +39,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from stratagem.comm.compression import Exact
+
 DEFAULT_BYTES_PER_PACK = 25 << 20   # DistributedDataParallel's bucket_cap_mb
 FIRST_PACK_BYTES = 1 << 20          # a small first pack starts communication early
 
 
 class _Pack:
-    __slots__ = ("params", "offsets", "buffer", "flags", "filled", "work", "stale")
+    __slots__ = ("params", "offsets", "buffer", "flags", "filled", "work", "stale", "index", "rounds", "coded")
 
-    def __init__(self, params: list[torch.Tensor]):
+    def __init__(self, params: list[torch.Tensor], index: int):
         self.params = params
+        self.index = index
         self.offsets: list[int] = []
         offset = 0
         for p in params:
@@ -54,6 +62,8 @@ class _Pack:
         self.filled = 0
         self.work: Any = None
         self.stale = False
+        self.rounds: Any = None   # the codec's rounds once the first has left
+        self.coded: Any = None    # the codec's own state for this pack
 
     def slot(self, i: int) -> torch.Tensor:
         p = _local(self.params[i])
@@ -84,8 +94,10 @@ class _Pack:
 class GradientPacks:
     """Sums the gradients of ``params`` over workers through ``group``."""
 
-    def __init__(self, params: Sequence[torch.Tensor], group: Any, *, bytes_per_pack: int = 0):
+    def __init__(self, params: Sequence[torch.Tensor], group: Any, *, bytes_per_pack: int = 0,
+                 codec: Any = None):
         self._group = group
+        self._codec = Exact() if codec is None else codec
         cap = bytes_per_pack or DEFAULT_BYTES_PER_PACK
         first_cap = min(cap, FIRST_PACK_BYTES) if not bytes_per_pack else cap
         self.packs: list[_Pack] = []
@@ -108,7 +120,7 @@ class GradientPacks:
     def _add_pack(self, params: list[torch.Tensor]) -> None:
         for i, p in enumerate(params):
             self._where[id(p)] = (len(self.packs), i)
-        self.packs.append(_Pack(params))
+        self.packs.append(_Pack(params, len(self.packs)))
 
     def covers(self, params: Sequence[torch.Tensor]) -> bool:
         return all(id(p) in self._where for p in params if p.requires_grad)
@@ -132,8 +144,9 @@ class GradientPacks:
             pack = self.packs[self._next_launch]
             if pack.filled < len(pack.params):
                 return
+            pack.rounds = self._codec.rounds(pack)
             with group.guard("gradient all_reduce"):
-                pack.work = dist.all_reduce(pack.buffer, group=group.group, async_op=True)
+                pack.work = dist.all_reduce(next(pack.rounds), group=group.group, async_op=True)
             self._next_launch += 1
 
     # -------------------------------------------------------------------- step
@@ -145,20 +158,24 @@ class GradientPacks:
             for pack in self.packs[self._next_launch:]:  # in index order, like every worker
                 for i in range(len(pack.params)):
                     pack.fill(i)
-                pack.work = dist.all_reduce(pack.buffer, group=group.group, async_op=True)
+                pack.rounds = self._codec.rounds(pack)
+                pack.work = dist.all_reduce(next(pack.rounds), group=group.group, async_op=True)
             for pack in self.packs:
                 pack.work.wait()
-                if pack.stale:
+                if pack.stale:   # the first round's sum is dropped: all of it again, from .grad
+                    pack.rounds.close()
                     for i in range(len(pack.params)):
                         pack.fill(i)
-                    dist.all_reduce(pack.buffer, group=group.group)
+                    pack.rounds = self._codec.rounds(pack)
+                for wire in pack.rounds:   # the codec's further rounds (or the first, summed again)
+                    dist.all_reduce(wire, group=group.group)
                 present = pack.flags.tolist()
                 for i, p in enumerate(pack.params):
                     if present[i] != 0:
                         # the sum becomes the gradient: a view of the pack, no copy back. The next
                         # backward sets it aside (a copy: the pack is refilled) or finds it None.
                         p.grad = pack.result(i)
-                pack.work, pack.filled, pack.stale = None, 0, False
+                pack.work, pack.rounds, pack.filled, pack.stale = None, None, 0, False
         self._next_launch = 0
 
 

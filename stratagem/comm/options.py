@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass
 
 from stratagem.errors import InvalidArgumentError
@@ -20,19 +21,34 @@ class CommunicationImplementation(enum.Enum):
     NCCL = "NCCL"
 
 
+#: ``compression=`` values: how the gradient sums between workers travel (docs/collectives.md)
+COMPRESSIONS = ("bf16", "fp16", "powersgd")
+
+
 @dataclass(frozen=True)
 class CommunicationOptions:
     """How a multi-worker strategy communicates.
+
+    ``compression`` trades the exactness of the gradient sum between workers for fewer bytes on
+    a slow link (opt-in; None, the default, sums exactly): ``"bf16"`` / ``"fp16"`` send each
+    worker's gradient in half precision, ``"powersgd"`` sends a rank-``powersgd_rank`` (default 1)
+    approximation of each matrix-shaped gradient and keeps the error for the next step
+    (:mod:`stratagem.comm.compression`). Only the sums at the end of ``backward()`` are compressed,
+    never a collective the user calls.
 
     Example::
 
         import stratagem as sg
         opts = sg.CommunicationOptions(bytes_per_pack=32 << 20, timeout_seconds=120)
+        slow_link = sg.CommunicationOptions(compression="powersgd", powersgd_rank=4)
+        assert sg.CommunicationOptions(compression="powersgd").powersgd_rank == 1
     """
 
     implementation: CommunicationImplementation = CommunicationImplementation.AUTO
     bytes_per_pack: int = 0
     timeout_seconds: float | None = None
+    compression: str | None = None
+    powersgd_rank: int | None = None
 
     def __post_init__(self) -> None:
         impl = self.implementation
@@ -52,3 +68,37 @@ class CommunicationOptions:
         if self.timeout_seconds is not None and not self.timeout_seconds > 0:
             raise InvalidArgumentError(
                 f"timeout_seconds must be positive or None, got {self.timeout_seconds!r}")
+        self._check_compression()
+
+    def _check_compression(self) -> None:
+        if self.compression is not None and self.compression not in COMPRESSIONS:
+            raise InvalidArgumentError(
+                f"compression must be None (exact sums) or one of {list(COMPRESSIONS)}, got {self.compression!r}")
+        rank = self.powersgd_rank
+        if rank is not None and self.compression != "powersgd":
+            raise InvalidArgumentError(
+                f"powersgd_rank={rank!r} is given but compression is {self.compression!r}; pass "
+                f"compression='powersgd' with it, or leave powersgd_rank out")
+        if self.compression == "powersgd":
+            if rank is None:
+                object.__setattr__(self, "powersgd_rank", 1)
+            elif isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+                raise InvalidArgumentError(
+                    f"powersgd_rank must be an integer >= 1 (the rank of each compressed gradient's "
+                    f"approximation; 1 sends the fewest bytes), got {rank!r}")
+
+
+def check_compression(options: CommunicationOptions | None, *, sharding: str | None = None,
+                      num_workers: int | None = None, strategy: str = "the strategy") -> None:
+    """Refuse ``compression`` where gradients are not all-reduced whole (ZeRO-2, ZeRO-3); warn where
+    there is one worker (``num_workers``; the same script may run on more)."""
+    if options is None or options.compression is None:
+        return
+    if sharding in ("gradients", "parameters"):
+        raise InvalidArgumentError(
+            f"compression={options.compression!r} compresses the all-reduce of whole gradients, but "
+            f"sharding={sharding!r} reduce-scatters them and never makes that all-reduce; use "
+            f"sharding='optimizer' (or None) with compression, or leave compression out")
+    if num_workers == 1:
+        warnings.warn(f"compression={options.compression!r} has nothing to compress: {strategy} has one "
+                      f"worker on its data axis, so gradients are never sent and stay exact", stacklevel=3)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.comm import agreement, worker_ops
+from stratagem.comm import agreement, compression, worker_ops
 from stratagem.comm.collective import Collective, check_axis, check_gatherable
 from stratagem.comm.gradients import GradientPacks
 from stratagem.comm.options import CommunicationOptions
@@ -261,7 +261,10 @@ class WorkerCollective(Collective):
         key = id(params[0]) if params else 0
         packs = self._packs.get(key)
         if packs is None or not packs.covers(params):
-            packs = GradientPacks(params, self.group, bytes_per_pack=self.options.bytes_per_pack)
+            options = self.options
+            packs = GradientPacks(params, self.group, bytes_per_pack=options.bytes_per_pack,
+                                  codec=compression.codec(options.compression, num_workers=self.num_workers,
+                                                          powersgd_rank=options.powersgd_rank))
             self._packs[key] = packs
         return packs
 

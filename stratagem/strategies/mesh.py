@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from stratagem.cluster import resolve
 from stratagem.comm.cross_device_ops import default_cross_device_ops
-from stratagem.comm.options import CommunicationOptions
+from stratagem.comm.options import CommunicationOptions, check_compression
 from stratagem.comm.processes import WorkerGroup
 from stratagem.comm.replicas import ReplicaCollective
 from stratagem.comm.workers import WorkerCollective
@@ -71,6 +71,7 @@ class MeshStrategy(Strategy):
         if not isinstance(options, CommunicationOptions):
             raise InvalidArgumentError(f"communication_options must be sg.CommunicationOptions, got {options!r}")
         sizes = mesh_shape(mesh, resolver.num_workers, self.axes)
+        check_compression(options, num_workers=sizes[0], strategy=type(self).__name__)
         cuda = torch.cuda.is_available()
         device = Device("cuda", (resolver.worker_rank or 0) % torch.cuda.device_count()) if cuda else Device("cpu", 0)
         if cuda:
@@ -117,6 +118,7 @@ class MeshStrategy(Strategy):
         return self._full
 
     def _check_same_configuration(self, mine: dict) -> None:
+        mine = {**mine, "compression": (self._options.compression, self._options.powersgd_rank)}
         everyone = self._full.all_gather_object(mine, "start-up configuration check")
         names = self._full.group.names
         for rank, theirs in enumerate(everyone):

@@ -21,7 +21,7 @@ import torch
 
 from stratagem.cluster import resolve
 from stratagem.comm.cross_device_ops import default_cross_device_ops
-from stratagem.comm.options import CommunicationOptions
+from stratagem.comm.options import CommunicationOptions, check_compression
 from stratagem.comm.processes import WorkerGroup
 from stratagem.comm.replicas import ReplicaCollective
 from stratagem.comm.workers import WorkerCollective
@@ -73,12 +73,14 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise InvalidArgumentError(f"communication_options must be sg.CommunicationOptions, got {options!r}")
         local_devices = parse_devices(devices) if devices is not None else _default_worker_devices(resolver)
         check_sharding(sharding, len(local_devices))
+        check_compression(options, sharding=sharding)
         self._resolver = resolver
         self._sharding = sharding
         if local_devices[0].is_cuda:
             torch.cuda.set_device(local_devices[0].torch_device)  # NCCL's device for this process
         group = WorkerGroup(resolver, options, uses_cuda=local_devices[0].is_cuda)
         topology = Topology(local_devices, num_workers=group.world_size, worker_index=group.rank)
+        check_compression(options, num_workers=group.world_size, strategy="MultiWorkerMirroredStrategy")
         local = ReplicaCollective.create(local_devices, default_cross_device_ops(local_devices))
         collective = WorkerCollective(local, group, options)
         if sharding is None:
@@ -111,6 +113,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         mine = {"strategy": type(self).__name__, "local replicas": self._topology.num_local_replicas,
                 "device kind": self._topology.devices[0].kind, "backend": collective.group.backend,
                 "bytes_per_pack": collective.options.bytes_per_pack,
+                "compression": (collective.options.compression, collective.options.powersgd_rank),
                 "cross_device_ops": type(collective.local.options).__name__, "sharding": self._sharding}
         everyone = collective.all_gather_object(mine, "start-up configuration check")
         for rank, theirs in enumerate(everyone):

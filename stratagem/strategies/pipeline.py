@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from stratagem.comm.options import CommunicationOptions
+from stratagem.comm.options import CommunicationOptions, check_compression
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.pipeline import PipelinePlacement
 from stratagem.placement.pipeline_balance import BALANCE_BY
@@ -122,6 +122,7 @@ class PipelineStrategy(MeshStrategy):
         split_points = _check_options(split_points, num_stages, num_microbatches, loss_fn)
         balance_by = _check_balance_by(balance_by, split_points)
         plan = _check_mesh_options(mesh, plan, sharding)
+        check_compression(communication_options, sharding=sharding)
         if split_points == "auto" and (plan is not None or sharding is not None):
             raise InvalidArgumentError(
                 "split_points='auto' measures and cuts the model at its first step, after plan= / sharding= would "
