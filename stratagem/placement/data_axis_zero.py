@@ -37,32 +37,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from stratagem.comm.collective import Collective, range_bounds
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
+from stratagem.placement.dtensor_state import local_gradient, local_tensor
 from stratagem.placement.hooks import base_of, internal_optimizers, unhooked_step
-from stratagem.placement.sharded_update import ELEMENTWISE, _hyper
+from stratagem.placement.sharded_update import ELEMENTWISE, hyperparameters
 
 # (torch 2.13 names them *_single and deprecates the old names)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The memory of this process's part of ``tensor`` (a DTensor's shard), without autograd."""
-    with torch.no_grad():
-        return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
-
-
-def local_gradient(param: torch.Tensor) -> torch.Tensor:
-    """This process's part of ``param.grad``, laid out as its part of ``param`` (torch gives a
-    row-wise embedding a replicated gradient of a sharded weight: this process's rows of it)."""
-    grad = param.grad
-    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
-        grad = grad.redistribute(param.device_mesh, param.placements)
-    local = local_tensor(grad)
-    if local.shape != local_tensor(param).shape:
-        raise InvalidArgumentError(
-            f"a gradient's part on this process has the shape {tuple(local.shape)}, its parameter's "
-            f"{tuple(local_tensor(param).shape)}; sharding= over the data axis needs them alike (use sharding=None)")
-    return local
 
 
 class DataAxisZero:
@@ -111,7 +92,7 @@ class DataAxisZero:
             groups.setdefault(g, []).append(view)
         self._groups = list(groups)
         with internal_optimizers():   # not the user's: never adopted
-            self.range_optimizer = base([{**_hyper(optimizer.param_groups[g]), "params": views}
+            self.range_optimizer = base([{**hyperparameters(optimizer.param_groups[g]), "params": views}
                                          for g, views in groups.items()]) if groups else None
         self.summed: tuple[torch.Tensor, list[bool]] | None = None   # stage 2: this range of the sum, kept
 
@@ -140,7 +121,7 @@ class DataAxisZero:
                 return None if param.grad is None else local_gradient(param).view(-1)[start:stop]
         if self.range_optimizer is not None:
             for group, g in zip(self.range_optimizer.param_groups, self._groups):
-                group.update(_hyper(self._optimizer().param_groups[g]))
+                group.update(hyperparameters(self._optimizer().param_groups[g]))
             for k, _, view, start, stop in self.pieces:
                 view.grad = grad_of(k, start, stop)
             try:

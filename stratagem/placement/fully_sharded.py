@@ -47,12 +47,11 @@ from torch.distributed.tensor import DTensor
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
 from stratagem.placement.buffers import BufferSync
+from stratagem.placement.dtensor_state import (full_optimizer_state, hook_state_dicts, load_full_optimizer_state,
+                                               local_state_bytes, parameters_before, replacements)
 from stratagem.placement.roots import RootsPlacement
 from stratagem.placement.unscoped import refuse_optimizer_over
 from stratagem.placement.hooks import adopt, base_of, placement_of, run_hooks, step_hooks, unhooked_step
-# full tensors out of DTensors in state dicts, and back into each process's shards: the same
-# as for tensor parallelism (any DTensor layout)
-from stratagem.placement.tensor_parallel import TensorParallelPlacement, _full_state, _sharded_state
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -106,7 +105,7 @@ class FullyShardedPlacement(RootsPlacement):
                 f"sharding='parameters' gathers each unit's parameters as one buffer, so they need one "
                 f"dtype, but {type(root).__name__} has {sorted(map(str, dtypes))}; convert the model to "
                 f"one dtype (e.g. model.double()) or use sharding='gradients'")
-        before = {(id(m), n): p for m in root.modules() for n, p in m._parameters.items() if p is not None}
+        before = parameters_before(root)
         for unit in units(root):
             fully_shard(unit, mesh=self.mesh)
         top = root if not isinstance(root, (nn.ModuleList, nn.ModuleDict)) else None
@@ -118,15 +117,9 @@ class FullyShardedPlacement(RootsPlacement):
                 module.register_forward_pre_hook(self._note_gathered)   # (after FSDP2's: it gathers)
                 module.set_gradient_divide_factor(1.0)   # a sum over workers, as every other path,
                 module.set_force_sum_reduction_for_comms(True)   # with ReduceOp.SUM (gloo has no PREMUL_SUM)
-            for n, p in module._parameters.items():
-                old = before.get((id(module), n))
-                if old is not None and p is not old:
-                    self._replaced[id(old)] = (old, p)
-                if isinstance(p, DTensor):
-                    self._sharded_ids.add(id(p))
-            if any(isinstance(t, DTensor) for t in module.parameters(recurse=False)):
-                module.register_state_dict_post_hook(_full_state)
-                module.register_load_state_dict_pre_hook(_sharded_state)
+            self._sharded_ids.update(id(p) for p in module._parameters.values() if isinstance(p, DTensor))
+        self._replaced.update(replacements(root, before))
+        hook_state_dicts(root.modules())
 
     # ------------------------------------------------------------ checkpoints
 
@@ -205,10 +198,11 @@ class FullyShardedPlacement(RootsPlacement):
         """Clipping: each worker's shards of the gradients (summed over the workers in backward)."""
         return clipping.shard_parts(params, self.collective.group)
 
-    # state dicts of full tensors (each worker loads its shards): as under tensor parallelism,
-    # whose optimizers are torch's over DTensor parameters too
-    optimizer_state_dict = TensorParallelPlacement.optimizer_state_dict
-    optimizer_load_state_dict = TensorParallelPlacement.optimizer_load_state_dict
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        return full_optimizer_state(optimizer, base_of(optimizer))
+
+    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        load_full_optimizer_state(optimizer, base_of(optimizer), state_dict)
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
         raise InvalidArgumentError(
@@ -218,8 +212,7 @@ class FullyShardedPlacement(RootsPlacement):
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of per-element optimizer state (moments, momentum; not step counters) this
         worker holds for ``optimizer``: its shards."""
-        return sum(_local(v).numel() * v.element_size() for s in optimizer.state.values()
-                   for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return local_state_bytes(optimizer)
 
 
 def units(root: nn.Module) -> list[nn.Module]:
@@ -233,10 +226,6 @@ def units(root: nn.Module) -> list[nn.Module]:
         else:
             found.append(child)
     return found
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _leave_solo_group() -> None:

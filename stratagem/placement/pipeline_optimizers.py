@@ -37,8 +37,8 @@ from stratagem.placement import clipping
 from stratagem.placement.data_axis_zero import DataAxisZero
 from stratagem.comm.collective import Collective
 from stratagem.placement.hooks import adopt, base_of, run_hooks, step_hooks, unhooked_step
-from stratagem.placement.pipeline_mesh import MeshStages, full_value
-from stratagem.placement.tensor_parallel import _like
+from stratagem.placement.dtensor_state import full_value, local_state_bytes, shard_like
+from stratagem.placement.pipeline_mesh import MeshStages
 
 
 class StageOptimizers:
@@ -166,7 +166,7 @@ class StageOptimizers:
             zero.load(state["state"])
             return
         if self.mesh is not None:
-            state["state"] = {k: {n: _like(v, held[k]) for n, v in entry.items()}
+            state["state"] = {k: {n: shard_like(v, held[k]) for n, v in entry.items()}
                               for k, entry in state["state"].items()}
         base_of(optimizer).load_state_dict(optimizer, state)
 
@@ -182,6 +182,4 @@ class StageOptimizers:
         zero = self._zero_of(optimizer)
         if zero is not None:
             return zero.state_bytes()
-        return sum(v.to_local().numel() * v.element_size() if hasattr(v, "to_local") else v.numel() * v.element_size()
-                   for s in optimizer.state.values() for v in s.values()
-                   if isinstance(v, torch.Tensor) and v.dim() > 0 and not v.is_meta)
+        return local_state_bytes(optimizer)

@@ -51,7 +51,7 @@ class ShardedUpdate:
                 groups: dict[int, list[nn.Parameter]] = {}
                 for _, g, view, _, _ in self.pieces[r]:
                     groups.setdefault(g, []).append(view)
-                self.optimizers.append(base([{**_hyper(optimizer.param_groups[g]), "params": views}
+                self.optimizers.append(base([{**hyperparameters(optimizer.param_groups[g]), "params": views}
                                              for g, views in groups.items()]) if groups else None)
         self._base = base
         # copies that share replica 0's memory (logical CPU devices) need no copy back
@@ -76,7 +76,7 @@ class ShardedUpdate:
         if range_optimizer is None:
             return
         for group, g in zip(range_optimizer.param_groups, self._group_of[replica]):
-            group.update(_hyper(self._optimizer.param_groups[g]))
+            group.update(hyperparameters(self._optimizer.param_groups[g]))
         pieces = self.pieces[replica]
         for index, _, view, start, stop in pieces:
             if grads is not None:
@@ -139,5 +139,6 @@ class ShardedUpdate:
                     for key, value in entry.items()}
 
 
-def _hyper(group: dict) -> dict:
+def hyperparameters(group: dict) -> dict:
+    """An optimizer's parameter group without its parameters (what a range optimizer copies)."""
     return {k: v for k, v in group.items() if k != "params"}

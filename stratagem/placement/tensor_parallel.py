@@ -42,13 +42,15 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
+from stratagem.placement.dtensor_state import (full_optimizer_state, hook_state_dicts, load_full_optimizer_state,
+                                               parameters_before, replacements)
 from stratagem.placement.roots import DataAxis, RootsPlacement
 from stratagem.placement.hooks import adopt, base_of, placement_of, run_hooks, step_hooks, unhooked_step
 
@@ -135,17 +137,10 @@ class TensorParallelPlacement(RootsPlacement):
             return
         assignments = self._resolve(roots)
         for root, styles in zip(roots, assignments):
-            before = {(id(m), n): p for m in root.modules() for n, p in m._parameters.items() if p is not None}
+            before = parameters_before(root)
             parallelize_module(root, self.mesh["model"], styles)
-            for m in root.modules():
-                for n, p in m._parameters.items():
-                    old = before.get((id(m), n))
-                    if old is not None and p is not old:
-                        self._replaced[id(old)] = (old, p)
-            for module in root.modules():
-                if any(isinstance(t, DTensor) for t in module.parameters(recurse=False)):
-                    module.register_state_dict_post_hook(_full_state)
-                    module.register_load_state_dict_pre_hook(_sharded_state)
+            self._replaced.update(replacements(root, before))
+            hook_state_dicts(root.modules())
             if self.gradients is not None:   # (a parameter frozen or unfrozen since: hooked again)
                 root.register_forward_pre_hook(functools.partial(_rehook, weakref.ref(self)))
         self._hook_gradients()
@@ -249,16 +244,10 @@ class TensorParallelPlacement(RootsPlacement):
         return clipping.shard_parts(params, self.model.group)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        state = base_of(optimizer).state_dict(optimizer)
-        state["state"] = {k: {n: _full(v) for n, v in s.items()} for k, s in state["state"].items()}
-        return state
+        return full_optimizer_state(optimizer, base_of(optimizer))
 
     def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        state = dict(state_dict)
-        state["state"] = {k: {n: _like(v, params[int(k)]) for n, v in s.items()}
-                          for k, s in state_dict["state"].items()}
-        base_of(optimizer).load_state_dict(optimizer, state)
+        load_full_optimizer_state(optimizer, base_of(optimizer), state_dict)
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
         base_of(optimizer).add_param_group(optimizer, param_group)
@@ -351,29 +340,3 @@ def _check_embedding_input(name: str, style: Any) -> None:
             f"the same token ids; pass {kind}(input_layouts=Replicate(), ...) (from "
             f"torch.distributed.tensor), or the plan string {'rowwise' if kind == 'RowwiseParallel' else 'colwise'!r}")
 
-
-def _full(value: Any) -> Any:
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def _like(value: Any, param: torch.Tensor) -> Any:
-    """A full tensor from a state dict, sharded like ``param`` (each process keeps its shard)."""
-    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
-            and tuple(value.shape) == tuple(param.shape):
-        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-    return value
-
-
-def _full_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    for key, value in list(state_dict.items()):
-        # (state_dict(keep_vars=True) holds the parameters themselves: DTensors, as placed)
-        if key.startswith(prefix) and "." not in key[len(prefix):] and isinstance(value, DTensor) \
-                and not isinstance(value, nn.Parameter):
-            state_dict[key] = value.full_tensor()
-
-
-def _sharded_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    for name, param in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
-        key = prefix + name
-        if key in state_dict:
-            state_dict[key] = _like(state_dict[key], param)
