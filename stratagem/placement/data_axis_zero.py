@@ -177,14 +177,11 @@ class DataAxisZero:
         process counts its shard (not replicated along the model axis, or model rank 0)."""
         shard, exists = self.reduced()
         chosen = {id(p) for p in params}
-        lo, hi = self.bounds[self.rank], self.bounds[self.rank + 1]
-        tensors, counted = [], []
-        for k, ((_, _, p), t, offset) in enumerate(zip(self.entries, self.locals, self.offsets)):
-            a, b = max(lo, offset), min(hi, offset + t.numel())
-            if id(p) in chosen and exists[k] and a < b:
-                tensors.append(shard[a - lo:b - lo])
-                if counts(p):
-                    counted.append(tensors[-1])
+        found = clipping.range_parts(shard, exists, [t.numel() for t in self.locals], self.offsets,
+                                     self.bounds[self.rank], self.bounds[self.rank + 1],
+                                     [id(p) in chosen for _, _, p in self.entries])
+        tensors = [piece for _, piece in found]
+        counted = [piece for k, piece in found if counts(self.entries[k][2])]
         return clipping.GradientParts(tensors, counted, None)
 
     def discard(self) -> None:

@@ -18,8 +18,9 @@ tensors), and is handed to torch's FSDP2 ``fully_shard``:
   (``sg.nn.compute_average_loss``).
 
 Optimizers created in scope are torch's own over the DTensor parameters: each worker's
-update touches only its shards, and its state holds only its shards. ``step`` adds nothing
-else: the gradients were summed during backward. ``clip_grad_norm_`` over the model's
+update touches only its shards, and its state holds only its shards. ``step`` runs in the
+order of :mod:`stratagem.placement.step` (:class:`~.update_rule.LocalUpdate`: torch's update;
+the gradients were summed during backward), then averages the buffers over the workers. ``clip_grad_norm_`` over the model's
 parameters measures every worker's shards and returns the global norm as a plain tensor
 (:mod:`stratagem.placement.clipping`; torch's own returns a DTensor, whose inf-norm is
 each worker's partial maximum).
@@ -51,7 +52,8 @@ from stratagem.placement.dtensor_state import (full_optimizer_state, hook_state_
                                                local_state_bytes, parameters_before, replacements)
 from stratagem.placement.roots import RootsPlacement
 from stratagem.placement.unscoped import refuse_optimizer_over
-from stratagem.placement.hooks import adopt, base_of, placement_of, run_hooks, step_hooks, unhooked_step
+from stratagem.placement.hooks import adopt, base_of, placement_of
+from stratagem.placement.update_rule import LocalUpdate
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -67,6 +69,7 @@ class FullyShardedPlacement(RootsPlacement):
         self.collective = collective
         self.everyone = collective   # the start-up agreement on the modules built
         self.device = device
+        self.update = LocalUpdate(self)   # the step's primitives: torch's update over the shards
         group = collective.group
         if group.solo and not dist.is_initialized():   # a lone worker still needs a group for the mesh
             dist.init_process_group(group.backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -181,15 +184,6 @@ class FullyShardedPlacement(RootsPlacement):
         refuse_optimizer_over(optimizer, outside, "sharding='parameters'",
                               "this strategy did not shard them over the workers")
         adopt(optimizer, self)
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-        self.finalize()
-        pre, post = step_hooks(optimizer)
-        run_hooks(pre, optimizer)
-        result = unhooked_step(base_of(optimizer))(optimizer, closure)
-        run_hooks(post, optimizer)
-        self.buffers.step(None)
-        return result
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         base_of(optimizer).zero_grad(optimizer, set_to_none)

@@ -24,14 +24,31 @@ from stratagem.comm.collective import Collective
 from stratagem.placement import sync_batch_norm
 from stratagem.placement.base import Placement
 from stratagem.placement.gradient_sync import GradientSync
+from stratagem.placement.step import synchronous_step
 
 
 class RootsPlacement(Placement):
-    """Collects modules created in scope; ``new_roots`` hands out the complete models."""
+    """Collects modules created in scope; ``new_roots`` hands out the complete models. An optimizer
+    steps in the order of :mod:`.step` with the subclass's update rule (``update``)."""
 
     #: set by the subclass: where modules go, and every process (the start-up agreement)
     device: torch.device
     everyone: Collective
+    #: the step's primitives (:class:`~.update_rule.LocalUpdate`, or a pipeline's stage optimizers)
+    update: Any
+    #: one replica per process; no buffers to average at each step unless the subclass says
+    num_replicas = 1
+    buffers: Any = None
+
+    #: one logical step, in the order of placement/step.py with ``update``'s primitives
+    optimizer_step = synchronous_step
+
+    def own_replica_context(self) -> None:
+        """The step runs on the calling thread, this process's one replica (nothing to meet)."""
+        return None
+
+    def record_updates(self) -> list[str]:
+        return []   # no replica copies to watch
 
     def _start_roots(self) -> None:
         self._pending: list[nn.Module] = []

@@ -18,7 +18,8 @@ gradient of the parameters (DTensor shards) it holds, as under the data-parallel
 the gradient sync of :mod:`stratagem.placement.gradient_sync` sums each gradient's local shard
 over the data axis (:class:`~.roots.DataAxis`: in packs that leave while backward runs);
 ``strategy.no_sync()`` and DDP's ``require_backward_grad_sync`` skip that sum as there.
-Optimizers created in scope keep torch's own update over the DTensor parameters.
+Optimizers created in scope keep torch's own update over the DTensor parameters, in the step's
+order (:mod:`stratagem.placement.step`, with :class:`~.update_rule.LocalUpdate`).
 ``clip_grad_norm_`` over the model's parameters clips by the norm of the whole gradients, the
 shards measured on every process of the model axis (:mod:`stratagem.placement.clipping`).
 
@@ -52,7 +53,8 @@ from stratagem.placement import clipping
 from stratagem.placement.dtensor_state import (full_optimizer_state, hook_state_dicts, load_full_optimizer_state,
                                                parameters_before, replacements)
 from stratagem.placement.roots import DataAxis, RootsPlacement
-from stratagem.placement.hooks import adopt, base_of, placement_of, run_hooks, step_hooks, unhooked_step
+from stratagem.placement.hooks import adopt, base_of, placement_of
+from stratagem.placement.update_rule import LocalUpdate
 
 #: plan style names and the torch ParallelStyle each stands for
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
@@ -116,6 +118,7 @@ class TensorParallelPlacement(RootsPlacement):
         #: sums the gradients over the data axis when backward ends (None: a data axis of one)
         self.gradients = DataAxis.gradient_sync(self, data)
         self.everyone = everyone   # every process (start-up agreement)
+        self.update = LocalUpdate(self)   # the step's primitives: torch's update over the shards
         self._start_roots()
         self._optimizers: list[torch.optim.Optimizer] = []
         # id(parameter before the plan) -> (it, its DTensor replacement): an optimizer given a list
@@ -224,14 +227,6 @@ class TensorParallelPlacement(RootsPlacement):
             group["params"] = [self._replaced.get(id(p), (p, p))[1] for p in group["params"]]
         adopt(optimizer, self)
         self._optimizers.append(optimizer)
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-        self.finalize()
-        pre, post = step_hooks(optimizer)
-        run_hooks(pre, optimizer)
-        result = unhooked_step(base_of(optimizer))(optimizer, closure)
-        run_hooks(post, optimizer)
-        return result
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         if self.gradients is not None:

@@ -227,11 +227,9 @@ class ZeroUpdate(UpdateRule):
         parts = []
         for layout in dict.fromkeys(self._layout_by_param[id(p)] for p in params):
             shard, exists = self._summed(layout)
-            base, top = layout.bounds[self._rank], layout.bounds[self._rank + 1]
-            for index, (p, offset) in enumerate(zip(layout.params, layout.offsets)):
-                a, b = max(offset, base), min(offset + p.numel(), top)
-                if id(p) in chosen and exists[index] and a < b:
-                    parts.append(shard[a - base:b - base])
+            parts += [piece for _, piece in clipping.range_parts(
+                shard, exists, [p.numel() for p in layout.params], layout.offsets, layout.bounds[self._rank],
+                layout.bounds[self._rank + 1], [id(p) in chosen for p in layout.params])]
         return clipping.GradientParts(parts, parts, self.collective.group)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
