@@ -19,7 +19,7 @@ tensors), and is handed to torch's FSDP2 ``fully_shard``:
 
 Optimizers created in scope are torch's own over the DTensor parameters: each worker's
 update touches only its shards, and its state holds only its shards. ``step`` runs in the
-order of :mod:`stratagem.placement.step` (:class:`~.update_rule.LocalUpdate`: torch's update;
+order of :mod:`stratagem.placement.step` (:class:`~.local_update.LocalUpdate`: torch's update;
 the gradients were summed during backward), then averages the buffers over the workers. ``clip_grad_norm_`` over the model's
 parameters measures every worker's shards and returns the global norm as a plain tensor
 (:mod:`stratagem.placement.clipping`; torch's own returns a DTensor, whose inf-norm is
@@ -48,12 +48,11 @@ from torch.distributed.tensor import DTensor
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
 from stratagem.placement.buffers import BufferSync
-from stratagem.placement.dtensor_state import (full_optimizer_state, hook_state_dicts, load_full_optimizer_state,
-                                               local_state_bytes, parameters_before, replacements)
+from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
 from stratagem.placement.roots import RootsPlacement
 from stratagem.placement.unscoped import refuse_optimizer_over
-from stratagem.placement.hooks import adopt, base_of, placement_of
-from stratagem.placement.update_rule import LocalUpdate
+from stratagem.placement.hooks import adopt, placement_of
+from stratagem.placement.local_update import LocalUpdate
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -185,28 +184,14 @@ class FullyShardedPlacement(RootsPlacement):
                               "this strategy did not shard them over the workers")
         adopt(optimizer, self)
 
-    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        base_of(optimizer).zero_grad(optimizer, set_to_none)
-
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
         """Clipping: each worker's shards of the gradients (summed over the workers in backward)."""
         return clipping.shard_parts(params, self.collective.group)
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        return full_optimizer_state(optimizer, base_of(optimizer))
-
-    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        load_full_optimizer_state(optimizer, base_of(optimizer), state_dict)
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
         raise InvalidArgumentError(
             "add_param_group is not supported under sharding='parameters'; create the optimizer with "
             "all its parameter groups")
-
-    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        """Bytes of per-element optimizer state (moments, momentum; not step counters) this
-        worker holds for ``optimizer``: its shards."""
-        return local_state_bytes(optimizer)
 
 
 def units(root: nn.Module) -> list[nn.Module]:

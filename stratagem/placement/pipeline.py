@@ -309,12 +309,6 @@ class PipelinePlacement(RootsPlacement):
         self.finalize()
         self.update.load_state_dict(optimizer, state_dict)
 
-    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        self.update.add_param_group(optimizer, param_group)
-
-    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        """Bytes of per-element optimizer state this process holds for ``optimizer`` (benchmarks)."""
-        return self.update.state_bytes(optimizer)
 
     # ---------------------------------------------------------- checkpoints
 

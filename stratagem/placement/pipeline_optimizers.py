@@ -41,7 +41,7 @@ from stratagem.comm.collective import Collective
 from stratagem.placement.hooks import adopt, base_of, step_hooks, unhooked_step
 from stratagem.placement.dtensor_state import full_value, local_state_bytes, shard_like
 from stratagem.placement.pipeline_mesh import MeshStages
-from stratagem.placement.update_rule import LocalUpdate
+from stratagem.placement.local_update import LocalUpdate
 
 
 class StageOptimizers(LocalUpdate):

@@ -25,7 +25,7 @@ local replica.
 
 The placements of one replica per process whose optimizers are torch's own over the tensors the
 process holds (tensor parallel, ZeRO-3, a pipeline's stages) step in the same order, with
-:class:`~.update_rule.LocalUpdate`'s primitives (nothing to spread); there a ``closure`` reaches
+:class:`~.local_update.LocalUpdate`'s primitives (nothing to spread); there a ``closure`` reaches
 torch's update, which the other rules refuse (``check_closure``).
 """
 

@@ -19,7 +19,7 @@ the gradient sync of :mod:`stratagem.placement.gradient_sync` sums each gradient
 over the data axis (:class:`~.roots.DataAxis`: in packs that leave while backward runs);
 ``strategy.no_sync()`` and DDP's ``require_backward_grad_sync`` skip that sum as there.
 Optimizers created in scope keep torch's own update over the DTensor parameters, in the step's
-order (:mod:`stratagem.placement.step`, with :class:`~.update_rule.LocalUpdate`).
+order (:mod:`stratagem.placement.step`, with :class:`~.local_update.LocalUpdate`).
 ``clip_grad_norm_`` over the model's parameters clips by the norm of the whole gradients, the
 shards measured on every process of the model axis (:mod:`stratagem.placement.clipping`).
 
@@ -50,11 +50,10 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
-from stratagem.placement.dtensor_state import (full_optimizer_state, hook_state_dicts, load_full_optimizer_state,
-                                               parameters_before, replacements)
+from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
 from stratagem.placement.roots import DataAxis, RootsPlacement
-from stratagem.placement.hooks import adopt, base_of, placement_of
-from stratagem.placement.update_rule import LocalUpdate
+from stratagem.placement.hooks import adopt, placement_of
+from stratagem.placement.local_update import LocalUpdate
 
 #: plan style names and the torch ParallelStyle each stands for
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
@@ -228,24 +227,10 @@ class TensorParallelPlacement(RootsPlacement):
         adopt(optimizer, self)
         self._optimizers.append(optimizer)
 
-    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        if self.gradients is not None:
-            self.gradients.forget([p for g in optimizer.param_groups for p in g["params"]])
-        base_of(optimizer).zero_grad(optimizer, set_to_none)
-
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
         """Clipping: each process's shards of the gradients (summed over the data axis when backward
         ended) along the model axis (replicated gradients count once)."""
         return clipping.shard_parts(params, self.model.group)
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        return full_optimizer_state(optimizer, base_of(optimizer))
-
-    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        load_full_optimizer_state(optimizer, base_of(optimizer), state_dict)
-
-    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        base_of(optimizer).add_param_group(optimizer, param_group)
 
 
 def _rehook(placement_ref: Any, module: nn.Module, args: Any) -> None:

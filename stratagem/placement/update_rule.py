@@ -27,16 +27,14 @@ A rule serves one placement (:meth:`UpdateRule.bind`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
-import weakref
 from typing import Any, NamedTuple, Protocol, Sequence
 
 import torch
 
 from stratagem._record import record
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.hooks import base_of, unhooked_step
+from stratagem.placement.hooks import base_of
 
 
 class Storage(NamedTuple):
@@ -207,62 +205,6 @@ class UpdateRule:
 
     def gradient_parts(self, params: list[torch.Tensor]) -> Any:
         raise NotImplementedError(f"{type(self).__name__} keeps whole gradients")
-
-
-class LocalUpdate:
-    """The update rule of the placements with one replica per process whose optimizers are torch's
-    own over the tensors this process holds (tensor parallel and ZeRO-3: DTensor shards): the
-    gradients were summed over the data axis when backward ended, so the update is torch's, with
-    nothing to spread, in the order of :mod:`.step`. A ``step(closure)`` reaches torch's update.
-    (A pipeline's stages: :class:`~stratagem.placement.pipeline_optimizers.StageOptimizers`.)
-
-    Example::
-
-        import torch
-        from stratagem.placement.hooks import adopt
-        from stratagem.placement.step import synchronous_step
-        from stratagem.placement.update_rule import LocalUpdate
-
-        class OneProcess:   # what the step reads of a placement
-            kind, num_replicas, buffers = "Local", 1, None
-            optimizer_step = synchronous_step
-            def __init__(self): self.update = LocalUpdate(self)
-            def finalize(self): pass
-            def own_replica_context(self): return None
-            def record_updates(self): return []
-
-        p = torch.nn.Parameter(torch.ones(2))
-        optimizer = torch.optim.SGD([p], lr=0.5)
-        adopt(optimizer, OneProcess())
-        p.grad = torch.ones(2)
-        optimizer.step()
-        assert p.tolist() == [0.5, 0.5] and type(optimizer).__name__ == "LocalSGD"
-    """
-
-    def __init__(self, placement: Any):
-        # (its finalize: the models placed before the update reads them; weakly, as a placement is
-        # let go with its strategy, which clipping's routing notices)
-        self._placement = weakref.ref(placement)
-
-    def check_closure(self, optimizer: torch.optim.Optimizer) -> None:
-        return None   # torch's own update calls it
-
-    def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any:
-        self._placement().finalize()
-        return None   # .grad holds the sum over the data axis since backward ended
-
-    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any:
-        return functools.partial(unhooked_step(base_of(optimizer)), optimizer)
-
-    def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any:
-        return result   # one copy of each tensor on this process: nothing to spread
-
-    def hooked_tensors(self, optimizer: torch.optim.Optimizer, replica: int) -> list[torch.Tensor]:
-        return params_of(optimizer)
-
-    def copy_changed(self, optimizer: torch.optim.Optimizer, replica: int | None, changed: list[int],
-                     grads: bool) -> None:
-        return None
 
 
 def refuse_closure(optimizer: torch.optim.Optimizer) -> None:
