@@ -1,21 +1,11 @@
 """The state of modules and optimizers whose parameters are DTensors: whole outside, shards inside.
 
-The mesh placements -- tensor parallel (:mod:`.tensor_parallel`), ZeRO-3
-(:mod:`.fully_sharded`) and a pipeline's stages on a 3-D mesh (:mod:`.pipeline_mesh`) -- hand a
-model to torch's ``parallelize_module`` or ``fully_shard``, which replace its parameters by
-DTensors: each process holds its shard. What a user saves and loads stays one logical copy, as
-in plain PyTorch, whatever the layout:
-
-- :func:`hook_state_dicts`: a module's ``state_dict()`` holds full tensors (a collective over the
-  DTensor's mesh: every process calls it), ``load_state_dict`` takes full tensors and keeps this
-  process's shard (:func:`full_state`, :func:`sharded_state`: the hooks themselves);
-- :func:`full_value` / :func:`shard_like`: one value, whole or cut like a parameter (an
-  optimizer's state dict, entry by entry);
-- :func:`local_tensor` / :func:`local_gradient`: the memory this process holds of a parameter and
-  of its gradient (a ZeRO range is laid over it);
-- :func:`parameters_before` / :func:`replacements`: which parameter became which DTensor, so that
-  an optimizer given the parameters before the model was placed gets the replacements;
-- :func:`local_state_bytes`: the optimizer state this process holds (its shards).
+The mesh placements -- tensor parallel (:mod:`.tensor_parallel`), ZeRO-3 (:mod:`.fully_sharded`),
+a pipeline's stages on a 3-D mesh (:mod:`.pipeline_mesh`, :mod:`.data_axis_zero`) -- hand a model
+to torch's ``parallelize_module`` or ``fully_shard``, which replace its parameters by DTensors:
+each process holds its shards. What a user saves and loads stays one logical copy, as in plain
+PyTorch, whatever the layout; these helpers, shared by those placements, make it so and find
+the memory each process holds.
 
 Example::
 

@@ -75,9 +75,6 @@ class FullyShardedPlacement(RootsPlacement):
             atexit.register(_leave_solo_group)
         self.mesh = DeviceMesh.from_group(group.group or dist.group.WORLD, device.type)
         self._start_roots()
-        # id(parameter before sharding) -> (it, its DTensor replacement): an optimizer given a list
-        # of parameters taken before the model was placed gets the replacements
-        self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sharded_ids: set[int] = set()
         self._gathered_ids: set[int] = set()   # FSDP2's whole parameters (kept between forwards)
         #: every module of a sharded model -> the names of its parameters then
@@ -176,10 +173,8 @@ class FullyShardedPlacement(RootsPlacement):
     # ----------------------------------------------------------- optimizers
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        outside = []
-        for group in optimizer.param_groups:
-            group["params"] = [self._replaced.get(id(p), (p, p))[1] for p in group["params"]]
-            outside += [p for p in group["params"] if id(p) not in self._sharded_ids]
+        self._take_replacements(optimizer)
+        outside = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in self._sharded_ids]
         refuse_optimizer_over(optimizer, outside, "sharding='parameters'",
                               "this strategy did not shard them over the workers")
         adopt(optimizer, self)

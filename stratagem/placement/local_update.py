@@ -25,11 +25,7 @@ from stratagem.placement.update_rule import params_of
 
 
 class LocalUpdate:
-    """The update rule of the placements with one replica per process whose optimizers are torch's
-    own over the tensors this process holds (tensor parallel and ZeRO-3: DTensor shards): the
-    gradients were summed over the data axis when backward ended, so the update is torch's, with
-    nothing to spread, in the order of :mod:`.step`. A ``step(closure)`` reaches torch's update.
-    (A pipeline's stages: :class:`~stratagem.placement.pipeline_optimizers.StageOptimizers`.)
+    """torch's own update and optimizer methods over the tensors this process holds (see the module doc).
 
     Example::
 

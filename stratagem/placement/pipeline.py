@@ -163,7 +163,7 @@ class PipelinePlacement(RootsPlacement):
         self.models[id(root)] = SplitModel(layout, local, model=root)
         self._forget_pending(local.values())   # the stage containers, created in scope
         if self.mesh is not None:
-            self.update.replaced.update(self.mesh.place(root, local))
+            self._replaced.update(self.mesh.place(root, local))
             self._forget_pending([*local.values(), *root.modules()])   # (re-registered by the mesh)
 
     def keep_only(self, model: nn.Module, held: set[str], used: set[str], stages: list[int]) -> None:
@@ -286,6 +286,7 @@ class PipelinePlacement(RootsPlacement):
     # the modules are placed before each call needs them)
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
+        self._take_replacements(optimizer)   # (the mesh's, for parameters taken before the model was placed)
         self.update.created(optimizer, self)
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:

@@ -54,17 +54,13 @@ class StageOptimizers(LocalUpdate):
         self.pipe, self.data, self.everyone = pipe, data, everyone
         self.mesh = mesh
         self.sharding = None if mesh is None else mesh.sharding
-        self.replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # parameters the mesh replaced
         self.refs: list[weakref.ref] = []   # the optimizers (a traced model's first trace trims them)
         # optimizer -> its ranges over the data axis (sharding="optimizer"/"gradients"), built at first use
         self._zeros: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def created(self, optimizer: torch.optim.Optimizer, placement: Any) -> None:
         """An optimizer created in ``placement``'s scope: its parameter groups keep every parameter
-        of the model (those of other stages as meta placeholders), the mesh's replacements for any
-        taken before the model was placed."""
-        for group in optimizer.param_groups:
-            group["params"] = [self.replaced.get(id(p), (p, p))[1] for p in group["params"]]
+        of the model (those of other stages as meta placeholders)."""
         adopt(optimizer, placement)
         self.refs.append(weakref.ref(optimizer))
 

@@ -75,6 +75,14 @@ class RootsPlacement(Placement):
     def _start_roots(self) -> None:
         self._pending: list[nn.Module] = []
         self._placed: list[nn.Module] = []
+        # id(parameter before placing) -> (it, its replacement, a DTensor): an optimizer given the
+        # parameters taken before the model was placed gets the replacements
+        self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _take_replacements(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer created in scope: the replacements of the parameters it was given."""
+        for group in optimizer.param_groups:
+            group["params"] = [self._replaced.get(id(p), (p, p))[1] for p in group["params"]]
 
     def on_module_registered(self, module: nn.Module) -> None:
         sync_batch_norm.adopt(module)   # (synchronized or refused at its first training-mode forward)

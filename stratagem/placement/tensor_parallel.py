@@ -120,9 +120,6 @@ class TensorParallelPlacement(RootsPlacement):
         self.update = LocalUpdate(self)   # the step's primitives: torch's update over the shards
         self._start_roots()
         self._optimizers: list[torch.optim.Optimizer] = []
-        # id(parameter before the plan) -> (it, its DTensor replacement): an optimizer given a list
-        # of parameters built before the model was placed gets the replacements
-        self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # id(module or optimizer) -> (it, its full state dict): gathered for the chief's checkpoint
         self._gathered: dict[int, tuple[Any, dict]] = {}
         clipping.register(self)
@@ -222,8 +219,7 @@ class TensorParallelPlacement(RootsPlacement):
     # ----------------------------------------------------------- optimizers
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        for group in optimizer.param_groups:
-            group["params"] = [self._replaced.get(id(p), (p, p))[1] for p in group["params"]]
+        self._take_replacements(optimizer)
         adopt(optimizer, self)
         self._optimizers.append(optimizer)
 
