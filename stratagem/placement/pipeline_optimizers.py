@@ -75,7 +75,7 @@ class StageOptimizers(LocalUpdate):
     # the primitives of placement/step.py (LocalUpdate's others: nothing to spread)
 
     def check_closure(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._zero_of(optimizer) is not None:
+        if self.sharding in ("optimizer", "gradients"):   # (checked before the modules are placed)
             raise InvalidArgumentError(
                 f"with sharding={self.sharding!r} the update runs in ranges over the data axis: call "
                 f"optimizer.step() without a closure, or use sharding=None")

@@ -75,7 +75,7 @@ class RootsPlacement(Placement):
     def _start_roots(self) -> None:
         self._pending: list[nn.Module] = []
         self._placed: list[nn.Module] = []
-        # id(parameter before placing) -> (it, its replacement, a DTensor): an optimizer given the
+        # id(parameter before placing) -> (it, its replacement: a DTensor): an optimizer given the
         # parameters taken before the model was placed gets the replacements
         self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
