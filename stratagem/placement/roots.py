@@ -35,10 +35,8 @@ class RootsPlacement(Placement):
     #: set by the subclass: where modules go, and every process (the start-up agreement)
     device: torch.device
     everyone: Collective
-    #: the step's primitives and the optimizers' methods (:class:`~.local_update.LocalUpdate`, or a
-    #: pipeline's stage optimizers)
-    update: Any
-    #: one replica per process; no buffers to average at each step, no gradient sync (the sum over
+    #: (``update``, set by the subclass: :class:`~.local_update.LocalUpdate`, or a pipeline's stage
+    #: optimizers); one replica per process; no buffers to average at each step, no gradient sync (the sum over
     #: the data axis), unless the subclass says
     num_replicas = 1
     buffers: Any = None
@@ -53,24 +51,6 @@ class RootsPlacement(Placement):
 
     def record_updates(self) -> list[str]:
         return []   # no replica copies to watch
-
-    # the optimizer's other methods are the update rule's
-
-    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        self.update.zero_grad(optimizer, set_to_none)
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        return self.update.state_dict(optimizer)
-
-    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        self.update.load_state_dict(optimizer, state_dict)
-
-    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        self.update.add_param_group(optimizer, param_group)
-
-    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        """Bytes of per-element optimizer state this process holds for ``optimizer``."""
-        return self.update.state_bytes(optimizer)
 
     def _start_roots(self) -> None:
         self._pending: list[nn.Module] = []
