@@ -36,8 +36,8 @@ class RootsPlacement(Placement):
     device: torch.device
     everyone: Collective
     #: (``update``, set by the subclass: :class:`~.local_update.LocalUpdate`, or a pipeline's stage
-    #: optimizers); one replica per process; no buffers to average at each step, no gradient sync (the sum over
-    #: the data axis), unless the subclass says
+    #: optimizers); one replica per process; no buffers to average at each step, no gradient sync
+    #: (the sum over the data axis), unless the subclass says
     num_replicas = 1
     buffers: Any = None
     gradients: Any = None
