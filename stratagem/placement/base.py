@@ -46,6 +46,8 @@ class Placement(abc.ABC):
     #: batch, and is checked (:mod:`stratagem.nn.loss_check`): the replicas' gradients are summed.
     #: False where the strategy's own schedule runs the backward passes (the pipeline).
     checks_loss_scaling = True
+    #: A synchronous placement's update rule: the step's primitives and the optimizer's other methods.
+    update: Any = None
     #: Whether a ``torch.nn.SyncBatchNorm`` created in scope combines its training-mode batch statistics
     #: over every replica and worker through the placement's ``collective``
     #: (:mod:`stratagem.placement.sync_batch_norm`); where False, its first training-mode forward is refused.
@@ -141,18 +143,25 @@ class Placement(abc.ABC):
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
         """One logical step: user's step hooks fire once, the update reaches every copy."""
 
-    @abc.abstractmethod
-    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None: ...
+    # by default the synchronous placements' update rule answers them (``self.update``: its data
+    # axis's half; :mod:`.update_rule`, :mod:`.local_update`); the parameter-server placement its own way
 
-    @abc.abstractmethod
+    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        self.update.zero_grad(optimizer, set_to_none)
+
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """One logical state dict, whatever the number of copies."""
+        return self.update.state_dict(optimizer)
 
-    @abc.abstractmethod
-    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None: ...
+    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        self.update.load_state_dict(optimizer, state_dict)
 
-    @abc.abstractmethod
-    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None: ...
+    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+        self.update.add_param_group(optimizer, param_group)
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """Bytes of per-element optimizer state (moments, momentum) this process holds for ``optimizer``."""
+        return self.update.state_bytes(optimizer)
 
     # ------------------------------------------------------------ GradScaler
 

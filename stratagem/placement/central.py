@@ -133,7 +133,8 @@ class CentralUpdate(UpdateRule):
                 self.collective.exchange(replica, None, "optimizer.step (gradients on the parameter device)")
         return None
 
-    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any:
+    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any,
+                    closure: Any = None) -> Any:
         """The update of the primaries: this thread's range (split updates), else replica 0's
         (outside ``run``, on this thread: every range, or the one update)."""
         sharded = self.sharded(optimizer)

@@ -270,3 +270,17 @@ def shard_parts(params: list[torch.Tensor], group: Any) -> GradientParts:
         if once:
             counted.append(local)
     return GradientParts(tensors, counted, group)
+
+
+def range_parts(shard: torch.Tensor, exists: list, sizes: list[int], offsets: list[int], lo: int, hi: int,
+                chosen: list[bool]) -> list[tuple[int, torch.Tensor]]:
+    """ZeRO-2's parts (over workers, :mod:`.zero`, or a pipeline's data axis, :mod:`.data_axis_zero`):
+    tensors of ``sizes`` laid end to end at ``offsets``, of whose sum this process holds ``shard``,
+    the range ``[lo, hi)``; for each tensor ``chosen`` that has a gradient somewhere (``exists``) and
+    meets the range, (its position, its piece of ``shard``)."""
+    found = []
+    for k, (size, offset) in enumerate(zip(sizes, offsets)):
+        a, b = max(lo, offset), min(hi, offset + size)
+        if chosen[k] and exists[k] and a < b:
+            found.append((k, shard[a - lo:b - lo]))
+    return found

@@ -22,61 +22,40 @@ over the data axis, so every process again holds its stages whole.
 The optimizer's state dict reads as one optimizer's over the whole model: the ranges are
 gathered over the data axis, a shard's state made whole over the model axis (both
 collectives); ``load`` keeps this process's range of a whole state.
+
+The ranges are those of ZeRO over workers (:mod:`stratagem.placement.zero`): a
+:class:`~stratagem.placement.sharded_update.ShardedUpdate`, its parameters and state gathered by
+the same functions. What differs is what is cut (this process's local tensors, the stages held
+elsewhere left out) and when stage 2 sums: once when the schedule ends, where
+``MultiWorkerMirroredStrategy``'s packs leave during backward.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from stratagem.comm.collective import Collective, range_bounds
+from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
-from stratagem.placement.hooks import base_of, internal_optimizers, unhooked_step
-from stratagem.placement.sharded_update import ELEMENTWISE, _hyper
+from stratagem.placement.dtensor_state import local_gradient, local_tensor
+from stratagem.placement.hooks import base_of
+from stratagem.placement.sharded_update import ShardedUpdate
+from stratagem.placement.zero import check_splittable, gather_ranges, gather_state
 
-# (torch 2.13 names them *_single and deprecates the old names)
+# (torch 2.13 names it *_single and deprecates the old name)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The memory of this process's part of ``tensor`` (a DTensor's shard), without autograd."""
-    with torch.no_grad():
-        return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
-
-
-def local_gradient(param: torch.Tensor) -> torch.Tensor:
-    """This process's part of ``param.grad``, laid out as its part of ``param`` (torch gives a
-    row-wise embedding a replicated gradient of a sharded weight: this process's rows of it)."""
-    grad = param.grad
-    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
-        grad = grad.redistribute(param.device_mesh, param.placements)
-    local = local_tensor(grad)
-    if local.shape != local_tensor(param).shape:
-        raise InvalidArgumentError(
-            f"a gradient's part on this process has the shape {tuple(local.shape)}, its parameter's "
-            f"{tuple(local_tensor(param).shape)}; sharding= over the data axis needs them alike (use sharding=None)")
-    return local
 
 
 class DataAxisZero:
-    """One optimizer's own parameters, each data rank updating its range (see the module doc)."""
+    """One optimizer's own parameters, each data rank updating its range (see the module doc): the
+    ranges of :class:`~stratagem.placement.sharded_update.ShardedUpdate` over this process's local
+    tensors, gathered as :mod:`stratagem.placement.zero` gathers them over workers."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, data: Collective, stage: str):
-        base = base_of(optimizer)
-        if base not in ELEMENTWISE:
-            raise InvalidArgumentError(
-                f"sharding={stage!r} splits the update element-wise between the data ranks, which "
-                f"{base.__name__} does not allow; use one of {sorted(c.__name__ for c in ELEMENTWISE)} "
-                f"or sharding=None / 'parameters'")
-        # (weakly: the pipeline keeps these ranges in a WeakKeyDictionary keyed by the optimizer)
-        self._optimizer, self._base = weakref.ref(optimizer), base
         self.data, self.stage = data, stage
         self.rank, size = data.worker_index, data.num_workers
         self.entries: list[tuple[int, int, torch.Tensor]] = []   # (index in the state dict, group, parameter)
@@ -86,33 +65,13 @@ class DataAxisZero:
                 if not p.is_meta:
                     self.entries.append((index, g, p))
                 index += 1
-        self.locals = [local_tensor(p) for _, _, p in self.entries]
-        kinds = {(t.dtype, t.device) for t in self.locals}
-        if len(kinds) > 1 or any(t.is_sparse or not t.is_contiguous() for t in self.locals):
-            raise InvalidArgumentError(
-                f"sharding={stage!r} needs dense contiguous parameters of one dtype and device, got "
-                f"{sorted(str(k) for k in kinds)}; use one dtype for the model")
-        self.offsets, total = [], 0
-        for t in self.locals:
-            self.offsets.append(total)
-            total += t.numel()
-        self.total = total
-        self.bounds = range_bounds(total, size)
+        # the memory each parameter's range views (a shard's), with its parameter's requires_grad
+        self.locals = [local_tensor(p).requires_grad_(p.requires_grad) for _, _, p in self.entries]
+        check_splittable(base_of(optimizer), self.locals, stage, "the data ranks", " or sharding=None / 'parameters'")
+        self.sharded = ShardedUpdate(optimizer, lambda t: (t,), size,
+                                     entries=[(g, t) for (_, g, _), t in zip(self.entries, self.locals)])
+        self.offsets, self.bounds = self.sharded.offsets, self.sharded.bounds
         self.longest = max(self.bounds[r + 1] - self.bounds[r] for r in range(size))
-        lo, hi = self.bounds[self.rank], self.bounds[self.rank + 1]
-        self.pieces: list[tuple[int, int, nn.Parameter, int, int]] = []   # (entry, group, view, start, stop)
-        for k, ((_, g, p), t, offset) in enumerate(zip(self.entries, self.locals, self.offsets)):
-            a, b = max(lo, offset), min(hi, offset + t.numel())
-            if a < b:
-                view = nn.Parameter(t.view(-1)[a - offset:b - offset], requires_grad=p.requires_grad)
-                self.pieces.append((k, g, view, a - offset, b - offset))
-        groups: dict[int, list[nn.Parameter]] = {}
-        for _, g, view, _, _ in self.pieces:
-            groups.setdefault(g, []).append(view)
-        self._groups = list(groups)
-        with internal_optimizers():   # not the user's: never adopted
-            self.range_optimizer = base([{**_hyper(optimizer.param_groups[g]), "params": views}
-                                         for g, views in groups.items()]) if groups else None
         self.summed: tuple[torch.Tensor, list[bool]] | None = None   # stage 2: this range of the sum, kept
 
     # ---------------------------------------------------------------- step
@@ -138,17 +97,9 @@ class DataAxisZero:
             def grad_of(k: int, start: int, stop: int) -> torch.Tensor | None:
                 param = self.entries[k][2]
                 return None if param.grad is None else local_gradient(param).view(-1)[start:stop]
-        if self.range_optimizer is not None:
-            for group, g in zip(self.range_optimizer.param_groups, self._groups):
-                group.update(_hyper(self._optimizer().param_groups[g]))
-            for k, _, view, start, stop in self.pieces:
-                view.grad = grad_of(k, start, stop)
-            try:
-                unhooked_step(self._base)(self.range_optimizer)   # the user's hooks fire once, outside
-            finally:
-                for _, _, view, _, _ in self.pieces:
-                    view.grad = None
-        self._gather()
+        self.sharded.step(self.rank, grad_of)   # the user's hooks fire once, outside
+        if self.data.num_workers > 1:
+            gather_ranges(self.data.group, self.sharded, self.rank, self.locals)
 
     def reduced(self) -> tuple[torch.Tensor, list[bool]]:
         """Stage 2: this data rank's range of the gradients summed over the data axis, and which
@@ -166,7 +117,7 @@ class DataAxisZero:
         if self.data.num_workers > 1:
             group.all_reduce(present, "optimizer.step (which gradients exist on the data axis)")
         exists = [bool(v) for v in present.tolist()]
-        flat = self.locals[0].new_zeros(self.total) if self.locals else torch.zeros(0)
+        flat = self.locals[0].new_zeros(self.bounds[-1]) if self.locals else torch.zeros(0)
         for (_, _, p), offset in zip(self.entries, self.offsets):
             if p.grad is not None:
                 grad = local_gradient(p)
@@ -196,97 +147,54 @@ class DataAxisZero:
         process counts its shard (not replicated along the model axis, or model rank 0)."""
         shard, exists = self.reduced()
         chosen = {id(p) for p in params}
-        lo, hi = self.bounds[self.rank], self.bounds[self.rank + 1]
-        tensors, counted = [], []
-        for k, ((_, _, p), t, offset) in enumerate(zip(self.entries, self.locals, self.offsets)):
-            a, b = max(lo, offset), min(hi, offset + t.numel())
-            if id(p) in chosen and exists[k] and a < b:
-                tensors.append(shard[a - lo:b - lo])
-                if counts(p):
-                    counted.append(tensors[-1])
+        found = clipping.range_parts(shard, exists, [t.numel() for t in self.locals], self.offsets,
+                                     self.bounds[self.rank], self.bounds[self.rank + 1],
+                                     [id(p) in chosen for _, _, p in self.entries])
+        tensors = [piece for _, piece in found]
+        counted = [piece for k, piece in found if counts(self.entries[k][2])]
         return clipping.GradientParts(tensors, counted, None)
 
     def discard(self) -> None:
         """``zero_grad``: a range of the sum that no step used is dropped."""
         self.summed = None
 
-    def _gather(self) -> None:
-        if self.data.num_workers == 1:
-            return
-        group, size = self.data.group, self.data.num_workers
-        lo, hi = self.bounds[self.rank], self.bounds[self.rank + 1]
-        mine = self.locals[0].new_zeros(self.longest, device=group.device)
-        if hi > lo:
-            mine[:hi - lo].copy_(torch.cat([view.detach().reshape(-1) for _, _, view, _, _ in self.pieces]))
-        everyone = mine.new_empty(size * self.longest)
-        with group.guard("optimizer.step (parameter ranges all-gathered over the data axis)"):
-            _all_gather(everyone, mine, group=group.group)
-        flat = torch.cat([everyone[r * self.longest:r * self.longest + self.bounds[r + 1] - self.bounds[r]]
-                          for r in range(size)]).to(self.locals[0].device)
-        with torch.no_grad():
-            for t, offset in zip(self.locals, self.offsets):
-                t.view(-1).copy_(flat[offset:offset + t.numel()])
-
     # ---------------------------------------------------------- state dicts
 
     def state(self) -> dict[int, dict]:
         """The state of this process's parameters, whole (a collective over the data and model axes),
         keyed by their index in the optimizer's state dict."""
-        mine: dict[int, list] = {}
-        if self.range_optimizer is not None:
-            for k, _, view, start, _ in self.pieces:
-                state = self.range_optimizer.state.get(view)
-                if state:
-                    mine.setdefault(k, []).append((start, {n: v.detach().cpu() if isinstance(v, torch.Tensor) else v
-                                                           for n, v in state.items()}))
-        everyone = [mine] if self.data.num_workers == 1 else \
-            self.data.all_gather_object(mine, "optimizer.state_dict (ranges over the data axis)")
-        merged: dict[int, list] = {}
-        for theirs in everyone:
-            for k, pieces in theirs.items():
-                merged.setdefault(k, []).extend(pieces)
+        merged = gather_state(self.sharded, self.rank, self.data, "optimizer.state_dict (ranges over the data axis)")
         result = {}
         for k in sorted(merged):
             index, _, p = self.entries[k]
-            pieces = sorted(merged[k], key=lambda piece: piece[0])
-            entry = {}
-            for key, first in pieces[0][1].items():
-                if isinstance(first, torch.Tensor) and first.dim() > 0:
-                    value = torch.cat([s[key].reshape(-1) for _, s in pieces]).view(self.locals[k].shape)
-                    if isinstance(p, DTensor):
-                        value = DTensor.from_local(value.to(p.device), p.device_mesh, p.placements,
-                                                   run_check=False).full_tensor()
-                    entry[key] = value
-                else:
-                    entry[key] = first.clone() if isinstance(first, torch.Tensor) else first
-            result[index] = entry
+            result[index] = {key: DTensor.from_local(value.to(p.device), p.device_mesh, p.placements,
+                                                     run_check=False).full_tensor()
+                             if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0
+                             else value for key, value in merged[k].items()}
         return result
 
     def load(self, state: dict) -> None:
         """Give this range its slices of one optimizer's whole ``state`` (keyed by index)."""
-        if self.range_optimizer is None:
-            return
-        for k, _, view, start, stop in self.pieces:
+        held = {}
+        for k in dict.fromkeys(k for k, _, _, _, _ in self.sharded.pieces[self.rank]):
             index, _, p = self.entries[k]
             entry = state.get(index, state.get(str(index)))
-            if entry is None:
-                self.range_optimizer.state.pop(view, None)
-                continue
-            self.range_optimizer.state[view] = {
-                key: _slice(value, p, start, stop) if isinstance(value, torch.Tensor) and value.dim() > 0 else
-                (value.clone() if isinstance(value, torch.Tensor) else value) for key, value in entry.items()}
+            if entry is not None:
+                held[k] = {key: _local_part(value, p) for key, value in entry.items()}
+        self.sharded.load_state(held, replicas=[self.rank])
 
     def state_bytes(self) -> int:
         """Bytes of per-element state (moments, momentum) this process holds: its range's."""
-        if self.range_optimizer is None:
+        range_optimizer = self.sharded.optimizers[self.rank]
+        if range_optimizer is None:
             return 0
-        return sum(v.numel() * v.element_size() for s in self.range_optimizer.state.values()
+        return sum(v.numel() * v.element_size() for s in range_optimizer.state.values()
                    for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
-def _slice(value: torch.Tensor, param: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Elements ``start:stop`` of this process's shard of a whole state tensor shaped as ``param``."""
-    if isinstance(param, DTensor):
-        value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
-                                  src_data_rank=None).to_local()
-    return value.reshape(-1)[start:stop].to(param.device, copy=True)
+def _local_part(value: object, param: torch.Tensor) -> object:
+    """This process's shard of a whole state tensor shaped as the DTensor ``param`` (else ``value``)."""
+    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0:
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                                 src_data_rank=None).to_local()
+    return value

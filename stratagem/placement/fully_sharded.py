@@ -18,8 +18,9 @@ tensors), and is handed to torch's FSDP2 ``fully_shard``:
   (``sg.nn.compute_average_loss``).
 
 Optimizers created in scope are torch's own over the DTensor parameters: each worker's
-update touches only its shards, and its state holds only its shards. ``step`` adds nothing
-else: the gradients were summed during backward. ``clip_grad_norm_`` over the model's
+update touches only its shards, and its state holds only its shards. ``step`` runs in the
+order of :mod:`stratagem.placement.step` (:class:`~.local_update.LocalUpdate`: torch's update;
+the gradients were summed during backward), then averages the buffers over the workers. ``clip_grad_norm_`` over the model's
 parameters measures every worker's shards and returns the global norm as a plain tensor
 (:mod:`stratagem.placement.clipping`; torch's own returns a DTensor, whose inf-norm is
 each worker's partial maximum).
@@ -47,12 +48,11 @@ from torch.distributed.tensor import DTensor
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
 from stratagem.placement.buffers import BufferSync
+from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
 from stratagem.placement.roots import RootsPlacement
 from stratagem.placement.unscoped import refuse_optimizer_over
-from stratagem.placement.hooks import adopt, base_of, placement_of, run_hooks, step_hooks, unhooked_step
-# full tensors out of DTensors in state dicts, and back into each process's shards: the same
-# as for tensor parallelism (any DTensor layout)
-from stratagem.placement.tensor_parallel import TensorParallelPlacement, _full_state, _sharded_state
+from stratagem.placement.hooks import adopt, placement_of
+from stratagem.placement.local_update import LocalUpdate
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -68,15 +68,13 @@ class FullyShardedPlacement(RootsPlacement):
         self.collective = collective
         self.everyone = collective   # the start-up agreement on the modules built
         self.device = device
+        self.update = LocalUpdate(self)   # the step's primitives: torch's update over the shards
         group = collective.group
         if group.solo and not dist.is_initialized():   # a lone worker still needs a group for the mesh
             dist.init_process_group(group.backend, store=dist.HashStore(), rank=0, world_size=1)
             atexit.register(_leave_solo_group)
         self.mesh = DeviceMesh.from_group(group.group or dist.group.WORLD, device.type)
         self._start_roots()
-        # id(parameter before sharding) -> (it, its DTensor replacement): an optimizer given a list
-        # of parameters taken before the model was placed gets the replacements
-        self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sharded_ids: set[int] = set()
         self._gathered_ids: set[int] = set()   # FSDP2's whole parameters (kept between forwards)
         #: every module of a sharded model -> the names of its parameters then
@@ -106,7 +104,7 @@ class FullyShardedPlacement(RootsPlacement):
                 f"sharding='parameters' gathers each unit's parameters as one buffer, so they need one "
                 f"dtype, but {type(root).__name__} has {sorted(map(str, dtypes))}; convert the model to "
                 f"one dtype (e.g. model.double()) or use sharding='gradients'")
-        before = {(id(m), n): p for m in root.modules() for n, p in m._parameters.items() if p is not None}
+        before = parameters_before(root)
         for unit in units(root):
             fully_shard(unit, mesh=self.mesh)
         top = root if not isinstance(root, (nn.ModuleList, nn.ModuleDict)) else None
@@ -118,15 +116,9 @@ class FullyShardedPlacement(RootsPlacement):
                 module.register_forward_pre_hook(self._note_gathered)   # (after FSDP2's: it gathers)
                 module.set_gradient_divide_factor(1.0)   # a sum over workers, as every other path,
                 module.set_force_sum_reduction_for_comms(True)   # with ReduceOp.SUM (gloo has no PREMUL_SUM)
-            for n, p in module._parameters.items():
-                old = before.get((id(module), n))
-                if old is not None and p is not old:
-                    self._replaced[id(old)] = (old, p)
-                if isinstance(p, DTensor):
-                    self._sharded_ids.add(id(p))
-            if any(isinstance(t, DTensor) for t in module.parameters(recurse=False)):
-                module.register_state_dict_post_hook(_full_state)
-                module.register_load_state_dict_pre_hook(_sharded_state)
+            self._sharded_ids.update(id(p) for p in module._parameters.values() if isinstance(p, DTensor))
+        self._replaced.update(replacements(root, before))
+        hook_state_dicts(root.modules())
 
     # ------------------------------------------------------------ checkpoints
 
@@ -181,45 +173,20 @@ class FullyShardedPlacement(RootsPlacement):
     # ----------------------------------------------------------- optimizers
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        outside = []
-        for group in optimizer.param_groups:
-            group["params"] = [self._replaced.get(id(p), (p, p))[1] for p in group["params"]]
-            outside += [p for p in group["params"] if id(p) not in self._sharded_ids]
+        self._take_replacements(optimizer)
+        outside = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in self._sharded_ids]
         refuse_optimizer_over(optimizer, outside, "sharding='parameters'",
                               "this strategy did not shard them over the workers")
         adopt(optimizer, self)
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-        self.finalize()
-        pre, post = step_hooks(optimizer)
-        run_hooks(pre, optimizer)
-        result = unhooked_step(base_of(optimizer))(optimizer, closure)
-        run_hooks(post, optimizer)
-        self.buffers.step(None)
-        return result
-
-    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        base_of(optimizer).zero_grad(optimizer, set_to_none)
 
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
         """Clipping: each worker's shards of the gradients (summed over the workers in backward)."""
         return clipping.shard_parts(params, self.collective.group)
 
-    # state dicts of full tensors (each worker loads its shards): as under tensor parallelism,
-    # whose optimizers are torch's over DTensor parameters too
-    optimizer_state_dict = TensorParallelPlacement.optimizer_state_dict
-    optimizer_load_state_dict = TensorParallelPlacement.optimizer_load_state_dict
-
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
         raise InvalidArgumentError(
             "add_param_group is not supported under sharding='parameters'; create the optimizer with "
             "all its parameter groups")
-
-    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        """Bytes of per-element optimizer state (moments, momentum; not step counters) this
-        worker holds for ``optimizer``: its shards."""
-        return sum(_local(v).numel() * v.element_size() for s in optimizer.state.values()
-                   for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
 def units(root: nn.Module) -> list[nn.Module]:
@@ -233,10 +200,6 @@ def units(root: nn.Module) -> list[nn.Module]:
         else:
             found.append(child)
     return found
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _leave_solo_group() -> None:

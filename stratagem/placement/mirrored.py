@@ -299,23 +299,7 @@ class MirroredPlacement(Placement):
     #: of this placement: no extra frame)
     optimizer_step = synchronous_step
 
-    # the rest is the update rule's
-
-    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        self.update.zero_grad(optimizer, set_to_none)
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        return self.update.state_dict(optimizer)
-
-    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        self.update.load_state_dict(optimizer, state_dict)
-
-    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        self.update.add_param_group(optimizer, param_group)
-
-    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        """Bytes of per-element optimizer state this process holds for ``optimizer``."""
-        return self.update.state_bytes(optimizer)
+    # the rest is the update rule's (zero_grad, state dicts, add_param_group: Placement's defaults)
 
     def grad_scaler_refusal(self) -> str | None:
         return self.update.grad_scaler_refusal()

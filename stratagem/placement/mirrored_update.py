@@ -96,7 +96,8 @@ class MirroredUpdate(UpdateRule):
 
     # ---------------------------------------------------------------- step
 
-    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any:
+    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any,
+                    closure: Any = None) -> Any:
         """This replica's share of the update: its range (split updates), replica 0's one update
         where the replicas share one memory, else its twin on its own copy (outside ``run``, every
         replica's share on this thread)."""

@@ -104,7 +104,7 @@ class PipelinePlacement(RootsPlacement):
         self.device = device
         self.mesh = mesh                 # the model axis (tensor parallelism) and ZeRO over data, if any
         self.sharding = None if mesh is None else mesh.sharding
-        self.optimizers = StageOptimizers(pipe=pipe, data=data, everyone=everyone, mesh=mesh)
+        self.update = StageOptimizers(self, pipe=pipe, data=data, everyone=everyone, mesh=mesh)
         self._gradients: dict[int, GradientSync] = {}   # id(model) -> its sum over the data axis
         self._unsynced = 0   # inside strategy.no_sync()
         self._start_roots()
@@ -163,7 +163,7 @@ class PipelinePlacement(RootsPlacement):
         self.models[id(root)] = SplitModel(layout, local, model=root)
         self._forget_pending(local.values())   # the stage containers, created in scope
         if self.mesh is not None:
-            self.optimizers.replaced.update(self.mesh.place(root, local))
+            self._replaced.update(self.mesh.place(root, local))
             self._forget_pending([*local.values(), *root.modules()])   # (re-registered by the mesh)
 
     def keep_only(self, model: nn.Module, held: set[str], used: set[str], stages: list[int]) -> None:
@@ -185,7 +185,7 @@ class PipelinePlacement(RootsPlacement):
                 owner._parameters[leaf] = meta
             else:
                 owner._buffers[leaf] = tensor.to("meta")
-        for ref in self.optimizers.refs:
+        for ref in self.update.refs:
             optimizer = ref()
             if optimizer is None:
                 continue
@@ -255,7 +255,7 @@ class PipelinePlacement(RootsPlacement):
             yield
             return
         own = [p for p in model.parameters() if not p.is_meta]
-        zeros = self.optimizers.reduce_scattered(own)
+        zeros = self.update.reduce_scattered(own)
         scattered = {id(p) for zero in zeros for _, _, p in zero.entries}
         params = [p for p in own if id(p) not in scattered]
         sync = self._gradients.get(id(model))
@@ -282,42 +282,34 @@ class PipelinePlacement(RootsPlacement):
             self._unsynced -= 1
 
     # ----------------------------------------------------------- optimizers
-    # (stratagem.placement.pipeline_optimizers; the modules are placed before each call needs them)
+    # (stratagem.placement.pipeline_optimizers, the update rule; the step's order is RootsPlacement's;
+    # the modules are placed before each call needs them)
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizers.created(optimizer, self)
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-        self.finalize()
-        return self.optimizers.step(optimizer, closure)
+        self._take_replacements(optimizer)   # (the mesh's, for parameters taken before the model was placed)
+        self.update.created(optimizer, self)
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         for sync in self._gradients.values():
             sync.forget(params)
-        self.optimizers.zero_grad(optimizer, set_to_none)
+        self.update.zero_grad(optimizer, set_to_none)
 
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
         self.finalize()
-        return self.optimizers.gradient_parts(params)
+        return self.update.gradient_parts(params)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         gathered = self._gathered.get(id(optimizer))   # gathered already for the checkpoint being written
         if gathered is not None:
             return gathered
         self.finalize()
-        return self.optimizers.state_dict(optimizer)
+        return self.update.state_dict(optimizer)
 
     def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         self.finalize()
-        self.optimizers.load_state_dict(optimizer, state_dict)
+        self.update.load_state_dict(optimizer, state_dict)
 
-    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        self.optimizers.add_param_group(optimizer, param_group)
-
-    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        """Bytes of per-element optimizer state this process holds for ``optimizer`` (benchmarks)."""
-        return self.optimizers.state_bytes(optimizer)
 
     # ---------------------------------------------------------- checkpoints
 

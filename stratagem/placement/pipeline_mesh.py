@@ -37,7 +37,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
 from stratagem.placement.fully_sharded import units
-from stratagem.placement.tensor_parallel import _full_state, _sharded_state, check_entry, torch_style
+from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
+from stratagem.placement.tensor_parallel import check_entry, torch_style
 
 
 class MeshStages:
@@ -58,23 +59,15 @@ class MeshStages:
     def place(self, root: nn.Module, local: dict[int, nn.Sequential]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Split this process's stages of ``root`` by the plan and shard them over data; returns
         id(parameter replaced) -> (it, its replacement)."""
-        before = {(id(m), n): p for m in root.modules() for n, p in m._parameters.items() if p is not None}
+        before = parameters_before(root)
         mine = {id(m) for stage in local.values() for m in stage.modules()}
         styles = self._resolve(root, mine)
         if styles and self.model_size > 1:
             parallelize_module(root, self.mesh["model"], styles)
         if self.sharding == "parameters":
             self._shard(local)
-        replaced = {}
-        for module in root.modules():
-            for n, p in module._parameters.items():
-                old = before.get((id(module), n))
-                if old is not None and p is not old:
-                    replaced[id(old)] = (old, p)
-            if any(isinstance(t, DTensor) for t in module.parameters(recurse=False)):
-                module.register_state_dict_post_hook(_full_state)
-                module.register_load_state_dict_pre_hook(_sharded_state)
-        return replaced
+        hook_state_dicts(root.modules())
+        return replacements(root, before)
 
     def _resolve(self, root: nn.Module, mine: set[int]) -> dict[str, Any]:
         """{module name: torch style} for this process's stages; every entry names a module of some stage."""
@@ -143,8 +136,3 @@ class MeshStages:
             if self.counts(grad, summed_over_data):
                 counted.append(local)
         return clipping.GradientParts(tensors, counted, self.everyone.group)
-
-
-def full_value(value: Any) -> Any:
-    """A state value as a whole tensor (a DTensor's ``full_tensor``: a collective over its mesh)."""
-    return value.full_tensor() if isinstance(value, DTensor) else value

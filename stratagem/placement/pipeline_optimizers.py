@@ -1,11 +1,12 @@
 """The optimizers of a pipelined model: each process updates its own stages, on any mesh.
 
 :class:`StageOptimizers` answers :class:`~stratagem.placement.pipeline.PipelinePlacement`'s
-optimizer primitives (the placement places the modules, and finalizes them before handing an
-optimizer call over). An optimizer created in scope keeps
+optimizer primitives and is its update rule (the placement places the modules, and finalizes them
+before handing an optimizer call over). An optimizer created in scope keeps
 every parameter of the model in its parameter groups, those of the stages held elsewhere as
 ``meta`` placeholders (no gradient, no state, no update), so that its state dict numbers
-parameters as a plain optimizer over the whole model does. ``step``:
+parameters as a plain optimizer over the whole model does. ``step`` runs in the order of
+:mod:`stratagem.placement.step`, whose update:
 
 - runs the user's update over this process's parameters (their tensor-parallel shards included:
   torch's own update over DTensors), whose gradients were summed over the data axis when the
@@ -36,29 +37,29 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
 from stratagem.placement.data_axis_zero import DataAxisZero
 from stratagem.comm.collective import Collective
-from stratagem.placement.hooks import adopt, base_of, run_hooks, step_hooks, unhooked_step
-from stratagem.placement.pipeline_mesh import MeshStages, full_value
-from stratagem.placement.tensor_parallel import _like
+from stratagem.placement.hooks import adopt, base_of, step_hooks, unhooked_step
+from stratagem.placement.dtensor_state import full_value, local_state_bytes, shard_like
+from stratagem.placement.pipeline_mesh import MeshStages
+from stratagem.placement.local_update import LocalUpdate
 
 
-class StageOptimizers:
-    """The optimizers created in a pipeline's scope: their steps, clipping parts and state dicts."""
+class StageOptimizers(LocalUpdate):
+    """The optimizers created in a pipeline's scope: their steps' primitives (the update rule of
+    :mod:`stratagem.placement.step`), clipping parts and state dicts."""
 
-    def __init__(self, *, pipe: Collective, data: Collective, everyone: Collective, mesh: MeshStages | None):
+    def __init__(self, placement: Any, *, pipe: Collective, data: Collective, everyone: Collective,
+                 mesh: MeshStages | None):
+        super().__init__(placement)
         self.pipe, self.data, self.everyone = pipe, data, everyone
         self.mesh = mesh
         self.sharding = None if mesh is None else mesh.sharding
-        self.replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # parameters the mesh replaced
         self.refs: list[weakref.ref] = []   # the optimizers (a traced model's first trace trims them)
         # optimizer -> its ranges over the data axis (sharding="optimizer"/"gradients"), built at first use
         self._zeros: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def created(self, optimizer: torch.optim.Optimizer, placement: Any) -> None:
         """An optimizer created in ``placement``'s scope: its parameter groups keep every parameter
-        of the model (those of other stages as meta placeholders), the mesh's replacements for any
-        taken before the model was placed."""
-        for group in optimizer.param_groups:
-            group["params"] = [self.replaced.get(id(p), (p, p))[1] for p in group["params"]]
+        of the model (those of other stages as meta placeholders)."""
         adopt(optimizer, placement)
         self.refs.append(weakref.ref(optimizer))
 
@@ -70,32 +71,42 @@ class StageOptimizers:
             zero = self._zeros[optimizer] = DataAxisZero(optimizer, self.data, self.sharding)
         return zero
 
-    def step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+    # the primitives of placement/step.py (LocalUpdate's others: nothing to spread)
+
+    def check_closure(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.sharding in ("optimizer", "gradients"):   # (checked before the modules are placed)
+            raise InvalidArgumentError(
+                f"with sharding={self.sharding!r} the update runs in ranges over the data axis: call "
+                f"optimizer.step() without a closure, or use sharding=None")
+
+    def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> DataAxisZero | None:
+        """The modules placed; the optimizer's ranges over the data axis under ZeRO, else None."""
+        self._placement().finalize()
+        zero = self._zero_of(optimizer)
+        if zero is not None and self.sharding == "gradients" and step_hooks(optimizer)[0]:
+            raise InvalidArgumentError(
+                f"with sharding={self.sharding!r} the update runs in ranges over the data axis, where no "
+                f"whole gradient exists for a step pre-hook: remove the step pre-hook, or use sharding=None")
+        return zero
+
+    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, zero: Any,
+                    closure: Any = None) -> Any:
+        """This data rank's range (ZeRO: no closure, refused before), else torch's update over this
+        process's parameters."""
+        return zero.step() if zero is not None else self._own_update(optimizer, closure)
+
+    def _own_update(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
+        """torch's update over the parameters of this process's stages (the meta placeholders of the
+        stages held elsewhere left out of the groups meanwhile)."""
         groups = optimizer.param_groups
         every = [group["params"] for group in groups]
-        own = [[p for p in params if not p.is_meta] for params in every]
-        zero = self._zero_of(optimizer)
-        pre, post = step_hooks(optimizer)
-        if zero is not None and (closure is not None or (pre and self.sharding == "gradients")):
-            raise InvalidArgumentError(
-                f"with sharding={self.sharding!r} the update runs in ranges over the data axis"
-                f"{', where no whole gradient exists for a step pre-hook' if closure is None else ''}: "
-                f"{'remove the step pre-hook' if closure is None else 'call optimizer.step() without a closure'}, "
-                f"or use sharding=None")
-        run_hooks(pre, optimizer)
-        if zero is not None:
-            zero.step()
-            result = None
-        else:
-            try:
-                for group, params in zip(groups, own):
-                    group["params"] = params
-                result = unhooked_step(base_of(optimizer))(optimizer, closure)
-            finally:
-                for group, params in zip(groups, every):
-                    group["params"] = params
-        run_hooks(post, optimizer)
-        return result
+        try:
+            for group, params in zip(groups, every):
+                group["params"] = [p for p in params if not p.is_meta]
+            return unhooked_step(base_of(optimizer))(optimizer, closure)
+        finally:
+            for group, params in zip(groups, every):
+                group["params"] = params
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         zero = self._zeros.get(optimizer)
@@ -166,7 +177,7 @@ class StageOptimizers:
             zero.load(state["state"])
             return
         if self.mesh is not None:
-            state["state"] = {k: {n: _like(v, held[k]) for n, v in entry.items()}
+            state["state"] = {k: {n: shard_like(v, held[k]) for n, v in entry.items()}
                               for k, entry in state["state"].items()}
         base_of(optimizer).load_state_dict(optimizer, state)
 
@@ -182,6 +193,4 @@ class StageOptimizers:
         zero = self._zero_of(optimizer)
         if zero is not None:
             return zero.state_bytes()
-        return sum(v.to_local().numel() * v.element_size() if hasattr(v, "to_local") else v.numel() * v.element_size()
-                   for s in optimizer.state.values() for v in s.values()
-                   if isinstance(v, torch.Tensor) and v.dim() > 0 and not v.is_meta)
+        return local_state_bytes(optimizer)

@@ -24,18 +24,45 @@ from stratagem.comm.collective import Collective
 from stratagem.placement import sync_batch_norm
 from stratagem.placement.base import Placement
 from stratagem.placement.gradient_sync import GradientSync
+from stratagem.placement.step import synchronous_step
 
 
 class RootsPlacement(Placement):
-    """Collects modules created in scope; ``new_roots`` hands out the complete models."""
+    """Collects modules created in scope; ``new_roots`` hands out the complete models. An optimizer
+    steps in the order of :mod:`.step` with the subclass's update rule (``update``), which answers
+    its other methods too."""
 
     #: set by the subclass: where modules go, and every process (the start-up agreement)
     device: torch.device
     everyone: Collective
+    #: (``update``, set by the subclass: :class:`~.local_update.LocalUpdate`, or a pipeline's stage
+    #: optimizers); one replica per process; no buffers to average at each step, no gradient sync
+    #: (the sum over the data axis), unless the subclass says
+    num_replicas = 1
+    buffers: Any = None
+    gradients: Any = None
+
+    #: one logical step, in the order of placement/step.py with ``update``'s primitives
+    optimizer_step = synchronous_step
+
+    def own_replica_context(self) -> None:
+        """The step runs on the calling thread, this process's one replica (nothing to meet)."""
+        return None
+
+    def record_updates(self) -> list[str]:
+        return []   # no replica copies to watch
 
     def _start_roots(self) -> None:
         self._pending: list[nn.Module] = []
         self._placed: list[nn.Module] = []
+        # id(parameter before placing) -> (it, its replacement: a DTensor): an optimizer given the
+        # parameters taken before the model was placed gets the replacements
+        self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _take_replacements(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer created in scope: the replacements of the parameters it was given."""
+        for group in optimizer.param_groups:
+            group["params"] = [self._replaced.get(id(p), (p, p))[1] for p in group["params"]]
 
     def on_module_registered(self, module: nn.Module) -> None:
         sync_batch_norm.adopt(module)   # (synchronized or refused at its first training-mode forward)

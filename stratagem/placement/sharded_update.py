@@ -13,6 +13,8 @@ The user's optimizer keeps its hyperparameters (schedulers change them there); i
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Any
 
 import torch
@@ -29,29 +31,31 @@ ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
 class ShardedUpdate:
     """Range optimizers of one distributed optimizer, one per local replica."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, copies: Any, num_replicas: int):
-        self._optimizer = optimizer
+    def __init__(self, optimizer: torch.optim.Optimizer, copies: Any, num_replicas: int, *,
+                 entries: list[tuple[int, torch.Tensor]] | None = None):
+        # (weakly: a pipeline keeps its ranges in a WeakKeyDictionary keyed by the optimizer)
+        self._optimizer = weakref.ref(optimizer)
         base = base_of(optimizer)
-        entries = [(g, p) for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
-        total = sum(p.numel() for _, p in entries)
-        bounds = range_bounds(total, num_replicas)
+        if entries is None:   # (group, parameter): every parameter; else those given
+            entries = [(g, p) for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
+        #: the tensors laid end to end: where each starts, the ranges' bounds
+        self.offsets = list(itertools.accumulate((p.numel() for _, p in entries), initial=0))[:-1]
+        self.bounds = bounds = range_bounds(sum(p.numel() for _, p in entries), num_replicas)
         self.pieces: list[list[tuple[int, int, nn.Parameter, int, int]]] = [[] for _ in range(num_replicas)]
         self.optimizers: list[torch.optim.Optimizer | None] = []
         self._copies = [copies(p) for _, p in entries]
-        offset = 0
-        for index, (g, p) in enumerate(entries):
+        for index, ((g, p), offset) in enumerate(zip(entries, self.offsets)):
             for r in range(num_replicas):
                 lo, hi = max(bounds[r], offset), min(bounds[r + 1], offset + p.numel())
                 if lo < hi:
                     view = nn.Parameter(p.data.view(-1)[lo - offset:hi - offset], requires_grad=p.requires_grad)
                     self.pieces[r].append((index, g, view, lo - offset, hi - offset))
-            offset += p.numel()
         with internal_optimizers():  # range optimizers are not the user's: never adopted
             for r in range(num_replicas):
                 groups: dict[int, list[nn.Parameter]] = {}
                 for _, g, view, _, _ in self.pieces[r]:
                     groups.setdefault(g, []).append(view)
-                self.optimizers.append(base([{**_hyper(optimizer.param_groups[g]), "params": views}
+                self.optimizers.append(base([{**hyperparameters(optimizer.param_groups[g]), "params": views}
                                              for g, views in groups.items()]) if groups else None)
         self._base = base
         # copies that share replica 0's memory (logical CPU devices) need no copy back
@@ -76,7 +80,7 @@ class ShardedUpdate:
         if range_optimizer is None:
             return
         for group, g in zip(range_optimizer.param_groups, self._group_of[replica]):
-            group.update(_hyper(self._optimizer.param_groups[g]))
+            group.update(hyperparameters(self._optimizer().param_groups[g]))
         pieces = self.pieces[replica]
         for index, _, view, start, stop in pieces:
             if grads is not None:
@@ -139,5 +143,6 @@ class ShardedUpdate:
                     for key, value in entry.items()}
 
 
-def _hyper(group: dict) -> dict:
+def hyperparameters(group: dict) -> dict:
+    """An optimizer's parameter group without its parameters (what a range optimizer copies)."""
     return {k: v for k, v in group.items() if k != "params"}

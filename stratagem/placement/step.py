@@ -21,6 +21,11 @@ backward:
 
 Called outside ``run`` (``replica`` None) the same order runs on the calling thread for every
 local replica.
+
+The placements of one replica per process whose optimizers are torch's own over the tensors the
+process holds (tensor parallel, ZeRO-3, a pipeline's stages) step in the same order, with
+:class:`~.local_update.LocalUpdate`'s primitives (nothing to spread); there a ``closure`` reaches
+torch's update, which the other rules refuse (``check_closure``).
 """
 
 from __future__ import annotations
@@ -30,15 +35,16 @@ from typing import Any, Protocol
 import torch
 
 from stratagem._profiling import label
-from stratagem.errors import InvalidArgumentError
 from stratagem.placement.hooks import run_hooks, step_hooks
 
 
 class UpdatePrimitives(Protocol):
     """What :func:`synchronous_step` asks of a placement's update rule."""
 
+    def check_closure(self, optimizer: torch.optim.Optimizer) -> None: ...
     def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any: ...
-    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any: ...
+    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any,
+                    closure: Any) -> Any: ...
     def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any: ...
     def hooked_tensors(self, optimizer: torch.optim.Optimizer, replica: int) -> list[torch.Tensor]: ...
     def copy_changed(self, optimizer: torch.optim.Optimizer, replica: int | None, changed: list[int],
@@ -61,17 +67,18 @@ class SynchronousPlacement(Protocol):
 def synchronous_step(placement: SynchronousPlacement, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
     """One logical step of ``optimizer``: the order above, on this replica's thread (or outside
     ``run``, for every replica)."""
-    refuse_closure(closure)
+    rule = placement.update
+    if closure is not None:
+        rule.check_closure(optimizer)
     ctx = placement.own_replica_context()
     replica = None if ctx is None else ctx.local_replica_id
     pre, post = step_hooks(optimizer)
-    rule = placement.update
     with label("stratagem.optimizer.step"):
         gradients = rule.prepare_gradients(optimizer, replica)
         if pre:
             _hooks_once(placement, pre, optimizer, replica, grads=True)
         with label("stratagem.optimizer.update"):
-            result = rule.update_call(optimizer, replica, gradients)
+            result = rule.update_call(optimizer, replica, gradients, closure)
         result = rule.after_update(optimizer, replica, result)
         if post:
             _hooks_once(placement, post, optimizer, replica, grads=False)
@@ -105,9 +112,3 @@ def _hooks_once(placement: SynchronousPlacement, hooks: list, optimizer: torch.o
         if several:
             placement.collective.exchange(replica, None, "optimizer step hooks (copied)")
 
-
-def refuse_closure(closure: Any) -> None:
-    if closure is not None:
-        raise InvalidArgumentError(
-            "optimizer.step(closure) is not supported for optimizers created in a strategy's "
-            "scope: compute the loss and call loss.backward() before optimizer.step()")

@@ -18,7 +18,8 @@ gradient of the parameters (DTensor shards) it holds, as under the data-parallel
 the gradient sync of :mod:`stratagem.placement.gradient_sync` sums each gradient's local shard
 over the data axis (:class:`~.roots.DataAxis`: in packs that leave while backward runs);
 ``strategy.no_sync()`` and DDP's ``require_backward_grad_sync`` skip that sum as there.
-Optimizers created in scope keep torch's own update over the DTensor parameters.
+Optimizers created in scope keep torch's own update over the DTensor parameters, in the step's
+order (:mod:`stratagem.placement.step`, with :class:`~.local_update.LocalUpdate`).
 ``clip_grad_norm_`` over the model's parameters clips by the norm of the whole gradients, the
 shards measured on every process of the model axis (:mod:`stratagem.placement.clipping`).
 
@@ -42,15 +43,17 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
+from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
 from stratagem.placement.roots import DataAxis, RootsPlacement
-from stratagem.placement.hooks import adopt, base_of, placement_of, run_hooks, step_hooks, unhooked_step
+from stratagem.placement.hooks import adopt, placement_of
+from stratagem.placement.local_update import LocalUpdate
 
 #: plan style names and the torch ParallelStyle each stands for
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
@@ -114,11 +117,9 @@ class TensorParallelPlacement(RootsPlacement):
         #: sums the gradients over the data axis when backward ends (None: a data axis of one)
         self.gradients = DataAxis.gradient_sync(self, data)
         self.everyone = everyone   # every process (start-up agreement)
+        self.update = LocalUpdate(self)   # the step's primitives: torch's update over the shards
         self._start_roots()
         self._optimizers: list[torch.optim.Optimizer] = []
-        # id(parameter before the plan) -> (it, its DTensor replacement): an optimizer given a list
-        # of parameters built before the model was placed gets the replacements
-        self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # id(module or optimizer) -> (it, its full state dict): gathered for the chief's checkpoint
         self._gathered: dict[int, tuple[Any, dict]] = {}
         clipping.register(self)
@@ -135,17 +136,10 @@ class TensorParallelPlacement(RootsPlacement):
             return
         assignments = self._resolve(roots)
         for root, styles in zip(roots, assignments):
-            before = {(id(m), n): p for m in root.modules() for n, p in m._parameters.items() if p is not None}
+            before = parameters_before(root)
             parallelize_module(root, self.mesh["model"], styles)
-            for m in root.modules():
-                for n, p in m._parameters.items():
-                    old = before.get((id(m), n))
-                    if old is not None and p is not old:
-                        self._replaced[id(old)] = (old, p)
-            for module in root.modules():
-                if any(isinstance(t, DTensor) for t in module.parameters(recurse=False)):
-                    module.register_state_dict_post_hook(_full_state)
-                    module.register_load_state_dict_pre_hook(_sharded_state)
+            self._replaced.update(replacements(root, before))
+            hook_state_dicts(root.modules())
             if self.gradients is not None:   # (a parameter frozen or unfrozen since: hooked again)
                 root.register_forward_pre_hook(functools.partial(_rehook, weakref.ref(self)))
         self._hook_gradients()
@@ -225,43 +219,14 @@ class TensorParallelPlacement(RootsPlacement):
     # ----------------------------------------------------------- optimizers
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        for group in optimizer.param_groups:
-            group["params"] = [self._replaced.get(id(p), (p, p))[1] for p in group["params"]]
+        self._take_replacements(optimizer)
         adopt(optimizer, self)
         self._optimizers.append(optimizer)
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-        self.finalize()
-        pre, post = step_hooks(optimizer)
-        run_hooks(pre, optimizer)
-        result = unhooked_step(base_of(optimizer))(optimizer, closure)
-        run_hooks(post, optimizer)
-        return result
-
-    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        if self.gradients is not None:
-            self.gradients.forget([p for g in optimizer.param_groups for p in g["params"]])
-        base_of(optimizer).zero_grad(optimizer, set_to_none)
 
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
         """Clipping: each process's shards of the gradients (summed over the data axis when backward
         ended) along the model axis (replicated gradients count once)."""
         return clipping.shard_parts(params, self.model.group)
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        state = base_of(optimizer).state_dict(optimizer)
-        state["state"] = {k: {n: _full(v) for n, v in s.items()} for k, s in state["state"].items()}
-        return state
-
-    def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        state = dict(state_dict)
-        state["state"] = {k: {n: _like(v, params[int(k)]) for n, v in s.items()}
-                          for k, s in state_dict["state"].items()}
-        base_of(optimizer).load_state_dict(optimizer, state)
-
-    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        base_of(optimizer).add_param_group(optimizer, param_group)
 
 
 def _rehook(placement_ref: Any, module: nn.Module, args: Any) -> None:
@@ -351,29 +316,3 @@ def _check_embedding_input(name: str, style: Any) -> None:
             f"the same token ids; pass {kind}(input_layouts=Replicate(), ...) (from "
             f"torch.distributed.tensor), or the plan string {'rowwise' if kind == 'RowwiseParallel' else 'colwise'!r}")
 
-
-def _full(value: Any) -> Any:
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def _like(value: Any, param: torch.Tensor) -> Any:
-    """A full tensor from a state dict, sharded like ``param`` (each process keeps its shard)."""
-    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
-            and tuple(value.shape) == tuple(param.shape):
-        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-    return value
-
-
-def _full_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    for key, value in list(state_dict.items()):
-        # (state_dict(keep_vars=True) holds the parameters themselves: DTensors, as placed)
-        if key.startswith(prefix) and "." not in key[len(prefix):] and isinstance(value, DTensor) \
-                and not isinstance(value, nn.Parameter):
-            state_dict[key] = value.full_tensor()
-
-
-def _sharded_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    for name, param in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
-        key = prefix + name
-        if key in state_dict:
-            state_dict[key] = _like(state_dict[key], param)

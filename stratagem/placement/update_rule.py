@@ -122,10 +122,15 @@ class UpdateRule:
 
     # the primitives of placement/step.py
 
+    def check_closure(self, optimizer: torch.optim.Optimizer) -> None:
+        """``step(closure)``: refused (the replicas' gradients are summed when backward ends)."""
+        refuse_closure(optimizer)
+
     def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any:
         return None   # every replica's .grad holds the sum since backward ended
 
-    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any:
+    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any,
+                    closure: Any = None) -> Any:
         raise NotImplementedError
 
     def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any:
@@ -201,6 +206,12 @@ class UpdateRule:
 
     def gradient_parts(self, params: list[torch.Tensor]) -> Any:
         raise NotImplementedError(f"{type(self).__name__} keeps whole gradients")
+
+
+def refuse_closure(optimizer: torch.optim.Optimizer) -> None:
+    raise InvalidArgumentError(
+        "optimizer.step(closure) is not supported for optimizers created in a strategy's "
+        "scope: compute the loss and call loss.backward() before optimizer.step()")
 
 
 def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -39,7 +39,6 @@ import torch
 from stratagem._profiling import label
 from stratagem._record import record
 from stratagem.comm import worker_ops
-from stratagem.comm.collective import range_bounds
 from stratagem.comm.scattered_gradients import ScatteredGradients
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement import clipping
@@ -108,19 +107,10 @@ class ZeroUpdate(UpdateRule):
         if sharded is False:
             self.placement.finalize()
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            if base_of(optimizer) not in ELEMENTWISE:
-                raise InvalidArgumentError(
-                    f"sharding={self.stage!r} splits the update element-wise between workers, which "
-                    f"{base_of(optimizer).__name__} does not allow; use one of "
-                    f"{sorted(c.__name__ for c in ELEMENTWISE)} or sharding=None")
-            kinds = {(p.dtype, p.device) for p in params}
-            if len(kinds) > 1 or any(p.is_sparse or not p.is_contiguous() for p in params):
-                raise InvalidArgumentError(
-                    f"sharding={self.stage!r} needs dense contiguous parameters of one dtype and device, "
-                    f"got {sorted(str(k) for k in kinds)}; use one dtype for the model or sharding=None")
+            check_splittable(base_of(optimizer), params, self.stage, "workers", " or sharding=None")
             with self._lock:
                 sharded = ShardedUpdate(optimizer, lambda p: (p,), self.collective.num_workers)
-                layout = _Layout(params, sharded, self._rank)
+                layout = _Layout(params, sharded)
                 if self.stage == "gradients" and self.collective.num_workers > 1:
                     for p in params:   # one set of hooks per parameter: the newest optimizer's
                         older = self._layout_by_param.get(id(p))
@@ -168,7 +158,8 @@ class ZeroUpdate(UpdateRule):
         with label("stratagem.gradients.cross_worker"):
             return self._reduce_scattered(record(optimizer).zero)
 
-    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any) -> Any:
+    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any,
+                    closure: Any = None) -> Any:
         """This worker's range of the update."""
         return self.sharded(optimizer).step(self._rank, gradients)
 
@@ -176,7 +167,7 @@ class ZeroUpdate(UpdateRule):
         """Every worker's updated range reaches every worker (all-gather)."""
         if self.collective.num_workers > 1:
             with label("stratagem.parameters.all_gather"):
-                self._gather_parameters(record(optimizer).zero)
+                gather_ranges(self.collective.group, record(optimizer).sharded, self._rank, record(optimizer).zero.params)
         return None
 
     def hooked_tensors(self, optimizer: torch.optim.Optimizer, replica: int) -> list[torch.Tensor]:
@@ -226,11 +217,9 @@ class ZeroUpdate(UpdateRule):
         parts = []
         for layout in dict.fromkeys(self._layout_by_param[id(p)] for p in params):
             shard, exists = self._summed(layout)
-            base, top = layout.bounds[self._rank], layout.bounds[self._rank + 1]
-            for index, (p, offset) in enumerate(zip(layout.params, layout.offsets)):
-                a, b = max(offset, base), min(offset + p.numel(), top)
-                if id(p) in chosen and exists[index] and a < b:
-                    parts.append(shard[a - base:b - base])
+            parts += [piece for _, piece in clipping.range_parts(
+                shard, exists, [p.numel() for p in layout.params], layout.offsets, layout.bounds[self._rank],
+                layout.bounds[self._rank + 1], [id(p) in chosen for p in layout.params])]
         return clipping.GradientParts(parts, parts, self.collective.group)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
@@ -241,14 +230,6 @@ class ZeroUpdate(UpdateRule):
         if layout is not None and layout.scattered is not None:
             layout.summed = None             # a clip's sum that no step used
             layout.scattered.discard()   # gradients reduced during a backward that no step followed
-
-    def _gather_parameters(self, layout: "_Layout") -> None:
-        group = self.collective.group
-        mine = layout.own_range()
-        full = worker_ops.gather(group, [mine], [(n,) for n in layout.sizes], 0, 1)
-        with torch.no_grad():
-            for p, offset in zip(layout.params, layout.offsets):
-                p.view(-1).copy_(full[offset:offset + p.numel()])
 
     # --------------------------------------------------------- state dicts
 
@@ -261,18 +242,7 @@ class ZeroUpdate(UpdateRule):
 
     def gather_state(self, optimizer: torch.optim.Optimizer) -> dict[int, dict]:
         """Every worker's ranges of the state, merged as one optimizer's (a collective)."""
-        sharded = self.sharded(optimizer)
-        mine = {index: [(start, {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
-                                 for k, v in state.items()}) for start, state in pieces]
-                for index, pieces in sharded.parts([self._rank]).items()}
-        everyone = [mine]
-        if self.collective.num_workers > 1:
-            everyone = self.collective.all_gather_object(mine, "optimizer.state_dict (sharded state)")
-        merged: dict[int, list] = {}
-        for worker in everyone:
-            for index, pieces in worker.items():
-                merged.setdefault(index, []).extend(pieces)
-        return sharded.merge(merged)
+        return gather_state(self.sharded(optimizer), self._rank, self.collective, "optimizer.state_dict (sharded state)")
 
     def load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         sharded = self.sharded(optimizer)
@@ -300,24 +270,51 @@ class ZeroUpdate(UpdateRule):
 
 
 class _Layout:
-    """Where each parameter sits in the workers' end-to-end concatenation."""
+    """Where each parameter sits in the workers' end-to-end concatenation (``sharded``'s ranges), and
+    stage 2's packs and range of the sum."""
 
-    def __init__(self, params: list[torch.Tensor], sharded: ShardedUpdate, rank: int):
+    def __init__(self, params: list[torch.Tensor], sharded: ShardedUpdate):
         self.params = params
-        self.offsets, total = [], 0
-        for p in params:
-            self.offsets.append(total)
-            total += p.numel()
-        self.total = total
-        workers = len(sharded.optimizers)
-        self.bounds = range_bounds(total, workers)
-        self.sizes = [self.bounds[r + 1] - self.bounds[r] for r in range(workers)]
-        self._views = [view for _, _, view, _, _ in sharded.pieces[rank]]
-        self._empty = params[0].new_empty(0) if params else torch.empty(0)
+        self.offsets, self.bounds = sharded.offsets, sharded.bounds
         self.scattered: ScatteredGradients | None = None   # sharding="gradients", several workers
         self.summed: tuple[torch.Tensor, list[int]] | None = None   # the step's range of the sum, once finished
 
-    def own_range(self) -> torch.Tensor:
-        """This worker's range of the parameters, one flat tensor."""
-        views = [v.detach().reshape(-1) for v in self._views]
-        return torch.cat(views) if views else self._empty
+
+# ZeRO's ranges over any group: the workers here, a pipeline's data axis (data_axis_zero.py)
+
+def check_splittable(base: type, tensors: list[torch.Tensor], stage: str, between: str, instead: str) -> None:
+    """Refuse an optimizer class or tensors that ranges cannot split (``instead``: the other choices)."""
+    if base not in ELEMENTWISE:
+        raise InvalidArgumentError(
+            f"sharding={stage!r} splits the update element-wise between {between}, which {base.__name__} does "
+            f"not allow; use one of {sorted(c.__name__ for c in ELEMENTWISE)}{instead}")
+    kinds = {(t.dtype, t.device) for t in tensors}
+    if len(kinds) > 1 or any(t.is_sparse or not t.is_contiguous() for t in tensors):
+        raise InvalidArgumentError(
+            f"sharding={stage!r} needs dense contiguous parameters of one dtype and device, got "
+            f"{sorted(str(k) for k in kinds)}; use one dtype for the model{instead if between == 'workers' else ''}")
+
+def gather_ranges(group: Any, sharded: ShardedUpdate, rank: int, tensors: list[torch.Tensor]) -> None:
+    """Every rank's updated range of ``tensors`` (laid end to end as ``sharded``'s ranges cut them;
+    ``rank`` updated its own) reaches every rank of ``group`` (an all-gather)."""
+    views = [view.detach().reshape(-1) for _, _, view, _, _ in sharded.pieces[rank]]
+    mine = torch.cat(views) if views else tensors[0].new_empty(0) if tensors else torch.empty(0)
+    sizes = [(b - a,) for a, b in zip(sharded.bounds, sharded.bounds[1:])]
+    full = worker_ops.gather(group, [mine], sizes, 0, 1)
+    with torch.no_grad():
+        for t, offset in zip(tensors, sharded.offsets):
+            t.view(-1).copy_(full[offset:offset + t.numel()])
+
+
+def gather_state(sharded: ShardedUpdate, rank: int, collective: Any, what: str) -> dict[int, dict]:
+    """Every rank's range of the optimizer state (``rank``'s own here), merged as one optimizer's, by
+    position in ``sharded``'s tensors (a collective over ``collective``'s workers)."""
+    mine = {index: [(start, {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                             for k, v in state.items()}) for start, state in pieces]
+            for index, pieces in sharded.parts([rank]).items()}
+    everyone = [mine] if collective.num_workers == 1 else collective.all_gather_object(mine, what)
+    merged: dict[int, list] = {}
+    for worker in everyone:
+        for index, pieces in worker.items():
+            merged.setdefault(index, []).extend(pieces)
+    return sharded.merge(merged)

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
 from stratagem.data.sharding import split_sizes
+from stratagem.placement.mirrored import MirroredPlacement
 
 EPOCHS, LR, GAMMA = 3, 0.05, 0.7
 ROWS = {"fit": 44, "custom": 44, "function": 42}
@@ -204,7 +205,9 @@ def main() -> None:
     params = {k: v.tolist() for k, v in net.body.state_dict().items()}
     Path(args.out, f"{args.tag}-final-rank{rank}.json").write_text(json.dumps(
         {"params": params, "step": step, "lr": optimizer.param_groups[0]["lr"], "module": sg.__file__,
-         "placement": type(getattr(strategy.placement, "update", strategy.placement)).__name__}))
+         # the mirrored placement's update rule (ZeRO 1/2), else the placement (ZeRO-3)
+         "placement": type(strategy.placement.update if isinstance(strategy.placement, MirroredPlacement)
+                           else strategy.placement).__name__}))
 
 
 if __name__ == "__main__":
