@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 import stratagem as sg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.test_frames import ours_above  # noqa: E402
+from tests.test_frames import depth  # noqa: E402
 
 GLOBAL_BATCH = 128
 
@@ -79,7 +79,7 @@ def main() -> None:
     depths, all_reduce = [], dist.all_reduce
 
     def counted(*args, **kwargs):   # stratagem's frames above each all-reduce of the gradient sum
-        depths.append(ours_above(sys._getframe(1)))
+        depths.append(depth(sys._getframe(1)))
         return all_reduce(*args, **kwargs)
     dist.all_reduce = counted
     try:
