@@ -155,15 +155,15 @@ class RpcClient:
     def call(self, method: str, request: Any = None, *, timeout: float | None = None,
              writable_reply: bool = True) -> Any:
         """Runs handler ``method`` on the server with ``request``; returns its reply.
-
         ``writable_reply=False`` promises that the caller only reads the reply's tensors
-        (copies them elsewhere): they are then views of the received bytes, not copies.
-        """
+        (copies them elsewhere): they are then views of the received bytes, not copies."""
         with label("stratagem.rpc.call"):
             seconds = self.default_timeout if timeout is None else _check_timeout(timeout, "timeout")
             deadline = time.monotonic() + seconds   # (asking whether the lane serves it counts too)
             if self._lane is not None and method != LANE_METHOD and self._lane.serves(method, seconds):
-                return self._decode_reply(method, self._lane.call(method, request, _left(deadline)), writable_reply)
+                reply = self._lane.call(method, request, _left(deadline))   # None: its port is closed to us
+                if reply is not None:
+                    return self._decode_reply(method, reply, writable_reply)
             body, seconds = self._prepare(method, request, timeout)
             return self._send(method, body, deadline, seconds, writable_reply, True)
 

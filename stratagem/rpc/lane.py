@@ -196,6 +196,10 @@ class LaneServer:
         with self._lock:
             self._stopped = True
             connections = list(self._open)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)   # wakes the accepting thread; the port closes
+        except OSError:
+            pass
         self._listener.close()
         for sock in connections:
             try:
@@ -273,9 +277,10 @@ class LaneClient:
                 return False
         return method in self.methods   # type: ignore[operator]
 
-    def call(self, method: str, request: Any, seconds: float) -> memoryview:
+    def call(self, method: str, request: Any, seconds: float) -> memoryview | None:
         """The reply body (its tags checked) of ``method`` with ``request``, within ``seconds``;
-        the request's tensors are written from their own memory, unjoined."""
+        the request's tensors are written from their own memory, unjoined. None, with nothing
+        sent, when the lane's port cannot be reached (firewalled): the caller uses gRPC."""
         body = encode_parts(request, pickler=self._pickler)
         size = sum(memoryview(part).nbytes for part in body)
         if size > min(self._max_bytes, self.methods[method]):   # (the server checks it too)
@@ -284,6 +289,8 @@ class LaneClient:
                                        "bytes; send less per call, or raise the limits on both sides.")
         deadline = time.monotonic() + seconds
         connection = self._take(deadline)
+        if connection is None:
+            return None
         try:
             connection.send(method, body, deadline)
             _, reply = connection.receive(lambda _: self._max_bytes, deadline)
@@ -319,20 +326,19 @@ class LaneClient:
                                             timeout=max(deadline - time.monotonic(), 1e-3))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(answer["session"])
-        except OSError as error:
-            raise UnavailableError(f"{self.task}'s lane at port {answer['port']} cannot be reached ({error}).",
-                                   task=self.task) from None
+        except OSError as error:   # it answered over gRPC just now: the port is not open to us
+            logger.warning("%s's lane (port %s) cannot be reached (%s); its calls go over gRPC from now on "
+                           "(open the port between the hosts for the faster path)", self.task, answer["port"], error)
+            self.methods = {}
+            return None
         return _Connection(sock, self._keys(answer["session"]), server=False)
 
-    def _take(self, deadline: float) -> _Connection:
+    def _take(self, deadline: float) -> _Connection | None:
         while True:
             with self._lock:
                 connection = self._idle.pop() if self._idle else None
             if connection is None:
-                connection = self._connect(deadline)
-                if connection is None:
-                    raise UnavailableError(f"{self.task} no longer serves a lane.", task=self.task)
-                return connection
+                return self._connect(deadline)
             if _idle_and_open(connection.sock):
                 return connection
             connection.close()   # the server closed it (stopped or restarted): open another

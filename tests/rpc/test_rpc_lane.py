@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 import signal
 import socket
@@ -229,3 +230,19 @@ def test_large_requests_are_limited_on_the_lane_as_over_grpc() -> None:
         assert client.call("small", 3) == 3
     finally:
         client.close(), server.stop()
+
+
+def test_a_lane_port_closed_to_the_client_means_grpc_with_a_warning(caplog) -> None:
+    calls = []
+    server = _served({"echo": fast_lane(lambda x: calls.append(x) or x)})
+    server._lane.stop()    # as a firewall between hosts would: gRPC answers, the lane port not
+    client = RpcClient(server.address, TOKEN, task="ps 0")
+    logger = logging.getLogger("stratagem.rpc")
+    logger.addHandler(caplog.handler)
+    try:
+        assert client.call("echo", 1) == 1 and client.call("echo", 2) == 2 and calls == [1, 2]
+        assert "ps 0's lane" in caplog.text and "go over gRPC" in caplog.text
+        assert server.stats()["methods"][LANE_METHOD]["calls"] == 1   # asked once, then gRPC only
+    finally:
+        client.close(), server.stop()
+        logger.removeHandler(caplog.handler)
