@@ -117,6 +117,7 @@ def chief_main(spec: dict) -> dict:
     coordinator = sg.ClusterCoordinator(strategy)
     num_workers = strategy.cluster_resolver.cluster_spec().num_tasks("worker")
     ps_ports = [int(a.rpartition(":")[2]) for a in strategy.cluster_resolver.cluster_spec().job_tasks("ps")]
+    ps_ports += [client.rpc.call("_rpc_lane")["port"] for client in strategy.cluster.ps_clients]   # their lanes
     result: dict[str, Any] = {"framework": "stratagem", "torch": torch.__version__}
     phases = spec["phases"].split(",")
 
