@@ -201,6 +201,22 @@ def sibling_pids() -> list[int]:
     return pids
 
 
+def cluster_cpu_s() -> float:
+    """CPU seconds used so far by every process of this process's cluster: those whose
+    environment holds the same TF_CONFIG cluster (chief, workers, parameter servers, whatever
+    the framework). A load-independent cost: CPU per step, where rates depend on the machine."""
+    marker = json.dumps(json.loads(os.environ["TF_CONFIG"])["cluster"], sort_keys=True)
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+                if json.dumps(json.loads(env[b"TF_CONFIG"])["cluster"], sort_keys=True) == marker:
+                    total += _cpu_s_of(int(entry))
+    return total
+
+
 def _cpu_s_of(pid: int) -> float:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -179,9 +179,12 @@ def ps_chief(spec: dict) -> dict:
                     return loss
                 return strategy.run(replica_fn, args=next(it))
 
-            run = scheduled(emb_step, per_worker(emb_data))
+            run = scheduled(emb_step, per_worker(emb_data), done := [])
             run(spec["warmup"])
-            result["emb"].append({"rows": rows, "ids_per_example": k, **rates(run, spec["emb_steps"])})
+            cpu, first = h.cluster_cpu_s(), len(done)
+            measured = rates(run, spec["emb_steps"])
+            result["emb"].append({"rows": rows, "ids_per_example": k, **measured,
+                                  "cluster_cpu_ms": 1e3 * (h.cluster_cpu_s() - cpu) / (len(done) - first)})
     if "mlp" in phases:
         layers = h.MLP_LAYERS
         with strategy.scope():
@@ -219,8 +222,10 @@ def ps_chief(spec: dict) -> dict:
         losses: list = []
         run = scheduled(mlp_step, per_worker(mlp_data), losses)
         run(spec["warmup"])
+        cpu, first = h.cluster_cpu_s(), len(losses)
         result["mlp"] = {**rates(run, spec["steps"]), "first_loss": sum(losses[:10]) / 10,
                          "last_loss": sum(losses[-20:]) / 20}
+        result["mlp"]["cluster_cpu_ms"] = 1e3 * (h.cluster_cpu_s() - cpu) / (len(losses) - first)
         if "noop_loaded" in phases:
             noops(spec["warmup"])
             result["noop_loaded"] = rates(noops, max(20, spec["noop_count"] // 10))

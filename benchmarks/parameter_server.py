@@ -117,6 +117,7 @@ def chief_main(spec: dict) -> dict:
     coordinator = sg.ClusterCoordinator(strategy)
     num_workers = strategy.cluster_resolver.cluster_spec().num_tasks("worker")
     ps_ports = [int(a.rpartition(":")[2]) for a in strategy.cluster_resolver.cluster_spec().job_tasks("ps")]
+    ps_ports += [client.rpc.call("_rpc_lane")["port"] for client in strategy.cluster.ps_clients]   # their lanes
     result: dict[str, Any] = {"framework": "stratagem", "torch": torch.__version__}
     phases = spec["phases"].split(",")
 
@@ -191,9 +192,10 @@ def chief_main(spec: dict) -> dict:
             run = scheduled(emb_step, iter(coordinator.create_per_worker_dataset(emb_data)), outputs)
             run(spec["warmup"])
             outputs.clear()
-            before = _ps_socket_bytes(ps_ports)
+            before, cpu = _ps_socket_bytes(ps_ports), h.cluster_cpu_s()
             measured = rates(run, spec["emb_steps"])
             result["emb"].append({"rows": rows, "ids_per_example": k, **measured,
+                                  "cluster_cpu_ms": 1e3 * (h.cluster_cpu_s() - cpu) / len(outputs),
                                   "ps_bytes_per_step": (_ps_socket_bytes(ps_ports) - before) / len(outputs),
                                   "rows_per_step": sum(r for _, r in outputs) / len(outputs)})
             del model, optimizer
@@ -226,7 +228,7 @@ def chief_main(spec: dict) -> dict:
         losses: list = []
         run = scheduled(mlp_step, iter(coordinator.create_per_worker_dataset(mlp_data)), losses)
         run(spec["warmup"])
-        before, done = _ps_socket_bytes(ps_ports), len(losses)
+        before, done, cpu = _ps_socket_bytes(ps_ports), len(losses), h.cluster_cpu_s()
         if spec["profile"]:
             on_every_worker("start")
             with h.Profile() as prof:
@@ -237,6 +239,7 @@ def chief_main(spec: dict) -> dict:
         else:
             result["mlp"] = rates(run, spec["steps"])
         result["mlp"].update(ps_bytes_per_step=(_ps_socket_bytes(ps_ports) - before) / (len(losses) - done),
+                             cluster_cpu_ms=1e3 * (h.cluster_cpu_s() - cpu) / (len(losses) - done),
                              first_loss=sum(losses[:10]) / 10, last_loss=sum(losses[-20:]) / 20)
         if "noop_loaded" in phases:
             result["noop_loaded"] = rates(noops, max(20, spec["noop_count"] // 10))   # each pulls the MLP
@@ -356,7 +359,10 @@ def report(args: argparse.Namespace, clusters: dict, errors: dict, tf_why: str |
             lines.append(f"{name}: MLP rounds {', '.join(f'{r:.1f}' for r in m['rates'])} steps/s; loss "
                          f"{m['first_loss']:.3f} -> {m['last_loss']:.3f}"
                          + (f"; ps traffic {m['ps_bytes_per_step'] / 2**20:.1f} MiB/step" if "ps_bytes_per_step" in m
-                            else ""))
+                            else "") + f"; cluster CPU {m['cluster_cpu_ms']:.1f} ms/step")
+        for e in cluster.get("emb", []):
+            lines.append(f"{name}: embedding {e['rows']:,} x {e['ids_per_example']} ids: cluster CPU "
+                         f"{e['cluster_cpu_ms']:.2f} ms/step")
     lines += [f"FAILED {name}: {error.splitlines()[0]}" for name, error in errors.items()]
     return lines
 

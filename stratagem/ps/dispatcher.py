@@ -246,7 +246,8 @@ class _Worker:
         fence = {"coordinator": link.id, "closure": closure.seq, "attempt": closure.attempt,
                  "floor": link.queue.floor}
         request = {"key": key, "fn": closure.fn if send else None, "fence": fence,
-                   "args": closure.args, "kwargs": closure.kwargs, "release": releases}
+                   "args": closure.args, "kwargs": closure.kwargs, "release": releases,
+                   "writes": link.strategy.placement.writes}   # (values prefetched before a write are old)
         future = self.client.call_async("run", request, timeout=RUN_TIMEOUT_SECONDS)
         if len(self.cached) >= MAX_CACHED_HINTS:
             self.cached.clear()

@@ -114,6 +114,7 @@ class ParameterServerPlacement(Placement):
         self.startup_timeout = STARTUP_TIMEOUT_SECONDS
         self.on_restored: Callable[[], None] | None = None
         self.version = 0          # bumped whenever the ps values may have changed
+        self.writes = 0           # bumped when the coordinator itself changed ps values (workers re-pull)
         self._ids = itertools.count()
         self._next_ps = itertools.count()
         self._pending: list[nn.Module] = []
@@ -249,6 +250,7 @@ class ParameterServerPlacement(Placement):
 
     def restored(self) -> None:
         """Values were written to the ps: the coordinator's copies are old."""
+        self.writes += 1
         self.stale()
         if self.on_restored is not None:
             self.on_restored()
@@ -281,6 +283,7 @@ class ParameterServerPlacement(Placement):
         per_ps = gradients_by_ps(p for g in optimizer.param_groups for p in g["params"])
         with label("stratagem.ps.push"):
             call_each([(self.ps_clients[ps], "push", {"grads": g}) for ps, g in per_ps.items()])
+        self.writes += 1
         self.stale()
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

@@ -51,7 +51,7 @@ from stratagem.ps.shards import (OptimizerSpec, Rows, Shard, check_rows, check_s
 from stratagem.ps.sparse_update import (apply_row_update, dense_updates_warning,
                                         note_dense_step, updates_rows_only)
 from stratagem.ps.state import ShardStates
-from stratagem.rpc.server import EncodedReply, Handler, large_requests, reads_only
+from stratagem.rpc.server import EncodedReply, Handler, fast_lane, large_requests, reads_only
 
 __all__ = ["OptimizerSpec", "ParameterServer", "ps_service"]
 
@@ -169,7 +169,8 @@ class ParameterServer(ShardStates):
     # ---------------------------------------------------------------------- updates
 
     def push(self, grads: Mapping[str, torch.Tensor] | None = None,
-             rows: Sequence[tuple[str, Rows, torch.Tensor]] = (), fence: Any = None) -> None:
+             rows: Sequence[tuple[str, Rows, torch.Tensor]] = (), fence: Any = None,
+             pull: Sequence[str] = ()) -> EncodedReply | None:
         """Applies one optimizer step per variable with its gradient in ``grads``, and the
         row-sparse steps ``rows``: ``(var_id, row_ids, row_grads)`` each, as :meth:`push_rows`
         -- so one request carries all that a training step sends to this ps.
@@ -178,7 +179,8 @@ class ParameterServer(ShardStates):
         an error. A dense gradient is cast to the variable's dtype. ``fence`` (sent by
         workers running a coordinator's closures, see :mod:`stratagem.ps.fencing`) makes the
         update apply at most once per scheduled closure: updates another execution of the
-        same closure already applied are skipped.
+        same closure already applied are skipped. ``pull``: ids whose values (as :meth:`pull`, read
+        after this update) the reply carries, so that a worker's next step needs no pull of its own.
         """
         checked = []
         for var_id, grad in (grads or {}).items():
@@ -213,6 +215,7 @@ class ParameterServer(ShardStates):
             self._count("push", sum(nbytes(grad) for *_, grad in checked), 0)
         for _, update in row_updates:
             self._apply_rows(*update)
+        return self._pull_framed(pull) if pull else None
 
     def push_rows(self, var_id: str, row_ids: Rows, row_grads: torch.Tensor, fence: Any = None) -> None:
         """A row-sparse step: only rows ``row_ids`` of ``var_id`` and their optimizer state
@@ -349,6 +352,9 @@ class ParameterServer(ShardStates):
         # These take tensors (or row ids) as large as a variable; the others, small requests.
         for name in ("create", "push", "push_rows", "assign", "set_state", "pull_rows"):
             large_requests(handlers[name])
+        # A step's calls: on the lane beside gRPC (same token, a fraction of gRPC's CPU per call).
+        for name in ("pull", "pull_rows", "push"):
+            fast_lane(handlers[name])
         return handlers
 
     # ------------------------------------------------------------------- internals

@@ -146,7 +146,7 @@ class WorkerService:
         args, kwargs = request["args"], request["kwargs"]
         with self._lock, label("stratagem.ps.closure"):
             var_ids = closure_vars + unpickler.var_ids
-            runtime.pull_dense(var_ids)
+            runtime.pull_dense(var_ids, writes=request.get("writes"))
             runtime.begin_closure(request.get("fence"))
             versions = runtime.buffer_versions(var_ids)
             metrics = list(dict.fromkeys(closure_metrics + unpickler.metrics))   # (one object per metric)

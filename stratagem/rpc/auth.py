@@ -88,6 +88,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -96,7 +97,7 @@ from stratagem.rpc.errors import AuthenticationError, ClockSkewError, WrongServe
 from stratagem.rpc.tokens import MAKE_TOKEN, MIN_TOKEN_BITS, check_token_strength
 
 __all__ = ["Authenticator", "MIN_TOKEN_BITS", "RequestHeader", "TOKEN_VARIABLE",
-           "check_token_strength", "cluster_token"]
+           "check_token_strength", "clock_refusal", "cluster_token"]
 
 TOKEN_VARIABLE = "STRATAGEM_CLUSTER_TOKEN"
 TIMESTAMP_KEY, NONCE_KEY, MAC_KEY, IV_KEY = "sg-ts", "sg-nonce", "sg-mac", "sg-iv"
@@ -140,6 +141,25 @@ def skew_message(offset_s: float, here_s: float, max_skew_s: float, here: str, t
             f"{_utc(here_s)}, {there} {_utc(here_s - offset_s)}), more than the {max_skew_s:.0f} s "
             f"a cluster allows between a request's signature and its check: synchronise the hosts' "
             f"clocks (NTP: chrony or systemd-timesyncd on every host); the cluster token is not in question")
+
+
+def clock_refusal(err: Any, who: str, method: str) -> ClockSkewError | None:
+    """A client's error for a gRPC refusal (``err``: a ``grpc.RpcError``) that carries the
+    server's clock (``sg-clock``): a ClockSkewError naming both clocks; None for another refusal."""
+    try:
+        trailing = dict(err.trailing_metadata() or ())   # type: ignore[attr-defined]
+        server_ms, max_ms = (int(part) for part in trailing[CLOCK_KEY].split(","))
+    except Exception:   # no such metadata, or not ours: an ordinary refusal
+        return None
+    now = time.time()
+    offset = now - server_ms / 1000
+    if abs(offset) * 1000 <= max_ms:   # the clocks agree: the request itself was that old
+        return AuthenticationError(
+            f"{who} refused {method!r} as signed more than {max_ms / 1000:.0f} s before it was checked, "
+            f"though the two hosts' clocks agree within {abs(offset):.0f} s: the request waited that long "
+            "on its way (a stalled process or an overloaded server)")
+    return ClockSkewError(f"{skew_message(offset, now, max_ms / 1000, 'this host', who)}. ({who} refused "
+                          f"{method!r} for that.)", offset_s=-offset)
 
 
 def _field(value: str) -> bytes:
@@ -221,11 +241,17 @@ class Authenticator:
         self._body_keys = {   # one GMAC key per direction, derived from the token
             kind: AESGCM(hmac.digest(secret, b"stratagem body key: " + kind, "sha256"))
             for kind in (_REQUEST, _REPLY)}
+        self._lane_secret = hmac.digest(secret, b"stratagem lane key", "sha256")
         self._max_skew_ms = int(max_skew_s * 1000)
         self._nonces = _NonceCache(max_skew_s)
 
     def __repr__(self) -> str:   # never show the token
         return "Authenticator(token=<hidden>)"
+
+    def lane_key(self, session: bytes) -> bytes:
+        """The key of one lane connection (:mod:`~stratagem.rpc.lane`): derived from the token
+        and the connection's random session id, so only token holders can compute it."""
+        return hmac.digest(self._lane_secret, session, "sha256")
 
     def clock_metadata(self) -> tuple[tuple[str, str], ...]:
         """What a server adds to its refusal of a request signed outside the skew window:

@@ -13,9 +13,8 @@ peer is noticed in milliseconds -- or ``DEADLINE_EXCEEDED``: every call has a de
 ``default_timeout`` unless given, since keepalive does not notice a stopped peer); a refused
 token :class:`~stratagem.rpc.errors.AuthenticationError` (:class:`~stratagem.rpc.errors.ClockSkewError`,
 naming both clocks, when the server refused the request for the time it was signed at); an
-oversize message
-:class:`~stratagem.rpc.errors.MessageTooLargeError`; an exception in the handler
-:class:`~stratagem.rpc.errors.RemoteError`, with the remote traceback.
+oversize message :class:`~stratagem.rpc.errors.MessageTooLargeError`; an exception in the
+handler :class:`~stratagem.rpc.errors.RemoteError`, with the remote traceback.
 
 Binding: before its first call the client asks the server for its name and incarnation
 (the built-in ``_rpc_hello``, once per server run) and signs every request for them, so that
@@ -26,7 +25,8 @@ goes by its address and any client accepts it. When the server has restarted, it
 of the old incarnation makes the client learn the new one and send the call again, once.
 
 Connections: one gRPC channel per client, reconnecting with 100 ms initial / 1 s maximum
-backoff, so a restarted server is reachable again within about a second.
+backoff, so a restarted server is reachable again within about a second; and, for the
+methods a server serves there, its lane (:mod:`~stratagem.rpc.lane`: far less CPU per call).
 """
 
 from __future__ import annotations
@@ -41,12 +41,13 @@ import grpc
 from stratagem._profiling import label
 from stratagem.cluster.spec import validate_address
 from stratagem.errors import ClusterConfigError, InvalidArgumentError, UnavailableError
-from stratagem.rpc.auth import CLOCK_KEY, DEFAULT_MAX_SKEW_S, Authenticator, skew_message
+from stratagem.rpc.auth import DEFAULT_MAX_SKEW_S, Authenticator, clock_refusal
 from stratagem.rpc.codec import Pickler, decode, encode
 from stratagem.rpc.errors import (AuthenticationError, ClockSkewError, MessageTooLargeError, RemoteError,
                                    RpcError)
+from stratagem.rpc.lane import LaneClient
 from stratagem.rpc.tokens import check_token_strength
-from stratagem.rpc.transport import (DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HELLO_METHOD,
+from stratagem.rpc.transport import (DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HELLO_METHOD, LANE_METHOD,
                                      REPLY_OK, SERVICE, check_max_bytes, size_options)
 
 __all__ = ["RpcClient"]
@@ -61,24 +62,6 @@ def _check_timeout(timeout: float, name: str) -> float:
 def _left(deadline: float) -> float:
     """Seconds from now to ``deadline`` (monotonic); a millisecond at least, for gRPC."""
     return max(deadline - time.monotonic(), 1e-3)
-
-
-def _clock_refusal(err: grpc.RpcError, who: str, method: str) -> ClockSkewError | None:
-    """The ClockSkewError for a refusal that carries the server's clock (``sg-clock``), else None."""
-    try:
-        trailing = dict(err.trailing_metadata() or ())   # type: ignore[attr-defined]
-        server_ms, max_ms = (int(part) for part in trailing[CLOCK_KEY].split(","))
-    except Exception:   # no such metadata, or not ours: an ordinary refusal
-        return None
-    now = time.time()
-    offset = now - server_ms / 1000
-    if abs(offset) * 1000 <= max_ms:   # the clocks agree: the request itself was that old
-        return AuthenticationError(
-            f"{who} refused {method!r} as signed more than {max_ms / 1000:.0f} s before it was checked, "
-            f"though the two hosts' clocks agree within {abs(offset):.0f} s: the request waited that long "
-            "on its way (a stalled process or an overloaded server)")
-    return ClockSkewError(f"{skew_message(offset, now, max_ms / 1000, 'this host', who)}. ({who} refused "
-                          f"{method!r} for that.)", offset_s=-offset)
 
 
 def _is_stale(err: grpc.RpcError) -> bool:
@@ -138,7 +121,8 @@ class RpcClient:
     def __init__(self, address: str, token: str, *, task: str | None = None,
                  default_timeout: float = DEFAULT_TIMEOUT_S,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 max_skew_s: float = DEFAULT_MAX_SKEW_S, pickler: type[Pickler] = Pickler) -> None:
+                 max_skew_s: float = DEFAULT_MAX_SKEW_S, pickler: type[Pickler] = Pickler,
+                 lane: bool = True) -> None:
         self.address = validate_address(address, where="RpcClient address")
         self._pickler = pickler
         self.task = task or address
@@ -162,6 +146,8 @@ class RpcClient:
             ("grpc.enable_http_proxy", 0),   # cluster traffic never goes through a proxy
         ])
         self._callables: dict[str, grpc.UnaryUnaryMultiCallable] = {}
+        self._lane = LaneClient(address.rpartition(":")[0], self.task, self._auth.lane_key, self._open_lane,
+                                pickler=pickler, max_bytes=self._max_bytes) if lane else None
 
     def __repr__(self) -> str:
         return f"RpcClient({self.address!r}, task={self.task!r})"
@@ -169,13 +155,17 @@ class RpcClient:
     def call(self, method: str, request: Any = None, *, timeout: float | None = None,
              writable_reply: bool = True) -> Any:
         """Runs handler ``method`` on the server with ``request``; returns its reply.
-
         ``writable_reply=False`` promises that the caller only reads the reply's tensors
-        (copies them elsewhere): they are then views of the received bytes, not copies.
-        """
+        (copies them elsewhere): they are then views of the received bytes, not copies."""
         with label("stratagem.rpc.call"):
+            seconds = self.default_timeout if timeout is None else _check_timeout(timeout, "timeout")
+            deadline = time.monotonic() + seconds   # (asking whether the lane serves it counts too)
+            if self._lane is not None and method != LANE_METHOD and self._lane.serves(method, seconds):
+                reply = self._lane.call(method, request, _left(deadline))   # None: its port is closed to us
+                if reply is not None:
+                    return self._decode_reply(method, reply, writable_reply)
             body, seconds = self._prepare(method, request, timeout)
-            return self._send(method, body, time.monotonic() + seconds, seconds, writable_reply, True)
+            return self._send(method, body, deadline, seconds, writable_reply, True)
 
     def call_async(self, method: str, request: Any = None, *, timeout: float | None = None,
                    writable_reply: bool = True) -> futures.Future[Any]:
@@ -199,8 +189,9 @@ class RpcClient:
                 "is the task running, and is its address right?", task=self.task) from None
 
     def close(self) -> None:
-        """Closes the connection; calls in flight fail."""
-        self._channel.close()
+        """Closes the connections; calls in flight fail."""
+        for connections in (self._lane, self._channel):
+            connections is None or connections.close()
 
     def __enter__(self) -> RpcClient:
         return self
@@ -227,6 +218,15 @@ class RpcClient:
                 f"max_message_bytes={self._max_bytes}; send it in parts or raise the limit "
                 "on both sides.")
         return body, seconds
+
+    def _open_lane(self, seconds: float) -> dict | None:
+        """A session for a new lane connection (None: the server has no lane)."""
+        try:
+            return self.call(LANE_METHOD, timeout=seconds)
+        except RemoteError as error:   # an older server, or one started without a lane: None
+            if not (isinstance(error.remote_exception, RpcError) and error.remote_exception.code == "UNIMPLEMENTED"):
+                raise
+        return None
 
     def _send(self, method: str, body: bytes, deadline: float, seconds: float, writable: bool,
               retry: bool) -> Any:
@@ -352,6 +352,10 @@ class RpcClient:
         for key, value in trailing or ():
             metadata.setdefault(key, value)
         self._auth.verify_reply(method, nonce, metadata, reply)   # before decoding
+        return self._decode_reply(method, reply, writable)
+
+    def _decode_reply(self, method: str, reply: Any, writable: bool) -> Any:
+        """The value of an authenticated reply, or the RemoteError it carries, raised."""
         status, value = decode(reply, writable=writable)
         if status == REPLY_OK:
             return value
@@ -384,7 +388,7 @@ class RpcClient:
                 f"{who} refused {method!r} twice as addressed to another server or to an "
                 f"earlier run of it ({details}): it is restarting repeatedly.", task=self.task)
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            skewed = _clock_refusal(err, who, method)
+            skewed = clock_refusal(err, who, method)
             return skewed or AuthenticationError(f"{who} refused {method!r}: {details}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "takes requests of at most" in details:
             return MessageTooLargeError(f"{method!r} on {who}: {details}.")

@@ -78,7 +78,7 @@ from stratagem.rpc.errors import CodecError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Pickler", "Unpickler", "decode", "encode"]
+__all__ = ["Pickler", "Unpickler", "decode", "encode", "encode_parts"]
 
 MAGIC = b"SGR1"
 _PREFIX = struct.Struct("<4sIQ")   # magic, header length, pickle length
@@ -147,6 +147,13 @@ def _tensor_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
 def encode(obj: Any, *, pickler: type[Pickler] = Pickler) -> bytes:
     """Frames ``obj`` (any picklable structure; functions via cloudpickle) as one message,
     pickled by ``pickler`` (a :class:`Pickler` subclass sends some objects by reference)."""
+    return b"".join(encode_parts(obj, pickler=pickler))
+
+
+def encode_parts(obj: Any, *, pickler: type[Pickler] = Pickler) -> list[Any]:
+    """:func:`encode`'s message as the buffers to write one after the other, unjoined: the
+    tensors' are views of their memory (a socket sends them without a copy; they must not
+    change until sent)."""
     torch = sys.modules.get("torch")   # no torch imported: no tensor can be in obj
     tensor_type = torch.Tensor if torch is not None else _NoTensor
     buffer = io.BytesIO()
@@ -178,8 +185,7 @@ def encode(obj: Any, *, pickler: type[Pickler] = Pickler) -> bytes:
     header = json.dumps(entries, separators=(",", ":")).encode() if entries else b""
     start = _PREFIX.size + len(header) + len(pickled)
     lead_padding = (_PADDING[:_aligned(start) - start]) if entries else b""
-    return b"".join([_PREFIX.pack(MAGIC, len(header), len(pickled)), header, pickled,
-                     lead_padding, *chunks])
+    return [_PREFIX.pack(MAGIC, len(header), len(pickled)), header, pickled, lead_padding, *chunks]
 
 
 _quiet_lock = threading.Lock()

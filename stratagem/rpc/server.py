@@ -38,12 +38,13 @@ from stratagem.rpc.auth import DEFAULT_MAX_SKEW_S, Authenticator
 from stratagem.rpc.codec import decode, encode
 from stratagem.rpc.errors import (AuthenticationError, ClockSkewError, MessageTooLargeError, RpcError,
                                    WrongServerError, describe_exception)
+from stratagem.rpc.lane import LaneServer
 from stratagem.rpc.tokens import check_token_strength
-from stratagem.rpc.transport import (DEFAULT_MAX_MESSAGE_BYTES, HELLO_METHOD, REPLY_ERROR, REPLY_OK,
+from stratagem.rpc.transport import (DEFAULT_MAX_MESSAGE_BYTES, HELLO_METHOD, LANE_METHOD, REPLY_ERROR, REPLY_OK,
                                      SERVICE, SMALL_REQUEST_BYTES, STATS_METHOD, check_max_bytes,
                                      server_options)
 
-__all__ = ["EncodedReply", "Handler", "RpcServer", "caller_gone", "decodes_request",
+__all__ = ["EncodedReply", "Handler", "RpcServer", "caller_gone", "decodes_request", "fast_lane",
            "large_requests", "reads_only"]
 
 logger = logging.getLogger("stratagem.rpc")
@@ -83,6 +84,14 @@ def large_requests(handler: Handler) -> Handler:
     large limit to the methods that need it bounds what one request can make a server hold.
     Returns ``handler``."""
     handler._rpc_large_requests = True   # type: ignore[attr-defined]
+    return handler
+
+
+def fast_lane(handler: Handler) -> Handler:
+    """Marks ``handler`` as served on the server's lane too (:mod:`~stratagem.rpc.lane`: a TCP
+    connection beside gRPC, same token, far less CPU per call), where clients call it; for
+    handlers that never poll :func:`caller_gone` (a lane call cannot be cancelled). Returns ``handler``."""
+    handler._rpc_fast_lane = True   # type: ignore[attr-defined]
     return handler
 
 
@@ -165,7 +174,7 @@ class RpcServer:
     def __init__(self, address: str, handlers: Mapping[str, Handler], token: str, *,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_workers: int = 16,
                  allow_wildcard: bool = False, max_skew_s: float = DEFAULT_MAX_SKEW_S,
-                 name: str | None = None) -> None:
+                 name: str | None = None, lane: bool = True) -> None:
         validate_address(address, where="RpcServer address")
         host = address.rpartition(":")[0]
         if is_wildcard_host(host) and not allow_wildcard:
@@ -178,7 +187,7 @@ class RpcServer:
                 raise InvalidArgumentError(
                     f"handlers must map method names (non-empty, no '/') to callables; got "
                     f"{method!r} -> {handler!r}.")
-        for reserved in (STATS_METHOD, HELLO_METHOD):
+        for reserved in (STATS_METHOD, HELLO_METHOD, LANE_METHOD):
             if reserved in handlers:
                 raise InvalidArgumentError(f"{reserved!r} is reserved for the server's own use.")
         if name is not None and not (isinstance(name, str) and name and name.isascii()
@@ -188,7 +197,8 @@ class RpcServer:
             raise InvalidArgumentError(f"max_workers must be an int >= 1, got {max_workers!r}.")
         self._requested = address
         self._handlers: dict[str, Handler] = {**handlers, STATS_METHOD: lambda _: self.stats(),
-                                              HELLO_METHOD: lambda _: self._hello()}
+                                              HELLO_METHOD: lambda _: self._hello(),
+                                              LANE_METHOD: lambda _: self._lane_session()}
         if isinstance(token, str):   # (a token of another type: Authenticator says so)
             check_token_strength(token, source=f"the token given to RpcServer({address!r})")
         self._auth = Authenticator(token, max_skew_s=max_skew_s)
@@ -201,6 +211,7 @@ class RpcServer:
         self._lock = threading.Lock()
         self._stats: dict[str, dict[str, int]] = {}
         self._refused = 0
+        self._wants_lane, self._lane = lane, None
 
     @property
     def name(self) -> str:
@@ -243,6 +254,9 @@ class RpcServer:
                 "address of this machine; free the port or fix this task's address in the "
                 "cluster spec.")
         self._incarnation, self._port = uuid.uuid4().hex, port   # before the first request
+        if self._wants_lane:
+            self._lane = LaneServer(self._requested.rpartition(":")[0], self._auth.lane_key, self._serve_lane,
+                                    self._limit, self._refuse_count, self.name)
         server.start()
         self._server = server
         logger.info("%s listening on %s", self.name, self.address)
@@ -251,6 +265,9 @@ class RpcServer:
     def stop(self, grace: float | None = 1.0) -> None:
         """Stops serving; calls in flight get ``grace`` seconds to finish. Idempotent."""
         server, self._server = self._server, None
+        lane, self._lane = self._lane, None
+        if lane is not None:
+            lane.stop()
         if server is not None:
             server.stop(grace).wait()
 
@@ -275,10 +292,34 @@ class RpcServer:
             counts["bytes_in"] += bytes_in
             counts["bytes_out"] += bytes_out
 
-    def _refuse(self, method: str, context: grpc.ServicerContext, err: Exception,
-                code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED) -> NoReturn:
+    def _lane_session(self) -> dict[str, Any]:
+        """A one-use session for one lane connection, and the methods served there with their limits."""
+        if self._lane is None:
+            raise RpcError(f"{self.name} serves no lane.", code="UNIMPLEMENTED")
+        return {"port": self._lane.port, "session": self._lane.session(),
+                "methods": {m: self._limit(m) for m, h in self._handlers.items() if getattr(h, "_rpc_fast_lane", False)}}
+
+    def _limit(self, method: str) -> int:
+        """The largest request ``method`` takes (see :func:`large_requests`)."""
+        handler = self._handlers.get(method)
+        return self._max_bytes if getattr(handler, "_rpc_large_requests", False) else min(
+            self._max_bytes, SMALL_REQUEST_BYTES)
+
+    def _refuse_count(self, _: str) -> None:
         with self._lock:
             self._refused += 1
+
+    def _serve_lane(self, method: str, request: memoryview) -> list:
+        """A lane request, its frame already checked: run the handler, frame the reply."""
+        handler = self._handlers.get(method)
+        with label("stratagem.rpc.handle"):   # (a method not marked fast_lane is not there)
+            reply, error = self._run(method, handler if getattr(handler, "_rpc_fast_lane", False) else None, request)
+        self._count(method, len(request), len(reply), error)
+        return [reply]
+
+    def _refuse(self, method: str, context: grpc.ServicerContext, err: Exception,
+                code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED) -> NoReturn:
+        self._refuse_count(method)
         log = logger.info if isinstance(err, WrongServerError) else logger.warning
         log("%s refused a %r request from %s: %s", self.name, method[:100], context.peer(), err)
         if isinstance(err, ClockSkewError):   # the caller's error names both clocks
@@ -309,9 +350,7 @@ class RpcServer:
             self._refuse(method, context, err, grpc.StatusCode.FAILED_PRECONDITION)
         except AuthenticationError as err:
             self._refuse(method, context, err)
-        limit = self._max_bytes
-        if not getattr(handler, "_rpc_large_requests", False):
-            limit = min(limit, SMALL_REQUEST_BYTES)
+        limit = self._limit(method)
         if header.length > limit:   # refused before its body is received
             advice = ("raise max_message_bytes on both sides" if limit == self._max_bytes else
                       "mark its handler with stratagem.rpc.server.large_requests if it needs more")
@@ -331,6 +370,13 @@ class RpcServer:
     def _handle_authenticated(self, method: str, requests: Any, context: grpc.ServicerContext) -> bytes:
         handler = self._handlers.get(method)
         nonce, request = self._receive(method, handler, requests, context)
+        reply, error = self._run(method, handler, request)
+        context.set_trailing_metadata(self._auth.sign_reply(method, nonce, reply))
+        self._count(method, len(request), len(reply), error)
+        return reply
+
+    def _run(self, method: str, handler: Handler | None, request: Any) -> tuple[bytes, bool]:
+        """The framed reply to an authenticated request, and whether the handler failed."""
         error = False
         try:
             if handler is None:
@@ -349,6 +395,4 @@ class RpcServer:
         except Exception as exc:
             error = True
             reply = encode((REPLY_ERROR, _describe(exc)))
-        context.set_trailing_metadata(self._auth.sign_reply(method, nonce, reply))
-        self._count(method, len(request), len(reply), error)
-        return reply
+        return reply, error

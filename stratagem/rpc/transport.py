@@ -49,8 +49,8 @@ from typing import Any
 
 from stratagem.errors import InvalidArgumentError
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT_S", "HELLO_METHOD", "REPLY_ERROR", "REPLY_OK",
-           "SERVICE", "SMALL_REQUEST_BYTES", "STATS_METHOD", "check_max_bytes", "server_options",
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT_S", "HELLO_METHOD", "LANE_METHOD", "REPLY_ERROR",
+           "REPLY_OK", "SERVICE", "SMALL_REQUEST_BYTES", "STATS_METHOD", "check_max_bytes", "server_options",
            "size_options"]
 
 SERVICE = "stratagem.Rpc"
@@ -60,6 +60,7 @@ GRPC_MAX_MESSAGE = 2**31 - 1
 REPLY_OK, REPLY_ERROR = "ok", "error"   # the status that heads every reply
 STATS_METHOD = "_rpc_stats"   # built into every server: its wire counters
 HELLO_METHOD = "_rpc_hello"   # built into every server: its name and incarnation
+LANE_METHOD = "_rpc_lane"   # built into every server: a session for one lane connection (rpc/lane.py)
 SMALL_REQUEST_BYTES = 4 << 20   # the request limit of handlers not marked large_requests
 
 

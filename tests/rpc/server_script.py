@@ -19,7 +19,7 @@ import threading
 import time
 
 from stratagem.rpc import DEFAULT_MAX_MESSAGE_BYTES, RpcServer, cluster_token
-from stratagem.rpc.server import caller_gone, large_requests
+from stratagem.rpc.server import caller_gone, fast_lane, large_requests
 
 ADDRESS, MARKER_DIR, NAME = sys.argv[1], sys.argv[2], sys.argv[3]
 MAX_BYTES = int(sys.argv[4]) if len(sys.argv) > 4 else DEFAULT_MAX_MESSAGE_BYTES
@@ -50,6 +50,11 @@ def sleep(seconds: float) -> float:
     return seconds
 
 
+def lane_echo(request: object) -> object:
+    _invoked("lane")
+    return request
+
+
 def ping(_: object) -> str:
     return "pong"
 
@@ -69,7 +74,8 @@ def wait_until_gone(limit_s: float) -> str:
 def main() -> None:
     logging.basicConfig(filename=os.path.join(MARKER_DIR, "server.log"), level=logging.INFO)
     handlers = {"echo": large_requests(echo), "fail": fail, "sleep": sleep, "ping": ping,
-                "wait_until_gone": wait_until_gone}
+                "wait_until_gone": wait_until_gone, "lane_echo": fast_lane(large_requests(lane_echo)),
+                "lane_sleep": fast_lane(sleep)}
     server = RpcServer(ADDRESS, handlers, cluster_token(), max_message_bytes=MAX_BYTES, name=NAME).start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
