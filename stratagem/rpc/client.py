@@ -161,7 +161,7 @@ class RpcClient:
             seconds = self.default_timeout if timeout is None else _check_timeout(timeout, "timeout")
             deadline = time.monotonic() + seconds   # (asking whether the lane serves it counts too)
             if self._lane is not None and method != LANE_METHOD and self._lane.serves(method, seconds):
-                reply = self._lane.call(method, request, _left(deadline))   # None: its port is closed to us
+                reply = self._lane.call(method, request, _left(deadline), seconds)   # None: its port is closed to us
                 if reply is not None:
                     return self._decode_reply(method, reply, writable_reply)
             body, seconds = self._prepare(method, request, timeout)

@@ -297,8 +297,9 @@ class LaneClient:
                 return False
         return method in self.methods   # type: ignore[operator]
 
-    def call(self, method: str, request: Any, seconds: float) -> memoryview | None:
-        """The reply body (its tags checked) of ``method`` with ``request``, within ``seconds``;
+    def call(self, method: str, request: Any, seconds: float, timeout: float | None = None) -> memoryview | None:
+        """The reply body (its tags checked) of ``method`` with ``request``, within ``seconds`` (what
+        is left of the call's ``timeout``, the one an error names);
         the request's tensors are written from their own memory, unjoined. None, with nothing
         sent, when the lane's port cannot be reached (firewalled): the caller uses gRPC."""
         body = encode_parts(request, pickler=self._pickler)
@@ -316,7 +317,7 @@ class LaneClient:
             _, reply = connection.receive(lambda _: self._max_bytes, deadline)
         except TimeoutError:
             self._broken(connection)
-            raise UnavailableError(f"{self.task} did not answer {method!r} within {seconds:g} s: the task is "
+            raise UnavailableError(f"{self.task} did not answer {method!r} within {timeout or seconds:g} s: the task is "
                                    "hung, overloaded or dead.", task=self.task) from None
         except OSError as error:
             self._broken(connection)
