@@ -54,8 +54,7 @@ def script(tmp_path: Path) -> Path:
 def test_a_forked_task_runs_as_a_fresh_interpreter_would(script: Path, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    server = shared_server()
-    assert server is not None
+    assert shared_server() is not None
     results = run_local_cluster(script, 2, args=["ok", "7"], env={"EXTRA": "x"}, timeout=120)
     for r in results:
         report = _report(r.output)
@@ -63,7 +62,7 @@ def test_a_forked_task_runs_as_a_fresh_interpreter_would(script: Path, tmp_path:
         assert report["name"] == "__main__" and report["argv"] == [str(script), "ok", "7"]
         assert report["path0"] == str(script.parent) and report["cwd"] == str(tmp_path)
         assert report["pgid"] == report["pid"]          # a session of its own
-        assert report["ppid"] == server._process.pid    # forked: torch came imported
+        assert _forked(report["ppid"])                  # forked: torch came imported
         assert report["torch"] and report["stdin"] == "" and report["extra"] == "x"
         assert "atexit ran" in r.output
 
@@ -78,7 +77,7 @@ def test_an_uncaught_exception_prints_its_traceback_and_exits_1(script: Path) ->
 def test_an_environment_read_at_import_starts_a_fresh_interpreter(script: Path) -> None:
     results = run_local_cluster(script, 1, args=["ok"], env={"OMP_NUM_THREADS": "1"}, timeout=120)
     report = _report(results[0].output)
-    assert results[0].returncode == 0 and report["ppid"] == os.getpid() and not report["torch"]
+    assert results[0].returncode == 0 and not _forked(report["ppid"]) and not report["torch"]
 
 
 def test_kill_and_stop_reach_a_forked_task(script: Path) -> None:
@@ -104,6 +103,12 @@ def test_the_tasks_die_with_the_server(script: Path, tmp_path: Path) -> None:
         assert time.monotonic() < deadline, f"task {task.pid} outlived the fork server"
         time.sleep(0.05)
     assert shared_server() is not server    # the next cluster gets a new server
+
+
+def _forked(parent: int) -> bool:
+    """Whether ``parent`` is a fork server (the one :func:`run_local_cluster` uses, whichever
+    copy of the module started it)."""
+    return "forkserver.py" in Path(f"/proc/{parent}/cmdline").read_bytes().decode(errors="replace")
 
 
 def _state(pid: int) -> str:
