@@ -79,7 +79,7 @@ def run_local_cluster(script: "str | Path", num_workers: int, *, args: Sequence[
     # a task that crashes in C (a signal) prints every thread's Python stack before it dies
     base_env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {}), "PYTHONUNBUFFERED": "1"}
     reaper = Reaper(grace_period=0.0)
-    server = shared_server()
+    server = shared_server(base_env)
     try:
         for job, index in tasks:
             task_env = {**base_env, "TF_CONFIG": json.dumps({"cluster": cluster,

@@ -12,9 +12,11 @@ real process: its own interpreter state, its own sockets, killed and stopped by 
 
 What a child inherits that a fresh interpreter would not is what the server's imports did
 (torch, torch.distributed, DTensor, dynamo: most of a strategy's start-up), before any task's
-environment was read. So a task whose environment differs from the server's in a variable read
-at start-up or at those imports (:data:`_READ_AT_IMPORT`) starts as a fresh interpreter instead; so does every task when ``STRATAGEM_TEST_FORKSERVER=0``, or when the
-cluster is started from a thread other than the main thread (the server must live as long as
+environment was read. So the server is started with the cluster's environment, and replaced
+when a later cluster's differs in a variable read at start-up or at those imports
+(:data:`_READ_AT_IMPORT`; torch's compiler sets some in a process that compiles); a task whose
+own variables differ from its server's starts as a fresh interpreter. So does every task when
+``STRATAGEM_TEST_FORKSERVER=0``, or when the cluster is started from a thread other than the main thread (the server must live as long as
 the test process: the kernel's parent-death signal follows the thread that started it).
 
 The server (``forkserver.py`` beside this file) dies with the test process (parent-death
@@ -62,10 +64,10 @@ class ForkedTask:
 class ForkServer:
     """The test process's side: asks the server for tasks and learns when they exit."""
 
-    def __init__(self) -> None:
-        self._env = dict(os.environ)
+    def __init__(self, env: dict[str, str]) -> None:
+        self._env = dict(env)
         self._process = subprocess.Popen(
-            [sys.executable, _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, _SERVER], env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, start_new_session=True, bufsize=0, preexec_fn=die_with_parent(signal.SIGKILL))
         self._lock = threading.Lock()            # one request at a time
         self._changed = threading.Condition()
@@ -99,6 +101,15 @@ class ForkServer:
                 return self._exited.pop(pid)
             return -9 if self._gone else None    # the server's death killed its children
 
+    def close(self) -> None:
+        """The server exits (its tasks, all ended by now, would die with it)."""
+        try:
+            self._process.stdin.close()
+            self._process.wait(5)
+        except (OSError, subprocess.TimeoutExpired):
+            self._process.kill()
+            self._process.wait()
+
     def _read_replies(self) -> None:
         for line in self._process.stdout:
             reply = json.loads(line)
@@ -116,12 +127,18 @@ class ForkServer:
 _shared: list[ForkServer] = []
 
 
-def shared_server() -> ForkServer | None:
-    """The test process's fork server (started at the first call), or None where tasks start fresh."""
+def shared_server(env: dict[str, str] | None = None) -> ForkServer | None:
+    """The test process's fork server for tasks with environment ``env`` (this process's by
+    default), or None where tasks start fresh. A server whose imports saw other values of the
+    variables they read (torch's compiler sets some in the process that compiles) is replaced."""
     if os.environ.get("STRATAGEM_TEST_FORKSERVER", "1") == "0" or not sys.platform.startswith("linux"):
         return None
     if threading.current_thread() is not threading.main_thread():
         return None
-    if not _shared or _shared[0]._gone:
-        _shared[:] = [ForkServer()]
+    env = dict(os.environ) if env is None else env
+    if _shared and not _shared[0]._gone and _shared[0].can_start(env):
+        return _shared[0]
+    if _shared:
+        _shared[0].close()
+    _shared[:] = [ForkServer(env)]
     return _shared[0]

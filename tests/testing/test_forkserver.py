@@ -28,7 +28,8 @@ atexit.register(lambda: print("atexit ran", flush=True))
 print("REPORT " + json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
                               "ppid": os.getppid(), "pgid": os.getpgid(0), "pid": os.getpid(),
                               "stdin": sys.stdin.read(), "extra": os.environ.get("EXTRA"),
-                              "torch": "torch" in sys.modules}), flush=True)
+                              "torch": "torch" in sys.modules,
+                              "threads": __import__("torch").get_num_threads()}), flush=True)
 if sys.argv[1] == "raise" and task["index"] == 1:
     raise ValueError("worker 1 fails")
 if sys.argv[1] == "wait":
@@ -74,10 +75,13 @@ def test_an_uncaught_exception_prints_its_traceback_and_exits_1(script: Path) ->
     assert "atexit ran" in results[1].output
 
 
-def test_an_environment_read_at_import_starts_a_fresh_interpreter(script: Path) -> None:
-    results = run_local_cluster(script, 1, args=["ok"], env={"OMP_NUM_THREADS": "1"}, timeout=120)
-    report = _report(results[0].output)
-    assert results[0].returncode == 0 and not _forked(report["ppid"]) and not report["torch"]
+def test_an_environment_read_at_import_gets_a_server_started_with_it(script: Path) -> None:
+    # torch reads OMP_NUM_THREADS when it is imported: a server started without it would give
+    # its tasks the machine's thread count
+    for threads in (1, 2, 1):
+        results = run_local_cluster(script, 1, args=["ok"], env={"OMP_NUM_THREADS": str(threads)}, timeout=120)
+        report = _report(results[0].output)
+        assert results[0].returncode == 0 and _forked(report["ppid"]) and report["threads"] == threads
 
 
 def test_kill_and_stop_reach_a_forked_task(script: Path) -> None:
