@@ -37,9 +37,9 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from stratagem.comm.compression import Exact
+from stratagem.values import is_dtensor
 
 DEFAULT_BYTES_PER_PACK = 25 << 20   # DistributedDataParallel's bucket_cap_mb
 FIRST_PACK_BYTES = 1 << 20          # a small first pack starts communication early
@@ -76,7 +76,7 @@ class _Pack:
             self.slot(i).zero_()
             self.flags[i] = 0
         else:
-            if isinstance(grad, DTensor):
+            if is_dtensor(grad):
                 if grad.placements != p.placements:
                     grad = grad.redistribute(p.device_mesh, p.placements)
                 grad = grad.to_local()
@@ -86,7 +86,8 @@ class _Pack:
     def result(self, i: int) -> torch.Tensor:
         """The sum in slot ``i``, as the parameter's gradient."""
         p = self.params[i]
-        if isinstance(p, DTensor):
+        if is_dtensor(p):
+            from torch.distributed.tensor import DTensor   # (loaded: p is one)
             return DTensor.from_local(self.slot(i).clone(), p.device_mesh, p.placements, run_check=False)
         return self.slot(i)
 
@@ -181,7 +182,7 @@ class GradientPacks:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This process's part of ``tensor`` (a DTensor's local shard), outside autograd."""
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         return tensor
     with torch.no_grad():
         return tensor.to_local()

@@ -1,7 +1,13 @@
 """The test fork server (see :mod:`stratagem.testing.forked`), run as a script: it imports
 torch once, then forks one child per task it is asked for, which becomes that task and runs
-its script. The standard library and torch only: nothing here may read a task's environment
-before the child has taken it."""
+its script (or module, or code). The standard library and torch only: nothing here may read a
+task's environment before the child has taken it.
+
+Two kinds of client ask: the test process, over stdin (a request names a log file) with
+replies on stdout; and launchers (``stratagem launch`` under ``STRATAGEM_TEST_FORK_SERVER``,
+:mod:`stratagem.launch.forks`), over the listening Unix socket whose descriptor is the first
+argument (a request comes with the task's output descriptor). Each client gets its tasks' pids,
+then their exit codes; a launcher's connection that closes sends its live tasks SIGTERM."""
 
 import ctypes
 import faulthandler
@@ -11,7 +17,11 @@ import os
 import runpy
 import select
 import signal
+import socket
 import sys
+import types
+
+_START_ENV = dict(os.environ)   # what the imports below read
 
 
 def _serve() -> dict:
@@ -25,46 +35,85 @@ def _serve() -> dict:
     import torch.distributed.tensor  # noqa: F401
 
     replies = os.fdopen(os.dup(1), "wb", buffering=0)
-    pending, children = b"", set()
+    listener = socket.socket(fileno=int(sys.argv[1])) if len(sys.argv) > 1 else None
+    hello = json.dumps({"env": _START_ENV, "executable": sys.executable,
+                        "netns": os.readlink("/proc/self/ns/net")}).encode()
+    pending, children, launchers = b"", {}, []   # children: pid -> the launcher that asked (None: stdin)
+
+    def fork(request: dict, output: int | None, client: socket.socket | None) -> int:
+        ready_r, ready_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(ready_r)
+            replies.close()
+            for s in [listener, *launchers]:
+                if s is not None:
+                    s.close()
+            _become_task(request, output)
+            os.write(ready_w, b"x")
+            os.close(ready_w)
+            return 0
+        os.close(ready_w)
+        os.read(ready_r, 1)    # the child is in its own session: its group can be signalled
+        os.close(ready_r)
+        if output is not None:
+            os.close(output)
+        children[pid] = client
+        return pid
+
     while True:
-        ready, _, _ = select.select([0], [], [], 0.05 if children else 1.0)
-        if ready:
-            chunk = os.read(0, 1 << 16)
-            if not chunk:
-                os._exit(0)    # the children get SIGKILL (their parent-death signal)
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                request = json.loads(line)
-                ready_r, ready_w = os.pipe()
-                pid = os.fork()
-                if pid == 0:
-                    os.close(ready_r)
-                    replies.close()
-                    _become_task(request)
-                    os.write(ready_w, b"x")
-                    os.close(ready_w)
+        waiting = [0, *([listener] if listener else []), *launchers]
+        ready, _, _ = select.select(waiting, [], [], 0.05 if children else 1.0)
+        for source in ready:
+            if source == 0:
+                chunk = os.read(0, 1 << 16)
+                if not chunk:
+                    os._exit(0)    # the children get SIGKILL (their parent-death signal)
+                pending += chunk
+                while b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    request = json.loads(line)
+                    if (pid := fork(request, None, None)) == 0:
+                        return request
+                    replies.write(json.dumps({"started": pid}).encode() + b"\n")
+            elif source is listener:
+                client, _ = listener.accept()
+                client.sendall(hello)
+                launchers.append(client)
+            else:
+                message, fds, _, _ = socket.recv_fds(source, 1 << 20, 1)
+                if not message:   # the launcher exited: what its own parent-death signal would do
+                    for pid in [pid for pid, owner in children.items() if owner is source]:
+                        os.kill(pid, signal.SIGTERM)    # (its exit code then goes to no one)
+                    launchers.remove(source)
+                    source.close()
+                    continue
+                request = json.loads(message)
+                if (pid := fork(request, fds[0], source)) == 0:
                     return request
-                os.close(ready_w)
-                os.read(ready_r, 1)    # the child is in its own session: its group can be signalled
-                os.close(ready_r)
-                children.add(pid)
-                replies.write(json.dumps({"started": pid}).encode() + b"\n")
+                source.sendall(json.dumps({"started": pid}).encode())
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            children.discard(pid)
-            replies.write(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            reply = {"exited": pid, "code": os.waitstatus_to_exitcode(status)}
+            client = children.pop(pid)
+            if client is None:
+                replies.write(json.dumps(reply).encode() + b"\n")
+            elif client in launchers:
+                try:
+                    client.sendall(json.dumps(reply).encode())
+                except OSError:
+                    pass   # it is gone: its end-of-file comes next
 
 
-def _become_task(request: dict) -> None:
+def _become_task(request: dict, output: int | None) -> None:
     """In the forked child: take the task's session, environment, files and arguments."""
     os.setsid()
     ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)    # PR_SET_PDEATHSIG: die with the server
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND)
+    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND) if output is None else output
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(null)
@@ -72,15 +121,31 @@ def _become_task(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.argv = [request["script"], *request["args"]]
-    sys.path[0] = os.path.dirname(request["script"])
+    if "script" in request:    # as `python SCRIPT ARGS`
+        sys.argv = [request.get("argv0", request["script"]), *request["args"]]
+        sys.path[0] = os.path.dirname(request["script"])
+    else:                      # as `python -m MODULE ARGS` or `python -c CODE ARGS`
+        sys.argv = ["-m" if "module" in request else "-c", *request["args"]]
+        sys.path[0] = os.getcwd() if "module" in request else ""
     sys.stdin = open(0, closefd=False)
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
     if os.environ.get("PYTHONFAULTHANDLER"):
         faulthandler.enable()
+    else:
+        faulthandler.disable()
+
+
+def _run(task: dict) -> None:
+    if "script" in task:
+        runpy.run_path(task["script"], run_name="__main__")
+    elif "module" in task:
+        runpy.run_module(task["module"], run_name="__main__", alter_sys=True)
+    else:
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(task["code"], "<string>", "exec"), main.__dict__)
 
 
 if __name__ == "__main__":
-    _task = _serve()
-    runpy.run_path(_task["script"], run_name="__main__")
+    _run(_serve())
