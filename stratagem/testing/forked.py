@@ -126,6 +126,13 @@ class ForkServer:
 
 
 _shared: list[ForkServer] = []
+
+
+@atexit.register
+def _close_shared() -> None:
+    """The server exits with the test process, which waits for it (its time counts as ours)."""
+    for server in _shared:
+        server.close()
 _listener: list[socket.socket] = []   # launchers connect here, to whichever server runs now
 
 

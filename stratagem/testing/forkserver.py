@@ -78,11 +78,16 @@ def _serve() -> dict:
                     replies.write(json.dumps({"started": pid}).encode() + b"\n")
             elif source is listener:
                 client, _ = listener.accept()
-                client.sendall(hello)
                 launchers.append(client)
+                _send(client, hello)
             else:
-                message, fds, _, _ = socket.recv_fds(source, 1 << 20, 1)
+                try:
+                    message, fds, _, _ = socket.recv_fds(source, 1 << 20, 1)
+                except OSError:
+                    message, fds = b"", []
                 if not message:   # the launcher exited: what its own parent-death signal would do
+                    for fd in fds:
+                        os.close(fd)
                     for pid in [pid for pid, owner in children.items() if owner is source]:
                         os.kill(pid, signal.SIGTERM)    # (its exit code then goes to no one)
                     launchers.remove(source)
@@ -91,7 +96,7 @@ def _serve() -> dict:
                 request = json.loads(message)
                 if (pid := fork(request, fds[0], source)) == 0:
                     return request
-                source.sendall(json.dumps({"started": pid}).encode())
+                _send(source, json.dumps({"started": pid}).encode())
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
@@ -101,10 +106,14 @@ def _serve() -> dict:
             if client is None:
                 replies.write(json.dumps(reply).encode() + b"\n")
             elif client in launchers:
-                try:
-                    client.sendall(json.dumps(reply).encode())
-                except OSError:
-                    pass   # it is gone: its end-of-file comes next
+                _send(client, json.dumps(reply).encode())
+
+
+def _send(client: socket.socket, message: bytes) -> None:
+    try:
+        client.sendall(message)
+    except OSError:
+        pass    # the launcher is gone: its end-of-file comes next
 
 
 def _become_task(request: dict, output: int | None) -> None:

@@ -46,7 +46,9 @@ def _reports(output: str) -> list[dict]:
 
 
 def _forked(parent: int) -> bool:
-    return "forkserver.py" in Path(f"/proc/{parent}/cmdline").read_bytes().decode(errors="replace")
+    """Whether ``parent`` is a fork server (``python .../forkserver.py FD``)."""
+    args = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+    return len(args) > 1 and os.path.basename(args[1]) == b"forkserver.py"
 
 
 @pytest.fixture
