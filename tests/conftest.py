@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from stratagem.launch.forks import FORK_SERVER_VARIABLE
 from stratagem.testing.forked import fork_server_variable
 
 
@@ -25,3 +26,11 @@ def forked_launches(request: pytest.FixtureRequest) -> Iterator[None]:
         for key, value in fork_server_variable().items():
             monkeypatch.setenv(key, value)
         yield
+
+
+@pytest.fixture
+def fresh_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a module that uses ``forked_launches``, a test whose launches start every task fresh: one
+    that finds a task by what only a fresh process shows (its TF_CONFIG in ``/proc/PID/environ``,
+    which a forked task's is not: it keeps its server's; or among the launcher's children)."""
+    monkeypatch.delenv(FORK_SERVER_VARIABLE, raising=False)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300), pytest.mark.usefixtures("forked_launches")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ps.py"
 
 
