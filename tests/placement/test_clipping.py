@@ -1,4 +1,4 @@
-"""Gradient clipping by the global norm (stratagem/placement/clipping.py) in one process: torch's calls
+"""Gradient clipping by the global norm (stratagem/placement/scope/clipping.py) in one process: torch's calls
 routed while a placement that splits gradients exists, plain PyTorch's results on one-process meshes,
 and the refusals. The multi-process checks (ZeRO-2/3, tensor and pipeline parallelism against plain
 PyTorch, step by step) are in test_zero.py, test_fully_sharded.py and tests/strategies (tests/_support/clips.py)."""
@@ -20,7 +20,7 @@ from torch import nn
 
 import stratagem as sg
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement import clipping
+from stratagem.placement.scope import clipping
 
 ROOT = Path(__file__).resolve().parents[2]
 

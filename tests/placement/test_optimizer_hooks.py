@@ -19,7 +19,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import stratagem as sg
-from stratagem.placement import hooks
+from stratagem.placement.scope import hooks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -180,7 +180,7 @@ def test_the_class_says_what_changed_and_nothing_stays_patched() -> None:
 
 
 def test_a_zero_grad_method_of_another_survives_multi_replica_runs() -> None:
-    # while such runs are active Optimizer.zero_grad is wrapped (placement/unscoped.py says why):
+    # while such runs are active Optimizer.zero_grad is wrapped (placement/scope/unscoped.py says why):
     # the wrapper calls the method it found there and gives that one back; a method put there
     # during such a run cannot stay (it would call the wrapper for good): put back, with a warning
     torch_zero_grad = torch.optim.Optimizer.zero_grad

@@ -13,7 +13,7 @@ import torch
 import stratagem as sg
 from ..strategies.history import assert_history_matches
 from stratagem.testing import run_local_cluster
-from stratagem.placement.pipeline_balance import partition
+from stratagem.placement.layout.pipeline_balance import partition
 
 from . import pp_options_script as script
 from .pp_options_runs import launch, plain_history

@@ -11,9 +11,9 @@ from torch import nn
 
 import stratagem as sg
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.pipeline_plan import plan_stages
-from stratagem.placement.pipeline_trace import traced_split_points
-from stratagem.placement.pipeline_schedule import _row_order
+from stratagem.placement.layout.pipeline_plan import plan_stages
+from stratagem.placement.layout.pipeline_trace import traced_split_points
+from stratagem.placement.layout.pipeline_schedule import _row_order
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -206,7 +206,7 @@ def test_mesh_sizes_are_inferred_axis_by_axis() -> None:
 
 
 def test_every_data_group_can_pad_to_the_longest_batch() -> None:
-    from stratagem.placement.pipeline_schedule import _row_order
+    from stratagem.placement.layout.pipeline_schedule import _row_order
     assert _row_order(4, 2, 4) is None
     assert _row_order(3, 2, 4).tolist() == [0, 1, 2, -1]          # 2 micro-batches of 2 rows, as the longest
     assert _row_order(2, 2, 5).tolist() == [0, -1, -1, 1, -1, -1]  # 2 of 3

@@ -30,7 +30,7 @@ STRATEGIES: dict[str, Callable[[], sg.Strategy]] = {
 
 def make_strategy(kind: str, monkeypatch: pytest.MonkeyPatch) -> sg.Strategy:
     if kind == "central_storage_copies":
-        monkeypatch.setattr("stratagem.placement.central._same_memory", lambda device, home: False)
+        monkeypatch.setattr("stratagem.placement.data_axis.central._same_memory", lambda device, home: False)
     return STRATEGIES[kind]()
 EXACT = 1e-12        # checkpointing recomputes the same float64 operations
 COMPILED = 1e-9      # inductor fuses float64 operations in another order than eager PyTorch

@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import stratagem as sg
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.tensor_parallel import torch_style
+from stratagem.placement.layout.tensor_parallel import torch_style
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,25 +1,25 @@
 """The optimizers of a pipelined model: each process updates its own stages, on any mesh.
 
-:class:`StageOptimizers` answers :class:`~stratagem.placement.pipeline.PipelinePlacement`'s
+:class:`StageOptimizers` answers :class:`~stratagem.placement.layout.pipeline.PipelinePlacement`'s
 optimizer primitives and is its update rule (the placement places the modules, and finalizes them
 before handing an optimizer call over). An optimizer created in scope keeps
 every parameter of the model in its parameter groups, those of the stages held elsewhere as
 ``meta`` placeholders (no gradient, no state, no update), so that its state dict numbers
 parameters as a plain optimizer over the whole model does. ``step`` runs in the order of
-:mod:`stratagem.placement.step`, whose update:
+:mod:`stratagem.placement.data_axis.step`, whose update:
 
 - runs the user's update over this process's parameters (their tensor-parallel shards included:
   torch's own update over DTensors), whose gradients were summed over the data axis when the
-  schedule ended (:meth:`~stratagem.placement.pipeline.PipelinePlacement.summing_gradients`;
+  schedule ended (:meth:`~stratagem.placement.layout.pipeline.PipelinePlacement.summing_gradients`;
   each data group's loss is already weighted by its share of the global batch);
 - ``sharding="optimizer"`` / ``"gradients"``: the update is cut in ranges over the data axis
-  (:mod:`stratagem.placement.data_axis_zero`; under ``"gradients"`` the schedule's end
+  (:mod:`stratagem.placement.data_axis.data_axis_zero`; under ``"gradients"`` the schedule's end
   reduce-scattered the gradients into those ranges);
 - ``sharding="parameters"``: FSDP2 summed the gradients during the schedule's backward; the
   update is torch's over this process's shards.
 
 ``clip_grad_norm_`` over the model's parameters measures the whole model's gradients
-(:mod:`stratagem.placement.clipping`).
+(:mod:`stratagem.placement.scope.clipping`).
 
 State dicts read as one optimizer's over the whole model: shards made whole over the model
 (and, under ZeRO, data) axis, then each stage's entries gathered over the pipe axis; every
@@ -34,18 +34,18 @@ from typing import Any
 import torch
 
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement import clipping
-from stratagem.placement.data_axis_zero import DataAxisZero
+from stratagem.placement.scope import clipping
+from stratagem.placement.data_axis.data_axis_zero import DataAxisZero
 from stratagem.comm.collective import Collective
-from stratagem.placement.hooks import adopt, base_of, step_hooks, unhooked_step
-from stratagem.placement.dtensor_state import full_value, local_state_bytes, shard_like
-from stratagem.placement.pipeline_mesh import MeshStages
-from stratagem.placement.local_update import LocalUpdate
+from stratagem.placement.scope.hooks import adopt, base_of, step_hooks, unhooked_step
+from stratagem.placement.layout.dtensor_state import full_value, local_state_bytes, shard_like
+from stratagem.placement.layout.pipeline_mesh import MeshStages
+from stratagem.placement.data_axis.local_update import LocalUpdate
 
 
 class StageOptimizers(LocalUpdate):
     """The optimizers created in a pipeline's scope: their steps' primitives (the update rule of
-    :mod:`stratagem.placement.step`), clipping parts and state dicts."""
+    :mod:`stratagem.placement.data_axis.step`), clipping parts and state dicts."""
 
     def __init__(self, placement: Any, *, pipe: Collective, data: Collective, everyone: Collective,
                  mesh: MeshStages | None):
@@ -71,7 +71,7 @@ class StageOptimizers(LocalUpdate):
             zero = self._zeros[optimizer] = DataAxisZero(optimizer, self.data, self.sharding)
         return zero
 
-    # the primitives of placement/step.py (LocalUpdate's others: nothing to spread)
+    # the primitives of placement/data_axis/step.py (LocalUpdate's others: nothing to spread)
 
     def check_closure(self, optimizer: torch.optim.Optimizer) -> None:
         if self.sharding in ("optimizer", "gradients"):   # (checked before the modules are placed)

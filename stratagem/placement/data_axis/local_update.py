@@ -1,14 +1,14 @@
 """LocalUpdate: the update rule of the placements that keep torch's own optimizers over this process's tensors.
 
-Under tensor parallelism (:mod:`.tensor_parallel`) and ZeRO-3 (:mod:`.fully_sharded`) each process
+Under tensor parallelism (:mod:`~stratagem.placement.layout.tensor_parallel`) and ZeRO-3 (:mod:`~stratagem.placement.layout.fully_sharded`) each process
 is one replica that holds its shards of the parameters (DTensors); the gradients were summed over
 the data axis when backward ended (the gradient sync, or FSDP2). A scoped optimizer then steps in
 the order of :mod:`.step` with this rule's primitives -- torch's update over the shards, nothing to
 spread -- and its ``zero_grad``, state dicts and ``add_param_group`` are torch's, the state read
-and written whole (:mod:`.dtensor_state`). The placement (a :class:`~.roots.RootsPlacement`) hands
+and written whole (:mod:`~stratagem.placement.layout.dtensor_state`). The placement (a :class:`~stratagem.placement.layout.roots.RootsPlacement`) hands
 every optimizer call to its rule, as the mirrored placement does to its own
 (:mod:`.update_rule`). A pipeline's stages have a rule of their own built on this one
-(:class:`~stratagem.placement.pipeline_optimizers.StageOptimizers`).
+(:class:`~stratagem.placement.data_axis.pipeline_optimizers.StageOptimizers`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from stratagem.placement.dtensor_state import full_optimizer_state, load_full_optimizer_state, local_state_bytes
-from stratagem.placement.hooks import base_of, unhooked_step
-from stratagem.placement.update_rule import params_of
+from stratagem.placement.layout.dtensor_state import full_optimizer_state, load_full_optimizer_state, local_state_bytes
+from stratagem.placement.scope.hooks import base_of, unhooked_step
+from stratagem.placement.data_axis.update_rule import params_of
 
 
 class LocalUpdate:
@@ -29,9 +29,9 @@ class LocalUpdate:
     Example::
 
         import torch
-        from stratagem.placement.hooks import adopt
-        from stratagem.placement.step import synchronous_step
-        from stratagem.placement.local_update import LocalUpdate
+        from stratagem.placement.scope.hooks import adopt
+        from stratagem.placement.data_axis.step import synchronous_step
+        from stratagem.placement.data_axis.local_update import LocalUpdate
 
         class OneProcess:   # what the step reads of a placement
             kind, num_replicas, buffers, gradients = "Local", 1, None, None

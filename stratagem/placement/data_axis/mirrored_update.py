@@ -24,9 +24,9 @@ import torch
 
 from stratagem._record import ATTRIBUTE, attach, record
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.hooks import base_of, unhooked_step
-from stratagem.placement.sharded_update import ShardedUpdate
-from stratagem.placement.update_rule import UpdateRule
+from stratagem.placement.scope.hooks import base_of, unhooked_step
+from stratagem.placement.data_axis.sharded_update import ShardedUpdate
+from stratagem.placement.data_axis.update_rule import UpdateRule
 
 
 class MirroredUpdate(UpdateRule):

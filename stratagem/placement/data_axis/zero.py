@@ -16,9 +16,9 @@ Stages (``MultiWorkerMirroredStrategy(sharding=...)``):
   summed gradient of its own range, and the local gradients are freed pack by pack.
   ``param.grad`` is None after backward; ``clip_grad_norm_`` over the parameters finishes the
   packs early, measures every worker's range and scales this worker's, which the step then
-  applies (:mod:`stratagem.placement.clipping`).
+  applies (:mod:`stratagem.placement.scope.clipping`).
 
-Stage 3 (``"parameters"``) is :mod:`stratagem.placement.fully_sharded`. Stages 1 and 2 are this
+Stage 3 (``"parameters"``) is :mod:`stratagem.placement.layout.fully_sharded`. Stages 1 and 2 are this
 update rule of the mirrored placement (:mod:`.update_rule`): the modules are mirrored (one
 replica per worker), the step runs in the order of :mod:`.step`, only the update differs.
 
@@ -41,10 +41,10 @@ from stratagem._record import record
 from stratagem.comm import worker_ops
 from stratagem.comm.scattered_gradients import ScatteredGradients
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement import clipping
-from stratagem.placement.hooks import base_of, placement_of, step_hooks
-from stratagem.placement.sharded_update import ELEMENTWISE, ShardedUpdate
-from stratagem.placement.update_rule import UpdateRule, params_of
+from stratagem.placement.scope import clipping
+from stratagem.placement.scope.hooks import base_of, placement_of, step_hooks
+from stratagem.placement.data_axis.sharded_update import ELEMENTWISE, ShardedUpdate
+from stratagem.placement.data_axis.update_rule import UpdateRule, params_of
 
 #: ``sharding=`` values, and the ones that exist only as names so far
 STAGES = ("optimizer", "gradients", "parameters")
@@ -71,7 +71,7 @@ class ZeroUpdate(UpdateRule):
     Example::
 
         import stratagem as sg
-        from stratagem.placement.zero import ZeroUpdate
+        from stratagem.placement.data_axis.zero import ZeroUpdate
         strategy = sg.MultiWorkerMirroredStrategy(sharding="optimizer")   # no cluster: one worker
         assert isinstance(strategy.placement.update, ZeroUpdate)
         assert strategy.placement.update.stage == "optimizer"
@@ -141,7 +141,7 @@ class ZeroUpdate(UpdateRule):
 
     # ---------------------------------------------------------------- step
 
-    # the primitives of placement/step.py
+    # the primitives of placement/data_axis/step.py
 
     def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any:
         """Stage 1: the whole sums, in ``.grad`` since backward ended. Stage 2: this worker's range

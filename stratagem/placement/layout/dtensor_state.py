@@ -1,7 +1,7 @@
 """The state of modules and optimizers whose parameters are DTensors: whole outside, shards inside.
 
 The mesh placements -- tensor parallel (:mod:`.tensor_parallel`), ZeRO-3 (:mod:`.fully_sharded`),
-a pipeline's stages on a 3-D mesh (:mod:`.pipeline_mesh`, :mod:`.data_axis_zero`) -- hand a model
+a pipeline's stages on a 3-D mesh (:mod:`.pipeline_mesh`, :mod:`~stratagem.placement.data_axis.data_axis_zero`) -- hand a model
 to torch's ``parallelize_module`` or ``fully_shard``, which replace its parameters by DTensors:
 each process holds its shards. What a user saves and loads stays one logical copy, as in plain
 PyTorch, whatever the layout; these helpers, shared by those placements, make it so and find
@@ -10,7 +10,7 @@ the memory each process holds.
 Example::
 
     import torch
-    from stratagem.placement.dtensor_state import full_value, local_tensor, replacements, parameters_before
+    from stratagem.placement.layout.dtensor_state import full_value, local_tensor, replacements, parameters_before
     plain = torch.ones(2)
     assert full_value(plain) is plain and torch.equal(local_tensor(plain), plain)
     model = torch.nn.Linear(2, 2)

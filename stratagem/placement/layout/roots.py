@@ -9,7 +9,7 @@ that all built the same modules and took the chief's initial values (so that eve
 process, and every data-parallel group, starts alike).
 
 :class:`DataAxis` is a mesh's data axis as the collective of the gradient sync
-(:mod:`stratagem.placement.gradient_sync`), which those placements use to sum gradients over
+(:mod:`stratagem.placement.data_axis.gradient_sync`), which those placements use to sum gradients over
 it when backward ends.
 """
 
@@ -21,28 +21,28 @@ import torch
 from torch import nn
 
 from stratagem.comm.collective import Collective
-from stratagem.placement import sync_batch_norm
-from stratagem.placement.base import Placement
-from stratagem.placement.gradient_sync import GradientSync
-from stratagem.placement.step import synchronous_step
+from stratagem.placement.scope import sync_batch_norm
+from stratagem.placement.scope.base import Placement
+from stratagem.placement.data_axis.gradient_sync import GradientSync
+from stratagem.placement.data_axis.step import synchronous_step
 
 
 class RootsPlacement(Placement):
     """Collects modules created in scope; ``new_roots`` hands out the complete models. An optimizer
-    steps in the order of :mod:`.step` with the subclass's update rule (``update``), which answers
+    steps in the order of :mod:`~stratagem.placement.data_axis.step` with the subclass's update rule (``update``), which answers
     its other methods too."""
 
     #: set by the subclass: where modules go, and every process (the start-up agreement)
     device: torch.device
     everyone: Collective
-    #: (``update``, set by the subclass: :class:`~.local_update.LocalUpdate`, or a pipeline's stage
+    #: (``update``, set by the subclass: :class:`~stratagem.placement.data_axis.local_update.LocalUpdate`, or a pipeline's stage
     #: optimizers); one replica per process; no buffers to average at each step, no gradient sync
     #: (the sum over the data axis), unless the subclass says
     num_replicas = 1
     buffers: Any = None
     gradients: Any = None
 
-    #: one logical step, in the order of placement/step.py with ``update``'s primitives
+    #: one logical step, in the order of placement/data_axis/step.py with ``update``'s primitives
     optimizer_step = synchronous_step
 
     def own_replica_context(self) -> None:
@@ -103,7 +103,7 @@ class RootsPlacement(Placement):
 
 class DataAxis:
     """A mesh's data axis as the collective of a
-    :class:`~stratagem.placement.gradient_sync.GradientSync`: one replica per process, whose
+    :class:`~stratagem.placement.data_axis.gradient_sync.GradientSync`: one replica per process, whose
     gradients (a DTensor gradient's local shard) are summed over the axis in packs that leave
     while backward still runs (:mod:`stratagem.comm.gradients`, as across the workers of
     ``MultiWorkerMirroredStrategy``), finished when it ends. So under tensor and pipeline
@@ -113,7 +113,7 @@ class DataAxis:
     Example::
 
         import torch
-        from stratagem.placement.roots import DataAxis
+        from stratagem.placement.layout.roots import DataAxis
 
         class Alone:   # a data axis of one process: nothing to sum
             num_workers = 1

@@ -6,7 +6,7 @@ plain scaler trip over each other (the second replica's ``unscale_`` finds the o
 already unscaled), and on every thread it would unscale the user's optimizer's parameters,
 which are replica 0's. So a scaler created in a synchronous strategy's scope
 (``torch.amp.GradScaler``, or the ``torch.cpu.amp`` / ``torch.cuda.amp`` subclasses) gets its
-class replaced, as a scoped optimizer does (:mod:`stratagem.placement.hooks` wraps
+class replaced, as a scoped optimizer does (:mod:`stratagem.placement.scope.hooks` wraps
 ``GradScaler.__init__`` while a scope is open), by a subclass named after the placement
 (``MirroredGradScaler``) that keeps per local replica:
 

@@ -72,7 +72,7 @@ def register(placement: Any) -> None:
     clipping through it while it lives.
 
     It answers ``splits_gradients(params) -> list[bool]`` and ``gradient_parts(params)``
-    (:class:`~stratagem.placement.base.Placement`).
+    (:class:`~stratagem.placement.scope.base.Placement`).
     """
     key = id(placement)
     with _lock:
@@ -274,7 +274,7 @@ def shard_parts(params: list[torch.Tensor], group: Any) -> GradientParts:
 
 def range_parts(shard: torch.Tensor, exists: list, sizes: list[int], offsets: list[int], lo: int, hi: int,
                 chosen: list[bool]) -> list[tuple[int, torch.Tensor]]:
-    """ZeRO-2's parts (over workers, :mod:`.zero`, or a pipeline's data axis, :mod:`.data_axis_zero`):
+    """ZeRO-2's parts (over workers, :mod:`~stratagem.placement.data_axis.zero`, or a pipeline's data axis, :mod:`~stratagem.placement.data_axis.data_axis_zero`):
     tensors of ``sizes`` laid end to end at ``offsets``, of whose sum this process holds ``shard``,
     the range ``[lo, hi)``; for each tensor ``chosen`` that has a gradient somewhere (``exists``) and
     meets the range, (its position, its piece of ``shard``)."""

@@ -6,7 +6,7 @@ and mirrors only the computation. Here the mirrored placement is given this upda
 - **Modules.** A module created in scope keeps its parameters and buffers (the *primaries*)
   on the parameter device (:meth:`CentralUpdate.storage`). Each compute replica computes with
   a tensor of its own, held by the module's
-  :class:`~stratagem.placement.mirrored_dict.MirroredDict` as the mirrored placement does: a
+  :class:`~stratagem.placement.layout.mirrored_dict.MirroredDict` as the mirrored placement does: a
   replica whose device shares the parameter device's memory (logical CPU devices with the
   parameters on the CPU) computes with a ``Parameter`` over the primary's memory -- replica 0
   with the primary itself -- and any other replica (a GPU) with a copy on its device. Every
@@ -15,7 +15,7 @@ and mirrors only the computation. Here the mirrored placement is given this upda
   replica and read, outside ``run``, as their mean over replicas.
 - **Optimizers.** An optimizer created in scope is the user's object over the primaries;
   its state lives once, beside them. One logical step, ``optimizer.step()`` on every
-  replica's thread inside ``run``, in the order of :mod:`~stratagem.placement.step`:
+  replica's thread inside ``run``, in the order of :mod:`~stratagem.placement.data_axis.step`:
 
   1. the gradients were summed over the replicas when backward ended (:mod:`.gradient_sync`:
      every replica's ``.grad`` holds the sum); where replica 0 computes with a copy (a GPU),
@@ -23,7 +23,7 @@ and mirrors only the computation. Here the mirrored placement is given this upda
   2. the user's step pre-hooks run once, on replica 0, seeing the summed gradients;
   3. the update is applied once to the primaries: split by ranges between the replica
      threads for element-wise optimizers on a CPU parameter device
-     (:mod:`~stratagem.placement.sharded_update`), else by replica 0's thread;
+     (:mod:`~stratagem.placement.data_axis.sharded_update`), else by replica 0's thread;
   4. every replica with a copy of its own copies the new values into it (its own thread);
   5. the post-hooks run once, on replica 0 (parameters they change reach the copies).
 
@@ -42,9 +42,9 @@ import torch
 from stratagem._record import record
 from stratagem.devices import Device
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.hooks import base_of, unhooked_step
-from stratagem.placement.sharded_update import ShardedUpdate
-from stratagem.placement.update_rule import Storage, UpdateRule, params_of
+from stratagem.placement.scope.hooks import base_of, unhooked_step
+from stratagem.placement.data_axis.sharded_update import ShardedUpdate
+from stratagem.placement.data_axis.update_rule import Storage, UpdateRule, params_of
 
 
 class CentralUpdate(UpdateRule):
@@ -54,7 +54,7 @@ class CentralUpdate(UpdateRule):
     Example::
 
         import torch, stratagem as sg
-        from stratagem.placement.central import CentralUpdate
+        from stratagem.placement.data_axis.central import CentralUpdate
         strategy = sg.CentralStorageStrategy(["cpu:0", "cpu:1"])
         assert isinstance(strategy.placement.update, CentralUpdate)
         assert strategy.placement.update.parameter_device == torch.device("cpu")
@@ -121,7 +121,7 @@ class CentralUpdate(UpdateRule):
                     record(optimizer).sharded = sharded
         return sharded
 
-    # the primitives of placement/step.py
+    # the primitives of placement/data_axis/step.py
 
     def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any:
         """Where replica 0 computes with a copy (a GPU), its sums reach the primaries' ``.grad``."""

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from stratagem.comm.collective import range_bounds
-from stratagem.placement.hooks import base_of, internal_optimizers, unhooked_step
+from stratagem.placement.scope.hooks import base_of, internal_optimizers, unhooked_step
 
 #: Optimizers whose update of an element depends only on that element's history.
 ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (

@@ -31,9 +31,9 @@ from torch.distributed.pipelining import PipelineStage, schedules
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement import recompute
-from stratagem.placement.pipeline import SplitModel
-from stratagem.placement.pipeline_plan import SCHEDULES
+from stratagem.placement.layout import recompute
+from stratagem.placement.layout.pipeline import SplitModel
+from stratagem.placement.layout.pipeline_plan import SCHEDULES
 
 #: micro-batch shapes kept per model (each holds torch's stages and receive buffers)
 MAX_SHAPES = 8

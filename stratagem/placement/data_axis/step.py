@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from stratagem._profiling import label
-from stratagem.placement.hooks import run_hooks, step_hooks
+from stratagem.placement.scope.hooks import run_hooks, step_hooks
 
 
 class UpdatePrimitives(Protocol):

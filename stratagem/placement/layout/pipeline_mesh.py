@@ -1,7 +1,7 @@
 """Tensor parallelism and ZeRO-3 inside the stages of a pipeline: the model and data axes of a 3-D mesh.
 
 A ``PipelineStrategy`` whose mesh is ``{"data": d, "pipe": p, "model": t}`` cuts its model into
-stages over ``pipe`` (:mod:`stratagem.placement.pipeline`); :class:`MeshStages` then places each
+stages over ``pipe`` (:mod:`stratagem.placement.layout.pipeline`); :class:`MeshStages` then places each
 of this process's stages on the other two axes, as torchtitan composes PyTorch's engines on one
 ``DeviceMesh``:
 
@@ -35,10 +35,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement import clipping
-from stratagem.placement.fully_sharded import units
-from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
-from stratagem.placement.tensor_parallel import check_entry, torch_style
+from stratagem.placement.scope import clipping
+from stratagem.placement.layout.fully_sharded import units
+from stratagem.placement.layout.dtensor_state import hook_state_dicts, parameters_before, replacements
+from stratagem.placement.layout.tensor_parallel import check_entry, torch_style
 
 
 class MeshStages:

@@ -3,30 +3,30 @@
 Modules created in scope wait until ``finalize()``. Then every process checks that all
 built the same modules and takes the chief's initial values (so that every process,
 and every data-parallel group, starts alike), and each root ``nn.Sequential`` is cut
-into stages (:class:`~stratagem.placement.pipeline_plan.StageLayout`: at the split points, or evenly). A stage lives on
+into stages (:class:`~stratagem.placement.layout.pipeline_plan.StageLayout`: at the split points, or evenly). A stage lives on
 one process of the pipe axis: stage ``s`` on ``s % p`` ("loop" placement, also for the
 interleaved schedules) or, for the V schedules, stages ``r`` and ``2p - 1 - r`` on
 process ``r``. The children of the stages another process holds move to the ``meta``
 device: this process keeps only its own stages' parameters and buffers. Any other model
-is cut by torch's tracer at its first step (:mod:`stratagem.placement.pipeline_trace`),
+is cut by torch's tracer at its first step (:mod:`stratagem.placement.layout.pipeline_trace`),
 and its tensors of the stages held elsewhere become ``meta`` then (:meth:`keep_only`).
 
 On a 3-D mesh (a ``model`` axis, or ``sharding=`` over the data axis), each process's stages
 are then split by the tensor-parallel plan and sharded over data
-(:class:`~stratagem.placement.pipeline_mesh.MeshStages`): an ``nn.Sequential`` only.
+(:class:`~stratagem.placement.layout.pipeline_mesh.MeshStages`): an ``nn.Sequential`` only.
 
 Gradients: when ``forward_backward`` returns, each process's ``.grad`` holds the global batch's
 gradient of its stages' parameters (shards), as ``backward()`` does under the data-parallel
 strategies. The schedule's micro-batches accumulate this process's own part; when the schedule
 ends, :meth:`PipelinePlacement.summing_gradients` sums it over the data axis, once per
-``forward_backward`` (:class:`~stratagem.placement.gradient_sync.GradientSync`, which keeps the
+``forward_backward`` (:class:`~stratagem.placement.data_axis.gradient_sync.GradientSync`, which keeps the
 accumulation over several calls exact; ``strategy.no_sync()`` or DDP's
 ``require_backward_grad_sync = False`` skip the sum, the next call outside sums everything).
 Under ``sharding="gradients"`` the gradients are reduce-scattered into each data rank's range
 instead and ``.grad`` is None; under ``"parameters"`` FSDP2 sums them during the backward.
 
 Optimizers created in scope update only this process's parameters
-(:mod:`stratagem.placement.pipeline_optimizers`): their parameter groups still list every
+(:mod:`stratagem.placement.data_axis.pipeline_optimizers`): their parameter groups still list every
 parameter of the model, those of other stages as meta placeholders; ``clip_grad_norm_`` clips
 by the norm of the whole model's gradients.
 
@@ -51,15 +51,15 @@ from torch import nn
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement import clipping
-from stratagem.placement.gradient_sync import GradientSync
-from stratagem.placement.roots import DataAxis, RootsPlacement
-from stratagem.placement.hooks import placement_of
-from stratagem.placement.pipeline_balance import balance_layout
-from stratagem.placement.pipeline_mesh import MeshStages
-from stratagem.placement.pipeline_optimizers import StageOptimizers
-from stratagem.placement.pipeline_plan import StageLayout, plan_stages
-from stratagem.placement.pipeline_trace import TracedStages
+from stratagem.placement.scope import clipping
+from stratagem.placement.data_axis.gradient_sync import GradientSync
+from stratagem.placement.layout.roots import DataAxis, RootsPlacement
+from stratagem.placement.scope.hooks import placement_of
+from stratagem.placement.layout.pipeline_balance import balance_layout
+from stratagem.placement.layout.pipeline_mesh import MeshStages
+from stratagem.placement.data_axis.pipeline_optimizers import StageOptimizers
+from stratagem.placement.layout.pipeline_plan import StageLayout, plan_stages
+from stratagem.placement.layout.pipeline_trace import TracedStages
 
 @dataclasses.dataclass
 class SplitModel:
@@ -282,7 +282,7 @@ class PipelinePlacement(RootsPlacement):
             self._unsynced -= 1
 
     # ----------------------------------------------------------- optimizers
-    # (stratagem.placement.pipeline_optimizers, the update rule; the step's order is RootsPlacement's;
+    # (stratagem.placement.data_axis.pipeline_optimizers, the update rule; the step's order is RootsPlacement's;
     # the modules are placed before each call needs them)
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:

@@ -4,19 +4,19 @@ Modules: a module that registers a tensor in scope joins the pending list; when 
 is finished (at the latest when an optimizer is created, ``run`` starts, or the
 outermost scope is left) its tensors move to the first replica's device and, with
 several local replicas, one copy per replica is made and the module keeps its
-tensors in a :class:`~stratagem.placement.mirrored_dict.MirroredDict`. Across
+tensors in a :class:`~stratagem.placement.layout.mirrored_dict.MirroredDict`. Across
 workers, the collective then checks that every worker built the same tensors and
 gives everyone the chief's initial values.
 
-Optimizers: an optimizer created in scope steps in the order of :mod:`.step`, with
-gradients summed when backward ends (:mod:`.gradient_sync`). How its update is applied and
-its state kept is the placement's *update rule* (:mod:`.update_rule`): by default
-:class:`~stratagem.placement.mirrored_update.MirroredUpdate` (a twin optimizer per local
+Optimizers: an optimizer created in scope steps in the order of :mod:`~stratagem.placement.data_axis.step`, with
+gradients summed when backward ends (:mod:`~stratagem.placement.data_axis.gradient_sync`). How its update is applied and
+its state kept is the placement's *update rule* (:mod:`~stratagem.placement.data_axis.update_rule`): by default
+:class:`~stratagem.placement.data_axis.mirrored_update.MirroredUpdate` (a twin optimizer per local
 replica over its own copies, the same update applied to every copy); central storage's
-:class:`~stratagem.placement.central.CentralUpdate` (the primaries and the optimizer state
-once, on the parameter device); ZeRO's :class:`~stratagem.placement.zero.ZeroUpdate` (the
+:class:`~stratagem.placement.data_axis.central.CentralUpdate` (the primaries and the optimizer state
+once, on the parameter device); ZeRO's :class:`~stratagem.placement.data_axis.zero.ZeroUpdate` (the
 update and its state split over the workers). The rule also says where the primaries live
-(:meth:`~stratagem.placement.update_rule.UpdateRule.storage`).
+(:meth:`~stratagem.placement.data_axis.update_rule.UpdateRule.storage`).
 
 On logical CPU devices (``"cpu:0"``, ``"cpu:1"``: one memory), the replicas' parameters
 share the primary's memory instead of copying it: every replica keeps its own
@@ -38,28 +38,28 @@ from torch import nn
 from stratagem import _context
 from stratagem.comm.collective import Collective
 from stratagem.devices import Topology
-from stratagem.placement import sync_batch_norm
+from stratagem.placement.scope import sync_batch_norm
 from stratagem.errors import ContextError, InvalidArgumentError
-from stratagem.placement.base import Placement
-from stratagem.placement.buffers import BufferSync
-from stratagem.placement.gradient_sync import GradientSync
-from stratagem.placement.hooks import adopt
-from stratagem.placement.mirrored_dict import MirroredDict
-from stratagem.placement.mirrored_update import MirroredUpdate
-from stratagem.placement.step import synchronous_step
-from stratagem.placement.unscoped import refuse_optimizer_over, unscoped_check
-from stratagem.placement.update_rule import UpdateRule
+from stratagem.placement.scope.base import Placement
+from stratagem.placement.data_axis.buffers import BufferSync
+from stratagem.placement.data_axis.gradient_sync import GradientSync
+from stratagem.placement.scope.hooks import adopt
+from stratagem.placement.layout.mirrored_dict import MirroredDict
+from stratagem.placement.data_axis.mirrored_update import MirroredUpdate
+from stratagem.placement.data_axis.step import synchronous_step
+from stratagem.placement.scope.unscoped import refuse_optimizer_over, unscoped_check
+from stratagem.placement.data_axis.update_rule import UpdateRule
 
 
 class MirroredPlacement(Placement):
     """Variables mirrored on the local replicas' devices (one device: just placed there); an
     optimizer's update applied by ``update``, the placement's update rule (default: one twin
-    optimizer per replica, :class:`~stratagem.placement.mirrored_update.MirroredUpdate`).
+    optimizer per replica, :class:`~stratagem.placement.data_axis.mirrored_update.MirroredUpdate`).
 
     Example::
 
         import torch, stratagem as sg
-        from stratagem.placement.mirrored_update import MirroredUpdate
+        from stratagem.placement.data_axis.mirrored_update import MirroredUpdate
         strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
         assert isinstance(strategy.placement.update, MirroredUpdate)
         with strategy.scope():
@@ -76,7 +76,7 @@ class MirroredPlacement(Placement):
         self.devices = topology.torch_devices
         self.num_replicas = topology.num_local_replicas
         self.collective = collective
-        #: how an optimizer's update is applied and its state kept (:mod:`.update_rule`)
+        #: how an optimizer's update is applied and its state kept (:mod:`~stratagem.placement.data_axis.update_rule`)
         self.update = MirroredUpdate() if update is None else update
         self.kind = self.update.kind
         #: where the primaries (the tensors the module's dicts hold) live; replicas below
@@ -295,7 +295,7 @@ class MirroredPlacement(Placement):
         ctx = frame.replica_context if frame is not None else None
         return ctx if ctx is not None and ctx.strategy is self.strategy else None
 
-    #: one logical step, in the order of placement/step.py with the rule's primitives (a function
+    #: one logical step, in the order of placement/data_axis/step.py with the rule's primitives (a function
     #: of this placement: no extra frame)
     optimizer_step = synchronous_step
 

@@ -42,7 +42,7 @@ from torch import nn
 from stratagem import _context
 from stratagem.comm import agreement
 from stratagem.errors import ContextError, InvalidArgumentError
-from stratagem.placement.hooks import module_placement
+from stratagem.placement.scope.hooks import module_placement
 from stratagem.values import ReduceOp
 
 #: what the collectives of this module say in a mismatch across workers

@@ -4,8 +4,8 @@
 and returns a :class:`StageLayout`, the same on every process: an ``nn.Sequential`` is cut
 between its children (at the split points, or evenly); any other model at the modules its
 split points name, which torch's tracer cuts at the first step
-(:mod:`stratagem.placement.pipeline_trace`). With ``split_points="auto"`` the layout is even
-until the first step measures the blocks (:mod:`stratagem.placement.pipeline_balance`); the
+(:mod:`stratagem.placement.layout.pipeline_trace`). With ``split_points="auto"`` the layout is even
+until the first step measures the blocks (:mod:`stratagem.placement.layout.pipeline_balance`); the
 checks that depend on the stage count alone are made at once.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 from torch import nn
 
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.pipeline_trace import even_edges, traced_split_points
-from stratagem.placement.recompute import Recompute, expand_names
+from stratagem.placement.layout.pipeline_trace import even_edges, traced_split_points
+from stratagem.placement.layout.recompute import Recompute, expand_names
 
 #: schedule name -> (torch class name, stage placement: "loop" or "v", stages per process or None: any)
 SCHEDULES = {

@@ -1,7 +1,7 @@
 """The Placement: where variables live, and what a scope does to modules and optimizers.
 
 A strategy has one Placement. While its scope is open on a thread, the module
-registration hooks of :mod:`stratagem.placement.hooks` report every module that
+registration hooks of :mod:`stratagem.placement.scope.hooks` report every module that
 registers a parameter or buffer there (``on_module_registered``), and every optimizer
 created there (``on_optimizer_created``). The placement then owns them:
 
@@ -16,11 +16,11 @@ created there (``on_optimizer_created``). The placement then owns them:
   ``zero_grad``, state dicts, ``add_param_group`` and pickling call the
   ``optimizer_*`` methods below.
 - ``grad_scaler_refusal()``: whether a ``torch.amp.GradScaler`` created in scope can be made
-  replica-aware (:mod:`stratagem.placement.grad_scaler`).
+  replica-aware (:mod:`stratagem.placement.scope.grad_scaler`).
 
-Implementations: :class:`~stratagem.placement.mirrored.MirroredPlacement` (a copy per
+Implementations: :class:`~stratagem.placement.layout.mirrored.MirroredPlacement` (a copy per
 local replica; also one device; how an optimizer's update is applied is its update rule's,
-:mod:`stratagem.placement.update_rule`: mirrored, central storage, ZeRO), the placements
+:mod:`stratagem.placement.data_axis.update_rule`: mirrored, central storage, ZeRO), the placements
 that take whole models (tensor parallel, pipeline), ZeRO-3's fully sharded placement, and
 the parameter-server placement (variables on the ps tasks).
 """
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.placement.hooks import base_of
+from stratagem.placement.scope.hooks import base_of
 
 
 class Placement(abc.ABC):
@@ -50,7 +50,7 @@ class Placement(abc.ABC):
     update: Any = None
     #: Whether a ``torch.nn.SyncBatchNorm`` created in scope combines its training-mode batch statistics
     #: over every replica and worker through the placement's ``collective``
-    #: (:mod:`stratagem.placement.sync_batch_norm`); where False, its first training-mode forward is refused.
+    #: (:mod:`stratagem.placement.scope.sync_batch_norm`); where False, its first training-mode forward is refused.
     synchronizes_batch_norm = False
 
     # -------------------------------------------------------------- modules
@@ -92,7 +92,7 @@ class Placement(abc.ABC):
     def unheld(self, module: nn.Module) -> list[str]:
         """The names of ``module``'s own parameters that this placement neither placed nor is
         about to place (created outside the scope, or assigned after it): used by the unscoped
-        checks of :mod:`stratagem.placement.unscoped`. Default: it does not say (none)."""
+        checks of :mod:`stratagem.placement.scope.unscoped`. Default: it does not say (none)."""
         return []
 
     def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> tuple[Any, dict[str, dict]] | None:
@@ -125,12 +125,12 @@ class Placement(abc.ABC):
     def splits_gradients(self, params: list[torch.Tensor]) -> list[bool]:
         """For each of ``params``: whether no process's ``.grad`` holds its whole gradient between
         backward and step, by this placement's design (clipping then asks :meth:`gradient_parts`;
-        :mod:`stratagem.placement.clipping`). Default: never."""
+        :mod:`stratagem.placement.scope.clipping`). Default: never."""
         return [False] * len(params)
 
     def gradient_parts(self, params: list[torch.Tensor]) -> Any:
         """This process's parts of the whole gradients of ``params`` (all split by this placement), as a
-        :class:`~stratagem.placement.clipping.GradientParts`: a collective, every process calls it."""
+        :class:`~stratagem.placement.scope.clipping.GradientParts`: a collective, every process calls it."""
         raise NotImplementedError(f"{type(self).__name__} keeps whole gradients")
 
     # ----------------------------------------------------------- optimizers
@@ -144,7 +144,7 @@ class Placement(abc.ABC):
         """One logical step: user's step hooks fire once, the update reaches every copy."""
 
     # by default the synchronous placements' update rule answers them (``self.update``: its data
-    # axis's half; :mod:`.update_rule`, :mod:`.local_update`); the parameter-server placement its own way
+    # axis's half; :mod:`~stratagem.placement.data_axis.update_rule`, :mod:`~stratagem.placement.data_axis.local_update`); the parameter-server placement its own way
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         self.update.zero_grad(optimizer, set_to_none)
@@ -168,7 +168,7 @@ class Placement(abc.ABC):
     def grad_scaler_refusal(self) -> str | None:
         """Why a ``torch.amp.GradScaler`` created in this scope cannot work here, or None when it
         can: when each replica's copy of every parameter has a gradient that ``unscale_`` and its
-        inf check can read after backward (then :mod:`stratagem.placement.grad_scaler` makes one
+        inf check can read after backward (then :mod:`stratagem.placement.scope.grad_scaler` makes one
         decision for all replicas). Refused by default."""
         return ("its replicas do not each hold a gradient for every parameter after backward "
                 "(the model, its gradients or its steps are split between processes)")

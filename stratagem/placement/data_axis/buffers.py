@@ -3,7 +3,7 @@
 Buffers such as BatchNorm's running statistics are written by forwards, each replica with its
 own slice of the batch, and no gradient carries them. Within one process the mirrored
 placement averages its replicas' copies when they are read outside ``run``
-(:mod:`.mirrored_dict`: TensorFlow's ``SyncOnRead`` with ``MEAN``). Across workers,
+(:mod:`~stratagem.placement.layout.mirrored_dict`: TensorFlow's ``SyncOnRead`` with ``MEAN``). Across workers,
 :class:`BufferSync` does the same at points that every worker reaches together -- never at a
 read that only the chief might make (``state_dict()`` on the chief alone would wait for the
 others forever):

@@ -4,7 +4,7 @@ Keras code reads and sets the rate on the optimizer (``model.optimizer.learning_
 ``optimizer.learning_rate.numpy()``, ``optimizer.learning_rate = 1e-4``); a torch optimizer
 keeps it per parameter group (``param_groups[i]["lr"]``). :data:`RATE_ATTRIBUTES` are the
 attributes that bridge the two, given to every optimizer class a strategy's scope makes
-(``MirroredAdam``, :func:`stratagem.placement.hooks.distributed_class`) and, through
+(``MirroredAdam``, :func:`stratagem.placement.scope.hooks.distributed_class`) and, through
 :func:`with_learning_rate`, to the optimizer an ``sg.Model`` is compiled with.
 
 - Reading gives the rate shared by every parameter group, as a :class:`LearningRate` (a

@@ -15,13 +15,13 @@ wrong plan raises the same InvalidArgumentError on every process.
 
 Gradients: when ``backward()`` returns, each process's ``.grad`` holds the global batch's
 gradient of the parameters (DTensor shards) it holds, as under the data-parallel strategies:
-the gradient sync of :mod:`stratagem.placement.gradient_sync` sums each gradient's local shard
+the gradient sync of :mod:`stratagem.placement.data_axis.gradient_sync` sums each gradient's local shard
 over the data axis (:class:`~.roots.DataAxis`: in packs that leave while backward runs);
 ``strategy.no_sync()`` and DDP's ``require_backward_grad_sync`` skip that sum as there.
 Optimizers created in scope keep torch's own update over the DTensor parameters, in the step's
-order (:mod:`stratagem.placement.step`, with :class:`~.local_update.LocalUpdate`).
+order (:mod:`stratagem.placement.data_axis.step`, with :class:`~stratagem.placement.data_axis.local_update.LocalUpdate`).
 ``clip_grad_norm_`` over the model's parameters clips by the norm of the whole gradients, the
-shards measured on every process of the model axis (:mod:`stratagem.placement.clipping`).
+shards measured on every process of the model axis (:mod:`stratagem.placement.scope.clipping`).
 
 State: a placed module's ``state_dict()`` holds full tensors (``DTensor.full_tensor``,
 a collective over the model axis: every process calls it), and ``load_state_dict``
@@ -49,11 +49,11 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement import clipping
-from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
-from stratagem.placement.roots import DataAxis, RootsPlacement
-from stratagem.placement.hooks import adopt, placement_of
-from stratagem.placement.local_update import LocalUpdate
+from stratagem.placement.scope import clipping
+from stratagem.placement.layout.dtensor_state import hook_state_dicts, parameters_before, replacements
+from stratagem.placement.layout.roots import DataAxis, RootsPlacement
+from stratagem.placement.scope.hooks import adopt, placement_of
+from stratagem.placement.data_axis.local_update import LocalUpdate
 
 #: plan style names and the torch ParallelStyle each stands for
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}

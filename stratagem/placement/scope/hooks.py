@@ -16,22 +16,22 @@ installed in torch, and all are removed when the last such scope closes
   created outside every scope, and stratagem's own (:class:`internal_optimizers`), are
   never touched;
 - the same for ``torch.amp.GradScaler.__init__``: a scaler created in scope is handed to
-  :func:`stratagem.placement.grad_scaler.adopt` (one decision for every replica); and
+  :func:`stratagem.placement.scope.grad_scaler.adopt` (one decision for every replica); and
   ``scale`` / ``unscale_`` / ``step`` / ``update`` refuse, inside a multi-replica ``run``, a
-  scaler created outside every scope (:func:`~stratagem.placement.grad_scaler.refuse_unscoped`).
+  scaler created outside every scope (:func:`~stratagem.placement.scope.grad_scaler.refuse_unscoped`).
 
 An optimizer created in scope then has its class replaced by a subclass of its own
 class, named after the placement (``MirroredSGD``, ``ParameterServerAdam``;
 :func:`distributed_class`), so that ``isinstance`` checks and schedulers keep working while
 ``type(opt).__name__`` and ``repr(opt)`` say what stratagem changed (the class also has
-Keras's ``learning_rate``: :mod:`stratagem.placement.learning_rate`). Its record
+Keras's ``learning_rate``: :mod:`stratagem.placement.scope.learning_rate`). Its record
 (:mod:`stratagem._record`) holds the placement (:func:`placement_of`) and its own class
 (:func:`base_of`).
 
 Step hooks: torch runs an optimizer's step pre/post hooks inside its ``step``
 wrapper. A scoped optimizer's ``step`` is ours; it fires the user's hooks itself,
 once per logical step (:func:`step_hooks` lists them, :func:`run_hooks` runs them, in the
-order of :mod:`stratagem.placement.step`), and applies the update to every copy through
+order of :mod:`stratagem.placement.data_axis.step`), and applies the update to every copy through
 :func:`unhooked_step`, which skips torch's wrapper.
 """
 
@@ -49,8 +49,8 @@ from torch import nn
 
 from stratagem import _context
 from stratagem._record import attach, record, record_of
-from stratagem.placement import grad_scaler
-from stratagem.placement.learning_rate import rate_attributes
+from stratagem.placement.scope import grad_scaler
+from stratagem.placement.scope.learning_rate import rate_attributes
 
 _lock = threading.Lock()
 _internal = threading.local()   # set while stratagem builds optimizers of its own

@@ -1,6 +1,6 @@
 """Update rules: how a synchronous placement applies an optimizer's update and keeps its state.
 
-:class:`~stratagem.placement.mirrored.MirroredPlacement` mirrors modules on the local replicas,
+:class:`~stratagem.placement.layout.mirrored.MirroredPlacement` mirrors modules on the local replicas,
 keeps the gradient contract (:mod:`.gradient_sync`) and runs a step in the order of
 :mod:`.step`. What differs between mirrored, central storage and ZeRO training is one object
 given to it, the update rule:
@@ -9,15 +9,15 @@ given to it, the update rule:
   read once by the placement;
 - whether whole gradients are summed when backward ends (:attr:`UpdateRule.sums_gradients`);
 - the step's primitives: ``prepare_gradients``, ``update_call``, ``after_update``,
-  ``hooked_tensors``, ``copy_changed`` (:class:`~stratagem.placement.step.UpdatePrimitives`);
+  ``hooked_tensors``, ``copy_changed`` (:class:`~stratagem.placement.data_axis.step.UpdatePrimitives`);
 - the optimizer's ``zero_grad``, state dicts and ``add_param_group``; whether a
   ``GradScaler`` works; what a checkpoint must gather first; how clipping finds the gradients
   where no process holds them whole.
 
-Implementations: :class:`~stratagem.placement.mirrored_update.MirroredUpdate` (the default: a
+Implementations: :class:`~stratagem.placement.data_axis.mirrored_update.MirroredUpdate` (the default: a
 twin optimizer per replica, or one update split by ranges on shared memory),
-:class:`~stratagem.placement.central.CentralUpdate` (``CentralStorageStrategy``: one optimizer
-over the primaries on the parameter device), :class:`~stratagem.placement.zero.ZeroUpdate`
+:class:`~stratagem.placement.data_axis.central.CentralUpdate` (``CentralStorageStrategy``: one optimizer
+over the primaries on the parameter device), :class:`~stratagem.placement.data_axis.zero.ZeroUpdate`
 (``MultiWorkerMirroredStrategy(sharding="optimizer" | "gradients")``: the update and its state
 split over the workers).
 
@@ -34,7 +34,7 @@ import torch
 
 from stratagem._record import record
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.hooks import base_of
+from stratagem.placement.scope.hooks import base_of
 
 
 class Storage(NamedTuple):
@@ -120,7 +120,7 @@ class UpdateRule:
         """The range optimizers of ``optimizer`` (:class:`~.sharded_update.ShardedUpdate`), or None."""
         return None
 
-    # the primitives of placement/step.py
+    # the primitives of placement/data_axis/step.py
 
     def check_closure(self, optimizer: torch.optim.Optimizer) -> None:
         """``step(closure)``: refused (the replicas' gradients are summed when backward ends)."""

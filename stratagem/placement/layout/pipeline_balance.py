@@ -2,7 +2,7 @@
 
 The blocks are the children of an ``nn.Sequential``, or, for a model with its own ``forward``,
 the entries of its longest ``nn.ModuleList``: torch's tracer cuts the model before each of them
-(:func:`~stratagem.placement.pipeline_trace.trace`), so the first piece also holds what
+(:func:`~stratagem.placement.layout.pipeline_trace.trace`), so the first piece also holds what
 ``forward`` does before the list and the last what it does after, as the first and last stage
 will. Their cost (``balance_by``):
 
@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.pipeline_plan import StageLayout
-from stratagem.placement.pipeline_trace import even_edges, longest_list, stage_module, trace
+from stratagem.placement.layout.pipeline_plan import StageLayout
+from stratagem.placement.layout.pipeline_trace import even_edges, longest_list, stage_module, trace
 
 #: rounds of timing (each times every block once), after one warm-up round
 ROUNDS = 5

@@ -2,7 +2,7 @@
 
 ``MultiWorkerMirroredStrategy(sharding="parameters")``. Modules created in scope wait
 until ``finalize()``; then every root module with parameters (one that no other module
-created in scope holds: :class:`~stratagem.placement.roots.RootsPlacement`) moves to this
+created in scope holds: :class:`~stratagem.placement.layout.roots.RootsPlacement`) moves to this
 worker's device, gets the chief's initial values (every worker checks that it built the same
 tensors), and is handed to torch's FSDP2 ``fully_shard``:
 
@@ -19,10 +19,10 @@ tensors), and is handed to torch's FSDP2 ``fully_shard``:
 
 Optimizers created in scope are torch's own over the DTensor parameters: each worker's
 update touches only its shards, and its state holds only its shards. ``step`` runs in the
-order of :mod:`stratagem.placement.step` (:class:`~.local_update.LocalUpdate`: torch's update;
+order of :mod:`stratagem.placement.data_axis.step` (:class:`~stratagem.placement.data_axis.local_update.LocalUpdate`: torch's update;
 the gradients were summed during backward), then averages the buffers over the workers. ``clip_grad_norm_`` over the model's
 parameters measures every worker's shards and returns the global norm as a plain tensor
-(:mod:`stratagem.placement.clipping`; torch's own returns a DTensor, whose inf-norm is
+(:mod:`stratagem.placement.scope.clipping`; torch's own returns a DTensor, whose inf-norm is
 each worker's partial maximum).
 
 State: a placed module's ``state_dict()`` holds full tensors (``DTensor.full_tensor``, an
@@ -46,13 +46,13 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement import clipping
-from stratagem.placement.buffers import BufferSync
-from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
-from stratagem.placement.roots import RootsPlacement
-from stratagem.placement.unscoped import refuse_optimizer_over
-from stratagem.placement.hooks import adopt, placement_of
-from stratagem.placement.local_update import LocalUpdate
+from stratagem.placement.scope import clipping
+from stratagem.placement.data_axis.buffers import BufferSync
+from stratagem.placement.layout.dtensor_state import hook_state_dicts, parameters_before, replacements
+from stratagem.placement.layout.roots import RootsPlacement
+from stratagem.placement.scope.unscoped import refuse_optimizer_over
+from stratagem.placement.scope.hooks import adopt, placement_of
+from stratagem.placement.data_axis.local_update import LocalUpdate
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 

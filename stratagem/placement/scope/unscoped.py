@@ -41,8 +41,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from stratagem import _context
 from stratagem.errors import ContextError, InvalidArgumentError
-from stratagem.placement.hooks import own_placement, placement_of
-from stratagem.placement.mirrored_dict import MirroredDict
+from stratagem.placement.scope.hooks import own_placement, placement_of
+from stratagem.placement.layout.mirrored_dict import MirroredDict
 
 
 class UnscopedCheck:

@@ -9,7 +9,7 @@ hyperparameters at every step) and updates only that range; the ranges are then 
 over the data axis, so every process again holds its stages whole.
 
 - ``"optimizer"`` (ZeRO-1): the gradients are summed over the data axis when the schedule ends
-  (all-reduce, :mod:`~stratagem.placement.gradient_sync`), as without sharding; each range's
+  (all-reduce, :mod:`~stratagem.placement.data_axis.gradient_sync`), as without sharding; each range's
   update reads its slice of the sum.
 - ``"gradients"`` (ZeRO-2): the gradients are reduce-scattered instead when the schedule ends
   (:meth:`DataAxisZero.reduce`): each data rank receives the sum of its range only, added to the
@@ -23,8 +23,8 @@ The optimizer's state dict reads as one optimizer's over the whole model: the ra
 gathered over the data axis, a shard's state made whole over the model axis (both
 collectives); ``load`` keeps this process's range of a whole state.
 
-The ranges are those of ZeRO over workers (:mod:`stratagem.placement.zero`): a
-:class:`~stratagem.placement.sharded_update.ShardedUpdate`, its parameters and state gathered by
+The ranges are those of ZeRO over workers (:mod:`stratagem.placement.data_axis.zero`): a
+:class:`~stratagem.placement.data_axis.sharded_update.ShardedUpdate`, its parameters and state gathered by
 the same functions. What differs is what is cut (this process's local tensors, the stages held
 elsewhere left out) and when stage 2 sums: once when the schedule ends, where
 ``MultiWorkerMirroredStrategy``'s packs leave during backward.
@@ -40,11 +40,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement import clipping
-from stratagem.placement.dtensor_state import local_gradient, local_tensor
-from stratagem.placement.hooks import base_of
-from stratagem.placement.sharded_update import ShardedUpdate
-from stratagem.placement.zero import check_splittable, gather_ranges, gather_state
+from stratagem.placement.scope import clipping
+from stratagem.placement.layout.dtensor_state import local_gradient, local_tensor
+from stratagem.placement.scope.hooks import base_of
+from stratagem.placement.data_axis.sharded_update import ShardedUpdate
+from stratagem.placement.data_axis.zero import check_splittable, gather_ranges, gather_state
 
 # (torch 2.13 names it *_single and deprecates the old name)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -52,8 +52,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 class DataAxisZero:
     """One optimizer's own parameters, each data rank updating its range (see the module doc): the
-    ranges of :class:`~stratagem.placement.sharded_update.ShardedUpdate` over this process's local
-    tensors, gathered as :mod:`stratagem.placement.zero` gathers them over workers."""
+    ranges of :class:`~stratagem.placement.data_axis.sharded_update.ShardedUpdate` over this process's local
+    tensors, gathered as :mod:`stratagem.placement.data_axis.zero` gathers them over workers."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, data: Collective, stage: str):
         self.data, self.stage = data, stage
