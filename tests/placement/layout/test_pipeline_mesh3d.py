@@ -33,7 +33,7 @@ from . import mesh3d_script as script
 
 pytestmark = pytest.mark.timeout(400)
 SCRIPT = Path(script.__file__)
-EXAMPLE_3D = Path(__file__).resolve().parents[2] / "examples" / "pipeline_3d.py"
+EXAMPLE_3D = Path(__file__).resolve().parents[3] / "examples" / "pipeline_3d.py"
 
 
 def _launch(out: Path, workers: int, *args: str, max_restarts: int = 0) -> str:
@@ -241,7 +241,7 @@ def test_three_axes_example_runs_as_its_docstring_says() -> None:
 def test_three_axes_example_is_the_documented_one() -> None:
     # docs/pipeline.md shows the example's strategy and model: every line of that block is in the script (the
     # mesh's sizes there come from the command line)
-    document = (Path(__file__).resolve().parents[2] / "docs" / "pipeline.md").read_text()
+    document = (Path(__file__).resolve().parents[3] / "docs" / "pipeline.md").read_text()
     block = re.search(r"```text\n(def loss_fn.*?)```", document, re.S).group(1)
     script = {line.split("#")[0].strip() for line in EXAMPLE_3D.read_text().splitlines()}
     lines = [line.split("#")[0].strip() for line in block.splitlines()]

@@ -1,6 +1,6 @@
 """TensorParallelStrategy in one process (a 1 x 1 mesh): the plan's checks, state dicts, the step.
 
-The multi-process meshes are in tests/strategies/test_multi_worker_tensor_parallel.py.
+The multi-process meshes are in tests/placement/layout/test_multi_worker_tensor_parallel.py.
 """
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ def test_training_matches_plain_torch_and_state_dicts_are_full_tensors(tmp_path)
 
 def test_an_embedding_takes_its_token_ids_whole() -> None:
     # torch's RowwiseParallel() takes its input as this process's share of the last dimension; an Embedding's
-    # token ids are the same on every process of the model axis (tests/strategies/test_multi_worker_tensor_
-    # parallel.py trains one on two processes): the plan string gives it RowwiseParallel(input_layouts=Replicate())
+    # token ids are the same on every process of the model axis (test_multi_worker_tensor_parallel.py beside
+    # this file trains one on two processes): the plan string gives it RowwiseParallel(input_layouts=Replicate())
     embedding = nn.Embedding(8, 4)
     assert torch_style("rowwise", embedding).input_layouts == (Replicate(),)
     assert torch_style("rowwise", nn.Linear(4, 4)).input_layouts == (Shard(-1),)

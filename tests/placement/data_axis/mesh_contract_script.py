@@ -23,8 +23,8 @@ import torch
 
 import stratagem as sg
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: run as a script, or imported
-from tests.strategies import pp_script, tp_script  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))   # the repository: run as a script, or imported
+from tests.placement.layout import pp_script, tp_script  # noqa: E402
 
 #: per step, the batches' backward passes: "sync" sums, "local" runs under no_sync; "clip": clip_grad_norm_
 #: after the last (a norm below the gradients' so that it clips)

@@ -1,7 +1,8 @@
 """Gradient clipping by the global norm (stratagem/placement/scope/clipping.py) in one process: torch's calls
 routed while a placement that splits gradients exists, plain PyTorch's results on one-process meshes,
 and the refusals. The multi-process checks (ZeRO-2/3, tensor and pipeline parallelism against plain
-PyTorch, step by step) are in test_zero.py, test_fully_sharded.py and tests/strategies (tests/_support/clips.py)."""
+PyTorch, step by step) are in tests/placement/data_axis/test_zero.py and tests/placement/layout (fully sharded, tensor
+parallel, pipeline; tests/_support/clips.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import stratagem as sg
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,7 +126,7 @@ def test_torchs_functions_come_back_when_the_last_such_strategy_goes() -> None:
     # In a fresh interpreter: in the suite's process, objects other tests leave behind (a
     # ReplicaContext kept in a list somewhere) can keep a placement alive, which says nothing
     # about this property. The child prints OK, or what holds the placement.
-    code = ("import sys; from tests.placement import test_clipping as t; "
+    code = ("import sys; from tests.placement.scope import test_clipping as t; "
             "sys.exit(t.check_torchs_functions_come_back())")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr

@@ -1,4 +1,4 @@
-"""Runs tests/placement/pp_options_script.py on 2 processes through `stratagem launch`; plain PyTorch's history."""
+"""Runs tests/placement/layout/pp_options_script.py on 2 processes through `stratagem launch`; plain PyTorch's history."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """PipelineStrategy in one process: stage plans, padding of uneven batches, argument checks, a 1-process pipeline.
 
-The multi-process equivalence tests are in tests/strategies/test_multi_worker_pipeline.py.
+The multi-process equivalence tests are in tests/placement/layout/test_multi_worker_pipeline.py.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch
 from stratagem.testing import assert_succeeded, run_local_cluster
 
 from . import mesh_contract_script as script
-from . import pp_script, tp_script
+from ..layout import pp_script, tp_script
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: run as a script, or imported
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))   # the repository: run as a script, or imported
 
 import stratagem as sg  # noqa: E402
-from tests.strategies import nanogpt_loop  # noqa: E402
+from tests.placement.data_axis import nanogpt_loop  # noqa: E402
 
 #: name -> (local replicas, sharding, how micro-steps skip the exchange, recompute, bytes per pack,
 #: the step outside strategy.run as under DistributedDataParallel, with which loss helper)

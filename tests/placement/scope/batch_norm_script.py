@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: run as a script, or imported
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))   # the repository: run as a script, or imported
 
 import stratagem as sg  # noqa: E402
-from tests.placement import batch_norm_model  # noqa: E402
+from tests.placement.scope import batch_norm_model  # noqa: E402
 
 #: name -> (local replicas, sharding, SyncBatchNorm, how it trains)
 CONFIGS = {

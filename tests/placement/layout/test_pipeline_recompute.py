@@ -1,5 +1,5 @@
 """PipelineStrategy(recompute=...) trains exactly as plain PyTorch (float64, 2 real processes) on every schedule
-of tests/strategies/test_multi_worker_pipeline.py, for an nn.Sequential and a traced model, the whole stage or named modules;
+of tests/placement/layout/test_multi_worker_pipeline.py, for an nn.Sequential and a traced model, the whole stage or named modules;
 with dropout it equals the run without recomputation (the random state is replayed); the activations held
 between forward and backward shrink; misuse is refused on every process."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ..strategies.history import assert_history_matches
+from .history import assert_history_matches
 
 from . import pp_options_script as script
 from .pp_options_runs import as_expected, launch, plain_history

@@ -20,7 +20,7 @@ from .history import assert_history_matches, check_clipping, plain_history
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(280)]
 SCRIPT = Path(pp_script.__file__)
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pipeline.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "pipeline.py"
 
 
 def reference_history(case: str, initial: dict) -> list[dict]:

@@ -13,13 +13,13 @@ import torch
 
 from stratagem.testing import assert_succeeded, run_local_cluster
 
-from .._support import clips
+from ..._support import clips
 from . import tp_embedding_script, tp_script
 from .history import assert_history_matches, check_clipping, plain_history
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
 SCRIPT = Path(tp_script.__file__)
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tensor_parallel.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tensor_parallel.py"
 
 
 def reference_history(optimizer_kind: str, initial: dict) -> list[dict]:

@@ -23,9 +23,9 @@ from torch import nn
 
 import stratagem as sg
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: run as a script, or imported
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))   # the repository: run as a script, or imported
 from tests._support import clips  # noqa: E402
-from tests.strategies.tp_script import error_of, listed  # noqa: E402
+from tests.placement.layout.tp_script import error_of, listed  # noqa: E402
 
 #: batch sizes of the steps: divisible by 4, not divisible, then a smaller last batch
 BATCHES = (8, 10, 8, 5)

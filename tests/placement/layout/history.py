@@ -8,7 +8,7 @@ from typing import Callable
 import pytest
 import torch
 
-from .._support import clips
+from ..._support import clips
 
 
 def assert_history_matches(history: list[dict], expected: list[dict], where: str) -> None:

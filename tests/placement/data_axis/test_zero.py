@@ -15,7 +15,7 @@ import stratagem as sg
 from stratagem.errors import InvalidArgumentError
 from stratagem.testing import assert_succeeded, run_local_cluster
 
-from .._support import clips
+from ..._support import clips
 from . import sharding_script
 
 pytestmark = pytest.mark.timeout(200)

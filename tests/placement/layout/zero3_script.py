@@ -25,13 +25,13 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import stratagem as sg  # noqa: E402
-from tests.placement.sharding_script import (STEPS, build_models, clipping, make_data, make_model,  # noqa: E402
+from tests.placement.data_axis.sharding_script import (STEPS, build_models, clipping, make_data, make_model,  # noqa: E402
                                                 reference, step)
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))   # the repository
 
 import stratagem as sg  # noqa: E402
 from stratagem.errors import ContextError, InvalidArgumentError  # noqa: E402

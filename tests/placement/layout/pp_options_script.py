@@ -7,7 +7,7 @@ python pp_options_script.py OUT_DIR --part recompute|balance
 Writes OUT_DIR/rank{R}.json: per case the initial parameters, the reduced loss and the whole model's
 state_dict after every step, the peak bytes of activations saved for backward during a step on this
 process, the split the strategy used; then the errors of the misuse cases. ``recompute``: every schedule
-of tests/strategies/test_multi_worker_pipeline.py, an nn.Sequential and a traced model, the whole stage and named
+of tests/placement/layout/test_multi_worker_pipeline.py, an nn.Sequential and a traced model, the whole stage and named
 modules; models with dropout run twice, with recomputation and without, from the same random state.
 ``balance``: split_points="auto" by time and by memory, a traced model, the split pinned again.
 """

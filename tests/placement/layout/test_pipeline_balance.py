@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import stratagem as sg
-from ..strategies.history import assert_history_matches
+from .history import assert_history_matches
 from stratagem.testing import run_local_cluster
 from stratagem.placement.layout.pipeline_balance import partition
 

@@ -2,7 +2,7 @@
 strategy's scope train exactly as plain single-device PyTorch does (float64), on replica threads
 that each compute with their own copies of the parameters.
 
-The two-worker cases are in ``tests/strategies/test_multi_worker_recompute_compile.py``.
+The two-worker cases are in ``tests/placement/layout/test_multi_worker_recompute_compile.py``.
 """
 
 from __future__ import annotations

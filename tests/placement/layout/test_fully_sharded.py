@@ -17,7 +17,7 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.testing import assert_succeeded, run_local_cluster
 
 from . import zero3_script
-from .test_zero import check_clipping, restores_as_plain_pytorch, save_plain
+from ..data_axis.test_zero import check_clipping, restores_as_plain_pytorch, save_plain
 
 pytestmark = pytest.mark.timeout(240)
 SCRIPT = Path(zero3_script.__file__)

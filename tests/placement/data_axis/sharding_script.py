@@ -28,7 +28,7 @@ from torch import nn
 
 import stratagem as sg
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: run as a script, or imported
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))   # the repository: run as a script, or imported
 from tests._support import clips  # noqa: E402
 
 STEPS = 4

@@ -6,7 +6,7 @@ token embedding; AdamW with nanoGPT's two parameter groups.
 ``recompute="reentrant"`` / ``"nonreentrant"`` wraps each block in ``torch.utils.checkpoint``
 (``use_reentrant=True`` / ``False``); ``shared_blocks=True`` applies one block twice, so that
 under reentrant checkpointing its parameters receive gradients from two nested backward passes.
-Imported by ``tests/strategies/test_recompute_compile.py`` and by ``recompute_script.py`` (as ``tiny_gpt``).
+Imported by ``tests/placement/layout/test_recompute_compile.py`` and by ``recompute_script.py`` (as ``tiny_gpt``).
 """
 
 from __future__ import annotations
