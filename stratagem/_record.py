@@ -74,7 +74,7 @@ class Record:
     #: None once decided that it is not split; False while not decided yet. Written and read by
     #: the update rules (``MirroredUpdate``, ``CentralUpdate``, ``ZeroUpdate``: ``sharded()``).
     sharded: Any = False
-    #: ZeRO's layout of the optimizer's parameters over the workers (``placement.data_axis.zero._Layout``).
+    #: ZeRO's ranges of the optimizer's parameters over the workers (``placement.data_axis.zero_ranges.ZeroRanges``).
     #: Written and read by ``placement/data_axis/zero.py`` (``ZeroUpdate``).
     zero: Any = None
     #: ZeRO's state gathered from every worker for the checkpoint being written, read once by

@@ -2,7 +2,7 @@
 
 DistributedDataParallel's promise, kept for every synchronous placement (mirrored, central
 storage, ZeRO stage 1, and the data axis of the mesh strategies: tensor parallel, pipeline, with
-:class:`~stratagem.placement.layout.roots.DataAxis` as the collective): code between
+:class:`~stratagem.placement.data_axis.axis.DataAxis` as the collective): code between
 ``loss.backward()`` (or a pipeline's ``forward_backward``) and ``optimizer.step()`` --
 ``clip_grad_norm_``, gradient logging, ``GradScaler.unscale_`` and its inf check -- sees on
 every replica the gradient plain single-device PyTorch would hold.

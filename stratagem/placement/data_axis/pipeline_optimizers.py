@@ -12,9 +12,10 @@ parameters as a plain optimizer over the whole model does. ``step`` runs in the 
   torch's own update over DTensors), whose gradients were summed over the data axis when the
   schedule ended (:meth:`~stratagem.placement.layout.pipeline.PipelinePlacement.summing_gradients`;
   each data group's loss is already weighted by its share of the global batch);
-- ``sharding="optimizer"`` / ``"gradients"``: the update is cut in ranges over the data axis
-  (:mod:`stratagem.placement.data_axis.data_axis_zero`; under ``"gradients"`` the schedule's end
-  reduce-scattered the gradients into those ranges);
+- ``sharding="optimizer"`` / ``"gradients"``: the update is ZeRO's
+  (:class:`~stratagem.placement.data_axis.zero.ZeroUpdate`, bound to the data axis instead of the
+  workers), cut in ranges over the data axis; under ``"gradients"`` the schedule's end
+  reduce-scattered the gradients into those ranges;
 - ``sharding="parameters"``: FSDP2 summed the gradients during the schedule's backward; the
   update is torch's over this process's shards.
 
@@ -33,9 +34,11 @@ from typing import Any
 
 import torch
 
+from stratagem._record import record
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
-from stratagem.placement.data_axis.data_axis_zero import DataAxisZero
+from stratagem.placement.data_axis.zero import ZeroUpdate
+from stratagem.placement.data_axis.zero_ranges import ZeroRanges
 from stratagem.comm.collective import Collective
 from stratagem.placement.scope.hooks import adopt, base_of, step_hooks, unhooked_step
 from stratagem.placement.layout.dtensor_state import full_value, local_state_bytes, shard_like
@@ -54,8 +57,12 @@ class StageOptimizers(LocalUpdate):
         self.mesh = mesh
         self.sharding = None if mesh is None else mesh.sharding
         self.refs: list[weakref.ref] = []   # the optimizers (a traced model's first trace trims them)
-        # optimizer -> its ranges over the data axis (sharding="optimizer"/"gradients"), built at first use
-        self._zeros: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        #: sharding="optimizer" / "gradients": ZeRO's update rule over the data axis (each optimizer's
+        #: ranges built at first use), else None
+        self.zero: ZeroUpdate | None = None
+        if self.sharding in ("optimizer", "gradients"):
+            self.zero = ZeroUpdate(self.sharding)
+            self.zero.bind(placement, data)
 
     def created(self, optimizer: torch.optim.Optimizer, placement: Any) -> None:
         """An optimizer created in ``placement``'s scope: its parameter groups keep every parameter
@@ -63,13 +70,8 @@ class StageOptimizers(LocalUpdate):
         adopt(optimizer, placement)
         self.refs.append(weakref.ref(optimizer))
 
-    def _zero_of(self, optimizer: torch.optim.Optimizer) -> DataAxisZero | None:
-        if self.sharding not in ("optimizer", "gradients"):
-            return None
-        zero = self._zeros.get(optimizer)
-        if zero is None:
-            zero = self._zeros[optimizer] = DataAxisZero(optimizer, self.data, self.sharding)
-        return zero
+    def _zero_of(self, optimizer: torch.optim.Optimizer) -> ZeroRanges | None:
+        return None if self.zero is None else self.zero.ranges(optimizer)
 
     # the primitives of placement/data_axis/step.py (LocalUpdate's others: nothing to spread)
 
@@ -79,21 +81,28 @@ class StageOptimizers(LocalUpdate):
                 f"with sharding={self.sharding!r} the update runs in ranges over the data axis: call "
                 f"optimizer.step() without a closure, or use sharding=None")
 
-    def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> DataAxisZero | None:
-        """The modules placed; the optimizer's ranges over the data axis under ZeRO, else None."""
+    def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any:
+        """The modules placed; under ZeRO, the gradients of the optimizer's range over the data axis."""
         self._placement().finalize()
-        zero = self._zero_of(optimizer)
-        if zero is not None and self.sharding == "gradients" and step_hooks(optimizer)[0]:
+        if self.zero is None:
+            return None
+        if self.sharding == "gradients" and step_hooks(optimizer)[0]:
             raise InvalidArgumentError(
                 f"with sharding={self.sharding!r} the update runs in ranges over the data axis, where no "
                 f"whole gradient exists for a step pre-hook: remove the step pre-hook, or use sharding=None")
-        return zero
+        return self.zero.prepare_gradients(optimizer, replica)
 
-    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, zero: Any,
+    def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any,
                     closure: Any = None) -> Any:
         """This data rank's range (ZeRO: no closure, refused before), else torch's update over this
         process's parameters."""
-        return zero.step() if zero is not None else self._own_update(optimizer, closure)
+        if self.zero is not None:
+            return self.zero.update_call(optimizer, replica, gradients)
+        return self._own_update(optimizer, closure)
+
+    def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any:
+        """ZeRO: every data rank's updated range reaches every data rank."""
+        return result if self.zero is None else self.zero.after_update(optimizer, replica, result)
 
     def _own_update(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
         """torch's update over the parameters of this process's stages (the meta placeholders of the
@@ -109,10 +118,10 @@ class StageOptimizers(LocalUpdate):
                 group["params"] = params
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        zero = self._zeros.get(optimizer)
-        if zero is not None:
-            zero.discard()
-        base_of(optimizer).zero_grad(optimizer, set_to_none)
+        if self.zero is not None:
+            self.zero.zero_grad(optimizer, set_to_none)   # (and a range of the sum that no step used)
+        else:
+            base_of(optimizer).zero_grad(optimizer, set_to_none)
 
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
         """Clipping: this process's parts of the whole gradients (summed over the data axis when the
@@ -134,12 +143,12 @@ class StageOptimizers(LocalUpdate):
         rest = self.mesh.parts(own, summed_over_data=True)
         return clipping.GradientParts(tensors + rest.tensors, counted + rest.counted, self.everyone.group)
 
-    def reduce_scattered(self, params: list[torch.Tensor]) -> list[DataAxisZero]:
+    def reduce_scattered(self, params: list[torch.Tensor]) -> list[ZeroRanges]:
         """Under ``sharding="gradients"``: the ranges of the optimizers that hold some of ``params``
         (their gradients are reduce-scattered into them when a schedule ends); else none."""
         return self._zeros_holding(params) if self.sharding == "gradients" else []
 
-    def _zeros_holding(self, params: list[torch.Tensor]) -> list[DataAxisZero]:
+    def _zeros_holding(self, params: list[torch.Tensor]) -> list[ZeroRanges]:
         ids = {id(p) for p in params}
         optimizers = [ref() for ref in self.refs]
         return [self._zero_of(optimizer) for optimizer in optimizers if optimizer is not None and
@@ -182,7 +191,7 @@ class StageOptimizers(LocalUpdate):
         base_of(optimizer).load_state_dict(optimizer, state)
 
     def add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        if optimizer in self._zeros or self.sharding == "parameters":
+        if record(optimizer).zero is not None or self.sharding == "parameters":
             raise InvalidArgumentError(
                 f"add_param_group is not supported with sharding={self.sharding!r} (the parameters are laid "
                 f"out over the data axis already); create the optimizer with all its parameter groups")

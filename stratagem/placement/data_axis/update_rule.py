@@ -78,15 +78,16 @@ class UpdateRule:
         other replica with a copy (sharing the primary's memory on logical CPU devices)."""
         return Storage(devices[0], 1, len(devices) > 1 and all(d.type == "cpu" for d in devices))
 
-    def bind(self, placement: RulePlacement) -> None:
-        """Serve ``placement`` (once its storage is set; a rule serves one placement)."""
+    def bind(self, placement: RulePlacement, axis: Any = None) -> None:
+        """Serve ``placement`` (once its storage is set; a rule serves one placement), over its
+        collective, or over ``axis`` (a mesh's data axis: one replica per process)."""
         if getattr(self, "placement", placement) is not placement:
             raise InvalidArgumentError(f"{type(self).__name__} already serves {self.placement.strategy!r}; "
                                        f"give each strategy a rule of its own")
         self.placement = placement
-        self.collective = placement.collective
+        self.collective = placement.collective if axis is None else axis
         self.num_replicas = placement.num_replicas
-        self.shares_parameters = placement.shares_parameters
+        self.shares_parameters = placement.shares_parameters if axis is None else False
         self._lock = threading.Lock()   # replica threads ask at the first step: build once
         self._pending: list[torch.optim.Optimizer] = []
 

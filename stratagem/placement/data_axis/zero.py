@@ -2,8 +2,8 @@
 
 The parameters of every optimizer created in scope are laid end to end and cut into one
 contiguous range per worker. Worker ``r`` keeps the optimizer state of range ``r`` only
-(a range optimizer over views of its parameters: :mod:`.sharded_update`) and updates
-only that range; the updated ranges are then all-gathered so that every worker again
+(a range optimizer over views of its parameters: :mod:`.zero_ranges`, the ranges a pipeline's
+data axis is cut in too) and updates only that range; the updated ranges are then all-gathered so that every worker again
 holds the whole model for the next forward pass.
 
 Stages (``MultiWorkerMirroredStrategy(sharding=...)``):
@@ -38,13 +38,12 @@ import torch
 
 from stratagem._profiling import label
 from stratagem._record import record
-from stratagem.comm import worker_ops
-from stratagem.comm.scattered_gradients import ScatteredGradients
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
 from stratagem.placement.scope.hooks import base_of, placement_of, step_hooks
-from stratagem.placement.data_axis.sharded_update import ELEMENTWISE, ShardedUpdate
+from stratagem.placement.data_axis.sharded_update import ShardedUpdate
 from stratagem.placement.data_axis.update_rule import UpdateRule, params_of
+from stratagem.placement.data_axis.zero_ranges import ZeroRanges
 
 #: ``sharding=`` values, and the ones that exist only as names so far
 STAGES = ("optimizer", "gradients", "parameters")
@@ -66,7 +65,8 @@ def check_sharding(sharding: Any, num_local_replicas: int) -> None:
 
 
 class ZeroUpdate(UpdateRule):
-    """One replica per worker; the optimizer state and update sharded over the workers.
+    """One replica per worker; the optimizer state and update sharded over the workers (or, bound to
+    a pipeline's data axis, over its data ranks: :mod:`.pipeline_optimizers`).
 
     Example::
 
@@ -88,13 +88,17 @@ class ZeroUpdate(UpdateRule):
         self.stage = stage
         #: stage 1 sums whole gradients when backward ends; stage 2 reduce-scatters them instead
         self.sums_gradients = stage == "optimizer"
-        # id(parameter) -> the layout whose packs take its gradients (sharding="gradients")
-        self._layout_by_param: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # id(parameter) -> the ranges whose packs take its gradients (sharding="gradients")
+        self._ranges_by_param: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
-    def bind(self, placement: Any) -> None:
+    def bind(self, placement: Any, axis: Any = None) -> None:
+        """Serve ``placement`` over its workers, or over ``axis``, a pipeline's data axis: there stage 2
+        sums when the schedule ends (:meth:`.zero_ranges.ZeroRanges.reduce`, called by the placement),
+        which also answers clipping."""
         check_sharding(self.stage, placement.num_replicas)
-        super().bind(placement)
-        if self.stage == "gradients":
+        super().bind(placement, axis)
+        self.over_data_axis = axis is not None
+        if self.stage == "gradients" and not self.over_data_axis:
             clipping.register(self)   # no worker holds a whole gradient: clipping asks this rule
 
     @property
@@ -103,27 +107,28 @@ class ZeroUpdate(UpdateRule):
 
     def sharded(self, optimizer: torch.optim.Optimizer) -> ShardedUpdate:
         """The range optimizers of ``optimizer``: one range per worker, built at first use."""
-        sharded = record(optimizer).sharded
-        if sharded is False:
+        return self.ranges(optimizer).sharded
+
+    def ranges(self, optimizer: torch.optim.Optimizer) -> ZeroRanges:
+        """``optimizer``'s ranges over the workers (:mod:`.zero_ranges`), built at first use."""
+        mine = record(optimizer)
+        if mine.sharded is False:
             self.placement.finalize()
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            check_splittable(base_of(optimizer), params, self.stage, "workers", " or sharding=None")
+            packs = self.stage == "gradients" and self.collective.num_workers > 1 and not self.over_data_axis
+            between, instead = ("the data ranks", " or sharding=None / 'parameters'") if self.over_data_axis \
+                else ("workers", " or sharding=None")
             with self._lock:
-                sharded = ShardedUpdate(optimizer, lambda p: (p,), self.collective.num_workers)
-                layout = _Layout(params, sharded)
-                if self.stage == "gradients" and self.collective.num_workers > 1:
-                    for p in params:   # one set of hooks per parameter: the newest optimizer's
-                        older = self._layout_by_param.get(id(p))
+                ranges = ZeroRanges(optimizer, self.collective, self.stage, between=between, instead=instead, packs=packs,
+                                    bytes_per_pack=self.collective.options.bytes_per_pack if packs else 0)
+                if ranges.scattered is not None:
+                    for p in ranges.params:   # one set of hooks per parameter: the newest optimizer's
+                        older = self._ranges_by_param.get(id(p))
                         if older is not None:
                             older.scattered.close()
-                    layout.scattered = ScatteredGradients(
-                        params, layout.offsets, layout.bounds, self._rank, self.collective.group,
-                        bytes_per_pack=self.collective.options.bytes_per_pack)
-                    for p in params:
-                        self._layout_by_param[id(p)] = layout
-                mine = record(optimizer)
-                mine.sharded, mine.zero = sharded, layout
-        return sharded
+                    for p in ranges.params:
+                        self._ranges_by_param[id(p)] = ranges
+                mine.sharded, mine.zero = ranges.sharded, ranges
+        return mine.zero
 
     def grad_scaler_refusal(self) -> str | None:
         if self.stage == "optimizer":
@@ -144,30 +149,31 @@ class ZeroUpdate(UpdateRule):
     # the primitives of placement/data_axis/step.py
 
     def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any:
-        """Stage 1: the whole sums, in ``.grad`` since backward ended. Stage 2: this worker's range
-        of the sum (the packs reduce-scattered during backward)."""
-        self.sharded(optimizer)
-        if self.stage != "gradients":
-            return None
-        if step_hooks(optimizer)[0]:
+        """The gradient of each piece of this worker's range: stage 1, of the whole sums in ``.grad``
+        since backward ended; stage 2, of this worker's range of the sum (the packs reduce-scattered
+        during backward)."""
+        ranges = self.ranges(optimizer)
+        # (over a pipeline's data axis, .grad moves into the range at the step even on one data rank)
+        reduced = self.stage == "gradients" and (self.collective.num_workers > 1 or self.over_data_axis)
+        if self.stage == "gradients" and step_hooks(optimizer)[0]:
             raise InvalidArgumentError(
                 "optimizer step pre-hooks see whole gradients, which sharding='gradients' never "
                 "forms; remove the hook or use sharding='optimizer'")
-        if self.collective.num_workers == 1:
-            return None
+        if not reduced:
+            return ranges.gradients(False)
         with label("stratagem.gradients.cross_worker"):
-            return self._reduce_scattered(record(optimizer).zero)
+            return ranges.gradients(True)
 
     def update_call(self, optimizer: torch.optim.Optimizer, replica: int | None, gradients: Any,
                     closure: Any = None) -> Any:
-        """This worker's range of the update."""
-        return self.sharded(optimizer).step(self._rank, gradients)
+        """This worker's range of the update (the user's hooks fire once, outside)."""
+        return record(optimizer).sharded.step(self._rank, gradients)
 
     def after_update(self, optimizer: torch.optim.Optimizer, replica: int | None, result: Any) -> Any:
         """Every worker's updated range reaches every worker (all-gather)."""
         if self.collective.num_workers > 1:
             with label("stratagem.parameters.all_gather"):
-                gather_ranges(self.collective.group, record(optimizer).sharded, self._rank, record(optimizer).zero.params)
+                self.ranges(optimizer).gather()
         return None
 
     def hooked_tensors(self, optimizer: torch.optim.Optimizer, replica: int) -> list[torch.Tensor]:
@@ -177,59 +183,26 @@ class ZeroUpdate(UpdateRule):
                      grads: bool) -> None:
         return None   # one replica per worker: no other copy to reach
 
-    def _reduce_scattered(self, layout: "_Layout") -> Any:
-        """Sum the gradients over workers, each worker receiving its own range only (the packs
-        of :mod:`stratagem.comm.scattered_gradients`, launched during backward)."""
-        shard, exists = self._summed(layout)
-        layout.summed = None
-        base = layout.bounds[self._rank]
-
-        def piece(index: int, start: int, stop: int) -> torch.Tensor | None:
-            if not exists[index]:
-                return None
-            lo = layout.offsets[index] + start - base
-            return shard[lo:lo + stop - start]
-        return piece
-
-    def _summed(self, layout: "_Layout") -> tuple[torch.Tensor, list[int]]:
-        """This worker's range of the step's summed gradients, and which exist: the packs finished
-        at the first ask of the step (clipping, else the step), kept until the step uses them. A
-        later ask first adds what backward reduced since, if any worker has some (a collective)."""
-        if layout.summed is None:
-            layout.summed = layout.scattered.finish()
-            return layout.summed
-        pending = torch.tensor([int(layout.scattered.pending())], dtype=torch.int32)
-        if self.collective.group.all_reduce(pending, "gradients since clipping (sharding='gradients')").item():
-            shard, exists = layout.scattered.finish()
-            layout.summed[0].add_(shard)
-            layout.summed = (layout.summed[0], [max(a, b) for a, b in zip(layout.summed[1], exists)])
-        return layout.summed
-
     def splits_gradients(self, params: list[torch.Tensor]) -> list[bool]:
         """The parameters whose gradients packs take during backward (several workers)."""
-        found = [self._layout_by_param.get(id(p)) for p in params]
-        return [layout is not None and layout.scattered.takes(p) for layout, p in zip(found, params)]
+        found = [self._ranges_by_param.get(id(p)) for p in params]
+        return [ranges is not None and ranges.scattered.takes(p) for ranges, p in zip(found, params)]
 
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
         """Clipping: the pieces of this worker's range of the summed gradients that belong to
         ``params`` (the packs finished now, the range kept for the step)."""
-        chosen = {id(p) for p in params}
         parts = []
-        for layout in dict.fromkeys(self._layout_by_param[id(p)] for p in params):
-            shard, exists = self._summed(layout)
-            parts += [piece for _, piece in clipping.range_parts(
-                shard, exists, [p.numel() for p in layout.params], layout.offsets, layout.bounds[self._rank],
-                layout.bounds[self._rank + 1], [id(p) in chosen for p in layout.params])]
+        for ranges in dict.fromkeys(self._ranges_by_param[id(p)] for p in params):
+            parts += ranges.parts(params, lambda p: True).tensors
         return clipping.GradientParts(parts, parts, self.collective.group)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         if self.placement.gradients is not None:
             self.placement.gradients.forget(params_of(optimizer))
         base_of(optimizer).zero_grad(optimizer, set_to_none)
-        layout = record(optimizer).zero
-        if layout is not None and layout.scattered is not None:
-            layout.summed = None             # a clip's sum that no step used
-            layout.scattered.discard()   # gradients reduced during a backward that no step followed
+        ranges = record(optimizer).zero
+        if ranges is not None:
+            ranges.discard()   # a clip's sum that no step used; what packs reduced with no step after
 
     # --------------------------------------------------------- state dicts
 
@@ -242,12 +215,12 @@ class ZeroUpdate(UpdateRule):
 
     def gather_state(self, optimizer: torch.optim.Optimizer) -> dict[int, dict]:
         """Every worker's ranges of the state, merged as one optimizer's (a collective)."""
-        return gather_state(self.sharded(optimizer), self._rank, self.collective, "optimizer.state_dict (sharded state)")
+        return self.ranges(optimizer).state("optimizer.state_dict (sharded state)")
 
     def load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        sharded = self.sharded(optimizer)
+        ranges = self.ranges(optimizer)
         base_of(optimizer).load_state_dict(optimizer, {**state_dict, "state": {}})
-        sharded.load_state(state_dict["state"], replicas=[self._rank])
+        ranges.load(state_dict["state"])
 
     @contextlib.contextmanager
     def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
@@ -267,54 +240,3 @@ class ZeroUpdate(UpdateRule):
         finally:
             for optimizer in sharded:
                 record(optimizer).gathered_state = None
-
-
-class _Layout:
-    """Where each parameter sits in the workers' end-to-end concatenation (``sharded``'s ranges), and
-    stage 2's packs and range of the sum."""
-
-    def __init__(self, params: list[torch.Tensor], sharded: ShardedUpdate):
-        self.params = params
-        self.offsets, self.bounds = sharded.offsets, sharded.bounds
-        self.scattered: ScatteredGradients | None = None   # sharding="gradients", several workers
-        self.summed: tuple[torch.Tensor, list[int]] | None = None   # the step's range of the sum, once finished
-
-
-# ZeRO's ranges over any group: the workers here, a pipeline's data axis (data_axis_zero.py)
-
-def check_splittable(base: type, tensors: list[torch.Tensor], stage: str, between: str, instead: str) -> None:
-    """Refuse an optimizer class or tensors that ranges cannot split (``instead``: the other choices)."""
-    if base not in ELEMENTWISE:
-        raise InvalidArgumentError(
-            f"sharding={stage!r} splits the update element-wise between {between}, which {base.__name__} does "
-            f"not allow; use one of {sorted(c.__name__ for c in ELEMENTWISE)}{instead}")
-    kinds = {(t.dtype, t.device) for t in tensors}
-    if len(kinds) > 1 or any(t.is_sparse or not t.is_contiguous() for t in tensors):
-        raise InvalidArgumentError(
-            f"sharding={stage!r} needs dense contiguous parameters of one dtype and device, got "
-            f"{sorted(str(k) for k in kinds)}; use one dtype for the model{instead if between == 'workers' else ''}")
-
-def gather_ranges(group: Any, sharded: ShardedUpdate, rank: int, tensors: list[torch.Tensor]) -> None:
-    """Every rank's updated range of ``tensors`` (laid end to end as ``sharded``'s ranges cut them;
-    ``rank`` updated its own) reaches every rank of ``group`` (an all-gather)."""
-    views = [view.detach().reshape(-1) for _, _, view, _, _ in sharded.pieces[rank]]
-    mine = torch.cat(views) if views else tensors[0].new_empty(0) if tensors else torch.empty(0)
-    sizes = [(b - a,) for a, b in zip(sharded.bounds, sharded.bounds[1:])]
-    full = worker_ops.gather(group, [mine], sizes, 0, 1)
-    with torch.no_grad():
-        for t, offset in zip(tensors, sharded.offsets):
-            t.view(-1).copy_(full[offset:offset + t.numel()])
-
-
-def gather_state(sharded: ShardedUpdate, rank: int, collective: Any, what: str) -> dict[int, dict]:
-    """Every rank's range of the optimizer state (``rank``'s own here), merged as one optimizer's, by
-    position in ``sharded``'s tensors (a collective over ``collective``'s workers)."""
-    mine = {index: [(start, {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
-                             for k, v in state.items()}) for start, state in pieces]
-            for index, pieces in sharded.parts([rank]).items()}
-    everyone = [mine] if collective.num_workers == 1 else collective.all_gather_object(mine, what)
-    merged: dict[int, list] = {}
-    for worker in everyone:
-        for index, pieces in worker.items():
-            merged.setdefault(index, []).extend(pieces)
-    return sharded.merge(merged)

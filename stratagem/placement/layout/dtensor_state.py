@@ -1,7 +1,7 @@
 """The state of modules and optimizers whose parameters are DTensors: whole outside, shards inside.
 
 The mesh placements -- tensor parallel (:mod:`.tensor_parallel`), ZeRO-3 (:mod:`.fully_sharded`),
-a pipeline's stages on a 3-D mesh (:mod:`.pipeline_mesh`, :mod:`~stratagem.placement.data_axis.data_axis_zero`) -- hand a model
+a pipeline's stages on a 3-D mesh (:mod:`.pipeline_mesh`, :mod:`~stratagem.placement.data_axis.zero_ranges`) -- hand a model
 to torch's ``parallelize_module`` or ``fully_shard``, which replace its parameters by DTensors:
 each process holds its shards. What a user saves and loads stays one logical copy, as in plain
 PyTorch, whatever the layout; these helpers, shared by those placements, make it so and find

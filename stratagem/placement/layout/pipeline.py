@@ -53,7 +53,8 @@ from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
 from stratagem.placement.data_axis.gradient_sync import GradientSync
-from stratagem.placement.layout.roots import DataAxis, RootsPlacement
+from stratagem.placement.data_axis.axis import DataAxis
+from stratagem.placement.layout.roots import RootsPlacement
 from stratagem.placement.scope.hooks import placement_of
 from stratagem.placement.layout.pipeline_balance import balance_layout
 from stratagem.placement.layout.pipeline_mesh import MeshStages

@@ -8,9 +8,8 @@ holds, with parameters -- moved to this process's device, after every process ch
 that all built the same modules and took the chief's initial values (so that every
 process, and every data-parallel group, starts alike).
 
-:class:`DataAxis` is a mesh's data axis as the collective of the gradient sync
-(:mod:`stratagem.placement.data_axis.gradient_sync`), which those placements use to sum gradients over
-it when backward ends.
+They sum gradients over a mesh's data axis with
+:class:`~stratagem.placement.data_axis.axis.DataAxis`.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from torch import nn
 from stratagem.comm.collective import Collective
 from stratagem.placement.scope import sync_batch_norm
 from stratagem.placement.scope.base import Placement
-from stratagem.placement.data_axis.gradient_sync import GradientSync
 from stratagem.placement.data_axis.step import synchronous_step
 
 
@@ -99,59 +97,3 @@ class RootsPlacement(Placement):
         """Modules that placing created in scope are not new models."""
         ids = {id(m) for m in modules}
         self._pending = [m for m in self._pending if id(m) not in ids]
-
-
-class DataAxis:
-    """A mesh's data axis as the collective of a
-    :class:`~stratagem.placement.data_axis.gradient_sync.GradientSync`: one replica per process, whose
-    gradients (a DTensor gradient's local shard) are summed over the axis in packs that leave
-    while backward still runs (:mod:`stratagem.comm.gradients`, as across the workers of
-    ``MultiWorkerMirroredStrategy``), finished when it ends. So under tensor and pipeline
-    parallelism, too, ``.grad`` holds the global batch's gradient when ``backward()``
-    (``forward_backward``) returns, and ``optimizer.step()`` sums nothing.
-
-    Example::
-
-        import torch
-        from stratagem.placement.layout.roots import DataAxis
-
-        class Alone:   # a data axis of one process: nothing to sum
-            num_workers = 1
-
-        axis = DataAxis(Alone())
-        p = torch.nn.Parameter(torch.ones(2))
-        p.grad = torch.full((2,), 3.0)
-        axis.sum_over_workers([p])
-        assert p.grad.tolist() == [3.0, 3.0] and not axis.overlaps_backward
-        assert DataAxis.gradient_sync(object(), Alone()) is None
-    """
-
-    num_local = 1
-
-    def __init__(self, axis: Collective):
-        self.axis = axis
-        self.num_workers = axis.num_workers
-
-    @classmethod
-    def gradient_sync(cls, placement: Any, axis: Collective) -> GradientSync | None:
-        """The gradient sync of ``placement`` over ``axis`` (None: an axis of one process, nothing to sum)."""
-        if axis.num_workers == 1:
-            return None
-        sync = GradientSync(placement, cls(axis))
-        sync.in_run = True   # every backward here is this process's one replica's: its packs leave early
-        return sync
-
-    @property
-    def overlaps_backward(self) -> bool:
-        return self.num_workers > 1
-
-    def gradient_packs(self, params: list[torch.Tensor]) -> Any:
-        return self.axis.gradient_packs(params) if self.num_workers > 1 else None
-
-    def sum_gradients(self, local_id: int, params: list[torch.Tensor]) -> None:
-        self.sum_over_workers(params)
-
-    def sum_over_workers(self, params: list[torch.Tensor]) -> None:
-        packs = self.gradient_packs(params)
-        if packs is not None:
-            packs.finish()

@@ -16,7 +16,7 @@ wrong plan raises the same InvalidArgumentError on every process.
 Gradients: when ``backward()`` returns, each process's ``.grad`` holds the global batch's
 gradient of the parameters (DTensor shards) it holds, as under the data-parallel strategies:
 the gradient sync of :mod:`stratagem.placement.data_axis.gradient_sync` sums each gradient's local shard
-over the data axis (:class:`~.roots.DataAxis`: in packs that leave while backward runs);
+over the data axis (:class:`~stratagem.placement.data_axis.axis.DataAxis`: in packs that leave while backward runs);
 ``strategy.no_sync()`` and DDP's ``require_backward_grad_sync`` skip that sum as there.
 Optimizers created in scope keep torch's own update over the DTensor parameters, in the step's
 order (:mod:`stratagem.placement.data_axis.step`, with :class:`~stratagem.placement.data_axis.local_update.LocalUpdate`).
@@ -51,7 +51,8 @@ from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
 from stratagem.placement.layout.dtensor_state import hook_state_dicts, parameters_before, replacements
-from stratagem.placement.layout.roots import DataAxis, RootsPlacement
+from stratagem.placement.data_axis.axis import DataAxis
+from stratagem.placement.layout.roots import RootsPlacement
 from stratagem.placement.scope.hooks import adopt, placement_of
 from stratagem.placement.data_axis.local_update import LocalUpdate
 

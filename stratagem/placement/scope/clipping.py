@@ -274,7 +274,7 @@ def shard_parts(params: list[torch.Tensor], group: Any) -> GradientParts:
 
 def range_parts(shard: torch.Tensor, exists: list, sizes: list[int], offsets: list[int], lo: int, hi: int,
                 chosen: list[bool]) -> list[tuple[int, torch.Tensor]]:
-    """ZeRO-2's parts (over workers, :mod:`~stratagem.placement.data_axis.zero`, or a pipeline's data axis, :mod:`~stratagem.placement.data_axis.data_axis_zero`):
+    """ZeRO-2's parts (:mod:`~stratagem.placement.data_axis.zero_ranges`: over workers, or a pipeline's data axis):
     tensors of ``sizes`` laid end to end at ``offsets``, of whose sum this process holds ``shard``,
     the range ``[lo, hi)``; for each tensor ``chosen`` that has a gradient somewhere (``exists``) and
     meets the range, (its position, its piece of ``shard``)."""
