@@ -27,9 +27,9 @@ from stratagem.comm.replicas import ReplicaCollective
 from stratagem.comm.workers import WorkerCollective
 from stratagem.devices import Device, Topology, parse_devices
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.fully_sharded import FullyShardedPlacement
-from stratagem.placement.mirrored import MirroredPlacement
-from stratagem.placement.zero import ZeroUpdate, check_sharding
+from stratagem.placement.layout.fully_sharded import FullyShardedPlacement
+from stratagem.placement.layout.mirrored import MirroredPlacement
+from stratagem.placement.data_axis.zero import ZeroUpdate, check_sharding
 from stratagem.strategies.base import Strategy
 
 
