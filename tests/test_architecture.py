@@ -80,7 +80,7 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
         "register_service() can replace it",
     ("stratagem.ps.server", "stratagem.ps.worker"):
         "`stratagem server` loads the service of its own task type only (see stratagem.ps.service)",
-    ("stratagem.strategies.multi_worker", "stratagem.placement.fully_sharded"):
+    ("stratagem.strategies.multi_worker", "stratagem.placement.layout.fully_sharded"):
         "sharding='parameters' only: FSDP2 and DTensor (seconds to import, sympy with them) are not "
         "loaded by a MultiWorkerMirroredStrategy that does not shard its parameters",
     ("stratagem.launch.ray_actor", "stratagem.rpc.tokens"):
