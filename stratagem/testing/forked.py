@@ -8,7 +8,9 @@ as ``__main__`` with its ``sys.argv``, the script's folder first on ``sys.path``
 environment and working directory, its output (unbuffered) to the task's log, stdin from
 ``/dev/null``, a session of its own (one signal to its process group reaches all of it), an
 uncaught exception's traceback and exit code 1, ``atexit`` handlers at the end. It is still a
-real process: its own interpreter state, its own sockets, killed and stopped by signals.
+real process: its own interpreter state, its own sockets, killed and stopped by signals. Its end
+skips the teardown of every module (which would copy all of the server's memory it shares): the
+script's own objects are finalized (a file it left open is flushed and closed), then it exits.
 
 What a child inherits that a fresh interpreter would not is what the server's imports did
 (torch, torch.distributed, DTensor, dynamo: most of a strategy's start-up), before any task's
@@ -43,6 +45,7 @@ import threading
 from stratagem.launch.forks import FORK_SERVER_VARIABLE, differs_at_import
 from stratagem.launch.lifeline import die_with_parent
 
+_READY_SECONDS = 300.0   # at most, for the server's imports on a loaded machine
 #: the server: run as a script, it imports the standard library and torch only
 _SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver.py")
 
@@ -78,6 +81,7 @@ class ForkServer:
         self._started: list[int] = []
         self._exited: dict[int, int] = {}
         self._gone = False
+        self.ready = threading.Event()   # set once the server has imported torch (or exited)
         threading.Thread(target=self._read_replies, daemon=True, name="stratagem-forkserver").start()
 
     def can_start(self, env: dict[str, str]) -> bool:
@@ -115,7 +119,9 @@ class ForkServer:
         for line in self._process.stdout:
             reply = json.loads(line)
             with self._changed:
-                if "started" in reply:
+                if "ready" in reply:
+                    self.ready.set()
+                elif "started" in reply:
                     self._started.append(reply["started"])
                 else:
                     self._exited[reply["exited"]] = reply["code"]
@@ -123,6 +129,7 @@ class ForkServer:
         with self._changed:
             self._gone = True
             self._changed.notify_all()
+        self.ready.set()
 
 
 _shared: list[ForkServer] = []
@@ -173,4 +180,7 @@ def fork_server_variable(env: dict[str, str] | None = None) -> dict[str, str]:
     while this process lives: a later server, started for other variables, answers there."""
     env = {k: v for k, v in (os.environ if env is None else env).items() if k != FORK_SERVER_VARIABLE}
     server = shared_server(env)
-    return {} if server is None else {FORK_SERVER_VARIABLE: _listening().getsockname()}
+    if server is None:
+        return {}
+    server.ready.wait(_READY_SECONDS)    # a launcher's first task does not wait for torch's import
+    return {FORK_SERVER_VARIABLE: _listening().getsockname()}

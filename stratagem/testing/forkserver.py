@@ -9,8 +9,10 @@ replies on stdout; and launchers (``stratagem launch`` under ``STRATAGEM_TEST_FO
 argument (a request comes with the task's output descriptor). Each client gets its tasks' pids,
 then their exit codes; a launcher's connection that closes sends its live tasks SIGTERM."""
 
+import atexit
 import ctypes
 import faulthandler
+import gc
 import io
 import json
 import os
@@ -19,6 +21,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 import types
 
 _START_ENV = dict(os.environ)   # what the imports below read
@@ -34,7 +37,11 @@ def _serve() -> dict:
     import torch.distributed  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
 
+    # what exists now is never collected: a child's collections, which would touch (and so copy)
+    # every page of torch's objects, leave them alone
+    gc.freeze()
     replies = os.fdopen(os.dup(1), "wb", buffering=0)
+    replies.write(b'{"ready": true}\n')
     listener = socket.socket(fileno=int(sys.argv[1])) if len(sys.argv) > 1 else None
     hello = json.dumps({"env": _START_ENV, "executable": sys.executable,
                         "netns": os.readlink("/proc/self/ns/net")}).encode()
@@ -146,14 +153,42 @@ def _become_task(request: dict, output: int | None) -> None:
 
 
 def _run(task: dict) -> None:
-    if "script" in task:
-        runpy.run_path(task["script"], run_name="__main__")
-    elif "module" in task:
-        runpy.run_module(task["module"], run_name="__main__", alter_sys=True)
-    else:
-        main = types.ModuleType("__main__")
-        sys.modules["__main__"] = main
-        exec(compile(task["code"], "<string>", "exec"), main.__dict__)
+    """Run the task's code as ``python`` would, then exit as it would (non-daemon threads joined,
+    ``atexit`` handlers, the script's objects finalized, std streams flushed), less the teardown of
+    every module: in a child of the server that would touch, and so copy, all of torch's memory."""
+    scope, code = {}, 0
+    try:
+        if "script" in task:
+            scope = runpy.run_path(task["script"], run_name="__main__")
+        elif "module" in task:
+            scope = runpy.run_module(task["module"], run_name="__main__", alter_sys=True)
+        else:
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            scope = main.__dict__
+            exec(compile(task["code"], "<string>", "exec"), scope)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+    except BaseException as error:   # noqa: BLE001 (what the interpreter does with it)
+        sys.excepthook(type(error), error, error.__traceback__)
+        code = 1
+        if isinstance(error, KeyboardInterrupt):   # the interpreter ends by SIGINT then
+            code = -signal.SIGINT
+    threading._shutdown()   # (what interpreter exit calls: multiprocessing's children do the same)
+    atexit._run_exitfuncs()
+    scope.clear()
+    gc.collect()            # the script's own objects: files flushed and closed
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
 
 
 if __name__ == "__main__":
