@@ -157,17 +157,19 @@ def describe(answers: Mapping[str, Answer | None], silent: Mapping[str, str] | N
         else:
             key = (record["seq"], record["kind"], record["nbytes"], record["step"], _at(answer.get("main")))
             waiting.setdefault(key, []).append(name)
-    waited = sorted({key[0] for key in waiting})
+    # (sequence numbers compare across tasks for the process groups' collectives, not RPC calls)
+    waited = sorted({key[0] for key in waiting if not key[1].startswith("rpc ")})
     for name, answer in idle:
         lines.append(_idle(name, answer, waited))
     for (seq, kind, nbytes, step, at), names in waiting.items():
         since = max(_waited(answers[name])["seconds"] for name in names)
         verb = "waits" if len(names) == 1 else "wait"
-        lines.append(f"{_names(names)} {verb} in #{seq} {kind} ({_bytes(nbytes)}, step {step}) since "
+        lines.append(f"{_names(names)} {verb} in #{seq} {kind} ({_bytes(nbytes, ', ')}step {step}) since "
                      f"{since:.0f} s" + (f", at {at}" if at else ""))
     kinds: dict[int, set[str]] = {}
     for seq, kind, *_ in waiting:
-        kinds.setdefault(seq, set()).add(kind)
+        if not kind.startswith("rpc "):
+            kinds.setdefault(seq, set()).add(kind)
     for seq, different in kinds.items():
         if len(different) > 1:
             lines.append(f"the tasks wait in different collectives as #{seq} ({', '.join(sorted(different))}): "
@@ -191,7 +193,7 @@ def _idle(name: str, answer: Answer, waited: Sequence[int]) -> str:
     if last is None:
         text += "; it has completed no collective"
     else:
-        text += (f"; its last collective, #{last['seq']} {last['kind']} ({_bytes(last['nbytes'])}), "
+        text += (f"; its last collective, #{last['seq']} {last['kind']}{_bytes(last['nbytes'], ')', ' (')}, "
                  f"ended {last['seconds']:.0f} s ago")
     behind = [seq for seq in waited if last is None or seq > last["seq"]]
     if behind:
@@ -211,11 +213,14 @@ def _short(path: str) -> str:
     return path if relative.startswith("..") else relative
 
 
-def _bytes(count: int) -> str:
+def _bytes(count: int, after: str = "", before: str = "") -> str:
+    """``"4.2 MB"`` (between ``before`` and ``after``); nothing for 0 (unknown: an RPC call's)."""
+    if not count:
+        return ""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if count >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{count} B"
+            return f"{before}{count / size:.1f} {unit}{after}"
+    return f"{before}{count} B{after}"
 
 
 def _names(names: Sequence[str]) -> str:
@@ -251,10 +256,10 @@ def write_stacks(answers: Mapping[str, Answer | None], silent: Mapping[str, str]
         if answer is None:
             parts.append(f"=== {name}: did not answer: {(silent or {}).get(name, 'no answer came')}\n")
             continue
-        flying = "".join(f"  in flight: #{r['seq']} {r['kind']} ({_bytes(r['nbytes'])}, peers {r['peers']}, "
+        flying = "".join(f"  in flight: #{r['seq']} {r['kind']} ({_bytes(r['nbytes'], ', ')}peers {r['peers']}, "
                          f"step {r['step']}) for {r['seconds']:.1f} s\n" for r in answer.get("in_flight", []))
         last = answer.get("last_completed")
-        done = (f"  last completed: #{last['seq']} {last['kind']} ({_bytes(last['nbytes'])}), "
+        done = (f"  last completed: #{last['seq']} {last['kind']}{_bytes(last['nbytes'], ')', ' (')}, "
                 f"{last['seconds']:.1f} s ago\n") if last else "  last completed: none\n"
         parts.append(f"=== {name} (pid {answer.get('pid')}, step {answer.get('step')})\n{flying}{done}\n"
                      f"{answer.get('stacks', '')}")

@@ -1,7 +1,8 @@
 """Where this process stands: each thread's stack, the user's line in it, the flight recorder.
 
 :func:`snapshot` is what a task answers when asked where it stands (``answer.py``): a
-JSON-ready dict with the user's frame of the main thread -- the innermost frame that is
+JSON-ready dict with the user's frame of the main thread (of another thread when the main thread
+has none) -- the innermost frame that is
 neither stratagem's, torch's (an installed package) nor the standard library's, the line a
 user recognises (``loss.backward()`` at ``train.py:40``) --, the collectives in flight and
 the last one completed (``flight.py``), and the full stacks of every thread as text. It runs
@@ -69,7 +70,10 @@ def snapshot(task: str) -> dict[str, Any]:
         where = f" -- the user's line: {users.f_code.co_filename}:{users.f_lineno}" if users else ""
         texts.append(f'Thread "{names.get(ident, ident)}"{" (main)" if ident == main.ident else ""}{where}\n'
                      + "".join(traceback.format_stack(frame)))
-    mine = user_frame(frames.get(main.ident))
+    # the main thread's line of the user's code; else another thread's (a parameter-server worker
+    # runs its closures on the RPC server's threads)
+    candidates = [main.ident] + [ident for ident in frames if ident != main.ident]
+    mine = next((found for ident in candidates if (found := user_frame(frames.get(ident))) is not None), None)
     last = flight.last_completed()
     return {
         "task": task, "pid": os.getpid(), "time": time.time(), "step": flight.step(),

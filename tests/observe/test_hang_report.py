@@ -119,3 +119,12 @@ def test_report_outside_the_launcher_says_where_this_task_stands(monkeypatch) ->
     path = text.rsplit("the full stacks of every thread: ", 1)[1]
     assert Path(path).read_text().startswith("=== worker 0 (pid")
     os.unlink(path)
+
+
+def test_rpc_calls_show_no_unknown_bytes_and_no_sequence_hints() -> None:
+    idle = _idle(4)
+    idle["last_completed"].update(kind="rpc push", nbytes=0)
+    coordinator = _waiting(12, "rpc run")
+    message = hang_report.describe({"chief": coordinator, "worker 0": idle})
+    assert "its last collective, #4 rpc push, ended 30 s ago" in message, message
+    assert "the others wait" not in message, message   # (RPC numbers do not compare across tasks)

@@ -106,3 +106,17 @@ def test_a_timed_out_collective_says_where_every_task_stands() -> None:
     _waits(output, "gradient all_reduce", "loss.backward()")
     assert "=== worker 0" in _stacks(output)
     assert "worker 1 is stopped (SIGSTOP or a debugger)" in err.getvalue(), err.getvalue()
+
+
+def test_a_parameter_server_worker_asleep_in_a_closure_is_named_at_its_line() -> None:
+    script = SCRIPT.with_name("ps_hang_script.py")
+    out, err = io.StringIO(), io.StringIO()
+    status = launch_local(script, num_workers=1, num_ps=1, stdout=out, stderr=err,
+                          hang_timeout=HANG_TIMEOUT, grace_period=2.0)
+    message = err.getvalue()
+    assert status == 1 and re.search(r"\[chief\] +step 2 done", out.getvalue()), out.getvalue() + message
+    lines = [n for n, text in enumerate(script.read_text().splitlines(), start=1) if text.strip() == "time.sleep(3600)"]
+    assert re.search(rf"worker 0 is in `time.sleep\(3600\)` at \S*ps_hang_script.py:{lines[0]} \(step 3\), "
+                     r"not in a collective", message), message
+    assert re.search(r"chief waits in #\d+ rpc run .* at \S*ps_hang_script.py:\d+ `coordinator.join\(\)`", message), message
+    assert "=== ps 0" in _stacks(message)
