@@ -60,15 +60,35 @@ from stratagem.comm.collective import copy_gradients
 _eager = torch.compiler.disable(reason="stratagem: gradient hooks run eagerly (they exchange gradients)")
 
 
+def _hook_eager(hook: Any) -> Any:
+    """``hook``, which torch's autograd engine calls (never traced into), run eagerly as
+    :data:`_eager` would, at no cost per call: dynamo is told to leave its code, and every frame it
+    calls, alone (torch's frame strategy; :data:`_eager`'s wrapper where this torch has none). Two
+    such hooks fire per parameter and backward, where a wrapper's calls cost several percent of a
+    small model's step."""
+    if _SKIP_RECURSIVELY is None:
+        return _eager(hook)
+    set_code_exec_strategy(hook.__code__, _SKIP_RECURSIVELY)
+    return hook
+
+
+try:
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    _SKIP_RECURSIVELY: Any = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+except ImportError:   # (a torch without per-code frame strategies)
+    _SKIP_RECURSIVELY = None
+
+
 class _Backward:
     """What one backward pass (one autograd graph task) did to this placement's tensors."""
 
-    __slots__ = ("replicas", "accumulated", "sync")
+    __slots__ = ("replicas", "accumulated", "sync", "packs")
 
     def __init__(self, sync: bool):
         self.replicas: set[int] = set()
         self.accumulated: set[tuple[int, int]] = set()   # (replica, parameter index)
         self.sync = sync
+        self.packs: Any = None   # where packs leave during backward: looked up once per pass
 
 
 class GradientSync:
@@ -160,7 +180,7 @@ class GradientSync:
         return task
 
     def _prehook(self, replica: int, index: int, p: torch.Tensor) -> Any:
-        @_eager
+        @_hook_eager
         def set_aside(grad_outputs: Any) -> None:
             self._task(replica)
             grad = p.grad
@@ -174,14 +194,16 @@ class GradientSync:
             return None
         return set_aside
 
-    @_eager
+    @_hook_eager
     def _accumulated(self, p: torch.Tensor) -> None:
         replica, index = self._where[id(p)]
         task = self._task(replica)
         task.replicas.add(replica)
         task.accumulated.add((replica, index))
         if task.sync and self._collective.overlaps_backward:   # one local replica: its pack may leave now
-            self._collective.gradient_packs(self._replicas[replica]).ready(p)
+            if task.packs is None:
+                task.packs = self._collective.gradient_packs(self._replicas[replica])
+            task.packs.ready(p)
 
     # --------------------------------------------------------- end of backward
 
