@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.comm.compression import Exact
+from stratagem.observe import flight
 from stratagem.values import is_dtensor
 
 DEFAULT_BYTES_PER_PACK = 25 << 20   # DistributedDataParallel's bucket_cap_mb
@@ -47,7 +48,7 @@ FIRST_PACK_BYTES = 1 << 20          # a small first pack starts communication ea
 
 class _Pack:
     __slots__ = ("params", "offsets", "slots", "buffer", "flags", "present", "filled", "work", "stale", "index",
-                 "rounds", "coded")
+                 "rounds", "coded", "seq")
 
     def __init__(self, params: list[torch.Tensor], index: int):
         self.params = params
@@ -69,6 +70,7 @@ class _Pack:
         self.stale = False
         self.rounds: Any = None   # the codec's rounds once the first has left
         self.coded: Any = None    # the codec's own state for this pack
+        self.seq = 0              # its record in the flight recorder, from launch to the end of its wait
 
     def slot(self, i: int) -> torch.Tensor:
         return self.slots[i]
@@ -155,7 +157,8 @@ class GradientPacks:
                 return
             pack.seal()
             pack.rounds = self._codec.rounds(pack)
-            with group.guard("gradient all_reduce"):
+            pack.seq = flight.begin("gradient all_reduce", pack.buffer.nbytes, group.peers)
+            with group.guard("gradient all_reduce", record=False):
                 pack.work = dist.all_reduce(next(pack.rounds), group=group.group, async_op=True)
             self._next_launch += 1
 
@@ -164,12 +167,13 @@ class GradientPacks:
     def finish(self) -> None:
         """Launch what backward did not, wait for everything, write the sums to ``.grad``."""
         group = self._group
-        with group.guard("gradient all_reduce"):
+        with group.guard("gradient all_reduce", record=False):
             for pack in self.packs[self._next_launch:]:  # in index order, like every worker
                 for i in range(len(pack.params)):
                     pack.fill(i)
                 pack.seal()
                 pack.rounds = self._codec.rounds(pack)
+                pack.seq = flight.begin("gradient all_reduce", pack.buffer.nbytes, group.peers)
                 pack.work = dist.all_reduce(next(pack.rounds), group=group.group, async_op=True)
             for pack in self.packs:
                 pack.work.wait()
@@ -181,6 +185,7 @@ class GradientPacks:
                     pack.rounds = self._codec.rounds(pack)
                 for wire in pack.rounds:   # the codec's further rounds (or the first, summed again)
                     dist.all_reduce(wire, group=group.group)
+                flight.end(pack.seq)
                 present = pack.flags.tolist()
                 for i, p in enumerate(pack.params):
                     if present[i] != 0:

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 import stratagem as sg
 from stratagem.testing import assert_succeeded, run_local_cluster
 
-from ..strategies import tp_script
+from ..placement.layout import tp_script
 from . import tp_ckpt_script as script
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]

@@ -3,8 +3,8 @@
 The parameters of every optimizer created in scope are laid end to end and cut into one
 contiguous range per worker. Worker ``r`` keeps the optimizer state of range ``r`` only
 (a range optimizer over views of its parameters: :mod:`.zero_ranges`, the ranges a pipeline's
-data axis is cut in too) and updates only that range; the updated ranges are then all-gathered so that every worker again
-holds the whole model for the next forward pass.
+data axis is cut in too) and updates only that range; the updated ranges are then all-gathered
+so that every worker again holds the whole model for the next forward pass.
 
 Stages (``MultiWorkerMirroredStrategy(sharding=...)``):
 

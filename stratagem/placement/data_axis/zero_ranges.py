@@ -47,18 +47,13 @@ class ZeroRanges:
 
     Example::
 
-        import torch
-        from stratagem.placement.data_axis.zero_ranges import ZeroRanges
-
-        class Alone:   # an axis of one process
-            worker_index, num_workers = 0, 1
-
-        p = torch.nn.Parameter(torch.ones(3))
-        optimizer = torch.optim.SGD([p], lr=0.5)
-        ranges = ZeroRanges(optimizer, Alone(), "optimizer", between="workers", instead="")
-        p.grad = torch.ones(3)
-        ranges.step(reduced=False)
-        assert p.tolist() == [0.5, 0.5, 0.5] and ranges.bounds == [0, 3]
+        import torch, stratagem as sg
+        strategy = sg.MultiWorkerMirroredStrategy(sharding="optimizer")   # no cluster: one worker
+        with strategy.scope():
+            model = torch.nn.Linear(2, 1)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        ranges = strategy.placement.update.ranges(optimizer)   # ZeroUpdate's, built at first use
+        assert ranges.bounds == [0, 3] and len(ranges.params) == 2 and ranges.scattered is None
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, axis: Collective, stage: str, *, between: str,
