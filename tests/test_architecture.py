@@ -75,6 +75,7 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
                                          "launch` must not pay for the others (torch, grpc)",
     ("stratagem.cli", "stratagem.launch"): "a command line imports only the subcommand it names",
     ("stratagem.cli", "stratagem.ps.server"): "a command line imports only the subcommand it names",
+    ("stratagem.cli", "stratagem.observe.command"): "a command line imports only the subcommand it names",
     ("stratagem.ps.server", "stratagem.ps.service"):
         "`stratagem server` loads the service of its own task type only, named in SERVICES so that "
         "register_service() can replace it",
@@ -461,7 +462,7 @@ def test_type_checking_imports_and_functions_are_told_apart(tmp_path: Path, monk
 #: The layers of docs/architecture.md's drawing, bottom up (the root ``stratagem/__init__.py``,
 #: the public names loaded on first use, reads them all and sits in none).
 BELOW_CORE = ("stratagem.errors", "stratagem.values", "stratagem.devices", "stratagem.data", "stratagem.cluster",
-              "stratagem._frames", "stratagem._profiling", "stratagem._record")
+              "stratagem._frames", "stratagem._profiling", "stratagem._record", "stratagem.observe")
 CORE = ("stratagem._context", "stratagem.strategies", "stratagem.placement", "stratagem.comm", "stratagem.nn")
 BUILT_ON_CORE = ("stratagem.keras", "stratagem.checkpoint", "stratagem.callbacks", "stratagem.metrics",
                  "stratagem.models", "stratagem.mixed_precision", "stratagem.preemption", "stratagem.ps",

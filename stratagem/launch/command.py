@@ -18,6 +18,7 @@ Commands::
                                                           # (TF_CONFIG task type "evaluator")
     stratagem launch --join-timeout 1800 train.py         # the tasks may take 30 minutes to
                                                           # reach their strategy (default: 600 s)
+    stratagem launch --timeline trace.json train.py       # one Chrome/Perfetto trace of every task
     python -m stratagem.launch --workers 2 train.py       # the same, without the stratagem command
 """
 
@@ -123,6 +124,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="let the script's arguments differ from node to node (give it on every "
                             "node); without it a node started with other arguments is refused, as is "
                             "one with other options or another script")
+    parser.add_argument("--timeline", default=None, metavar="PATH",
+                        help="record every task's steps and write them, merged, to PATH as one "
+                             "Chrome/Perfetto trace when the job ends (docs/observability.md)")
     add_ray_arguments(parser)   # --ray ADDRESS and the --ray-* options (ray_command.py)
     parser.add_argument("script", metavar="SCRIPT", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
@@ -132,6 +136,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     """The subcommand's handler: launch, and return the exit status (2 for bad input)."""
     try:
+        if args.timeline is not None and (args.ray or args.nnodes is not None or args.rdzv is not None):
+            raise InvalidArgumentError(
+                "--timeline merges the traces of the tasks of one machine; with --nnodes or --ray, open "
+                "sg.experimental.Timeline(path) in the script instead (docs/observability.md).")
         if args.ray:   # on a Ray cluster (ray_command.py)
             return run_ray(args)
         if args.nnodes is not None or args.rdzv is not None or args.node_rank is not None:
@@ -143,7 +151,7 @@ def run_launch(args: argparse.Namespace) -> int:
                             port_base=args.port_base, host=args.host or "127.0.0.1",
                             grace_period=args.grace_period, num_evaluators=args.evaluator,
                             evaluator_timeout=args.evaluator_timeout,
-                            join_timeout=args.join_timeout)
+                            join_timeout=args.join_timeout, timeline=args.timeline)
     except StratagemError as err:
         print(f"stratagem launch: error: {err}", file=sys.stderr)
         return 2

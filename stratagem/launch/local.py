@@ -83,6 +83,9 @@ from stratagem.launch.output import TaskOutput
 from stratagem.launch.ports import format_address, free_ports, ports_from_base
 from stratagem.launch.supervisor import EXIT_STATUS_ON_SIGNAL, Supervisor
 from stratagem.launch.tasks import Task, plan_cluster, tf_config, torchrun_variables
+from stratagem.launch.timeline import check_timeline, write_timeline
+from stratagem.observe.chrome import FOLDER_VARIABLE
+from stratagem.observe.epochs import EPOCH_VARIABLE
 
 __all__ = ["RESTART_VARIABLE", "TOKEN_VARIABLE", "launch_local"]
 
@@ -134,7 +137,7 @@ def task_env(base: Mapping[str, str], spec: ClusterSpec, task: Task, token: str,
     env = {key: value for key, value in base.items() if key not in TORCHRUN_VARIABLES
            and not key.startswith("TORCHELASTIC_")}
     env.update({"TF_CONFIG": tf_config(spec, task), TOKEN_VARIABLE: token, "PYTHONUNBUFFERED": "1",
-                RESTART_VARIABLE: str(restart), **torchrun_variables(spec, task)})
+                RESTART_VARIABLE: str(restart), EPOCH_VARIABLE: "1", **torchrun_variables(spec, task)})
     return env
 
 
@@ -157,7 +160,8 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
                  grace_period: float = 5.0, stdout: TextIO | None = None,
                  stderr: TextIO | None = None,
                  server_command: Sequence[str] | None = None, num_evaluators: int = 0,
-                 evaluator_timeout: float = 600.0, join_timeout: float = 600.0) -> int:
+                 evaluator_timeout: float = 600.0, join_timeout: float = 600.0,
+                 timeline: "str | os.PathLike[str] | None" = None) -> int:
     """Runs ``script`` as a local cluster on ``host``; returns the job's exit status.
 
     The tasks are a chief (with ``chief=True``, or whenever ``num_ps > 0``), ``num_workers``
@@ -239,10 +243,12 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
                                    num_evaluators=num_evaluators)
         return tasks, [task_env(os.environ, spec, task, token, restart) for task in tasks]
 
+    trace_path = check_timeline(timeline)
     joined = tempfile.mkdtemp(prefix="stratagem-joined-")   # where tasks say they took part
+    traces = {FOLDER_VARIABLE: tempfile.mkdtemp(prefix="stratagem-timeline-")} if trace_path else {}
 
     def environments(restart: int) -> list[dict[str, str]]:
-        return [{**env, JOINED_VARIABLE: joined} for env in (plan(restart)[1] if restart else first)]
+        return [{**env, JOINED_VARIABLE: joined, **traces} for env in (plan(restart)[1] if restart else first)]
 
     tasks, first = plan(0)
     errors = sys.stderr if stderr is None else stderr
@@ -259,6 +265,8 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
         return status
     finally:
         shutil.rmtree(joined, ignore_errors=True)
+        if traces:
+            write_timeline(traces[FOLDER_VARIABLE], trace_path, output)
 
 
 def _check_joined(tasks: Sequence[Task], joined: set[str], script: str, errors: TextIO) -> int:
