@@ -40,13 +40,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from stratagem.comm.compression import Exact
+from stratagem.observe import flight
 
 DEFAULT_BYTES_PER_PACK = 25 << 20   # DistributedDataParallel's bucket_cap_mb
 FIRST_PACK_BYTES = 1 << 20          # a small first pack starts communication early
 
 
 class _Pack:
-    __slots__ = ("params", "offsets", "buffer", "flags", "filled", "work", "stale", "index", "rounds", "coded")
+    __slots__ = ("params", "offsets", "buffer", "flags", "filled", "work", "stale", "index", "rounds", "coded", "seq")
 
     def __init__(self, params: list[torch.Tensor], index: int):
         self.params = params
@@ -64,6 +65,7 @@ class _Pack:
         self.stale = False
         self.rounds: Any = None   # the codec's rounds once the first has left
         self.coded: Any = None    # the codec's own state for this pack
+        self.seq = 0              # its record in the flight recorder, from launch to the end of its wait
 
     def slot(self, i: int) -> torch.Tensor:
         p = _local(self.params[i])
@@ -145,7 +147,8 @@ class GradientPacks:
             if pack.filled < len(pack.params):
                 return
             pack.rounds = self._codec.rounds(pack)
-            with group.guard("gradient all_reduce"):
+            pack.seq = flight.begin("gradient all_reduce", pack.buffer.nbytes, group.peers)
+            with group.guard("gradient all_reduce", record=False):
                 pack.work = dist.all_reduce(next(pack.rounds), group=group.group, async_op=True)
             self._next_launch += 1
 
@@ -154,11 +157,12 @@ class GradientPacks:
     def finish(self) -> None:
         """Launch what backward did not, wait for everything, write the sums to ``.grad``."""
         group = self._group
-        with group.guard("gradient all_reduce"):
+        with group.guard("gradient all_reduce", record=False):
             for pack in self.packs[self._next_launch:]:  # in index order, like every worker
                 for i in range(len(pack.params)):
                     pack.fill(i)
                 pack.rounds = self._codec.rounds(pack)
+                pack.seq = flight.begin("gradient all_reduce", pack.buffer.nbytes, group.peers)
                 pack.work = dist.all_reduce(next(pack.rounds), group=group.group, async_op=True)
             for pack in self.packs:
                 pack.work.wait()
@@ -169,6 +173,7 @@ class GradientPacks:
                     pack.rounds = self._codec.rounds(pack)
                 for wire in pack.rounds:   # the codec's further rounds (or the first, summed again)
                     dist.all_reduce(wire, group=group.group)
+                flight.end(pack.seq)
                 present = pack.flags.tolist()
                 for i, p in enumerate(pack.params):
                     if present[i] != 0:
