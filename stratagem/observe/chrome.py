@@ -45,7 +45,7 @@ def merge(parts: Iterable[tuple[str, list[dict]]]) -> dict[str, Any]:
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
         events.extend(dict(event, pid=pid) for event in own)
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"clock": "wall clock (time.time_ns) of each task's host; tasks on one host align exactly"}}
+            "otherData": {"clock": "wall clock (time.time_ns) of each task's host; tasks on one host align to microseconds"}}
 
 
 def merge_folder(folder: str) -> dict[str, Any]:

@@ -19,7 +19,8 @@ loop does between runs (callbacks, logging); the spans of a step nest inside its
 
 Clocks: each process anchors ``perf_counter_ns`` to the wall clock (``time.time_ns``) once, at
 import; events carry wall-clock microseconds. Processes on one host share that clock, so their
-tracks line up exactly; across hosts they line up as well as the hosts' clocks agree (NTP).
+tracks line up to within microseconds (the anchor's two reads); across hosts they line up as well
+as the hosts' clocks agree (NTP).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import time
 from collections import deque
 from typing import Any
 
+from stratagem.observe import flight
 from stratagem.observe.chrome import FOLDER_VARIABLE
 
 __all__ = ["ON", "STEPS", "Span", "add", "chrome_events", "count_steps", "span", "start", "stop", "take"]
@@ -45,6 +47,9 @@ _COUNT_ASKED = False
 
 now = time.perf_counter_ns
 _PERF0, _WALL0 = time.perf_counter_ns(), time.time_ns()
+# the flight recorder's clock (time.monotonic) in ours: the same clock where both read CLOCK_MONOTONIC
+_SAME_CLOCK = time.get_clock_info("perf_counter").implementation == time.get_clock_info("monotonic").implementation
+_MONO_OFFSET = 0 if _SAME_CLOCK else time.perf_counter_ns() - int(time.monotonic() * 1e9)
 _MAIN = threading.main_thread().ident
 
 #: the categories of the profiler labels that the step clock and the picture tell apart
@@ -125,6 +130,33 @@ def add(name: str, cat: str, t0: int, t1: int, args: dict | None = None, track: 
         _EVENTS.append((name, cat, where, t0, t1, args))
 
 
+def watch_stage(stage: Any, index: int) -> Any:
+    """``stage`` (torch's ``PipelineStage``), whose micro-batches go on the timeline's lane
+    ``stage <index>`` while it records: each chunk's forward, backward (and weight backward under
+    zero-bubble schedules), so the pipeline's bubble shows. Wraps the three methods of this
+    object only (one flag check a chunk while off)."""
+    for method, name in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
+                         ("backward_weight_one_chunk", "backward (weights)")):
+        inner = getattr(stage, method, None)
+        if inner is not None:
+            setattr(stage, method, _stage_chunk(inner, name, index))
+    return stage
+
+
+def _stage_chunk(inner: Any, name: str, index: int) -> Any:
+    track = f"stage {index}"
+
+    def chunk(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if not ON:
+            return inner(chunk_id, *args, **kwargs)
+        t0 = now()
+        try:
+            return inner(chunk_id, *args, **kwargs)
+        finally:
+            add(name, "stage", t0, now(), {"stage": index, "microbatch": chunk_id}, track=track)
+    return chunk
+
+
 def _count(name: str, cat: str, ident: int, t0: int, t1: int, args: dict | None) -> None:
     clock = _CLOCK
     if cat == "exchange":
@@ -148,13 +180,41 @@ def _count(name: str, cat: str, ident: int, t0: int, t1: int, args: dict | None)
 
 
 def _set(timeline: bool | None = None, counting: bool | None = None) -> None:
-    global ON, TIMELINE, _COUNTING, _COUNT_ASKED
+    global ON, TIMELINE, _COUNTING, _COUNT_ASKED, _LISTENING
     if timeline is not None:
         TIMELINE = timeline
     if counting is not None:
         _COUNT_ASKED = counting
     _COUNTING = _COUNT_ASKED or TIMELINE   # (a timeline's step spans come from the clock)
     ON = _COUNTING
+    if ON and _LISTENING is None:   # the collectives, as the flight recorder sees them end
+        _LISTENING = flight.add_listener(_collective)
+    elif not ON and _LISTENING is not None:
+        _LISTENING()
+        _LISTENING = None
+
+
+_LISTENING: Any = None   # the flight recorder's remover of our listener, while attached
+_LANES: list[int] = []   # the exchange lanes' last ends: packs in flight together get a lane each
+
+
+def _collective(r: "flight.Record") -> None:
+    """A collective ended (the flight recorder's listener): a gradient pack on an exchange lane,
+    from its launch during backward to its sum; any other on the thread that waited for it."""
+    if r.end_monotonic is None:
+        return
+    t0 = round(r.start_monotonic * 1e9) + _MONO_OFFSET
+    t1 = round(r.end_monotonic * 1e9) + _MONO_OFFSET
+    args = {"seq": r.seq, "bytes": r.nbytes, "peers": r.peers}
+    if r.kind != "gradient all_reduce":   # (a blocking call: it nests in its thread's spans)
+        add(r.kind, "collective", t0, t1, args)
+        return
+    # a pack outlives the backward that launched it: a lane of its own, the first one free
+    lane = next((i for i, end in enumerate(_LANES) if end <= t0), len(_LANES))
+    if lane == len(_LANES):
+        _LANES.append(t1)
+    _LANES[lane] = t1
+    add("exchange", "exchange", t0, t1, args, track=f"exchange {lane}")
 
 
 def new_epoch() -> None:
@@ -246,6 +306,7 @@ class _FolderWriter:
         self.path = os.path.join(folder, f"{stem}-{os.getpid()}.jsonl")
         self.lock = threading.Lock()
         self.numbers: dict[Any, int] = {}
+        self.pid = os.getpid()
         with open(self.path, "w") as f:
             f.write(json.dumps({"task": self.name, "pid": os.getpid()}) + "\n")
         start()
@@ -258,6 +319,8 @@ class _FolderWriter:
             self.flush()
 
     def flush(self) -> None:
+        if os.getpid() != self.pid:   # a forked child (a DataLoader worker) holds a copy of our events
+            return
         with self.lock:
             events, threads = take()
             if not events:
