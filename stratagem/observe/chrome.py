@@ -42,7 +42,8 @@ def merge(parts: Iterable[tuple[str, list[dict]]]) -> dict[str, Any]:
     events: list[dict] = []
     for pid, (task, own) in enumerate(sorted(parts, key=lambda part: _task_key(part[0]))):
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": task}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
+                       "args": {"sort_index": pid}})
         events.extend(dict(event, pid=pid) for event in own)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"clock": "wall clock (time.time_ns) of each task's host; tasks on one host align to microseconds"}}

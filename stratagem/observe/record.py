@@ -146,14 +146,15 @@ def watch_stage(stage: Any, index: int) -> Any:
 def _stage_chunk(inner: Any, name: str, index: int) -> Any:
     track = f"stage {index}"
 
-    def chunk(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+    def chunk(*args: Any, **kwargs: Any) -> Any:
         if not ON:
-            return inner(chunk_id, *args, **kwargs)
+            return inner(*args, **kwargs)
         t0 = now()
         try:
-            return inner(chunk_id, *args, **kwargs)
+            return inner(*args, **kwargs)
         finally:
-            add(name, "stage", t0, now(), {"stage": index, "microbatch": chunk_id}, track=track)
+            number = args[0] if args else next(iter(kwargs.values()), None)   # (the micro-batch's index)
+            add(name, "stage", t0, now(), {"stage": index, "microbatch": number}, track=track)
     return chunk
 
 
@@ -195,7 +196,8 @@ def _set(timeline: bool | None = None, counting: bool | None = None) -> None:
 
 
 _LISTENING: Any = None   # the flight recorder's remover of our listener, while attached
-_LANES: list[int] = []   # the exchange lanes' last ends: packs in flight together get a lane each
+_LANES: dict[str, list[int]] = {}   # each lane family's last ends: spans in flight together get a lane each
+_LANES_LOCK = threading.Lock()
 
 
 def _collective(r: "flight.Record") -> None:
@@ -206,15 +208,21 @@ def _collective(r: "flight.Record") -> None:
     t0 = round(r.start_monotonic * 1e9) + _MONO_OFFSET
     t1 = round(r.end_monotonic * 1e9) + _MONO_OFFSET
     args = {"seq": r.seq, "bytes": r.nbytes, "peers": r.peers}
-    if r.kind != "gradient all_reduce":   # (a blocking call: it nests in its thread's spans)
+    pack = r.kind == "gradient all_reduce"
+    if not pack and r.thread == threading.get_ident():   # a blocking call: it nests in its thread's spans
         add(r.kind, "collective", t0, t1, args)
         return
-    # a pack outlives the backward that launched it: a lane of its own, the first one free
-    lane = next((i for i, end in enumerate(_LANES) if end <= t0), len(_LANES))
-    if lane == len(_LANES):
-        _LANES.append(t1)
-    _LANES[lane] = t1
-    add("exchange", "exchange", t0, t1, args, track=f"exchange {lane}")
+    # a pack outlives the backward that launched it, an asynchronous call ends on another thread:
+    # each on a lane of its family, the first one free
+    family = "exchange" if pack else "in flight"
+    with _LANES_LOCK:
+        lanes = _LANES.setdefault(family, [])
+        lane = next((i for i, end in enumerate(lanes) if end <= t0), len(lanes))
+        if lane == len(lanes):
+            lanes.append(t1)
+        lanes[lane] = t1
+    add("exchange" if pack else r.kind, "exchange" if pack else "collective", t0, t1, args,
+        track=f"{family} {lane}")
 
 
 def new_epoch() -> None:
@@ -229,9 +237,10 @@ def steps_done() -> int:
     return _CLOCK.count
 
 
-def count_steps() -> None:
-    """Keep the step clock (:data:`STEPS`) from now on: cheap sums per step, no events."""
-    _set(counting=True)
+def count_steps(on: bool = True) -> None:
+    """Keep the step clock (:data:`STEPS`) from now on (``on=False``: stop, unless a timeline
+    is open): cheap sums per step, no events."""
+    _set(counting=on)
 
 
 def start() -> None:

@@ -384,7 +384,7 @@ class Strategy:
         return CrossReplicaCollectives(self)
 
     def experimental_step_report(self) -> str:
-        """The straggler table of the steps so far: every worker calls it (:func:`~stratagem.observe.report.step_report`)."""
+        """The straggler table of the steps so far; every worker calls it (``observe/report.py``)."""
         return step_report(self)
 
     def _check_owned(self, structure: Any, method: str) -> None:
