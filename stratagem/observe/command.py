@@ -34,7 +34,7 @@ def run_timeline(args: argparse.Namespace) -> int:
         print(format_report([dict(summarize(rows, worker=0), worker=task) for task, rows in steps.items()]))
     if args.png:
         try:
-            draw(trace, args.png, title=args.title or args.path)
+            draw(trace, args.png, title=args.title or args.path, everything=args.all)
         except (ImportError, ValueError, OSError) as err:
             print(f"stratagem timeline: error: {err}", file=sys.stderr)
             return 2
@@ -52,5 +52,7 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     parser.add_argument("path", metavar="PATH", help="the trace (JSON)")
     parser.add_argument("--png", default=None, metavar="OUT", help="draw the trace to this PNG file (needs matplotlib)")
     parser.add_argument("--title", default=None, help="the picture's title (default: PATH)")
+    parser.add_argument("--all", action="store_true",
+                        help="draw the whole trace (start-up and shutdown too), not only the steps")
     parser.set_defaults(func=run_timeline, handler=run_timeline)
     return parser

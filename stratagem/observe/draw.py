@@ -28,7 +28,7 @@ __all__ = ["COLORS", "draw", "trace_steps"]
 COLORS = {"step": "#e8e8e8", "run": "#c8c8c8", "forward": "#4c72b0", "backward": "#dd8452",
           "optimizer": "#55a868", "wait": "#c44e52", "input": "#8172b3", "exchange": "#937860",
           "checkpoint": "#222222", "closure": "#64b5cd", "ps": "#ccb974", "rpc": "#a6a6a6",
-          "metrics": "#b5cf6b", "collective": "#c44e52", "stage": "#4c72b0", "compute": "#9ecae1"}
+          "metrics": "#b5cf6b", "collective": "#e377c2", "stage": "#4c72b0", "compute": "#9ecae1"}
 
 
 def _kind(event: dict) -> str:
@@ -90,9 +90,11 @@ def _depths(spans: list[dict]) -> list[int]:
     return depths
 
 
-def draw(trace: dict, out: str, *, title: str = "", width: float = 14.0) -> str:
-    """Draw ``trace`` to the PNG file ``out``; return ``out``. Needs matplotlib
-    (``pip install 'stratagem[timeline]'``): an ImportError says so."""
+def draw(trace: dict, out: str, *, title: str = "", width: float = 14.0, everything: bool = False) -> str:
+    """Draw ``trace`` to the PNG file ``out``; return ``out``. Only the stretch from the first
+    step to the end of the last one (the first closure to the last under a parameter-server
+    coordinator), unless ``everything`` (start-up and shutdown too) or the trace has neither. Needs matplotlib (``pip install 'stratagem[timeline]'``): an ImportError
+    says so."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -106,7 +108,12 @@ def draw(trace: dict, out: str, *, title: str = "", width: float = 14.0) -> str:
     spans = [e for e in events if e.get("ph") == "X"]
     if not spans:
         raise ValueError("the trace holds no spans to draw: did the job run a step while the timeline was on?")
-    origin = min(e["ts"] for e in spans)
+    # the steps (a parameter-server coordinator: the closures it sent) set the stretch drawn
+    steps = [e for e in spans if e["name"] == "step"] or [e for e in spans if e["name"] == "closure"]
+    if steps and not everything:   # the steps' stretch: what start-up and shutdown would squeeze
+        first, last = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
+        spans = [e for e in spans if e["ts"] < last and e["ts"] + e["dur"] > first]
+    origin = min(e["ts"] for e in steps) if steps and not everything else min(e["ts"] for e in spans)
     lanes = sorted({(e["pid"], e["tid"]) for e in spans})
     row = {lane: i for i, lane in enumerate(lanes)}
     figure, axes = plt.subplots(figsize=(width, 1.0 + 0.45 * len(lanes)))
@@ -119,10 +126,13 @@ def draw(trace: dict, out: str, *, title: str = "", width: float = 14.0) -> str:
             height = max(0.2, 0.8 - 0.18 * depth)
             axes.broken_barh([((e["ts"] - origin) / 1e3, max(e["dur"] / 1e3, 1e-3))],
                              (row[lane] - height / 2, height), facecolors=COLORS[kind], linewidth=0)
+    if steps and not everything:
+        axes.set_xlim(-0.01 * (last - first) / 1e3, 1.01 * (last - first) / 1e3)
     axes.set_yticks(range(len(lanes)))
     axes.set_yticklabels([f"{processes.get(p, p)} / {threads.get((p, t), t)}" for p, t in lanes])
     axes.invert_yaxis()
-    axes.set_xlabel("milliseconds from the first span")
+    axes.set_xlabel(f"milliseconds from the first {steps[0]['name']}" if steps and not everything else
+                    "milliseconds from the first span")
     axes.legend(handles=[Patch(color=COLORS[k], label=k) for k in COLORS if k in seen],
                 loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     axes.set_title(title or "stratagem timeline")
