@@ -77,7 +77,7 @@ def write(trace: dict[str, Any], path: str) -> str:
     os.makedirs(folder, exist_ok=True)
     partial = f"{path}.partial"
     with open(partial, "w") as f:
-        json.dump(trace, f)
+        f.write(json.dumps(trace))   # (json.dumps encodes in C; json.dump's streaming in Python is 10x slower)
     os.replace(partial, path)
     return path
 
