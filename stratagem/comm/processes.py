@@ -58,7 +58,7 @@ from stratagem.comm import agreement
 from stratagem.comm.binding import bind_gloo
 from stratagem.comm.options import CommunicationImplementation, CommunicationOptions
 from stratagem.errors import InvalidArgumentError, UnavailableError
-from stratagem.observe import flight
+from stratagem.observe import flight, hang_report
 
 DEFAULT_TIMEOUT_SECONDS = 180.0
 HEARTBEAT_SECONDS = 1.0
@@ -215,7 +215,8 @@ class WorkerGroup:
                 f"{what} failed on {self.names[self.rank]}: {who} stopped answering "
                 f"(timeout {self.timeout:g} s; {type(error).__name__}: {first_line}{heartbeat}). "
                 f"The other workers cannot continue without it: restart the job (stratagem launch "
-                f"--max-restarts) and restore from the last checkpoint",
+                f"--max-restarts) and restore from the last checkpoint. Where the tasks stand:\n"
+                f"{hang_report.report(self.names[self.rank])}",
                 task=lost[0] if lost else None) from error
         finally:
             if seq:

@@ -5,8 +5,8 @@ gradient pack from its launch to the end of its wait), the replica threads' sums
 parameter-server RPC call -- is recorded here: a sequence number (per process, from 1), its
 kind (what stratagem calls it: ``"gradient all_reduce"``, ``"strategy.reduce"``,
 ``"rpc push"``), the bytes it moves (0 where unknown), its peers, the step it belongs to (how
-many ``strategy.run`` calls this process had begun), the thread, and when it started and
-ended (``time.monotonic()`` and the wall clock). The last :data:`CAPACITY` records are kept
+many ``strategy.run`` calls -- on a parameter-server worker, closures -- this process had
+begun), the thread, and when it started and ended (``time.monotonic()`` and the wall clock). The last :data:`CAPACITY` records are kept
 in a ring. It is always on: a record is one tuple written into a list slot at the start and
 one float at the end, and nothing else is allocated unless a listener is attached.
 
@@ -87,14 +87,16 @@ def begin(kind: str, nbytes: int = 0, peers: str = "") -> int:
 def end(seq: int) -> None:
     """Records the end of collective ``seq`` (whether it succeeded or raised)."""
     slot = seq % CAPACITY
+    start = _starts[slot]
+    if start is None or start[0] != seq:   # overwritten meanwhile by newer records
+        return
     _ends[slot] = now = _monotonic()
-    _state["completed"] += 1
+    if not start[1].startswith("rpc "):
+        _state["completed"] += 1
     if seq > _state["last"]:
         _state["last"] = seq
     if _listeners:
-        start = _starts[slot]
-        if start is not None and start[0] == seq:
-            _tell(Record(*start, now))
+        _tell(Record(*start, now))
 
 
 class record:  # noqa: N801 - used like a function: ``with flight.record(kind, nbytes, peers):``
@@ -125,7 +127,8 @@ def step() -> int:
 
 def progress() -> int:
     """A number that grows whenever this process makes progress (a step begins, a collective
-    ends); a hang watch compares it over time."""
+    ends); a hang watch compares it over time. RPC calls (kinds ``"rpc ..."``) do not count: a
+    coordinator keeps renewing its leases with healthy servers while its workers stand still."""
     return _state["step"] + _state["completed"]
 
 

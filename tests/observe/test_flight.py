@@ -74,6 +74,9 @@ def test_steps_and_progress() -> None:
     assert flight.step() == before_step + 1
     assert flight.progress() == before + 2
     assert [r.step for r in flight.records() if r.seq == seq] == [before_step + 1]
+    with flight.record("rpc renew_lease"):   # housekeeping calls are no progress
+        pass
+    assert flight.progress() == before + 2
 
 
 def test_threads_record_side_by_side() -> None:
