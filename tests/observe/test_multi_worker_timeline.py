@@ -74,3 +74,41 @@ def test_stratagem_launch_timeline_merges_every_task(tmp_path) -> None:
     assert sorted(process_names(trace).values()) == ["worker 0", "worker 1"]
     assert_nested(trace)
     assert assert_steps_add_up(trace) == 2 * 2 * 12
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _launched(tmp_path: Path, script: Path, args: list[str], **shape) -> dict:
+    out, err = io.StringIO(), io.StringIO()
+    path = tmp_path / "job.json"
+    status = launch_local(script, args, timeline=str(path), stdout=out, stderr=err, join_timeout=200, **shape)
+    assert status == 0, out.getvalue() + err.getvalue()
+    trace = load(str(path))
+    assert_nested(trace)
+    return trace
+
+
+def test_a_pipelines_micro_batches_are_on_a_lane_per_stage(tmp_path) -> None:
+    trace = _launched(tmp_path, EXAMPLES / "pipeline.py", ["--schedule", "gpipe", "--steps", "3"], num_workers=2)
+    lanes = {(e["pid"], e["args"]["name"]): e["tid"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    for pid, stage in enumerate(("stage 0", "stage 1")):
+        on_lane = [e for e in spans(trace) if e["pid"] == pid and e["tid"] == lanes[(pid, stage)]]
+        # 3 training steps of 4 micro-batches, forward and backward (and the evaluation's forwards)
+        assert sum(e["name"] == "backward" for e in on_lane) == 12, stage
+        assert sum(e["name"] == "forward" for e in on_lane) >= 12, stage
+        assert {e["args"]["microbatch"] for e in on_lane} == {0, 1, 2, 3}
+
+
+def test_a_parameter_server_jobs_closures_go_from_the_coordinator_to_the_workers(tmp_path) -> None:
+    trace = _launched(tmp_path, EXAMPLES / "train_ps.py", ["--steps", "12"], num_workers=2, num_ps=1)
+    names = process_names(trace)
+    assert sorted(names.values()) == ["chief 0", "ps 0", "worker 0", "worker 1"]
+    by_task = {task: [e for e in spans(trace) if e["pid"] == pid] for pid, task in names.items()}
+    sent = [e for e in by_task["chief 0"] if e["name"] == "closure"]
+    ran = [e for task in ("worker 0", "worker 1") for e in by_task[task] if e["name"] == "stratagem.ps.closure"]
+    assert sent and ran and len(ran) >= len(sent) - 2   # (a worker killed at the end may lose its last second)
+    assert any(e["name"] == "stratagem.rpc.handle" for e in by_task["ps 0"])
+    # each closure ran on a worker while its dispatcher waited for it (one clock on one machine)
+    first = min(ran, key=lambda e: e["ts"])
+    assert any(s["ts"] <= first["ts"] and first["ts"] + first["dur"] <= s["ts"] + s["dur"] for s in sent)
