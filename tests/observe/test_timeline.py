@@ -82,3 +82,14 @@ def test_a_timeline_refuses_a_directory_and_a_non_path(tmp_path) -> None:
         sg.experimental.Timeline(tmp_path)
     with pytest.raises(InvalidArgumentError, match="path of the trace file"):
         sg.experimental.Timeline(3)
+
+
+def test_a_checkpoint_save_is_on_the_timeline(tmp_path) -> None:
+    strategy = sg.OneDeviceStrategy("cpu")
+    with strategy.scope():
+        net = _model()
+    checkpoint = sg.Checkpoint(model=net)
+    with sg.experimental.Timeline(tmp_path / "trace.json"):
+        checkpoint.save(str(tmp_path / "ckpt"))
+    saves = [e for e in spans(chrome.load(str(tmp_path / "trace.json"))) if e["name"] == "checkpoint save"]
+    assert len(saves) == 1 and saves[0]["cat"] == "checkpoint"
