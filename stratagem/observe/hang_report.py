@@ -267,15 +267,23 @@ def write_stacks(answers: Mapping[str, Answer | None], silent: Mapping[str, str]
     return os.fspath(path)
 
 
+_last_report: list = [0.0, ""]   # (time.monotonic(), text) of this process's last report
+
+
 def report(task: str) -> str:
     """For ``task``, whose collective just timed out: where every task of the job stands (only
     this one outside ``stratagem launch``) and the file with their stacks, as lines to add to
-    its error. Takes up to :data:`ANSWER_SECONDS`; never raises."""
+    its error. Takes up to :data:`ANSWER_SECONDS` (the same text again for ten seconds after:
+    a script that catches the error and retries does not wait each time); never raises."""
+    if _last_report[1] and time.monotonic() - _last_report[0] < 10.0:
+        return _last_report[1]
     try:
         folder = os.environ.get(OBSERVE_VARIABLE)
         tasks = registered(folder) if folder else {}
         answers = ask(folder, tasks) if tasks else {task: snapshot(task)}
         silent = {name: silence(tasks.get(name)) for name, answer in answers.items() if answer is None}
-        return f"{describe(answers, silent)}\nthe full stacks of every thread: {write_stacks(answers, silent)}"
+        text = f"{describe(answers, silent)}\nthe full stacks of every thread: {write_stacks(answers, silent)}"
+        _last_report[:] = [time.monotonic(), text]
+        return text
     except Exception as error:  # noqa: BLE001 - the error it adds to matters more
         return f"(where the tasks stand could not be found: {type(error).__name__}: {error})"

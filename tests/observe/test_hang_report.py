@@ -114,7 +114,9 @@ def test_a_question_nobody_answers_takes_the_time_given(tmp_path: Path) -> None:
 
 def test_report_outside_the_launcher_says_where_this_task_stands(monkeypatch) -> None:
     monkeypatch.delenv(answer.OBSERVE_VARIABLE, raising=False)
+    monkeypatch.setattr(hang_report, "_last_report", [0.0, ""])
     text = hang_report.report("worker 0")
+    assert hang_report.report("worker 0") == text   # (again within ten seconds: the same report)
     assert text.startswith("worker 0 ")
     path = text.rsplit("the full stacks of every thread: ", 1)[1]
     assert Path(path).read_text().startswith("=== worker 0 (pid")
