@@ -70,6 +70,9 @@ def test_stratagem_launch_timeline_merges_every_task(tmp_path) -> None:
                           join_timeout=200)
     assert status == 0, out.getvalue() + err.getvalue()
     assert f"timeline of 2 tasks written to {path}" in err.getvalue()
+    # the chief's epochs, each one line of the launcher's (and not the task's marker line)
+    assert "[launch] epoch 1/2: 768 samples in" in err.getvalue() and "[launch] epoch 2/2: 768 samples" in err.getvalue()
+    assert "stratagem-epoch-summary" not in out.getvalue()
     trace = json.loads(path.read_text())
     assert sorted(process_names(trace).values()) == ["worker 0", "worker 1"]
     assert_nested(trace)
