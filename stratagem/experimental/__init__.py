@@ -3,6 +3,7 @@
 - :class:`TensorParallelStrategy`: layers split over a ``{"data": d, "model": t}`` mesh of
   processes with torch's ``parallelize_module``, data parallel over ``d``
   (docs/tensor_parallel.md).
+- :class:`Timeline`: a Chrome/Perfetto trace of every step of the job (docs/observability.md).
 - :class:`PipelineStrategy`: an ``nn.Sequential`` cut into stages over a ``{"data": d, "pipe": p}``
   mesh of processes, run with torch's pipeline schedules (docs/pipeline.md).
 
@@ -11,6 +12,8 @@
 
 from stratagem.strategies.tensor_parallel import TensorParallelStrategy
 from stratagem.strategies.pipeline import PipelineStrategy
+from stratagem.experimental.timeline import Timeline
 
 __all__ = ["TensorParallelStrategy"]
 __all__ += ["PipelineStrategy"]
+__all__ += ["Timeline"]
