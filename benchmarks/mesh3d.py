@@ -6,7 +6,8 @@ plan=PLAN, sharding=..., schedule="1f1b")`` in the same 8 processes (gloo over l
 thread each), one configuration after the other. Model: ``nn.Sequential(Embedding(V, D), L x Block,
 Head)``, each block a LayerNorm, self-attention (q, k, v split by columns, the output projection by
 rows over the model axis) and an MLP (D -> 4D by columns, 4D -> D by rows); the head (LayerNorm,
-Linear(D, V)) is left whole. float32, Adam, cross-entropy over the next token.
+Linear(D, V)) is left whole. float32, Adam, cross-entropy over the next token. The analytic model is
+the library's (``stratagem.experimental.planning.memory``, which ``sg.experimental.plan`` uses).
 
 1. **Memory per rank** (bytes of the tensors' storages, not RSS), for each layout x ``sharding``:
    parameters and optimizer state between steps (after ``zero_grad(set_to_none=True)``), and the
@@ -47,6 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _harness import gpt as build  # noqa: E402
 
+from stratagem.experimental.planning.memory import model_states, rank_parameters, storage_bytes  # noqa: E402
+
 WORLD = 8
 SHARDINGS = (None, "optimizer", "gradients", "parameters")
 MEMORY_LAYOUTS = ((8, 1, 1), (2, 4, 1), (2, 1, 4), (2, 2, 2), (1, 2, 4))
@@ -55,34 +58,11 @@ PLAN = {"*.attn.q": "colwise", "*.attn.k": "colwise", "*.attn.v": "colwise", "*.
         "*.mlp.0": "colwise", "*.mlp.2": "rowwise"}
 
 
-def _storage_bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        if t is not None and not t.is_meta:
-            t = t.to_local() if hasattr(t, "to_local") else t
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
 def analytic_params(model, strategy, layout) -> float:
     """Ψ_r: this rank's parameters by the stage layout and the plan (before ZeRO)."""
-    import fnmatch
-    d, p, t = layout
     split = strategy.placement.split_of(model)
-    children = list(model.children())
-    names = [n for n, _ in model.named_children()]
-    total = 0.0
-    for stage in split.stages:
-        a, b = split.layout.bounds[stage]
-        for i in range(a, b):
-            for name, module in children[i].named_modules(prefix=names[i]):
-                style = next((s for pattern, s in PLAN.items() if fnmatch.fnmatchcase(name, pattern)), None)
-                for leaf, q in module.named_parameters(recurse=False):
-                    # colwise splits weight and bias; rowwise the weight only (its bias is added once, whole)
-                    split = style == "colwise" or (style == "rowwise" and leaf == "weight")
-                    total += q.numel() / t if split else q.numel()
-    return total
+    per_stage = rank_parameters(model, [split.layout.bounds[s] for s in split.stages], PLAN, layout[2])
+    return sum(per_stage)
 
 
 def worker(out: str, spec: str) -> None:
@@ -117,13 +97,13 @@ def worker(out: str, spec: str) -> None:
             optimizer.zero_grad(set_to_none=True)
             strategy.forward_backward(model, xb, yb)
             if measure:
-                entry["grads"] = _storage_bytes(q.grad for q in model.parameters())
+                entry["grads"] = storage_bytes(q.grad for q in model.parameters())
             optimizer.step()
         if kind == "memory":
             for _ in range(2):
                 strategy.run(step, args=(xs, ys, True))
             optimizer.zero_grad(set_to_none=True)
-            entry.update(params=_storage_bytes(model.parameters()), state=strategy.placement.state_bytes(optimizer),
+            entry.update(params=storage_bytes(model.parameters()), state=strategy.placement.state_bytes(optimizer),
                          psi_r=analytic_params(model, strategy, layout),
                          psi=sum(q.numel() for q in build(options["dim"], options["layers"], vocab,
                                                           options["heads"]).parameters()))
@@ -141,10 +121,7 @@ def worker(out: str, spec: str) -> None:
 
 
 def analytic(sharding, psi_r: float, d: int) -> tuple[float, float, float]:
-    params = 4 * psi_r / d if sharding == "parameters" else 4 * psi_r
-    grads = params
-    state = 8 * psi_r / d if sharding else 8 * psi_r
-    return params, grads, state
+    return model_states(psi_r, data=d, sharding=sharding, element_size=4, state_per_parameter=8)
 
 
 def main(argv=None) -> int:
