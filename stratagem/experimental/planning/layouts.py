@@ -9,8 +9,9 @@ micro-batch count and a schedule (only where ``p > 1``: ``p`` or ``2 p`` micro-b
 
 Which layouts are enumerated: ``p > 1`` needs an ``nn.Sequential`` with at least ``p`` places to
 cut (a cut never falls between a plan's ``"colwise"`` child and the ``"rowwise"`` one that closes
-it); ``t > 1`` needs a tensor-parallel plan; ``d`` must divide the global batch, and each data
-replica's rows the micro-batch count.
+it); ``t > 1`` needs a tensor-parallel plan, and ``sharding=`` an ``nn.Sequential`` too (as
+``PipelineStrategy`` does); ``d`` must divide the global batch, and each data replica's rows fill
+the micro-batches.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def enumerate_layouts(world: int, *, names: Sequence[str], sequential: bool, cos
                 continue
             points = found
         rows = global_batch // d
-        shardings = SHARDINGS if d > 1 else (None,)
+        shardings = SHARDINGS if d > 1 and sequential else (None,)   # ZeRO under a pipeline: nn.Sequential
         micro = [m for m in (p, 2 * p) if m <= rows] if p > 1 else [1]
         if not micro:
             refused.append((base, f"{rows} rows per data replica cannot fill {p} micro-batches"))

@@ -46,7 +46,7 @@ class Plan:
 
     Build it with :func:`plan`. ``plan.layout`` is the winner, ``plan.code`` the line that pins it,
     ``plan.strategy()`` builds it (in every process of the training cluster: a ``Plan`` pickles),
-    ``plan.rows`` the table, ``print(plan)`` prints the table and the line.
+    ``plan.rows`` the table, ``print(plan)`` prints the table and the line (:func:`plan`'s example).
     """
 
     def __init__(self, *, rows: list[PlanRow], layout: Layout, world: int, loss_fn: Callable,
@@ -117,7 +117,7 @@ def plan(model_fn: Callable[[], torch.nn.Module], sample_batch: tuple[torch.Tens
         # one process, started as stratagem.testing.run_local_cluster starts a test's
         chosen = sg.experimental.plan(mlp, (torch.randn(8, 16), torch.randn(8, 4)), 1,
                                       global_batch=8, time_budget_s=5, verbose=False)
-        assert chosen.layout.describe() == "1x1x1"   # one process: the one layout
+        assert chosen.layout.mesh == {"data": 1, "pipe": 1, "model": 1}   # one process: one mesh (recompute or not)
         print(chosen.code)   # strategy = sg.experimental.PipelineStrategy({'data': 1, ...}, loss_fn=loss_fn)
     """
     x, y = check_request(model_fn, sample_batch, global_batch=global_batch, optimizer=optimizer,
