@@ -47,7 +47,7 @@ class Layout:
     def describe(self) -> str:
         """A short name: ``2x1x1 zero-1``, ``1x2x1 1f1b m=4 recompute``."""
         text = f"{self.data}x{self.pipe}x{self.model}{_ZERO[self.sharding]}"
-        if self.pipe > 1:
+        if self.pipe > 1 and self.num_microbatches > 1:   # (a refused mesh has no schedule: just "1x4x1")
             text += f" {self.schedule} m={self.num_microbatches}"
         return text + (" recompute" if self.recompute else "")
 

@@ -13,8 +13,9 @@ global rank 0 writes the outcome to ``OUT``. In order, every process taking part
    each one's step time and memory, refuses those above the limit, and sends every process the
    cheapest ``num_measured`` (all of them when it is None);
 3. every process builds each of those layouts in turn, trains it for ``steps`` steps after one
-   warm-up step and one step that counts the model states' bytes, and the slowest process's median
-   step is the layout's time -- until ``time_budget_s`` has passed (at least one is measured).
+   warm-up step and one forward and backward that counts the gradients' bytes (the parameters' and
+   the optimizer state's are counted after the last step), and the slowest process's median step
+   is the layout's time -- until ``time_budget_s`` has passed (at least one is measured).
 
 A layout that raises on every process is recorded with its error and skipped; one that breaks
 only some processes leaves the others waiting, and the plan's deadline ends the cluster.
@@ -165,21 +166,32 @@ def _measure(spec: dict[str, Any], layout: Layout, batch: tuple[torch.Tensor, to
     (xs, ys), = list(strategy.experimental_distribute_dataset([batch]))
     grads = [0]
 
-    def step(count: bool) -> None:
+    def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         strategy.forward_backward(model, xs, ys)
-        if count:
-            grads[0] = storage_bytes(q.grad for q in model.parameters())
         optimizer.step()
 
+    def count() -> None:
+        """The gradients' bytes at their peak: when the schedule ends (under ZeRO-2, the whole local gradient
+        it holds until the reduce-scatter, which ``no_sync`` leaves in ``.grad``). No update."""
+        optimizer.zero_grad(set_to_none=True)
+        if layout.sharding == "gradients":
+            with strategy.no_sync():
+                strategy.forward_backward(model, xs, ys)
+        else:
+            strategy.forward_backward(model, xs, ys)
+        grads[0] = storage_bytes(q.grad for q in model.parameters())
+        optimizer.zero_grad(set_to_none=True)
+
     seconds = []
-    for i in range(2 + spec["steps"]):
+    strategy.run(step)   # warms up (pipeline shapes, buffers, the optimizer's state)
+    strategy.run(count)
+    for _ in range(spec["steps"]):
         start = time.perf_counter()
-        strategy.run(step, args=(i == 1,))
+        strategy.run(step)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if i >= 2:   # step 0 warms up (pipeline shapes, buffers), step 1 counts bytes
-            seconds.append(time.perf_counter() - start)
+        seconds.append(time.perf_counter() - start)
     optimizer.zero_grad(set_to_none=True)
     return {"seconds": statistics.median(seconds), "params": storage_bytes(model.parameters()),
             "grads": grads[0], "state": strategy.placement.state_bytes(optimizer)}

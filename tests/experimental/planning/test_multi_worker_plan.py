@@ -17,6 +17,7 @@ import torch
 
 import stratagem as sg
 from stratagem.errors import InvalidArgumentError
+from stratagem.experimental.planning.layouts import Layout
 from stratagem.testing import assert_succeeded, run_local_cluster
 
 from . import models
@@ -66,12 +67,12 @@ def _train(tmp_path: Path, plan: sg.experimental.Plan, kind: str, world: int) ->
 
 
 def _plain(kind: str) -> dict[str, torch.Tensor]:
-    build, batches, loss_fn = {"mlp": (models.mlp, models.mlp_batch, torch.nn.functional.mse_loss),
-                               "transformer": (models.transformer, models.token_batch, models.token_loss)}[kind]
+    build, batches, loss_fn, rows = {"mlp": (models.mlp, models.mlp_batch, torch.nn.functional.mse_loss, 16),
+                                     "transformer": (models.transformer, models.token_batch, models.token_loss, 8)}[kind]
     model = build()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     for s in range(3):
-        x, y = batches(8, seed=s)
+        x, y = batches(rows, seed=s)
         optimizer.zero_grad()
         loss_fn(model(x), y).backward()
         optimizer.step()
@@ -112,7 +113,7 @@ def test_memory_limit_below_data_parallelism_moves_to_zero_or_stages() -> None:
     limit = 0.9 * dp_states
     plan = sg.experimental.plan(models.mlp, models.mlp_batch(16), 2, global_batch=16, memory_limit=limit,
                                 time_budget_s=30, num_measured=1, steps=1)
-    plain = next(row for row in plan.rows if row.layout == sg.experimental.planning.layouts.Layout(2, 1, 1))
+    plain = next(row for row in plan.rows if row.layout == Layout(2, 1, 1))
     assert plain.note.startswith("rejected: needs") and plain.prediction.memory > limit
     assert plan.layout.sharding is not None or plan.layout.pipe > 1
     assert "data parallelism (2x1x1) needs" in str(plan) and "the plan moved to" in str(plan)

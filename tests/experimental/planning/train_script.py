@@ -13,14 +13,15 @@ import models
 
 plan = cloudpickle.loads(open(sys.argv[1], "rb").read())
 kind = sys.argv[3]
-build, batches = {"mlp": (models.mlp, models.mlp_batch), "transformer": (models.transformer, models.token_batch)}[kind]
+build, batches, rows = {"mlp": (models.mlp, models.mlp_batch, 16),
+                        "transformer": (models.transformer, models.token_batch, 8)}[kind]   # the plans' global_batch
 
 strategy = plan.strategy()
 with strategy.scope():
     model = build()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 
-dataset = strategy.experimental_distribute_dataset([batches(8, seed=s) for s in range(3)])
+dataset = strategy.experimental_distribute_dataset([batches(rows, seed=s) for s in range(3)])
 
 
 def train_step(x, y):
