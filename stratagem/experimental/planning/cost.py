@@ -20,6 +20,14 @@ all-reduce, half that for a reduce-scatter or an all-gather, ``α + B / β`` fro
 (``α``, ``β``: :class:`Network`, measured on the cluster). Compute is multiplied by how many
 processes share a core (``oversubscription``: 1 on GPUs).
 
+What this leaves out is what a framework costs per step on top: Python, DTensor's dispatch,
+FSDP's hooks, the schedule's bookkeeping -- on a CPU often more than the arithmetic of a small
+model. So the prediction is **calibrated by measurement**: of each mesh ``(d, p, t)`` the layout
+predicted cheapest is measured first (:func:`probes`), and every other layout of that mesh is
+predicted as ``model x measured / model`` of its probe (:func:`calibration`, :func:`calibrated`;
+a mesh whose probe was not measured takes the median factor). The model ranks the layouts within
+a mesh (ZeRO stage, recomputation, micro-batches, schedule), the probes rank the meshes.
+
 Activation memory of pipe rank ``s``: the activations of its blocks for the micro-batches in flight
 (GPipe: all ``m``; 1F1B: ``min(m, p - s)``); with recomputation only each micro-batch's stage input,
 plus one block's activations while it is recomputed.
@@ -28,6 +36,8 @@ plus one block's activations while it is recomputed.
 from __future__ import annotations
 
 import dataclasses
+import statistics
+from typing import Any
 
 from stratagem.experimental.planning.layouts import Layout
 from stratagem.experimental.planning.memory import model_states
@@ -141,3 +151,34 @@ def predict(profile: Profile, layout: Layout, network: Network, *, global_batch:
     params_b, grads_b, state_b = max((states for states, _, _ in memory), key=sum)
     return Prediction(seconds=seconds, parameters=params_b, gradients=grads_b, optimizer_state=state_b,
                       activations=max(held for _, held, _ in memory))
+
+
+def probes(ranked: list[Layout]) -> list[Layout]:
+    """Of each mesh ``(d, p, t)`` in ``ranked`` (cheapest first), its first layout: what calibrates the mesh."""
+    seen: dict[tuple[int, int, int], Layout] = {}
+    for layout in ranked:
+        seen.setdefault((layout.data, layout.pipe, layout.model), layout)
+    return list(seen.values())
+
+
+def calibration(raw: dict[Layout, float], measured: dict[Layout, Any]) -> dict[tuple[int, int, int], float]:
+    """Measured over predicted seconds of each mesh's probe (``measured``: seconds in a dict, or an error)."""
+    return {(layout.data, layout.pipe, layout.model): got["seconds"] / raw[layout]
+            for layout, got in measured.items() if isinstance(got, dict) and raw.get(layout)}
+
+
+def calibrated(raw: dict[Layout, float], factors: dict[tuple[int, int, int], float], layout: Layout) -> float:
+    """``layout``'s predicted seconds times its mesh's factor (the median factor where its mesh has none).
+
+    Example::
+
+        from stratagem.experimental.planning.cost import calibrated, calibration
+        from stratagem.experimental.planning.layouts import Layout
+        raw = {Layout(2, 1, 1): 1.0, Layout(2, 1, 1, sharding="optimizer"): 1.5, Layout(1, 2, 1): 2.0}
+        factors = calibration(raw, {Layout(2, 1, 1): {"seconds": 3.0}})
+        assert calibrated(raw, factors, Layout(2, 1, 1, sharding="optimizer")) == 4.5
+        assert calibrated(raw, factors, Layout(1, 2, 1)) == 6.0   # no probe of its own: the median factor
+    """
+    mesh = (layout.data, layout.pipe, layout.model)
+    factor = factors.get(mesh, statistics.median(factors.values()) if factors else 1.0)
+    return raw[layout] * factor

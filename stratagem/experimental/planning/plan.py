@@ -22,7 +22,7 @@ import torch
 
 import stratagem
 from stratagem.errors import InvalidArgumentError, StratagemError
-from stratagem.experimental.planning.cost import Prediction
+from stratagem.experimental.planning.cost import Prediction, calibrated
 from stratagem.experimental.planning.layouts import Layout
 from stratagem.experimental.planning.request import check_request, processes_of
 from stratagem.testing import run_local_cluster
@@ -36,9 +36,11 @@ class PlanRow:
 
     layout: Layout
     prediction: Prediction | None
+    calibrated_seconds: float | None      # the prediction times its mesh's measured / predicted (cost.calibrated)
     measured_seconds: float | None
     measured_model_states: float | None   # bytes of parameters, gradients and optimizer state, the fullest process
-    note: str                             # "chosen", "measured", "not measured: ...", "rejected: ..."
+    note: str                             # "chosen", "measured", "not measured ...", "failed: ...", "rejected: ..."
+    probe: bool = False                   # measured first, to calibrate its mesh
 
 
 class Plan:
@@ -64,16 +66,20 @@ class Plan:
         return self.layout.strategy(loss_fn=self._loss_fn, plan=self._tensor_plan)
 
     def table(self) -> str:
-        """The table: layout, predicted memory (model states + activations), predicted and measured step time, note."""
-        head = f"{'layout':<28}{'memory MiB (states + act.)':>30}{'predicted ms':>14}{'measured ms':>13}  note"
+        """The table: layout, predicted memory (model states + activations), step time (the model's, calibrated,
+        measured), note."""
+        head = (f"{'layout':<28}{'memory MiB (states + act.)':>30}{'model ms':>10}{'calibrated':>12}"
+                f"{'measured ms':>13}  note")
         lines = [head, "-" * len(head)]
         for row in self.rows:
             p = row.prediction
             memory = (f"{p.memory / _MIB:.3f} ({p.model_states / _MIB:.3f} + {p.activations / _MIB:.3f})"
                       if p else "-")
             predicted = f"{p.seconds * 1e3:.2f}" if p else "-"
+            fixed = f"{row.calibrated_seconds * 1e3:.2f}" if row.calibrated_seconds is not None else "-"
             measured = f"{row.measured_seconds * 1e3:.2f}" if row.measured_seconds is not None else "-"
-            lines.append(f"{row.layout.describe():<28}{memory:>30}{predicted:>14}{measured:>13}  {row.note}")
+            note = row.note + (" (probe)" if row.probe else "")
+            lines.append(f"{row.layout.describe():<28}{memory:>30}{predicted:>10}{fixed:>12}{measured:>13}  {note}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -102,10 +108,11 @@ def plan(model_fn: Callable[[], torch.nn.Module], sample_batch: tuple[torch.Tens
     The processes profile the model on one device (``sample_batch = (inputs, target)``), measure
     their collectives, predict each layout's step time and per-process memory for ``global_batch``
     rows a step and ``optimizer`` (``"adam"``, ``"adamw"``, ``"sgd"``, ``"momentum"``, or a function
-    ``params -> Optimizer``), refuse the layouts above ``memory_limit`` (bytes per process; ``None``:
-    no limit on CPU, the least free memory of the GPUs under CUDA), then train the ``num_measured``
-    cheapest (``None``: all) for ``steps`` steps each while ``time_budget_s`` lasts. The fastest
-    measured wins. Prints the table and the line that pins the winner (``verbose=False``: silent).
+    ``params -> Optimizer``), and refuse the layouts above ``memory_limit`` (bytes per process;
+    ``None``: no limit on CPU, the least free memory of the GPUs under CUDA). They train the layout
+    predicted cheapest of each mesh (a probe, which calibrates the predictions of its mesh), then
+    the ``num_measured`` cheapest others by calibrated prediction (``None``: all), for ``steps``
+    steps each while ``time_budget_s`` lasts. The fastest measured wins. Prints the table and the line that pins the winner (``verbose=False``: silent).
 
     Raises ``InvalidArgumentError`` for a request that cannot be planned, or when no layout fits
     ``memory_limit`` (saying what the smallest needs).
@@ -163,6 +170,7 @@ def _assemble(result: dict[str, Any], *, world: int, loss_fn: Callable, tensor_p
     if "error" in result:
         raise InvalidArgumentError(f"sg.experimental.plan could not profile the model: {result['error']}")
     measured, limit = result["measured"], result.get("memory_limit")
+    factors, probes = result.get("calibration", {}), result.get("probes", [])
     rows = []
     for entry in result["rows"]:
         layout, guess = entry["layout"], entry.get("prediction")
@@ -176,7 +184,9 @@ def _assemble(result: dict[str, Any], *, world: int, loss_fn: Callable, tensor_p
         else:
             note = "measured"
         ok = isinstance(got, dict)
-        rows.append(PlanRow(layout, guess, got["seconds"] if ok else None, got["model_states"] if ok else None, note))
+        fixed = calibrated(result["raw"], factors, layout) if layout in result["raw"] else None
+        rows.append(PlanRow(layout, guess, fixed, got["seconds"] if ok else None, got["model_states"] if ok else None,
+                            note, probe=layout in probes))
     ran = [r for r in rows if r.measured_seconds is not None]
     if not ran:
         _refuse(rows, limit, world)
@@ -184,10 +194,10 @@ def _assemble(result: dict[str, Any], *, world: int, loss_fn: Callable, tensor_p
     rows = [dataclasses.replace(r, note="chosen") if r is best else r for r in rows]
     rank = {"chosen": 0, "measured": 1, "failed": 2, "not measured": 3, "rejected": 4}
     rows.sort(key=lambda r: (rank[r.note.split(":")[0].split(" (")[0]], r.measured_seconds or 0,
-                             r.prediction.seconds if r.prediction else 0))
+                             r.calibrated_seconds or 0))
     summary = [f"chosen: {best.layout.describe()}, {best.measured_seconds * 1e3:.2f} ms per step measured "
-               f"({best.prediction.seconds * 1e3:.2f} predicted), {best.prediction.memory / _MIB:.3f} MiB per process "
-               f"predicted"]
+               f"({best.calibrated_seconds * 1e3:.2f} predicted, calibrated), {best.prediction.memory / _MIB:.3f} MiB "
+               f"per process predicted"]
     if limit is not None:
         summary.append(f"memory_limit: {limit / _MIB:.3f} MiB per process"
                        + (f" ({result['limit_from']})" if "limit_from" in result else ""))

@@ -11,8 +11,10 @@ global rank 0 writes the outcome to ``OUT``. In order, every process taking part
    process reports its device's free memory (the default ``memory_limit``: the least of them);
 2. rank 0 profiles the model on its own device (the others wait), enumerates the layouts, predicts
    each one's step time and memory, refuses those above the limit, and sends every process the
-   cheapest ``num_measured`` (all of them when it is None);
-3. every process builds each of those layouts in turn, trains it for ``steps`` steps after one
+   probes: of each mesh, the layout predicted cheapest (:func:`~.cost.probes`);
+3. once they are measured, rank 0 calibrates the predictions with them (:func:`~.cost.calibration`)
+   and sends the cheapest ``num_measured`` of the others by calibrated prediction (all of them when
+   it is None), which are measured in turn. Measuring: every process builds each layout in turn, trains it for ``steps`` steps after one
    warm-up step and one forward and backward that counts the gradients' bytes (the parameters' and
    the optimizer state's are counted after the last step), and the slowest process's median step
    is the layout's time -- until ``time_budget_s`` has passed (at least one is measured).
@@ -35,7 +37,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from stratagem.experimental.planning.cost import Network, predict
+from stratagem.experimental.planning.cost import Network, calibrated, calibration, predict, probes
 from stratagem.experimental.planning.layouts import Layout, enumerate_layouts
 from stratagem.experimental.planning.memory import storage_bytes
 from stratagem.experimental.planning.profile import profile
@@ -64,7 +66,13 @@ def main(spec_path: str, out: str) -> None:
             payload[0] = []
     dist.broadcast_object_list(payload, src=0)
     del base
-    measured = _measure_all(spec, payload[0], device, world)
+    started = time.monotonic()
+    measured = _measure_all(spec, payload[0], device, world, started)
+    if rank == 0 and "error" not in result:
+        result["calibration"] = calibration(result["raw"], measured)
+        payload[0] = _rest(spec, result, measured)
+    dist.broadcast_object_list(payload, src=0)
+    measured.update(_measure_all(spec, payload[0], device, world, started, first=not measured))
     if rank == 0:
         result["measured"] = measured
         with open(out, "wb") as f:
@@ -115,7 +123,7 @@ def _choose(spec: dict[str, Any], network: Network, device: torch.device, free: 
     layouts, refused = enumerate_layouts(spec["world"], names=prof.names, sequential=prof.sequential, costs=costs,
                                          plan=spec["tensor_plan"], global_batch=spec["global_batch"])
     rows = [{"layout": layout, "reason": why} for layout, why in refused]
-    fitting = []
+    fitting: list[tuple[float, int, Layout]] = []
     for layout in layouts:
         guess = predict(prof, layout, network, global_batch=spec["global_batch"])
         row = {"layout": layout, "prediction": guess}
@@ -125,20 +133,29 @@ def _choose(spec: dict[str, Any], network: Network, device: torch.device, free: 
             fitting.append((guess.seconds, len(rows), layout))
         rows.append(row)
     result["rows"] = rows
-    fitting.sort(key=lambda e: e[:2])
+    result["raw"] = {layout: seconds for seconds, _, layout in fitting}
+    result["probes"] = probes([layout for _, _, layout in sorted(fitting, key=lambda e: e[:2])])
+    return result["probes"]
+
+
+def _rest(spec: dict[str, Any], result: dict[str, Any], measured: dict[Layout, Any]) -> list[Layout]:
+    """Rank 0, after the probes: the cheapest ``num_measured`` layouts by calibrated prediction, not measured yet."""
+    factors = result["calibration"]
+    ranked = sorted((layout for layout in result["raw"] if layout not in measured),
+                    key=lambda layout: calibrated(result["raw"], factors, layout))
     count = spec["num_measured"]
-    return [layout for _, _, layout in (fitting if count is None else fitting[:count])]
+    return ranked if count is None else ranked[:count]
 
 
-def _measure_all(spec: dict[str, Any], layouts: list[Layout], device: torch.device, world: int) -> dict[Layout, Any]:
+def _measure_all(spec: dict[str, Any], layouts: list[Layout], device: torch.device, world: int, started: float, *,
+                 first: bool = True) -> dict[Layout, Any]:
     g = torch.Generator().manual_seed(0)
     x, y = spec["sample"]
     index = torch.randint(0, x.shape[0], (spec["global_batch"],), generator=g)
     batch = (x[index], y[index])
     measured: dict[Layout, Any] = {}
-    started = time.monotonic()
     for i, layout in enumerate(layouts):
-        go = [i == 0 or time.monotonic() - started < spec["time_budget_s"]]
+        go = [(first and i == 0) or time.monotonic() - started < spec["time_budget_s"]]
         dist.broadcast_object_list(go, src=0)   # rank 0's clock decides for everyone
         if not go[0]:
             break
@@ -166,29 +183,29 @@ def _measure(spec: dict[str, Any], layout: Layout, batch: tuple[torch.Tensor, to
     (xs, ys), = list(strategy.experimental_distribute_dataset([batch]))
     grads = [0]
 
-    def step() -> None:
+    def step(x: Any, y: Any) -> None:
         optimizer.zero_grad(set_to_none=True)
-        strategy.forward_backward(model, xs, ys)
+        strategy.forward_backward(model, x, y)
         optimizer.step()
 
-    def count() -> None:
+    def count(x: Any, y: Any) -> None:
         """The gradients' bytes at their peak: when the schedule ends (under ZeRO-2, the whole local gradient
         it holds until the reduce-scatter, which ``no_sync`` leaves in ``.grad``). No update."""
         optimizer.zero_grad(set_to_none=True)
         if layout.sharding == "gradients":
             with strategy.no_sync():
-                strategy.forward_backward(model, xs, ys)
+                strategy.forward_backward(model, x, y)
         else:
-            strategy.forward_backward(model, xs, ys)
+            strategy.forward_backward(model, x, y)
         grads[0] = storage_bytes(q.grad for q in model.parameters())
         optimizer.zero_grad(set_to_none=True)
 
     seconds = []
-    strategy.run(step)   # warms up (pipeline shapes, buffers, the optimizer's state)
-    strategy.run(count)
+    strategy.run(step, args=(xs, ys))   # warms up (pipeline shapes, buffers, the optimizer's state)
+    strategy.run(count, args=(xs, ys))
     for _ in range(spec["steps"]):
         start = time.perf_counter()
-        strategy.run(step)
+        strategy.run(step, args=(xs, ys))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds.append(time.perf_counter() - start)

@@ -34,7 +34,9 @@ def mlp_batch(rows: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 class Attention(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.q, self.k, self.v, self.out = (nn.Linear(WIDTH, WIDTH, dtype=DTYPE) for _ in range(4))
+        self.q, self.v, self.out = (nn.Linear(WIDTH, WIDTH, dtype=DTYPE) for _ in range(3))
+        # no key bias: its gradient is zero up to rounding (softmax ignores it), which Adam would blow up
+        self.k = nn.Linear(WIDTH, WIDTH, bias=False, dtype=DTYPE)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # -1 heads: under tensor parallelism a colwise layer gives this process's share of them

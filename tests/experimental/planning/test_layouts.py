@@ -31,7 +31,7 @@ def test_no_cut_between_a_colwise_layer_and_its_rowwise_partner() -> None:
     assert cut_units(names, {"0": "colwise", "2": "rowwise"}) == [[0, 1, 2], [3], [4]]
     assert balanced_points(names, [1.0] * 5, {"0": "colwise", "2": "rowwise"}, 2) == ("3",)
     assert balanced_points(names, [1.0] * 5, {"0": "colwise", "2": "rowwise"}, 4) is None
-    assert balanced_points(names, [4.0, 0.0, 1.0, 1.0, 1.0], None, 2) == ("1",)
+    assert balanced_points(names, [4.0, 1.0, 1.0, 1.0, 1.0], None, 2) == ("1",)
 
 
 def test_enumeration_and_what_it_refuses() -> None:

@@ -16,9 +16,10 @@ def test_rank_parameters_by_stage_and_plan() -> None:
     assert sum(rank_parameters(model, [(0, 4)], None, 1)) == whole
     assert sum(rank_parameters(model, [(0, 2), (2, 4)], None, 1)) == whole
     block = sum(q.numel() for q in model[1].parameters())
-    # split over 2: q, k, v and the first MLP layer (weights and biases), out and the second MLP layer (weights)
+    # split over 2: q, k (no bias), v and the first MLP layer (weights and biases), out and the second MLP
+    # layer (weights)
     w = models.WIDTH
-    split = 3 * (w * w + w) + (w * 4 * w + 4 * w) + w * w + 4 * w * w
+    split = 3 * w * w + 2 * w + (w * 4 * w + 4 * w) + w * w + 4 * w * w
     [one] = rank_parameters(model, [(1, 2)], models.TRANSFORMER_PLAN, 2)
     assert one == block - split / 2
 
