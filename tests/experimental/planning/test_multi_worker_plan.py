@@ -48,7 +48,12 @@ def _check_table(plan: sg.experimental.Plan, world: int, pipeline: str) -> None:
     chosen = [row for row in plan.rows if row.note == "chosen"]
     assert len(chosen) == 1 and chosen[0].layout == plan.layout
     measured = [row for row in plan.rows if row.measured_seconds is not None]
-    assert 1 <= len(measured) <= 3
+    probes = [row for row in measured if row.probe]
+    meshes = {(r.layout.data, r.layout.pipe, r.layout.model) for r in plan.rows if r.calibrated_seconds is not None}
+    # the probes (one per mesh, while time_budget_s lasts), then at most num_measured=3 others
+    assert 1 <= len(probes) <= len(meshes) and len(measured) <= len(meshes) + 3
+    for row in probes:   # a probe calibrates its mesh: its calibrated prediction is what it measured
+        assert row.calibrated_seconds == pytest.approx(row.measured_seconds)
     assert chosen[0].measured_seconds == min(row.measured_seconds for row in measured)
     for row in measured:   # the model states' bytes, counted on every process: within 5% of the prediction
         assert row.measured_model_states == pytest.approx(row.prediction.model_states, rel=0.05), row
