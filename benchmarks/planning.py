@@ -5,8 +5,9 @@ For each model, one plan measures **every** layout the processes allow (``num_me
 processes train each layout for ``--steps`` steps after a warm-up, one after the other. From those
 measurements, taken under the same conditions:
 
-- *the plan's pick*: the fastest measured of the ``--measured`` (default 3) layouts predicted cheapest --
-  what ``sg.experimental.plan`` with its defaults would have chosen from these numbers;
+- *the plan's pick*: the fastest measured of the probes (each mesh's layout predicted cheapest, which
+  calibrate the predictions) and of the ``--measured`` (default 3) others predicted cheapest after
+  calibration -- what ``sg.experimental.plan`` with its defaults would have chosen from these numbers;
 - *the exhaustive best*: the fastest of all; their ratio is the claim (<= 1.10);
 - memory: for every layout, the model states (parameters, gradients, optimizer state) counted on each
   process against the prediction (the fullest process), as a ratio.
@@ -14,7 +15,7 @@ measurements, taken under the same conditions:
 Models: an MLP (784 -> 512 -> 512 -> 10, float32) and a small GPT (``_harness.gpt``: D=64, 4 blocks,
 vocab 256, 32 tokens; attention and MLP split over a model axis by the plan), Adam.
 
-    python benchmarks/planning.py [--processes 2] [--model mlp|transformer|both] [--steps 3] [--rounds 1]
+    python benchmarks/planning.py [--processes 2] [--model mlp|transformer|both] [--steps 5] [--rounds 1]
 
 On a shared 2-core machine the step times of different layouts move with the machine's load; rounds
 repeat the whole sweep (read their spread), and the load average is printed.
@@ -74,17 +75,18 @@ def sweep(kind: str, args: argparse.Namespace) -> dict:
                                 num_measured=None, time_budget_s=3600, steps=args.steps, verbose=False, **spec)
     print(plan, flush=True)
     ran = [r for r in plan.rows if r.measured_seconds is not None]
-    cheapest = sorted(ran, key=lambda r: r.prediction.seconds)[:args.measured]
-    pick = min(cheapest, key=lambda r: r.measured_seconds)
+    others = sorted((r for r in ran if not r.probe), key=lambda r: r.calibrated_seconds)[:args.measured]
+    pick = min([r for r in ran if r.probe] + others, key=lambda r: r.measured_seconds)
     best = min(ran, key=lambda r: r.measured_seconds)
     memory = [r.measured_model_states / r.prediction.model_states for r in ran]
     ranks = _rank_agreement(ran)
-    print(f"\n{kind}: the plan's pick (fastest of the {args.measured} predicted cheapest) {pick.layout.describe()} "
+    print(f"\n{kind}: the plan's pick (fastest of the probes and the {args.measured} cheapest calibrated) "
+          f"{pick.layout.describe()} "
           f"{pick.measured_seconds * 1e3:.2f} ms; exhaustive best {best.layout.describe()} "
           f"{best.measured_seconds * 1e3:.2f} ms; ratio {pick.measured_seconds / best.measured_seconds:.3f} "
           f"(claim <= 1.10)")
     print(f"{kind}: measured / predicted model states over {len(ran)} layouts: {min(memory):.4f}-{max(memory):.4f} "
-          f"(claim within 0.95-1.05); predicted vs measured time, rank agreement (Kendall tau) {ranks:.2f}\n",
+          f"(claim within 0.95-1.05); calibrated prediction vs measured time, rank agreement (Kendall tau) {ranks:.2f}\n",
           flush=True)
     return {"ratio": pick.measured_seconds / best.measured_seconds, "memory": (min(memory), max(memory))}
 
@@ -93,7 +95,7 @@ def _rank_agreement(rows) -> float:
     pairs = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1:]]
     if not pairs:
         return 1.0
-    agree = sum(1 if (a.prediction.seconds - b.prediction.seconds) * (a.measured_seconds - b.measured_seconds) > 0
+    agree = sum(1 if (a.calibrated_seconds - b.calibrated_seconds) * (a.measured_seconds - b.measured_seconds) > 0
                 else -1 for a, b in pairs)
     return agree / len(pairs)
 
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--model", choices=("mlp", "transformer", "both"), default="both")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per layout")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (the fastest counts)")
     parser.add_argument("--measured", type=int, default=3, help="how many of the cheapest predicted the plan measures")
     parser.add_argument("--rounds", type=int, default=1, help="repeat each sweep")
     args = parser.parse_args(argv)

@@ -16,8 +16,8 @@ global rank 0 writes the outcome to ``OUT``. In order, every process taking part
    and sends the cheapest ``num_measured`` of the others by calibrated prediction (all of them when
    it is None), which are measured in turn. Measuring: every process builds each layout in turn, trains it for ``steps`` steps after one
    warm-up step and one forward and backward that counts the gradients' bytes (the parameters' and
-   the optimizer state's are counted after the last step), and the slowest process's median step
-   is the layout's time -- until ``time_budget_s`` has passed (at least one is measured).
+   the optimizer state's are counted after the last step), and the slowest process's fastest step
+   is the layout's time (what a busy moment of a shared machine cannot inflate) -- until ``time_budget_s`` has passed (at least one is measured).
 
 A layout that raises on every process is recorded with its error and skipped; one that breaks
 only some processes leaves the others waiting, and the plan's deadline ends the cluster.
@@ -210,7 +210,8 @@ def _measure(spec: dict[str, Any], layout: Layout, batch: tuple[torch.Tensor, to
             torch.cuda.synchronize(device)
         seconds.append(time.perf_counter() - start)
     optimizer.zero_grad(set_to_none=True)
-    return {"seconds": statistics.median(seconds), "params": storage_bytes(model.parameters()),
+    # the fastest step: another process's burst on a shared machine only ever slows a step down
+    return {"seconds": min(seconds), "params": storage_bytes(model.parameters()),
             "grads": grads[0], "state": strategy.placement.state_bytes(optimizer)}
 
 
