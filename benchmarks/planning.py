@@ -5,7 +5,7 @@ For each model, one plan measures **every** layout the processes allow (``num_me
 processes train each layout for ``--steps`` steps after a warm-up, one after the other. From those
 measurements, taken under the same conditions:
 
-- *the plan's pick*: the fastest measured of the probes (each mesh's layout predicted cheapest, which
+- *the plan's pick*: the fastest measured of the probes (each mesh's plainest layout, which
   calibrate the predictions) and of the ``--measured`` (default 3) others predicted cheapest after
   calibration -- what ``sg.experimental.plan`` with its defaults would have chosen from these numbers;
 - *the exhaustive best*: the fastest of all; their ratio is the claim (<= 1.10);

@@ -22,8 +22,8 @@ processes share a core (``oversubscription``: 1 on GPUs).
 
 What this leaves out is what a framework costs per step on top: Python, DTensor's dispatch,
 FSDP's hooks, the schedule's bookkeeping -- on a CPU often more than the arithmetic of a small
-model. So the prediction is **calibrated by measurement**: of each mesh ``(d, p, t)`` the layout
-predicted cheapest is measured first (:func:`probes`), and every other layout of that mesh is
+model. So the prediction is **calibrated by measurement**: of each mesh ``(d, p, t)`` the plainest
+layout (no ZeRO stage, no recomputation, the fewest micro-batches) is measured first (:func:`probes`), and every other layout of that mesh is
 predicted as ``model x measured / model`` of its probe (:func:`calibration`, :func:`calibrated`;
 a mesh whose probe was not measured takes the median factor). The model ranks the layouts within
 a mesh (ZeRO stage, recomputation, micro-batches, schedule), the probes rank the meshes.
@@ -154,9 +154,23 @@ def predict(profile: Profile, layout: Layout, network: Network, *, global_batch:
 
 
 def probes(ranked: list[Layout]) -> list[Layout]:
-    """Of each mesh ``(d, p, t)`` in ``ranked`` (cheapest first), its first layout: what calibrates the mesh."""
+    """Of each mesh ``(d, p, t)`` in ``ranked`` (cheapest first), its plainest layout: what calibrates the mesh.
+
+    Plainest: no ZeRO stage, no recomputation, the fewest micro-batches, 1F1B -- what the model's
+    arithmetic describes best (a ZeRO stage's or recomputation's own overhead is then the model's
+    delta on top); among equals, the cheapest predicted.
+
+    Example::
+
+        from stratagem.experimental.planning.cost import probes
+        from stratagem.experimental.planning.layouts import Layout
+        ranked = [Layout(2, 1, 1, sharding="gradients"), Layout(1, 2, 1, num_microbatches=2, schedule="1f1b"),
+                  Layout(2, 1, 1)]
+        assert probes(ranked) == [Layout(2, 1, 1), Layout(1, 2, 1, num_microbatches=2, schedule="1f1b")]
+    """
     seen: dict[tuple[int, int, int], Layout] = {}
-    for layout in ranked:
+    for layout in sorted(ranked, key=lambda l: (l.sharding is not None, l.recompute, l.num_microbatches,
+                                                 l.schedule != "1f1b")):   # stable: cheapest first among equals
         seen.setdefault((layout.data, layout.pipe, layout.model), layout)
     return list(seen.values())
 

@@ -109,8 +109,8 @@ def plan(model_fn: Callable[[], torch.nn.Module], sample_batch: tuple[torch.Tens
     their collectives, predict each layout's step time and per-process memory for ``global_batch``
     rows a step and ``optimizer`` (``"adam"``, ``"adamw"``, ``"sgd"``, ``"momentum"``, or a function
     ``params -> Optimizer``), and refuse the layouts above ``memory_limit`` (bytes per process;
-    ``None``: no limit on CPU, the least free memory of the GPUs under CUDA). They train the layout
-    predicted cheapest of each mesh (a probe, which calibrates the predictions of its mesh), then
+    ``None``: no limit on CPU, the least free memory of the GPUs under CUDA). They train the plainest
+    layout of each mesh (a probe, which calibrates the predictions of its mesh), then
     the ``num_measured`` cheapest others by calibrated prediction (``None``: all), for ``steps``
     steps each while ``time_budget_s`` lasts. The fastest measured wins. Prints the table and the line that pins the winner (``verbose=False``: silent).
 

@@ -11,7 +11,7 @@ global rank 0 writes the outcome to ``OUT``. In order, every process taking part
    process reports its device's free memory (the default ``memory_limit``: the least of them);
 2. rank 0 profiles the model on its own device (the others wait), enumerates the layouts, predicts
    each one's step time and memory, refuses those above the limit, and sends every process the
-   probes: of each mesh, the layout predicted cheapest (:func:`~.cost.probes`);
+   probes: of each mesh, its plainest layout that fits (:func:`~.cost.probes`);
 3. once they are measured, rank 0 calibrates the predictions with them (:func:`~.cost.calibration`)
    and sends the cheapest ``num_measured`` of the others by calibrated prediction (all of them when
    it is None), which are measured in turn. Measuring: every process builds each layout in turn, trains it for ``steps`` steps after one

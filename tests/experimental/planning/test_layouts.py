@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stratagem.experimental.planning.cost import Network, predict
+from stratagem.experimental.planning.cost import Network, calibrated, calibration, predict, probes
 from stratagem.experimental.planning.layouts import (Layout, balanced_points, cut_units, enumerate_layouts,
                                                      factorizations)
 from stratagem.experimental.planning.profile import Profile
@@ -88,3 +88,15 @@ def test_predicted_time_grows_with_what_the_network_carries() -> None:
     assert zero3.seconds > predict(profile, layout, slow, global_batch=8).seconds
     with pytest.raises(ValueError):
         enumerate_layouts(2, names=["0", "1"], sequential=True, costs=[-1.0, 1.0], plan=None, global_batch=2)
+
+
+def test_probes_calibrate_their_mesh() -> None:
+    plain, zero2 = Layout(2, 1, 1), Layout(2, 1, 1, sharding="gradients")
+    piped = Layout(1, 2, 1, num_microbatches=4, schedule="gpipe", split_points=("2",))
+    piped_first = Layout(1, 2, 1, num_microbatches=2, schedule="gpipe", split_points=("2",))
+    ranked = [zero2, piped, piped_first, plain]
+    assert probes(ranked) == [plain, piped_first]   # the plainest of each mesh, whatever the model's ranking
+    raw = {zero2: 1.0, plain: 2.0, piped: 4.0, piped_first: 3.0}
+    factors = calibration(raw, {plain: {"seconds": 6.0}, piped_first: "RuntimeError: ..."})
+    assert factors == {(2, 1, 1): 3.0}   # a probe that failed calibrates nothing
+    assert calibrated(raw, factors, zero2) == 3.0 and calibrated(raw, factors, piped) == 12.0
