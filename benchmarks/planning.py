@@ -16,6 +16,7 @@ Models: an MLP (784 -> 512 -> 512 -> 10, float32) and a small GPT (``_harness.gp
 vocab 256, 32 tokens; attention and MLP split over a model axis by the plan), Adam.
 
     python benchmarks/planning.py [--processes 2] [--model mlp|transformer|both] [--steps 5] [--rounds 1]
+    python benchmarks/planning.py --memory-bound   # the MLP under memory limits (the plan's own table)
 
 On a shared 2-core machine the step times of different layouts move with the machine's load; rounds
 repeat the whole sweep (read their spread), and the load average is printed.
@@ -91,6 +92,22 @@ def sweep(kind: str, args: argparse.Namespace) -> dict:
     return {"ratio": pick.measured_seconds / best.measured_seconds, "memory": (min(memory), max(memory))}
 
 
+def memory_bound(args: argparse.Namespace) -> None:
+    """The MLP under a memory limit below data parallelism's needs, then under one nothing fits."""
+    spec = request("mlp", 64)
+    model_fn, sample = spec.pop("model_fn"), spec.pop("sample_batch")
+    states = 16 * sum(q.numel() for q in model_fn().parameters())   # float32 parameters, gradients, Adam
+    limit = 0.85 * states
+    print(f"\nmemory-bound: memory_limit = 0.85 x data parallelism's model states = {limit / 2**20:.3f} MiB", flush=True)
+    sg.experimental.plan(model_fn, sample, args.processes, global_batch=64, memory_limit=limit, steps=args.steps,
+                         **spec)
+    try:
+        sg.experimental.plan(model_fn, sample, args.processes, global_batch=64, memory_limit=2**20, verbose=False,
+                             **spec)
+    except sg.errors.InvalidArgumentError as e:
+        print(f"\nmemory_limit = 1 MiB: InvalidArgumentError: {e}", flush=True)
+
+
 def _rank_agreement(rows) -> float:
     pairs = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1:]]
     if not pairs:
@@ -107,7 +124,12 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (the fastest counts)")
     parser.add_argument("--measured", type=int, default=3, help="how many of the cheapest predicted the plan measures")
     parser.add_argument("--rounds", type=int, default=1, help="repeat each sweep")
+    parser.add_argument("--memory-bound", action="store_true",
+                        help="instead: the MLP under a memory limit below data parallelism's, and under 1 MiB")
     args = parser.parse_args(argv)
+    if args.memory_bound:
+        memory_bound(args)
+        return 0
     print(f"torch {torch.__version__}, {args.processes} processes, load average {loadavg()}")
     results: dict[str, list[dict]] = {}
     for kind in (("mlp", "transformer") if args.model == "both" else (args.model,)):
