@@ -17,6 +17,9 @@ axis (``sharding=``) gives
                                                          gradient before the step: whole until then)
     "parameters"   e Ψ_r / d    e Ψ_r / d   s Ψ_r / d   (FSDP2)
 
+and, with one stage, a model axis and a data axis under None or ``"optimizer"``, the split
+parameters' gradients once more (:func:`model_states`' ``copied``: measured, see there).
+
 These are the bytes of the tensors' storages, which :func:`storage_bytes` counts on a running
 process (``benchmarks/mesh3d.py`` and the planner's trials compare the two). Activations depend
 on the schedule and are estimated from a profile instead (:mod:`.cost`).
@@ -59,8 +62,10 @@ def style_of(name: str, plan: dict[str, Any] | None) -> Any:
     return None
 
 
-def block_parameters(model: nn.Module, plan: dict[str, Any] | None, model_size: int) -> list[float]:
-    """Parameters each child of ``model`` (a pipeline block) puts on one process of a model group of ``model_size``."""
+def block_parameters(model: nn.Module, plan: dict[str, Any] | None, model_size: int, *,
+                     split_only: bool = False) -> list[float]:
+    """Parameters each child of ``model`` (a pipeline block) puts on one process of a model group of ``model_size``
+    (``split_only``: only those the plan splits, this process's share of them)."""
     counts = []
     for prefix, child in model.named_children():
         total = 0.0
@@ -69,7 +74,8 @@ def block_parameters(model: nn.Module, plan: dict[str, Any] | None, model_size: 
             for leaf, q in module.named_parameters(recurse=False):
                 # colwise splits weight and bias; rowwise the weight only (its bias is added once, whole)
                 split = style == "colwise" or (style == "rowwise" and leaf == "weight")
-                total += q.numel() / model_size if split else q.numel()
+                if split or not split_only:
+                    total += q.numel() / model_size if split else q.numel()
         counts.append(total)
     return counts
 
@@ -93,8 +99,13 @@ def rank_parameters(model: nn.Module, bounds: Sequence[tuple[int, int]], plan: d
 
 
 def model_states(psi_r: float, *, data: int, sharding: str | None, element_size: int,
-                 state_per_parameter: float) -> tuple[float, float, float]:
+                 state_per_parameter: float, copied: float = 0.0) -> tuple[float, float, float]:
     """Bytes of parameters, gradients and optimizer state of a process holding ``psi_r`` parameters.
+
+    ``copied``: gradient elements held twice. A tensor-parallel process of one stage with a data axis
+    (``sharding`` None or ``"optimizer"``) sums its gradients over that axis in packs, and a split
+    layer's gradient becomes a DTensor over a copy of its sum, while the pack stays for the next
+    step: its split parameters' gradients count twice.
 
     Example::
 
@@ -105,4 +116,4 @@ def model_states(psi_r: float, *, data: int, sharding: str | None, element_size:
     """
     params = element_size * psi_r / data if sharding == "parameters" else element_size * psi_r
     state = state_per_parameter * psi_r / data if sharding else state_per_parameter * psi_r
-    return params, params, state
+    return params, params + element_size * copied, state

@@ -52,6 +52,7 @@ class Profile:
     element_size: int
     state_per_parameter: float            # bytes of optimizer state per parameter
     step_seconds_per_parameter: float
+    block_split_params: dict[int, list[float]] = dataclasses.field(default_factory=dict)   # of them split by the plan
 
 
 def profile(model: nn.Module, sample: tuple[Any, ...], *, make_optimizer: Callable[[Any], torch.optim.Optimizer],
@@ -81,7 +82,9 @@ def profile(model: nn.Module, sample: tuple[Any, ...], *, make_optimizer: Callab
         block_params={t: block_parameters(model, plan, t) if sequential else
                       [float(sum(q.numel() for q in model.parameters()))] for t in model_sizes},
         total_params=float(sum(q.numel() for q in model.parameters())), element_size=element,
-        state_per_parameter=state, step_seconds_per_parameter=step)
+        state_per_parameter=state, step_seconds_per_parameter=step,
+        block_split_params={t: block_parameters(model, plan, t, split_only=True) if sequential else [0.0]
+                            for t in model_sizes})
 
 
 def _inputs(blocks: list[nn.Module], sample: tuple[Any, ...]) -> list[tuple[Any, ...]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stratagem.experimental.planning.memory import model_states, rank_parameters, storage_bytes
+from stratagem.experimental.planning.memory import block_parameters, model_states, rank_parameters, storage_bytes
 
 from . import models
 
@@ -44,3 +44,11 @@ def test_model_states_under_each_zero_stage(sharding, want) -> None:
 def test_storage_bytes_counts_each_storage_once() -> None:
     a = torch.zeros(10, dtype=torch.float64)
     assert storage_bytes([a, a[2:], None, torch.zeros(3, device="meta")]) == 80
+
+
+def test_split_gradients_held_twice_under_a_data_axis() -> None:
+    # a model axis and a data axis on one stage: the pack's copy and the DTensor gradient over its sum
+    mlp = models.mlp()
+    split = block_parameters(mlp, models.MLP_PLAN, 2, split_only=True)
+    assert split == [(16 * 64 + 64) / 2, 0.0, 64 * 64 / 2, 0.0, 0.0]
+    assert model_states(10, data=2, sharding=None, element_size=8, state_per_parameter=16, copied=4) == (80, 112, 160)
