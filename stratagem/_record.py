@@ -6,7 +6,7 @@ states, a variable of parameter-server training where it lives. Each such object
 ``Record`` in its ``__dict__`` under :data:`ATTRIBUTE` (``"_stratagem"``) and nothing else
 of ours, so ``vars(obj)`` shows at once what stratagem added, and no name of ours can meet
 one of torch's or the user's. Modules carry nothing: the scope's bookkeeping of modules is
-kept beside them (:mod:`stratagem.placement.hooks`, the placements' ``MirroredDict``).
+kept beside them (:mod:`stratagem.placement.scope.hooks`, the placements' ``MirroredDict``).
 
 Which object holds which fields (the others stay at their defaults):
 
@@ -57,36 +57,36 @@ class Record:
     stratagem's own classes are named in their comments: this module is below them all."""
 
     # --- an optimizer (or GradScaler) created in a strategy's scope
-    #: its strategy's placement (``stratagem.placement.base.Placement``): what ``step``,
-    #: ``zero_grad``, the state dicts mean. Written by ``placement.hooks.adopt`` (optimizers, and
+    #: its strategy's placement (``stratagem.placement.scope.base.Placement``): what ``step``,
+    #: ``zero_grad``, the state dicts mean. Written by ``placement.scope.hooks.adopt`` (optimizers, and
     #: twins in ``mirrored_update``) and ``grad_scaler.adopt``; read through
-    #: ``placement.hooks.placement_of`` and by the scoped classes' methods.
+    #: ``placement.scope.hooks.placement_of`` and by the scoped classes' methods.
     placement: Any = None
     #: the optimizer's own class under the scope's subclass (``SGD`` under ``MirroredSGD``): the
     #: placements call its ``step``, ``zero_grad`` and state dicts. Written by ``hooks.adopt``;
     #: read through ``hooks.base_of`` and ``learning_rate.plain_class``.
     base: type | None = None
     #: one optimizer per local replica (``twins[0]`` is the optimizer itself), None until built.
-    #: Written and read by ``placement/mirrored_update.py`` (``MirroredUpdate``) and
-    #: ``placement/update_rule.py``.
+    #: Written and read by ``placement/data_axis/mirrored_update.py`` (``MirroredUpdate``) and
+    #: ``placement/data_axis/update_rule.py``.
     twins: list | None = None
-    #: the update split between threads or workers (``placement.sharded_update.ShardedUpdate``);
+    #: the update split between threads or workers (``placement.data_axis.sharded_update.ShardedUpdate``);
     #: None once decided that it is not split; False while not decided yet. Written and read by
     #: the update rules (``MirroredUpdate``, ``CentralUpdate``, ``ZeroUpdate``: ``sharded()``).
     sharded: Any = False
-    #: ZeRO's layout of the optimizer's parameters over the workers (``placement.zero._Layout``).
-    #: Written and read by ``placement/zero.py`` (``ZeroUpdate``).
+    #: ZeRO's ranges of the optimizer's parameters over the workers (``placement.data_axis.zero_ranges.ZeroRanges``).
+    #: Written and read by ``placement/data_axis/zero.py`` (``ZeroUpdate``).
     zero: Any = None
     #: ZeRO's state gathered from every worker for the checkpoint being written, read once by
-    #: ``state_dict()``. Written and read by ``placement/zero.py``.
+    #: ``state_dict()``. Written and read by ``placement/data_axis/zero.py``.
     gathered_state: dict | None = None
 
     # --- a GradScaler created in a strategy's scope
     #: per local replica, its scale, growth tracker and iteration state
-    #: (``placement.grad_scaler._ReplicaState``). Written and read by ``placement/grad_scaler.py``.
+    #: (``placement.scope.grad_scaler._ReplicaState``). Written and read by ``placement/scope/grad_scaler.py``.
     scaler_states: list | None = None
     #: ``.replica``: the replica whose state a cross-replica ``update()`` moves now. Written and
-    #: read by ``placement/grad_scaler.py``.
+    #: read by ``placement/scope/grad_scaler.py``.
     pinned: threading.local | None = None
 
     # --- a variable of parameter-server training

@@ -461,7 +461,7 @@ def test_type_checking_imports_and_functions_are_told_apart(tmp_path: Path, monk
 #: The layers of docs/architecture.md's drawing, bottom up (the root ``stratagem/__init__.py``,
 #: the public names loaded on first use, reads them all and sits in none).
 BELOW_CORE = ("stratagem.errors", "stratagem.values", "stratagem.devices", "stratagem.data", "stratagem.cluster",
-              "stratagem._frames", "stratagem._profiling", "stratagem._record")
+              "stratagem._frames", "stratagem._profiling", "stratagem._record", "stratagem.observe")
 CORE = ("stratagem._context", "stratagem.strategies", "stratagem.placement", "stratagem.comm", "stratagem.nn")
 BUILT_ON_CORE = ("stratagem.keras", "stratagem.checkpoint", "stratagem.callbacks", "stratagem.metrics",
                  "stratagem.models", "stratagem.mixed_precision", "stratagem.preemption", "stratagem.ps",

@@ -211,9 +211,9 @@ def test_ddp_script_and_its_port_print_the_same_losses_and_gradient_norms(tmp_pa
 def test_every_example_is_tested() -> None:
     tested = {"train.py", "train_ps.py", "ddp_train.py", "ddp_train_ported.py",
               "preemptible.py",   # tests/launch/test_restarts.py
-              "tensor_parallel.py"}   # tests/strategies/test_multi_worker_tensor_parallel.py
-    tested |= {"pipeline.py"}   # tests/strategies/test_multi_worker_pipeline.py
-    tested |= {"pipeline_3d.py"}   # tests/strategies/test_pipeline_mesh3d.py
+              "tensor_parallel.py"}   # tests/placement/layout/test_multi_worker_tensor_parallel.py
+    tested |= {"pipeline.py"}   # tests/placement/layout/test_multi_worker_pipeline.py
+    tested |= {"pipeline_3d.py"}   # tests/placement/layout/test_pipeline_mesh3d.py
     assert {path.name for path in EXAMPLES.glob("*.py")} == tested
 
 

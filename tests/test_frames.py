@@ -31,7 +31,7 @@ from torch import nn
 
 import stratagem as sg
 from stratagem.comm.replicas import ReplicaCollective
-from stratagem.placement.sharded_update import ShardedUpdate
+from stratagem.placement.data_axis.sharded_update import ShardedUpdate
 from stratagem.testing import run_local_cluster
 
 pytestmark = pytest.mark.timeout(180)

@@ -31,7 +31,7 @@ from torch import nn
 from stratagem import _context
 from stratagem.data.position import PositionedDataset, TrackedIterator
 from stratagem.errors import CheckpointError, ContextError, InvalidArgumentError
-from stratagem.placement.hooks import module_placement, placement_of
+from stratagem.placement.scope.hooks import module_placement, placement_of
 from stratagem.checkpoint.background import BackgroundWriter
 from stratagem.checkpoint.chief_copy import ChiefCopy, open_checkpoint
 from stratagem.checkpoint.identity import new_job, record

@@ -29,6 +29,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from stratagem.observe import answer
+
 __all__ = ["JOINED_VARIABLE", "joined_tasks", "mark_joined", "mark_stamp"]
 
 JOINED_VARIABLE = "STRATAGEM_JOINED_DIR"
@@ -36,7 +38,9 @@ _marked: set[tuple[str, str]] = set()
 
 
 def mark_joined(task: str) -> None:
-    """Tells the launcher (if any) that ``task`` ("worker 0", "ps 1") took part in its cluster."""
+    """Tells the launcher (if any) that ``task`` ("worker 0", "ps 1") took part in its cluster;
+    from then on the task answers the launcher's questions (:mod:`stratagem.observe.answer`)."""
+    answer.start(task)
     folder = os.environ.get(JOINED_VARIABLE)
     if not folder or (folder, task) in _marked:
         return

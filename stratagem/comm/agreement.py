@@ -166,7 +166,7 @@ def agree(group: Any, call: Call, *, shapes: bool = False, values: Sequence[torc
     struct.pack_into(f"<{len(header)}q", message, 0, *header)
     everyone = torch.empty(group.world_size * size, dtype=torch.int64, device=group.device)
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch's newer name)
-    with group.guard(call.what):
+    with group.guard(call.what, len(message)):
         all_gather(everyone, torch.frombuffer(message, dtype=torch.int64).to(group.device), group=group.group)
     rows = everyone.cpu().numpy().reshape(group.world_size, size)  # (numpy: cheaper calls than torch's)
     heads = rows[:, :_FIELDS].tolist()
@@ -236,7 +236,7 @@ def all_gather_object(group: Any, obj: Any, what: str) -> list[Any]:
         send = torch.zeros(longest, dtype=torch.uint8)
         send[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         everyone = torch.empty(group.world_size * longest, dtype=torch.uint8, device=group.device)
-        with group.guard(what):
+        with group.guard(what, longest):
             (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
                 everyone, send.to(group.device), group=group.group)
         everyone = everyone.cpu().numpy()
@@ -256,7 +256,7 @@ def broadcast_object(group: Any, obj: Any, what: str, src: int) -> Any:
         return obj if mine else pickle.loads(agreed.values[src, :size].tobytes())
     blob = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine
             else torch.empty(size, dtype=torch.uint8)).to(group.device)
-    with group.guard(what):
+    with group.guard(what, size):
         dist.broadcast(blob, src=group.global_rank(src), group=group.group)
     return obj if mine else pickle.loads(blob.cpu().numpy().tobytes())
 

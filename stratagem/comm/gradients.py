@@ -40,13 +40,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from stratagem.comm.compression import Exact
+from stratagem.observe import flight
 
 DEFAULT_BYTES_PER_PACK = 25 << 20   # DistributedDataParallel's bucket_cap_mb
 FIRST_PACK_BYTES = 1 << 20          # a small first pack starts communication early
 
 
 class _Pack:
-    __slots__ = ("params", "offsets", "buffer", "flags", "filled", "work", "stale", "index", "rounds", "coded")
+    __slots__ = ("params", "offsets", "slots", "buffer", "flags", "present", "filled", "work", "stale", "index",
+                 "rounds", "coded", "seq")
 
     def __init__(self, params: list[torch.Tensor], index: int):
         self.params = params
@@ -59,36 +61,44 @@ class _Pack:
         first = params[0]
         self.buffer = torch.zeros(offset + len(params), dtype=first.dtype, device=first.device)
         self.flags = self.buffer[offset:]
+        #: each parameter's room in the buffer, shaped as its (local) gradient: made once
+        self.slots = [self.buffer[start:start + local.numel()].view_as(local)
+                      for start, local in zip(self.offsets, map(_local, params))]
+        self.present = [0] * len(params)   # the flags, written into the buffer once, when it leaves
         self.filled = 0
         self.work: Any = None
         self.stale = False
         self.rounds: Any = None   # the codec's rounds once the first has left
         self.coded: Any = None    # the codec's own state for this pack
+        self.seq = 0              # its record in the flight recorder, from launch to the end of its wait
 
     def slot(self, i: int) -> torch.Tensor:
-        p = _local(self.params[i])
-        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+        return self.slots[i]
 
     def fill(self, i: int) -> None:
         p = self.params[i]
         grad = p.grad
         if grad is None:
-            self.slot(i).zero_()
-            self.flags[i] = 0
+            self.slots[i].zero_()
+            self.present[i] = 0
         else:
             if isinstance(grad, DTensor):
                 if grad.placements != p.placements:
                     grad = grad.redistribute(p.device_mesh, p.placements)
                 grad = grad.to_local()
-            self.slot(i).copy_(grad)
-            self.flags[i] = 1
+            self.slots[i].copy_(grad)
+            self.present[i] = 1
+
+    def seal(self) -> None:
+        """The flags into the buffer (one copy), before it leaves."""
+        self.flags.copy_(torch.tensor(self.present, dtype=self.flags.dtype))
 
     def result(self, i: int) -> torch.Tensor:
         """The sum in slot ``i``, as the parameter's gradient."""
         p = self.params[i]
         if isinstance(p, DTensor):
-            return DTensor.from_local(self.slot(i).clone(), p.device_mesh, p.placements, run_check=False)
-        return self.slot(i)
+            return DTensor.from_local(self.slots[i].clone(), p.device_mesh, p.placements, run_check=False)
+        return self.slots[i]
 
 
 class GradientPacks:
@@ -144,8 +154,10 @@ class GradientPacks:
             pack = self.packs[self._next_launch]
             if pack.filled < len(pack.params):
                 return
+            pack.seal()
             pack.rounds = self._codec.rounds(pack)
-            with group.guard("gradient all_reduce"):
+            pack.seq = flight.begin("gradient all_reduce", pack.buffer.nbytes, group.peers)
+            with group.guard("gradient all_reduce", record=False):
                 pack.work = dist.all_reduce(next(pack.rounds), group=group.group, async_op=True)
             self._next_launch += 1
 
@@ -154,11 +166,13 @@ class GradientPacks:
     def finish(self) -> None:
         """Launch what backward did not, wait for everything, write the sums to ``.grad``."""
         group = self._group
-        with group.guard("gradient all_reduce"):
+        with group.guard("gradient all_reduce", record=False):
             for pack in self.packs[self._next_launch:]:  # in index order, like every worker
                 for i in range(len(pack.params)):
                     pack.fill(i)
+                pack.seal()
                 pack.rounds = self._codec.rounds(pack)
+                pack.seq = flight.begin("gradient all_reduce", pack.buffer.nbytes, group.peers)
                 pack.work = dist.all_reduce(next(pack.rounds), group=group.group, async_op=True)
             for pack in self.packs:
                 pack.work.wait()
@@ -166,9 +180,11 @@ class GradientPacks:
                     pack.rounds.close()
                     for i in range(len(pack.params)):
                         pack.fill(i)
+                    pack.seal()
                     pack.rounds = self._codec.rounds(pack)
                 for wire in pack.rounds:   # the codec's further rounds (or the first, summed again)
                     dist.all_reduce(wire, group=group.group)
+                flight.end(pack.seq)
                 present = pack.flags.tolist()
                 for i, p in enumerate(pack.params):
                     if present[i] != 0:

@@ -58,6 +58,7 @@ from stratagem.comm import agreement
 from stratagem.comm.binding import bind_gloo
 from stratagem.comm.options import CommunicationImplementation, CommunicationOptions
 from stratagem.errors import InvalidArgumentError, UnavailableError
+from stratagem.observe import flight, hang_report
 
 DEFAULT_TIMEOUT_SECONDS = 180.0
 HEARTBEAT_SECONDS = 1.0
@@ -81,6 +82,8 @@ def task_names(resolver: Any) -> list[str]:
 class WorkerGroup:
     """One process's membership of the workers' collective."""
 
+    peers = ""   # its members in a few words, for the flight recorder (set by __init__)
+
     def __init__(self, resolver: Any, options: CommunicationOptions, uses_cuda: bool):
         rank = resolver.worker_rank
         if rank is None:
@@ -91,6 +94,7 @@ class WorkerGroup:
         self.rank = rank
         self.world_size = resolver.num_workers
         self.names = task_names(resolver)
+        self.peers = peers_of(self.names)   # how the flight recorder names this group
         bind_gloo(resolver, self.names[rank])  # before any group, the lone one included
         self.timeout = options.timeout_seconds or DEFAULT_TIMEOUT_SECONDS
         self.backend = _backend(options.implementation, uses_cuda)
@@ -194,8 +198,10 @@ class WorkerGroup:
         return [self.names[r] for r in range(self.world_size) if r != self.rank and first[r] == last[r]]
 
     @contextlib.contextmanager
-    def guard(self, what: str) -> Iterator[None]:
-        """Turn a collective's failure into UnavailableError naming the lost task."""
+    def guard(self, what: str, nbytes: int = 0, *, record: bool = True, peers: str = "") -> Iterator[None]:
+        """Turn a collective's failure into UnavailableError naming the lost task; the flight
+        recorder records the collective (``nbytes`` moved) unless ``record`` is False."""
+        seq = flight.begin(what, nbytes, peers or self.peers) if record else 0
         try:
             yield
         except UnavailableError:
@@ -209,8 +215,12 @@ class WorkerGroup:
                 f"{what} failed on {self.names[self.rank]}: {who} stopped answering "
                 f"(timeout {self.timeout:g} s; {type(error).__name__}: {first_line}{heartbeat}). "
                 f"The other workers cannot continue without it: restart the job (stratagem launch "
-                f"--max-restarts) and restore from the last checkpoint",
+                f"--max-restarts) and restore from the last checkpoint. Where the tasks stand:\n"
+                f"{hang_report.report(self.names[self.rank])}",
                 task=lost[0] if lost else None) from error
+        finally:
+            if seq:
+                flight.end(seq)
 
     # ------------------------------------------------------------ collectives
 
@@ -219,7 +229,7 @@ class WorkerGroup:
         if self.solo:
             return tensor
         carrier = tensor if tensor.device == self.device else tensor.to(self.device)
-        with self.guard(what):
+        with self.guard(what, carrier.nbytes):
             dist.all_reduce(carrier, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
         if carrier is not tensor:
             tensor.copy_(carrier)
@@ -229,7 +239,7 @@ class WorkerGroup:
         if self.solo:
             return tensor
         carrier = tensor if tensor.device == self.device else tensor.to(self.device)
-        with self.guard(what):
+        with self.guard(what, carrier.nbytes):
             dist.broadcast(carrier, src=self._global(0), group=self.group)
         if carrier is not tensor:
             tensor.copy_(carrier)
@@ -270,6 +280,11 @@ class WorkerGroup:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - peers may be gone already; nothing left to do
                 pass
+
+
+def peers_of(names: list[str]) -> str:
+    """A group's members in a few words: ``"chief, worker 0"``, or ``"8 tasks (chief .. worker 6)"``."""
+    return ", ".join(names) if len(names) <= 4 else f"{len(names)} tasks ({names[0]} .. {names[-1]})"
 
 
 def rendezvous_store(address: str, rank: int, world_size: int,

@@ -34,6 +34,7 @@ from stratagem.comm.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAll
 from stratagem.comm.sync import ReplicaSync
 from stratagem.devices import Device
 from stratagem.errors import InvalidArgumentError
+from stratagem.observe import flight
 from stratagem.values import ReduceOp
 
 _PIECE_ELEMENTS = 1 << 18  # pieces small enough that the copy-back still finds the sum in cache
@@ -54,6 +55,11 @@ def check_mean(tensors: Sequence[torch.Tensor], op: ReduceOp) -> None:
             ".all_reduce does, and returns a float)")
 
 
+def nbytes_of(tensors: Sequence[torch.Tensor]) -> int:
+    """How many bytes ``tensors`` hold (what the flight recorder says a sum moves)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class ReplicaCollective(Collective):
     """Replica threads of one process; subclasses hold one cross-device op's arithmetic
     (``reduce_in_place``), which :meth:`sum_exchanged` runs between the checks and the closing
@@ -63,6 +69,7 @@ class ReplicaCollective(Collective):
         super().__init__(devices)
         self.options = options
         self.sync = ReplicaSync(self.num_local)
+        self.peers = f"{self.num_local} replicas"   # how the flight recorder names them
 
     #: The cross-device op class this collective carries out (each subclass declares its own;
     #: ``CrossDeviceOps`` itself stands for every user subclass).
@@ -139,10 +146,13 @@ class ReplicaCollective(Collective):
         if len(everyone) == 1:
             return
         self._check(everyone)
+        seq = flight.begin("replica sum", nbytes_of(everyone[0]), self.peers) if local_id == 0 else 0
         try:
             self.reduce_in_place(local_id, everyone, op, copy_back)
         finally:
             self.sync.exchange(local_id, None, "all_reduce:done")
+            if seq:
+                flight.end(seq)
 
     def reduce_in_place(self, local_id: int, everyone: list[list[torch.Tensor]], op: ReduceOp,
                         copy_back: bool) -> None:

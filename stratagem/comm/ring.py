@@ -22,7 +22,8 @@ import torch
 
 from stratagem.comm.collective import range_bounds
 from stratagem.comm.cross_device_ops import RingAllReduce
-from stratagem.comm.replicas import ReplicaCollective
+from stratagem.comm.replicas import ReplicaCollective, nbytes_of
+from stratagem.observe import flight
 from stratagem.values import ReduceOp
 
 Piece = tuple[int, "int | None", "int | None"]  # (tensor index, start, stop); None: the whole tensor
@@ -74,6 +75,7 @@ class RingCollective(ReplicaCollective):
             return
         self._check(everyone)
         exchange = self.sync.exchange
+        seq = flight.begin("replica sum (ring)", nbytes_of(everyone[0]), self.peers) if local_id == 0 else 0
         chunks = self._plan(everyone)
         mine, left = everyone[local_id], everyone[(local_id - 1) % n]
         for step in range(n - 1):
@@ -88,3 +90,5 @@ class RingCollective(ReplicaCollective):
             for piece in chunks[(local_id - step) % n]:
                 _piece(mine[piece[0]], piece).copy_(_piece(left[piece[0]], piece), non_blocking=True)
             exchange(local_id, None, "ring all-gather")
+        if seq:
+            flight.end(seq)

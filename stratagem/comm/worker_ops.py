@@ -58,7 +58,7 @@ def all_reduce(group: Any, tensors: list[torch.Tensor], what: str, destination_w
             return dist.all_reduce(buffer, group=group.group, async_op=async_op)
         return dist.reduce(buffer, dst=group.global_rank(destination_worker), group=group.group, async_op=async_op)
 
-    with group.guard(what):
+    with group.guard(what, sum(t.numel() * t.element_size() for t in tensors)):
         for indices in by_dtype.values():
             parts = [tensors[i].reshape(-1) for i in indices]
             flat = parts[0].new_empty(sum(p.numel() for p in parts), device=group.device)
@@ -101,7 +101,8 @@ def gather(group: Any, pieces: list[torch.Tensor], shapes: list[Shape], axis: in
     send = _carrier(_padded(moved.reshape(-1), longest), group)
     receives = destination_worker is None or destination_worker == group.rank
     buffer = moved.new_empty(workers * longest, device=group.device) if receives else None
-    with group.guard("ReplicaContext.all_gather" if destination_worker is None else "ReplicaContext.gather"):
+    with group.guard("ReplicaContext.all_gather" if destination_worker is None else "ReplicaContext.gather",
+                     send.nbytes):
         if destination_worker is None:
             _all_gather_single(buffer, send, group=group.group)
         else:
@@ -137,7 +138,7 @@ def reduce_scatter(group: Any, total: torch.Tensor, sizes: list[int], axis: int,
             send[v * longest:v * longest + numels[v]].copy_(flat[offset:offset + numels[v]])
             offset += numels[v]
     out = total.new_empty(longest, device=group.device)
-    with group.guard("ReplicaContext.reduce_scatter"):
+    with group.guard("ReplicaContext.reduce_scatter", send.nbytes):
         dist.reduce_scatter_tensor(out, _carrier(send, group), group=group.group)
     mine = out[:numels[worker]].to(total.device).view(rows[worker], *rest)
     local = sizes[worker * num_local:(worker + 1) * num_local]
@@ -179,7 +180,7 @@ def all_to_all(group: Any, local: list[list[torch.Tensor]], shapes: list[list[Sh
     receive_sizes = [sum(_numel(shapes[s][j]) for s in range(v * num_local, (v + 1) * num_local) for j in me)
                      for v in range(workers)]
     out = send.new_empty(sum(receive_sizes), device=group.device)
-    with group.guard("ReplicaContext.all_to_all"):
+    with group.guard("ReplicaContext.all_to_all", send.nbytes):
         dist.all_to_all_single(out, _carrier(send, group), receive_sizes, send_sizes, group=group.group)
     out = out.to(send.device)
     results: list[list[Any]] = [[None] * len(shapes) for _ in range(num_local)]
@@ -225,7 +226,7 @@ def scatter(group: Any, pieces: list[torch.Tensor] | None, shapes: list[Shape], 
         chunks = [_carrier(_padded(_flat(pieces[v * num_local:(v + 1) * num_local]), longest), group)
                   for v in range(workers)]
     out = torch.empty(longest, dtype=dtype, device=group.device)
-    with group.guard("ReplicaContext.scatter"):
+    with group.guard("ReplicaContext.scatter", out.nbytes):
         dist.scatter(out, chunks, src=group.global_rank(source_worker), group=group.group)
     out = out.to(device)
     results, offset = [], 0

@@ -26,7 +26,7 @@ from stratagem import metrics as metrics_module
 from stratagem.callbacks import BackupAndRestore
 from stratagem.errors import InvalidArgumentError, StratagemError
 from stratagem.mixed_precision import Policy, as_policy, global_policy
-from stratagem.placement.learning_rate import with_learning_rate
+from stratagem.placement.scope.learning_rate import with_learning_rate
 from stratagem.keras import losses as losses_module, optimizers
 from stratagem.keras.callback_list import CallbackList, History
 from stratagem.checkpoint.checkpoint import Checkpoint

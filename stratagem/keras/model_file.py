@@ -37,7 +37,7 @@ from torch import nn
 from stratagem import __version__
 from stratagem.errors import CheckpointError, InvalidArgumentError
 from stratagem.metrics.base import Metric
-from stratagem.placement.learning_rate import plain_class
+from stratagem.placement.scope.learning_rate import plain_class
 from stratagem.keras import architecture
 from stratagem.checkpoint.storage import check_loadable
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from stratagem import _context
 from stratagem.errors import ContextError, InvalidArgumentError
-from stratagem.placement.hooks import module_placement
+from stratagem.placement.scope.hooks import module_placement
 
 __all__ = ["check_used_in_scope", "model_strategy"]
 

@@ -18,6 +18,8 @@ Commands::
                                                           # (TF_CONFIG task type "evaluator")
     stratagem launch --join-timeout 1800 train.py         # the tasks may take 30 minutes to
                                                           # reach their strategy (default: 600 s)
+    stratagem launch --hang-timeout 300 train.py          # 5 minutes without a step or a collective
+                                                          # anywhere: say where each task stands, stop
     python -m stratagem.launch --workers 2 train.py       # the same, without the stratagem command
 """
 
@@ -92,6 +94,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the workers' strategy forms its group; with --ps the coordinator's "
                              "strategy reaches the servers) before the job is stopped with "
                              "status 1, naming them; 0 waits for ever (default: 600)")
+    parser.add_argument("--hang-timeout", type=float, default=0.0, metavar="S",
+                        help="once training has begun, seconds without progress in any task (a step, "
+                             "a collective) after which the job is hung: the launcher prints where each "
+                             "task stands (its last collective, the one it waits in, its line of the "
+                             "script), writes every stack to a file it names, and stops the job with "
+                             "status 1; 0 waits for ever (default: 0)")
     parser.add_argument("--port-base", type=int, default=None, metavar="P",
                         help="give the tasks the ports P, P+1, ... (chief, workers, ps) "
                              "(default: free ports)")
@@ -132,6 +140,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     """The subcommand's handler: launch, and return the exit status (2 for bad input)."""
     try:
+        if args.hang_timeout and (args.ray or args.nnodes is not None or args.rdzv is not None):
+            raise InvalidArgumentError("--hang-timeout watches the tasks of a launch on one machine; it is not "
+                                       "available with --nnodes or --ray yet (leave it out there)")
         if args.ray:   # on a Ray cluster (ray_command.py)
             return run_ray(args)
         if args.nnodes is not None or args.rdzv is not None or args.node_rank is not None:
@@ -143,7 +154,7 @@ def run_launch(args: argparse.Namespace) -> int:
                             port_base=args.port_base, host=args.host or "127.0.0.1",
                             grace_period=args.grace_period, num_evaluators=args.evaluator,
                             evaluator_timeout=args.evaluator_timeout,
-                            join_timeout=args.join_timeout)
+                            join_timeout=args.join_timeout, hang_timeout=args.hang_timeout)
     except StratagemError as err:
         print(f"stratagem launch: error: {err}", file=sys.stderr)
         return 2

@@ -83,6 +83,7 @@ from stratagem.launch.output import TaskOutput
 from stratagem.launch.ports import format_address, free_ports, ports_from_base
 from stratagem.launch.supervisor import EXIT_STATUS_ON_SIGNAL, Supervisor
 from stratagem.launch.tasks import Task, plan_cluster, tf_config, torchrun_variables
+from stratagem.observe.answer import OBSERVE_VARIABLE
 
 __all__ = ["RESTART_VARIABLE", "TOKEN_VARIABLE", "launch_local"]
 
@@ -157,7 +158,8 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
                  grace_period: float = 5.0, stdout: TextIO | None = None,
                  stderr: TextIO | None = None,
                  server_command: Sequence[str] | None = None, num_evaluators: int = 0,
-                 evaluator_timeout: float = 600.0, join_timeout: float = 600.0) -> int:
+                 evaluator_timeout: float = 600.0, join_timeout: float = 600.0,
+                 hang_timeout: float = 0.0) -> int:
     """Runs ``script`` as a local cluster on ``host``; returns the job's exit status.
 
     The tasks are a chief (with ``chief=True``, or whenever ``num_ps > 0``), ``num_workers``
@@ -169,7 +171,8 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     (``num_evaluators=1``) runs the script too; the job also needs it to exit 0 within
     ``evaluator_timeout`` seconds of training's end. Tasks that have not joined their
     cluster ``join_timeout`` seconds after they started (0: no limit) stop the job, with
-    status 1. The status
+    status 1; so does a job in which no task made progress (a step, a collective) for
+    ``hang_timeout`` seconds (0, the default: no limit), after saying where each task stands. The status
     is 0 when the job succeeded, the failed task's exit code (1 if it was killed by a
     signal) when it failed, 130/143 when the launcher got SIGINT/SIGTERM. Task output goes to ``stdout`` (default
     ``sys.stdout``) and the launcher's messages to ``stderr``, each line prefixed with
@@ -216,7 +219,8 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
             "one. A local launch runs every task on this machine: keep the default loopback "
             "address '127.0.0.1', or give one address of this machine.")
     for value, flag in ((grace_period, "--grace-period (grace_period)"),
-                        (join_timeout, "--join-timeout (join_timeout)")):
+                        (join_timeout, "--join-timeout (join_timeout)"),
+                        (hang_timeout, "--hang-timeout (hang_timeout)")):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise InvalidArgumentError(f"{flag} must be a number of seconds >= 0, got {value!r}.")
 
@@ -240,9 +244,11 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
         return tasks, [task_env(os.environ, spec, task, token, restart) for task in tasks]
 
     joined = tempfile.mkdtemp(prefix="stratagem-joined-")   # where tasks say they took part
+    observe = tempfile.mkdtemp(prefix="stratagem-observe-")  # where they answer "where are you?"
 
     def environments(restart: int) -> list[dict[str, str]]:
-        return [{**env, JOINED_VARIABLE: joined} for env in (plan(restart)[1] if restart else first)]
+        return [{**env, JOINED_VARIABLE: joined, OBSERVE_VARIABLE: observe}
+                for env in (plan(restart)[1] if restart else first)]
 
     tasks, first = plan(0)
     errors = sys.stderr if stderr is None else stderr
@@ -250,7 +256,8 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     launcher = Supervisor(tasks, environments, max_restarts=max_restarts,
                           max_preemptions=max_preemptions, output=output,
                           grace_period=float(grace_period), evaluator_timeout=float(evaluator_timeout),
-                          join_timeout=float(join_timeout), joined_folder=joined)
+                          join_timeout=float(join_timeout), joined_folder=joined,
+                          observe_folder=observe, hang_timeout=float(hang_timeout))
     try:
         with _signals_to(launcher):
             status = launcher.run()
@@ -259,6 +266,7 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
         return status
     finally:
         shutil.rmtree(joined, ignore_errors=True)
+        shutil.rmtree(observe, ignore_errors=True)
 
 
 def _check_joined(tasks: Sequence[Task], joined: set[str], script: str, errors: TextIO) -> int:

@@ -68,6 +68,7 @@ from stratagem.launch.job_shape import JobShape
 from stratagem.launch.rendezvous import Rendezvous
 from stratagem.launch.supervisor import EXIT_STATUS_ON_SIGNAL
 from stratagem.launch.tasks import Task
+from stratagem.observe.answer import OBSERVE_VARIABLE
 from stratagem.rpc import RpcServer
 from stratagem.rpc.server import caller_gone
 from stratagem.rpc.tokens import MAKE_TOKEN, check_token_strength
@@ -229,9 +230,10 @@ def launch_nodes(script: str, args: Sequence[str] = (), *, nnodes: str | int, rd
                                    "evaluator task (it runs on node 0).")
     server = _serve(rdzv, token, shape, node_rank, node_timeout, rdzv_timeout, output)
     joined = tempfile.mkdtemp(prefix="stratagem-joined-")
+    observe = tempfile.mkdtemp(prefix="stratagem-observe-")   # this node's tasks answer there
 
     def environment(task: Task, spec: ClusterSpec, round_: int) -> dict[str, str]:
-        return {**task_env(os.environ, spec, task, token, round_), JOINED_VARIABLE: joined}
+        return {**task_env(os.environ, spec, task, token, round_), JOINED_VARIABLE: joined, OBSERVE_VARIABLE: observe}
 
     command = (sys.executable, script, *args)
     try:
@@ -251,6 +253,7 @@ def launch_nodes(script: str, args: Sequence[str] = (), *, nnodes: str | int, rd
         if server is not None:
             _close(*server, node_timeout)
         shutil.rmtree(joined, ignore_errors=True)
+        shutil.rmtree(observe, ignore_errors=True)
 
 
 def _run(agent: NodeAgent, signals: _Signals, output: TaskOutput, *, grace_period: float,

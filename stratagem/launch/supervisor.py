@@ -67,6 +67,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from stratagem.errors import ClusterConfigError
+from stratagem.launch.hang_watch import HangWatch
 from stratagem.launch.joining import JoinWatch, join_timeout_message
 from stratagem.launch.lifeline import Reaper, die_with_parent
 from stratagem.launch.output import TaskOutput
@@ -136,7 +137,8 @@ class Supervisor:
     def __init__(self, tasks: Sequence[Task], environments: Environments, *, max_restarts: int,
                  output: TaskOutput, grace_period: float, max_preemptions: int = 100,
                  evaluator_timeout: float = 600.0, join_timeout: float = 0.0,
-                 joined_folder: str | None = None) -> None:
+                 joined_folder: str | None = None, observe_folder: str | None = None,
+                 hang_timeout: float = 0.0) -> None:
         width = max(len(f"[{task.name}]") for task in tasks)
         slots = [_Slot(task, env, f"[{task.name}]".ljust(width) + " ")
                  for task, env in zip(tasks, environments(0))]
@@ -160,6 +162,7 @@ class Supervisor:
         self._joining = [] if not (join_timeout and joined_folder) or (len(watched) < 2 and not self._ps_mode) \
             else watched
         self._join_watch = JoinWatch(joined_folder or "", join_timeout)
+        self._hang_watch = HangWatch(observe_folder or "", hang_timeout if observe_folder else 0.0)
 
     def interrupt(self, signum: int) -> None:
         """Called by a signal handler: stop the job; while stopping, skip the grace period."""
@@ -197,6 +200,10 @@ class Supervisor:
                 elif late := self._join_watch.late([slot.task.name for slot in self._joining
                                                     if slot.process.poll() is None]):
                     return self._fail_to_join(late)
+                elif self._hang_watch.hung():   # (the job is stopped, not restarted: it would hang again)
+                    self._output.say(self._hang_watch.message({slot.task.name: slot.process.pid for slot in self._slots
+                                                               if slot.process.poll() is None}, self._count_running()))
+                    return 1
                 time.sleep(_POLL_SECONDS)
         finally:
             self._stop_all(self._slots + self._evaluators)
@@ -262,6 +269,7 @@ class Supervisor:
         for slot, env in zip(self._slots, environments):   # the evaluator (last) goes on as it is
             slot.env = env
             self._start(slot)
+        self._hang_watch.restart()
         self._output.say(f"started all {count} tasks again with a new rendezvous "
                          f"(STRATAGEM_RESTART={self._starts}) "
                          f"{time.monotonic() - started:.1f} s after the exit was seen")

@@ -6,10 +6,10 @@ of the layers built on it."""
 
 from stratagem.nn.embedding import embedding_lookup
 from stratagem.nn.loss_check import LossScalingWarning
-from stratagem.placement.buffers import BatchNormWarning
+from stratagem.placement.data_axis.buffers import BatchNormWarning
 from stratagem.nn.losses import (compute_average_loss, mean_over_replicas, scale_regularization_loss,
                                  skip_loss_scaling_check)
-from stratagem.placement.clipping import clip_grad_norm_, clip_grad_value_
+from stratagem.placement.scope.clipping import clip_grad_norm_, clip_grad_value_
 
 __all__ = ["BatchNormWarning", "LossScalingWarning", "clip_grad_norm_", "clip_grad_value_", "compute_average_loss",
            "embedding_lookup", "mean_over_replicas", "scale_regularization_loss", "skip_loss_scaling_check"]

@@ -1,7 +1,7 @@
 """Parameter-server checkpoints: every ps writes and reads its own shards, all at once.
 
 ``sg.Checkpoint.save`` asks the strategy's placement to write a module's or an optimizer's
-state where it lives (:meth:`~stratagem.placement.base.Placement.write_checkpoint_state`).
+state where it lives (:meth:`~stratagem.placement.scope.base.Placement.write_checkpoint_state`).
 Here that means: the coordinator sends each parameter server one ``write_shards`` call
 (in parallel, :func:`~stratagem.ps.client.call_each`); each ps writes the values (for a
 module) or the optimizer states (for an optimizer) of its shards into ``<name>.ps<k>.pt``
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from stratagem.errors import CheckpointError, InvalidArgumentError
-from stratagem.placement.hooks import base_of, placement_of
+from stratagem.placement.scope.hooks import base_of, placement_of
 from stratagem.ps.client import call_each
 from stratagem.ps.variables import RemoteVariable, remote_of
 from stratagem.checkpoint.pieces import PlacedRestore, pieces_descriptor

@@ -42,7 +42,7 @@ import torch
 
 from stratagem.errors import InvalidArgumentError, StratagemError
 from stratagem.metrics.base import Metric, closure_reference
-from stratagem.placement.hooks import placement_of
+from stratagem.placement.scope.hooks import placement_of
 from stratagem.ps.placement import ParameterServerPlacement, _VariableDict
 from stratagem.ps.runtime import WorkerOptimizer, WorkerRuntime
 from stratagem.ps.strategy import ParameterServerStrategy, _WorkerStrategy

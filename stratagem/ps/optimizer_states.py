@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from stratagem.placement.hooks import base_of
+from stratagem.placement.scope.hooks import base_of
 from stratagem.ps.client import call_each
 from stratagem.ps.variables import remote_of
 

@@ -17,7 +17,7 @@ coordinator's before each schedule, and their state dicts are assembled from the
 embedding table's optimizer without a row-sparse rule (RMSprop...) warns here, once: the ps
 will update the whole table each step (:func:`~stratagem.ps.sparse_update.updates_rows_only`).
 
-It implements the declared :class:`~stratagem.placement.base.Placement` interface; the
+It implements the declared :class:`~stratagem.placement.scope.base.Placement` interface; the
 optimizer operations push gradients (``optimizer_step``) and read or write the shards'
 optimizer states (the state dicts).
 """
@@ -37,8 +37,8 @@ from stratagem._profiling import label
 from stratagem._record import attach
 from stratagem.data.sharding import split_sizes
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.base import Placement
-from stratagem.placement.hooks import adopt, base_of
+from stratagem.placement.scope.base import Placement
+from stratagem.placement.scope.hooks import adopt, base_of
 from stratagem.ps import optimizer_states
 from stratagem.ps.checkpointing import read_state, write_state
 from stratagem.ps.client import ParameterServerClient, call_each

@@ -41,6 +41,7 @@ import torch
 from stratagem._profiling import label
 from stratagem.cluster.joined import mark_joined
 from stratagem.metrics.base import Metric, worker_deltas
+from stratagem.observe import flight
 from stratagem.ps.closures import ClosureNotCachedError, ClosureUnpickler
 from stratagem.ps.runtime import WorkerRuntime
 from stratagem.rpc.auth import cluster_token
@@ -144,6 +145,7 @@ class WorkerService:
         fn, closure_vars, closure_metrics = entry
         mark_joined(self.name)   # (for stratagem launch's check that the worker was used)
         args, kwargs = request["args"], request["kwargs"]
+        flight.note_step()   # (a closure is a step of the worker)
         with self._lock, label("stratagem.ps.closure"):
             var_ids = closure_vars + unpickler.var_ids
             runtime.pull_dense(var_ids, writes=request.get("writes"))

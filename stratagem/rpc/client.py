@@ -41,6 +41,7 @@ import grpc
 from stratagem._profiling import label
 from stratagem.cluster.spec import validate_address
 from stratagem.errors import ClusterConfigError, InvalidArgumentError, UnavailableError
+from stratagem.observe import flight
 from stratagem.rpc.auth import DEFAULT_MAX_SKEW_S, Authenticator, clock_refusal
 from stratagem.rpc.codec import Pickler, decode, encode
 from stratagem.rpc.errors import (AuthenticationError, ClockSkewError, MessageTooLargeError, RemoteError,
@@ -157,7 +158,7 @@ class RpcClient:
         """Runs handler ``method`` on the server with ``request``; returns its reply.
         ``writable_reply=False`` promises that the caller only reads the reply's tensors
         (copies them elsewhere): they are then views of the received bytes, not copies."""
-        with label("stratagem.rpc.call"):
+        with label("stratagem.rpc.call"), flight.record(f"rpc {method}", 0, self.task):
             seconds = self.default_timeout if timeout is None else _check_timeout(timeout, "timeout")
             deadline = time.monotonic() + seconds   # (asking whether the lane serves it counts too)
             if self._lane is not None and method != LANE_METHOD and self._lane.serves(method, seconds):
@@ -176,6 +177,8 @@ class RpcClient:
         """
         body, seconds = self._prepare(method, request, timeout)
         result = _CallFuture()
+        seq = flight.begin(f"rpc {method}", len(body), self.task)   # (its end: when the reply or error comes)
+        result.add_done_callback(lambda _: flight.end(seq))
         self._send_async(result, method, body, time.monotonic() + seconds, seconds, writable_reply, True)
         return result
 
@@ -262,8 +265,7 @@ class RpcClient:
                 metadata = self._auth.sign_request(method, body, to=binding[0], incarnation=binding[1])
                 call = self._callable(method).future(body, timeout=_left(deadline), metadata=metadata)
             except BaseException as err:
-                failed = self._translate(err, method, seconds) if isinstance(err, grpc.RpcError) else err
-                result._settle(error=failed)
+                result._settle(error=self._translate(err, method, seconds) if isinstance(err, grpc.RpcError) else err)
                 return
             result._attach(call)
             call.add_done_callback(lambda call: done(call, binding, metadata[1][1]))
@@ -332,10 +334,7 @@ class RpcClient:
             self._hello = None   # a failed hello is asked again by the next call
             if binding is not None:
                 self._bound = binding
-        if error is None:
-            hello.set_result(binding)
-        else:
-            hello.set_exception(error)
+        hello.set_result(binding) if error is None else hello.set_exception(error)
 
     def _forget(self, binding: tuple[str, str]) -> None:
         """Drops ``binding``, refused as stale, unless another thread already replaced it."""

@@ -31,9 +31,9 @@ from stratagem.data.input import DistributedDataset, ValueContext
 from stratagem.devices import Topology
 from stratagem.errors import ContextError, InvalidArgumentError
 from stratagem.nn import loss_watch
-from stratagem.placement import hooks
-from stratagem.placement.base import Placement
-from stratagem.placement.unscoped import unscoped_check
+from stratagem.placement.scope import hooks
+from stratagem.placement.scope.base import Placement
+from stratagem.placement.scope.unscoped import unscoped_check
 from stratagem.strategies.set_strategy import mixing_refusal
 from stratagem.strategies.replica_context import CrossReplicaCollectives, ReplicaContext
 from stratagem.strategies.runner import InlineRunner, ThreadRunner

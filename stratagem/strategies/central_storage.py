@@ -3,8 +3,8 @@
 Configuration: the compute devices; a :class:`~stratagem.comm.replicas.ReplicaCollective`
 with the default cross-device op for them (it carries the replicas' exchanges and the
 collectives of ``sg.get_replica_context()``); a
-:class:`~stratagem.placement.mirrored.MirroredPlacement` whose update rule is
-:class:`~stratagem.placement.central.CentralUpdate` on the parameter device; replica threads
+:class:`~stratagem.placement.layout.mirrored.MirroredPlacement` whose update rule is
+:class:`~stratagem.placement.data_axis.central.CentralUpdate` on the parameter device; replica threads
 (inline with one compute device).
 """
 
@@ -17,8 +17,8 @@ import torch
 from stratagem.comm.cross_device_ops import default_cross_device_ops
 from stratagem.comm.replicas import ReplicaCollective
 from stratagem.devices import Device, Topology, default_devices, parse_device, parse_devices
-from stratagem.placement.central import CentralUpdate
-from stratagem.placement.mirrored import MirroredPlacement
+from stratagem.placement.data_axis.central import CentralUpdate
+from stratagem.placement.layout.mirrored import MirroredPlacement
 from stratagem.strategies.base import Strategy
 
 

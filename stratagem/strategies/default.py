@@ -11,7 +11,7 @@ from stratagem.comm.cross_device_ops import HierarchicalCopyAllReduce
 from stratagem.comm.replicas import ReplicaCollective
 from stratagem.devices import Device, Topology
 from stratagem.errors import ContextError
-from stratagem.placement.mirrored import MirroredPlacement
+from stratagem.placement.layout.mirrored import MirroredPlacement
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.replica_context import ReplicaContext
 

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from stratagem.cluster import resolve
 from stratagem.comm.cross_device_ops import default_cross_device_ops
 from stratagem.comm.options import CommunicationOptions, check_compression
-from stratagem.comm.processes import WorkerGroup
+from stratagem.comm.processes import WorkerGroup, peers_of
 from stratagem.comm.replicas import ReplicaCollective
 from stratagem.comm.workers import WorkerCollective
 from stratagem.devices import Device, Topology
@@ -43,9 +43,10 @@ class AxisGroup(WorkerGroup):
         self.names = [full.names[r] for r in ranks]
         self.timeout, self.backend, self.device = full.timeout, full.backend, full.device
         self.solo = self.world_size == 1
+        self.peers = peers_of(self.names)
 
-    def guard(self, what: str) -> Any:
-        return self.full.guard(what)
+    def guard(self, what: str, nbytes: int = 0, *, record: bool = True) -> Any:
+        return self.full.guard(what, nbytes, record=record, peers=self.peers)
 
     def close(self) -> None:
         """The full group owns the process group."""

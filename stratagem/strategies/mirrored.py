@@ -1,7 +1,7 @@
 """MirroredStrategy: synchronous data parallelism over the devices of one process.
 
 Configuration: the local devices; a :class:`~stratagem.comm.replicas.ReplicaCollective`
-carrying the chosen cross-device op; a :class:`~stratagem.placement.mirrored.MirroredPlacement`;
+carrying the chosen cross-device op; a :class:`~stratagem.placement.layout.mirrored.MirroredPlacement`;
 replica threads (inline with one device).
 """
 
@@ -14,7 +14,7 @@ import torch
 from stratagem.comm.cross_device_ops import CrossDeviceOps, check_cross_device_ops
 from stratagem.comm.replicas import ReplicaCollective
 from stratagem.devices import Topology, default_devices, parse_devices
-from stratagem.placement.mirrored import MirroredPlacement
+from stratagem.placement.layout.mirrored import MirroredPlacement
 from stratagem.strategies.base import Strategy
 
 

@@ -27,9 +27,9 @@ from stratagem.comm.replicas import ReplicaCollective
 from stratagem.comm.workers import WorkerCollective
 from stratagem.devices import Device, Topology, parse_devices
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.fully_sharded import FullyShardedPlacement
-from stratagem.placement.mirrored import MirroredPlacement
-from stratagem.placement.zero import ZeroUpdate, check_sharding
+from stratagem.placement.layout.fully_sharded import FullyShardedPlacement
+from stratagem.placement.layout.mirrored import MirroredPlacement
+from stratagem.placement.data_axis.zero import ZeroUpdate, check_sharding
 from stratagem.strategies.base import Strategy
 
 
@@ -132,13 +132,47 @@ class MultiWorkerMirroredStrategy(Strategy):
 
 
 def _default_worker_devices(resolver: Any) -> tuple[Device, ...]:
+    """This worker's devices when none are given: the CPU; with CUDA under torchrun, a DDP
+    script's ``cuda:LOCAL_RANK``; otherwise every visible GPU when the worker is alone on its host
+    (TensorFlow's default), else its even share of them: ``stratagem launch`` and Slurm say how many
+    worker processes share the host and which one this is (``LOCAL_WORLD_SIZE``, ``LOCAL_RANK``),
+    so that two workers never take the same GPU as replicas."""
     count = torch.cuda.device_count()
     if not count:
         return (Device("cpu", 0),)
     local_rank = getattr(resolver, "local_rank", None)
     if local_rank is not None and type(resolver).__name__ == "TorchrunClusterResolver":
-        return (Device("cuda", local_rank % count),)
-    return tuple(Device("cuda", i) for i in range(count))
+        return (Device("cuda", local_rank % count),)   # a DDP script's device, one per process
+    local_world = getattr(resolver, "local_world_size", None)
+    if local_rank is None:   # (a TF_CONFIG cluster: stratagem launch sets both, as torchrun does)
+        local_rank, local_world = _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE")
+    return tuple(Device("cuda", i) for i in gpu_share(count, local_rank, local_world))
+
+
+def gpu_share(count: int, local_rank: int | None, local_world: int | None) -> range:
+    """The indices of the GPUs (of ``count`` visible) that worker ``local_rank`` of the
+    ``local_world`` worker processes on one host takes: all of them when it is alone (or when
+    nothing says), an even share each, or one each, shared round-robin, when the processes
+    outnumber the GPUs.
+
+        >>> list(gpu_share(8, None, None)), list(gpu_share(8, 1, 4)), list(gpu_share(2, 3, 4))
+        ([0, 1, 2, 3, 4, 5, 6, 7], [2, 3], [1])
+    """
+    if local_rank is None or not local_world or local_world <= 1:
+        return range(count)
+    if not 0 <= local_rank < local_world:
+        raise InvalidArgumentError(
+            f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world}; start the workers with "
+            f"stratagem launch or torchrun, which set both, or pass devices= explicitly")
+    per = count // local_world
+    if per == 0:   # more processes than GPUs here: they share, as cuda:LOCAL_RANK % count would
+        return range(local_rank % count, local_rank % count + 1)
+    return range(local_rank * per, (local_rank + 1) * per)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip().isdigit() else None
 
 
 def _usable_cores() -> int:

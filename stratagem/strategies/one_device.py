@@ -7,7 +7,7 @@ import torch
 from stratagem.comm.cross_device_ops import HierarchicalCopyAllReduce
 from stratagem.comm.replicas import ReplicaCollective
 from stratagem.devices import Topology, parse_device
-from stratagem.placement.mirrored import MirroredPlacement
+from stratagem.placement.layout.mirrored import MirroredPlacement
 from stratagem.strategies.base import Strategy
 
 

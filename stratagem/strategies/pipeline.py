@@ -4,15 +4,15 @@ The processes of the cluster form a mesh ``(data, pipe, model)`` in row-major or
 process ``r`` is data rank ``r // (pipe * model)``, pipe rank ``(r // model) % pipe`` and
 model rank ``r % model`` (the model axis innermost; with ``model = 1``, data rank
 ``r // pipe`` and pipe rank ``r % pipe``). Along the pipe axis, the model
-created in scope is cut into stages (:mod:`stratagem.placement.pipeline`), each process
+created in scope is cut into stages (:mod:`stratagem.placement.layout.pipeline`), each process
 keeping only its own; a step runs one of torch's pipeline schedules over micro-batches
-(:mod:`stratagem.placement.pipeline_schedule`). Along the data axis, each group of
+(:mod:`stratagem.placement.layout.pipeline_schedule`). Along the data axis, each group of
 ``pipe`` processes is one data-parallel replica: it gets its own slice of each global
 batch, and gradients are summed over the data axis when the step's schedule ends, so that
 ``.grad`` holds the global batch's gradient when ``forward_backward`` returns (or ZeRO shards
 the update, the gradients or the parameters over it). Along the model axis, the layers of
 each stage named by a tensor-parallel plan are split with ``parallelize_module``
-(:mod:`stratagem.placement.pipeline_mesh`).
+(:mod:`stratagem.placement.layout.pipeline_mesh`).
 
 So ``num_replicas_in_sync`` is the data-parallel degree ``data``; ``strategy.reduce``
 and the input pipeline work over the data axis (the processes of one pipeline get the
@@ -28,14 +28,14 @@ import torch
 
 from stratagem.comm.options import CommunicationOptions, check_compression
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.pipeline import PipelinePlacement
-from stratagem.placement.pipeline_balance import BALANCE_BY
-from stratagem.placement.pipeline_mesh import MeshStages
-from stratagem.placement.pipeline_plan import check_schedule
-from stratagem.placement.pipeline_schedule import PipelineSchedules, forward_only
-from stratagem.placement.recompute import check_recompute
-from stratagem.placement.tensor_parallel import check_plan
-from stratagem.placement.zero import STAGES
+from stratagem.placement.layout.pipeline import PipelinePlacement
+from stratagem.placement.layout.pipeline_balance import BALANCE_BY
+from stratagem.placement.layout.pipeline_mesh import MeshStages
+from stratagem.placement.layout.pipeline_plan import check_schedule
+from stratagem.placement.layout.pipeline_schedule import PipelineSchedules, forward_only
+from stratagem.placement.layout.recompute import check_recompute
+from stratagem.placement.layout.tensor_parallel import check_plan
+from stratagem.placement.data_axis.zero import STAGES
 from stratagem.strategies.mesh import MeshStrategy
 
 

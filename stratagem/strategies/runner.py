@@ -29,6 +29,7 @@ from stratagem._profiling import label
 from stratagem.comm.collective import Collective
 from stratagem.comm.sync import ReplicaAborted
 from stratagem.errors import ContextError
+from stratagem.observe import flight
 from stratagem.strategies.replica_context import ReplicaContext
 
 
@@ -43,6 +44,7 @@ class InlineRunner:
     def run(self, fn: Callable, per_replica_args: list, global_batch_size: int | None) -> list:
         if not self._lock.acquire(blocking=False):
             raise _overlapping(self._context.strategy)
+        flight.note_step()   # (the flight recorder's step: one per run)
         ctx = self._context
         ctx.global_batch_size = global_batch_size
         args, kwargs = per_replica_args[0]
@@ -103,6 +105,7 @@ class ThreadRunner:
     def run(self, fn: Callable, per_replica_args: list, global_batch_size: int | None) -> list:
         if not self._lock.acquire(blocking=False):
             raise _overlapping(self._contexts[0].strategy)
+        flight.note_step()
         try:
             if self._inbox is None:
                 self._start_threads()

@@ -3,7 +3,7 @@
 The processes of the cluster form a 2-D mesh ``(data, model)``: process ``r`` is data
 rank ``r // model`` and model rank ``r % model``. Along the model axis, the layers named
 by the plan are split with torch's ``parallelize_module`` (their parameters become
-DTensors; see :mod:`stratagem.placement.tensor_parallel`); along the data axis, each
+DTensors; see :mod:`stratagem.placement.layout.tensor_parallel`); along the data axis, each
 group of ``model`` processes is one data-parallel replica: it gets its own slice of each
 global batch, and gradients are summed over the data axis when backward ends (``.grad`` then
 holds the global batch's gradient, as under the data-parallel strategies).
@@ -21,7 +21,7 @@ import re
 from typing import Any
 
 from stratagem.comm.options import CommunicationOptions
-from stratagem.placement.tensor_parallel import TensorParallelPlacement, check_plan
+from stratagem.placement.layout.tensor_parallel import TensorParallelPlacement, check_plan
 from stratagem.strategies.mesh import MeshStrategy
 
 

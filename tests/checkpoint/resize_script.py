@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
 from stratagem.data.sharding import split_sizes
-from stratagem.placement.mirrored import MirroredPlacement
+from stratagem.placement.layout.mirrored import MirroredPlacement
 
 EPOCHS, LR, GAMMA = 3, 0.05, 0.7
 ROWS = {"fit": 44, "custom": 44, "function": 42}

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import stratagem as sg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: run as a script, or imported
-from tests.strategies.tp_script import PLAN, MegatronMLP, make_optimizer, per_example_loss  # noqa: E402
+from tests.placement.layout.tp_script import PLAN, MegatronMLP, make_optimizer, per_example_loss  # noqa: E402
 
 STEPS, BATCH = 4, 8
 KINDS = ("sgd", "adam")

@@ -33,6 +33,7 @@ def sum_packs(packs: list[GradientPacks], codecs: list, *, drop_first: bool = Fa
         for pack in mine:
             for i in range(len(pack.params)):
                 pack.fill(i)
+            pack.seal()   # (the presence flags into the buffer, as GradientPacks does before a pack leaves)
         if drop_first:
             rounds = [codec.rounds(pack) for codec, pack in zip(codecs, mine)]
             _all_reduce([next(r) for r in rounds])
@@ -41,6 +42,7 @@ def sum_packs(packs: list[GradientPacks], codecs: list, *, drop_first: bool = Fa
             for pack in mine:
                 for i in range(len(pack.params)):
                     pack.fill(i)
+                pack.seal()
         rounds = [codec.rounds(pack) for codec, pack in zip(codecs, mine)]
         while True:
             wires = [next(r, None) for r in rounds]

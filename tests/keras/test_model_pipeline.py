@@ -1,7 +1,7 @@
 """sg.Model under PipelineStrategy in one process (every stage here): equal to the default strategy.
 
 The multi-process runs (1 x 2 and 2 x 2 meshes, BackupAndRestore, ModelCheckpoint, progress from the
-chief only) are in tests/strategies/test_multi_worker_pipeline.py.
+chief only) are in tests/placement/layout/test_multi_worker_pipeline.py.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import stratagem as sg
-from stratagem.placement.mirrored_dict import MirroredDict
+from stratagem.placement.layout.mirrored_dict import MirroredDict
 
 pytestmark = pytest.mark.timeout(120)
 TOL = dict(rtol=2e-5, atol=2e-6)
@@ -26,7 +26,7 @@ CPUS3 = ["cpu:0", "cpu:1", "cpu:2"]
 @pytest.fixture(params=["shared", "copies"])
 def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "copies":
-        monkeypatch.setattr("stratagem.placement.central._same_memory", lambda device, home: False)
+        monkeypatch.setattr("stratagem.placement.data_axis.central._same_memory", lambda device, home: False)
     return request.param
 
 
@@ -262,7 +262,7 @@ def test_checkpoint_round_trip_with_mirrored(tmp_path) -> None:
 def test_one_replica_computing_with_a_copy_refuses_an_unscoped_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
     """One GPU computing, parameters on the CPU: an optimizer made outside the scope would update
     parameters no replica computes with (their gradients land on the copy): refused, not silent."""
-    monkeypatch.setattr("stratagem.placement.central._same_memory", lambda device, home: False)
+    monkeypatch.setattr("stratagem.placement.data_axis.central._same_memory", lambda device, home: False)
     strategy = sg.CentralStorageStrategy(["cpu:0"], parameter_device="cpu")
     with strategy.scope():
         model = nn.Linear(3, 1)
@@ -333,7 +333,7 @@ def test_parameters_without_gradients_on_some_or_all_replicas(mode: str) -> None
 
 
 def test_in_place_writes_to_a_copy_inside_run_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("stratagem.placement.central._same_memory", lambda device, home: False)
+    monkeypatch.setattr("stratagem.placement.data_axis.central._same_memory", lambda device, home: False)
     strategy = sg.CentralStorageStrategy(["cpu:0", "cpu:1"])
     with strategy.scope():
         layer = nn.Linear(3, 1)

@@ -14,7 +14,7 @@ from torch import nn
 
 import stratagem as sg
 from stratagem._record import record
-from stratagem.placement.sharded_update import ShardedUpdate
+from stratagem.placement.data_axis.sharded_update import ShardedUpdate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -118,7 +118,7 @@ def test_central_storage_with_copies_matches_single_device(replicas: int, optimi
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The path GPUs take: every replica computes with a copy of its own (here on the CPU),
     gradients are summed into the parameters' own, copies are refreshed after the update."""
-    monkeypatch.setattr("stratagem.placement.central._same_memory", lambda device, home: False)
+    monkeypatch.setattr("stratagem.placement.data_axis.central._same_memory", lambda device, home: False)
     strategy = sg.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
     _check_equivalent(strategy, optimizer_kind, [12, 12, 7, 12, 2])
     _check_equivalent(strategy, optimizer_kind, [9, 3], scheduler=True)

@@ -20,7 +20,7 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 from stratagem.experimental.planning.memory import style_of
-from stratagem.placement.pipeline_balance import partition
+from stratagem.placement.layout.pipeline_balance import partition
 from stratagem.strategies.pipeline import PipelineStrategy
 
 SHARDINGS = (None, "optimizer", "gradients", "parameters")

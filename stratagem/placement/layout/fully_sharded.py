@@ -1,0 +1,207 @@
+"""FullyShardedPlacement: parameters, gradients and optimizer state sharded over the workers (ZeRO-3).
+
+``MultiWorkerMirroredStrategy(sharding="parameters")``. Modules created in scope wait
+until ``finalize()``; then every root module with parameters (one that no other module
+created in scope holds: :class:`~stratagem.placement.layout.roots.RootsPlacement`) moves to this
+worker's device, gets the chief's initial values (every worker checks that it built the same
+tensors), and is handed to torch's FSDP2 ``fully_shard``:
+
+- units: each child of the root that holds parameters gets its own ``fully_shard`` unit,
+  containers (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``) being looked
+  through, so that a model's blocks (``model.layers[i]``) are units; then the root itself
+  (unless it is a ``ModuleList``/``ModuleDict``, which has no forward), which takes the
+  parameters left over. A unit's parameters are all-gathered just before its forward (and
+  again before its backward) and freed after; its gradients are reduce-scattered as soon
+  as its backward is done, each worker keeping its shard (dimension 0 split as ``torch.chunk``).
+- gradients are *summed* over the workers (the divide factor is 1), as every other
+  data-parallel path of stratagem sums them: the loss is divided by the global batch size
+  (``sg.nn.compute_average_loss``).
+
+Optimizers created in scope are torch's own over the DTensor parameters: each worker's
+update touches only its shards, and its state holds only its shards. ``step`` runs in the
+order of :mod:`stratagem.placement.data_axis.step` (:class:`~stratagem.placement.data_axis.local_update.LocalUpdate`: torch's update;
+the gradients were summed during backward), then averages the buffers over the workers. ``clip_grad_norm_`` over the model's
+parameters measures every worker's shards and returns the global norm as a plain tensor
+(:mod:`stratagem.placement.scope.clipping`; torch's own returns a DTensor, whose inf-norm is
+each worker's partial maximum).
+
+State: a placed module's ``state_dict()`` holds full tensors (``DTensor.full_tensor``, an
+all-gather: every worker calls it), ``load_state_dict`` takes full tensors and keeps each
+worker's shard; the optimizer's state dict does the same with its state, in plain PyTorch's
+layout, so a checkpoint written under one layout restores under any other.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import weakref
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from stratagem.errors import InvalidArgumentError
+from stratagem.placement.scope import clipping
+from stratagem.placement.data_axis.buffers import BufferSync
+from stratagem.placement.layout.dtensor_state import hook_state_dicts, parameters_before, replacements
+from stratagem.placement.layout.roots import RootsPlacement
+from stratagem.placement.scope.unscoped import refuse_optimizer_over
+from stratagem.placement.scope.hooks import adopt, placement_of
+from stratagem.placement.data_axis.local_update import LocalUpdate
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+class FullyShardedPlacement(RootsPlacement):
+    """Each worker holds 1/N of every parameter, gradient and optimizer state (FSDP2 units)."""
+
+    kind = "FullySharded"
+    synchronizes_batch_norm = True
+
+    def __init__(self, strategy: Any, collective: Any, device: torch.device):
+        self._strategy_ref = weakref.ref(strategy)
+        self.collective = collective
+        self.everyone = collective   # the start-up agreement on the modules built
+        self.device = device
+        self.update = LocalUpdate(self)   # the step's primitives: torch's update over the shards
+        group = collective.group
+        if group.solo and not dist.is_initialized():   # a lone worker still needs a group for the mesh
+            dist.init_process_group(group.backend, store=dist.HashStore(), rank=0, world_size=1)
+            atexit.register(_leave_solo_group)
+        self.mesh = DeviceMesh.from_group(group.group or dist.group.WORLD, device.type)
+        self._start_roots()
+        self._sharded_ids: set[int] = set()
+        self._gathered_ids: set[int] = set()   # FSDP2's whole parameters (kept between forwards)
+        #: every module of a sharded model -> the names of its parameters then
+        self._sharded_names: "weakref.WeakKeyDictionary[nn.Module, frozenset]" = weakref.WeakKeyDictionary()
+        self._stash: dict[int, dict] = {}   # chief, while a checkpoint is written: gathered states
+        placed = self._placed
+        #: BatchNorm's running statistics (buffers are not sharded) averaged over the workers at each
+        #: step and checkpoint
+        self.buffers = BufferSync(strategy, collective, lambda: [m for root in placed for m in root.modules()])
+        clipping.register(self)
+
+    @property
+    def strategy(self) -> Any:
+        return self._strategy_ref()
+
+    # ---------------------------------------------------------------- modules
+
+    def finalize(self) -> None:
+        for root in self.new_roots():   # complete models, the chief's values on every worker
+            self._shard(root)
+            self._forget_pending(root.modules())   # (fully_shard re-registers parameters)
+
+    def _shard(self, root: nn.Module) -> None:
+        dtypes = {p.dtype for p in root.parameters()}
+        if len(dtypes) > 1:
+            raise InvalidArgumentError(
+                f"sharding='parameters' gathers each unit's parameters as one buffer, so they need one "
+                f"dtype, but {type(root).__name__} has {sorted(map(str, dtypes))}; convert the model to "
+                f"one dtype (e.g. model.double()) or use sharding='gradients'")
+        before = parameters_before(root)
+        for unit in units(root):
+            fully_shard(unit, mesh=self.mesh)
+        top = root if not isinstance(root, (nn.ModuleList, nn.ModuleDict)) else None
+        if top is not None:
+            fully_shard(top, mesh=self.mesh)
+        for module in root.modules():
+            self._sharded_names[module] = frozenset(n for n, p in module._parameters.items() if p is not None)
+            if isinstance(module, FSDPModule):
+                module.register_forward_pre_hook(self._note_gathered)   # (after FSDP2's: it gathers)
+                module.set_gradient_divide_factor(1.0)   # a sum over workers, as every other path,
+                module.set_force_sum_reduction_for_comms(True)   # with ReduceOp.SUM (gloo has no PREMUL_SUM)
+            self._sharded_ids.update(id(p) for p in module._parameters.values() if isinstance(p, DTensor))
+        self._replaced.update(replacements(root, before))
+        hook_state_dicts(root.modules())
+
+    # ------------------------------------------------------------ checkpoints
+
+    @contextlib.contextmanager
+    def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
+        """Every worker, around the chief's writing: gather each sharded state once (collectives)."""
+        chief = self.collective.worker_index == 0
+        self.buffers.average(None)
+        for obj in objects.values():
+            if self._owns(obj):
+                state = obj.state_dict()
+                if chief:
+                    self._stash[id(obj)] = state
+        try:
+            yield
+        finally:
+            self._stash.clear()
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Sharded by this placement (its gradient reduce-scattered over the workers), or the
+        whole parameter FSDP2 gathered from such shards for a forward."""
+        return id(tensor) in self._sharded_ids or id(tensor) in self._gathered_ids
+
+    def _note_gathered(self, module: nn.Module, args: Any) -> None:
+        """After FSDP2's own forward pre-hook: the unit's parameters are the gathered ones."""
+        self._gathered_ids.update(id(p) for p in module.parameters())
+
+    def unheld(self, module: nn.Module) -> list[str]:
+        """A module of a sharded model holds FSDP2's parameters under the names it had when it
+        was sharded (sharded, or gathered for its forward); any other parameter, or any
+        parameter of another module, was created outside the scope or assigned after it."""
+        if any(m is module for m in self._pending):
+            return []
+        names = self._sharded_names.get(module, frozenset())
+        return [name for name, p in module._parameters.items() if p is not None and name not in names]
+
+    def _owns(self, obj: Any) -> bool:
+        if isinstance(obj, torch.optim.Optimizer):
+            return placement_of(obj) is self
+        return isinstance(obj, nn.Module) and any(id(p) in self._sharded_ids for p in obj.parameters())
+
+    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> tuple[Any, dict[str, dict]] | None:
+        """The full state that :meth:`prepare_checkpoint` gathered: one logical copy, no other files."""
+        if not self._owns(obj):
+            return None
+        if id(obj) not in self._stash:
+            raise InvalidArgumentError(
+                f"{name} is sharded over the workers (sharding='parameters'): only sg.Checkpoint.save called "
+                f"on every worker can save it (its full tensors are gathered first)")
+        return self._stash.pop(id(obj)), {}
+
+    # ----------------------------------------------------------- optimizers
+
+    def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
+        self._take_replacements(optimizer)
+        outside = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in self._sharded_ids]
+        refuse_optimizer_over(optimizer, outside, "sharding='parameters'",
+                              "this strategy did not shard them over the workers")
+        adopt(optimizer, self)
+
+    def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
+        """Clipping: each worker's shards of the gradients (summed over the workers in backward)."""
+        return clipping.shard_parts(params, self.collective.group)
+
+    def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+        raise InvalidArgumentError(
+            "add_param_group is not supported under sharding='parameters'; create the optimizer with "
+            "all its parameter groups")
+
+
+def units(root: nn.Module) -> list[nn.Module]:
+    """The modules below ``root`` that get their own ``fully_shard`` unit (see the module doc)."""
+    found: list[nn.Module] = []
+    for child in root.children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if isinstance(child, _CONTAINERS):
+            found += units(child)
+        else:
+            found.append(child)
+    return found
+
+
+def _leave_solo_group() -> None:
+    if dist.is_initialized():   # (a test may have left it already)
+        dist.destroy_process_group()

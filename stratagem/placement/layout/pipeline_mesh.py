@@ -1,0 +1,138 @@
+"""Tensor parallelism and ZeRO-3 inside the stages of a pipeline: the model and data axes of a 3-D mesh.
+
+A ``PipelineStrategy`` whose mesh is ``{"data": d, "pipe": p, "model": t}`` cuts its model into
+stages over ``pipe`` (:mod:`stratagem.placement.layout.pipeline`); :class:`MeshStages` then places each
+of this process's stages on the other two axes, as torchtitan composes PyTorch's engines on one
+``DeviceMesh``:
+
+1. the tensor-parallel plan (module names relative to the whole model, as
+   ``TensorParallelStrategy`` takes them) is resolved over the whole model, the same on every
+   process: an entry that names no module of any stage is refused; the entries that name
+   modules of this process's stages go to torch's ``parallelize_module`` over the ``model``
+   axis (with ``t = 1`` the layers stay whole);
+2. with ``sharding="parameters"``, each stage becomes FSDP2 ``fully_shard`` units over the
+   ``data`` axis (each child holding parameters, containers looked through, then the stage
+   itself, which torch's ``PipelineStage`` needs as the FSDP root): a parameter that the plan
+   split is sharded over both axes (``data`` then ``model``). Gradients are summed, not
+   averaged, over ``data`` (each data group's loss already carries its share of the batch).
+
+Clipping (:meth:`MeshStages.parts`): every gradient part counts toward the global norm on
+exactly one process of the whole mesh -- a part replicated along an axis (a layer the plan left
+whole, along ``model``; a gradient summed over ``data`` before the step, along ``data``) counts
+on that axis's rank 0 -- and the p-th powers are summed over every process.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from stratagem.errors import InvalidArgumentError
+from stratagem.placement.scope import clipping
+from stratagem.placement.layout.fully_sharded import units
+from stratagem.placement.layout.dtensor_state import hook_state_dicts, parameters_before, replacements
+from stratagem.placement.layout.tensor_parallel import check_entry, torch_style
+
+
+class MeshStages:
+    """Places a pipelined model's stages on the ``model`` and ``data`` axes of a 3-D mesh."""
+
+    def __init__(self, mesh: DeviceMesh, plan: dict[str, Any] | None, sharding: str | None, everyone: Any):
+        self.mesh = mesh
+        self.plan = plan               # checked by check_plan, or None
+        self.sharding = sharding       # None, "optimizer", "gradients" or "parameters"
+        self.everyone = everyone       # every process: the norm's sum
+        self.model_size = mesh["model"].size()
+
+    @property
+    def needs_sequential(self) -> bool:
+        """Whether the model must be an nn.Sequential (cut at placement): a plan, or ZeRO over data."""
+        return self.plan is not None or self.sharding is not None
+
+    def place(self, root: nn.Module, local: dict[int, nn.Sequential]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Split this process's stages of ``root`` by the plan and shard them over data; returns
+        id(parameter replaced) -> (it, its replacement)."""
+        before = parameters_before(root)
+        mine = {id(m) for stage in local.values() for m in stage.modules()}
+        styles = self._resolve(root, mine)
+        if styles and self.model_size > 1:
+            parallelize_module(root, self.mesh["model"], styles)
+        if self.sharding == "parameters":
+            self._shard(local)
+        hook_state_dicts(root.modules())
+        return replacements(root, before)
+
+    def _resolve(self, root: nn.Module, mine: set[int]) -> dict[str, Any]:
+        """{module name: torch style} for this process's stages; every entry names a module of some stage."""
+        if self.plan is None:
+            return {}
+        found: dict[str, Any] = {}
+        for pattern, style in self.plan.items():
+            matches = [(name, m) for name, m in root.named_modules()
+                       if name and (name == pattern or fnmatch.fnmatchcase(name, pattern))]
+            if not matches:
+                available = [n for n, _ in root.named_modules() if n]
+                raise InvalidArgumentError(
+                    f"the tensor-parallel plan names {pattern!r}, but no stage of the pipelined "
+                    f"{type(root).__name__} has a module of that name (names are relative to the whole "
+                    f"model); available: {available}")
+            for name, module in matches:
+                check_entry(name, module, style, self.model_size)
+                if id(module) in mine:
+                    found[name] = torch_style(style, module)
+        return found
+
+    def _shard(self, local: dict[int, nn.Sequential]) -> None:
+        dtypes = {p.dtype for stage in local.values() for p in stage.parameters()}
+        if len(dtypes) > 1:
+            raise InvalidArgumentError(
+                f"sharding='parameters' gathers each unit's parameters as one buffer, so they need one dtype, "
+                f"but this process's stages have {sorted(map(str, dtypes))}; convert the model to one dtype "
+                f"(e.g. model.double()) or use sharding='optimizer'")
+        data = self.mesh["data"]
+        for stage in local.values():
+            for unit in units(stage):
+                fully_shard(unit, mesh=data)
+            fully_shard(stage, mesh=data)   # torch's PipelineStage drives FSDP through its root, the stage
+            for module in stage.modules():
+                if hasattr(module, "set_gradient_divide_factor"):
+                    module.set_gradient_divide_factor(1.0)   # a sum over data, as every other path,
+                    module.set_force_sum_reduction_for_comms(True)   # with ReduceOp.SUM (gloo has no PREMUL_SUM)
+
+    # ------------------------------------------------------------ clipping
+
+    def counts(self, tensor: torch.Tensor, summed_over_data: bool) -> bool:
+        """Whether this process counts its part of ``tensor`` (a parameter or its gradient) toward a
+        global norm: it does on rank 0 of each axis that replicates the part."""
+        replicated = {"model"} | ({"data"} if summed_over_data else set())
+        if isinstance(tensor, DTensor):
+            names = tensor.device_mesh.mesh_dim_names or ()
+            for dim, (name, placement) in enumerate(zip(names, tensor.placements)):
+                if placement.is_partial():
+                    raise AssertionError(f"a gradient is a partial DTensor ({tensor.placements})")
+                sharded = placement.is_shard() or getattr(placement, "split_factor", None) is not None   # (FSDP x TP)
+                if not sharded and tensor.device_mesh.get_local_rank(dim) != 0:
+                    return False   # replicated along this axis: counted on its rank 0
+                replicated.discard(name)
+        return all(self.mesh.get_local_rank(name) == 0 for name in replicated)
+
+    def parts(self, params: list[torch.Tensor], summed_over_data: bool) -> clipping.GradientParts:
+        """This process's parts of the gradients of ``params`` (its own, not meta), each counted once
+        over the whole mesh; the norm is summed over every process."""
+        tensors, counted = [], []
+        for p in params:
+            grad = p.grad
+            if grad is None:
+                continue
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            tensors.append(local)
+            if self.counts(grad, summed_over_data):
+                counted.append(local)
+        return clipping.GradientParts(tensors, counted, self.everyone.group)

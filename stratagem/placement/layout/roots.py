@@ -1,0 +1,99 @@
+"""RootsPlacement: the base of placements that take whole models created in scope.
+
+The model-parallel placements (tensor parallel, pipeline) cut each model created in
+scope as a whole, so they wait for it to be complete: modules that register tensors
+wait in a pending list, and :meth:`RootsPlacement.new_roots` (called by ``finalize``)
+returns the root modules among them -- those that no other pending or placed module
+holds, with parameters -- moved to this process's device, after every process checked
+that all built the same modules and took the chief's initial values (so that every
+process, and every data-parallel group, starts alike).
+
+They sum gradients over a mesh's data axis with
+:class:`~stratagem.placement.data_axis.axis.DataAxis`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.comm.collective import Collective
+from stratagem.placement.scope import sync_batch_norm
+from stratagem.placement.scope.base import Placement
+from stratagem.placement.data_axis.step import synchronous_step
+
+
+class RootsPlacement(Placement):
+    """Collects modules created in scope; ``new_roots`` hands out the complete models. An optimizer
+    steps in the order of :mod:`~stratagem.placement.data_axis.step` with the subclass's update rule (``update``), which answers
+    its other methods too."""
+
+    #: set by the subclass: where modules go, and every process (the start-up agreement)
+    device: torch.device
+    everyone: Collective
+    #: (``update``, set by the subclass: :class:`~stratagem.placement.data_axis.local_update.LocalUpdate`, or a pipeline's stage
+    #: optimizers); one replica per process; no buffers to average at each step, no gradient sync
+    #: (the sum over the data axis), unless the subclass says
+    num_replicas = 1
+    buffers: Any = None
+    gradients: Any = None
+
+    #: one logical step, in the order of placement/data_axis/step.py with ``update``'s primitives
+    optimizer_step = synchronous_step
+
+    def own_replica_context(self) -> None:
+        """The step runs on the calling thread, this process's one replica (nothing to meet)."""
+        return None
+
+    def record_updates(self) -> list[str]:
+        return []   # no replica copies to watch
+
+    def _start_roots(self) -> None:
+        self._pending: list[nn.Module] = []
+        self._placed: list[nn.Module] = []
+        # id(parameter before placing) -> (it, its replacement: a DTensor): an optimizer given the
+        # parameters taken before the model was placed gets the replacements
+        self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _take_replacements(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer created in scope: the replacements of the parameters it was given."""
+        for group in optimizer.param_groups:
+            group["params"] = [self._replaced.get(id(p), (p, p))[1] for p in group["params"]]
+
+    def on_module_registered(self, module: nn.Module) -> None:
+        sync_batch_norm.adopt(module)   # (synchronized or refused at its first training-mode forward)
+        if not any(m is module for m in self._pending):
+            self._pending.append(module)
+
+    def on_submodule_registered(self, module: nn.Module) -> None:
+        self.on_module_registered(module)
+
+    def new_roots(self) -> list[nn.Module]:
+        """The models completed since the last call, on this device, the same on every process."""
+        if not self._pending:
+            return []
+        pending, self._pending = self._pending, []
+        # modules inside another one, or placed already (placing may re-register parameters)
+        inside = {id(child) for m in pending for child in m.modules() if child is not m}
+        inside.update(id(m) for root in self._placed for m in root.modules())
+        roots = [m for m in pending if id(m) not in inside and any(True for _ in m.parameters())]
+        if not roots:
+            return []
+        for root in roots:
+            root.to(self.device)
+        # every process built the same modules (else all raise), and starts from the chief's values
+        self.everyone.agree_on_modules([m for root in roots for m in root.modules()])
+        self._placed.extend(roots)
+        return roots
+
+    def splits_gradients(self, params: list[torch.Tensor]) -> list[bool]:
+        """The parameters of the models placed here (their gradients are split over processes)."""
+        placed = {id(p) for root in self._placed for p in root.parameters()}
+        return [id(p) in placed for p in params]
+
+    def _forget_pending(self, modules: Any) -> None:
+        """Modules that placing created in scope are not new models."""
+        ids = {id(m) for m in modules}
+        self._pending = [m for m in self._pending if id(m) not in ids]
