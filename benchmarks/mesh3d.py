@@ -20,8 +20,13 @@ the library's (``stratagem.experimental.planning.memory``, which ``sg.experiment
        None          4Ψ_r         4Ψ_r        8Ψ_r
        "optimizer"   4Ψ_r         4Ψ_r        8Ψ_r / d
        "gradients"   4Ψ_r         4Ψ_r        8Ψ_r / d   (a pipeline accumulates every micro-batch's
-                                                          gradient before the step: whole until then)
+                                                          gradient before the step: whole until then,
+                                                          counted in no_sync, which leaves it in .grad)
        "parameters"  4Ψ_r / d     4Ψ_r / d    8Ψ_r / d   (FSDP2; padding to d rows counted)
+
+   and with a model axis and a data axis under None or "optimizer", the split parameters' gradients
+   once more (summed in packs over the data axis, each split gradient then a DTensor over a copy of
+   its sum while the pack stays).
 
 2. **Step time** (sharding=None, ms per step, median of the timed steps of rank 0; the collectives
    keep the ranks in step) of every layout of the 8 processes, and 2 x 2 x 2 against the best
@@ -48,7 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _harness import gpt as build  # noqa: E402
 
-from stratagem.experimental.planning.memory import model_states, rank_parameters, storage_bytes  # noqa: E402
+from stratagem.experimental.planning.memory import (block_parameters, model_states, rank_parameters,  # noqa: E402
+                                                    storage_bytes)
 
 WORLD = 8
 SHARDINGS = (None, "optimizer", "gradients", "parameters")
@@ -58,11 +64,12 @@ PLAN = {"*.attn.q": "colwise", "*.attn.k": "colwise", "*.attn.v": "colwise", "*.
         "*.mlp.0": "colwise", "*.mlp.2": "rowwise"}
 
 
-def analytic_params(model, strategy, layout) -> float:
-    """Ψ_r: this rank's parameters by the stage layout and the plan (before ZeRO)."""
+def analytic_params(model, strategy, layout) -> tuple[float, float]:
+    """Ψ_r: this rank's parameters by the stage layout and the plan (before ZeRO); and of them, the split ones."""
     split = strategy.placement.split_of(model)
-    per_stage = rank_parameters(model, [split.layout.bounds[s] for s in split.stages], PLAN, layout[2])
-    return sum(per_stage)
+    bounds = [split.layout.bounds[s] for s in split.stages]
+    split_only = block_parameters(model, PLAN, layout[2], split_only=True)
+    return sum(rank_parameters(model, bounds, PLAN, layout[2])), sum(sum(split_only[a:b]) for a, b in bounds)
 
 
 def worker(out: str, spec: str) -> None:
@@ -95,8 +102,13 @@ def worker(out: str, spec: str) -> None:
 
         def step(xb, yb, measure=False):
             optimizer.zero_grad(set_to_none=True)
+            if measure and sharding == "gradients":   # the whole local gradient, held until the reduce-scatter
+                with strategy.no_sync():
+                    strategy.forward_backward(model, xb, yb)
+                entry["grads"] = storage_bytes(q.grad for q in model.parameters())
+                optimizer.zero_grad(set_to_none=True)
             strategy.forward_backward(model, xb, yb)
-            if measure:
+            if measure and sharding != "gradients":
                 entry["grads"] = storage_bytes(q.grad for q in model.parameters())
             optimizer.step()
         if kind == "memory":
@@ -104,7 +116,8 @@ def worker(out: str, spec: str) -> None:
                 strategy.run(step, args=(xs, ys, True))
             optimizer.zero_grad(set_to_none=True)
             entry.update(params=storage_bytes(model.parameters()), state=strategy.placement.state_bytes(optimizer),
-                         psi_r=analytic_params(model, strategy, layout),
+                         psi_r=analytic_params(model, strategy, layout)[0],
+                         psi_split=analytic_params(model, strategy, layout)[1],
                          psi=sum(q.numel() for q in build(options["dim"], options["layers"], vocab,
                                                           options["heads"]).parameters()))
         else:
@@ -120,8 +133,10 @@ def worker(out: str, spec: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def analytic(sharding, psi_r: float, d: int) -> tuple[float, float, float]:
-    return model_states(psi_r, data=d, sharding=sharding, element_size=4, state_per_parameter=8)
+def analytic(sharding, psi_r: float, d: int, t: int = 1, psi_split: float = 0.0) -> tuple[float, float, float]:
+    # with a model and a data axis, ZeRO none or 1: the split gradients twice (the pack, the DTensor over its sum)
+    copied = psi_split if d > 1 and t > 1 and sharding in (None, "optimizer") else 0.0
+    return model_states(psi_r, data=d, sharding=sharding, element_size=4, state_per_parameter=8, copied=copied)
 
 
 def main(argv=None) -> int:
@@ -181,7 +196,7 @@ def _print_memory(got) -> None:
         for rank in (0, WORLD - 1):
             e = got[rank][i]
             d, p, t = e["layout"]
-            want = analytic(e["sharding"], e["psi_r"], d)
+            want = analytic(e["sharding"], e["psi_r"], d, t, e.get("psi_split", 0.0))
             have = (e["params"], e["grads"], e["state"])
             cells = "".join(f"{h / mib:>9.3f} /{w / mib:>7.3f}" for h, w in zip(have, want))
             print(f"{f'{d}x{p}x{t}':<10}{str(e['sharding']):<12}{rank:>5}{cells}{sum(have) / sum(want):>13.3f}")

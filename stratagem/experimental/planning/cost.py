@@ -133,7 +133,7 @@ def predict(profile: Profile, layout: Layout, network: Network, *, global_batch:
             held = sum(profile.activation_bytes[i] / (t if profile.plan_traffic[i] else 1)
                        for i in range(a, b)) * rows * inflight
         psi = sum(params[a:b])
-        packs = d > 1 and t > 1 and p == 1 and layout.sharding in (None, "optimizer")
+        packs = d > 1 and t > 1 and layout.sharding in (None, "optimizer")
         copied = sum(profile.block_split_params.get(t, [0.0] * len(params))[a:b]) if packs else 0.0
         memory.append((model_states(psi, data=d, sharding=layout.sharding, element_size=profile.element_size,
                                     state_per_parameter=profile.state_per_parameter, copied=copied), held, psi))

@@ -17,8 +17,8 @@ axis (``sharding=``) gives
                                                          gradient before the step: whole until then)
     "parameters"   e Ψ_r / d    e Ψ_r / d   s Ψ_r / d   (FSDP2)
 
-and, with one stage, a model axis and a data axis under None or ``"optimizer"``, the split
-parameters' gradients once more (:func:`model_states`' ``copied``: measured, see there).
+and, with a model axis and a data axis under None or ``"optimizer"``, the split parameters'
+gradients once more (:func:`model_states`' ``copied``: measured, see there).
 
 These are the bytes of the tensors' storages, which :func:`storage_bytes` counts on a running
 process (``benchmarks/mesh3d.py`` and the planner's trials compare the two). Activations depend
@@ -102,7 +102,7 @@ def model_states(psi_r: float, *, data: int, sharding: str | None, element_size:
                  state_per_parameter: float, copied: float = 0.0) -> tuple[float, float, float]:
     """Bytes of parameters, gradients and optimizer state of a process holding ``psi_r`` parameters.
 
-    ``copied``: gradient elements held twice. A tensor-parallel process of one stage with a data axis
+    ``copied``: gradient elements held twice. A tensor-parallel process with a data axis
     (``sharding`` None or ``"optimizer"``) sums its gradients over that axis in packs, and a split
     layer's gradient becomes a DTensor over a copy of its sum, while the pack stays for the next
     step: its split parameters' gradients count twice.
