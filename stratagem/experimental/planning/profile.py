@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
@@ -29,6 +28,7 @@ from torch import nn
 
 from stratagem.experimental.planning.memory import block_parameters, style_of
 from stratagem.placement.layout.dtensor_state import local_state_bytes
+from stratagem.placement.layout.pipeline_balance import timed
 
 #: rounds of timing after one warm-up round
 ROUNDS = 5
@@ -130,7 +130,7 @@ def _timings(blocks: list[nn.Module], inputs: list[tuple[Any, ...]], rows: int, 
             for j, count in enumerate((rows, low)):
                 part = _rows(args, count)
                 for kind in got:
-                    seconds = _timed(lambda: _forward(block, part, i == 0, kind == "forward_backward"), device)
+                    seconds = timed(lambda: _forward(block, part, i == 0, kind == "forward_backward"), device)
                     if round_:   # round 0 warms up
                         got[kind][i][j].append(seconds)
     return {k: [(statistics.median(hi), statistics.median(lo)) for hi, lo in v] for k, v in got.items()}
@@ -192,15 +192,5 @@ def _optimizer(model: nn.Module, make_optimizer: Callable[[Any], torch.optim.Opt
         q.grad = torch.full_like(q, 1e-3)
     optimizer.step()   # creates the state
     state = local_state_bytes(optimizer) / count
-    seconds = statistics.median(_timed(optimizer.step, device) for _ in range(ROUNDS))
+    seconds = statistics.median(timed(optimizer.step, device) for _ in range(ROUNDS))
     return state, seconds / count
-
-
-def _timed(fn: Callable[[], Any], device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
