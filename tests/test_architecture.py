@@ -75,6 +75,7 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
                                          "launch` must not pay for the others (torch, grpc)",
     ("stratagem.cli", "stratagem.launch"): "a command line imports only the subcommand it names",
     ("stratagem.cli", "stratagem.ps.server"): "a command line imports only the subcommand it names",
+    ("stratagem.cli", "stratagem.observe.command"): "a command line imports only the subcommand it names",
     ("stratagem.ps.server", "stratagem.ps.service"):
         "`stratagem server` loads the service of its own task type only, named in SERVICES so that "
         "register_service() can replace it",
