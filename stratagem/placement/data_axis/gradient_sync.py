@@ -57,17 +57,14 @@ from stratagem.comm.collective import copy_gradients
 # The hooks below run inside backward. When backward is called from a compiled function (a
 # graph break), dynamo would try to compile each hook as it fires -- once per parameter and
 # replica, until its recompile limit -- and trace into the replicas' exchange: they run eagerly.
-_eager = torch.compiler.disable(reason="stratagem: gradient hooks run eagerly (they exchange gradients)")
-
-
 def _hook_eager(hook: Any) -> Any:
-    """``hook``, which torch's autograd engine calls (never traced into), run eagerly as
-    :data:`_eager` would, at no cost per call: dynamo is told to leave its code, and every frame it
-    calls, alone (torch's frame strategy; :data:`_eager`'s wrapper where this torch has none). Two
-    such hooks fire per parameter and backward, where a wrapper's calls cost several percent of a
-    small model's step."""
+    """``hook``, which torch's autograd engine calls (never traced into), run eagerly at no cost
+    per call: dynamo is told to leave its code, and every frame it calls, alone (torch's frame
+    strategy). Two such hooks fire per parameter and backward, where ``torch.compiler.disable``'s
+    wrapper cost several percent of a small model's step; it stays the fallback where this torch
+    has no frame strategies (imported lazily: it loads dynamo)."""
     if _SKIP_RECURSIVELY is None:
-        return _eager(hook)
+        return torch._disable_dynamo(hook)
     set_code_exec_strategy(hook.__code__, _SKIP_RECURSIVELY)
     return hook
 
@@ -236,7 +233,7 @@ class GradientSync:
                 p.grad = aside.pop(i)
         self._backward_done(None, task)
 
-    @_eager
+    @_hook_eager
     def _backward_done(self, key: int | None, task: _Backward | None = None) -> None:
         """A backward pass ended (``key``: its task; or ``task``, the one :meth:`accumulating`
         made): sum what it accumulated (one frame between the hook and the collective)."""

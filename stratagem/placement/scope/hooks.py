@@ -185,8 +185,13 @@ def hooks_installed() -> bool:
 
 _CLASSES: dict[tuple[type, str], type] = {}
 _SCOPED_CLASSES: set[type] = set()   # the classes of _CLASSES (an optimizer of one is ours already)
-_not_compiled = torch.compiler.disable(
-    reason="stratagem: a strategy's optimizer step synchronizes replicas and workers; it runs eagerly")
+
+
+def _not_compiled(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` run eagerly when a compiled function calls it: a strategy's optimizer step
+    synchronizes replicas and workers (``torch.compiler.disable``, applied at the first call so
+    that importing stratagem does not load dynamo; torch's own optimizers defer it the same way)."""
+    return torch._disable_dynamo(method)
 
 
 def distributed_class(base: type, kind: str) -> type:
