@@ -6,7 +6,8 @@ plan=PLAN, sharding=..., schedule="1f1b")`` in the same 8 processes (gloo over l
 thread each), one configuration after the other. Model: ``nn.Sequential(Embedding(V, D), L x Block,
 Head)``, each block a LayerNorm, self-attention (q, k, v split by columns, the output projection by
 rows over the model axis) and an MLP (D -> 4D by columns, 4D -> D by rows); the head (LayerNorm,
-Linear(D, V)) is left whole. float32, Adam, cross-entropy over the next token.
+Linear(D, V)) is left whole. float32, Adam, cross-entropy over the next token. The analytic model is
+the library's (``stratagem.experimental.planning.memory``, which ``sg.experimental.plan`` uses).
 
 1. **Memory per rank** (bytes of the tensors' storages, not RSS), for each layout x ``sharding``:
    parameters and optimizer state between steps (after ``zero_grad(set_to_none=True)``), and the
@@ -19,8 +20,13 @@ Linear(D, V)) is left whole. float32, Adam, cross-entropy over the next token.
        None          4Ψ_r         4Ψ_r        8Ψ_r
        "optimizer"   4Ψ_r         4Ψ_r        8Ψ_r / d
        "gradients"   4Ψ_r         4Ψ_r        8Ψ_r / d   (a pipeline accumulates every micro-batch's
-                                                          gradient before the step: whole until then)
+                                                          gradient before the step: whole until then,
+                                                          counted in no_sync, which leaves it in .grad)
        "parameters"  4Ψ_r / d     4Ψ_r / d    8Ψ_r / d   (FSDP2; padding to d rows counted)
+
+   and with a model axis and a data axis under None or "optimizer", the split parameters' gradients
+   once more (summed in packs over the data axis, each split gradient then a DTensor over a copy of
+   its sum while the pack stays).
 
 2. **Step time** (sharding=None, ms per step, median of the timed steps of rank 0; the collectives
    keep the ranks in step) of every layout of the 8 processes, and 2 x 2 x 2 against the best
@@ -47,6 +53,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _harness import gpt as build  # noqa: E402
 
+from stratagem.experimental.planning.memory import (block_parameters, model_states, rank_parameters,  # noqa: E402
+                                                    storage_bytes)
+
 WORLD = 8
 SHARDINGS = (None, "optimizer", "gradients", "parameters")
 MEMORY_LAYOUTS = ((8, 1, 1), (2, 4, 1), (2, 1, 4), (2, 2, 2), (1, 2, 4))
@@ -55,34 +64,12 @@ PLAN = {"*.attn.q": "colwise", "*.attn.k": "colwise", "*.attn.v": "colwise", "*.
         "*.mlp.0": "colwise", "*.mlp.2": "rowwise"}
 
 
-def _storage_bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        if t is not None and not t.is_meta:
-            t = t.to_local() if hasattr(t, "to_local") else t
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def analytic_params(model, strategy, layout) -> float:
-    """Ψ_r: this rank's parameters by the stage layout and the plan (before ZeRO)."""
-    import fnmatch
-    d, p, t = layout
+def analytic_params(model, strategy, layout) -> tuple[float, float]:
+    """Ψ_r: this rank's parameters by the stage layout and the plan (before ZeRO); and of them, the split ones."""
     split = strategy.placement.split_of(model)
-    children = list(model.children())
-    names = [n for n, _ in model.named_children()]
-    total = 0.0
-    for stage in split.stages:
-        a, b = split.layout.bounds[stage]
-        for i in range(a, b):
-            for name, module in children[i].named_modules(prefix=names[i]):
-                style = next((s for pattern, s in PLAN.items() if fnmatch.fnmatchcase(name, pattern)), None)
-                for leaf, q in module.named_parameters(recurse=False):
-                    # colwise splits weight and bias; rowwise the weight only (its bias is added once, whole)
-                    split = style == "colwise" or (style == "rowwise" and leaf == "weight")
-                    total += q.numel() / t if split else q.numel()
-    return total
+    bounds = [split.layout.bounds[s] for s in split.stages]
+    split_only = block_parameters(model, PLAN, layout[2], split_only=True)
+    return sum(rank_parameters(model, bounds, PLAN, layout[2])), sum(sum(split_only[a:b]) for a, b in bounds)
 
 
 def worker(out: str, spec: str) -> None:
@@ -115,16 +102,22 @@ def worker(out: str, spec: str) -> None:
 
         def step(xb, yb, measure=False):
             optimizer.zero_grad(set_to_none=True)
+            if measure and sharding == "gradients":   # the whole local gradient, held until the reduce-scatter
+                with strategy.no_sync():
+                    strategy.forward_backward(model, xb, yb)
+                entry["grads"] = storage_bytes(q.grad for q in model.parameters())
+                optimizer.zero_grad(set_to_none=True)
             strategy.forward_backward(model, xb, yb)
-            if measure:
-                entry["grads"] = _storage_bytes(q.grad for q in model.parameters())
+            if measure and sharding != "gradients":
+                entry["grads"] = storage_bytes(q.grad for q in model.parameters())
             optimizer.step()
         if kind == "memory":
             for _ in range(2):
                 strategy.run(step, args=(xs, ys, True))
             optimizer.zero_grad(set_to_none=True)
-            entry.update(params=_storage_bytes(model.parameters()), state=strategy.placement.state_bytes(optimizer),
-                         psi_r=analytic_params(model, strategy, layout),
+            entry.update(params=storage_bytes(model.parameters()), state=strategy.placement.state_bytes(optimizer),
+                         psi_r=analytic_params(model, strategy, layout)[0],
+                         psi_split=analytic_params(model, strategy, layout)[1],
                          psi=sum(q.numel() for q in build(options["dim"], options["layers"], vocab,
                                                           options["heads"]).parameters()))
         else:
@@ -140,11 +133,10 @@ def worker(out: str, spec: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def analytic(sharding, psi_r: float, d: int) -> tuple[float, float, float]:
-    params = 4 * psi_r / d if sharding == "parameters" else 4 * psi_r
-    grads = params
-    state = 8 * psi_r / d if sharding else 8 * psi_r
-    return params, grads, state
+def analytic(sharding, psi_r: float, d: int, t: int = 1, psi_split: float = 0.0) -> tuple[float, float, float]:
+    # with a model and a data axis, ZeRO none or 1: the split gradients twice (the pack, the DTensor over its sum)
+    copied = psi_split if d > 1 and t > 1 and sharding in (None, "optimizer") else 0.0
+    return model_states(psi_r, data=d, sharding=sharding, element_size=4, state_per_parameter=8, copied=copied)
 
 
 def main(argv=None) -> int:
@@ -204,7 +196,7 @@ def _print_memory(got) -> None:
         for rank in (0, WORLD - 1):
             e = got[rank][i]
             d, p, t = e["layout"]
-            want = analytic(e["sharding"], e["psi_r"], d)
+            want = analytic(e["sharding"], e["psi_r"], d, t, e.get("psi_split", 0.0))
             have = (e["params"], e["grads"], e["state"])
             cells = "".join(f"{h / mib:>9.3f} /{w / mib:>7.3f}" for h, w in zip(have, want))
             print(f"{f'{d}x{p}x{t}':<10}{str(e['sharding']):<12}{rank:>5}{cells}{sum(have) / sum(want):>13.3f}")

@@ -4,7 +4,8 @@
 range only while a profiler is active in the process (a module flag that torch's
 profiler sets; unlike ``torch.autograd._profiler_enabled()`` it is also true in replica
 threads and RPC handler threads, which ``profile_all_threads=True`` records); otherwise
-it enters a shared no-op context. Benchmarks and users read these ranges from
+it enters a shared no-op context. While stratagem's own recorder is on (the timeline, the step
+clock: :mod:`stratagem.observe.record`), the label is also one of its spans. Benchmarks and users read these ranges from
 ``torch.profiler.profile`` tables instead of wrapping private methods.
 
 The labels (one place to look them up):
@@ -42,9 +43,15 @@ import contextlib
 from torch.autograd import profiler as _torch_profiler
 from torch.profiler import record_function
 
+from stratagem.observe import record as _record
+
 _NOOP = contextlib.nullcontext()
 
 
 def label(name: str) -> "contextlib.AbstractContextManager":
-    """A profiler range named ``name`` while a profiler runs; a no-op otherwise."""
+    """A profiler range named ``name`` while a profiler runs (and a span of stratagem's recorder
+    while it is on); a no-op otherwise."""
+    if _record.ON:
+        return _record.Span(name, _record.CATEGORIES.get(name, "stratagem"),
+                            inner=record_function(name) if _torch_profiler._is_profiler_enabled else None)
     return record_function(name) if _torch_profiler._is_profiler_enabled else _NOOP

@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, str] = {
     "demo": "stratagem.demo",
     "launch": "stratagem.launch",
     "server": "stratagem.ps.server",
+    "timeline": "stratagem.observe.command",
 }
 
 

@@ -8,6 +8,7 @@ of two PerReplica values, and ``strategy.run`` unwraps them at any depth.
 from __future__ import annotations
 
 import enum
+import sys
 from typing import Any, Callable, Sequence
 
 import torch
@@ -87,6 +88,13 @@ class PerReplica(DistributedValues):
     """
 
     __slots__ = ()
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a torch ``DTensor``, without loading DTensor's module (seconds, sympy
+    with it) where nothing has: until something has (tensor parallelism, FSDP), no value is one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, getattr(module, "DTensor", ()))
 
 
 def _short_repr(value: Any) -> str:

@@ -75,11 +75,15 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
                                          "launch` must not pay for the others (torch, grpc)",
     ("stratagem.cli", "stratagem.launch"): "a command line imports only the subcommand it names",
     ("stratagem.cli", "stratagem.ps.server"): "a command line imports only the subcommand it names",
+    ("stratagem.cli", "stratagem.observe.command"): "a command line imports only the subcommand it names",
     ("stratagem.ps.server", "stratagem.ps.service"):
         "`stratagem server` loads the service of its own task type only, named in SERVICES so that "
         "register_service() can replace it",
     ("stratagem.ps.server", "stratagem.ps.worker"):
         "`stratagem server` loads the service of its own task type only (see stratagem.ps.service)",
+    ("stratagem.strategies.multi_worker", "stratagem.placement.layout.fully_sharded"):
+        "sharding='parameters' only: FSDP2 and DTensor (seconds to import, sympy with them) are not "
+        "loaded by a MultiWorkerMirroredStrategy that does not shard its parameters",
     ("stratagem.launch.ray_actor", "stratagem.rpc.tokens"):
         "the token's strength rule, needed on a Ray node only when it holds a token; its package "
         "loads grpc and cryptography, which `stratagem launch` (it imports this module) must not pay for",

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("forked_launches")]
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 EXAMPLE = EXAMPLES / "train.py"

@@ -2,7 +2,11 @@
 
 The layout is Keras's, so that dashboards read the same: ``log_dir/train`` holds
 ``epoch_loss``, ``epoch_<metric>``, ``epoch_learning_rate``, ``epoch_steps_per_second``
-and ``epoch_samples_per_second`` (and ``batch_<name>`` every ``update_freq`` steps);
+and ``epoch_samples_per_second`` (and ``batch_<name>`` every ``update_freq`` steps), and per
+worker the median step of the epoch: ``epoch_step_seconds/worker_<i>``, its time in the
+gradient exchange (``epoch_exchange_seconds/...``, from each pack's launch to its sum), the bytes
+it exchanged (``epoch_exchange_bytes/...``), its wait in collectives and for input
+(``epoch_collective_wait_seconds/...``, ``epoch_input_wait_seconds/...``);
 ``log_dir/validation`` holds the ``val_`` values under the same names (``epoch_loss``
 ...), so TensorBoard draws training and validation on one chart. Written with
 ``torch.utils.tensorboard.SummaryWriter`` (the ``tensorboard`` package).
@@ -19,6 +23,8 @@ from stratagem.callbacks.monitor import is_chief
 from stratagem.callbacks.schedule import learning_rate
 from stratagem.errors import InvalidArgumentError
 from stratagem.keras.summaries import summary_writer, write_scalars
+from stratagem.observe import record
+from stratagem.observe.report import median
 
 __all__ = ["TensorBoard"]
 
@@ -30,7 +36,9 @@ class TensorBoard(Callback):
     the batch logs every N steps (``batch_loss``, ..., the step counted over the whole
     run). Samples per second come from ``logs["samples_per_second"]`` when the training
     loop reports it, else from ``params["batch_size"]`` (global) and the epoch's steps.
-    View with ``tensorboard --logdir LOG_DIR``.
+    View with ``tensorboard --logdir LOG_DIR``. Across workers every worker must have the
+    callback (as every worker runs the same ``fit``): at each epoch's end the workers' step times
+    are gathered for the chief to write.
 
     Example::
 
@@ -63,6 +71,7 @@ class TensorBoard(Callback):
         self._step = 0            # train steps since on_train_begin, for batch summaries
         self._epoch_started = 0.0
         self._epoch_steps = 0
+        self._first_step = 0      # the step clock's number of the epoch's first step
 
     def _writer(self, name: str) -> Any:
         if name not in self._writers:
@@ -74,12 +83,14 @@ class TensorBoard(Callback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._step = 0
+        record.count_steps()   # (cheap sums per step: the step times written per epoch)
         if is_chief(self.model):
             self._writer("train")   # fails now, not after an epoch, when tensorboard is missing
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch_started = time.perf_counter()
         self._epoch_steps = 0
+        self._first_step = record.steps_done()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._step += 1
@@ -88,6 +99,7 @@ class TensorBoard(Callback):
             write_scalars(self._writer("train"), "batch_", dict(logs or {}), self._step)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        workers = self._worker_steps()   # (every worker: a collective across workers)
         if not is_chief(self.model):
             return
         logs = dict(logs or {})
@@ -101,6 +113,21 @@ class TensorBoard(Callback):
         write_scalars(self._writer("train"), "epoch_", train, epoch)
         if validation:
             write_scalars(self._writer("validation"), "epoch_", validation, epoch)
+        for index, times in enumerate(workers):
+            write_scalars(self._writer("train"), "epoch_", {f"{name}/worker_{index}": value
+                                                            for name, value in times.items()}, epoch)
+
+    def _worker_steps(self) -> list[dict[str, float]]:
+        """Each worker's median step of this epoch and its parts (none before its first step)."""
+        steps = [s for s in record.STEPS if s[0] >= self._first_step]
+        mine = {} if not steps else {
+            "step_seconds": median([s[1] for s in steps]), "input_wait_seconds": median([s[2] for s in steps]),
+            "collective_wait_seconds": median([s[3] for s in steps]),
+            "exchange_seconds": median([s[4] for s in steps]), "exchange_bytes": median([s[5] for s in steps])}
+        strategy = getattr(self.model, "strategy", None)
+        if strategy is None or strategy.topology.num_workers == 1:
+            return [mine]
+        return strategy.collective.all_gather_object(mine, "TensorBoard (the workers' step times)")
 
     def _speed(self, logs: dict) -> dict[str, float]:
         seconds = time.perf_counter() - self._epoch_started

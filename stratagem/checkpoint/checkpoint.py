@@ -31,6 +31,7 @@ from torch import nn
 from stratagem import _context
 from stratagem.data.position import PositionedDataset, TrackedIterator
 from stratagem.errors import CheckpointError, ContextError, InvalidArgumentError
+from stratagem.observe import record as observed
 from stratagem.placement.scope.hooks import module_placement, placement_of
 from stratagem.checkpoint.background import BackgroundWriter
 from stratagem.checkpoint.chief_copy import ChiefCopy, open_checkpoint
@@ -215,7 +216,7 @@ class Checkpoint:
             positions = {name: [state] for name, state in positions.items()}
         outcome: tuple[str, str] | None = None
         failure = None
-        with strategy.placement.prepare_checkpoint(objects):   # every worker: state spread over them
+        with strategy.placement.prepare_checkpoint(objects), observed.span("checkpoint save", "checkpoint"):
             if savers.worker_index == 0:
                 try:
                     outcome = ("ok", str(self._write(Path(path), objects, kinds, positions, strategy, blocking)))

@@ -37,10 +37,10 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from stratagem.comm.compression import Exact
 from stratagem.observe import flight
+from stratagem.values import is_dtensor
 
 DEFAULT_BYTES_PER_PACK = 25 << 20   # DistributedDataParallel's bucket_cap_mb
 FIRST_PACK_BYTES = 1 << 20          # a small first pack starts communication early
@@ -82,7 +82,7 @@ class _Pack:
             self.slots[i].zero_()
             self.present[i] = 0
         else:
-            if isinstance(grad, DTensor):
+            if is_dtensor(grad):
                 if grad.placements != p.placements:
                     grad = grad.redistribute(p.device_mesh, p.placements)
                 grad = grad.to_local()
@@ -96,7 +96,8 @@ class _Pack:
     def result(self, i: int) -> torch.Tensor:
         """The sum in slot ``i``, as the parameter's gradient."""
         p = self.params[i]
-        if isinstance(p, DTensor):
+        if is_dtensor(p):
+            from torch.distributed.tensor import DTensor   # (loaded: p is one)
             return DTensor.from_local(self.slots[i].clone(), p.device_mesh, p.placements, run_check=False)
         return self.slots[i]
 
@@ -197,7 +198,7 @@ class GradientPacks:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This process's part of ``tensor`` (a DTensor's local shard), outside autograd."""
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         return tensor
     with torch.no_grad():
         return tensor.to_local()

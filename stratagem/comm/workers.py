@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratagem.observe import record
 from stratagem.comm import agreement, compression, worker_ops
 from stratagem.comm.collective import Collective, check_axis, check_gatherable
 from stratagem.comm.gradients import GradientPacks
@@ -52,6 +53,8 @@ class WorkerCollective(Collective):
         self.exchange = local.exchange
         self.sum_exchanged = local.sum_exchanged
         self._packs: dict[int, GradientPacks] = {}
+        if self.num_workers > 1:   # the straggler table's sums per step (strategy.experimental_step_report)
+            record.count_steps()
 
     def start_run(self) -> None:
         self.local.start_run()

@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from stratagem.errors import CheckpointError
+from stratagem.observe import record
 
 
 def generators_of(dataset: Any) -> list[torch.Generator]:
@@ -288,7 +289,8 @@ class TrackedIterator:
 
     def __next__(self) -> Any:
         try:
-            value = next(self._inner)
+            with record.span("input", "input"):   # the wait for input, on the timeline
+                value = next(self._inner)
         except StopIteration:
             self._owner.position.ended(self._token)
             raise

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Iterator
 
@@ -13,6 +14,8 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.keras.callback_list import CallbackList
 from stratagem.keras.inputs import as_batches
 from stratagem.keras.progress import ProgressLogger
+from stratagem.observe import record
+from stratagem.observe.report import step_report
 from stratagem.values import DistributedValues, flatten, pack_as
 
 __all__ = ["EpochBatches", "LazyLogs", "ReplicatedEpochs", "concat", "global_rows", "length", "overrides", "step_logs"]
@@ -32,9 +35,19 @@ class ReplicatedEpochs:
         self._batches = EpochBatches(self.dataset, steps_per_epoch)
         self._step_fn = model.make_train_function()
         self._batch_logs: Callable[[int], Mapping] = lambda step: {}
+        self._first_step = 0
 
     def prepare(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
         self._batch_logs = step_logs(self.model, callback_list, progress, "on_train_batch_end", self.steps)
+        self._first_step = record.steps_done()
+
+    def end(self, progress: ProgressLogger) -> None:
+        """After the last epoch, with two or more workers: the straggler table of this fit's steps
+        (every worker joins its gathering; the chief prints it)."""
+        if self.model.strategy.topology.num_workers > 1:
+            text = step_report(self.model.strategy, since=self._first_step)
+            if progress.enabled:
+                print(text, file=progress.file or sys.stdout, flush=True)
 
     def resume_in_epoch(self, step: int) -> None:
         """The first epoch is a restored one with ``step`` steps done (the dataset's position
@@ -46,9 +59,16 @@ class ReplicatedEpochs:
         per ``steps_per_execution`` steps, with the last step's index and logs, as in Keras."""
         model, strategy, step_fn = self.model, self.model.strategy, self._step_fn
         every, rows, pending, step = model.steps_per_execution, 0, 0, -1
-        for step, batch in enumerate(self._batches.epoch()):
+        record.new_epoch()   # (on the timeline: the epoch's first step starts here)
+        batches = enumerate(self._batches.epoch())
+        while True:
+            with record.span("next batch", "loop"):   # (the dataset's own wait for input inside)
+                step, batch = next(batches, (step, None))
+            if batch is None:
+                break
             if pending == 0:
-                callback_list.call("on_train_batch_begin", step, None)
+                with record.span("callbacks", "loop"):
+                    callback_list.call("on_train_batch_begin", step, None)
             strategy.run(step_fn, args=(batch,))
             rows, pending = rows + global_rows(batch), pending + 1
             if pending == every or step + 1 == self.steps:
@@ -61,9 +81,10 @@ class ReplicatedEpochs:
 
     def _end_execution(self, step: int, rows: int, steps: int, callback_list: CallbackList,
                        progress: ProgressLogger) -> None:
-        logs = self._batch_logs(step)
-        callback_list.call("on_train_batch_end", step, logs)
-        progress.step(rows, logs, steps)
+        with record.span("callbacks", "loop"):
+            logs = self._batch_logs(step)
+            callback_list.call("on_train_batch_end", step, logs)
+            progress.step(rows, logs, steps)
 
 
 def step_logs(model: Any, callback_list: CallbackList | None, progress: ProgressLogger, hook: str,

@@ -216,6 +216,7 @@ class Model(ModelIO):
             if self.stop_training:
                 break
         callback_list.call("on_train_end", logs)
+        loop.end(progress)
         return history
 
     def checkpoint_parts(self) -> dict[str, Any]:

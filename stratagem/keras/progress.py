@@ -9,9 +9,12 @@ coordinator under a parameter-server strategy).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any, TextIO
+
+from stratagem.observe.epochs import EPOCH_VARIABLE, marker_line
 
 __all__ = ["LineProgress", "ProgressLogger", "format_logs"]
 
@@ -71,14 +74,17 @@ class ProgressLogger:
         self.enabled = self.verbose > 0 and chief
         self.file = file
         self._bar: Any = None
-        self._samples = 0
+        self._samples = self._steps = 0
         self._started = 0.0
+        self._desc = ""
+        # under `stratagem launch`, the chief's epochs also end with a line for the launcher
+        self._launched = chief and os.environ.get(EPOCH_VARIABLE) == "1"
 
     def begin(self, total: int | None, desc: str) -> None:
+        self._samples, self._steps, self._started, self._desc = 0, 0, time.perf_counter(), desc
         if not self.enabled:
             return
         file = self.file if self.file is not None else sys.stdout
-        self._samples, self._started = 0, time.perf_counter()
         if self.verbose == 2 or not _is_terminal(file):
             self._bar = LineProgress(total, file, parts=1, desc=desc)
         else:
@@ -87,13 +93,18 @@ class ProgressLogger:
             self._bar = tqdm(total=total, desc=desc, unit="step", file=file, dynamic_ncols=True, leave=True)
 
     def step(self, samples: int, logs: dict | None, steps: int = 1) -> None:
+        self._samples += samples
+        self._steps += steps
         if self._bar is None:
             return
-        self._samples += samples
         self._bar.set_postfix_str(self._postfix(logs), refresh=False)
         self._bar.update(steps)
 
     def end(self, logs: dict | None) -> None:
+        if self._launched and self._desc.startswith("Epoch "):
+            line = marker_line(self._desc, samples=self._samples, steps=self._steps,
+                               seconds=time.perf_counter() - self._started)
+            print(line, file=sys.stdout, flush=True)
         if self._bar is None:
             return
         self._bar.set_postfix_str(self._postfix(logs), refresh=False)

@@ -29,6 +29,7 @@ import torch
 from stratagem.errors import InvalidArgumentError
 from stratagem.mixed_precision import Policy
 from stratagem.nn.losses import compute_average_loss
+from stratagem.observe import record
 from stratagem.keras.inputs import unpack
 from stratagem.keras.structured import OutputChoice, call_module, check_inputs
 from stratagem.values import map_structure
@@ -61,10 +62,12 @@ class StepPrecision:
     def backward_and_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         scaler = self.loss_scaler
         if scaler is None:
-            loss.backward()
+            with record.span("backward"):
+                loss.backward()
             optimizer.step()   # in scope: the same update on every replica
             return
-        scaler.scale(loss).backward()
+        with record.span("backward"):
+            scaler.scale(loss).backward()
         scaler.step(optimizer)   # skipped on every replica when any gradient is inf or NaN
         scaler.update()
 
@@ -150,12 +153,14 @@ def make_train_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, l
         if not module.training:   # Keras's training=True (dropout, batch statistics)
             module.train()
         parts = unpack(batch)
-        y_pred = output.for_loss(precision.forward(module, parts.x))
-        losses, weights = per_example_losses(loss_fn, parts.y, y_pred, parts.sample_weight)
-        loss = compute_average_loss(losses, sample_weight=weights)
+        with record.span("forward"):   # (the loss with it)
+            y_pred = output.for_loss(precision.forward(module, parts.x))
+            losses, weights = per_example_losses(loss_fn, parts.y, y_pred, parts.sample_weight)
+            loss = compute_average_loss(losses, sample_weight=weights)
         optimizer.zero_grad()
         precision.backward_and_step(loss, optimizer)
-        update_metrics(loss_tracker, metrics, parts.y, y_pred, losses, weights)
+        with record.span("metrics"):
+            update_metrics(loss_tracker, metrics, parts.y, y_pred, losses, weights)
         return loss.detach(), int(y_pred.shape[0])
     return train_step
 

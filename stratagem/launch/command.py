@@ -20,6 +20,7 @@ Commands::
                                                           # reach their strategy (default: 600 s)
     stratagem launch --hang-timeout 300 train.py          # 5 minutes without a step or a collective
                                                           # anywhere: say where each task stands, stop
+    stratagem launch --timeline trace.json train.py       # one Chrome/Perfetto trace of every task
     python -m stratagem.launch --workers 2 train.py       # the same, without the stratagem command
 """
 
@@ -131,6 +132,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="let the script's arguments differ from node to node (give it on every "
                             "node); without it a node started with other arguments is refused, as is "
                             "one with other options or another script")
+    parser.add_argument("--timeline", default=None, metavar="PATH",
+                        help="record every task's steps and write them, merged, to PATH as one "
+                             "Chrome/Perfetto trace when the job ends (docs/observability.md)")
     add_ray_arguments(parser)   # --ray ADDRESS and the --ray-* options (ray_command.py)
     parser.add_argument("script", metavar="SCRIPT", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
@@ -143,6 +147,10 @@ def run_launch(args: argparse.Namespace) -> int:
         if args.hang_timeout and (args.ray or args.nnodes is not None or args.rdzv is not None):
             raise InvalidArgumentError("--hang-timeout watches the tasks of a launch on one machine; it is not "
                                        "available with --nnodes or --ray yet (leave it out there)")
+        if args.timeline is not None and (args.ray or args.nnodes is not None or args.rdzv is not None):
+            raise InvalidArgumentError(
+                "--timeline merges the traces of the tasks of one machine; with --nnodes or --ray, open "
+                "sg.experimental.Timeline(path) in the script instead (docs/observability.md).")
         if args.ray:   # on a Ray cluster (ray_command.py)
             return run_ray(args)
         if args.nnodes is not None or args.rdzv is not None or args.node_rank is not None:
@@ -154,7 +162,8 @@ def run_launch(args: argparse.Namespace) -> int:
                             port_base=args.port_base, host=args.host or "127.0.0.1",
                             grace_period=args.grace_period, num_evaluators=args.evaluator,
                             evaluator_timeout=args.evaluator_timeout,
-                            join_timeout=args.join_timeout, hang_timeout=args.hang_timeout)
+                            join_timeout=args.join_timeout, hang_timeout=args.hang_timeout,
+                            timeline=args.timeline)
     except StratagemError as err:
         print(f"stratagem launch: error: {err}", file=sys.stderr)
         return 2

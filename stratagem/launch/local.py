@@ -83,7 +83,10 @@ from stratagem.launch.output import TaskOutput
 from stratagem.launch.ports import format_address, free_ports, ports_from_base
 from stratagem.launch.supervisor import EXIT_STATUS_ON_SIGNAL, Supervisor
 from stratagem.launch.tasks import Task, plan_cluster, tf_config, torchrun_variables
+from stratagem.launch.timeline import check_timeline, write_timeline
 from stratagem.observe.answer import OBSERVE_VARIABLE
+from stratagem.observe.chrome import FOLDER_VARIABLE
+from stratagem.observe.epochs import EPOCH_VARIABLE
 
 __all__ = ["RESTART_VARIABLE", "TOKEN_VARIABLE", "launch_local"]
 
@@ -135,7 +138,7 @@ def task_env(base: Mapping[str, str], spec: ClusterSpec, task: Task, token: str,
     env = {key: value for key, value in base.items() if key not in TORCHRUN_VARIABLES
            and not key.startswith("TORCHELASTIC_")}
     env.update({"TF_CONFIG": tf_config(spec, task), TOKEN_VARIABLE: token, "PYTHONUNBUFFERED": "1",
-                RESTART_VARIABLE: str(restart), **torchrun_variables(spec, task)})
+                RESTART_VARIABLE: str(restart), EPOCH_VARIABLE: "1", **torchrun_variables(spec, task)})
     return env
 
 
@@ -159,7 +162,7 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
                  stderr: TextIO | None = None,
                  server_command: Sequence[str] | None = None, num_evaluators: int = 0,
                  evaluator_timeout: float = 600.0, join_timeout: float = 600.0,
-                 hang_timeout: float = 0.0) -> int:
+                 hang_timeout: float = 0.0, timeline: "str | os.PathLike[str] | None" = None) -> int:
     """Runs ``script`` as a local cluster on ``host``; returns the job's exit status.
 
     The tasks are a chief (with ``chief=True``, or whenever ``num_ps > 0``), ``num_workers``
@@ -243,11 +246,13 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
                                    num_evaluators=num_evaluators)
         return tasks, [task_env(os.environ, spec, task, token, restart) for task in tasks]
 
+    trace_path = check_timeline(timeline)
     joined = tempfile.mkdtemp(prefix="stratagem-joined-")   # where tasks say they took part
     observe = tempfile.mkdtemp(prefix="stratagem-observe-")  # where they answer "where are you?"
+    traces = {FOLDER_VARIABLE: tempfile.mkdtemp(prefix="stratagem-timeline-")} if trace_path else {}
 
     def environments(restart: int) -> list[dict[str, str]]:
-        return [{**env, JOINED_VARIABLE: joined, OBSERVE_VARIABLE: observe}
+        return [{**env, JOINED_VARIABLE: joined, OBSERVE_VARIABLE: observe, **traces}
                 for env in (plan(restart)[1] if restart else first)]
 
     tasks, first = plan(0)
@@ -267,6 +272,8 @@ def launch_local(script: str | os.PathLike[str], args: Sequence[str] = (), *,
     finally:
         shutil.rmtree(joined, ignore_errors=True)
         shutil.rmtree(observe, ignore_errors=True)
+        if traces:
+            write_timeline(traces[FOLDER_VARIABLE], trace_path, output)
 
 
 def _check_joined(tasks: Sequence[Task], joined: set[str], script: str, errors: TextIO) -> int:

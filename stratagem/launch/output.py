@@ -25,8 +25,11 @@ import re
 import threading
 from typing import IO, TextIO
 
+from stratagem.observe.epochs import MARKER, parse_marker, summary_line
+
 __all__ = ["TaskOutput"]
 
+_MARKER = MARKER.encode()
 # A line ends at "\n", "\r\n" or a lone "\r" (progress bars redraw their line with "\r").
 _LINE = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 
@@ -59,6 +62,13 @@ class TaskOutput:
 
     def write(self, prefix: str, lines: list[bytes]) -> None:
         """Writes whole ``lines`` (each with its line end) to stdout, each after ``prefix``."""
+        if any(line.startswith(_MARKER) for line in lines):
+            epochs = [parse_marker(line.decode("utf-8", "replace").rstrip("\r\n")) for line in lines
+                      if line.startswith(_MARKER)]
+            lines = [line for line in lines if not line.startswith(_MARKER)]
+            for epoch in epochs:
+                if epoch is not None:
+                    self.say(f"{summary_line(epoch)} ({prefix.strip()[1:-1]})")
         # A lone "\r" with nothing before it is a progress bar going back to the start of its
         # line to redraw it: prefixing it would print an empty "[task]" line each time.
         text = "".join(prefix + line.decode("utf-8", "replace").replace("\r\n", "\n")

@@ -69,7 +69,8 @@ from dataclasses import dataclass
 from stratagem.errors import ClusterConfigError
 from stratagem.launch.hang_watch import HangWatch
 from stratagem.launch.joining import JoinWatch, join_timeout_message
-from stratagem.launch.lifeline import Reaper, die_with_parent
+from stratagem.launch.forks import ForkedProcess, start_process
+from stratagem.launch.lifeline import Reaper
 from stratagem.launch.output import TaskOutput
 from stratagem.launch.tasks import Task
 from stratagem.preemption import PREEMPTED_EXIT_CODE
@@ -125,7 +126,7 @@ class _Slot:
     task: Task
     env: dict[str, str]
     prefix: str
-    process: subprocess.Popen[bytes] | None = None
+    process: subprocess.Popen[bytes] | ForkedProcess | None = None
     reader: threading.Thread | None = None
     restarts: int = 0       # parameter-server training: this task's own restarts
     finished: bool = False  # exited and not to be restarted
@@ -222,9 +223,7 @@ class Supervisor:
             self._reaper.forget(slot.process.pid)
         if slot in self._joining:
             self._join_watch.started(slot.task.name)
-        process = subprocess.Popen(
-            slot.task.command, env=slot.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True, bufsize=0, preexec_fn=die_with_parent())
+        process = start_process(slot.task.command, slot.env)   # (forks.py: test infrastructure)
         self._reaper.watch(process.pid)   # start_new_session: its pid is its process group's id
         reader = threading.Thread(target=self._output.pump, args=(process.stdout, slot.prefix),
                                   name=f"stratagem-launch {slot.task.name}", daemon=True)

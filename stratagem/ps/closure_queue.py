@@ -45,7 +45,13 @@ class _Queue:
 
     def __init__(self, max_queued: int) -> None:
         self.max_queued = max_queued
-        self._cond = threading.Condition()
+        # one lock, three kinds of waiters, each woken only for its own event: dispatchers for a
+        # closure to run, ``put`` for room, ``wait_idle`` for the last closure's end (waking every
+        # thread at every event cost each closure a few needless context switches)
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._room = threading.Condition(self._lock)
+        self._idle = threading.Condition(self._lock)
         self._waiting: collections.deque[_Closure] = collections.deque()
         self._unfinished = 0
         self._seqs: list[int] = []         # heap of the unfinished closures' seqs (lazily pruned)
@@ -58,9 +64,9 @@ class _Queue:
             check: Callable[[], None] | None = None) -> None:
         """Append ``closure``; a new one first waits for room, calling ``check`` (which raises
         to give up) every 0.1 s."""
-        with self._cond:
+        with self._lock:
             while new and self._closed is None and self._unfinished >= self.max_queued:
-                self._cond.wait(0.1)
+                self._room.wait(0.1)
                 if check is not None:
                     check()
             if self._closed is not None and check is not None:
@@ -73,77 +79,83 @@ class _Queue:
                 self._fail(closure, self._closed)
                 return
             (self._waiting.appendleft if front else self._waiting.append)(closure)
-            self._cond.notify_all()
+            self._ready.notify()
 
     def get(self, timeout: float) -> _Closure | None:
-        with self._cond:
+        with self._lock:
             if not self._waiting:
-                self._cond.wait(timeout)
+                self._ready.wait(timeout)
             return self._waiting.popleft() if self._waiting else None
 
     def finished(self, closure: _Closure, error: BaseException | None = None, *,
                  keep: Callable[[], bool] | None = None) -> None:
         """``closure`` is done; ``join()`` raises ``error`` next, unless ``keep`` (asked under
         the queue's lock) says no."""
-        with self._cond:
+        with self._lock:
             self._unfinished -= 1
             self._done.add(closure.seq)
             if error is not None and (keep is None or keep()):
                 self.errors.append(error)
-            self._cond.notify_all()
+            self._ended()
 
     def clear_errors(self) -> None:
         """Forget the errors ``join()`` would raise (the variables were restored after a loss)."""
-        with self._cond:
+        with self._lock:
             self.errors = []
 
     def close(self, error: BaseException) -> None:
         """Fail every waiting closure, and every one put later, with ``error``."""
-        with self._cond:
+        with self._lock:
             if self._closed is None:
                 self._closed = error
                 self.errors.append(error)
             while self._waiting:
                 self._fail(self._waiting.popleft(), error)
-            self._cond.notify_all()
+            for waiters in (self._ready, self._room, self._idle):
+                waiters.notify_all()
 
     def _fail(self, closure: _Closure, error: BaseException) -> None:   # holding the lock
         closure.value._set_error(error)
         self._unfinished -= 1
         self._done.add(closure.seq)
-        self._cond.notify_all()
+        self._ended()
+
+    def _ended(self) -> None:   # holding the lock: one closure fewer is unfinished
+        self._room.notify()
+        if not self._unfinished or self.errors:
+            self._idle.notify_all()
 
     def drain(self, error: BaseException) -> None:
         """Fail every waiting closure with ``error`` (the queue stays open)."""
-        with self._cond:
+        with self._lock:
             while self._waiting:
                 self._fail(self._waiting.popleft(), error)
 
     @property
     def floor(self) -> int:
         """The smallest seq of an unfinished closure, or of the next one (every older one has finished)."""
-        with self._cond:
+        with self._lock:
             while self._seqs and self._seqs[0] in self._done:
                 self._done.discard(heapq.heappop(self._seqs))
             return self._seqs[0] if self._seqs else self._next
 
     def wait_idle(self, check: Callable[[], None], deadline: float | None = None) -> bool:
         """Wait until nothing is unfinished (True) or ``deadline`` (monotonic) passes (False)."""
-        with self._cond:
+        with self._lock:
             while self._unfinished:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
-                self._cond.wait(0.2 if deadline is None else min(0.2, max(deadline - time.monotonic(), 0)))
+                self._idle.wait(0.2 if deadline is None else min(0.2, max(deadline - time.monotonic(), 0)))
                 check()
             return True
 
     @property
     def next_seq(self) -> int:
         """One more than the newest closure's seq put so far."""
-        with self._cond:
+        with self._lock:
             return self._next
 
     @property
     def unfinished(self) -> int:
-        with self._cond:
+        with self._lock:
             return self._unfinished

@@ -35,6 +35,7 @@ from typing import Any
 
 from stratagem.errors import ClusterConfigError, UnavailableError
 from stratagem.metrics.base import accept_worker_deltas
+from stratagem.observe import record
 from stratagem.ps.closure_queue import _Closure
 from stratagem.ps.closures import ClosureNotCachedError, ClosurePickler
 from stratagem.ps.coordinator_link import CoordinatorLink
@@ -148,7 +149,8 @@ class _Worker:
             self._prepare()
             self._raise_if_lost_since(closure)    # (the datasets may take long to create)
             closure.attempt += 1
-            result = self._run(closure)
+            with record.span("closure", "closure", {"worker": self.index, "attempt": closure.attempt}):
+                result = self._run(closure)   # (on the timeline: sent, run on the worker, answered)
             self._raise_if_lost_since(closure)    # it ended after a loss: it fails with it
         except _WorkerLost:
             self.incarnation = None

@@ -59,6 +59,9 @@ class ScheduledEpochs:
     def prepare(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
         pass
 
+    def end(self, progress: ProgressLogger) -> None:
+        pass   # (the straggler table is the collective strategies': the workers here wait for no one)
+
     def run_epoch(self, callback_list: CallbackList, progress: ProgressLogger) -> None:
         coordinator, every = self._coordinator, self._every
         scheduled = []

@@ -31,6 +31,7 @@ from stratagem.data.input import DistributedDataset, ValueContext
 from stratagem.devices import Topology
 from stratagem.errors import ContextError, InvalidArgumentError
 from stratagem.nn import loss_watch
+from stratagem.observe.report import step_report
 from stratagem.placement.scope import hooks
 from stratagem.placement.scope.base import Placement
 from stratagem.placement.scope.unscoped import unscoped_check
@@ -109,8 +110,6 @@ class Strategy:
         """
         return self._outside_context
 
-    # -------------------------------------------------------------- topology
-
     @property
     def num_replicas_in_sync(self) -> int:
         """Replicas taking part in each step, over all workers."""
@@ -152,8 +151,6 @@ class Strategy:
         """This process's replica devices, in replica order."""
         return tuple(str(d) for d in self._topology.devices)
 
-    # ----------------------------------------------------------------- scope
-
     def scope(self) -> contextlib.AbstractContextManager["Strategy"]:
         """Enter this strategy's scope: modules and optimizers created inside are distributed.
 
@@ -193,8 +190,6 @@ class Strategy:
                 f"strategy.run), but it was called inside a replica function. Inside run use "
                 f"sg.get_replica_context().all_reduce(...) / all_gather(...) instead")
         return self.scope()
-
-    # ------------------------------------------------------------------- run
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
         """Call ``fn(*args, **kwargs)`` once per local replica, in replica context.
@@ -387,6 +382,10 @@ class Strategy:
     def collectives(self) -> CrossReplicaCollectives:
         """The collectives (broadcast, all_reduce, ...) applied to PerReplica values from cross-replica context."""
         return CrossReplicaCollectives(self)
+
+    def experimental_step_report(self) -> str:
+        """The straggler table of the steps so far; every worker calls it (``observe/report.py``)."""
+        return step_report(self)
 
     def _check_owned(self, structure: Any, method: str) -> None:
         check_owned(self, self._topology.num_local_replicas, structure, method)

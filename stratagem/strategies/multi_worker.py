@@ -27,7 +27,6 @@ from stratagem.comm.replicas import ReplicaCollective
 from stratagem.comm.workers import WorkerCollective
 from stratagem.devices import Device, Topology, parse_devices
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.layout.fully_sharded import FullyShardedPlacement
 from stratagem.placement.layout.mirrored import MirroredPlacement
 from stratagem.placement.data_axis.zero import ZeroUpdate, check_sharding
 from stratagem.strategies.base import Strategy
@@ -86,6 +85,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         if sharding is None:
             placement = MirroredPlacement(self, topology, collective)
         elif sharding == "parameters":
+            from stratagem.placement.layout.fully_sharded import FullyShardedPlacement   # FSDP2, DTensor: seconds
             placement = FullyShardedPlacement(self, collective, local_devices[0].torch_device)
         else:
             placement = MirroredPlacement(self, topology, collective, update=ZeroUpdate(sharding))

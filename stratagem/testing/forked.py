@@ -8,40 +8,46 @@ as ``__main__`` with its ``sys.argv``, the script's folder first on ``sys.path``
 environment and working directory, its output (unbuffered) to the task's log, stdin from
 ``/dev/null``, a session of its own (one signal to its process group reaches all of it), an
 uncaught exception's traceback and exit code 1, ``atexit`` handlers at the end. It is still a
-real process: its own interpreter state, its own sockets, killed and stopped by signals.
+real process: its own interpreter state, its own sockets, killed and stopped by signals. Its end
+skips the teardown of every module (which would copy all of the server's memory it shares): the
+script's own objects are finalized (a file it left open is flushed and closed), then it exits.
 
 What a child inherits that a fresh interpreter would not is what the server's imports did
 (torch, torch.distributed, DTensor, dynamo: most of a strategy's start-up), before any task's
 environment was read. So the server is started with the cluster's environment, and replaced
 when a later cluster's differs in a variable read at start-up or at those imports
-(:data:`_READ_AT_IMPORT`; torch's compiler sets some in a process that compiles); a task whose
+(:data:`stratagem.launch.forks.READ_AT_IMPORT`; torch's compiler sets some in a process that compiles); a task whose
 own variables differ from its server's starts as a fresh interpreter. So does every task when
 ``STRATAGEM_TEST_FORKSERVER=0``, or when the cluster is started from a thread other than the main thread (the server must live as long as
 the test process: the kernel's parent-death signal follows the thread that started it).
 
 The server (``forkserver.py`` beside this file) dies with the test process (parent-death
 signal), and its children die with it.
+
+``stratagem launch`` forks its tasks from the same server when ``STRATAGEM_TEST_FORK_SERVER``
+names the server's socket (:func:`fork_server_variable`; :mod:`stratagem.launch.forks` says
+which tasks, and what differs): tests that launch jobs set it (``tests/conftest.py``).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 
+from stratagem.launch.forks import FORK_SERVER_VARIABLE, differs_at_import
 from stratagem.launch.lifeline import die_with_parent
 
+_READY_SECONDS = 300.0   # at most, for the server's imports on a loaded machine
 #: the server: run as a script, it imports the standard library and torch only
 _SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver.py")
-
-#: variable prefixes read when the interpreter starts or torch is imported: a task whose value
-#: differs from the server's cannot be forked from it (the two kept as the server sets them)
-_READ_AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "OPENBLAS", "KMP_", "GOMP_", "TORCH", "CUDA", "LD_", "MALLOC",
-                   "SYMPY")
-_SET_PER_TASK = ("PYTHONUNBUFFERED", "PYTHONFAULTHANDLER")
 
 
 class ForkedTask:
@@ -64,23 +70,22 @@ class ForkedTask:
 class ForkServer:
     """The test process's side: asks the server for tasks and learns when they exit."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], listener: socket.socket) -> None:
         self._env = dict(env)
         self._process = subprocess.Popen(
-            [sys.executable, _SERVER], env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, start_new_session=True, bufsize=0, preexec_fn=die_with_parent(signal.SIGKILL))
+            [sys.executable, _SERVER, str(listener.fileno())], env=self._env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True, bufsize=0,
+            pass_fds=[listener.fileno()], preexec_fn=die_with_parent(signal.SIGKILL))
         self._lock = threading.Lock()            # one request at a time
         self._changed = threading.Condition()
         self._started: list[int] = []
         self._exited: dict[int, int] = {}
         self._gone = False
+        self.ready = threading.Event()   # set once the server has imported torch (or exited)
         threading.Thread(target=self._read_replies, daemon=True, name="stratagem-forkserver").start()
 
     def can_start(self, env: dict[str, str]) -> bool:
-        if self._gone:
-            return False
-        keys = {k for k in {*env, *self._env} if k.startswith(_READ_AT_IMPORT) and k not in _SET_PER_TASK}
-        return all(env.get(k) == self._env.get(k) for k in keys)
+        return not self._gone and not differs_at_import(env, self._env)
 
     def start(self, script: str, args: list[str], env: dict[str, str], log_path: str) -> ForkedTask:
         request = {"script": os.path.abspath(script), "args": list(args), "env": env, "cwd": os.getcwd(),
@@ -114,7 +119,9 @@ class ForkServer:
         for line in self._process.stdout:
             reply = json.loads(line)
             with self._changed:
-                if "started" in reply:
+                if "ready" in reply:
+                    self.ready.set()
+                elif "started" in reply:
                     self._started.append(reply["started"])
                 else:
                     self._exited[reply["exited"]] = reply["code"]
@@ -122,9 +129,31 @@ class ForkServer:
         with self._changed:
             self._gone = True
             self._changed.notify_all()
+        self.ready.set()
 
 
 _shared: list[ForkServer] = []
+
+
+@atexit.register
+def _close_shared() -> None:
+    """The server exits with the test process, which waits for it (its time counts as ours)."""
+    for server in _shared:
+        server.close()
+_listener: list[socket.socket] = []   # launchers connect here, to whichever server runs now
+
+
+def _listening() -> socket.socket:
+    """The socket of this process's fork servers, one path for the whole test run (a launcher
+    told it once reaches the server that runs when it connects)."""
+    if not _listener:
+        folder = tempfile.mkdtemp(prefix="stratagem-forks-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(os.path.join(folder, "server"))
+        listener.listen(64)
+        _listener.append(listener)
+    return _listener[0]
 
 
 def shared_server(env: dict[str, str] | None = None) -> ForkServer | None:
@@ -140,5 +169,18 @@ def shared_server(env: dict[str, str] | None = None) -> ForkServer | None:
         return _shared[0]
     if _shared:
         _shared[0].close()
-    _shared[:] = [ForkServer(env)]
+    _shared[:] = [ForkServer(env, _listening())]
     return _shared[0]
+
+
+def fork_server_variable(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``{"STRATAGEM_TEST_FORK_SERVER": path}`` for launchers whose tasks have environment ``env``
+    (this process's by default): ``stratagem launch`` then forks its tasks from the shared
+    server; ``{}`` where tasks start fresh (see :func:`shared_server`). The path stays the same
+    while this process lives: a later server, started for other variables, answers there."""
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k != FORK_SERVER_VARIABLE}
+    server = shared_server(env)
+    if server is None:
+        return {}
+    server.ready.wait(_READY_SECONDS)    # a launcher's first task does not wait for torch's import
+    return {FORK_SERVER_VARIABLE: _listening().getsockname()}

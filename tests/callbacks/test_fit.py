@@ -59,6 +59,10 @@ def test_fit_with_every_callback_under_mirrored(tmp_path: Path) -> None:
     assert [v for _, v in train["epoch_learning_rate"]] == pytest.approx(rates)
     speeds = [v for _, v in train["epoch_samples_per_second"]]   # fit tells the callbacks its batch size
     assert len(speeds) == 3 and all(v > 0 for v in speeds)
+    # the step clock's medians per worker (one here): 4 steps an epoch, each of the 3 epochs
+    assert [len(train[f"epoch_{name}/worker_0"]) for name in ("step_seconds", "exchange_seconds", "exchange_bytes",
+                                                                 "collective_wait_seconds", "input_wait_seconds")] == [3] * 5
+    assert all(0 < v < 10 for _, v in train["epoch_step_seconds/worker_0"])
 
 
 def test_sidecar_evaluates_a_compiled_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from . import workers_script
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240), pytest.mark.usefixtures("forked_launches")]
 SCRIPT = Path(workers_script.__file__)
 
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from . import workers_script
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240), pytest.mark.usefixtures("forked_launches")]
 SCRIPT = Path(workers_script.__file__)
 
 

@@ -20,7 +20,7 @@ from stratagem.checkpoint.storage import write_directory
 
 from .common import assert_same_state, batches, build, make_strategy
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("forked_launches")]
 HERE = Path(__file__).parent
 
 

@@ -32,7 +32,7 @@ from stratagem.launch import launch_local
 
 from . import resize_script as script
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("forked_launches")]
 SCRIPT = Path(script.__file__)
 # float64: the sums over 2 or 3 workers add the same terms in other orders than one process does
 # (measured after 18-21 Adam steps: at most 2.2e-16 absolute, 1e-14 relative)

@@ -15,7 +15,7 @@ from stratagem.demo import (DemoResult, ShuffledBatches, TrainConfig, format_res
                             run_demo)
 from stratagem.demo.cluster import ClusterDemoError, run_cluster_demo
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("forked_launches")]
 
 
 @pytest.mark.parametrize("strategy, replicas", [

@@ -13,7 +13,7 @@ import torch
 
 import stratagem as sg
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240), pytest.mark.usefixtures("forked_launches")]
 SCRIPT = Path(__file__).parent / "ps_model_io_script.py"
 
 

@@ -18,7 +18,7 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.launch import launch_local
 from stratagem.launch.tasks import plan_cluster, server_command
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60), pytest.mark.usefixtures("forked_launches")]
 
 _PRELUDE = '''
 import json, os, sys, time

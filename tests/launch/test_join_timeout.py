@@ -25,7 +25,7 @@ from stratagem.launch import launch_local
 from stratagem.launch.command import build_parser
 from stratagem.launch.joining import JoinWatch
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("forked_launches")]
 
 # Shared by the scripts: the task's name, pid files, and how a stand-in task joins without
 # torch (what a real strategy does once its group is formed: mark the launcher's folder).

@@ -10,7 +10,7 @@ import pytest
 
 from stratagem.launch import launch_local
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180), pytest.mark.usefixtures("forked_launches")]
 
 
 def _launch(tmp_path: Path, code: str, **options: object) -> tuple[int, str, str]:

@@ -30,7 +30,7 @@ from stratagem.launch.command import main as command_main, run_launch
 from stratagem.cluster import ClusterSpec
 from stratagem.launch.tasks import Task, plan_cluster, server_command, torchrun_variables
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("forked_launches")]
 
 # Shared by the scripts: record what the task was given; wait for files; write a pid file.
 _PRELUDE = '''

@@ -20,7 +20,7 @@ from stratagem.launch.ports import free_ports
 
 from .hosts import wait_for
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180), pytest.mark.usefixtures("forked_launches")]
 
 HELLO = """
 import json, os, sys, time

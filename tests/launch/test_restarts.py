@@ -30,7 +30,7 @@ import torch
 import stratagem as sg
 from stratagem.launch import launch_local
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300), pytest.mark.usefixtures("forked_launches")]
 
 SCRIPT = Path(__file__).with_name("restart_script.py")
 STEPS_PER_EPOCH, STEPS, SAMPLES = 6, 12, 48   # as in restart_script.py

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("forked_launches")]
 SCRIPT = Path(__file__).parent / "ps_fit_script.py"
 
 

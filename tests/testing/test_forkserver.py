@@ -120,3 +120,19 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "X"
+
+
+def test_a_forked_task_ends_as_an_interpreter_would(tmp_path: Path) -> None:
+    # its end skips the teardown of torch's modules, not the script's own: a non-daemon thread is
+    # joined, a file left open is flushed, SystemExit's code is the exit status
+    script = tmp_path / "end.py"
+    script.write_text(textwrap.dedent('''
+        import sys, threading, time
+        left_open = open(sys.argv[1], "w")
+        left_open.write("flushed")
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", flush=True))).start()
+        sys.exit(5)
+    '''))
+    [result] = run_local_cluster(script, 1, args=[str(tmp_path / "out.txt")], timeout=120)
+    assert result.returncode == 5 and "thread done" in result.output, result.output
+    assert (tmp_path / "out.txt").read_text() == "flushed"

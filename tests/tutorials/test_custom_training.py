@@ -10,7 +10,7 @@ import pytest
 
 from tests.tutorials.ports import run_port
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300), pytest.mark.usefixtures("forked_launches")]
 
 
 def test_custom_training_tutorial(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import torch
 from stratagem.testing import run_local_cluster
 from tests.tutorials.ports import listing
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420), pytest.mark.usefixtures("forked_launches")]
 SCRIPT = Path(__file__).parent / "multi_worker_ctl.py"
 
 

@@ -16,7 +16,7 @@ import torch
 import stratagem as sg
 from tests.tutorials.ports import launch, listing
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300), pytest.mark.usefixtures("forked_launches")]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 
 from tests.tutorials.ports import launch_port
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300), pytest.mark.usefixtures("forked_launches")]
 
 
 def test_parameter_server_training_tutorial(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from tests.tutorials.ports import run_port
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300), pytest.mark.usefixtures("forked_launches")]
 
 
 def test_save_and_load_tutorial(tmp_path: Path) -> None:

@@ -27,7 +27,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from stratagem.comm import worker_ops
 from stratagem.comm.collective import Collective
@@ -37,6 +36,7 @@ from stratagem.placement.data_axis.sharded_update import ELEMENTWISE, ShardedUpd
 from stratagem.placement.layout.dtensor_state import local_gradient, local_tensor
 from stratagem.placement.scope import clipping
 from stratagem.placement.scope.hooks import base_of
+from stratagem.values import is_dtensor
 
 # (torch 2.13 names it *_single and deprecates the old name)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -201,10 +201,7 @@ class ZeroRanges:
         result = {}
         for k in sorted(merged):
             index, _, p = self.entries[k]
-            result[index] = {key: DTensor.from_local(value.to(p.device), p.device_mesh, p.placements,
-                                                     run_check=False).full_tensor()
-                             if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0
-                             else value for key, value in merged[k].items()}
+            result[index] = {key: _whole(value, p) for key, value in merged[k].items()}
         return result
 
     def load(self, state: dict) -> None:
@@ -226,9 +223,19 @@ class ZeroRanges:
                    for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
+def _whole(value: object, param: torch.Tensor) -> object:
+    """A whole state tensor from this process's shard of the DTensor ``param``'s (else ``value``)."""
+    if is_dtensor(param) and isinstance(value, torch.Tensor) and value.dim() > 0:
+        from torch.distributed.tensor import DTensor   # (loaded: param is one)
+        return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
+                                  run_check=False).full_tensor()
+    return value
+
+
 def _local_part(value: object, param: torch.Tensor) -> object:
     """This process's shard of a whole state tensor shaped as the DTensor ``param`` (else ``value``)."""
-    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0:
+    if is_dtensor(param) and isinstance(value, torch.Tensor) and value.dim() > 0:
+        from torch.distributed.tensor import distribute_tensor   # (loaded: param is a DTensor)
         return distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
                                  src_data_rank=None).to_local()
     return value

@@ -26,21 +26,22 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from stratagem.errors import InvalidArgumentError
+from stratagem.values import is_dtensor
 
 
 def full_value(value: Any) -> Any:
     """``value`` as a whole tensor (a DTensor's ``full_tensor``: a collective over its mesh), else itself."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    return value.full_tensor() if is_dtensor(value) else value
 
 
 def shard_like(value: Any, param: torch.Tensor) -> Any:
     """A full tensor from a state dict, cut like the DTensor ``param`` (each process keeps its shard);
     any other value (a step count, a tensor of another shape, ``param`` whole) as it is."""
-    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+    if is_dtensor(param) and isinstance(value, torch.Tensor) and not is_dtensor(value) \
             and tuple(value.shape) == tuple(param.shape):
+        from torch.distributed.tensor import distribute_tensor   # (loaded: param is a DTensor)
         return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
     return value
 
@@ -49,7 +50,7 @@ def full_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata:
     """A state-dict post-hook: ``module``'s own DTensor entries made whole (``state_dict(keep_vars=True)``,
     which holds the parameters themselves, is left as placed)."""
     for key, value in list(state_dict.items()):
-        if key.startswith(prefix) and "." not in key[len(prefix):] and isinstance(value, DTensor) \
+        if key.startswith(prefix) and "." not in key[len(prefix):] and is_dtensor(value) \
                 and not isinstance(value, nn.Parameter):
             state_dict[key] = value.full_tensor()
 
@@ -66,7 +67,7 @@ def sharded_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) 
 def hook_state_dicts(modules: Any) -> None:
     """Give each of ``modules`` that holds a DTensor parameter of its own the two hooks above."""
     for module in modules:
-        if any(isinstance(t, DTensor) for t in module.parameters(recurse=False)):
+        if any(is_dtensor(t) for t in module.parameters(recurse=False)):
             module.register_state_dict_post_hook(full_state)
             module.register_load_state_dict_pre_hook(sharded_state)
 
@@ -74,14 +75,14 @@ def hook_state_dicts(modules: Any) -> None:
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The memory of this process's part of ``tensor`` (a DTensor's shard), without autograd."""
     with torch.no_grad():
-        return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+        return (tensor.to_local() if is_dtensor(tensor) else tensor).detach()
 
 
 def local_gradient(param: torch.Tensor) -> torch.Tensor:
     """This process's part of ``param.grad``, laid out as its part of ``param`` (torch gives a
     row-wise embedding a replicated gradient of a sharded weight: this process's rows of it)."""
     grad = param.grad
-    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+    if is_dtensor(grad) and is_dtensor(param) and grad.placements != param.placements:
         grad = grad.redistribute(param.device_mesh, param.placements)
     local = local_tensor(grad)
     if local.shape != local_tensor(param).shape:

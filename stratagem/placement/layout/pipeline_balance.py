@@ -163,7 +163,7 @@ def _measure(pieces: list[nn.Module], sample: tuple[torch.Tensor, ...], spread: 
         timings: list[list[float]] = [[] for _ in pieces]
         for round_ in range(ROUNDS + 1):
             for i, (piece, args) in enumerate(zip(pieces, inputs)):
-                seconds = _timed(lambda: _forward_backward(piece, args, spread, i == 0), device)
+                seconds = timed(lambda: _forward_backward(piece, args, spread, i == 0), device)
                 if round_:   # round 0 warms up
                     timings[i].append(seconds)
         return [statistics.median(t) for t in timings]
@@ -203,7 +203,8 @@ def _memory(piece: nn.Module, args: Any, spread: bool, first: bool) -> float:
     return float(params + sum(b.numel() * b.element_size() for b in piece.buffers()) + sum(storages.values()))
 
 
-def _timed(fn: Callable[[], None], device: torch.device) -> float:
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds ``fn()`` takes on ``device`` (CUDA: its queued work included)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()

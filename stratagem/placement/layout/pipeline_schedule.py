@@ -31,6 +31,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
+from stratagem.observe import record
 from stratagem.placement.layout import recompute
 from stratagem.placement.layout.pipeline import SplitModel
 from stratagem.placement.layout.pipeline_plan import SCHEDULES
@@ -164,7 +165,8 @@ class PipelineSchedules:
         modules = self.split.modules_for(micro)
         recompute.apply(modules, layout.recompute, self.split.model,
                         check_over=self.pipe if self.split.traced is not None else None)
-        stages = [_without_side_effects(PipelineStage(module, s, layout.num_stages, self.device, group=group))
+        stages = [record.watch_stage(_without_side_effects(PipelineStage(module, s, layout.num_stages, self.device,
+                                                                         group=group)), s)
                   for s, module in sorted(modules.items())]
         cls = getattr(schedules, SCHEDULES[self.schedule][0])
         if SCHEDULES[self.schedule][2] == 1:

@@ -41,9 +41,9 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.utils.clip_grad as torch_clip
-from torch.distributed.tensor import DTensor
 
 from stratagem.errors import InvalidArgumentError
+from stratagem.values import is_dtensor
 
 _lock = threading.RLock()   # (a placement's finalizer may run inside a locked section)
 _placements: dict[int, weakref.ref] = {}
@@ -257,7 +257,7 @@ def shard_parts(params: list[torch.Tensor], group: Any) -> GradientParts:
         grad = p.grad
         if grad is None:
             continue
-        if isinstance(grad, DTensor):
+        if is_dtensor(grad):
             local = grad.to_local()
             once = True
             for dim, placement in enumerate(grad.placements):

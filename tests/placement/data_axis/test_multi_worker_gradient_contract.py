@@ -20,7 +20,7 @@ import torch
 
 from . import nanogpt_loop, nanogpt_script
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240), pytest.mark.usefixtures("forked_launches")]
 SCRIPT = Path(nanogpt_script.__file__)
 
 

@@ -18,7 +18,7 @@ from stratagem.testing import assert_succeeded, run_local_cluster
 from . import pp_script
 from .history import assert_history_matches, check_clipping, plain_history
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(280)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(280), pytest.mark.usefixtures("forked_launches")]
 SCRIPT = Path(pp_script.__file__)
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "pipeline.py"
 

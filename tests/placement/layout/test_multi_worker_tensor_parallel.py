@@ -17,7 +17,7 @@ from ..._support import clips
 from . import tp_embedding_script, tp_script
 from .history import assert_history_matches, check_clipping, plain_history
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200), pytest.mark.usefixtures("forked_launches")]
 SCRIPT = Path(tp_script.__file__)
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tensor_parallel.py"
 

@@ -31,7 +31,7 @@ from stratagem.launch import launch_local
 
 from . import mesh3d_script as script
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("forked_launches")]
 SCRIPT = Path(script.__file__)
 EXAMPLE_3D = Path(__file__).resolve().parents[3] / "examples" / "pipeline_3d.py"
 

@@ -1,0 +1,200 @@
+"""Predicted step time and memory of a layout, from a profile and a measured network.
+
+Step time, for a ``d x p x t`` layout with ``m`` micro-batches of ``rows = global_batch / (d m)``:
+
+- each stage's time per micro-batch: its blocks' forward + backward (``fixed + per_row * rows``,
+  from :mod:`.profile`; blocks a plan splits divided by ``t``; one more forward with
+  recomputation), the model axis's all-reduces (the output of each ``"rowwise"`` layer in forward,
+  the input gradient of each ``"colwise"`` one in backward), and the activations and their
+  gradients sent to the next stage;
+- the schedule: ``(m + p - 1)`` times the slowest stage's micro-batch (GPipe and 1F1B have the same
+  bubble; 1F1B holds fewer activations);
+- the data axis once per step: the gradients all-reduced (``None``, ZeRO-1, whose ranges are then
+  all-gathered), reduce-scattered and the parameters all-gathered (ZeRO-2), or, under ZeRO-3, the
+  parameters all-gathered in each micro-batch's forward and backward and the gradients
+  reduce-scattered once;
+- the optimizer's step over this process's parameters (its range under ZeRO).
+
+Collectives of ``n`` processes over ``B`` bytes cost as a ring: ``2 (n - 1) (α + B / (n β))`` for an
+all-reduce, half that for a reduce-scatter or an all-gather, ``α + B / β`` from one stage to the next
+(``α``, ``β``: :class:`Network`, measured on the cluster). Compute is multiplied by how many
+processes share a core (``oversubscription``: 1 on GPUs).
+
+What this leaves out is what a framework costs per step on top: Python, DTensor's dispatch,
+FSDP's hooks, the schedule's bookkeeping -- on a CPU often more than the arithmetic of a small
+model. So the prediction is **calibrated by measurement**: of each mesh ``(d, p, t)`` the plainest
+layout (no ZeRO stage, no recomputation, the fewest micro-batches) is measured first (:func:`probes`), and every other layout of that mesh is
+predicted as ``model x measured / model`` of its probe (:func:`calibration`, :func:`calibrated`;
+a mesh whose probe was not measured takes the median factor). The model ranks the layouts within
+a mesh (ZeRO stage, recomputation, micro-batches, schedule), the probes rank the meshes.
+
+Activation memory of pipe rank ``s``: the activations of its blocks for the micro-batches in flight
+(GPipe: all ``m``; 1F1B: ``min(m, p - s)``); with recomputation only each micro-batch's stage input,
+plus one block's activations while it is recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+from stratagem.experimental.planning.layouts import Layout
+from stratagem.experimental.planning.memory import model_states
+from stratagem.experimental.planning.profile import Profile
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """Latency ``alpha`` (s) and bandwidth ``beta`` (bytes/s) of the cluster's collectives; how many
+    processes share a core (``oversubscription``, 1 when each has its own)."""
+
+    alpha: float
+    beta: float
+    oversubscription: float = 1.0
+
+    def all_reduce(self, nbytes: float, n: int) -> float:
+        return 0.0 if n <= 1 else 2 * (n - 1) * (self.alpha + nbytes / (n * self.beta))
+
+    def gather(self, nbytes: float, n: int) -> float:
+        """An all-gather or a reduce-scatter of ``nbytes`` in all."""
+        return 0.0 if n <= 1 else (n - 1) * (self.alpha + nbytes / (n * self.beta))
+
+    def send(self, nbytes: float) -> float:
+        return self.alpha + nbytes / self.beta
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """What the model says of one layout: seconds per step; the model states of the process that holds the
+    most (exact), and the most activations any process holds (an estimate): ``memory`` is their sum."""
+
+    seconds: float
+    parameters: float
+    gradients: float
+    optimizer_state: float
+    activations: float
+
+    @property
+    def model_states(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    @property
+    def memory(self) -> float:
+        return self.model_states + self.activations
+
+
+def stage_bounds(profile: Profile, layout: Layout) -> list[tuple[int, int]]:
+    """The blocks ``[a, b)`` of each stage of ``layout``."""
+    starts = [0] + [profile.names.index(n) for n in layout.split_points]
+    return list(zip(starts, starts[1:] + [len(profile.names)]))
+
+
+def predict(profile: Profile, layout: Layout, network: Network, *, global_batch: int) -> Prediction:
+    """Seconds per step and per-process memory of ``layout`` (the fullest process's).
+
+    Example::
+
+        from stratagem.experimental.planning.cost import Network, predict
+        from stratagem.experimental.planning.layouts import Layout
+        from stratagem.experimental.planning.profile import Profile
+        p = Profile(names=["0"], sequential=True, rows=8, forward=[(0.0, 1e-3)], forward_backward=[(0.0, 3e-3)],
+                    activation_bytes=[400.0], input_bytes=[40.0], output_bytes=[40.0], plan_traffic=[[]],
+                    block_params={1: [1000.0]}, total_params=1000.0, element_size=4, state_per_parameter=8.0,
+                    step_seconds_per_parameter=1e-8)
+        plain = predict(p, Layout(2, 1, 1), Network(alpha=1e-4, beta=1e9), global_batch=8)
+        zero1 = predict(p, Layout(2, 1, 1, sharding="optimizer"), Network(alpha=1e-4, beta=1e9), global_batch=8)
+        assert zero1.optimizer_state == plain.optimizer_state / 2 == 4000.0
+    """
+    d, p, t, m = layout.data, layout.pipe, layout.model, layout.num_microbatches
+    rows = global_batch / (d * m)
+    params = profile.block_params[t]
+    bounds = stage_bounds(profile, layout)
+    stage_seconds, memory = [], []
+    for s, (a, b) in enumerate(bounds):
+        compute = 0.0
+        for i in range(a, b):
+            fixed, per_row = profile.forward_backward[i]
+            block = fixed + per_row * rows
+            if layout.recompute:
+                block += profile.forward[i][0] + profile.forward[i][1] * rows
+            compute += block / t if profile.plan_traffic[i] else block
+        traffic = sum(network.all_reduce((out if style == "rowwise" else inp) * rows, t)
+                      for i in range(a, b) for style, inp, out in profile.plan_traffic[i]
+                      if style in ("rowwise", "colwise"))
+        sends = 0.0
+        if s > 0:   # the activations in, their gradients back
+            sends += 2 * network.send(profile.input_bytes[a] * rows)
+        stage_seconds.append(compute * network.oversubscription + traffic + sends)
+        inflight = m if layout.schedule == "gpipe" or p == 1 else min(m, p - s)
+        if layout.recompute:
+            held = profile.input_bytes[a] * rows * inflight + max(profile.activation_bytes[a:b]) * rows
+        else:
+            held = sum(profile.activation_bytes[i] / (t if profile.plan_traffic[i] else 1)
+                       for i in range(a, b)) * rows * inflight
+        psi = sum(params[a:b])
+        packs = d > 1 and t > 1 and layout.sharding in (None, "optimizer")
+        copied = sum(profile.block_split_params.get(t, [0.0] * len(params))[a:b]) if packs else 0.0
+        memory.append((model_states(psi, data=d, sharding=layout.sharding, element_size=profile.element_size,
+                                    state_per_parameter=profile.state_per_parameter, copied=copied), held, psi))
+    seconds = (m + p - 1) * max(stage_seconds)
+    psi_max = max(psi for _, _, psi in memory)
+    grad_bytes = profile.element_size * psi_max
+    if layout.sharding is None:
+        seconds += network.all_reduce(grad_bytes, d)
+    elif layout.sharding == "optimizer":
+        seconds += network.all_reduce(grad_bytes, d) + network.gather(grad_bytes, d)
+    elif layout.sharding == "gradients":
+        seconds += 2 * network.gather(grad_bytes, d)
+    else:   # parameters gathered in each micro-batch's forward and backward, gradients scattered once
+        seconds += (2 * m + 1) * network.gather(grad_bytes, d)
+    share = d if layout.sharding else 1
+    seconds += profile.step_seconds_per_parameter * psi_max / share * network.oversubscription
+    params_b, grads_b, state_b = max((states for states, _, _ in memory), key=sum)
+    return Prediction(seconds=seconds, parameters=params_b, gradients=grads_b, optimizer_state=state_b,
+                      activations=max(held for _, held, _ in memory))
+
+
+def probes(ranked: list[Layout]) -> list[Layout]:
+    """Of each mesh ``(d, p, t)`` in ``ranked`` (cheapest first), its plainest layout: what calibrates the mesh.
+
+    Plainest: no ZeRO stage, no recomputation, the fewest micro-batches, 1F1B -- what the model's
+    arithmetic describes best (a ZeRO stage's or recomputation's own overhead is then the model's
+    delta on top); among equals, the cheapest predicted.
+
+    Example::
+
+        from stratagem.experimental.planning.cost import probes
+        from stratagem.experimental.planning.layouts import Layout
+        ranked = [Layout(2, 1, 1, sharding="gradients"), Layout(1, 2, 1, num_microbatches=2, schedule="1f1b"),
+                  Layout(2, 1, 1)]
+        assert probes(ranked) == [Layout(2, 1, 1), Layout(1, 2, 1, num_microbatches=2, schedule="1f1b")]
+    """
+    seen: dict[tuple[int, int, int], Layout] = {}
+    for layout in sorted(ranked, key=lambda l: (l.sharding is not None, l.recompute, l.num_microbatches,
+                                                 l.schedule != "1f1b")):   # stable: cheapest first among equals
+        seen.setdefault((layout.data, layout.pipe, layout.model), layout)
+    return list(seen.values())
+
+
+def calibration(raw: dict[Layout, float], measured: dict[Layout, Any]) -> dict[tuple[int, int, int], float]:
+    """Measured over predicted seconds of each mesh's probe (``measured``: seconds in a dict, or an error)."""
+    return {(layout.data, layout.pipe, layout.model): got["seconds"] / raw[layout]
+            for layout, got in measured.items() if isinstance(got, dict) and raw.get(layout)}
+
+
+def calibrated(raw: dict[Layout, float], factors: dict[tuple[int, int, int], float], layout: Layout) -> float:
+    """``layout``'s predicted seconds times its mesh's factor (the median factor where its mesh has none).
+
+    Example::
+
+        from stratagem.experimental.planning.cost import calibrated, calibration
+        from stratagem.experimental.planning.layouts import Layout
+        raw = {Layout(2, 1, 1): 1.0, Layout(2, 1, 1, sharding="optimizer"): 1.5, Layout(1, 2, 1): 2.0}
+        factors = calibration(raw, {Layout(2, 1, 1): {"seconds": 3.0}})
+        assert calibrated(raw, factors, Layout(2, 1, 1, sharding="optimizer")) == 4.5
+        assert calibrated(raw, factors, Layout(1, 2, 1)) == 6.0   # no probe of its own: the median factor
+    """
+    mesh = (layout.data, layout.pipe, layout.model)
+    factor = factors.get(mesh, statistics.median(factors.values()) if factors else 1.0)
+    return raw[layout] * factor
