@@ -135,13 +135,16 @@ class WorkerGroup:
                     f"was started with the same cluster description and that {address} is "
                     f"reachable", task=self.names[0]) from error
             self.group = None  # the default group
-            atexit.register(self.close)  # leave gloo cleanly, or its threads abort the process at exit
         self._store = dist.distributed_c10d._get_default_store()
         mark_joined(self.names[rank])
         self._beats = 0
         self._beat()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat, daemon=True, name="stratagem-heartbeat")
         self._heartbeat_thread.start()
+        # Every group, a later strategy's sub-group too: its heartbeat must be joined and the default
+        # group left before the interpreter finalizes (a daemon thread still inside the store's C++
+        # code then aborts the process). atexit runs the latest first: a sub-group before the default.
+        atexit.register(self.close)
 
     @property
     def is_chief(self) -> bool:

@@ -77,8 +77,7 @@ class MeshStrategy(Strategy):
         device = Device("cuda", (resolver.worker_rank or 0) % torch.cuda.device_count()) if cuda else Device("cpu", 0)
         if cuda:
             torch.cuda.set_device(device.torch_device)
-        full = WorkerGroup(resolver, options, uses_cuda=cuda)
-        atexit.register(full.close)  # its heartbeat stops before the interpreter does (idempotent)
+        full = WorkerGroup(resolver, options, uses_cuda=cuda)   # (closed at exit: its heartbeat stops)
         if full.solo and not dist.is_initialized():  # a lone process still needs a group for the mesh
             dist.init_process_group(full.backend, store=dist.HashStore(), rank=0, world_size=1)
             atexit.register(_leave_solo_group)

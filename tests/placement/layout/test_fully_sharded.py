@@ -16,7 +16,7 @@ import stratagem as sg
 from stratagem.errors import InvalidArgumentError
 from stratagem.testing import assert_succeeded, run_local_cluster
 
-from . import zero3_script
+from . import exit_script, zero3_script
 from ..data_axis.test_zero import check_clipping, restores_as_plain_pytorch, save_plain
 
 pytestmark = pytest.mark.timeout(240)
@@ -73,6 +73,17 @@ def test_two_workers_match_one_process_and_checkpoints_cross_layouts(tmp_path: P
         assert out["num_replicas"] == 3
         assert out["restored_error"] < 1e-12, f"worker {rank} of 3: {out['restored_error']}"
         assert out["stage2_error"] < 1e-12, f"worker {rank} of 3, stage 2: {out['stage2_error']}"
+
+
+@pytest.mark.multiprocess
+def test_a_script_that_ends_after_training_exits_0() -> None:
+    """Two strategies in one process (the second on a sub-group): at exit, after every strategy's
+    exit handler, no heartbeat thread may still run (one inside torch's store when the interpreter
+    finalizes aborts the process, some of the time: exit -6)."""
+    results = run_local_cluster(Path(exit_script.__file__), 2, timeout=200)
+    assert_succeeded(results)
+    for result in results:
+        assert "no threads left at exit" in result.output, result.output
 
 
 def test_refusals(solo_group) -> None:
