@@ -17,9 +17,9 @@ from .traces import assert_nested, assert_steps_add_up, spans
 pytestmark = pytest.mark.timeout(120)
 
 
-def _model() -> torch.nn.Module:
+def _model(inputs: int = 32, hidden: int = 256) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    return torch.nn.Sequential(torch.nn.Linear(inputs, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 4))
 
 
 def test_the_recorder_is_off_until_asked_and_its_sites_share_one_no_op() -> None:
@@ -59,10 +59,10 @@ def test_a_custom_loop_under_two_replicas(tmp_path) -> None:
 
 def test_fit_with_the_callback_shows_forward_backward_and_the_update(tmp_path) -> None:
     strategy = sg.OneDeviceStrategy("cpu")
-    with strategy.scope():
-        model = sg.Model(_model())
+    with strategy.scope():   # (steps of milliseconds: fit's own few microseconds between spans are noise)
+        model = sg.Model(_model(512, 2048))
         model.compile(optimizer="sgd", loss="mse")
-    x, y = torch.randn(160, 32), torch.randn(160, 4)
+    x, y = torch.randn(160, 512), torch.randn(160, 4)
     path = tmp_path / "fit.json"
     model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[sg.experimental.Timeline(path)])
     trace = json.loads(path.read_text())
