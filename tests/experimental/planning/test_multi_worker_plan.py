@@ -64,6 +64,9 @@ def _check_table(plan: sg.experimental.Plan, world: int, pipeline: str) -> None:
 
 
 def _train(tmp_path: Path, plan: sg.experimental.Plan, kind: str, world: int) -> dict[str, torch.Tensor]:
+    # the workers import this folder's `models` as a top-level module, not as `tests....models`: the
+    # plan's references to it (the transformer's block class in its tensor plan) travel by value
+    cloudpickle.register_pickle_by_value(models)
     (tmp_path / "plan.pkl").write_bytes(cloudpickle.dumps(plan))
     out = tmp_path / "state.pt"
     results = run_local_cluster(SCRIPT, world, args=[str(tmp_path / "plan.pkl"), str(out), kind], timeout=240)
