@@ -99,21 +99,23 @@ class PsWatchdog:
                 return
             stopping.wait(HEARTBEAT_SECONDS)
 
-    def heartbeat(self) -> None:
-        """One round: renew every lease at once; declare lost what has been silent too long."""
+    def heartbeat(self) -> bool:
+        """One round: renew every lease at once; declare lost what has been silent too long.
+        True when every ps answered as the process it was (nothing left to judge)."""
         with self._lock:
-            self._round()
+            return self._round()
 
-    def _round(self) -> None:
+    def _round(self) -> bool:
         if self.failure is not None:
             self._expire_lost()
-            return
+            return False
         sent = time.monotonic()
         request = {"coordinator": self.link.id, "lease_s": self.lease_s, "sent_at": time.time(),
                    # older closures have finished, or belong to before a restore
                    "floor": max(self.link.queue.floor, self._floor)}
         calls = [client.rpc.call_async("renew_lease", request, timeout=2 * HEARTBEAT_SECONDS)
                  for client in self.clients]   # (a restarted ps: a hello and the call again)
+        answered = 0
         for i, call in enumerate(calls):
             try:
                 answer = call.result()
@@ -124,6 +126,7 @@ class PsWatchdog:
                     return
                 answer = None
             if answer is not None and self._check_incarnation(i, answer):
+                answered += 1
                 if answer.get("renewed"):
                     self._last_renewed[i] = sent
                     self._granted[i] = True
@@ -132,9 +135,10 @@ class PsWatchdog:
                     self._declare_lost(i, f"it has not answered for {time.monotonic() - self._last_renewed[i]:.0f} s "
                                           f"(ps_timeout={self.ps_timeout:g} s), nor over a fresh connection")
             if self.failure is not None:
-                return
+                return False
         if all(self._granted):
             self.leased.set()
+        return answered == len(calls)
 
     def _check_incarnation(self, i: int, answer: Any) -> bool:
         incarnation = answer.get("incarnation") if isinstance(answer, dict) else None
@@ -152,10 +156,11 @@ class PsWatchdog:
         with ParameterServerClient(old.rpc.address, self.cluster.token,
                                    task=old.task) as fresh:
             try:
-                fresh.call("ping", timeout=RECONNECT_TIMEOUT_SECONDS)
+                answer = fresh.call("ping", timeout=RECONNECT_TIMEOUT_SECONDS)
             except Exception:  # noqa: BLE001
                 return False
-        self._last_renewed[i] = time.monotonic() - self.lease_s   # alive: wait some more
+        if self._check_incarnation(i, answer):   # (a new process is lost all the same)
+            self._last_renewed[i] = time.monotonic() - self.lease_s   # alive: wait some more
         return True
 
     def _declare_lost(self, i: int, why: str) -> None:   # holding the lock
@@ -251,10 +256,16 @@ class PsWatchdog:
         fenced = next((cause for cause in _causes(error) if isinstance(cause, FencedError)), None)
         if fenced is not None:   # this program was taken over: fatal (the tenure tells the coordinator)
             return self.cluster.tenure.replaced(fenced)
-        for _ in range(3):   # (a restarted ps's first answer needs a new handshake: a loaded host is slow)
-            if self.failure is not None or not self._ps_in_chain(error):
+        # Until every ps has answered a round as the process it was (the error is the closure's
+        # own), or one is declared lost. Not a fixed number of rounds: a channel that saw its ps
+        # die fails its calls at once for up to a second of reconnection backoff, and a restarted
+        # ps's first answer needs a new handshake, so back-to-back rounds can all come back
+        # empty while the ps the closure reached has been running, empty, for a while. Bounded:
+        # a ps silent for ps_timeout is judged by the round itself.
+        deadline = time.monotonic() + self.ps_timeout + 2 * RECONNECT_TIMEOUT_SECONDS
+        while self.failure is None and self._ps_in_chain(error):
+            if self.heartbeat() or time.monotonic() >= deadline or self.link.stopping.wait(0.1):
                 break
-            self.heartbeat()
         return self.failure or error
 
 
