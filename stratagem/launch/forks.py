@@ -30,7 +30,8 @@ import threading
 from stratagem.errors import ClusterConfigError
 from stratagem.launch.lifeline import die_with_parent
 
-__all__ = ["FORK_SERVER_VARIABLE", "READ_AT_IMPORT", "ForkedProcess", "differs_at_import", "start_process"]
+__all__ = ["FORK_SERVER_VARIABLE", "READ_AT_IMPORT", "ForkedProcess", "differs_at_import", "fork_request",
+           "start_process"]
 
 FORK_SERVER_VARIABLE = "STRATAGEM_TEST_FORK_SERVER"
 #: variable prefixes read when the interpreter starts or torch is imported: a task whose value
@@ -47,9 +48,10 @@ def differs_at_import(env: dict[str, str], server_env: dict[str, str]) -> bool:
     return any(env.get(k) != server_env.get(k) for k in keys)
 
 
-def _request(command: list[str] | tuple[str, ...], server: dict) -> dict | None:
-    """What to ask the server for to run ``command``, or None when it cannot be forked."""
-    if len(command) < 2 or command[0] != server["executable"]:
+def fork_request(command: list[str] | tuple[str, ...], executable: str) -> dict | None:
+    """What to ask a fork server whose interpreter is ``executable`` for, to run ``command``; None
+    when it cannot be forked (another program, or interpreter options)."""
+    if len(command) < 2 or command[0] != executable:
         return None
     if command[1] in ("-m", "-c") and len(command) >= 3:
         return {"module" if command[1] == "-m" else "code": command[2], "args": list(command[3:])}
@@ -98,7 +100,7 @@ class _Client:
         threading.Thread(target=self._read_replies, daemon=True, name="stratagem-forks").start()
 
     def start(self, command: list[str] | tuple[str, ...], env: dict[str, str]) -> ForkedProcess | None:
-        request = _request(command, self.server)
+        request = fork_request(command, self.server["executable"])
         if request is None or differs_at_import(env, self.server["env"]) or self.gone:
             return None
         read_end, write_end = os.pipe()

@@ -42,7 +42,7 @@ import sys
 import tempfile
 import threading
 
-from stratagem.launch.forks import FORK_SERVER_VARIABLE, differs_at_import
+from stratagem.launch.forks import FORK_SERVER_VARIABLE, differs_at_import, fork_request
 from stratagem.launch.lifeline import die_with_parent
 
 _READY_SECONDS = 300.0   # at most, for the server's imports on a loaded machine
@@ -61,9 +61,12 @@ class ForkedTask:
             self.returncode = self._server.exit_code(self.pid, wait=False)
         return self.returncode
 
-    def wait(self) -> int:
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; raises :class:`subprocess.TimeoutExpired` after ``timeout`` seconds."""
         if self.returncode is None:
-            self.returncode = self._server.exit_code(self.pid, wait=True)
+            self.returncode = self._server.exit_code(self.pid, wait=True, timeout=timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(f"forked task {self.pid}", timeout)
         return self.returncode
 
 
@@ -88,8 +91,17 @@ class ForkServer:
         return not self._gone and not differs_at_import(env, self._env)
 
     def start(self, script: str, args: list[str], env: dict[str, str], log_path: str) -> ForkedTask:
-        request = {"script": os.path.abspath(script), "args": list(args), "env": env, "cwd": os.getcwd(),
-                   "log": log_path}
+        """``python SCRIPT ARGS`` with environment ``env``, its output appended to ``log_path``."""
+        return self._ask({"script": os.path.abspath(script), "args": list(args), "env": env, "log": log_path})
+
+    def start_command(self, command: list[str], env: dict[str, str], log_path: str) -> ForkedTask | None:
+        """``command`` (``python SCRIPT ...``, ``python -m MODULE ...`` or ``python -c CODE ...`` of
+        this interpreter) as :meth:`start` runs a script; None for any other command."""
+        request = fork_request(command, sys.executable)
+        return None if request is None else self._ask({**request, "env": env, "log": log_path})
+
+    def _ask(self, request: dict) -> ForkedTask:
+        request = {**request, "cwd": os.getcwd()}
         with self._lock, self._changed:
             self._process.stdin.write(json.dumps(request).encode() + b"\n")
             while not self._started and not self._gone:
@@ -98,10 +110,10 @@ class ForkServer:
                 raise RuntimeError("the test fork server exited")
             return ForkedTask(self, self._started.pop(0))
 
-    def exit_code(self, pid: int, *, wait: bool) -> int | None:
+    def exit_code(self, pid: int, *, wait: bool, timeout: float | None = None) -> int | None:
         with self._changed:
-            while wait and pid not in self._exited and not self._gone:
-                self._changed.wait()
+            if wait:
+                self._changed.wait_for(lambda: pid in self._exited or self._gone, timeout)
             if pid in self._exited:
                 return self._exited.pop(pid)
             return -9 if self._gone else None    # the server's death killed its children
@@ -184,3 +196,31 @@ def fork_server_variable(env: dict[str, str] | None = None) -> dict[str, str]:
         return {}
     server.ready.wait(_READY_SECONDS)    # a launcher's first task does not wait for torch's import
     return {FORK_SERVER_VARIABLE: _listening().getsockname()}
+
+
+def start_task(command: list[str], *, env: dict[str, str], log: str) -> "ForkedTask | subprocess.Popen":
+    """Start ``command`` as a process of its own session (one signal to its group reaches all of
+    it), with environment ``env``, stdin from ``/dev/null`` and its output (stdout and stderr)
+    appended to the file ``log``: forked from the shared fork server when it is ``python SCRIPT``,
+    ``python -m MODULE`` or ``python -c CODE`` of this interpreter and ``env`` agrees with the
+    server's at start-up (:func:`shared_server`); else a fresh process. Either way the result has
+    ``pid``, ``poll()``, ``wait(timeout)`` and ``returncode``, as :class:`subprocess.Popen`.
+
+    Example::
+
+        import os, sys, tempfile
+        from stratagem.testing import start_task
+        log = os.path.join(tempfile.mkdtemp(), "task.log")
+        task = start_task([sys.executable, "-c", "import sys; print('hello', sys.argv[1:])", "x"],
+                          env=dict(os.environ), log=log)
+        assert task.wait(120) == 0 and open(log).read() == "hello ['x']\\n"
+    """
+    open(log, "ab").close()
+    server = shared_server(env)
+    if server is not None and server.can_start(env):
+        task = server.start_command(command, env, log)
+        if task is not None:
+            return task
+    with open(log, "ab") as output:
+        return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                                start_new_session=True)

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.testing import free_ports, local_cluster
+from stratagem.testing import free_ports, local_cluster, start_task
+from stratagem.testing.forked import ForkedTask
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 HERE = Path(__file__).parent
@@ -45,7 +46,7 @@ class Cluster:
         self.tmp_path = tmp_path
         self.spec = local_cluster(num_workers, chief=True, num_ps=num_ps)
         self.token = secrets.token_hex(16)
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | ForkedTask] = {}
 
     def env(self, task_type: str, index: int, *, cluster: dict | None = None,
             token: str | None = None) -> dict[str, str]:
@@ -53,15 +54,13 @@ class Cluster:
         return {**os.environ, "TF_CONFIG": json.dumps(config), "PYTHONUNBUFFERED": "1",
                 "STRATAGEM_CLUSTER_TOKEN": token or self.token}
 
-    def start(self, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
-        log = open(self.tmp_path / f"{name.replace(' ', '-')}.log", "ab")
-        self.procs[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
-        log.close()
+    def start(self, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen | ForkedTask:
+        """``command`` as task ``name`` (forked from the test fork server where it can be)."""
+        self.procs[name] = start_task(command, env=env, log=str(self.tmp_path / f"{name.replace(' ', '-')}.log"))
         return self.procs[name]
 
     def server(self, task_type: str, index: int, *, clock_offset: float = 0.0,
-               **env_options) -> subprocess.Popen:
+               **env_options) -> subprocess.Popen | ForkedTask:
         """`stratagem server` for a task; ``clock_offset``: its clock runs that many seconds
         ahead (see SKEWED_SERVER)."""
         name = f"{task_type} {index}"
