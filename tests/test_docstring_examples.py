@@ -45,7 +45,7 @@ def _examples() -> list[tuple[str, str]]:
 
 EXAMPLES = _examples()
 #: words of an example that starts processes (marked multiprocess)
-STARTS_PROCESSES = ("run_local_cluster", "launch_local", "subprocess", "Popen", "start_task")
+STARTS_PROCESSES = ("run_local_cluster", "launch_local", "subprocess", "Popen", "start_task", "run_task")
 
 
 def _param(name: str, code: str):

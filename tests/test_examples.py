@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from stratagem.testing import run_task
+
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("forked_launches")]
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -26,7 +28,8 @@ EXAMPLE = EXAMPLES / "train.py"
 
 
 def _run(*command: str, cwd: Path | None = None) -> str:
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=cwd)
+    """What ``command`` printed (forked from the test fork server where it can be: torch imported once)."""
+    proc = run_task(list(command), timeout=240, cwd=cwd)
     assert proc.returncode == 0, f"{shlex.join(command)} failed:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
     return proc.stdout
 

@@ -33,9 +33,10 @@ from typing import Sequence
 
 from stratagem.launch.lifeline import Reaper, die_with_parent
 from stratagem.launch.ports import free_ports
-from stratagem.testing.forked import shared_server, start_task
+from stratagem.testing.forked import run_task, shared_server, start_task
 
-__all__ = ["TaskResult", "assert_succeeded", "free_ports", "local_cluster", "run_local_cluster", "start_task"]
+__all__ = ["TaskResult", "assert_succeeded", "free_ports", "local_cluster", "run_local_cluster", "run_task",
+           "start_task"]
 
 
 def local_cluster(num_workers: int, *, chief: bool = False, num_ps: int = 0,

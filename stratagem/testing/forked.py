@@ -26,7 +26,10 @@ signal), and its children die with it.
 
 ``stratagem launch`` forks its tasks from the same server when ``STRATAGEM_TEST_FORK_SERVER``
 names the server's socket (:func:`fork_server_variable`; :mod:`stratagem.launch.forks` says
-which tasks, and what differs): tests that launch jobs set it (``tests/conftest.py``).
+which tasks, and what differs): tests that launch jobs set it (``tests/conftest.py``). A test that
+starts one process itself -- ``python SCRIPT``, ``python -m MODULE``, ``python -c CODE`` -- forks it
+from the server too with :func:`start_task` (its output to a file) or :func:`run_task` (as
+``subprocess.run`` with ``capture_output=True``).
 """
 
 from __future__ import annotations
@@ -94,14 +97,19 @@ class ForkServer:
         """``python SCRIPT ARGS`` with environment ``env``, its output appended to ``log_path``."""
         return self._ask({"script": os.path.abspath(script), "args": list(args), "env": env, "log": log_path})
 
-    def start_command(self, command: list[str], env: dict[str, str], log_path: str) -> ForkedTask | None:
+    def start_command(self, command: list[str], env: dict[str, str], log_path: str, *,
+                      stderr_path: str | None = None, cwd: str | None = None) -> ForkedTask | None:
         """``command`` (``python SCRIPT ...``, ``python -m MODULE ...`` or ``python -c CODE ...`` of
-        this interpreter) as :meth:`start` runs a script; None for any other command."""
+        this interpreter) as :meth:`start` runs a script, its stderr to ``stderr_path`` if given, in
+        folder ``cwd``; None for any other command."""
         request = fork_request(command, sys.executable)
-        return None if request is None else self._ask({**request, "env": env, "log": log_path})
+        if request is None:
+            return None
+        options = {"stderr": stderr_path} if stderr_path is not None else {}
+        return self._ask({**request, **options, "env": env, "log": log_path}, cwd)
 
-    def _ask(self, request: dict) -> ForkedTask:
-        request = {**request, "cwd": os.getcwd()}
+    def _ask(self, request: dict, cwd: str | None = None) -> ForkedTask:
+        request = {**request, "cwd": os.path.abspath(cwd or os.getcwd())}
         with self._lock, self._changed:
             self._process.stdin.write(json.dumps(request).encode() + b"\n")
             while not self._started and not self._gone:
@@ -224,3 +232,52 @@ def start_task(command: list[str], *, env: dict[str, str], log: str) -> "ForkedT
     with open(log, "ab") as output:
         return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+
+
+def run_task(command: list[str], *, timeout: float, env: dict[str, str] | None = None,
+             cwd: "str | os.PathLike | None" = None) -> "subprocess.CompletedProcess[str]":
+    """What ``subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
+    cwd=cwd)`` returns, with ``command`` forked from the shared fork server where
+    :func:`start_task` would fork it (else run so, fresh). On the timeout its process group is
+    killed and :class:`subprocess.TimeoutExpired` raised, with what it had printed.
+
+    Example::
+
+        import sys
+        from stratagem.testing import run_task
+        done = run_task([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"],
+                        timeout=120)
+        assert (done.returncode, done.stdout, done.stderr) == (0, "out\n", "err\n")
+    """
+    env = dict(os.environ) if env is None else env
+    server = shared_server(env)
+    if server is None or not server.can_start(env) or fork_request(command, sys.executable) is None:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    with tempfile.TemporaryDirectory(prefix="stratagem-run-") as folder:
+        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        for path in (out, err):
+            open(path, "wb").close()
+        task = server.start_command(command, env, out, stderr_path=err, cwd=None if cwd is None else str(cwd))
+        try:
+            code = task.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(task.pid)
+            task.wait()
+            raise subprocess.TimeoutExpired(command, timeout, _text(out), _text(err)) from None
+        finally:
+            if task.poll() is None:    # (an exception in the wait: nothing is left behind)
+                _kill_group(task.pid)
+                task.wait()
+        return subprocess.CompletedProcess(command, code, _text(out), _text(err))
+
+
+def _text(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as file:
+        return file.read()
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -3,11 +3,12 @@ torch once, then forks one child per task it is asked for, which becomes that ta
 its script (or module, or code). The standard library and torch only: nothing here may read a
 task's environment before the child has taken it.
 
-Two kinds of client ask: the test process, over stdin (a request names a log file) with
-replies on stdout; and launchers (``stratagem launch`` under ``STRATAGEM_TEST_FORK_SERVER``,
-:mod:`stratagem.launch.forks`), over the listening Unix socket whose descriptor is the first
-argument (a request comes with the task's output descriptor). Each client gets its tasks' pids,
-then their exit codes; a launcher's connection that closes sends its live tasks SIGTERM."""
+Two kinds of client ask: the test process, over stdin (a request names a log file, and may name
+another for stderr) with replies on stdout; and launchers (``stratagem launch`` under
+``STRATAGEM_TEST_FORK_SERVER``, :mod:`stratagem.launch.forks`), over the listening Unix socket
+whose descriptor is the first argument (a request comes with the task's output descriptor).
+Each client gets its tasks' pids, then their exit codes; a launcher's connection that closes
+sends its live tasks SIGTERM."""
 
 import atexit
 import ctypes
@@ -130,10 +131,11 @@ def _become_task(request: dict, output: int | None) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND) if output is None else output
+    errors = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND) if "stderr" in request else log
     os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(null)
-    os.close(log)
+    os.dup2(errors, 2)
+    for fd in {null, log, errors}:
+        os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])

@@ -22,7 +22,8 @@ from stratagem.testing import run_local_cluster
 
 from . import mismatch_script
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240),
+              pytest.mark.usefixtures("forked_launches")]
 SCRIPT = Path(mismatch_script.__file__)
 NEVER = ["terminate called", "stopped answering", "UnavailableError", "core dumped", "Aborted", "timed out"]
 

@@ -14,6 +14,7 @@ from stratagem.cli import main
 from stratagem.demo import (DemoResult, ShuffledBatches, TrainConfig, format_result, max_relative_difference,
                             run_demo)
 from stratagem.demo.cluster import ClusterDemoError, run_cluster_demo
+from stratagem.testing import run_task
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("forked_launches")]
 
@@ -82,9 +83,8 @@ def test_max_relative_difference() -> None:
 
 @pytest.mark.multiprocess
 def test_command_line_quiet_run() -> None:
-    completed = subprocess.run(
-        [sys.executable, "-m", "stratagem", "demo", "--epochs", "1", "--quiet"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    completed = run_task([sys.executable, "-m", "stratagem", "demo", "--epochs", "1", "--quiet"],
+                         timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "test accuracy" in completed.stdout
     assert "PASS" in completed.stdout
@@ -92,8 +92,9 @@ def test_command_line_quiet_run() -> None:
 
 
 def _demo(*flags: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "stratagem", "demo", *flags], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    """``stratagem demo FLAGS`` (forked from the test fork server: torch imported once)."""
+    return run_task([sys.executable, "-m", "stratagem", "demo", *flags], timeout=timeout,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 @pytest.mark.multiprocess

@@ -17,7 +17,8 @@ import pytest
 
 from stratagem.launch import launch_local
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240),
+              pytest.mark.usefixtures("forked_launches")]
 
 SCRIPT = Path(__file__).with_name("hang_script.py")
 HANG_TIMEOUT = 8.0   # seconds without progress: a healthy step here takes milliseconds

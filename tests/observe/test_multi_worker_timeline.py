@@ -15,7 +15,8 @@ from stratagem.testing import run_local_cluster
 
 from .traces import assert_nested, assert_steps_add_up, process_names, spans
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240),
+              pytest.mark.usefixtures("forked_launches")]
 SCRIPT = Path(__file__).with_name("timeline_script.py")
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from stratagem.testing import run_task
+
 HERE = Path(__file__).parent
 
 
@@ -19,9 +21,9 @@ def listing(directory: Path) -> list[str]:
 
 
 def run_port(script: str, out: Path, *args: str, timeout: float = 200) -> dict[str, Any]:
-    """``python tests/tutorials/<script> OUT args...``: one process, as the tutorial runs."""
-    proc = subprocess.run([sys.executable, str(HERE / script), str(out), *args],
-                          capture_output=True, text=True, timeout=timeout)
+    """``python tests/tutorials/<script> OUT args...``: one process, as the tutorial runs (forked from
+    the test fork server: torch imported once)."""
+    proc = run_task([sys.executable, str(HERE / script), str(out), *args], timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     return {**torch.load(out / "report.pt", weights_only=False), "output": proc.stdout + proc.stderr}
 

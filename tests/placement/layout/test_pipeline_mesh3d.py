@@ -19,7 +19,6 @@ import io
 import json
 import math
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch
 
 import stratagem as sg
 from stratagem.launch import launch_local
+from stratagem.testing import run_task
 
 from . import mesh3d_script as script
 
@@ -220,7 +220,7 @@ def test_three_axes_example_runs_as_its_docstring_says() -> None:
     # 1 x 2 x 2 and 2 x 1 x 2 (4 processes each; 2 x 2 x 2 needs 8, which the tests above already start), each
     # against the one-process run (float32, so the printed losses to 1e-3).
     def run(*command: str) -> str:
-        proc = subprocess.run([*command, "--steps", "10"], capture_output=True, text=True, timeout=150)
+        proc = run_task([*command, "--steps", "10"], timeout=150)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc.stdout
 

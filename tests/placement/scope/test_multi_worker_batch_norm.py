@@ -18,7 +18,8 @@ import torch
 
 from . import batch_norm_model, batch_norm_script
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300),
+              pytest.mark.usefixtures("forked_launches")]
 SCRIPT = Path(batch_norm_script.__file__)
 
 
