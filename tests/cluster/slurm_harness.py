@@ -7,9 +7,10 @@ interface there is (Slurm has no setting to bind one address), and in that names
 interface is loopback. The ports are Slurm's defaults (6817, 6818) and the training tasks'
 8888: nothing else listens in a fresh namespace, so no port is borrowed from the machine.
 
-``MinJobAge=0`` keeps every finished job's record (a test cluster runs a handful): ``sbatch --wait``
-then asks for its job's state every 2 s, where Slurm's default (300) stretches its waits to 2, 8,
-then 32 s, so that a job of 12 s was seen finished after 42.
+``MinJobAge=4``: ``sbatch --wait`` asks for its job's state after 2 s, and waits four times longer
+each time while its wait is under half of MinJobAge (32 s at most): with Slurm's default (300)
+a job of 12 s was seen finished after 42 s, with 4 after 16 s (every 2 s). A finished job's record
+is kept at least MinJobAge, twice that wait (slurmctld raises 0, "for ever", to 2).
 
 :meth:`SlurmCluster.start` writes a munge key, slurm.conf and cgroup.conf into a temporary
 directory, starts the three daemons in the foreground (their pids are ours) and waits until
@@ -98,7 +99,7 @@ SchedulerType=sched/builtin
 ReturnToService=2
 SlurmdParameters=config_overrides
 KillWait=5
-MinJobAge=0
+MinJobAge=4
 NodeName={NODE} NodeAddr=127.0.0.1 CPUs={CPUS} State=UNKNOWN
 PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
 """)

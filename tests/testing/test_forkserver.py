@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.testing import run_local_cluster
+from stratagem.testing import run_local_cluster, run_task, start_task
 from stratagem.testing.forked import shared_server
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180),
@@ -136,3 +137,52 @@ def test_a_forked_task_ends_as_an_interpreter_would(tmp_path: Path) -> None:
     [result] = run_local_cluster(script, 1, args=[str(tmp_path / "out.txt")], timeout=120)
     assert result.returncode == 5 and "thread done" in result.output, result.output
     assert (tmp_path / "out.txt").read_text() == "flushed"
+
+
+_COMMAND = '''
+import os, sys
+print("out", sys.argv[1:], os.getcwd(), os.getpgid(0) == os.getpid(), "torch" in sys.modules, flush=True)
+print("err", file=sys.stderr, flush=True)
+if sys.argv[1:] == ["wait"]:
+    print("waiting", flush=True)
+    __import__("time").sleep(600)
+sys.exit(3)
+'''
+
+
+def test_run_task_forks_a_command_and_returns_what_subprocess_run_would(tmp_path: Path) -> None:
+    script = tmp_path / "command.py"
+    script.write_text(_COMMAND)
+    for command in ([sys.executable, str(script), "a"], [sys.executable, "-c", _COMMAND, "a"]):
+        done = run_task(command, timeout=120, cwd=tmp_path)
+        assert (done.returncode, done.args) == (3, command)
+        assert done.stdout == f"out ['a'] {tmp_path} True True\n" and done.stderr == "err\n", done
+    plain = run_task(["sh", "-c", "echo out; echo err >&2; exit 3"], timeout=120)   # not python: fresh
+    assert (plain.returncode, plain.stdout, plain.stderr) == (3, "out\n", "err\n")
+
+
+def test_run_task_past_its_timeout_kills_the_command_and_says_what_it_printed(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    code = f"open({str(pid_file)!r}, 'w').write(str(__import__('os').getpid()))\n" + _COMMAND
+    with pytest.raises(subprocess.TimeoutExpired) as raised:
+        run_task([sys.executable, "-c", code, "wait"], timeout=2)
+    # what it had printed by then (all of it, unless the machine was too busy to get that far)
+    assert f"out ['wait'] {os.getcwd()} True True\nwaiting\n".startswith(raised.value.output), raised.value
+    assert "err\n".startswith(raised.value.stderr), raised.value
+    if pid_file.exists() and pid_file.read_text():   # killed and reaped: no process left
+        assert not os.path.exists(f"/proc/{pid_file.read_text()}"), pid_file.read_text()
+
+
+def test_start_task_logs_a_forked_command_and_wait_takes_a_timeout(tmp_path: Path) -> None:
+    log = tmp_path / "task.log"
+    task = start_task([sys.executable, "-c", _COMMAND, "wait"], env=dict(os.environ), log=str(log))
+    assert _forked(int(Path(f"/proc/{task.pid}/stat").read_text().rsplit(")", 1)[1].split()[1]))
+    with pytest.raises(subprocess.TimeoutExpired):
+        task.wait(0.1)
+    deadline = time.monotonic() + 60
+    while "waiting" not in log.read_text():
+        assert time.monotonic() < deadline and task.poll() is None, log.read_text()
+        time.sleep(0.05)
+    os.killpg(task.pid, signal.SIGKILL)
+    assert task.wait(60) == -signal.SIGKILL
+    assert log.read_text().startswith("out ['wait'] ") and "err\n" in log.read_text()
