@@ -247,7 +247,7 @@ def run_task(command: list[str], *, timeout: float, env: dict[str, str] | None =
         from stratagem.testing import run_task
         done = run_task([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"],
                         timeout=120)
-        assert (done.returncode, done.stdout, done.stderr) == (0, "out\n", "err\n")
+        assert (done.returncode, done.stdout, done.stderr) == (0, "out\\n", "err\\n")
     """
     env = dict(os.environ) if env is None else env
     server = shared_server(env)
