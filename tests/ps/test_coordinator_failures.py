@@ -54,9 +54,17 @@ class Cluster:
         return {**os.environ, "TF_CONFIG": json.dumps(config), "PYTHONUNBUFFERED": "1",
                 "STRATAGEM_CLUSTER_TOKEN": token or self.token}
 
-    def start(self, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen | ForkedTask:
-        """``command`` as task ``name`` (forked from the test fork server where it can be)."""
-        self.procs[name] = start_task(command, env=env, log=str(self.tmp_path / f"{name.replace(' ', '-')}.log"))
+    def start(self, name: str, command: list[str], env: dict[str, str], *,
+              fresh: bool = False) -> subprocess.Popen | ForkedTask:
+        """``command`` as task ``name``: forked from the test fork server where it can be, unless
+        ``fresh`` (a child of this process: killed, it stays a zombie until it is waited for)."""
+        log = self.tmp_path / f"{name.replace(' ', '-')}.log"
+        if not fresh:
+            self.procs[name] = start_task(command, env=env, log=str(log))
+            return self.procs[name]
+        with open(log, "ab") as output:
+            self.procs[name] = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                                start_new_session=True)
         return self.procs[name]
 
     def server(self, task_type: str, index: int, *, clock_offset: float = 0.0,

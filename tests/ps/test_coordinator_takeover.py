@@ -30,9 +30,9 @@ def servers(cluster: Cluster) -> None:
         cluster.wait_for(name, "listening")
 
 
-def coordinator(cluster: Cluster, name: str, mode: str, gate: Path, *options: str) -> int:
+def coordinator(cluster: Cluster, name: str, mode: str, gate: Path, *options: str, fresh: bool = False) -> int:
     return cluster.start(name, [sys.executable, str(SCRIPT), mode, str(gate), *options],
-                         cluster.env("chief", 0)).pid
+                         cluster.env("chief", 0), fresh=fresh).pid
 
 
 def result(cluster: Cluster, name: str, timeout: float = 120.0) -> dict:
@@ -118,7 +118,7 @@ def test_a_killed_coordinator_is_taken_over_at_once_and_its_late_push_is_refused
     servers(cluster)
     gate = tmp_path / "gate"
     gate.mkdir()
-    first = coordinator(cluster, "chief a", "hold", gate)
+    first = coordinator(cluster, "chief a", "hold", gate, fresh=True)   # our child: unreaped once killed
     coordinator(cluster, "chief b", "takeover", gate, "--steps", "6", "--wait-for", str(tmp_path / "killed"))
     cluster.wait_for("chief a", "HOLDING")
     cluster.wait_for("chief b", "READY")   # started up: it claims as soon as it is told
