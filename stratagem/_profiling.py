@@ -39,19 +39,28 @@ Example::
 from __future__ import annotations
 
 import contextlib
-
-from torch.autograd import profiler as _torch_profiler
-from torch.profiler import record_function
+import sys
 
 from stratagem.observe import record as _record
 
 _NOOP = contextlib.nullcontext()
+#: torch's profiler module, read where it is loaded: a process that never imported torch (the
+#: ``stratagem launch`` of a multi-node job, which makes RPC calls) runs no profiler, and does
+#: not import torch for this
+_PROFILER = "torch.autograd.profiler"
 
 
 def label(name: str) -> "contextlib.AbstractContextManager":
     """A profiler range named ``name`` while a profiler runs (and a span of stratagem's recorder
     while it is on); a no-op otherwise."""
+    profiler = sys.modules.get(_PROFILER)
+    profiling = profiler is not None and profiler._is_profiler_enabled
     if _record.ON:
         return _record.Span(name, _record.CATEGORIES.get(name, "stratagem"),
-                            inner=record_function(name) if _torch_profiler._is_profiler_enabled else None)
-    return record_function(name) if _torch_profiler._is_profiler_enabled else _NOOP
+                            inner=_range(name) if profiling else None)
+    return _range(name) if profiling else _NOOP
+
+
+def _range(name: str) -> "contextlib.AbstractContextManager":
+    from torch.profiler import record_function   # (loaded: a profiler runs)
+    return record_function(name)

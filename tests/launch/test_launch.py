@@ -532,3 +532,14 @@ def test_the_command_line_starts_its_tasks_without_importing_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.multiprocess
+def test_a_multi_node_launch_reaches_its_rendezvous_without_importing_torch() -> None:
+    # its node agent speaks RPC to the rendezvous host; the RPC client's profiler labels must not
+    # load torch either (about two seconds of CPU per node, before any task starts)
+    code = ("import sys\nfrom stratagem.launch import nodes, node_agent\nfrom stratagem.rpc import client\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
