@@ -48,16 +48,18 @@ def differs_at_import(env: dict[str, str], server_env: dict[str, str]) -> bool:
     return any(env.get(k) != server_env.get(k) for k in keys)
 
 
-def fork_request(command: list[str] | tuple[str, ...], executable: str) -> dict | None:
-    """What to ask a fork server whose interpreter is ``executable`` for, to run ``command``; None
-    when it cannot be forked (another program, or interpreter options)."""
+def fork_request(command: list[str] | tuple[str, ...], executable: str, cwd: str | None = None) -> dict | None:
+    """What to ask a fork server whose interpreter is ``executable`` for, to run ``command`` in
+    folder ``cwd`` (this process's by default); None when it cannot be forked (another program,
+    or interpreter options)."""
     if len(command) < 2 or command[0] != executable:
         return None
     if command[1] in ("-m", "-c") and len(command) >= 3:
         return {"module" if command[1] == "-m" else "code": command[2], "args": list(command[3:])}
     if command[1].startswith("-"):
         return None   # interpreter options: a fresh interpreter
-    return {"script": os.path.abspath(command[1]), "argv0": command[1], "args": list(command[2:])}
+    script = os.path.abspath(os.path.join(cwd or os.getcwd(), command[1]))
+    return {"script": script, "argv0": command[1], "args": list(command[2:])}
 
 
 class ForkedProcess:

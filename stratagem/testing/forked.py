@@ -102,7 +102,7 @@ class ForkServer:
         """``command`` (``python SCRIPT ...``, ``python -m MODULE ...`` or ``python -c CODE ...`` of
         this interpreter) as :meth:`start` runs a script, its stderr to ``stderr_path`` if given, in
         folder ``cwd``; None for any other command."""
-        request = fork_request(command, sys.executable)
+        request = fork_request(command, sys.executable, cwd)
         if request is None:
             return None
         options = {"stderr": stderr_path} if stderr_path is not None else {}

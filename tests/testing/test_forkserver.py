@@ -153,7 +153,8 @@ sys.exit(3)
 def test_run_task_forks_a_command_and_returns_what_subprocess_run_would(tmp_path: Path) -> None:
     script = tmp_path / "command.py"
     script.write_text(_COMMAND)
-    for command in ([sys.executable, str(script), "a"], [sys.executable, "-c", _COMMAND, "a"]):
+    for command in ([sys.executable, str(script), "a"], [sys.executable, "command.py", "a"],   # (in cwd)
+                    [sys.executable, "-c", _COMMAND, "a"]):
         done = run_task(command, timeout=120, cwd=tmp_path)
         assert (done.returncode, done.args) == (3, command)
         assert done.stdout == f"out ['a'] {tmp_path} True True\n" and done.stderr == "err\n", done
