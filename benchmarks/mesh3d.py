@@ -134,9 +134,8 @@ def worker(out: str, spec: str) -> None:
 
 
 def analytic(sharding, psi_r: float, d: int, t: int = 1, psi_split: float = 0.0) -> tuple[float, float, float]:
-    # with a model and a data axis, ZeRO none or 1: the split gradients twice (the pack, the DTensor over its sum)
-    copied = psi_split if d > 1 and t > 1 and sharding in (None, "optimizer") else 0.0
-    return model_states(psi_r, data=d, sharding=sharding, element_size=4, state_per_parameter=8, copied=copied)
+    # (a split layer's gradient views its pack of sums as a plain one does: no second copy; t, psi_split unused)
+    return model_states(psi_r, data=d, sharding=sharding, element_size=4, state_per_parameter=8)
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,8 @@ global rank 0 writes the outcome to ``OUT``. In order, every process taking part
 3. once they are measured, rank 0 calibrates the predictions with them (:func:`~.cost.calibration`)
    and sends the cheapest ``num_measured`` of the others by calibrated prediction (all of them when
    it is None), which are measured in turn. Measuring: every process builds each layout in turn, trains it for ``steps`` steps after one
-   warm-up step and one forward and backward that counts the gradients' bytes (the parameters' and
+   warm-up step, one step whose memory peak is measured (:class:`~.peak.PeakMeter`), and one forward
+   and backward that counts the gradients' bytes (the parameters' and
    the optimizer state's are counted after the last step), and the slowest process's fastest step
    is the layout's time (what a busy moment of a shared machine cannot inflate) -- until ``time_budget_s`` has passed (at least one is measured).
 
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from stratagem.experimental.planning.cost import Network, calibrated, calibration, predict, probes
 from stratagem.experimental.planning.layouts import Layout, enumerate_layouts
 from stratagem.experimental.planning.memory import storage_bytes
+from stratagem.experimental.planning.peak import PeakMeter
 from stratagem.experimental.planning.profile import profile
 from stratagem.experimental.planning.request import make_optimizer
 
@@ -112,7 +114,8 @@ def _choose(spec: dict[str, Any], network: Network, device: torch.device, free: 
         raise TypeError(f"loss_fn(model(x), y) must return a tensor of one element, got {loss!r}")
     sizes = [t for t in range(1, spec["world"] + 1) if spec["world"] % t == 0]
     prof = profile(model, (x,), make_optimizer=lambda params: make_optimizer(spec["optimizer"], params),
-                   plan=spec["tensor_plan"], model_sizes=sizes, device=device)
+                   plan=spec["tensor_plan"], model_sizes=sizes, device=device, target=y.to(device),
+                   loss_fn=spec["loss_fn"])
     del model
     limit = spec["memory_limit"]
     if limit is None and device.type == "cuda":
@@ -169,6 +172,7 @@ def _measure_all(spec: dict[str, Any], layouts: list[Layout], device: torch.devi
         measured[layout] = errors[0] if errors else {
             "seconds": max(e["seconds"] for e in everyone),
             "model_states": max(e["params"] + e["grads"] + e["state"] for e in everyone),
+            "peak": max(e["peak"] for e in everyone),
             "per_process": everyone}
         gc.collect()
     return measured
@@ -200,8 +204,20 @@ def _measure(spec: dict[str, Any], layout: Layout, batch: tuple[torch.Tensor, to
         grads[0] = storage_bytes(q.grad for q in model.parameters())
         optimizer.zero_grad(set_to_none=True)
 
-    seconds = []
+    def metered(x: Any, y: Any) -> None:
+        """One step whose memory peak is measured (:class:`~.peak.PeakMeter`)."""
+        optimizer.zero_grad(set_to_none=True)
+        meter = PeakMeter(list(model.parameters()), state_bytes=strategy.placement.state_bytes(optimizer),
+                          buffers=lambda: strategy.placement.gradient_buffers(model),
+                          stages=list(strategy.placement.split_of(model).local.values()))
+        with meter.active():
+            strategy.forward_backward(model, x, y)
+            optimizer.step()
+        peak[0], peak[1] = meter.peak, meter.parts
+
+    seconds, peak = [], [0, {}]
     strategy.run(step, args=(xs, ys))   # warms up (pipeline shapes, buffers, the optimizer's state)
+    strategy.run(metered, args=(xs, ys))
     strategy.run(count, args=(xs, ys))
     for _ in range(spec["steps"]):
         start = time.perf_counter()
@@ -212,7 +228,7 @@ def _measure(spec: dict[str, Any], layout: Layout, batch: tuple[torch.Tensor, to
     optimizer.zero_grad(set_to_none=True)
     # the fastest step: another process's burst on a shared machine only ever slows a step down
     return {"seconds": min(seconds), "params": storage_bytes(model.parameters()),
-            "grads": grads[0], "state": strategy.placement.state_bytes(optimizer)}
+            "grads": grads[0], "state": strategy.placement.state_bytes(optimizer), "peak": peak[0], "parts": peak[1]}
 
 
 if __name__ == "__main__":
