@@ -34,6 +34,7 @@ class Saved:
     loss: float   # what the loss saves besides the model's output (the output and target rows it keeps)
     input: float = 0.0   # the storages of the first block's input (any dtype)
     outputs: list[float] = dataclasses.field(default_factory=list)   # of each block's output
+    params: list[float] = dataclasses.field(default_factory=list)    # bytes of its parameters it saves (not per row)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -66,13 +67,16 @@ def saved_bytes(model: nn.Module, names: list[str], blocks: list[nn.Module], sam
     n = len(blocks)
     own = {_ptr(t) for t in [*model.parameters(), *model.buffers()]}
     seen: set[int] = set()
-    whole, split = [0.0] * (n + 1), [0.0] * (n + 1)   # (the last slot: the loss)
+    whole, split, params = [0.0] * (n + 1), [0.0] * (n + 1), [0.0] * n   # (the last slot: the loss)
     during: list[set[int]] = [set() for _ in range(n + 1)]
     where = {"block": 0, "open": False, "inside": 0}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = _ptr(t)
         during[where["block"]].add(ptr)
+        if ptr in own and ptr not in seen and where["block"] < n:   # (ZeRO-3 gathers these while they are saved)
+            seen.add(ptr)
+            params[where["block"]] += t.untyped_storage().nbytes()
         if ptr not in own and ptr not in seen:
             seen.add(ptr)
             kind = split if where["open"] and not where["inside"] else whole
@@ -124,4 +128,4 @@ def saved_bytes(model: nn.Module, names: list[str], blocks: list[nn.Module], sam
     return Saved(whole=[w / rows for w in whole[:n]], split=[s / rows for s in split[:n]],
                  saves_input=[bool(inputs[i] & during[i]) for i in range(n)],
                  saves_output=[bool(outputs[i] & during[i]) for i in range(n)], loss=loss / rows,
-                 input=first / rows, outputs=[size / rows for size in sizes])
+                 input=first / rows, outputs=[size / rows for size in sizes], params=params)

@@ -60,6 +60,7 @@ class Profile:
     loss_bytes: float = 0.0               # what the loss saves per row besides the output
     input_storage_bytes: float = 0.0      # the first block's input per row (any dtype; 0: input_bytes[0])
     output_storage_bytes: list[float] = dataclasses.field(default_factory=list)   # each block's (empty: output_bytes)
+    saved_param_bytes: list[float] = dataclasses.field(default_factory=list)   # of its parameters, each block saves
 
 
 def profile(model: nn.Module, sample: tuple[Any, ...], *, make_optimizer: Callable[[Any], torch.optim.Optimizer],
@@ -93,7 +94,8 @@ def profile(model: nn.Module, sample: tuple[Any, ...], *, make_optimizer: Callab
         total_params=float(sum(q.numel() for q in model.parameters())), element_size=element,
         state_per_parameter=state, step_seconds_per_parameter=step,
         activation_split_bytes=saved.split, saves_input=saved.saves_input, saves_output=saved.saves_output,
-        loss_bytes=saved.loss, input_storage_bytes=saved.input, output_storage_bytes=saved.outputs)
+        loss_bytes=saved.loss, input_storage_bytes=saved.input, output_storage_bytes=saved.outputs,
+        saved_param_bytes=saved.params)
 
 
 def _inputs(blocks: list[nn.Module], sample: tuple[Any, ...]) -> list[tuple[Any, ...]]:
