@@ -187,15 +187,20 @@ def _stage_peak(profile: Profile, layout: Layout, a: int, b: int, s: int, rows: 
     blocks = [e * q for q in profile.block_params[t][a:b]]
     parameters, gradients, state = states
     packs = gradients if d > 1 and layout.sharding in (None, "optimizer") else 0.0
-    # ZeRO-3's gathered parameters count while saved for backward (a layer whose input needs no gradient keeps
-    # none): the profile's bytes, this process's share of the model axis's split
+    if shard == 1:
+        return parameters + state + packs + kept + schedule_peak(
+            saved, io, blocks, in_flight=inflight, microbatches=m, recompute=layout.recompute)
+    # ZeRO-3 (FSDP2 under torch's pipeline stage): in forward a block's parameters are whole while it runs,
+    # counting what it saves of them (a layer whose input needs no gradient keeps none: the profile's bytes,
+    # this process's share of a model axis's split); in backward each block is gathered again and, with its
+    # whole gradient, stays so until the schedule ends (the stage reduce-scatters and reshards then)
     whole = profile.block_params[1][a:b]
     gathered = [profile.saved_param_bytes[i] * q / w if w else 0.0
                 for i, q, w in zip(range(a, b), profile.block_params[t][a:b], whole)] \
-        if shard > 1 and profile.saved_param_bytes else (blocks if shard > 1 else [])
-    return parameters + state + packs + kept + schedule_peak(
-        saved, io, [g / shard for g in blocks], in_flight=inflight, microbatches=layout.num_microbatches,
-        recompute=layout.recompute, gathered=gathered)
+        if profile.saved_param_bytes else blocks
+    return parameters + state + kept + schedule_peak(
+        saved, io, [2 * g for g in blocks], in_flight=inflight, microbatches=m, recompute=layout.recompute,
+        gathered=gathered, regathered=blocks)
 
 
 def probes(ranked: list[Layout]) -> list[Layout]:

@@ -116,7 +116,8 @@ def model_states(psi_r: float, *, data: int, sharding: str | None, element_size:
 
 
 def schedule_peak(saved: Sequence[float], io: float, grads: Sequence[float], *, in_flight: int,
-                  microbatches: int, recompute: bool, gathered: Sequence[float] = ()) -> float:
+                  microbatches: int, recompute: bool, gathered: Sequence[float] = (),
+                  regathered: Sequence[float] = ()) -> float:
     """The most bytes one stage's schedule adds to what a process keeps between steps.
 
     ``saved``: what each block saves for one micro-batch; ``io``: what the schedule holds of a
@@ -125,8 +126,9 @@ def schedule_peak(saved: Sequence[float], io: float, grads: Sequence[float], *, 
     ``in_flight``: micro-batches between their forward and backward at most (GPipe: all of them;
     1F1B on pipe rank ``s`` of ``p``: ``min(m, p - s)``); with ``recompute`` a micro-batch in flight
     saves nothing, and its backward saves the stage's activations again. ``gathered``: under
-    ZeRO-3, each block's parameters, made whole while it runs (forward or backward; a replay gathers
-    every block of the stage, and each stays whole until its own backward).
+    ZeRO-3, what each block saves of its parameters made whole in forward (they count while it runs);
+    ``regathered``: each block's parameters made whole for its backward (a replay gathers every block
+    it runs again; in a pipeline they stay whole until the schedule ends, as ``grads`` then counts).
 
     The points: every micro-batch in flight (the last one's forward block by block); the first
     backward, block by block from the last (a block's activations freed as its gradients
@@ -144,14 +146,15 @@ def schedule_peak(saved: Sequence[float], io: float, grads: Sequence[float], *, 
     held = io if recompute else total + io
     prefix = [sum(saved[:i + 1]) for i in range(len(saved))]
     forward = max(whole) if recompute else max(p + w for p, w in zip(prefix, whole))
+    again = list(regathered) or [0.0] * len(saved)
     # a replay gathers the blocks again and keeps them until their backward (FSDP does not reshard in backward)
-    gone = [sum(whole[:i + 1]) if recompute else whole[i] for i in range(len(saved))]
-    backward = max(p + w for p, w in zip(prefix, gone))
+    gone = [max(sum(again[:i + 1]) if recompute else again[i], whole[i]) for i in range(len(saved))]
     first = max(prefix[i] + sum(grads[i + 1:]) + gone[i] for i in range(len(saved)))
     points = [(k - 1) * held + io + forward, (k - 1) * held + io + first, (k - 1) * held + g]
-    if microbatches > k:   # 1F1B: the next forward while the gradients are there
-        points.append((k - 1) * held + io + forward + g)
+    # after the first backward every gradient is there (and the blocks gathered again stay, counted with them)
+    if microbatches > k:   # 1F1B: the next forward
+        points.append((k - 1) * held + io + (held - io if regathered else forward) + g)
     others = k - 1 if microbatches > k else k - 2
-    if microbatches > 1 and others >= 0:
-        points.append(others * held + io + backward + g)
+    if microbatches > 1 and others >= 0:   # a later backward
+        points.append(others * held + io + (total if regathered else max(p + w for p, w in zip(prefix, gone))) + g)
     return max(points)

@@ -31,8 +31,9 @@ from stratagem.placement.layout import recompute
 
 
 def _storage(t: torch.Tensor) -> Any:
-    """The storage of ``t`` (a DTensor's local tensor's), or None where it has none of its own (a wrapper)."""
+    """The storage of ``t`` (a DTensor's local tensor's, a collective's result's), or None where it has none."""
     t = getattr(t, "_local_tensor", t)   # (not to_local(): no autograd operation while sampling)
+    t = getattr(t, "elem", t)            # (an AsyncCollectiveTensor's)
     try:
         storage = t.untyped_storage()
         storage.data_ptr()
@@ -85,6 +86,21 @@ class _Replay:
     def __exit__(self, *exc: Any) -> None:
         if self.hooks is not None:
             self.hooks.__exit__(*exc)
+
+
+def gathered(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """ZeRO-3's parameters made whole below ``modules`` (FSDP2's), and their gradients: counted while they
+    hold memory (a resharded one's storage is empty)."""
+    found = []
+    for module in modules:
+        for sub in module.modules():
+            state = getattr(sub, "_get_fsdp_state", None)
+            group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
+            for param in getattr(group, "fsdp_params", ()):
+                whole = getattr(param, "_unsharded_param", None)
+                if whole is not None:
+                    found += [whole, whole.grad]
+    return found
 
 
 class PeakMeter:
@@ -158,7 +174,7 @@ class PeakMeter:
         for stage in self.stages:
             handles.append(stage.register_forward_pre_hook(lambda m, args: self._keep(args)))
             handles.append(stage.register_forward_hook(lambda m, args, out: self._keep(out)))
-        for p in self.params:
+        for p in [*self.params, *(t for t in self.buffers() if isinstance(t, torch.nn.Parameter))]:
             if p.requires_grad:
                 handles.append(p.register_post_accumulate_grad_hook(lambda q: self.sample()))
         self.sample()

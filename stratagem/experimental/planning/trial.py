@@ -41,7 +41,7 @@ import torch.distributed as dist
 from stratagem.experimental.planning.cost import Network, calibrated, calibration, predict, probes
 from stratagem.experimental.planning.layouts import Layout, enumerate_layouts
 from stratagem.experimental.planning.memory import storage_bytes
-from stratagem.experimental.planning.peak import PeakMeter
+from stratagem.experimental.planning.peak import PeakMeter, gathered
 from stratagem.experimental.planning.profile import profile
 from stratagem.experimental.planning.request import make_optimizer
 
@@ -207,9 +207,10 @@ def _measure(spec: dict[str, Any], layout: Layout, batch: tuple[torch.Tensor, to
     def metered(x: Any, y: Any) -> None:
         """One step whose memory peak is measured (:class:`~.peak.PeakMeter`)."""
         optimizer.zero_grad(set_to_none=True)
+        stages = list(strategy.placement.split_of(model).local.values())
         meter = PeakMeter(list(model.parameters()), state_bytes=strategy.placement.state_bytes(optimizer),
-                          buffers=lambda: strategy.placement.gradient_buffers(model),
-                          stages=list(strategy.placement.split_of(model).local.values()))
+                          buffers=lambda: strategy.placement.gradient_buffers(model) + gathered(stages),
+                          stages=stages)
         with meter.active():
             strategy.forward_backward(model, x, y)
             optimizer.step()
