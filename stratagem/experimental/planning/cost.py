@@ -11,7 +11,8 @@ Step time, for a ``d x p x t`` layout with ``m`` micro-batches of ``rows = globa
   bubble; 1F1B holds fewer activations);
 - the data axis once per step: the gradients all-reduced (``None``, ZeRO-1, whose ranges are then
   all-gathered), reduce-scattered and the parameters all-gathered (ZeRO-2), or, under ZeRO-3, the
-  parameters all-gathered in each micro-batch's forward and backward and the gradients
+  parameters all-gathered in each micro-batch's forward and once for the backward (torch's pipeline
+  stage keeps them whole until the schedule ends, as the measured memory shows) and the gradients
   reduce-scattered once;
 - the optimizer's step over this process's parameters (its range under ZeRO).
 
@@ -148,8 +149,8 @@ def predict(profile: Profile, layout: Layout, network: Network, *, global_batch:
         seconds += network.all_reduce(grad_bytes, d) + network.gather(grad_bytes, d)
     elif layout.sharding == "gradients":
         seconds += 2 * network.gather(grad_bytes, d)
-    else:   # parameters gathered in each micro-batch's forward and backward, gradients scattered once
-        seconds += (2 * m + 1) * network.gather(grad_bytes, d)
+    else:   # parameters gathered in each micro-batch's forward and once for the backward, gradients scattered once
+        seconds += (m + 2) * network.gather(grad_bytes, d)
     share = d if layout.sharding else 1
     seconds += profile.step_seconds_per_parameter * psi_max / share * network.oversubscription
     params_b, grads_b, state_b = max((states for states, _, _ in memory), key=sum)

@@ -222,7 +222,7 @@ def _refuse(rows: list[PlanRow], limit: float | None, world: int) -> None:
         raise InvalidArgumentError(
             f"no layout of {world} processes fits memory_limit={limit / _MIB:.3f} MiB per process: the smallest, "
             f"{small.layout.describe()}, needs {p.memory / _MIB:.3f} MiB ({p.model_states / _MIB:.3f} of parameters, "
-            f"gradients and optimizer state, {p.activations / _MIB:.3f} of activations); raise memory_limit, use "
+            f"gradients and optimizer state, {p.activations / _MIB:.3f} that its step adds); raise memory_limit, use "
             f"more processes, or a smaller global_batch")
     failed = "\n".join(f"  {r.layout.describe()}: {r.note}" for r in rows if not r.note.startswith("rejected"))
     raise StratagemError(f"sg.experimental.plan measured no layout of {world} processes:\n{failed or '  (none)'}")

@@ -154,8 +154,10 @@ def test_memory_limit_below_data_parallelism_moves_to_zero_or_stages() -> None:
 
 
 def test_no_fitting_layout_says_what_the_smallest_needs() -> None:
+    # the smallest at its peak is ZeRO-2: under ZeRO-3 torch's pipeline stage keeps each block's parameters and
+    # gradient whole from its backward to the schedule's end
     with pytest.raises(InvalidArgumentError, match=r"no layout of 2 processes fits memory_limit=.*the smallest, "
-                                                   r"2x1x1 zero-3.*needs .* MiB"):
+                                                   r"2x1x1 zero-2.*needs .* MiB"):
         sg.experimental.plan(models.mlp, models.mlp_batch(16), 2, global_batch=16, memory_limit=1000,
                              time_budget_s=10, num_measured=1, steps=1, verbose=False)
 
