@@ -24,9 +24,8 @@ the library's (``stratagem.experimental.planning.memory``, which ``sg.experiment
                                                           counted in no_sync, which leaves it in .grad)
        "parameters"  4Ψ_r / d     4Ψ_r / d    8Ψ_r / d   (FSDP2; padding to d rows counted)
 
-   and with a model axis and a data axis under None or "optimizer", the split parameters' gradients
-   once more (summed in packs over the data axis, each split gradient then a DTensor over a copy of
-   its sum while the pack stays).
+   (with a model axis and a data axis under None or "optimizer" each split gradient is a DTensor
+   over its slot of the pack that sums it over the data axis: held once, as a plain one).
 
 2. **Step time** (sharding=None, ms per step, median of the timed steps of rank 0; the collectives
    keep the ranks in step) of every layout of the 8 processes, and 2 x 2 x 2 against the best

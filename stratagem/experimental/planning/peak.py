@@ -1,7 +1,8 @@
 """The measured memory peak of one process during a training step (what the planner's prediction is held to).
 
-On CPU, torch keeps no count of the bytes its allocator holds, so :class:`PeakMeter` adds up, at
-every moment something is allocated for the step or freed, the bytes of the distinct storages of
+On CPU, torch keeps no count of the bytes its allocator holds, so :class:`PeakMeter` adds up,
+whenever autograd saves a tensor or uses one, a gradient is accumulated, a stage runs, or a
+replay saves again, the bytes of the distinct storages of
 
 - the model's parameters (a DTensor's local shard), their ``.grad``, and what the placement keeps
   of the gradients besides (the data axis's packs of sums, ZeRO-2's range of the sum);
@@ -73,8 +74,8 @@ class _Replay:
         cells = dict(zip(inner.__code__.co_freevars, inner.__closure__ or ()))
         if "target_frame_ref" in cells and "gid" in cells:
             self.meter.replays.append((cells["target_frame_ref"].cell_contents, cells["gid"].cell_contents))
-        else:   # (a torch whose checkpoint keeps them elsewhere: the replay goes uncounted)
-            self.meter.blind = True
+        else:   # a torch whose checkpoint keeps them elsewhere: the replay goes uncounted, and the peak says so
+            self.meter.parts_unseen = "what a recomputed region's replay saves (not found in torch's checkpoint)"
 
         def counted(t: torch.Tensor) -> Any:
             packed = pack(t)
@@ -127,9 +128,9 @@ class PeakMeter:
         self.saved: dict[int, torch.Tensor] = {}
         self.held: list[weakref.ref] = []   # stage inputs and outputs
         self.replays: list[tuple[Any, Any]] = []   # (a checkpoint frame's weak reference, its graph's id)
-        self.blind = False                   # a replay whose saved tensors could not be seen
+        self.parts_unseen = ""               # what could not be counted (in :attr:`parts` when not empty)
         self.peak = 0
-        self.parts: dict[str, int] = {}   # the peak's bytes by kind
+        self.parts: dict[str, Any] = {}   # the peak's bytes by kind
         self.cuda = any(p.is_cuda for p in self.params)
 
     def sample(self) -> None:
@@ -186,6 +187,8 @@ class PeakMeter:
             for handle in handles:
                 handle.remove()
         self.sample()
+        if self.parts_unseen:
+            self.parts["not counted"] = self.parts_unseen
 
     def _unpack(self, saved: _Saved) -> torch.Tensor:
         self.sample()
