@@ -175,8 +175,6 @@ def _stage_peak(profile: Profile, layout: Layout, a: int, b: int, s: int, rows: 
         saved[0] -= ins[a] * rows
     if saves_out[b - 1]:                                    # and its output: both apart, below
         saved[-1] -= outs[b - 1] * rows
-    if last:
-        saved[-1] += profile.loss_bytes * rows
     # the input of every micro-batch (the batch; a later stage's receive buffers) is there for the whole step,
     # and so is the output a stage sends under GPipe, or 1F1B with no micro-batch beyond those in flight (torch's
     # schedules hold the sends until then); otherwise a stage's output until the micro-batch's backward
@@ -188,9 +186,10 @@ def _stage_peak(profile: Profile, layout: Layout, a: int, b: int, s: int, rows: 
     blocks = [e * q for q in profile.block_params[t][a:b]]
     parameters, gradients, state = states
     packs = gradients if d > 1 and layout.sharding in (None, "optimizer") else 0.0
+    loss = profile.loss_bytes * rows if last else 0.0   # (freed as the micro-batch's backward begins)
     if shard == 1:
         return parameters + state + packs + kept + schedule_peak(
-            saved, io, blocks, in_flight=inflight, microbatches=m, recompute=layout.recompute)
+            saved, io, blocks, in_flight=inflight, microbatches=m, recompute=layout.recompute, released=loss)
     # ZeRO-3 (FSDP2 under torch's pipeline stage): in forward a block's parameters are whole while it runs,
     # counting what it saves of them (a layer whose input needs no gradient keeps none: the profile's bytes,
     # this process's share of a model axis's split); in backward each block is gathered again and, with its
@@ -201,7 +200,7 @@ def _stage_peak(profile: Profile, layout: Layout, a: int, b: int, s: int, rows: 
         if profile.saved_param_bytes else blocks
     return parameters + state + kept + schedule_peak(
         saved, io, [2 * g for g in blocks], in_flight=inflight, microbatches=m, recompute=layout.recompute,
-        gathered=gathered, regathered=blocks)
+        gathered=gathered, regathered=blocks, released=loss)
 
 
 def probes(ranked: list[Layout]) -> list[Layout]:

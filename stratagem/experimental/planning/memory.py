@@ -117,7 +117,7 @@ def model_states(psi_r: float, *, data: int, sharding: str | None, element_size:
 
 def schedule_peak(saved: Sequence[float], io: float, grads: Sequence[float], *, in_flight: int,
                   microbatches: int, recompute: bool, gathered: Sequence[float] = (),
-                  regathered: Sequence[float] = ()) -> float:
+                  regathered: Sequence[float] = (), released: float = 0.0) -> float:
     """The most bytes one stage's schedule adds to what a process keeps between steps.
 
     ``saved``: what each block saves for one micro-batch; ``io``: what the schedule holds of a
@@ -129,6 +129,8 @@ def schedule_peak(saved: Sequence[float], io: float, grads: Sequence[float], *, 
     ZeRO-3, what each block saves of its parameters made whole in forward (they count while it runs);
     ``regathered``: each block's parameters made whole for its backward (a replay gathers every block
     it runs again; in a pipeline they stay whole until the schedule ends, as ``grads`` then counts).
+    ``released``: what a micro-batch holds from its forward until its backward begins (the loss's
+    saved tensors, outside any recomputed region).
 
     The points: every micro-batch in flight (the last one's forward block by block); the first
     backward, block by block from the last (a block's activations freed as its gradients
@@ -143,17 +145,18 @@ def schedule_peak(saved: Sequence[float], io: float, grads: Sequence[float], *, 
     """
     k, total, g = in_flight, sum(saved), sum(grads)
     whole = list(gathered) or [0.0] * len(saved)
-    held = io if recompute else total + io
+    base = io if recompute else total + io
+    held = base + released
     prefix = [sum(saved[:i + 1]) for i in range(len(saved))]
     forward = max(whole) if recompute else max(p + w for p, w in zip(prefix, whole))
     again = list(regathered) or [0.0] * len(saved)
     # a replay gathers the blocks again and keeps them until their backward (FSDP does not reshard in backward)
     gone = [max(sum(again[:i + 1]) if recompute else again[i], whole[i]) for i in range(len(saved))]
     first = max(prefix[i] + sum(grads[i + 1:]) + gone[i] for i in range(len(saved)))
-    points = [(k - 1) * held + io + forward, (k - 1) * held + io + first, (k - 1) * held + g]
+    points = [(k - 1) * held + io + released + forward, (k - 1) * held + io + first, (k - 1) * held + g]
     # after the first backward every gradient is there (and the blocks gathered again stay, counted with them)
     if microbatches > k:   # 1F1B: the next forward
-        points.append((k - 1) * held + io + (held - io if regathered else forward) + g)
+        points.append((k - 1) * held + io + released + (base - io if regathered else forward) + g)
     others = k - 1 if microbatches > k else k - 2
     if microbatches > 1 and others >= 0:   # a later backward
         points.append(others * held + io + (total if regathered else max(p + w for p, w in zip(prefix, gone))) + g)
