@@ -248,8 +248,8 @@ class PsWatchdog:
         """``error``, about to fail a closure, with where every task stands added (as a note) when
         a ps did not answer one of its calls in time and is not declared lost (a lost ps's error
         says it already)."""
-        if error is not self.failure and any(isinstance(cause, UnavailableError) and self._is_ps(cause)
-                                             for cause in _causes(error)):
+        timed_out = any(isinstance(cause, UnavailableError) and self._is_ps(cause) for cause in _causes(error))
+        if timed_out and error is not self.failure and error is not self.last_failure:
             error.add_note(f"Where the tasks stand:\n{hang_report.report(COORDINATOR_TASK)}")
         return error
 
