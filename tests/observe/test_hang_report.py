@@ -157,6 +157,7 @@ def test_a_task_leaves_its_last_completed_call_for_when_it_cannot_answer(tmp_pat
     assert hang_report.last_note(tmp_path, "ps 0", os.getpid() + 1) == ""   # another process of that task
     assert hang_report.last_note(tmp_path, "ps 1") == ""
     reasons = hang_report.silent_reasons(tmp_path, {"ps 0": os.getpid()}, {"ps 0": None})
-    assert list(reasons) == ["ps 0"] and reasons["ps 0"].startswith("stuck in C code") and reasons["ps 0"].endswith(said)
+    assert list(reasons) == ["ps 0"]
+    assert reasons["ps 0"].startswith("stuck in C code") and reasons["ps 0"].endswith(said)
     message = hang_report.describe({"ps 0": None}, reasons)
     assert message.startswith("ps 0 did not answer: ") and message.endswith(said[2:]), message
