@@ -47,13 +47,19 @@ _COUNTS = ("pulled", "pushed", "calls", "seconds")
 
 def tensor_bytes(value: Any) -> int:
     """The bytes of the tensors in ``value`` (nested in dicts, lists and tuples)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(tensor_bytes(v) for v in value)
-    return 0
+    kind = type(value)
+    if kind is dict:
+        value = value.values()
+    elif kind is not list and kind is not tuple:
+        return value.nbytes if isinstance(value, torch.Tensor) else 0
+    total = 0
+    for item in value:   # (type checks first, a loop, not sum(): a few microseconds less per call)
+        kind = type(item)
+        if kind is dict or kind is list or kind is tuple:
+            total += tensor_bytes(item)
+        elif kind is not str and isinstance(item, torch.Tensor):
+            total += item.nbytes
+    return total
 
 
 class PsTraffic:
