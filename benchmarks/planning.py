@@ -3,7 +3,7 @@ within 10% of the best of all layouts, and is the predicted memory within 5% of 
 
 A round is one plan that measures **every** layout the processes allow (``num_measured=None``): the
 same processes train each layout for ``--steps`` steps after a warm-up (its time: the slowest
-process's fastest step), one layout after the other. ``--rounds`` rounds (default 5) interleave the
+process's fastest step), one layout after the other. ``--rounds`` rounds (default 7) interleave the
 layouts in time, so a busy minute of the machine touches one measurement of each, not all of one;
 every verdict reads the per-layout medians over the rounds:
 
@@ -12,16 +12,18 @@ every verdict reads the per-layout medians over the rounds:
   plainest layout, which calibrate the predictions) and of the ``--measured`` (default 3) others
   predicted cheapest after calibration -- what ``sg.experimental.plan`` with its defaults would have
   chosen from that round's numbers;
-- the claim: each round's pick's median over the best's median, <= 1.10; printed as the median of
-  the rounds' ratios and their range, beside each layout's spread over the rounds ((max - min) /
-  median), which says how far single measurements can be trusted;
+- the claim: each round's pick's median over the best's median, <= 1.10; decided on the 95 %
+  interval of the rounds' median ratio (``_harness.verdict``: ``ok``, ``MISSED``, or ``undecided``
+  while the interval straddles 1.10 -- fewer than 6 rounds decide nothing), printed beside the
+  ratios' range and each layout's spread over the rounds ((max - min) / median), which says how far
+  single measurements can be trusted;
 - memory: every layout's measured peak (:mod:`stratagem.experimental.planning.peak`, the fullest
   process) over its predicted memory, the range over all layouts and rounds (claim: 0.95-1.05).
 
 Models: an MLP (784 -> 512 -> 512 -> 10, float32) and a small GPT (``_harness.gpt``: D=64, 4 blocks,
 vocab 256, 32 tokens; attention and MLP split over a model axis by the plan), Adam.
 
-    python benchmarks/planning.py [--processes 2] [--model mlp|transformer|both] [--steps 5] [--rounds 5]
+    python benchmarks/planning.py [--processes 2] [--model mlp|transformer|both] [--steps 5] [--rounds 7]
     python benchmarks/planning.py --memory-bound   # the MLP under memory limits (the plan's own table)
 """
 
@@ -37,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _harness import gpt, load_warning, loadavg, mlp  # noqa: E402
+from _harness import gpt, load_warning, loadavg, mlp, verdict  # noqa: E402
 
 import stratagem as sg  # noqa: E402
 
@@ -104,8 +106,8 @@ def sweep(kind: str, args: argparse.Namespace) -> dict:
     spread = (max(times[best]) - min(times[best])) / median[best]
     memory = [got[l].measured_peak / got[l].prediction.memory for got in rounds for l in layouts]
     print(f"{kind}: exhaustive best {best.describe()} {median[best] * 1e3:.2f} ms (median; its rounds spread "
-          f"{spread:.0%}); the plan's pick per round {[p.describe() for p in picks]}; pick / best (medians): "
-          f"median {statistics.median(ratios):.3f}, {min(ratios):.3f}-{max(ratios):.3f} over the rounds (claim <= 1.10)")
+          f"{spread:.0%}); the plan's pick per round {[p.describe() for p in picks]}")
+    print(f"{kind}: pick / best (medians) per round {min(ratios):.3f}-{max(ratios):.3f}: {verdict(ratios, 1.10)}")
     print(f"{kind}: measured peak / predicted memory over {len(layouts)} layouts x {args.rounds} rounds: "
           f"{min(memory):.4f}-{max(memory):.4f} (claim within 0.95-1.05); calibrated prediction vs median "
           f"measured time, rank agreement (Kendall tau) {_rank_agreement(layouts, rounds, median):.2f}\n", flush=True)
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", choices=("mlp", "transformer", "both"), default="both")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (the fastest counts)")
     parser.add_argument("--measured", type=int, default=3, help="how many of the cheapest predicted the plan measures")
-    parser.add_argument("--rounds", type=int, default=5,
+    parser.add_argument("--rounds", type=int, default=7,
                         help="exhaustive sweeps, each measuring every layout once; the verdict reads their medians")
     parser.add_argument("--memory-bound", action="store_true",
                         help="instead: the MLP under a memory limit below data parallelism's, and under 1 MiB")
