@@ -3,8 +3,8 @@
 Step time, for a ``d x p x t`` layout with ``m`` micro-batches of ``rows = global_batch / (d m)``:
 
 - each stage's time per micro-batch: its blocks' forward + backward (``fixed + per_row * rows``,
-  from :mod:`.profile`; blocks a plan splits divided by ``t``; one more forward with
-  recomputation), the model axis's all-reduces (the output of each ``"rowwise"`` layer in forward,
+  from :mod:`.profile`; blocks a plan splits divided by ``t``; with
+  recomputation, what a checkpointed forward and backward measured over a plain one in the profile), the model axis's all-reduces (the output of each ``"rowwise"`` layer in forward,
   the input gradient of each ``"colwise"`` one in backward), and the activations and their
   gradients sent to the next stage;
 - the schedule: ``(m + p - 1)`` times the slowest stage's micro-batch (GPipe and 1F1B have the same
@@ -124,9 +124,11 @@ def predict(profile: Profile, layout: Layout, network: Network, *, global_batch:
         for i in range(a, b):
             fixed, per_row = profile.forward_backward[i]
             block = fixed + per_row * rows
-            if layout.recompute:
+            if layout.recompute and profile.recompute_fixed < 0:   # (a profile without the measured overhead)
                 block += profile.forward[i][0] + profile.forward[i][1] * rows
             compute += block / t if profile.plan_traffic[i] else block
+        if layout.recompute and profile.recompute_fixed >= 0:
+            compute += _recompute_seconds(profile, a, b, t, rows)
         traffic = sum(network.all_reduce((out if style == "rowwise" else inp) * rows, t)
                       for i in range(a, b) for style, inp, out in profile.plan_traffic[i]
                       if style in ("rowwise", "colwise"))
@@ -157,6 +159,16 @@ def predict(profile: Profile, layout: Layout, network: Network, *, global_batch:
     peak = max(held for _, held, _ in memory)
     return Prediction(seconds=seconds, parameters=params_b, gradients=grads_b, optimizer_state=state_b,
                       activations=peak - params_b - grads_b - state_b)
+
+
+def _recompute_seconds(profile: Profile, a: int, b: int, t: int, rows: float) -> float:
+    """What recomputing a stage's blocks ``[a, b)`` adds to a micro-batch: the profile's measured overhead of a
+    checkpointed forward and backward over a plain one (its fixed part once, its part per row in the share
+    of the model's forward that these blocks are; a split block's by ``t``) -- on a CPU far more than the
+    one more forward it replays, for a small model (torch's checkpoint keeps and replays in Python)."""
+    per_row = [profile.forward[i][1] / (t if profile.plan_traffic[i] else 1) for i in range(a, b)]
+    total = sum(f[1] for f in profile.forward) or 1.0
+    return profile.recompute_fixed + profile.recompute_per_row * rows * sum(per_row) / total
 
 
 def _stage_peak(profile: Profile, layout: Layout, a: int, b: int, s: int, rows: float, inflight: int,

@@ -10,7 +10,9 @@ model as one block. For each block, fed what the blocks before it output:
   of its input and of its output (what a pipeline sends between stages), and of the input and
   output of each layer a tensor-parallel plan names (what the model axis all-reduces);
 - for the optimizer: bytes of state per parameter after a step, and seconds per parameter of
-  ``step()``.
+  ``step()``;
+- what recomputation costs: a checkpointed forward and backward of the whole model over a plain
+  one, at the two batch sizes (``fixed + per_row * rows``).
 
 Each time is the median of :data:`ROUNDS` rounds, every block measured in turn in each round (a
 busy moment of the machine slows all blocks alike). Gradients come from ``torch.autograd.grad``:
@@ -25,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from stratagem.experimental.planning.activations import saved_bytes
 from stratagem.experimental.planning.memory import block_parameters, style_of
@@ -61,6 +64,8 @@ class Profile:
     input_storage_bytes: float = 0.0      # the first block's input per row (any dtype; 0: input_bytes[0])
     output_storage_bytes: list[float] = dataclasses.field(default_factory=list)   # each block's (empty: output_bytes)
     saved_param_bytes: list[float] = dataclasses.field(default_factory=list)   # of its parameters, each block saves
+    recompute_fixed: float = -1.0         # seconds a checkpointed forward and backward adds (-1: not measured)
+    recompute_per_row: float = 0.0
 
 
 def profile(model: nn.Module, sample: tuple[Any, ...], *, make_optimizer: Callable[[Any], torch.optim.Optimizer],
@@ -79,6 +84,7 @@ def profile(model: nn.Module, sample: tuple[Any, ...], *, make_optimizer: Callab
         sizes = [_sizes(block, args, i == 0, plan, names[i]) for i, (block, args) in enumerate(zip(blocks, inputs))]
         saved = saved_bytes(model, names, blocks, sample, plan, target, loss_fn)
         timings = _timings(blocks, inputs, rows, low, device)
+        overhead = _recompute_overhead(model, sample, rows, low, device)
     floats = [q for q in model.parameters() if q.is_floating_point()]
     element = floats[0].element_size() if floats else 4
     state, step = _optimizer(model, make_optimizer, device)
@@ -95,7 +101,7 @@ def profile(model: nn.Module, sample: tuple[Any, ...], *, make_optimizer: Callab
         state_per_parameter=state, step_seconds_per_parameter=step,
         activation_split_bytes=saved.split, saves_input=saved.saves_input, saves_output=saved.saves_output,
         loss_bytes=saved.loss, input_storage_bytes=saved.input, output_storage_bytes=saved.outputs,
-        saved_param_bytes=saved.params)
+        saved_param_bytes=saved.params, recompute_fixed=overhead[0], recompute_per_row=overhead[1])
 
 
 def _inputs(blocks: list[nn.Module], sample: tuple[Any, ...]) -> list[tuple[Any, ...]]:
@@ -145,6 +151,36 @@ def _timings(blocks: list[nn.Module], inputs: list[tuple[Any, ...]], rows: int, 
                     if round_:   # round 0 warms up
                         got[kind][i][j].append(seconds)
     return {k: [(statistics.median(hi), statistics.median(lo)) for hi, lo in v] for k, v in got.items()}
+
+
+class _Checkpointed(nn.Module):
+    """``model`` run under ``torch.utils.checkpoint`` (non-reentrant), as ``recompute=True`` runs a stage."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any) -> Any:
+        return checkpoint(self.model, *args, use_reentrant=False)
+
+
+def _recompute_overhead(model: nn.Module, sample: tuple[Any, ...], rows: int, low: int,
+                        device: torch.device) -> tuple[float, float]:
+    """(fixed, per row) seconds that a checkpointed forward and backward of the whole model takes over a plain
+    one, the plain and the checkpointed timed in turn in each round."""
+    wrapped = _Checkpointed(model)
+    got: list[list[list[float]]] = [[[], []], [[], []]]
+    for round_ in range(ROUNDS + 1):
+        for j, count in enumerate((rows, low)):
+            part = _rows(sample, count)
+            for k, module in enumerate((model, wrapped)):
+                seconds = timed(lambda: _forward(module, part, True, True), device)
+                if round_:
+                    got[k][j].append(seconds)
+    extra = [max(0.0, statistics.median(got[1][j]) - statistics.median(got[0][j])) for j in range(2)]
+    if rows == low or extra[0] <= extra[1]:   # not growing with the rows: torch's checkpoint's own cost, fixed
+        return extra[0], 0.0
+    return _affine(extra[0], extra[1], rows, low)
 
 
 def _affine(high: float, low: float, rows: int, low_rows: int) -> tuple[float, float]:
