@@ -97,8 +97,13 @@ def gathered(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
         for sub in module.modules():
             state = getattr(sub, "_get_fsdp_state", None)
             group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
-            for param in getattr(group, "fsdp_params", ()):
-                whole = getattr(param, "_unsharded_param", None)
+            if group is None:
+                continue
+            if not hasattr(group, "fsdp_params"):   # (not silently: the layout's row says so)
+                raise RuntimeError("the memory meter cannot find FSDP's parameter group's fsdp_params in this torch: "
+                                   "ZeRO-3's gathered parameters would go uncounted")
+            for param in group.fsdp_params:
+                whole = getattr(param, "_unsharded_param", None)   # (made at the first gather)
                 if whole is not None:
                     found += [whole, whole.grad]
     return found
