@@ -68,13 +68,12 @@ class FullyShardedPlacement(RootsPlacement):
         self.collective = collective
         self.everyone = collective   # the start-up agreement on the modules built
         self.device = device
-        self.update = LocalUpdate(self)   # the step's primitives: torch's update over the shards
         group = collective.group
         if group.solo and not dist.is_initialized():   # a lone worker still needs a group for the mesh
             dist.init_process_group(group.backend, store=dist.HashStore(), rank=0, world_size=1)
             atexit.register(_leave_solo_group)
         self.mesh = DeviceMesh.from_group(group.group or dist.group.WORLD, device.type)
-        self._start_roots()
+        self._start_roots(collective, LocalUpdate(self))   # the step's primitives: torch's update over the shards
         self._sharded_ids: set[int] = set()
         self._gathered_ids: set[int] = set()   # FSDP2's whole parameters (kept between forwards)
         #: every module of a sharded model -> the names of its parameters then
@@ -83,7 +82,7 @@ class FullyShardedPlacement(RootsPlacement):
         placed = self._placed
         #: BatchNorm's running statistics (buffers are not sharded) averaged over the workers at each
         #: step and checkpoint
-        self.buffers = BufferSync(strategy, collective, lambda: [m for root in placed for m in root.modules()])
+        self.data_axis.buffers = BufferSync(strategy, collective, lambda: [m for root in placed for m in root.modules()])
         clipping.register(self)
 
     @property

@@ -52,8 +52,6 @@ from torch import nn
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
-from stratagem.placement.data_axis.gradient_sync import GradientSync
-from stratagem.placement.data_axis.axis import DataAxis
 from stratagem.placement.layout.roots import RootsPlacement
 from stratagem.placement.scope.hooks import placement_of
 from stratagem.placement.layout.pipeline_balance import balance_layout
@@ -105,10 +103,8 @@ class PipelinePlacement(RootsPlacement):
         self.device = device
         self.mesh = mesh                 # the model axis (tensor parallelism) and ZeRO over data, if any
         self.sharding = None if mesh is None else mesh.sharding
-        self.update = StageOptimizers(self, pipe=pipe, data=data, everyone=everyone, mesh=mesh)
-        self._gradients: dict[int, GradientSync] = {}   # id(model) -> its sum over the data axis
-        self._unsynced = 0   # inside strategy.no_sync()
-        self._start_roots()
+        # the data axis: each model's sum over it, no_sync, the step; its update rule the stages' optimizers
+        self._start_roots(data, StageOptimizers(self, pipe=pipe, data=data, everyone=everyone, mesh=mesh))
         self.models: dict[int, SplitModel] = {}   # id(model) -> its split
         self._hooks: dict[int, list[int]] = {}     # id(traced model) -> its forward pre-hooks set here
         # id(model or optimizer) -> its whole state dict, gathered for the chief's checkpoint
@@ -259,42 +255,21 @@ class PipelinePlacement(RootsPlacement):
         zeros = self.update.reduce_scattered(own)
         scattered = {id(p) for zero in zeros for _, _, p in zero.entries}
         params = [p for p in own if id(p) not in scattered]
-        sync = self._gradients.get(id(model))
-        if sync is None:
-            sync = self._gradients[id(model)] = DataAxis.gradient_sync(self, self.data)
+        sync = self.data_axis.model_sync(id(model))
         sync.update(tuple(id(p) for p in params), [params], hooked=False)
         with sync.accumulating():
             yield
-        if zeros and self.requires_sync():
+        if zeros and self.data_axis.requires_sync():
             for zero in zeros:
                 zero.reduce()
 
-    def requires_sync(self) -> bool:
-        """False inside ``strategy.no_sync()``, or while a user set DistributedDataParallel's
-        ``require_backward_grad_sync = False`` on a model created in scope."""
-        return not self._unsynced and all(m.__dict__.get("require_backward_grad_sync", True) for m in self._placed)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self._unsynced += 1
-        try:
-            yield
-        finally:
-            self._unsynced -= 1
-
     # ----------------------------------------------------------- optimizers
-    # (stratagem.placement.data_axis.pipeline_optimizers, the update rule; the step's order is RootsPlacement's;
-    # the modules are placed before each call needs them)
+    # (the data axis's, with stratagem.placement.data_axis.pipeline_optimizers as its update rule; the
+    # modules are placed before each call needs them)
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
         self._take_replacements(optimizer)   # (the mesh's, for parameters taken before the model was placed)
         self.update.created(optimizer, self)
-
-    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        for sync in self._gradients.values():
-            sync.forget(params)
-        self.update.zero_grad(optimizer, set_to_none)
 
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
         self.finalize()
@@ -310,7 +285,6 @@ class PipelinePlacement(RootsPlacement):
     def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         self.finalize()
         self.update.load_state_dict(optimizer, state_dict)
-
 
     # ---------------------------------------------------------- checkpoints
 

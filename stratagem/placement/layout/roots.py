@@ -8,8 +8,8 @@ holds, with parameters -- moved to this process's device, after every process ch
 that all built the same modules and took the chief's initial values (so that every
 process, and every data-parallel group, starts alike).
 
-They sum gradients over a mesh's data axis with
-:class:`~stratagem.placement.data_axis.axis.DataAxis`.
+Their data axis (:class:`~stratagem.placement.data_axis.axis.DataAxis`, set by the subclass with
+its update rule) sums the gradients over a mesh's data axis or the workers, and steps.
 """
 
 from __future__ import annotations
@@ -22,26 +22,17 @@ from torch import nn
 from stratagem.comm.collective import Collective
 from stratagem.placement.scope import sync_batch_norm
 from stratagem.placement.scope.base import Placement
-from stratagem.placement.data_axis.step import synchronous_step
+from stratagem.placement.data_axis.axis import DataAxis
 
 
 class RootsPlacement(Placement):
-    """Collects modules created in scope; ``new_roots`` hands out the complete models. An optimizer
-    steps in the order of :mod:`~stratagem.placement.data_axis.step` with the subclass's update rule (``update``), which answers
-    its other methods too."""
+    """Collects modules created in scope; ``new_roots`` hands out the complete models. One replica per
+    process; the subclass sets its ``data_axis`` (:meth:`_start_roots`)."""
 
     #: set by the subclass: where modules go, and every process (the start-up agreement)
     device: torch.device
     everyone: Collective
-    #: (``update``, set by the subclass: :class:`~stratagem.placement.data_axis.local_update.LocalUpdate`, or a pipeline's stage
-    #: optimizers); one replica per process; no buffers to average at each step, no gradient sync
-    #: (the sum over the data axis), unless the subclass says
     num_replicas = 1
-    buffers: Any = None
-    gradients: Any = None
-
-    #: one logical step, in the order of placement/data_axis/step.py with ``update``'s primitives
-    optimizer_step = synchronous_step
 
     def own_replica_context(self) -> None:
         """The step runs on the calling thread, this process's one replica (nothing to meet)."""
@@ -50,7 +41,14 @@ class RootsPlacement(Placement):
     def record_updates(self) -> list[str]:
         return []   # no replica copies to watch
 
-    def _start_roots(self) -> None:
+    def synced_models(self) -> list[nn.Module]:
+        """The models whose DDP attribute ``require_backward_grad_sync`` the data axis reads."""
+        return self._placed
+
+    def _start_roots(self, data: Any, update: Any) -> None:
+        """The lists of models, and the data axis: over ``data`` (a mesh's data axis, or the workers),
+        with the update rule ``update``."""
+        self.data_axis = DataAxis(self, data, update)
         self._pending: list[nn.Module] = []
         self._placed: list[nn.Module] = []
         # id(parameter before placing) -> (it, its replacement: a DTensor): an optimizer given the

@@ -15,8 +15,8 @@ wrong plan raises the same InvalidArgumentError on every process.
 
 Gradients: when ``backward()`` returns, each process's ``.grad`` holds the global batch's
 gradient of the parameters (DTensor shards) it holds, as under the data-parallel strategies:
-the gradient sync of :mod:`stratagem.placement.data_axis.gradient_sync` sums each gradient's local shard
-over the data axis (:class:`~stratagem.placement.data_axis.axis.DataAxis`: in packs that leave while backward runs);
+the placement's data axis (:class:`~stratagem.placement.data_axis.axis.DataAxis`) sums each
+gradient's local shard over the mesh's data axis, in packs that leave while backward runs;
 ``strategy.no_sync()`` and DDP's ``require_backward_grad_sync`` skip that sum as there.
 Optimizers created in scope keep torch's own update over the DTensor parameters, in the step's
 order (:mod:`stratagem.placement.data_axis.step`, with :class:`~stratagem.placement.data_axis.local_update.LocalUpdate`).
@@ -51,7 +51,7 @@ from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
 from stratagem.placement.layout.dtensor_state import hook_state_dicts, parameters_before, replacements
-from stratagem.placement.data_axis.axis import DataAxis
+from stratagem.placement.data_axis.axis import AxisCollective
 from stratagem.placement.layout.roots import RootsPlacement
 from stratagem.placement.scope.hooks import adopt, placement_of
 from stratagem.placement.data_axis.local_update import LocalUpdate
@@ -115,11 +115,10 @@ class TensorParallelPlacement(RootsPlacement):
         self.plan = check_plan(plan)
         self.data = data           # the data axis (this process's data-parallel peers)
         self.model = model         # the model axis (this process's model group: the shards of its gradients)
-        #: sums the gradients over the data axis when backward ends (None: a data axis of one)
-        self.gradients = DataAxis.gradient_sync(self, data)
         self.everyone = everyone   # every process (start-up agreement)
-        self.update = LocalUpdate(self)   # the step's primitives: torch's update over the shards
-        self._start_roots()
+        self._start_roots(data, LocalUpdate(self))   # the step's primitives: torch's update over the shards
+        #: sums the gradients over the data axis when backward ends (None: a data axis of one)
+        self.data_axis.gradients = AxisCollective.gradient_sync(self.data_axis, data)
         self._optimizers: list[torch.optim.Optimizer] = []
         # id(module or optimizer) -> (it, its full state dict): gathered for the chief's checkpoint
         self._gathered: dict[int, tuple[Any, dict]] = {}
@@ -153,14 +152,6 @@ class TensorParallelPlacement(RootsPlacement):
             return
         params = list({id(p): p for root in self._placed for p in root.parameters()}.values())
         self.gradients.update(tuple((id(p), p.requires_grad) for p in params), [params])
-
-    def requires_sync(self) -> bool:
-        """False while a user set DistributedDataParallel's ``require_backward_grad_sync = False``
-        on a model created in scope (nanoGPT's accumulation idiom)."""
-        return all(m.__dict__.get("require_backward_grad_sync", True) for m in self._placed)
-
-    def no_sync(self) -> Any:
-        return contextlib.nullcontext() if self.gradients is None else self.gradients.no_sync(None)
 
     def _resolve(self, roots: list[nn.Module]) -> list[dict[str, ParallelStyle]]:
         """For each root, {module name: torch style}; every plan entry names a module of some root."""
