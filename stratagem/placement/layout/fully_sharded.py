@@ -97,24 +97,13 @@ class FullyShardedPlacement(RootsPlacement):
             self._forget_pending(root.modules())   # (fully_shard re-registers parameters)
 
     def _shard(self, root: nn.Module) -> None:
-        dtypes = {p.dtype for p in root.parameters()}
-        if len(dtypes) > 1:
-            raise InvalidArgumentError(
-                f"sharding='parameters' gathers each unit's parameters as one buffer, so they need one "
-                f"dtype, but {type(root).__name__} has {sorted(map(str, dtypes))}; convert the model to "
-                f"one dtype (e.g. model.double()) or use sharding='gradients'")
+        check_one_dtype(root.parameters(), f"{type(root).__name__} has", "sharding='gradients'")
         before = parameters_before(root)
-        for unit in units(root):
-            fully_shard(unit, mesh=self.mesh)
-        top = root if not isinstance(root, (nn.ModuleList, nn.ModuleDict)) else None
-        if top is not None:
-            fully_shard(top, mesh=self.mesh)
+        shard_units(root, self.mesh, itself=not isinstance(root, (nn.ModuleList, nn.ModuleDict)))
         for module in root.modules():
             self._sharded_names[module] = frozenset(n for n, p in module._parameters.items() if p is not None)
             if isinstance(module, FSDPModule):
                 module.register_forward_pre_hook(self._note_gathered)   # (after FSDP2's: it gathers)
-                module.set_gradient_divide_factor(1.0)   # a sum over workers, as every other path,
-                module.set_force_sum_reduction_for_comms(True)   # with ReduceOp.SUM (gloo has no PREMUL_SUM)
             self._sharded_ids.update(id(p) for p in module._parameters.values() if isinstance(p, DTensor))
         self._replaced.update(replacements(root, before))
         hook_state_dicts(root.modules())
@@ -186,6 +175,31 @@ class FullyShardedPlacement(RootsPlacement):
         raise InvalidArgumentError(
             "add_param_group is not supported under sharding='parameters'; create the optimizer with "
             "all its parameter groups")
+
+
+def check_one_dtype(params: Any, holder: str, instead: str) -> None:
+    """FSDP2 gathers each unit's parameters as one buffer: refuses ``params`` of several dtypes,
+    naming their ``holder`` ("MyModel has") and the setting to use ``instead``."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise InvalidArgumentError(
+            f"sharding='parameters' gathers each unit's parameters as one buffer, so they need one "
+            f"dtype, but {holder} {sorted(map(str, dtypes))}; convert the model to one dtype "
+            f"(e.g. model.double()) or use {instead}")
+
+
+def shard_units(module: nn.Module, mesh: Any, *, itself: bool = True) -> None:
+    """``module`` as FSDP2 units over ``mesh`` (:func:`units`, then ``module`` itself where ``itself``),
+    their gradients summed over it, not averaged, as every other data-parallel path sums them
+    (with ``ReduceOp.SUM``: gloo has no ``PREMUL_SUM``)."""
+    for unit in units(module):
+        fully_shard(unit, mesh=mesh)
+    if itself:
+        fully_shard(module, mesh=mesh)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
 
 
 def units(root: nn.Module) -> list[nn.Module]:

@@ -155,21 +155,12 @@ class TensorParallelPlacement(RootsPlacement):
 
     def _resolve(self, roots: list[nn.Module]) -> list[dict[str, ParallelStyle]]:
         """For each root, {module name: torch style}; every plan entry names a module of some root."""
-        size = self.mesh["model"].size()
-        assignments: list[dict[str, ParallelStyle]] = [{} for _ in roots]
-        for pattern, style in self.plan.items():
-            found = False
-            for root, names in zip(roots, assignments):
-                for name, module in root.named_modules():
-                    if name and (name == pattern or fnmatch.fnmatchcase(name, pattern)):
-                        check_entry(name, module, style, size)
-                        names[name] = torch_style(style, module)
-                        found = True
-            if not found:
-                available = [n for root in roots for n, _ in root.named_modules() if n]
-                raise InvalidArgumentError(
-                    f"the tensor-parallel plan names {pattern!r}, but no module created in scope has that "
-                    f"name; available: {available}")
+        assignments, unmatched = plan_styles(self.plan, roots, self.mesh["model"].size())
+        if unmatched is not None:
+            available = [n for root in roots for n, _ in root.named_modules() if n]
+            raise InvalidArgumentError(
+                f"the tensor-parallel plan names {unmatched!r}, but no module created in scope has that "
+                f"name; available: {available}")
         return assignments
 
     # ---------------------------------------------------------- checkpoints
@@ -225,6 +216,27 @@ def _rehook(placement_ref: Any, module: nn.Module, args: Any) -> None:
     placement = placement_ref()   # (weakly: the model does not keep its strategy alive)
     if placement is not None:
         placement._hook_gradients()
+
+
+def plan_styles(plan: dict[str, Any], roots: list[nn.Module], size: int, mine: set[int] | None = None
+                ) -> tuple[list[dict[str, ParallelStyle]], str | None]:
+    """For each of ``roots``, {module name: torch style} of the modules a checked ``plan`` names (those
+    whose id is in ``mine``, where given), each entry checked against its module and the model-axis
+    ``size`` (:func:`check_entry`); and the first plan entry that names no module of any root
+    (None: each names one), where the resolution stopped."""
+    assignments: list[dict[str, ParallelStyle]] = [{} for _ in roots]
+    for pattern, style in plan.items():
+        found = False
+        for root, names in zip(roots, assignments):
+            for name, module in root.named_modules():
+                if name and (name == pattern or fnmatch.fnmatchcase(name, pattern)):
+                    check_entry(name, module, style, size)
+                    found = True
+                    if mine is None or id(module) in mine:
+                        names[name] = torch_style(style, module)
+        if not found:
+            return assignments, pattern
+    return assignments, None
 
 
 def torch_style(style: Any, module: nn.Module) -> ParallelStyle:
