@@ -36,7 +36,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import weakref
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,8 @@ class FullyShardedPlacement(RootsPlacement):
 
     kind = "FullySharded"
     synchronizes_batch_norm = True
+    ungathered = ("{name} is sharded over the workers (sharding='parameters'): only sg.Checkpoint.save called "
+                  "on every worker can save it (its full tensors are gathered first)")
 
     def __init__(self, strategy: Any, collective: Any, device: torch.device):
         self._strategy_ref = weakref.ref(strategy)
@@ -78,7 +80,6 @@ class FullyShardedPlacement(RootsPlacement):
         self._gathered_ids: set[int] = set()   # FSDP2's whole parameters (kept between forwards)
         #: every module of a sharded model -> the names of its parameters then
         self._sharded_names: "weakref.WeakKeyDictionary[nn.Module, frozenset]" = weakref.WeakKeyDictionary()
-        self._stash: dict[int, dict] = {}   # chief, while a checkpoint is written: gathered states
         placed = self._placed
         #: BatchNorm's running statistics (buffers are not sharded) averaged over the workers at each
         #: step and checkpoint
@@ -110,20 +111,11 @@ class FullyShardedPlacement(RootsPlacement):
 
     # ------------------------------------------------------------ checkpoints
 
-    @contextlib.contextmanager
-    def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
-        """Every worker, around the chief's writing: gather each sharded state once (collectives)."""
-        chief = self.collective.worker_index == 0
+    def prepare_checkpoint(self, objects: dict[str, Any]) -> contextlib.AbstractContextManager:
+        """Every worker, around the chief's writing: the buffers averaged, each sharded state gathered
+        (collectives)."""
         self.buffers.average(None)
-        for obj in objects.values():
-            if self._owns(obj):
-                state = obj.state_dict()
-                if chief:
-                    self._stash[id(obj)] = state
-        try:
-            yield
-        finally:
-            self._stash.clear()
+        return super().prepare_checkpoint(objects)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Sharded by this placement (its gradient reduce-scattered over the workers), or the
@@ -143,20 +135,10 @@ class FullyShardedPlacement(RootsPlacement):
         names = self._sharded_names.get(module, frozenset())
         return [name for name, p in module._parameters.items() if p is not None and name not in names]
 
-    def _owns(self, obj: Any) -> bool:
+    def spread(self, obj: Any) -> bool:
         if isinstance(obj, torch.optim.Optimizer):
             return placement_of(obj) is self
         return isinstance(obj, nn.Module) and any(id(p) in self._sharded_ids for p in obj.parameters())
-
-    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> tuple[Any, dict[str, dict]] | None:
-        """The full state that :meth:`prepare_checkpoint` gathered: one logical copy, no other files."""
-        if not self._owns(obj):
-            return None
-        if id(obj) not in self._stash:
-            raise InvalidArgumentError(
-                f"{name} is sharded over the workers (sharding='parameters'): only sg.Checkpoint.save called "
-                f"on every worker can save it (its full tensors are gathered first)")
-        return self._stash.pop(id(obj)), {}
 
     # ----------------------------------------------------------- optimizers
 

@@ -91,6 +91,7 @@ class PipelinePlacement(RootsPlacement):
 
     kind = "Pipeline"
     checks_loss_scaling = False   # forward_backward weighs the micro-batches' mean losses itself
+    gathering = "Checkpoint.save (the whole state, over the mesh)"
 
     def __init__(self, strategy: Any, *, config: dict[str, Any], pipe_rank: int, pipe: Collective,
                  data: Collective, everyone: Collective, device: torch.device, mesh: MeshStages | None = None):
@@ -107,8 +108,6 @@ class PipelinePlacement(RootsPlacement):
         self._start_roots(data, StageOptimizers(self, pipe=pipe, data=data, everyone=everyone, mesh=mesh))
         self.models: dict[int, SplitModel] = {}   # id(model) -> its split
         self._hooks: dict[int, list[int]] = {}     # id(traced model) -> its forward pre-hooks set here
-        # id(model or optimizer) -> its whole state dict, gathered for the chief's checkpoint
-        self._gathered: dict[int, dict] = {}
         clipping.register(self)
 
     @property
@@ -276,7 +275,7 @@ class PipelinePlacement(RootsPlacement):
         return self.update.gradient_parts(params)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        gathered = self._gathered.get(id(optimizer))   # gathered already for the checkpoint being written
+        gathered = self.gathered.get(id(optimizer))   # gathered already for the checkpoint being written
         if gathered is not None:
             return gathered
         self.finalize()
@@ -288,34 +287,23 @@ class PipelinePlacement(RootsPlacement):
 
     # ---------------------------------------------------------- checkpoints
 
-    @contextlib.contextmanager
-    def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
-        """Every process, around the chief's writing: the chief's pipeline gathers the whole
-        state of each split model and optimizer (the other data groups hold the same values
-        and skip it); the chief keeps it for :meth:`write_checkpoint_state`, dropped on exit."""
-        if self.data.worker_index == 0 or self.sharding is not None:   # (ZeRO: collectives over data too)
-            chief = self.everyone.worker_index == 0
-            with self.everyone.group.guard("Checkpoint.save (the whole state, over the mesh)"):
-                for obj in objects.values():
-                    ours = id(obj) in self.models or (isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self)
-                    if ours:
-                        state = obj.state_dict()
-                        if chief:
-                            self._gathered[id(obj)] = state
-        try:
-            yield
-        finally:
-            self._gathered.clear()
+    def spread(self, obj: Any) -> bool:
+        """A split model, or an optimizer over one (their state dicts gather the stages and shards)."""
+        return id(obj) in self.models or (isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self)
+
+    def gathers(self) -> bool:
+        """The chief's pipeline gathers (the other data groups hold the same values); under ZeRO every
+        process (collectives over data too)."""
+        return self.data.worker_index == 0 or self.sharding is not None
 
     def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
-        state = self._gathered.get(id(obj))
+        state = self.gathered.get(id(obj))
         if state is None and isinstance(obj, nn.Module) and \
                 any(t.is_meta for t in obj.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)):
             raise InvalidArgumentError(
                 f"{name!r} is part of a pipelined model whose other stages live on other processes; track the "
                 f"whole model created in the PipelineStrategy's scope in sg.Checkpoint (one logical copy)")
         return None if state is None else (state, {})
-
 
 
 def _whole_state(placement_ref: Any, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -325,7 +313,7 @@ def _whole_state(placement_ref: Any, module: nn.Module, state_dict: dict, prefix
     if placement is None or placement.pipe.num_workers == 1 or \
             any(isinstance(state_dict[k], nn.Parameter) for k in keys):   # keep_vars: the tensors themselves
         return
-    gathered = placement._gathered.get(id(module))
+    gathered = placement.gathered.get(id(module))
     if gathered is not None:   # gathered already for the checkpoint being written
         state_dict.update(gathered)
         return

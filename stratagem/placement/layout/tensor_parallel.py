@@ -34,11 +34,10 @@ restore reads full tensors, which ``load_state_dict`` cuts into this layout's sh
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import functools
 import weakref
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -106,6 +105,9 @@ class TensorParallelPlacement(RootsPlacement):
     """Parameters as DTensors over the model axis of ``mesh``; gradients summed over its data axis."""
 
     kind = "TensorParallel"
+    gathering = "Checkpoint.save (full tensors over the model axis)"
+    ungathered = ("the tensor-parallel {name} can only be saved by sg.Checkpoint.save called on every process "
+                  "(its full tensors are gathered over the model axis first)")
 
     def __init__(self, strategy: Any, mesh: DeviceMesh, plan: dict[str, Any], data: Collective,
                  everyone: Collective, device: torch.device, *, model: Collective):
@@ -120,8 +122,6 @@ class TensorParallelPlacement(RootsPlacement):
         #: sums the gradients over the data axis when backward ends (None: a data axis of one)
         self.data_axis.gradients = AxisCollective.gradient_sync(self.data_axis, data)
         self._optimizers: list[torch.optim.Optimizer] = []
-        # id(module or optimizer) -> (it, its full state dict): gathered for the chief's checkpoint
-        self._gathered: dict[int, tuple[Any, dict]] = {}
         clipping.register(self)
 
     @property
@@ -165,39 +165,15 @@ class TensorParallelPlacement(RootsPlacement):
 
     # ---------------------------------------------------------- checkpoints
 
-    def _split(self, obj: Any) -> bool:
+    def spread(self, obj: Any) -> bool:
         """Whether ``obj``'s state dict gathers DTensors (a collective over the model axis)."""
         if isinstance(obj, torch.optim.Optimizer):
             return placement_of(obj) is self
         return isinstance(obj, nn.Module) and any(isinstance(p, DTensor) for p in obj.parameters())
 
-    @contextlib.contextmanager
-    def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
-        """Every process, around the chief's writing: the chief's model group gathers the full
-        state of each split module and optimizer (the other data groups hold the same values and
-        skip it); the chief keeps it for :meth:`write_checkpoint_state`, dropped on exit."""
-        if self.mesh.get_local_rank("data") == 0:
-            chief = self.everyone.worker_index == 0
-            with self.everyone.group.guard("Checkpoint.save (full tensors over the model axis)"):
-                for obj in objects.values():
-                    if self._split(obj):
-                        state = obj.state_dict()
-                        if chief:
-                            self._gathered[id(obj)] = (obj, state)
-        try:
-            yield
-        finally:
-            self._gathered.clear()
-
-    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
-        """The full state that :meth:`prepare_checkpoint` gathered: one logical copy, no other files."""
-        if not self._split(obj):
-            return None
-        if id(obj) not in self._gathered:
-            raise InvalidArgumentError(
-                f"the tensor-parallel {name} can only be saved by sg.Checkpoint.save called on every process "
-                f"(its full tensors are gathered over the model axis first)")
-        return self._gathered[id(obj)][1], {}
+    def gathers(self) -> bool:
+        """The chief's model group gathers (the other data groups hold the same values)."""
+        return self.mesh.get_local_rank("data") == 0
 
     # ----------------------------------------------------------- optimizers
 
