@@ -88,17 +88,15 @@ class DataAxis:
 
     # -------------------------------------------------------------- gradients
 
-    def sync_over(self, collective: Any) -> GradientSync:
-        """The gradient sync of this axis over ``collective`` (the replicas and workers, or a mesh's
-        data axis: :class:`AxisCollective`)."""
-        self.gradients = GradientSync(self, collective)
-        return self.gradients
-
     def model_sync(self, key: int) -> GradientSync:
-        """The gradient sync of one pipelined model (``key``), over a mesh's data axis: made at first use."""
+        """The gradient sync of one pipelined model (``key``) over a mesh's data axis of several
+        processes (the caller sums nothing over one): made at first use."""
         sync = self.syncs.get(key)
         if sync is None:
-            sync = self.syncs[key] = AxisCollective.gradient_sync(self, self.collective)
+            sync = AxisCollective.gradient_sync(self, self.collective)
+            if sync is None:
+                raise AssertionError("a data axis of one process has no gradient sync")
+            self.syncs[key] = sync
         return sync
 
     def requires_sync(self) -> bool:
