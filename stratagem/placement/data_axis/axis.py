@@ -24,7 +24,6 @@ The placement (:class:`~stratagem.placement.scope.base.Placement`) hands its opt
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any, Iterator
 
 import torch
@@ -63,9 +62,9 @@ class DataAxis:
     """
 
     def __init__(self, placement: Any, collective: Any, update: Any, *, num_replicas: int = 1):
-        # (weakly, as a placement is let go with its strategy): its replica context, the copies it
-        # watches (the step), and its models, whose DDP attribute require_backward_grad_sync counts
-        self._placement = weakref.ref(placement)
+        # its replica context, the copies it watches (the step), and its models, whose DDP attribute
+        # require_backward_grad_sync counts (held as the gradient hooks on the models hold this axis)
+        self.placement = placement
         self.collective = collective
         self.update = update             # the update rule
         self.num_replicas = num_replicas  # this process's replicas
@@ -81,10 +80,10 @@ class DataAxis:
     step = synchronous_step
 
     def own_replica_context(self) -> Any:
-        return self._placement().own_replica_context()
+        return self.placement.own_replica_context()
 
     def record_updates(self) -> list[str]:
-        return self._placement().record_updates()
+        return self.placement.record_updates()
 
     # -------------------------------------------------------------- gradients
 
@@ -104,7 +103,7 @@ class DataAxis:
         DistributedDataParallel's ``require_backward_grad_sync = False`` on a model created in scope
         (nanoGPT's accumulation idiom)."""
         return not self._unsynced and all(m.__dict__.get("require_backward_grad_sync", True)
-                                          for m in self._placement().synced_models())
+                                          for m in self.placement.synced_models())
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """``strategy.no_sync()``: backward passes inside skip the exchange (on this replica's thread)."""
