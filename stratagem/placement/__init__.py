@@ -13,6 +13,9 @@ Three folders, each answering one question:
   step's order, and the update rules (mirrored, central storage, ZeRO, torch's own over the
   shards a process holds), the buffers averaged over the workers.
 
+:mod:`~stratagem.placement.dtensor_state` is shared by the last two: the state of DTensor parameters
+and their optimizers, whole outside, shards inside.
+
 The parameter-server placement lives with the rest of parameter-server training, in
 :mod:`stratagem.ps.placement`.
 """

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from stratagem.experimental.planning.memory import block_parameters, style_of
-from stratagem.placement.layout.dtensor_state import local_state_bytes
+from stratagem.placement.dtensor_state import local_state_bytes
 from stratagem.placement.layout.pipeline_balance import timed
 
 #: rounds of timing after one warm-up round

@@ -5,7 +5,7 @@ is one replica that holds its shards of the parameters (DTensors); the gradients
 the data axis when backward ended (the gradient sync, or FSDP2). A scoped optimizer then steps in
 the order of :mod:`.step` with this rule's primitives -- torch's update over the shards, nothing to
 spread -- and its ``zero_grad``, state dicts and ``add_param_group`` are torch's, the state read
-and written whole (:mod:`~stratagem.placement.layout.dtensor_state`). The placement (a
+and written whole (:mod:`~stratagem.placement.dtensor_state`). The placement (a
 :class:`~stratagem.placement.layout.roots.RootsPlacement`) hands every optimizer call to its data
 axis (:class:`~.axis.DataAxis`), which hands them to this rule, as the mirrored placement's data
 axis does to its own (:mod:`.update_rule`). A pipeline's stages have a rule of their own built on this one
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from stratagem.placement.layout.dtensor_state import full_optimizer_state, load_full_optimizer_state, local_state_bytes
+from stratagem.placement.dtensor_state import full_optimizer_state, load_full_optimizer_state, local_state_bytes
 from stratagem.placement.scope.hooks import base_of, unhooked_step
 from stratagem.placement.data_axis.update_rule import params_of
 

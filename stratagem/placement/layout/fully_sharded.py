@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
 from stratagem.placement.data_axis.buffers import BufferSync
-from stratagem.placement.layout.dtensor_state import hook_state_dicts, parameters_before, replacements
+from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
 from stratagem.placement.layout.roots import RootsPlacement
 from stratagem.placement.scope.unscoped import refuse_optimizer_over
 from stratagem.placement.scope.hooks import adopt, placement_of

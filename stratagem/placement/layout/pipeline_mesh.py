@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
 from stratagem.placement.layout.fully_sharded import check_one_dtype, shard_units
-from stratagem.placement.layout.dtensor_state import hook_state_dicts, parameters_before, replacements
+from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
 from stratagem.placement.layout.tensor_parallel import plan_styles
 
 

@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
-from stratagem.placement.layout.dtensor_state import hook_state_dicts, parameters_before, replacements
+from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
 from stratagem.placement.data_axis.axis import AxisCollective
 from stratagem.placement.layout.roots import RootsPlacement
 from stratagem.placement.scope.hooks import adopt, placement_of
