@@ -219,7 +219,8 @@ def report(args: argparse.Namespace, rounds: h.Rounds) -> list[str]:
     lines.append("Step times: the median of rank 0's kept steps (other processes kept <= "
                  f"{args.max_other_load} cores busy); a ratio: per round, the same round's medians (rounds where "
                  "neither side was disturbed throughout, when there are any), then median and interquartile range "
-                 "over rounds; a verdict needs the IQR on one side of the target. '!' = some round kept no "
+                 "over rounds; a verdict needs the median's 95 % interval (order statistics, narrower as rounds are "
+                 "added) on one side of the target. '!' = some round kept no "
                  "undisturbed step.")
     return lines
 

@@ -24,9 +24,8 @@ the library's (``stratagem.experimental.planning.memory``, which ``sg.experiment
                                                           counted in no_sync, which leaves it in .grad)
        "parameters"  4Ψ_r / d     4Ψ_r / d    8Ψ_r / d   (FSDP2; padding to d rows counted)
 
-   and with a model axis and a data axis under None or "optimizer", the split parameters' gradients
-   once more (summed in packs over the data axis, each split gradient then a DTensor over a copy of
-   its sum while the pack stays).
+   (with a model axis and a data axis under None or "optimizer" each split gradient is a DTensor
+   over its slot of the pack that sums it over the data axis: held once, as a plain one).
 
 2. **Step time** (sharding=None, ms per step, median of the timed steps of rank 0; the collectives
    keep the ranks in step) of every layout of the 8 processes, and 2 x 2 x 2 against the best
@@ -134,9 +133,8 @@ def worker(out: str, spec: str) -> None:
 
 
 def analytic(sharding, psi_r: float, d: int, t: int = 1, psi_split: float = 0.0) -> tuple[float, float, float]:
-    # with a model and a data axis, ZeRO none or 1: the split gradients twice (the pack, the DTensor over its sum)
-    copied = psi_split if d > 1 and t > 1 and sharding in (None, "optimizer") else 0.0
-    return model_states(psi_r, data=d, sharding=sharding, element_size=4, state_per_parameter=8, copied=copied)
+    # (a split layer's gradient views its pack of sums as a plain one does: no second copy; t, psi_split unused)
+    return model_states(psi_r, data=d, sharding=sharding, element_size=4, state_per_parameter=8)
 
 
 def main(argv=None) -> int:

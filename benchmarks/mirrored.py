@@ -195,7 +195,7 @@ def run_tables(args: argparse.Namespace) -> tuple[list[str], list[dict], dict]:
     out.append("* = the default cross-device op on CPU. 'x plain' = median over rounds of the ratio to plain in "
                "the same round (rounds in which neither kept only disturbed steps, when there are any); 'x plain "
                "IQR' = its interquartile range, 'x plain range' its min-max. A target is 'ok' or 'MISSED' only "
-               "when the IQR lies on one side of it ('undecided' otherwise: more rounds, or a quieter machine); "
+               "when the median's 95 % interval (order statistics) lies on one side of it ('undecided' otherwise: more rounds, or a quieter machine); "
                "rounds go on past --rounds, up to --max-rounds, until every target is decided. '!' = no "
                "undisturbed steps at all.")
     return out, rows, raw

@@ -6,9 +6,13 @@ and ``epoch_samples_per_second`` (and ``batch_<name>`` every ``update_freq`` ste
 worker the median step of the epoch: ``epoch_step_seconds/worker_<i>``, its time in the
 gradient exchange (``epoch_exchange_seconds/...``, from each pack's launch to its sum), the bytes
 it exchanged (``epoch_exchange_bytes/...``), its wait in collectives and for input
-(``epoch_collective_wait_seconds/...``, ``epoch_input_wait_seconds/...``);
-``log_dir/validation`` holds the ``val_`` values under the same names (``epoch_loss``
-...), so TensorBoard draws training and validation on one chart. Written with
+(``epoch_collective_wait_seconds/...``, ``epoch_input_wait_seconds/...``); under a
+``ParameterServerStrategy``, per worker the tensor bytes it pulled from and pushed to the
+parameter servers per step and its seconds in ps calls per step (``epoch_ps_pull_bytes/worker_<i>``,
+``epoch_ps_push_bytes/...``, ``epoch_ps_call_seconds/...``; a step is a scheduled function,
+``steps_per_execution`` steps of ``fit``); ``log_dir/validation`` holds the ``val_`` values
+under the same names (``epoch_loss`` ...), so TensorBoard draws training and validation on
+one chart. Written with
 ``torch.utils.tensorboard.SummaryWriter`` (the ``tensorboard`` package).
 """
 
@@ -38,7 +42,12 @@ class TensorBoard(Callback):
     loop reports it, else from ``params["batch_size"]`` (global) and the epoch's steps.
     View with ``tensorboard --logdir LOG_DIR``. Across workers every worker must have the
     callback (as every worker runs the same ``fit``): at each epoch's end the workers' step times
-    are gathered for the chief to write.
+    are gathered for the chief to write. Under a ``ParameterServerStrategy`` the coordinator
+    writes each worker's ps traffic per step: the tensor bytes pulled (a push's reply that
+    brings back the next step's values counts as pulled) and pushed, counted where the
+    worker's ps client sends and receives, and the time at least one of its ps calls was in
+    flight (``epoch_ps_pull_bytes/worker_<i>``, ``epoch_ps_push_bytes/worker_<i>``,
+    ``epoch_ps_call_seconds/worker_<i>``; a worker that ran no step in an epoch gets none).
 
     Example::
 
@@ -72,6 +81,7 @@ class TensorBoard(Callback):
         self._epoch_started = 0.0
         self._epoch_steps = 0
         self._first_step = 0      # the step clock's number of the epoch's first step
+        self._traffic: dict = {}  # the ps workers' traffic at the epoch's start (stratagem.ps.traffic)
 
     def _writer(self, name: str) -> Any:
         if name not in self._writers:
@@ -91,6 +101,8 @@ class TensorBoard(Callback):
         self._epoch_started = time.perf_counter()
         self._epoch_steps = 0
         self._first_step = record.steps_done()
+        traffic = self._worker_traffic()
+        self._traffic = traffic.totals() if traffic is not None else {}
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._step += 1
@@ -113,9 +125,17 @@ class TensorBoard(Callback):
         write_scalars(self._writer("train"), "epoch_", train, epoch)
         if validation:
             write_scalars(self._writer("validation"), "epoch_", validation, epoch)
-        for index, times in enumerate(workers):
+        traffic = self._worker_traffic()
+        per_step = traffic.per_step(self._traffic, traffic.totals()) if traffic is not None else {}
+        for index, times in [*enumerate(workers), *per_step.items()]:
             write_scalars(self._writer("train"), "epoch_", {f"{name}/worker_{index}": value
                                                             for name, value in times.items()}, epoch)
+
+    def _worker_traffic(self) -> Any:
+        """Under a ParameterServerStrategy, its coordinator's sums of each worker's ps traffic
+        (:class:`stratagem.ps.traffic.WorkerTraffic`); None under the other strategies."""
+        coordinator = getattr(getattr(self.model, "strategy", None), "coordinator", None)
+        return getattr(coordinator, "worker_traffic", None)
 
     def _worker_steps(self) -> list[dict[str, float]]:
         """Each worker's median step of this epoch and its parts (none before its first step)."""

@@ -23,7 +23,7 @@ gradient, so the result stays exact.
 A DTensor parameter (tensor parallelism, summed over a mesh's data axis) takes the room of its
 local shard in its pack; its gradient is laid out as the parameter first (torch gives a row-wise
 Embedding's sharded weight a replicated gradient: this process's rows of it), and becomes a
-DTensor over a copy of its sum (the next backward refills the pack).
+DTensor over its slot of the sum (no copy: its ``.grad`` is a view of the pack, as a plain one is).
 
 How a pack travels is its *codec*'s (:mod:`stratagem.comm.compression`): by default the buffer
 itself, one all-reduce; with ``CommunicationOptions(compression=...)`` a half-precision copy, or
@@ -98,7 +98,9 @@ class _Pack:
         p = self.params[i]
         if is_dtensor(p):
             from torch.distributed.tensor import DTensor   # (loaded: p is one)
-            return DTensor.from_local(self.slots[i].clone(), p.device_mesh, p.placements, run_check=False)
+            # over the slot itself, as a plain gradient is: one copy of the sum (the gradient sync copies
+            # it, as it copies any view of a pack, before the next backward refills the pack)
+            return DTensor.from_local(self.slots[i], p.device_mesh, p.placements, run_check=False)
         return self.slots[i]
 
 
@@ -132,6 +134,10 @@ class GradientPacks:
         for i, p in enumerate(params):
             self._where[id(p)] = (len(self.packs), i)
         self.packs.append(_Pack(params, len(self.packs)))
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The packs' buffers (kept from step to step, as DDP's buckets are)."""
+        return [pack.buffer for pack in self.packs]
 
     def covers(self, params: Sequence[torch.Tensor]) -> bool:
         return all(id(p) in self._where for p in params if p.requires_grad)

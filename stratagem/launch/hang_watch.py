@@ -83,7 +83,7 @@ def hang_message(folder: str | os.PathLike[str], tasks: Mapping[str, int], *, id
                  running: int) -> str:
     """The launcher's message for a hung job: asks ``tasks`` (name: pid), describes, writes the stacks."""
     answers = hang_report.ask(folder, tasks)
-    silent = {name: hang_report.silence(tasks.get(name)) for name, answer in answers.items() if answer is None}
+    silent = hang_report.silent_reasons(folder, tasks, answers)
     path = hang_report.write_stacks(answers, silent)
     lines = hang_report.describe(answers, silent).splitlines()
     return (f"no task made progress (a step, a collective) for {idle:.0f} s (--hang-timeout {timeout:g}); "

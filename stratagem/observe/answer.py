@@ -9,7 +9,10 @@ five times a second:
 - ``progress/<task>`` is touched whenever the flight recorder's progress moved (a step began,
   a collective ended) since the last look: the launcher's ``--hang-timeout`` watches these;
 - each new file ``requests/<id>`` is a question: the thread writes
-  :func:`~stratagem.observe.stacks.snapshot` as JSON to ``answers/<id>/<task>.json``.
+  :func:`~stratagem.observe.stacks.snapshot` as JSON to ``answers/<id>/<task>.json``;
+- ``last/<task>.json`` holds its last completed collective or call (rewritten when it changes):
+  what a task that can no longer answer -- stopped, stuck -- last did
+  (:func:`stratagem.observe.hang_report.last_note`).
 
 A thread, not a signal handler: Python runs signal handlers on the main thread between
 bytecodes, and a main thread waiting in a collective (gloo, NCCL) or in ``time.sleep`` is in
@@ -61,7 +64,7 @@ def start(task: str) -> None:
         return
     try:
         root = Path(folder)
-        for sub in ("tasks", "progress", "requests", "answers"):
+        for sub in ("tasks", "progress", "requests", "answers", "last"):
             (root / sub).mkdir(parents=True, exist_ok=True)
         _write(root / "tasks" / slug(task), str(os.getpid()))
     except OSError:   # advice only: training goes on without it
@@ -80,13 +83,17 @@ def stop() -> None:
 
 def _serve(root: Path, task: str, seen: set[str], stopped: threading.Event) -> None:
     name, requests = slug(task), root / "requests"
-    progress, marker = None, root / "progress" / name
+    progress, marker, noted = None, root / "progress" / name, 0
     while not stopped.wait(POLL_SECONDS):
         try:
             now = flight.progress()
             if now != progress:
                 progress = now
                 marker.touch()
+            done = flight.last_completed()
+            if done is not None and done.seq != noted:
+                noted = done.seq
+                _write(root / "last" / f"{name}.json", json.dumps(_note(done)))
             for request in sorted(set(os.listdir(requests)) - seen):
                 seen.add(request)
                 where = root / "answers" / request
@@ -94,6 +101,13 @@ def _serve(root: Path, task: str, seen: set[str], stopped: threading.Event) -> N
                 _write(where / f"{name}.json", json.dumps(snapshot(task)))
         except OSError:   # the folder went away (the job ended): nothing to answer any more
             return
+
+
+def _note(done: flight.Record) -> dict:
+    """What ``last/<task>.json`` says: this process and its last completed record (its end on the wall clock)."""
+    return {"pid": os.getpid(), "step": flight.step(),
+            "last_completed": {"seq": done.seq, "kind": done.kind, "nbytes": done.nbytes, "peers": done.peers,
+                               "step": done.step, "ended": done.end_wall}}
 
 
 def _write(path: Path, text: str) -> None:

@@ -40,7 +40,8 @@ from typing import Any
 from stratagem.observe.answer import OBSERVE_VARIABLE, slug
 from stratagem.observe.stacks import snapshot
 
-__all__ = ["ANSWER_SECONDS", "ask", "describe", "proc_state", "registered", "report", "silence", "write_stacks"]
+__all__ = ["ANSWER_SECONDS", "ask", "describe", "last_note", "proc_state", "registered", "report", "silence",
+           "silent_reasons", "write_stacks"]
 
 #: How long an asker waits for the tasks' answers (they look for questions 5 times a second).
 ANSWER_SECONDS = 3.0
@@ -140,6 +141,30 @@ def silence(pid: int | None) -> str:
             f"in /proc/{pid}/status")
 
 
+def last_note(folder: str | os.PathLike[str], task: str, pid: int | None = None) -> str:
+    """What ``task`` (process ``pid``, when given) last wrote of itself in ``folder`` while it ran
+    (``answer.py``): ``"; its last call, #812 rpc served pull (144 B, step 0), ended 12 s ago"``,
+    to add to why it did not answer; ``""`` when it wrote nothing (or another process of it did)."""
+    try:
+        note = json.loads(Path(folder, "last", f"{slug(task)}.json").read_text())
+        last = note["last_completed"]
+        if pid is not None and note.get("pid") != pid:
+            return ""
+        ago = max(0.0, time.time() - float(last["ended"]))
+        return (f"; its last {_noun(last['kind'])}, #{last['seq']} {_kind(last)} "
+                f"({_bytes(last['nbytes'], ', ')}step {last['step']}), ended {ago:.0f} s ago")
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def silent_reasons(folder: str | os.PathLike[str] | None, tasks: Mapping[str, int],
+                   answers: Mapping[str, Answer | None]) -> dict[str, str]:
+    """Why each task whose answer is None gave none (:func:`silence`) and what it last did
+    (:func:`last_note`): the ``silent`` argument of :func:`describe` and :func:`write_stacks`."""
+    return {name: silence(tasks.get(name)) + (last_note(folder, name, tasks.get(name)) if folder else "")
+            for name, answer in answers.items() if answer is None}
+
+
 def describe(answers: Mapping[str, Answer | None], silent: Mapping[str, str] | None = None) -> str:
     """The answers in a few lines (see the module's docstring); ``silent`` says why a task
     whose answer is None gave none (:func:`silence`)."""
@@ -155,7 +180,7 @@ def describe(answers: Mapping[str, Answer | None], silent: Mapping[str, str] | N
         if record is None:
             idle.append((name, answer))
         else:
-            key = (record["seq"], record["kind"], record["nbytes"], record["step"], _at(answer.get("main")))
+            key = (record["seq"], _kind(record), record["nbytes"], record["step"], _at(answer.get("main")))
             waiting.setdefault(key, []).append(name)
     # (sequence numbers compare across tasks for the process groups' collectives, not RPC calls)
     waited = sorted({key[0] for key in waiting if not key[1].startswith("rpc ")})
@@ -193,12 +218,23 @@ def _idle(name: str, answer: Answer, waited: Sequence[int]) -> str:
     if last is None:
         text += "; it has completed no collective"
     else:
-        text += (f"; its last collective, #{last['seq']} {last['kind']}{_bytes(last['nbytes'], ')', ' (')}, "
-                 f"ended {last['seconds']:.0f} s ago")
+        text += (f"; its last {_noun(last['kind'])}, #{last['seq']} {_kind(last)}"
+                 f"{_bytes(last['nbytes'], ')', ' (')}, ended {last['seconds']:.0f} s ago")
     behind = [seq for seq in waited if last is None or seq > last["seq"]]
     if behind:
         text += f"; the others wait in #{behind[0]}: it has not reached that collective, or skipped it"
     return text
+
+
+def _noun(kind: str) -> str:
+    """What a record is: a ``"call"`` (an RPC call made or served) or a ``"collective"``."""
+    return "call" if kind.startswith("rpc ") else "collective"
+
+
+def _kind(record: Mapping[str, Any]) -> str:
+    """A record's kind, with its peer for an RPC call (``"rpc push to ps 0"``)."""
+    kind, peers = record["kind"], record.get("peers")
+    return f"{kind} to {peers}" if peers and kind.startswith("rpc ") and not kind.startswith("rpc served") else kind
 
 
 def _at(main: Mapping[str, Any] | None) -> str:
@@ -281,7 +317,7 @@ def report(task: str) -> str:
         folder = os.environ.get(OBSERVE_VARIABLE)
         tasks = registered(folder) if folder else {}
         answers = ask(folder, tasks) if tasks else {task: snapshot(task)}
-        silent = {name: silence(tasks.get(name)) for name, answer in answers.items() if answer is None}
+        silent = silent_reasons(folder, tasks, answers)
         text = f"{describe(answers, silent)}\nthe full stacks of every thread: {write_stacks(answers, silent)}"
         _last_report[:] = [time.monotonic(), text]
         return text

@@ -203,7 +203,7 @@ _LANES_LOCK = threading.Lock()
 def _collective(r: "flight.Record") -> None:
     """A collective ended (the flight recorder's listener): a gradient pack on an exchange lane,
     from its launch during backward to its sum; any other on the thread that waited for it."""
-    if r.end_monotonic is None:
+    if r.end_monotonic is None or r.kind.startswith("rpc served"):   # (a call served: its handler's span shows it)
         return
     t0 = round(r.start_monotonic * 1e9) + _MONO_OFFSET
     t1 = round(r.end_monotonic * 1e9) + _MONO_OFFSET

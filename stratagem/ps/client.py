@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from stratagem.ps.ownership import CHANGES
+from stratagem.ps.traffic import PsTraffic
 from stratagem.rpc.client import RpcClient
 from stratagem.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S
 
@@ -46,15 +47,18 @@ class ParameterServerClient:
     :class:`~stratagem.rpc.client.RpcClient`); without it, any server is accepted.
     ``coordinator``: the id of the coordinator this client speaks for; requests that change
     the ps name it (a ps owned by a coordinator refuses the others', see
-    :mod:`stratagem.ps.ownership`).
+    :mod:`stratagem.ps.ownership`). ``traffic``: the counters each call adds its tensor bytes
+    and time to (a worker's, see :mod:`stratagem.ps.traffic`).
     """
 
     def __init__(self, address: str, token: str, *, task: str | None = None,
                  default_timeout: float = DEFAULT_TIMEOUT_S,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, coordinator: str | None = None) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, coordinator: str | None = None,
+                 traffic: PsTraffic | None = None) -> None:
         self.rpc = RpcClient(address, token, task=task, default_timeout=default_timeout,
                              max_message_bytes=max_message_bytes)
         self.coordinator = coordinator
+        self.traffic = traffic
 
     @property
     def task(self) -> str:
@@ -69,7 +73,16 @@ class ParameterServerClient:
         see :meth:`stratagem.rpc.RpcClient.call`)."""
         if self.coordinator is not None and method in CHANGES:
             kwargs.setdefault("coordinator", self.coordinator)
-        return self.rpc.call(method, kwargs, timeout=timeout, writable_reply=writable_reply)
+        traffic = self.traffic
+        if traffic is None:
+            return self.rpc.call(method, kwargs, timeout=timeout, writable_reply=writable_reply)
+        traffic.begin(kwargs)
+        reply = None
+        try:
+            reply = self.rpc.call(method, kwargs, timeout=timeout, writable_reply=writable_reply)
+            return reply
+        finally:
+            traffic.end(reply)
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         self.rpc.wait_ready(timeout)

@@ -69,6 +69,7 @@ from stratagem.ps.dispatcher import _Worker
 from stratagem.ps.health import PsWatchdog
 from stratagem.ps.remote_value import RemoteValue, check_timeout, remaining
 from stratagem.ps.strategy import ParameterServerStrategy
+from stratagem.ps.traffic import WorkerTraffic
 from stratagem.values import map_structure
 
 DEFAULT_WORKER_TIMEOUT_SECONDS = 60.0
@@ -169,9 +170,11 @@ class ClusterCoordinator:
         self._datasets: dict[str, Callable] = {}
         self._keys: "weakref.WeakKeyDictionary[Callable, str]" = weakref.WeakKeyDictionary()
         # what the dispatchers and the watchdog may use of this coordinator, and nothing more
+        #: what each worker's calls to the parameter servers moved (stratagem.ps.traffic; TensorBoard writes it)
+        self.worker_traffic = WorkerTraffic()
         link = CoordinatorLink(id=self.id, strategy=strategy, queue=self._queue, stopping=self._stopping,
                                datasets=self._datasets, closure_key=self._closure_key,
-                               check=self._raise_if_failed, fail=self._fail)
+                               check=self._raise_if_failed, fail=self._fail, traffic=self.worker_traffic)
         self._ps_watch = PsWatchdog(link, ps_timeout)
         self._workers = [_Worker(link, self._ps_watch, i, address)
                          for i, address in enumerate(strategy.cluster.worker_addresses)]

@@ -15,6 +15,7 @@ from typing import Callable, Mapping
 
 from stratagem.ps.closure_queue import _Queue
 from stratagem.ps.strategy import ParameterServerStrategy
+from stratagem.ps.traffic import WorkerTraffic
 
 __all__ = ["CoordinatorLink"]
 
@@ -32,3 +33,4 @@ class CoordinatorLink:
     closure_key: Callable[[Callable], str]    # the name a function is cached under on the workers
     check: Callable[[], None]                 # raises what makes waiting pointless: a fatal error, a lost ps, shutdown
     fail: Callable[[BaseException], None]     # a fatal error: every closure fails with it, the API raises it from then on
+    traffic: WorkerTraffic                    # each worker's calls to the ps, summed over the closures it ran

@@ -169,6 +169,7 @@ class _Worker:
             if ps.retry(closure, error):   # a ps stalled: run it again
                 queue.put(closure, front=True, new=False)
                 return
+            error = ps.located(error)   # a ps call that timed out: where each task stands
             closure.value._set_error(error)
             queue.finished(closure, error)
             return
@@ -178,6 +179,7 @@ class _Worker:
             strategy.placement.buffers_written_on_workers(result["buffers_written"])
         if result.get("metrics"):   # this run's metric updates count, and only this run's
             accept_worker_deltas(strategy, result["metrics"])
+        self.link.traffic.add(self.index, result.get("traffic"))   # (the TensorBoard callback's ps scalars)
         closure.value._set_value(result["result"])
         queue.finished(closure)
 

@@ -17,7 +17,11 @@ more: its queued pushes are refused. Once a ps is declared lost the coordinator 
 closure, fails the waiting ones and the running ones with :class:`UnavailableError`
 naming the ps, and ``schedule``/``join``/``fetch`` raise it until the user restores the
 variables (``model.load_state_dict`` / ``optimizer.load_state_dict``), which renews the
-leases.
+leases. The error says where every task stands (:func:`stratagem.observe.hang_report.report`,
+a few seconds at most, under ``stratagem launch``): a ps that does not answer, with its state
+(stopped, say) and the last call it completed (method, bytes); each worker's call in flight
+and its line of the script; the full stacks in a file it names. So does the error of a
+closure whose ps call timed out and that is not run again (:meth:`PsWatchdog.located`).
 
 A closure scheduled before a loss fails with it even when it ends after the restore --
 it was held by a dispatcher (creating a worker's datasets, say) or still running on its
@@ -41,6 +45,7 @@ import time
 from typing import Any, Iterator
 
 from stratagem.errors import UnavailableError
+from stratagem.observe import hang_report
 from stratagem.ps.client import ParameterServerClient
 from stratagem.ps.closure_queue import _Closure
 from stratagem.ps.coordinator_link import CoordinatorLink
@@ -53,6 +58,7 @@ __all__ = ["PsWatchdog"]
 HEARTBEAT_SECONDS = 1.0
 RECONNECT_TIMEOUT_SECONDS = 2.0
 MAX_PS_RETRIES = 5     # runs of one closure that failed because a ps stalled
+COORDINATOR_TASK = "chief"   # this process in a hang report made outside `stratagem launch`
 _RESTORE = ("Restart it (stratagem launch --max-restarts restarts it) and restore the variables from "
             "the last checkpoint with model.load_state_dict / optimizer.load_state_dict")
 
@@ -167,7 +173,8 @@ class PsWatchdog:
         task = self.clients[i].task
         self.failure = UnavailableError(
             f"parameter server {task} is lost: {why}. Nothing more is applied to it: the steps "
-            f"waiting or running fail with this error. {_RESTORE}.", task=task)
+            f"waiting or running fail with this error. {_RESTORE}. Where the tasks stand:\n"
+            f"{hang_report.report(COORDINATOR_TASK)}", task=task)   # (bounded: a few seconds)
         self.last_failure = self.failure
         self.losses += 1    # (after last_failure: whoever sees the count sees the error)
         self._expired.clear()
@@ -236,6 +243,15 @@ class PsWatchdog:
             self.link.stopping.wait(1.0)   # the next heartbeat renews the lease
             return True
         return False
+
+    def located(self, error: BaseException) -> BaseException:
+        """``error``, about to fail a closure, with where every task stands added (as a note) when
+        a ps did not answer one of its calls in time and is not declared lost (a lost ps's error
+        says it already)."""
+        timed_out = any(isinstance(cause, UnavailableError) and self._is_ps(cause) for cause in _causes(error))
+        if timed_out and error is not self.failure and error is not self.last_failure:
+            error.add_note(f"Where the tasks stand:\n{hang_report.report(COORDINATOR_TASK)}")
+        return error
 
     def _is_ps(self, error: BaseException) -> bool:
         return getattr(error, "task", None) in {c.task for c in self.clients}

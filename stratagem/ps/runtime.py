@@ -30,6 +30,7 @@ from stratagem._record import attach
 from stratagem.data.input import InputContext
 from stratagem.errors import InvalidArgumentError
 from stratagem.ps.client import ParameterServerClient, call_each
+from stratagem.ps.traffic import PsTraffic
 from stratagem.ps.variables import RemoteVariable, gradients_by_ps
 
 __all__ = ["WorkerOptimizer", "WorkerRuntime"]
@@ -41,8 +42,9 @@ class WorkerRuntime:
 
     def __init__(self, ps_addresses: list[str], token: str, *, num_workers: int, worker_index: int,
                  timeout: float = 60.0):
-        self.ps = [ParameterServerClient(address, token, task=f"ps {i}", default_timeout=timeout)
-                   for i, address in enumerate(ps_addresses)]
+        self.traffic = PsTraffic()   # what this worker's calls to the ps move (stratagem.ps.traffic)
+        self.ps = [ParameterServerClient(address, token, task=f"ps {i}", default_timeout=timeout,
+                                         traffic=self.traffic) for i, address in enumerate(ps_addresses)]
         self.num_workers = num_workers
         self.worker_index = worker_index
         self.params: dict[str, torch.Tensor] = {}

@@ -43,6 +43,7 @@ from torch import nn
 
 from stratagem.cluster.joined import mark_joined
 from stratagem.errors import InvalidArgumentError, UnavailableError
+from stratagem.observe import flight
 from stratagem.ps.checkpointing import checkpoint_handlers
 from stratagem.ps.fencing import Fence, Fences
 from stratagem.ps.ownership import Ownership, owned_handlers
@@ -369,6 +370,7 @@ class ParameterServer(ShardStates):
         return var
 
     def _count(self, op: str, bytes_in: int, bytes_out: int) -> None:
+        flight.end(flight.begin(f"rpc served {op}", bytes_in + bytes_out))   # (the last one: where a stopped ps was)
         with self._stats_lock:
             counts = self._ops.setdefault(op, {"calls": 0, "bytes_in": 0, "bytes_out": 0})
             counts["calls"] += 1

@@ -12,9 +12,10 @@ whatever needs it: each request is read by a
    shard, an embedding's only for the rows used) to the parameter servers;
 3. returns the function's result, detached, with the buffers the function wrote in place
    and what it added to the metrics it mentions (``{"result": ..., "buffers_written":
-   [var_id, ...], "metrics": {metric_id: delta}}``): a worker's buffers stay on the worker,
-   and the coordinator warns when its copy of one of these is read; the metrics' deltas are
-   merged into the coordinator's metrics when it accepts the result, so each run counts once.
+   [var_id, ...], "metrics": {metric_id: delta}, "traffic": {...}}``): a worker's buffers stay
+   on the worker, and the coordinator warns when its copy of one of these is read; the metrics'
+   deltas are merged into the coordinator's metrics when it accepts the result, so each run
+   counts once; ``traffic`` is what its calls to the ps moved (:mod:`stratagem.ps.traffic`).
 
 The closure cache is bounded: an LRU of ``closure_cache_size`` functions (default 256, or
 the ``STRATAGEM_WORKER_CLOSURE_CACHE`` environment variable). A ``run`` of a key this
@@ -157,5 +158,6 @@ class WorkerService:
                 result = fn(*args, **kwargs)
             written = runtime.buffers_written(versions)
             deltas = worker_deltas(metrics)
+            traffic = runtime.traffic.take()   # (and a failed run's before it)
         return {"result": map_structure(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, result),
-                "buffers_written": written, "metrics": deltas}
+                "buffers_written": written, "metrics": deltas, "traffic": traffic}

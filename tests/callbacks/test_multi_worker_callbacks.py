@@ -46,6 +46,14 @@ def test_two_workers_and_an_evaluator(tmp_path: Path) -> None:
     assert fits[0] == fits[1] and fits[0]["epochs"] == [0, 1] and fits[0]["lr"] == [0.05, 0.05]
     assert sorted(p.name for p in tmp_path.glob("fit-*")) == sorted(
         ["fit-rank0.csv", "fit-tb-rank0", *(f"fit-{e + 1}-{loss:.4f}" for e, loss in enumerate(fits[0]["val_loss"]))])
+    # ... and the chief writes every worker's step clock: per epoch, each worker's median step, its
+    # gradient exchange and the bytes it moved (nn.Linear(4, 1): 16 + 4 bytes of gradients a step, and
+    # the pack's flag per parameter, 2 x 4 bytes: comm/gradients.py)
+    from .test_callbacks import read_scalars
+    train = read_scalars(tmp_path / "fit-tb-rank0" / "train")
+    for worker in (0, 1):
+        assert [len(train[f"epoch_{name}/worker_{worker}"]) for name in ("step_seconds", "exchange_seconds")] == [2, 2]
+        assert [value for _, value in train[f"epoch_exchange_bytes/worker_{worker}"]] == [28, 28], train
 
     # The sidecar evaluator: each checkpoint once, the weights training saved, then it exited.
     saved = dict(re.findall(r"rank 0 saved ckpt-(\d+) weight_sum=(\S+)", completed.stdout))

@@ -14,6 +14,7 @@ import sys
 import time
 
 import torch
+import torch._dynamo  # noqa: F401 - now, not at the first optimizer: under load that took longer than --hang-timeout 8
 
 import stratagem as sg
 

@@ -128,5 +128,36 @@ def test_rpc_calls_show_no_unknown_bytes_and_no_sequence_hints() -> None:
     idle["last_completed"].update(kind="rpc push", nbytes=0)
     coordinator = _waiting(12, "rpc run")
     message = hang_report.describe({"chief": coordinator, "worker 0": idle})
-    assert "its last collective, #4 rpc push, ended 30 s ago" in message, message
+    assert "its last call, #4 rpc push, ended 30 s ago" in message, message
     assert "the others wait" not in message, message   # (RPC numbers do not compare across tasks)
+
+
+def test_an_rpc_call_in_flight_names_its_peer() -> None:
+    worker = _waiting(9, "rpc push")
+    worker["in_flight"][0].update(peers="ps 0", nbytes=0, main_thread=False)
+    assert hang_report.describe({"worker 0": worker}).startswith("worker 0 waits in #9 rpc push to ps 0 (step 12)")
+
+
+def test_a_task_leaves_its_last_completed_call_for_when_it_cannot_answer(tmp_path: Path, monkeypatch) -> None:
+    """A stopped task cannot answer: what it last completed comes from the note it kept while it ran."""
+    monkeypatch.setenv(answer.OBSERVE_VARIABLE, str(tmp_path))
+    answer.start("ps 0")
+    try:
+        with flight.record("rpc served push", 144):
+            pass
+        seq = flight.last_completed().seq
+        note = tmp_path / "last" / "ps-0.json"
+        deadline = time.monotonic() + 60
+        while f'"seq": {seq},' not in (note.read_text() if note.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.02)   # (written within 0.2 s)
+    finally:
+        answer.stop()
+    said = hang_report.last_note(tmp_path, "ps 0", os.getpid())
+    assert said == f"; its last call, #{seq} rpc served push (144 B, step {flight.step()}), ended 0 s ago", said
+    assert hang_report.last_note(tmp_path, "ps 0", os.getpid() + 1) == ""   # another process of that task
+    assert hang_report.last_note(tmp_path, "ps 1") == ""
+    reasons = hang_report.silent_reasons(tmp_path, {"ps 0": os.getpid()}, {"ps 0": None})
+    assert list(reasons) == ["ps 0"]
+    assert reasons["ps 0"].startswith("stuck in C code") and reasons["ps 0"].endswith(said)
+    message = hang_report.describe({"ps 0": None}, reasons)
+    assert message.startswith("ps 0 did not answer: ") and message.endswith(said[2:]), message

@@ -54,6 +54,12 @@ def test_a_worker_slowed_in_its_input_pipeline_is_named(tmp_path) -> None:
     assert "straggler: worker 1" in report and "waiting for input" in report, report
 
 
+def test_a_worker_slowed_by_a_cpu_hog_in_its_forward_is_named(tmp_path) -> None:
+    outputs = _run(tmp_path, "hog")
+    report = outputs["worker 0"][outputs["worker 0"].index("step report"):]
+    assert "straggler: worker 1" in report and "its extra time goes to compute" in report, report
+
+
 def test_a_custom_loop_gets_the_report_on_every_worker(tmp_path) -> None:
     outputs = _run(tmp_path, "loop")
     for output in outputs.values():

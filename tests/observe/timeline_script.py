@@ -6,6 +6,7 @@ each task of a local cluster (or by `stratagem launch`, with OUT "-" and no Time
 - ``fit``: ``sg.Model.fit`` with ``sg.experimental.Timeline(OUT/trace.json)`` as a callback (the
   chief prints the straggler table at the end of fit);
 - ``slow``: the same, worker 1's input pipeline sleeping 40 ms before each batch;
+- ``hog``: the same, worker 1's forward spending 40 ms more on the CPU (a busy loop) each step;
 - ``loop``: a custom loop inside ``with Timeline(...)``, then ``strategy.experimental_step_report()``.
 """
 
@@ -46,6 +47,13 @@ def module() -> torch.nn.Module:
                                torch.nn.ReLU(), torch.nn.Linear(512, 10))
 
 
+def spin(seconds: float) -> None:
+    """Keep the CPU busy for ``seconds``: a compute straggler."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def main() -> None:
     out, mode = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
@@ -53,9 +61,12 @@ def main() -> None:
     worker = strategy.topology.worker_index
     data = Batches(0.04 if mode == "slow" and worker == 1 else 0.0)
     path = os.path.join(out, "trace.json")
-    if mode in ("fit", "slow"):
+    if mode in ("fit", "slow", "hog"):
         with strategy.scope():
-            model = sg.Model(module())
+            net = module()
+            if mode == "hog" and worker == 1:
+                net[0].register_forward_pre_hook(lambda *_: spin(0.04))
+            model = sg.Model(net)
             model.compile(optimizer="sgd", loss=sg.losses.SparseCategoricalCrossentropy(from_logits=True))
         callbacks = [] if out == "-" else [sg.experimental.Timeline(path)]
         model.fit(data, epochs=2, callbacks=callbacks, verbose=2)

@@ -3,15 +3,16 @@
 Step time, for a ``d x p x t`` layout with ``m`` micro-batches of ``rows = global_batch / (d m)``:
 
 - each stage's time per micro-batch: its blocks' forward + backward (``fixed + per_row * rows``,
-  from :mod:`.profile`; blocks a plan splits divided by ``t``; one more forward with
-  recomputation), the model axis's all-reduces (the output of each ``"rowwise"`` layer in forward,
+  from :mod:`.profile`; blocks a plan splits divided by ``t``; with
+  recomputation, what a checkpointed forward and backward measured over a plain one in the profile), the model axis's all-reduces (the output of each ``"rowwise"`` layer in forward,
   the input gradient of each ``"colwise"`` one in backward), and the activations and their
   gradients sent to the next stage;
 - the schedule: ``(m + p - 1)`` times the slowest stage's micro-batch (GPipe and 1F1B have the same
   bubble; 1F1B holds fewer activations);
 - the data axis once per step: the gradients all-reduced (``None``, ZeRO-1, whose ranges are then
   all-gathered), reduce-scattered and the parameters all-gathered (ZeRO-2), or, under ZeRO-3, the
-  parameters all-gathered in each micro-batch's forward and backward and the gradients
+  parameters all-gathered in each micro-batch's forward and once for the backward (torch's pipeline
+  stage keeps them whole until the schedule ends, as the measured memory shows) and the gradients
   reduce-scattered once;
 - the optimizer's step over this process's parameters (its range under ZeRO).
 
@@ -28,9 +29,15 @@ predicted as ``model x measured / model`` of its probe (:func:`calibration`, :fu
 a mesh whose probe was not measured takes the median factor). The model ranks the layouts within
 a mesh (ZeRO stage, recomputation, micro-batches, schedule), the probes rank the meshes.
 
-Activation memory of pipe rank ``s``: the activations of its blocks for the micro-batches in flight
-(GPipe: all ``m``; 1F1B: ``min(m, p - s)``); with recomputation only each micro-batch's stage input,
-plus one block's activations while it is recomputed.
+Memory of pipe rank ``s``, at its step's peak: what it keeps between steps -- its parameters and
+optimizer state (:func:`~.memory.model_states`), under a data axis without ZeRO-2/3 the packs of
+summed gradients that ``.grad`` views -- plus what its schedule adds (:func:`~.memory.schedule_peak`):
+the activations each block saves per micro-batch (the profile's bytes per row, the part a plan splits
+divided by ``t``, the loss's on the last stage) for the micro-batches in flight (GPipe: all ``m``;
+1F1B: ``min(m, p - s)``), the stage's input and output of each (where no block saves them), the
+gradients its backward creates, and under ZeRO-3 the blocks' parameters gathered while they run.
+With recomputation a micro-batch in flight holds only its input and output, and its backward saves
+the whole stage's activations again.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import statistics
 from typing import Any
 
 from stratagem.experimental.planning.layouts import Layout
-from stratagem.experimental.planning.memory import model_states
+from stratagem.experimental.planning.memory import model_states, schedule_peak
 from stratagem.experimental.planning.profile import Profile
 
 
@@ -67,7 +74,8 @@ class Network:
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     """What the model says of one layout: seconds per step; the model states of the process that holds the
-    most (exact), and the most activations any process holds (an estimate): ``memory`` is their sum."""
+    most (exact), and ``activations``: what its step adds to them at the fullest process's peak (activations,
+    gradients being summed, gathered parameters): ``memory``, their sum, is the predicted peak."""
 
     seconds: float
     parameters: float
@@ -116,9 +124,11 @@ def predict(profile: Profile, layout: Layout, network: Network, *, global_batch:
         for i in range(a, b):
             fixed, per_row = profile.forward_backward[i]
             block = fixed + per_row * rows
-            if layout.recompute:
+            if layout.recompute and profile.recompute_fixed < 0:   # (a profile without the measured overhead)
                 block += profile.forward[i][0] + profile.forward[i][1] * rows
             compute += block / t if profile.plan_traffic[i] else block
+        if layout.recompute and profile.recompute_fixed >= 0:
+            compute += _recompute_seconds(profile, a, b, t, rows)
         traffic = sum(network.all_reduce((out if style == "rowwise" else inp) * rows, t)
                       for i in range(a, b) for style, inp, out in profile.plan_traffic[i]
                       if style in ("rowwise", "colwise"))
@@ -127,16 +137,11 @@ def predict(profile: Profile, layout: Layout, network: Network, *, global_batch:
             sends += 2 * network.send(profile.input_bytes[a] * rows)
         stage_seconds.append(compute * network.oversubscription + traffic + sends)
         inflight = m if layout.schedule == "gpipe" or p == 1 else min(m, p - s)
-        if layout.recompute:
-            held = profile.input_bytes[a] * rows * inflight + max(profile.activation_bytes[a:b]) * rows
-        else:
-            held = sum(profile.activation_bytes[i] / (t if profile.plan_traffic[i] else 1)
-                       for i in range(a, b)) * rows * inflight
         psi = sum(params[a:b])
-        packs = d > 1 and t > 1 and layout.sharding in (None, "optimizer")
-        copied = sum(profile.block_split_params.get(t, [0.0] * len(params))[a:b]) if packs else 0.0
-        memory.append((model_states(psi, data=d, sharding=layout.sharding, element_size=profile.element_size,
-                                    state_per_parameter=profile.state_per_parameter, copied=copied), held, psi))
+        states = model_states(psi, data=d, sharding=layout.sharding, element_size=profile.element_size,
+                              state_per_parameter=profile.state_per_parameter)
+        peak = _stage_peak(profile, layout, a, b, s, rows, inflight, states)
+        memory.append((states, peak, psi))
     seconds = (m + p - 1) * max(stage_seconds)
     psi_max = max(psi for _, _, psi in memory)
     grad_bytes = profile.element_size * psi_max
@@ -146,13 +151,68 @@ def predict(profile: Profile, layout: Layout, network: Network, *, global_batch:
         seconds += network.all_reduce(grad_bytes, d) + network.gather(grad_bytes, d)
     elif layout.sharding == "gradients":
         seconds += 2 * network.gather(grad_bytes, d)
-    else:   # parameters gathered in each micro-batch's forward and backward, gradients scattered once
-        seconds += (2 * m + 1) * network.gather(grad_bytes, d)
+    else:   # parameters gathered in each micro-batch's forward and once for the backward, gradients scattered once
+        seconds += (m + 2) * network.gather(grad_bytes, d)
     share = d if layout.sharding else 1
     seconds += profile.step_seconds_per_parameter * psi_max / share * network.oversubscription
     params_b, grads_b, state_b = max((states for states, _, _ in memory), key=sum)
+    peak = max(held for _, held, _ in memory)
     return Prediction(seconds=seconds, parameters=params_b, gradients=grads_b, optimizer_state=state_b,
-                      activations=max(held for _, held, _ in memory))
+                      activations=peak - params_b - grads_b - state_b)
+
+
+def _recompute_seconds(profile: Profile, a: int, b: int, t: int, rows: float) -> float:
+    """What recomputing a stage's blocks ``[a, b)`` adds to a micro-batch: the profile's measured overhead of a
+    checkpointed forward and backward over a plain one (its fixed part once, its part per row in the share
+    of the model's forward that these blocks are; a split block's by ``t``) -- on a CPU far more than the
+    one more forward it replays, for a small model (torch's checkpoint keeps and replays in Python)."""
+    per_row = [profile.forward[i][1] / (t if profile.plan_traffic[i] else 1) for i in range(a, b)]
+    total = sum(f[1] for f in profile.forward) or 1.0
+    return profile.recompute_fixed + profile.recompute_per_row * rows * sum(per_row) / total
+
+
+def _stage_peak(profile: Profile, layout: Layout, a: int, b: int, s: int, rows: float, inflight: int,
+                states: tuple[float, float, float]) -> float:
+    """Bytes at the peak of a step on pipe rank ``s`` (blocks ``[a, b)``): what it keeps between steps
+    (parameters, optimizer state, under a data axis the packs of summed gradients) and what its
+    schedule adds (:func:`~.memory.schedule_peak`)."""
+    d, t, e = layout.data, layout.model, profile.element_size
+    n, m, last = len(profile.names), layout.num_microbatches, b == len(profile.names)
+    split = profile.activation_split_bytes or [0.0] * n
+    saves_in, saves_out = profile.saves_input or [False] * n, profile.saves_output or [False] * n
+    outs = profile.output_storage_bytes or profile.output_bytes
+    ins = [profile.input_storage_bytes or profile.input_bytes[0], *outs[:-1]]   # what each block is given
+    saved = [(profile.activation_bytes[i] - split[i] + split[i] / t) * rows for i in range(a, b)]
+    if saves_in[a] and (a == 0 or not saves_out[a - 1]):   # the stage's input, where the profile counted it here
+        saved[0] -= ins[a] * rows
+    if saves_out[b - 1]:                                    # and its output: both apart, below
+        saved[-1] -= outs[b - 1] * rows
+    # the input of every micro-batch (the batch; a later stage's receive buffers) is there for the whole step,
+    # and so is the output a stage sends under GPipe, or 1F1B with no micro-batch beyond those in flight (torch's
+    # schedules hold the sends until then); otherwise a stage's output until the micro-batch's backward
+    kept = ins[a] * rows * m
+    sent = layout.pipe > 1 and not last and (layout.schedule == "gpipe" or m <= inflight)
+    kept += outs[b - 1] * rows * m if sent else 0.0
+    io = 0.0 if sent else outs[b - 1] * rows
+    shard = d if layout.sharding == "parameters" else 1
+    blocks = [e * q for q in profile.block_params[t][a:b]]
+    parameters, gradients, state = states
+    packs = gradients if d > 1 and layout.sharding in (None, "optimizer") else 0.0
+    loss = profile.loss_bytes * rows if last else 0.0   # (freed as the micro-batch's backward begins)
+    if shard == 1:
+        return parameters + state + packs + kept + schedule_peak(
+            saved, io, blocks, in_flight=inflight, microbatches=m, recompute=layout.recompute, released=loss)
+    # ZeRO-3 (FSDP2 under torch's pipeline stage): in forward a block's parameters are whole while it runs,
+    # counting what it saves of them (a layer whose input needs no gradient keeps none: the profile's bytes,
+    # this process's share of a model axis's split); in backward each block is gathered again and, with its
+    # whole gradient, stays so until the schedule ends (the stage reduce-scatters and reshards then)
+    whole = profile.block_params[1][a:b]
+    gathered = [profile.saved_param_bytes[i] * q / w if w else 0.0
+                for i, q, w in zip(range(a, b), profile.block_params[t][a:b], whole)] \
+        if profile.saved_param_bytes else blocks
+    return parameters + state + kept + schedule_peak(
+        saved, io, [2 * g for g in blocks], in_flight=inflight, microbatches=m, recompute=layout.recompute,
+        gathered=gathered, regathered=blocks, released=loss)
 
 
 def probes(ranked: list[Layout]) -> list[Layout]:

@@ -17,12 +17,10 @@ axis (``sharding=``) gives
                                                          gradient before the step: whole until then)
     "parameters"   e Ψ_r / d    e Ψ_r / d   s Ψ_r / d   (FSDP2)
 
-and, with a model axis and a data axis under None or ``"optimizer"``, the split parameters'
-gradients once more (:func:`model_states`' ``copied``: measured, see there).
-
 These are the bytes of the tensors' storages, which :func:`storage_bytes` counts on a running
-process (``benchmarks/mesh3d.py`` and the planner's trials compare the two). Activations depend
-on the schedule and are estimated from a profile instead (:mod:`.cost`).
+process (``benchmarks/mesh3d.py`` and the planner's trials compare the two). What a step adds to
+them -- activations, the gradients before they are summed, ZeRO-3's gathered parameters -- depends
+on the schedule: :func:`schedule_peak`, from a profile's bytes (:mod:`.activations`).
 """
 
 from __future__ import annotations
@@ -99,13 +97,11 @@ def rank_parameters(model: nn.Module, bounds: Sequence[tuple[int, int]], plan: d
 
 
 def model_states(psi_r: float, *, data: int, sharding: str | None, element_size: int,
-                 state_per_parameter: float, copied: float = 0.0) -> tuple[float, float, float]:
+                 state_per_parameter: float) -> tuple[float, float, float]:
     """Bytes of parameters, gradients and optimizer state of a process holding ``psi_r`` parameters.
 
-    ``copied``: gradient elements held twice. A tensor-parallel process with a data axis
-    (``sharding`` None or ``"optimizer"``) sums its gradients over that axis in packs, and a split
-    layer's gradient becomes a DTensor over a copy of its sum, while the pack stays for the next
-    step: its split parameters' gradients count twice.
+    Under a data axis (``sharding`` None or ``"optimizer"``) the gradients are the packs that sum
+    them, which every ``.grad`` (a DTensor's too) views after the sum: one copy.
 
     Example::
 
@@ -116,4 +112,52 @@ def model_states(psi_r: float, *, data: int, sharding: str | None, element_size:
     """
     params = element_size * psi_r / data if sharding == "parameters" else element_size * psi_r
     state = state_per_parameter * psi_r / data if sharding else state_per_parameter * psi_r
-    return params, params + element_size * copied, state
+    return params, params, state
+
+
+def schedule_peak(saved: Sequence[float], io: float, grads: Sequence[float], *, in_flight: int,
+                  microbatches: int, recompute: bool, gathered: Sequence[float] = (),
+                  regathered: Sequence[float] = (), released: float = 0.0) -> float:
+    """The most bytes one stage's schedule adds to what a process keeps between steps.
+
+    ``saved``: what each block saves for one micro-batch; ``io``: what the schedule holds of a
+    micro-batch until its backward besides (the stage's output); ``grads``: the gradients each
+    block's backward creates (none before the step's first backward: ``zero_grad`` dropped them);
+    ``in_flight``: micro-batches between their forward and backward at most (GPipe: all of them;
+    1F1B on pipe rank ``s`` of ``p``: ``min(m, p - s)``); with ``recompute`` a micro-batch in flight
+    saves nothing, and its backward saves the stage's activations again. ``gathered``: under
+    ZeRO-3, what each block saves of its parameters made whole in forward (they count while it runs);
+    ``regathered``: each block's parameters made whole for its backward (a replay gathers every block
+    it runs again; in a pipeline they stay whole until the schedule ends, as ``grads`` then counts).
+    ``released``: what a micro-batch holds from its forward until its backward begins (the loss's
+    saved tensors, outside any recomputed region).
+
+    The points: every micro-batch in flight (the last one's forward block by block); the first
+    backward, block by block from the last (a block's activations freed as its gradients
+    appear); a later backward, or a 1F1B forward, with every gradient there.
+
+    Example::
+
+        from stratagem.experimental.planning.memory import schedule_peak
+        # two blocks saving 100 and 10 bytes, gradients 50 and 500: the first backward's end weighs most
+        assert schedule_peak([100, 10], 0, [50, 500], in_flight=1, microbatches=1, recompute=False) == 600
+        assert schedule_peak([100, 10], 0, [50, 500], in_flight=2, microbatches=2, recompute=False) == 710
+    """
+    k, total, g = in_flight, sum(saved), sum(grads)
+    whole = list(gathered) or [0.0] * len(saved)
+    base = io if recompute else total + io
+    held = base + released
+    prefix = [sum(saved[:i + 1]) for i in range(len(saved))]
+    forward = max(whole) if recompute else max(p + w for p, w in zip(prefix, whole))
+    again = list(regathered) or [0.0] * len(saved)
+    # a replay gathers the blocks again and keeps them until their backward (FSDP does not reshard in backward)
+    gone = [max(sum(again[:i + 1]) if recompute else again[i], whole[i]) for i in range(len(saved))]
+    first = max(prefix[i] + sum(grads[i + 1:]) + gone[i] for i in range(len(saved)))
+    points = [(k - 1) * held + io + released + forward, (k - 1) * held + io + first, (k - 1) * held + g]
+    # after the first backward every gradient is there (and the blocks gathered again stay, counted with them)
+    if microbatches > k:   # 1F1B: the next forward
+        points.append((k - 1) * held + io + released + (base - io if regathered else forward) + g)
+    others = k - 1 if microbatches > k else k - 2
+    if microbatches > 1 and others >= 0:   # a later backward
+        points.append(others * held + io + (total if regathered else max(p + w for p, w in zip(prefix, gone))) + g)
+    return max(points)

@@ -41,6 +41,8 @@ class PlanRow:
     measured_model_states: float | None   # bytes of parameters, gradients and optimizer state, the fullest process
     note: str                             # "chosen", "measured", "not measured ...", "failed: ...", "rejected: ..."
     probe: bool = False                   # measured first, to calibrate its mesh
+    measured_peak: float | None = None    # bytes at the step's peak, the fullest process (trial's PeakMeter)
+    peak_parts: list | None = None        # each process's peak by kind (parameters, gradients, state, saved, ...)
 
 
 class Plan:
@@ -66,9 +68,9 @@ class Plan:
         return self.layout.strategy(loss_fn=self._loss_fn, plan=self._tensor_plan)
 
     def table(self) -> str:
-        """The table: layout, predicted memory (model states + activations), step time (the model's, calibrated,
-        measured), note."""
-        head = (f"{'layout':<28}{'memory MiB (states + act.)':>30}{'model ms':>10}{'calibrated':>12}"
+        """The table: layout, predicted memory (model states + activations), the measured peak, step time (the
+        model's, calibrated, measured), note."""
+        head = (f"{'layout':<28}{'memory MiB (states + act.)':>30}{'peak MiB':>10}{'model ms':>10}{'calibrated':>12}"
                 f"{'measured ms':>13}  note")
         lines = [head, "-" * len(head)]
         for row in self.rows:
@@ -79,7 +81,9 @@ class Plan:
             fixed = f"{row.calibrated_seconds * 1e3:.2f}" if row.calibrated_seconds is not None else "-"
             measured = f"{row.measured_seconds * 1e3:.2f}" if row.measured_seconds is not None else "-"
             note = row.note + (" (probe)" if row.probe else "")
-            lines.append(f"{row.layout.describe():<28}{memory:>30}{predicted:>10}{fixed:>12}{measured:>13}  {note}")
+            peak = f"{row.measured_peak / _MIB:.3f}" if row.measured_peak is not None else "-"
+            lines.append(f"{row.layout.describe():<28}{memory:>30}{peak:>10}{predicted:>10}{fixed:>12}{measured:>13}"
+                         f"  {note}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -186,7 +190,8 @@ def _assemble(result: dict[str, Any], *, world: int, loss_fn: Callable, tensor_p
         ok = isinstance(got, dict)
         fixed = calibrated(result["raw"], factors, layout) if layout in result["raw"] else None
         rows.append(PlanRow(layout, guess, fixed, got["seconds"] if ok else None, got["model_states"] if ok else None,
-                            note, probe=layout in probes))
+                            note, probe=layout in probes, measured_peak=got["peak"] if ok else None,
+                            peak_parts=[e["parts"] for e in got["per_process"]] if ok else None))
     ran = [r for r in rows if r.measured_seconds is not None]
     if not ran:
         _refuse(rows, limit, world)
@@ -217,7 +222,7 @@ def _refuse(rows: list[PlanRow], limit: float | None, world: int) -> None:
         raise InvalidArgumentError(
             f"no layout of {world} processes fits memory_limit={limit / _MIB:.3f} MiB per process: the smallest, "
             f"{small.layout.describe()}, needs {p.memory / _MIB:.3f} MiB ({p.model_states / _MIB:.3f} of parameters, "
-            f"gradients and optimizer state, {p.activations / _MIB:.3f} of activations); raise memory_limit, use "
+            f"gradients and optimizer state, {p.activations / _MIB:.3f} that its step adds); raise memory_limit, use "
             f"more processes, or a smaller global_batch")
     failed = "\n".join(f"  {r.layout.describe()}: {r.note}" for r in rows if not r.note.startswith("rejected"))
     raise StratagemError(f"sg.experimental.plan measured no layout of {world} processes:\n{failed or '  (none)'}")

@@ -6,11 +6,13 @@ model as one block. For each block, fed what the blocks before it output:
 - seconds of its forward, and of its forward and backward, at two batch sizes (the sample's rows
   and a quarter of them), so that a block's time is ``fixed + per_row * rows``: on a CPU the fixed
   part is what makes many small micro-batches slower than a few large ones;
-- bytes per row of the tensors its forward saves for the backward (activations), of its input
-  and of its output (what a pipeline sends between stages), and of the input and output of each
-  layer a tensor-parallel plan names (what the model axis all-reduces);
+- bytes per row of the tensors its forward saves for the backward (activations, :mod:`.activations`),
+  of its input and of its output (what a pipeline sends between stages), and of the input and
+  output of each layer a tensor-parallel plan names (what the model axis all-reduces);
 - for the optimizer: bytes of state per parameter after a step, and seconds per parameter of
-  ``step()``.
+  ``step()``;
+- what recomputation costs: a checkpointed forward and backward of the whole model over a plain
+  one, at the two batch sizes (``fixed + per_row * rows``).
 
 Each time is the median of :data:`ROUNDS` rounds, every block measured in turn in each round (a
 busy moment of the machine slows all blocks alike). Gradients come from ``torch.autograd.grad``:
@@ -25,7 +27,9 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from stratagem.experimental.planning.activations import saved_bytes
 from stratagem.experimental.planning.memory import block_parameters, style_of
 from stratagem.placement.dtensor_state import local_state_bytes
 from stratagem.placement.layout.pipeline_balance import timed
@@ -52,12 +56,22 @@ class Profile:
     element_size: int
     state_per_parameter: float            # bytes of optimizer state per parameter
     step_seconds_per_parameter: float
-    block_split_params: dict[int, list[float]] = dataclasses.field(default_factory=dict)   # of them split by the plan
+    # of activation_bytes, what a model axis splits (:mod:`.activations`); whether a block saves its input, its output
+    activation_split_bytes: list[float] = dataclasses.field(default_factory=list)
+    saves_input: list[bool] = dataclasses.field(default_factory=list)
+    saves_output: list[bool] = dataclasses.field(default_factory=list)
+    loss_bytes: float = 0.0               # what the loss saves per row besides the output
+    input_storage_bytes: float = 0.0      # the first block's input per row (any dtype; 0: input_bytes[0])
+    output_storage_bytes: list[float] = dataclasses.field(default_factory=list)   # each block's (empty: output_bytes)
+    saved_param_bytes: list[float] = dataclasses.field(default_factory=list)   # of its parameters, each block saves
+    recompute_fixed: float = -1.0         # seconds a checkpointed forward and backward adds (-1: not measured)
+    recompute_per_row: float = 0.0
 
 
 def profile(model: nn.Module, sample: tuple[Any, ...], *, make_optimizer: Callable[[Any], torch.optim.Optimizer],
-            plan: dict[str, Any] | None, model_sizes: list[int], device: torch.device) -> Profile:
-    """Measure ``model`` (plain, on ``device``) on ``sample`` (the first block's inputs)."""
+            plan: dict[str, Any] | None, model_sizes: list[int], device: torch.device, target: Any = None,
+            loss_fn: Callable | None = None) -> Profile:
+    """Measure ``model`` (plain, on ``device``) on ``sample`` (the first block's inputs) and ``loss_fn(output, target)``."""
     sequential = isinstance(model, nn.Sequential)
     if sequential:
         names, blocks = (list(x) for x in zip(*model.named_children()))
@@ -68,7 +82,9 @@ def profile(model: nn.Module, sample: tuple[Any, ...], *, make_optimizer: Callab
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         inputs = _inputs(blocks, sample)
         sizes = [_sizes(block, args, i == 0, plan, names[i]) for i, (block, args) in enumerate(zip(blocks, inputs))]
+        saved = saved_bytes(model, names, blocks, sample, plan, target, loss_fn)
         timings = _timings(blocks, inputs, rows, low, device)
+        overhead = _recompute_overhead(model, sample, rows, low, device)
     floats = [q for q in model.parameters() if q.is_floating_point()]
     element = floats[0].element_size() if floats else 4
     state, step = _optimizer(model, make_optimizer, device)
@@ -76,15 +92,16 @@ def profile(model: nn.Module, sample: tuple[Any, ...], *, make_optimizer: Callab
         names=names, sequential=sequential, rows=rows,
         forward=[_affine(t[0], t[1], rows, low) for t in timings["forward"]],
         forward_backward=[_affine(t[0], t[1], rows, low) for t in timings["forward_backward"]],
-        activation_bytes=[s[0] / rows for s in sizes], input_bytes=[s[1] / rows for s in sizes],
-        output_bytes=[s[2] / rows for s in sizes], plan_traffic=[[(st, i / rows, o / rows) for st, i, o in s[3]]
+        activation_bytes=[w + sp for w, sp in zip(saved.whole, saved.split)], input_bytes=[s[0] / rows for s in sizes],
+        output_bytes=[s[1] / rows for s in sizes], plan_traffic=[[(st, i / rows, o / rows) for st, i, o in s[2]]
                                                                  for s in sizes],
         block_params={t: block_parameters(model, plan, t) if sequential else
                       [float(sum(q.numel() for q in model.parameters()))] for t in model_sizes},
         total_params=float(sum(q.numel() for q in model.parameters())), element_size=element,
         state_per_parameter=state, step_seconds_per_parameter=step,
-        block_split_params={t: block_parameters(model, plan, t, split_only=True) if sequential else [0.0]
-                            for t in model_sizes})
+        activation_split_bytes=saved.split, saves_input=saved.saves_input, saves_output=saved.saves_output,
+        loss_bytes=saved.loss, input_storage_bytes=saved.input, output_storage_bytes=saved.outputs,
+        saved_param_bytes=saved.params, recompute_fixed=overhead[0], recompute_per_row=overhead[1])
 
 
 def _inputs(blocks: list[nn.Module], sample: tuple[Any, ...]) -> list[tuple[Any, ...]]:
@@ -136,6 +153,36 @@ def _timings(blocks: list[nn.Module], inputs: list[tuple[Any, ...]], rows: int, 
     return {k: [(statistics.median(hi), statistics.median(lo)) for hi, lo in v] for k, v in got.items()}
 
 
+class _Checkpointed(nn.Module):
+    """``model`` run under ``torch.utils.checkpoint`` (non-reentrant), as ``recompute=True`` runs a stage."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any) -> Any:
+        return checkpoint(self.model, *args, use_reentrant=False)
+
+
+def _recompute_overhead(model: nn.Module, sample: tuple[Any, ...], rows: int, low: int,
+                        device: torch.device) -> tuple[float, float]:
+    """(fixed, per row) seconds that a checkpointed forward and backward of the whole model takes over a plain
+    one, the plain and the checkpointed timed in turn in each round."""
+    wrapped = _Checkpointed(model)
+    got: list[list[list[float]]] = [[[], []], [[], []]]
+    for round_ in range(ROUNDS + 1):
+        for j, count in enumerate((rows, low)):
+            part = _rows(sample, count)
+            for k, module in enumerate((model, wrapped)):
+                seconds = timed(lambda: _forward(module, part, True, True), device)
+                if round_:
+                    got[k][j].append(seconds)
+    extra = [max(0.0, statistics.median(got[1][j]) - statistics.median(got[0][j])) for j in range(2)]
+    if rows == low or extra[0] <= extra[1]:   # not growing with the rows: torch's checkpoint's own cost, fixed
+        return extra[0], 0.0
+    return _affine(extra[0], extra[1], rows, low)
+
+
 def _affine(high: float, low: float, rows: int, low_rows: int) -> tuple[float, float]:
     """(fixed, per row) through the two measurements (per row only when they coincide or cross)."""
     if rows == low_rows or high <= low:
@@ -145,17 +192,8 @@ def _affine(high: float, low: float, rows: int, low_rows: int) -> tuple[float, f
 
 
 def _sizes(block: nn.Module, args: tuple[Any, ...], first: bool, plan: dict[str, Any] | None,
-           name: str) -> tuple[float, float, float, list[tuple[str, float, float]]]:
-    """Bytes of the tensors ``block``'s forward saves, of its input and output, and each plan layer's input and output."""
-    own = {t.untyped_storage().data_ptr() for t in [*block.parameters(), *block.buffers()]}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in own:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
+           name: str) -> tuple[float, float, list[tuple[str, float, float]]]:
+    """Bytes of ``block``'s input and output, and of each plan layer's input and output."""
     traffic: list[tuple[str, float, float]] = []
     hooks = []
     for sub, module in block.named_modules(prefix=name):
@@ -164,12 +202,12 @@ def _sizes(block: nn.Module, args: tuple[Any, ...], first: bool, plan: dict[str,
             hooks.append(module.register_forward_hook(
                 lambda m, i, o, style=style: traffic.append((str(style), _bytes(i), _bytes(o)))))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.no_grad():
             out = block(*_leaves(args, first))
     finally:
         for hook in hooks:
             hook.remove()
-    return float(sum(saved.values())), _bytes(args), _bytes(out), traffic
+    return _bytes(args), _bytes(out), traffic
 
 
 def _bytes(value: Any) -> float:

@@ -53,6 +53,7 @@ from torch.autograd import Variable
 
 from stratagem._profiling import label
 from stratagem.comm.collective import copy_gradients
+from stratagem.values import is_dtensor
 
 # The hooks below run inside backward. When backward is called from a compiled function (a
 # graph break), dynamo would try to compile each hook as it fires -- once per parameter and
@@ -130,6 +131,11 @@ class GradientSync:
                 self._handles.append(accumulator.register_prehook(self._prehook(r, i, p)))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
+    def buffers(self) -> list[torch.Tensor]:
+        """What the collective keeps of the gradients between steps (one replica's packs), for memory counts."""
+        packs = self._collective.gradient_packs(self._replicas[0]) if len(self._replicas) == 1 else None
+        return [] if packs is None else packs.buffers()
+
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -183,7 +189,7 @@ class GradientSync:
             grad = p.grad
             if grad is None or grad is self._local[replica].get(index):
                 return None   # nothing, or this replica's unsynced accumulation: keep adding to it
-            if grad._base is not None:   # a view of a pack of gradients, which this backward refills
+            if _views_a_pack(grad):   # which this backward refills
                 grad = grad.clone()
             self._set_aside[replica][index] = grad   # global: this backward adds its own part alone
             self._local[replica].pop(index, None)
@@ -216,7 +222,7 @@ class GradientSync:
         for i, p in enumerate(params):
             grad = p.grad
             if grad is not None and grad is not local.get(i):
-                aside[i] = grad.clone() if grad._base is not None else grad   # (a view of a pack: refilled)
+                aside[i] = grad.clone() if _views_a_pack(grad) else grad   # (refilled)
                 p.grad = None
         try:
             yield
@@ -265,7 +271,7 @@ class GradientSync:
             if (replica, i) in task.accumulated or (grad is not None and grad is local.get(i)):
                 parts.append((grad, aside.pop(i, None)))
             else:
-                if grad is not None and grad._base is not None:
+                if grad is not None and _views_a_pack(grad):
                     # a global part that this backward did not touch (a second backward reaching
                     # only some parameters; a reentrant checkpoint's nested backward) but still a
                     # view of a pack of gradients, which this sum refills
@@ -299,6 +305,12 @@ class GradientSync:
                 copy_gradients(first, tensors)
         for r in replicas:
             _add_global_parts(self._replicas[r], parts[r])
+
+
+def _views_a_pack(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` is a view (a DTensor: over a local tensor that is one) of a pack of sums."""
+    local = grad._local_tensor if is_dtensor(grad) else grad
+    return local._base is not None
 
 
 def _add_global_parts(params: list[torch.Tensor], parts: list[Any]) -> None:

@@ -262,6 +262,13 @@ class PipelinePlacement(RootsPlacement):
             for zero in zeros:
                 zero.reduce()
 
+    def gradient_buffers(self, model: nn.Module) -> list[torch.Tensor]:
+        """What this process keeps of ``model``'s gradients besides ``.grad`` (for memory counts): the
+        data axis's packs of sums (``.grad`` views them after a step), ZeRO-2's range of the sum."""
+        sync = self.data_axis.syncs.get(id(model))
+        zeros = self.update.reduce_scattered([p for p in model.parameters() if not p.is_meta])
+        return (sync.buffers() if sync is not None else []) + [z.summed[0] for z in zeros if z.summed is not None]
+
     # ----------------------------------------------------------- optimizers
     # (the data axis's, with stratagem.placement.data_axis.pipeline_optimizers as its update rule; the
     # modules are placed before each call needs them)

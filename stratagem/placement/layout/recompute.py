@@ -25,8 +25,9 @@ whose ``forward`` is then checkpointed wherever it is called with gradients enab
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -96,7 +97,28 @@ class CheckpointedForward:
             args = (self.module, *args)
         if not torch.is_grad_enabled():
             return self.function(*args, **kwargs)
+        if _OBSERVERS:
+            return checkpoint(self.function, *args, use_reentrant=False, context_fn=_observed, **kwargs)
         return checkpoint(self.function, *args, use_reentrant=False, **kwargs)
+
+
+#: what replays a recomputed region under (:func:`observing`)
+_OBSERVERS: list[Any] = []
+
+
+def _observed() -> tuple[Any, Any]:
+    return contextlib.nullcontext(), _OBSERVERS[-1]()
+
+
+@contextlib.contextmanager
+def observing(context: Any) -> Iterator[None]:
+    """While it is active, each recomputed region's replay (in backward) runs inside ``context()``: how
+    ``sg.experimental.plan`` counts what the replay saves."""
+    _OBSERVERS.append(context)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(context)
 
 
 def apply(modules: dict[int, nn.Module], recompute: Recompute | None, model: nn.Module, *,

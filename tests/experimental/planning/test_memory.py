@@ -1,11 +1,14 @@
-"""The memory model: Ψ_r by stages and plan, the bytes of each ZeRO stage, storages counted once."""
+"""The memory model: Ψ_r by stages and plan, the bytes of each ZeRO stage, storages counted once, what a
+forward saves, a schedule's peak."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from stratagem.experimental.planning.memory import block_parameters, model_states, rank_parameters, storage_bytes
+from stratagem.experimental.planning.activations import saved_bytes
+from stratagem.experimental.planning.memory import model_states, rank_parameters, schedule_peak, storage_bytes
 
 from . import models
 
@@ -46,9 +49,25 @@ def test_storage_bytes_counts_each_storage_once() -> None:
     assert storage_bytes([a, a[2:], None, torch.zeros(3, device="meta")]) == 80
 
 
-def test_split_gradients_held_twice_under_a_data_axis() -> None:
-    # a model axis and a data axis on one stage: the pack's copy and the DTensor gradient over its sum
+def test_what_each_block_saves_counted_once_and_split_by_the_plan() -> None:
     mlp = models.mlp()
-    split = block_parameters(mlp, models.MLP_PLAN, 2, split_only=True)
-    assert split == [(16 * 64 + 64) / 2, 0.0, 64 * 64 / 2, 0.0, 0.0]
-    assert model_states(10, data=2, sharding=None, element_size=8, state_per_parameter=16, copied=4) == (80, 112, 160)
+    x, y = models.mlp_batch(8)
+    got = saved_bytes(mlp, [str(i) for i in range(5)], list(mlp), (x,), models.MLP_PLAN, y, F.mse_loss)
+    # Linear(16, 64) saves its input (whole: a colwise layer's input is not split); the ReLU after it its
+    # output (split: between the colwise layer and the rowwise one), which Linear(64, 64) saves too; the second
+    # ReLU its output, which the last layer saves too; the loss its target (the output is held anyway)
+    assert got.whole == [16 * 8, 0, 0, 64 * 8, 0] and got.split == [0, 64 * 8, 0, 0, 0]
+    assert got.saves_input == [True, False, True, False, True]
+    assert got.saves_output == [False, True, False, True, False]
+    assert got.loss == 4 * 8
+
+
+def test_the_schedule_peak_points() -> None:
+    saved, io, grads = [100.0, 10.0], 5.0, [50.0, 500.0]
+    # 1F1B with more micro-batches than in flight: the next forward while the gradients are there
+    assert schedule_peak(saved, io, grads, in_flight=2, microbatches=4, recompute=False) == 2 * 115 + 550
+    # recomputation: a micro-batch in flight holds its input and output; its backward saves the stage again
+    assert schedule_peak(saved, io, grads, in_flight=2, microbatches=2, recompute=True) == 5 + 110 + 550
+    # ZeRO-3: the last block's forward, everything saved and its parameters gathered
+    assert schedule_peak(saved, 0.0, [5.0, 50.0], in_flight=1, microbatches=1, recompute=False,
+                         gathered=[10.0, 100.0]) == 110 + 100

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import stratagem as sg
+from stratagem.experimental.planning.memory import storage_bytes
 
 VOCAB, WIDTH, TOKENS, CLASSES = 16, 8, 3, 4
 #: module names relative to the whole model (children: 0 embedding, 1-4 blocks, 5 head)
@@ -141,6 +142,9 @@ def train(sharding, schedule, kind, *, save=None):
         loss, norm = strategy.run(step, args=(x, y, MAX_NORMS[i], 2.0 if i % 2 == 0 else math.inf))
         out["losses"].append(strategy.reduce("sum", loss, axis=None).item())
         out["norms"].append(norm.item())
+    own = [p for p in model.parameters() if not p.is_meta]   # the last step's gradients, kept: their bytes
+    out["bytes"] = {"parameters": storage_bytes(own), "gradients": storage_bytes(p.grad for p in own),
+                    "tensors": len(own)}
     out["final"] = listed(model.state_dict())   # (a collective: every process)
     if save:
         out["saved"] = str(sg.Checkpoint(model=model, optimizer=optimizer).save(save))

@@ -117,6 +117,11 @@ def test_every_zero_stage_equals_plain_pytorch_with_clipping(runs, sharding, kin
         assert out["model_rank"] == rank % 2
         stages = [0, 2] if sharding == "parameters" else [0]   # (interleaved: two stages per process)
         assert out["stages"] == [s + (rank // 2) % 2 for s in stages], (rank, out["stages"])
+        if sharding in (None, "optimizer"):
+            # the gradients summed over the data axis, kept once: every .grad (a split layer's DTensor too)
+            # views the packs of sums, which hold this process's gradients and one flag per parameter
+            held = out["bytes"]
+            assert held["parameters"] < held["gradients"] <= held["parameters"] + 8 * held["tensors"], (rank, held)
 
 
 @pytest.mark.multiprocess
