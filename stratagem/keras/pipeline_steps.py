@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from stratagem.errors import InvalidArgumentError
-from stratagem.nn.losses import _current_global_batch_size
+from stratagem.nn.losses import current_global_batch_size
 from stratagem.keras.inputs import unpack
 from stratagem.keras.steps import ModelSteps, StepPrecision, per_example_losses, update_metrics
 from stratagem.keras.structured import OutputChoice
@@ -61,7 +61,7 @@ class PipelineSteps(ModelSteps):
                 update_metrics(loss_tracker, metrics, parts.y, y_pred, losses, weights)
             else:   # this data group's sum of weighted losses, over its rows
                 loss = result
-                share = loss.detach() * _current_global_batch_size(rows)
+                share = loss.detach() * current_global_batch_size(rows)
                 loss_tracker.update_state(share.reshape(1) / rows, sample_weight=torch.tensor([float(rows)]))
             return loss.detach(), rows
         return train_step

@@ -47,7 +47,7 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
     return mark(loss.sum() / global_batch_size, "compute_average_loss", scaled_for)
 
 
-def _current_global_batch_size(local_size: int) -> int:
+def current_global_batch_size(local_size: int) -> int:
     """The current global batch's size, for a replica with ``local_size`` rows of it."""
     return _global_batch_and_replicas(local_size)[0]
 

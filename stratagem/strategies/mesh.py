@@ -29,7 +29,7 @@ from stratagem.comm.workers import WorkerCollective
 from stratagem.devices import Device, Topology
 from stratagem.errors import InvalidArgumentError
 from stratagem.strategies.base import Strategy
-from stratagem.strategies.multi_worker import _limit_threads
+from stratagem.strategies.multi_worker import limit_threads
 
 
 class AxisGroup(WorkerGroup):
@@ -86,7 +86,7 @@ class MeshStrategy(Strategy):
         self._options = options
         self._full = WorkerCollective(self._local_collective(), full, options)
         self._resolver = resolver
-        _limit_threads(resolver, full.world_size, (device,))
+        limit_threads(resolver, full.world_size, (device,))
         return sizes
 
     def _local_collective(self) -> ReplicaCollective:

@@ -90,7 +90,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         else:
             placement = MirroredPlacement(self, topology, collective, update=ZeroUpdate(sharding))
         self._configure(topology, collective, placement)
-        _limit_threads(resolver, group.world_size, local_devices)
+        limit_threads(resolver, group.world_size, local_devices)
         self._check_same_configuration(group.names)
 
     @property
@@ -182,7 +182,7 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _limit_threads(resolver: Any, world_size: int, devices: tuple[Device, ...]) -> None:
+def limit_threads(resolver: Any, world_size: int, devices: tuple[Device, ...]) -> None:
     """One intra-op thread per process when this host's processes outnumber its cores."""
     if devices[0].is_cuda or "STRATAGEM_KEEP_THREADS" in os.environ:
         return

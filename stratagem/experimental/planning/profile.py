@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from stratagem.experimental.planning.activations import saved_bytes
 from stratagem.experimental.planning.memory import block_parameters, style_of
-from stratagem.placement.layout.dtensor_state import local_state_bytes
+from stratagem.placement.dtensor_state import local_state_bytes
 from stratagem.placement.layout.pipeline_balance import timed
 
 #: rounds of timing after one warm-up round

@@ -1,23 +1,148 @@
-"""A mesh's data axis as the collective of the gradient sync.
+"""The data axis: a synchronous placement's second collaborator.
 
-The placements that take whole models (tensor parallel, pipeline:
-:class:`~stratagem.placement.layout.roots.RootsPlacement`) keep one replica per process and sum
-its gradients over the mesh's data axis with a
-:class:`~stratagem.placement.data_axis.gradient_sync.GradientSync` whose collective is
-:class:`DataAxis`, as the mirrored placement sums over its workers with the strategy's collective.
+A synchronous placement answers two questions. Where this process's tensors live -- a copy per
+local replica, a tensor-parallel plan, pipeline stages, FSDP2 units -- is its layout (the
+placement classes of :mod:`stratagem.placement.layout`). What happens along the data axis is one
+:class:`DataAxis`, the same class under every synchronous strategy:
+
+- ``collective``: whom the gradients are summed over (the replica threads and the workers; a
+  mesh's data axis, :class:`AxisCollective`);
+- ``gradients``: the gradient sync that sums them when backward ends (:mod:`.gradient_sync`;
+  None with nothing to sum, or where FSDP2 or a pipeline's schedule sums them), and
+  ``syncs``, one more per pipelined model (:meth:`DataAxis.model_sync`);
+- ``no_sync()`` and DistributedDataParallel's ``require_backward_grad_sync`` (:meth:`DataAxis.requires_sync`);
+- ``buffers``: the floating buffers averaged over the workers at each step (:mod:`.buffers`);
+- ``update``: the update rule (mirrored, central storage, ZeRO 1/2 over whatever group the axis
+  is, torch's own over the shards a process holds: :mod:`.update_rule`, :mod:`.local_update`);
+- ``step``: the one order of an optimizer step (:mod:`.step`), and the optimizer's other methods,
+  handed to the rule.
+
+The placement (:class:`~stratagem.placement.scope.base.Placement`) hands its optimizer methods and
+``no_sync`` to its ``data_axis``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
 from stratagem.comm.collective import Collective
 from stratagem.placement.data_axis.gradient_sync import GradientSync
+from stratagem.placement.data_axis.step import synchronous_step
 
 
 class DataAxis:
+    """A synchronous placement's data axis: the gradient sync, the one step, the update rule.
+
+    Example::
+
+        import torch
+        from stratagem.placement.scope.hooks import adopt
+        from stratagem.placement.data_axis.axis import DataAxis
+        from stratagem.placement.data_axis.local_update import LocalUpdate
+
+        class OneProcess:   # a layout of one process, nothing to place
+            kind = "Local"
+            def __init__(self):
+                self.data_axis = DataAxis(self, None, LocalUpdate(self))
+                self.optimizer_step = self.data_axis.step
+            def finalize(self): pass
+            def own_replica_context(self): return None
+            def record_updates(self): return []
+            def synced_models(self): return []
+
+        p = torch.nn.Parameter(torch.ones(2))
+        optimizer = torch.optim.SGD([p], lr=0.5)
+        adopt(optimizer, OneProcess())
+        p.grad = torch.ones(2)
+        optimizer.step()
+        assert p.tolist() == [0.5, 0.5] and type(optimizer).__name__ == "LocalSGD"
+    """
+
+    def __init__(self, placement: Any, collective: Any, update: Any, *, num_replicas: int = 1):
+        # its replica context, the copies it watches (the step), and its models, whose DDP attribute
+        # require_backward_grad_sync counts (held as the gradient hooks on the models hold this axis)
+        self.placement = placement
+        self.collective = collective
+        self.update = update             # the update rule
+        self.num_replicas = num_replicas  # this process's replicas
+        #: sums the gradients when backward ends (None: nothing to sum, or summed elsewhere)
+        self.gradients: GradientSync | None = None
+        #: one more sum per pipelined model, over the same axis (:meth:`model_sync`)
+        self.syncs: dict[int, GradientSync] = {}
+        #: averages the floating buffers over the workers at each step (None: nothing to average)
+        self.buffers: Any = None
+        self._unsynced = 0   # inside no_sync(), where no gradient sync holds the flag per replica
+
+    #: one logical step (placement/data_axis/step.py): the placement's ``optimizer_step``
+    step = synchronous_step
+
+    def own_replica_context(self) -> Any:
+        return self.placement.own_replica_context()
+
+    def record_updates(self) -> list[str]:
+        return self.placement.record_updates()
+
+    # -------------------------------------------------------------- gradients
+
+    def model_sync(self, key: int) -> GradientSync:
+        """The gradient sync of one pipelined model (``key``) over a mesh's data axis of several
+        processes (the caller sums nothing over one): made at first use."""
+        sync = self.syncs.get(key)
+        if sync is None:
+            sync = AxisCollective.gradient_sync(self, self.collective)
+            if sync is None:
+                raise AssertionError("a data axis of one process has no gradient sync")
+            self.syncs[key] = sync
+        return sync
+
+    def requires_sync(self) -> bool:
+        """False inside :meth:`no_sync` (where no gradient sync keeps it per replica), or while a user set
+        DistributedDataParallel's ``require_backward_grad_sync = False`` on a model created in scope
+        (nanoGPT's accumulation idiom)."""
+        return not self._unsynced and all(m.__dict__.get("require_backward_grad_sync", True)
+                                          for m in self.placement.synced_models())
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """``strategy.no_sync()``: backward passes inside skip the exchange (on this replica's thread)."""
+        if self.gradients is None:
+            return self._counted_no_sync()
+        ctx = self.own_replica_context()
+        return self.gradients.no_sync(None if ctx is None else ctx.local_replica_id)
+
+    @contextlib.contextmanager
+    def _counted_no_sync(self) -> Iterator[None]:
+        self._unsynced += 1
+        try:
+            yield
+        finally:
+            self._unsynced -= 1
+
+    # ---------------------------------------------------- the optimizer's other methods
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        if self.syncs:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            for sync in self.syncs.values():
+                sync.forget(params)
+        self.update.zero_grad(optimizer, set_to_none)
+
+    def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        return self.update.state_dict(optimizer)
+
+    def load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        self.update.load_state_dict(optimizer, state_dict)
+
+    def add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+        self.update.add_param_group(optimizer, param_group)
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        return self.update.state_bytes(optimizer)
+
+
+class AxisCollective:
     """A mesh's data axis as the collective of a
     :class:`~stratagem.placement.data_axis.gradient_sync.GradientSync`: one replica per process, whose
     gradients (a DTensor gradient's local shard) are summed over the axis in packs that leave
@@ -29,17 +154,17 @@ class DataAxis:
     Example::
 
         import torch
-        from stratagem.placement.data_axis.axis import DataAxis
+        from stratagem.placement.data_axis.axis import AxisCollective
 
         class Alone:   # a data axis of one process: nothing to sum
             num_workers = 1
 
-        axis = DataAxis(Alone())
+        axis = AxisCollective(Alone())
         p = torch.nn.Parameter(torch.ones(2))
         p.grad = torch.full((2,), 3.0)
         axis.sum_over_workers([p])
         assert p.grad.tolist() == [3.0, 3.0] and not axis.overlaps_backward
-        assert DataAxis.gradient_sync(object(), Alone()) is None
+        assert AxisCollective.gradient_sync(object(), Alone()) is None
     """
 
     num_local = 1
@@ -49,11 +174,12 @@ class DataAxis:
         self.num_workers = axis.num_workers
 
     @classmethod
-    def gradient_sync(cls, placement: Any, axis: Collective) -> GradientSync | None:
-        """The gradient sync of ``placement`` over ``axis`` (None: an axis of one process, nothing to sum)."""
+    def gradient_sync(cls, data_axis: Any, axis: Collective) -> GradientSync | None:
+        """The gradient sync of ``data_axis`` (its ``requires_sync``) over the mesh's ``axis`` (None: an
+        axis of one process, nothing to sum)."""
         if axis.num_workers == 1:
             return None
-        sync = GradientSync(placement, cls(axis))
+        sync = GradientSync(data_axis, cls(axis))
         sync.in_run = True   # every backward here is this process's one replica's: its packs leave early
         return sync
 

@@ -2,7 +2,7 @@
 
 DistributedDataParallel's promise, kept for every synchronous placement (mirrored, central
 storage, ZeRO stage 1, and the data axis of the mesh strategies: tensor parallel, pipeline, with
-:class:`~stratagem.placement.data_axis.axis.DataAxis` as the collective): code between
+:class:`~stratagem.placement.data_axis.axis.AxisCollective` as the collective): code between
 ``loss.backward()`` (or a pipeline's ``forward_backward``) and ``optimizer.step()`` --
 ``clip_grad_norm_``, gradient logging, ``GradScaler.unscale_`` and its inf check -- sees on
 every replica the gradient plain single-device PyTorch would hold.
@@ -92,9 +92,9 @@ class _Backward:
 class GradientSync:
     """Sums the gradients of one placement's parameters over all replicas when backward ends."""
 
-    def __init__(self, placement: Any, collective: Any = None):
-        self._placement = placement   # its requires_sync(): DDP's attribute on the models
-        self._collective = placement.collective if collective is None else collective
+    def __init__(self, axis: Any, collective: Any):
+        self._axis = axis   # the data axis (:mod:`.axis`): its requires_sync(), DDP's attribute on the models
+        self._collective = collective
         self._version = -1
         #: per local replica, the tensors it computes with (one per logical parameter, in order)
         self._replicas: list[list[torch.Tensor]] = []
@@ -155,7 +155,7 @@ class GradientSync:
     def syncing(self, replica: int) -> bool:
         if -1 in self._no_sync or replica in self._no_sync:
             return False
-        return self._placement.requires_sync()
+        return self._axis.requires_sync()
 
     @contextlib.contextmanager
     def no_sync(self, replica: int | None) -> Iterator[None]:

@@ -5,9 +5,10 @@ is one replica that holds its shards of the parameters (DTensors); the gradients
 the data axis when backward ended (the gradient sync, or FSDP2). A scoped optimizer then steps in
 the order of :mod:`.step` with this rule's primitives -- torch's update over the shards, nothing to
 spread -- and its ``zero_grad``, state dicts and ``add_param_group`` are torch's, the state read
-and written whole (:mod:`~stratagem.placement.layout.dtensor_state`). The placement (a :class:`~stratagem.placement.layout.roots.RootsPlacement`) hands
-every optimizer call to its rule, as the mirrored placement does to its own
-(:mod:`.update_rule`). A pipeline's stages have a rule of their own built on this one
+and written whole (:mod:`~stratagem.placement.dtensor_state`). The placement (a
+:class:`~stratagem.placement.layout.roots.RootsPlacement`) hands every optimizer call to its data
+axis (:class:`~.axis.DataAxis`), which hands them to this rule, as the mirrored placement's data
+axis does to its own (:mod:`.update_rule`). A pipeline's stages have a rule of their own built on this one
 (:class:`~stratagem.placement.data_axis.pipeline_optimizers.StageOptimizers`).
 """
 
@@ -18,35 +19,35 @@ from typing import Any
 
 import torch
 
-from stratagem.placement.layout.dtensor_state import full_optimizer_state, load_full_optimizer_state, local_state_bytes
+from stratagem.placement.dtensor_state import full_optimizer_state, load_full_optimizer_state, local_state_bytes
 from stratagem.placement.scope.hooks import base_of, unhooked_step
 from stratagem.placement.data_axis.update_rule import params_of
 
 
 class LocalUpdate:
-    """torch's own update and optimizer methods over the tensors this process holds (see the module doc).
+    """torch's own update and optimizer methods over the tensors this process holds (see the module doc;
+    :class:`~.axis.DataAxis` shows it as a data axis's rule, stepping).
 
     Example::
 
         import torch
         from stratagem.placement.scope.hooks import adopt
-        from stratagem.placement.data_axis.step import synchronous_step
         from stratagem.placement.data_axis.local_update import LocalUpdate
 
-        class OneProcess:   # what the step reads of a placement
-            kind, num_replicas, buffers, gradients = "Local", 1, None, None
-            optimizer_step = synchronous_step
-            def __init__(self): self.update = LocalUpdate(self)
+        class OneProcess:   # what the rule reads of a placement
+            kind, data_axis = "Local", None
             def finalize(self): pass
-            def own_replica_context(self): return None
-            def record_updates(self): return []
 
+        placement = OneProcess()
+        rule = LocalUpdate(placement)
         p = torch.nn.Parameter(torch.ones(2))
         optimizer = torch.optim.SGD([p], lr=0.5)
-        adopt(optimizer, OneProcess())
+        adopt(optimizer, placement)
         p.grad = torch.ones(2)
-        optimizer.step()
-        assert p.tolist() == [0.5, 0.5] and type(optimizer).__name__ == "LocalSGD"
+        rule.update_call(optimizer, None, rule.prepare_gradients(optimizer, None))
+        assert p.tolist() == [0.5, 0.5]
+        rule.zero_grad(optimizer, set_to_none=True)
+        assert p.grad is None
     """
 
     def __init__(self, placement: Any):
@@ -79,7 +80,8 @@ class LocalUpdate:
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         """``.grad`` cleared, and whatever the placement's gradient sync set aside forgotten."""
-        gradients = self._placement().gradients
+        axis = self._placement().data_axis
+        gradients = None if axis is None else axis.gradients
         if gradients is not None:
             gradients.forget(params_of(optimizer))
         base_of(optimizer).zero_grad(optimizer, set_to_none)

@@ -41,7 +41,7 @@ from stratagem.placement.data_axis.zero import ZeroUpdate
 from stratagem.placement.data_axis.zero_ranges import ZeroRanges
 from stratagem.comm.collective import Collective
 from stratagem.placement.scope.hooks import adopt, base_of, step_hooks, unhooked_step
-from stratagem.placement.layout.dtensor_state import full_value, local_state_bytes, shard_like
+from stratagem.placement.dtensor_state import full_value, local_state_bytes, shard_like
 from stratagem.placement.layout.pipeline_mesh import MeshStages
 from stratagem.placement.data_axis.local_update import LocalUpdate
 

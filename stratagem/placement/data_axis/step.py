@@ -1,6 +1,6 @@
 """The order of one synchronous optimizer step, written once.
 
-The mirrored placement steps a scoped optimizer in this order whatever its update rule
+Every synchronous placement steps a scoped optimizer in this order whatever its update rule
 (:mod:`.update_rule`: mirrored, central storage, ZeRO); only the rule's primitives differ. By
 the time ``optimizer.step()`` runs, the gradients were summed over every replica and worker
 when backward ended (:mod:`.gradient_sync`), or, under ZeRO stage 2, reduce-scattered during
@@ -22,10 +22,11 @@ backward:
 Called outside ``run`` (``replica`` None) the same order runs on the calling thread for every
 local replica.
 
-The placements of one replica per process whose optimizers are torch's own over the tensors the
-process holds (tensor parallel, ZeRO-3, a pipeline's stages) step in the same order, with
-:class:`~.local_update.LocalUpdate`'s primitives (nothing to spread); there a ``closure`` reaches
-torch's update, which the other rules refuse (``check_closure``).
+It is the step of every synchronous placement: :class:`~.axis.DataAxis` (a placement's data axis)
+holds it as its ``step``, and the placement hands ``optimizer.step()`` to it. Where a process is
+one replica whose optimizers are torch's own over the tensors it holds (tensor parallel, ZeRO-3,
+a pipeline's stages), the primitives are :class:`~.local_update.LocalUpdate`'s (nothing to
+spread), and a ``closure`` reaches torch's update, which the other rules refuse (``check_closure``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from stratagem.placement.scope.hooks import run_hooks, step_hooks
 
 
 class UpdatePrimitives(Protocol):
-    """What :func:`synchronous_step` asks of a placement's update rule."""
+    """What :func:`synchronous_step` asks of an update rule."""
 
     def check_closure(self, optimizer: torch.optim.Optimizer) -> None: ...
     def prepare_gradients(self, optimizer: torch.optim.Optimizer, replica: int | None) -> Any: ...
@@ -51,10 +52,10 @@ class UpdatePrimitives(Protocol):
                      grads: bool) -> None: ...
 
 
-class SynchronousPlacement(Protocol):
-    """What :func:`synchronous_step` asks of a placement: its replicas, and its update rule."""
+class SynchronousAxis(Protocol):
+    """What :func:`synchronous_step` asks of a data axis (:class:`~.axis.DataAxis`): its replicas, and
+    its update rule."""
 
-    strategy: Any
     collective: Any
     num_replicas: int
     update: UpdatePrimitives
@@ -64,39 +65,39 @@ class SynchronousPlacement(Protocol):
     def record_updates(self) -> list[str]: ...
 
 
-def synchronous_step(placement: SynchronousPlacement, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+def synchronous_step(axis: SynchronousAxis, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
     """One logical step of ``optimizer``: the order above, on this replica's thread (or outside
     ``run``, for every replica)."""
-    rule = placement.update
+    rule = axis.update
     if closure is not None:
         rule.check_closure(optimizer)
-    ctx = placement.own_replica_context()
+    ctx = axis.own_replica_context()
     replica = None if ctx is None else ctx.local_replica_id
     pre, post = step_hooks(optimizer)
     with label("stratagem.optimizer.step"):
         gradients = rule.prepare_gradients(optimizer, replica)
         if pre:
-            _hooks_once(placement, pre, optimizer, replica, grads=True)
+            _hooks_once(axis, pre, optimizer, replica, grads=True)
         with label("stratagem.optimizer.update"):
             result = rule.update_call(optimizer, replica, gradients, closure)
         result = rule.after_update(optimizer, replica, result)
         if post:
-            _hooks_once(placement, post, optimizer, replica, grads=False)
-        if placement.buffers is not None:
-            placement.buffers.step(replica)
+            _hooks_once(axis, post, optimizer, replica, grads=False)
+        if axis.buffers is not None:
+            axis.buffers.step(replica)
     if replica is None:
-        placement.record_updates()
+        axis.record_updates()
     return result
 
 
-def _hooks_once(placement: SynchronousPlacement, hooks: list, optimizer: torch.optim.Optimizer,
+def _hooks_once(axis: SynchronousAxis, hooks: list, optimizer: torch.optim.Optimizer,
                 replica: int | None, *, grads: bool) -> None:
     """Run ``hooks`` once (replica 0 while the others wait); spread what they changed."""
     def watched(p: torch.Tensor) -> Any:
         t = p.grad if grads else p
         return None if t is None else (id(t), t._version)
 
-    tensors = placement.update.hooked_tensors(optimizer, 0 if replica is None else replica)
+    tensors = axis.update.hooked_tensors(optimizer, 0 if replica is None else replica)
     changed = None
     if replica in (None, 0):
         before = [watched(p) for p in tensors]
@@ -104,11 +105,11 @@ def _hooks_once(placement: SynchronousPlacement, hooks: list, optimizer: torch.o
             run_hooks(hooks, optimizer)
         finally:
             changed = [i for i, (p, b) in enumerate(zip(tensors, before)) if watched(p) != b]
-    several = replica is not None and placement.num_replicas > 1
+    several = replica is not None and axis.num_replicas > 1
     if several:
-        changed = placement.collective.exchange(replica, changed, "optimizer step hooks")[0]
+        changed = axis.collective.exchange(replica, changed, "optimizer step hooks")[0]
     if changed:
-        placement.update.copy_changed(optimizer, replica, changed, grads)
+        axis.update.copy_changed(optimizer, replica, changed, grads)
         if several:
-            placement.collective.exchange(replica, None, "optimizer step hooks (copied)")
+            axis.collective.exchange(replica, None, "optimizer step hooks (copied)")
 

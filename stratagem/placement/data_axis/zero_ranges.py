@@ -33,7 +33,7 @@ from stratagem.comm.collective import Collective
 from stratagem.comm.scattered_gradients import ScatteredGradients
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.data_axis.sharded_update import ELEMENTWISE, ShardedUpdate
-from stratagem.placement.layout.dtensor_state import local_gradient, local_tensor
+from stratagem.placement.dtensor_state import local_gradient, local_tensor
 from stratagem.placement.scope import clipping
 from stratagem.placement.scope.hooks import base_of
 from stratagem.values import is_dtensor

@@ -5,6 +5,6 @@
 :mod:`.tensor_parallel` (a plan over a mesh's model axis), :mod:`.fully_sharded` (ZeRO-3's FSDP2
 units over the workers), :mod:`.pipeline` (stages over a pipe axis: :mod:`.pipeline_plan`,
 :mod:`.pipeline_schedule`, :mod:`.pipeline_trace`, :mod:`.pipeline_balance`, :mod:`.recompute`;
-on a 3-D mesh, :mod:`.pipeline_mesh`). :mod:`.dtensor_state` reads and writes the state of
-DTensor parameters whole.
+on a 3-D mesh, :mod:`.pipeline_mesh`). :mod:`stratagem.placement.dtensor_state` (shared with the data axis)
+reads and writes the state of DTensor parameters whole.
 """

@@ -36,7 +36,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import weakref
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
 from stratagem.placement.data_axis.buffers import BufferSync
-from stratagem.placement.layout.dtensor_state import hook_state_dicts, parameters_before, replacements
+from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
 from stratagem.placement.layout.roots import RootsPlacement
 from stratagem.placement.scope.unscoped import refuse_optimizer_over
 from stratagem.placement.scope.hooks import adopt, placement_of
@@ -62,28 +62,28 @@ class FullyShardedPlacement(RootsPlacement):
 
     kind = "FullySharded"
     synchronizes_batch_norm = True
+    ungathered = ("{name} is sharded over the workers (sharding='parameters'): only sg.Checkpoint.save called "
+                  "on every worker can save it (its full tensors are gathered first)")
 
     def __init__(self, strategy: Any, collective: Any, device: torch.device):
         self._strategy_ref = weakref.ref(strategy)
         self.collective = collective
         self.everyone = collective   # the start-up agreement on the modules built
         self.device = device
-        self.update = LocalUpdate(self)   # the step's primitives: torch's update over the shards
         group = collective.group
         if group.solo and not dist.is_initialized():   # a lone worker still needs a group for the mesh
             dist.init_process_group(group.backend, store=dist.HashStore(), rank=0, world_size=1)
             atexit.register(_leave_solo_group)
         self.mesh = DeviceMesh.from_group(group.group or dist.group.WORLD, device.type)
-        self._start_roots()
+        self._start_roots(collective, LocalUpdate(self))   # the step's primitives: torch's update over the shards
         self._sharded_ids: set[int] = set()
         self._gathered_ids: set[int] = set()   # FSDP2's whole parameters (kept between forwards)
         #: every module of a sharded model -> the names of its parameters then
         self._sharded_names: "weakref.WeakKeyDictionary[nn.Module, frozenset]" = weakref.WeakKeyDictionary()
-        self._stash: dict[int, dict] = {}   # chief, while a checkpoint is written: gathered states
         placed = self._placed
         #: BatchNorm's running statistics (buffers are not sharded) averaged over the workers at each
         #: step and checkpoint
-        self.buffers = BufferSync(strategy, collective, lambda: [m for root in placed for m in root.modules()])
+        self.data_axis.buffers = BufferSync(strategy, collective, lambda: [m for root in placed for m in root.modules()])
         clipping.register(self)
 
     @property
@@ -98,44 +98,24 @@ class FullyShardedPlacement(RootsPlacement):
             self._forget_pending(root.modules())   # (fully_shard re-registers parameters)
 
     def _shard(self, root: nn.Module) -> None:
-        dtypes = {p.dtype for p in root.parameters()}
-        if len(dtypes) > 1:
-            raise InvalidArgumentError(
-                f"sharding='parameters' gathers each unit's parameters as one buffer, so they need one "
-                f"dtype, but {type(root).__name__} has {sorted(map(str, dtypes))}; convert the model to "
-                f"one dtype (e.g. model.double()) or use sharding='gradients'")
+        check_one_dtype(root.parameters(), f"{type(root).__name__} has", "sharding='gradients'")
         before = parameters_before(root)
-        for unit in units(root):
-            fully_shard(unit, mesh=self.mesh)
-        top = root if not isinstance(root, (nn.ModuleList, nn.ModuleDict)) else None
-        if top is not None:
-            fully_shard(top, mesh=self.mesh)
+        shard_units(root, self.mesh, itself=not isinstance(root, (nn.ModuleList, nn.ModuleDict)))
         for module in root.modules():
             self._sharded_names[module] = frozenset(n for n, p in module._parameters.items() if p is not None)
             if isinstance(module, FSDPModule):
                 module.register_forward_pre_hook(self._note_gathered)   # (after FSDP2's: it gathers)
-                module.set_gradient_divide_factor(1.0)   # a sum over workers, as every other path,
-                module.set_force_sum_reduction_for_comms(True)   # with ReduceOp.SUM (gloo has no PREMUL_SUM)
             self._sharded_ids.update(id(p) for p in module._parameters.values() if isinstance(p, DTensor))
         self._replaced.update(replacements(root, before))
         hook_state_dicts(root.modules())
 
     # ------------------------------------------------------------ checkpoints
 
-    @contextlib.contextmanager
-    def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
-        """Every worker, around the chief's writing: gather each sharded state once (collectives)."""
-        chief = self.collective.worker_index == 0
+    def prepare_checkpoint(self, objects: dict[str, Any]) -> contextlib.AbstractContextManager:
+        """Every worker, around the chief's writing: the buffers averaged, each sharded state gathered
+        (collectives)."""
         self.buffers.average(None)
-        for obj in objects.values():
-            if self._owns(obj):
-                state = obj.state_dict()
-                if chief:
-                    self._stash[id(obj)] = state
-        try:
-            yield
-        finally:
-            self._stash.clear()
+        return super().prepare_checkpoint(objects)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Sharded by this placement (its gradient reduce-scattered over the workers), or the
@@ -155,20 +135,10 @@ class FullyShardedPlacement(RootsPlacement):
         names = self._sharded_names.get(module, frozenset())
         return [name for name, p in module._parameters.items() if p is not None and name not in names]
 
-    def _owns(self, obj: Any) -> bool:
+    def spread(self, obj: Any) -> bool:
         if isinstance(obj, torch.optim.Optimizer):
             return placement_of(obj) is self
         return isinstance(obj, nn.Module) and any(id(p) in self._sharded_ids for p in obj.parameters())
-
-    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> tuple[Any, dict[str, dict]] | None:
-        """The full state that :meth:`prepare_checkpoint` gathered: one logical copy, no other files."""
-        if not self._owns(obj):
-            return None
-        if id(obj) not in self._stash:
-            raise InvalidArgumentError(
-                f"{name} is sharded over the workers (sharding='parameters'): only sg.Checkpoint.save called "
-                f"on every worker can save it (its full tensors are gathered first)")
-        return self._stash.pop(id(obj)), {}
 
     # ----------------------------------------------------------- optimizers
 
@@ -187,6 +157,31 @@ class FullyShardedPlacement(RootsPlacement):
         raise InvalidArgumentError(
             "add_param_group is not supported under sharding='parameters'; create the optimizer with "
             "all its parameter groups")
+
+
+def check_one_dtype(params: Any, holder: str, instead: str) -> None:
+    """FSDP2 gathers each unit's parameters as one buffer: refuses ``params`` of several dtypes,
+    naming their ``holder`` ("MyModel has") and the setting to use ``instead``."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise InvalidArgumentError(
+            f"sharding='parameters' gathers each unit's parameters as one buffer, so they need one "
+            f"dtype, but {holder} {sorted(map(str, dtypes))}; convert the model to one dtype "
+            f"(e.g. model.double()) or use {instead}")
+
+
+def shard_units(module: nn.Module, mesh: Any, *, itself: bool = True) -> None:
+    """``module`` as FSDP2 units over ``mesh`` (:func:`units`, then ``module`` itself where ``itself``),
+    their gradients summed over it, not averaged, as every other data-parallel path sums them
+    (with ``ReduceOp.SUM``: gloo has no ``PREMUL_SUM``)."""
+    for unit in units(module):
+        fully_shard(unit, mesh=mesh)
+    if itself:
+        fully_shard(module, mesh=mesh)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
 
 
 def units(root: nn.Module) -> list[nn.Module]:

@@ -41,12 +41,12 @@ from stratagem.devices import Topology
 from stratagem.placement.scope import sync_batch_norm
 from stratagem.errors import ContextError, InvalidArgumentError
 from stratagem.placement.scope.base import Placement
+from stratagem.placement.data_axis.axis import DataAxis
 from stratagem.placement.data_axis.buffers import BufferSync
 from stratagem.placement.data_axis.gradient_sync import GradientSync
 from stratagem.placement.scope.hooks import adopt
 from stratagem.placement.layout.mirrored_dict import MirroredDict
 from stratagem.placement.data_axis.mirrored_update import MirroredUpdate
-from stratagem.placement.data_axis.step import synchronous_step
 from stratagem.placement.scope.unscoped import refuse_optimizer_over, unscoped_check
 from stratagem.placement.data_axis.update_rule import UpdateRule
 
@@ -76,14 +76,16 @@ class MirroredPlacement(Placement):
         self.devices = topology.torch_devices
         self.num_replicas = topology.num_local_replicas
         self.collective = collective
-        #: how an optimizer's update is applied and its state kept (:mod:`~stratagem.placement.data_axis.update_rule`)
-        self.update = MirroredUpdate() if update is None else update
-        self.kind = self.update.kind
+        update = MirroredUpdate() if update is None else update
+        self.kind = update.kind
         #: where the primaries (the tensors the module's dicts hold) live; replicas below
         #: ``first_copy`` compute with the primary itself, the others with copies; whether the
         #: replicas' parameters share the primary's memory (several logical CPU devices)
-        self.home, self.first_copy, self.shares_parameters = self.update.storage(self.devices)
-        self.update.bind(self)
+        self.home, self.first_copy, self.shares_parameters = update.storage(self.devices)
+        #: the data axis: the gradient sync, the step, the update rule (how an optimizer's update is
+        #: applied and its state kept: :mod:`~stratagem.placement.data_axis.update_rule`)
+        self.data_axis = DataAxis(self, collective, update, num_replicas=self.num_replicas)
+        update.bind(self)
         self._pending_modules: list[nn.Module] = []
         self._dicts: list[MirroredDict] = []
         # id(primary) -> (primary, every local replica's tensor)
@@ -95,11 +97,11 @@ class MirroredPlacement(Placement):
         self._owners: list[nn.Module] = []   # placed modules and their parents: DDP's sync attribute
         self._layout = 0   # bumped whenever the placed parameters change
         self._hooked: tuple[int, list, Any] = (-1, [], None)   # (layout, primaries, their requires_grad)
-        #: sums gradients when backward ends (None: one replica in all, nothing to sum)
-        self.gradients = GradientSync(self) if collective.num_replicas > 1 and self.update.sums_gradients else None
-        #: averages the buffers over the workers at each step and checkpoint (None: one replica in all)
-        self.buffers = BufferSync(strategy, collective, self._placed.copy, self.all_copies) \
-            if collective.num_replicas > 1 else None
+        if collective.num_replicas > 1:
+            if update.sums_gradients:   # sums gradients when backward ends
+                self.data_axis.gradients = GradientSync(self.data_axis, collective)
+            #: averages the buffers over the workers at each step and checkpoint
+            self.data_axis.buffers = BufferSync(strategy, collective, self._placed.copy, self.all_copies)
 
     @property
     def strategy(self) -> Any:
@@ -231,16 +233,10 @@ class MirroredPlacement(Placement):
             self._hooked = (self._layout, primaries, now)
             self.gradients.update((self._layout, tuple(now)), replicas)
 
-    def requires_sync(self) -> bool:
-        """False while a user set DistributedDataParallel's ``require_backward_grad_sync = False``
-        on a model created in scope (nanoGPT's accumulation idiom)."""
-        return all(m.__dict__.get("require_backward_grad_sync", True) for m in self._owners)
-
-    def no_sync(self) -> Any:
-        if self.gradients is None:
-            return contextlib.nullcontext()
-        ctx = self.own_replica_context()
-        return self.gradients.no_sync(None if ctx is None else ctx.local_replica_id)
+    def synced_models(self) -> list[nn.Module]:
+        """The models whose DDP attribute ``require_backward_grad_sync`` the data axis reads: the
+        placed modules and their parents."""
+        return self._owners
 
     # -------------------------------------------------------------------- run
 
@@ -295,11 +291,7 @@ class MirroredPlacement(Placement):
         ctx = frame.replica_context if frame is not None else None
         return ctx if ctx is not None and ctx.strategy is self.strategy else None
 
-    #: one logical step, in the order of placement/data_axis/step.py with the rule's primitives (a function
-    #: of this placement: no extra frame)
-    optimizer_step = synchronous_step
-
-    # the rest is the update rule's (zero_grad, state dicts, add_param_group: Placement's defaults)
+    # the step, zero_grad, state dicts, add_param_group: the data axis's (Placement's defaults)
 
     def grad_scaler_refusal(self) -> str | None:
         return self.update.grad_scaler_refusal()

@@ -52,8 +52,6 @@ from torch import nn
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
-from stratagem.placement.data_axis.gradient_sync import GradientSync
-from stratagem.placement.data_axis.axis import DataAxis
 from stratagem.placement.layout.roots import RootsPlacement
 from stratagem.placement.scope.hooks import placement_of
 from stratagem.placement.layout.pipeline_balance import balance_layout
@@ -93,6 +91,7 @@ class PipelinePlacement(RootsPlacement):
 
     kind = "Pipeline"
     checks_loss_scaling = False   # forward_backward weighs the micro-batches' mean losses itself
+    gathering = "Checkpoint.save (the whole state, over the mesh)"
 
     def __init__(self, strategy: Any, *, config: dict[str, Any], pipe_rank: int, pipe: Collective,
                  data: Collective, everyone: Collective, device: torch.device, mesh: MeshStages | None = None):
@@ -105,14 +104,10 @@ class PipelinePlacement(RootsPlacement):
         self.device = device
         self.mesh = mesh                 # the model axis (tensor parallelism) and ZeRO over data, if any
         self.sharding = None if mesh is None else mesh.sharding
-        self.update = StageOptimizers(self, pipe=pipe, data=data, everyone=everyone, mesh=mesh)
-        self._gradients: dict[int, GradientSync] = {}   # id(model) -> its sum over the data axis
-        self._unsynced = 0   # inside strategy.no_sync()
-        self._start_roots()
+        # the data axis: each model's sum over it, no_sync, the step; its update rule the stages' optimizers
+        self._start_roots(data, StageOptimizers(self, pipe=pipe, data=data, everyone=everyone, mesh=mesh))
         self.models: dict[int, SplitModel] = {}   # id(model) -> its split
         self._hooks: dict[int, list[int]] = {}     # id(traced model) -> its forward pre-hooks set here
-        # id(model or optimizer) -> its whole state dict, gathered for the chief's checkpoint
-        self._gathered: dict[int, dict] = {}
         clipping.register(self)
 
     @property
@@ -259,56 +254,35 @@ class PipelinePlacement(RootsPlacement):
         zeros = self.update.reduce_scattered(own)
         scattered = {id(p) for zero in zeros for _, _, p in zero.entries}
         params = [p for p in own if id(p) not in scattered]
-        sync = self._gradients.get(id(model))
-        if sync is None:
-            sync = self._gradients[id(model)] = DataAxis.gradient_sync(self, self.data)
+        sync = self.data_axis.model_sync(id(model))
         sync.update(tuple(id(p) for p in params), [params], hooked=False)
         with sync.accumulating():
             yield
-        if zeros and self.requires_sync():
+        if zeros and self.data_axis.requires_sync():
             for zero in zeros:
                 zero.reduce()
 
     def gradient_buffers(self, model: nn.Module) -> list[torch.Tensor]:
         """What this process keeps of ``model``'s gradients besides ``.grad`` (for memory counts): the
         data axis's packs of sums (``.grad`` views them after a step), ZeRO-2's range of the sum."""
-        sync = self._gradients.get(id(model))
+        sync = self.data_axis.syncs.get(id(model))
         zeros = self.update.reduce_scattered([p for p in model.parameters() if not p.is_meta])
         return (sync.buffers() if sync is not None else []) + [z.summed[0] for z in zeros if z.summed is not None]
 
-    def requires_sync(self) -> bool:
-        """False inside ``strategy.no_sync()``, or while a user set DistributedDataParallel's
-        ``require_backward_grad_sync = False`` on a model created in scope."""
-        return not self._unsynced and all(m.__dict__.get("require_backward_grad_sync", True) for m in self._placed)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self._unsynced += 1
-        try:
-            yield
-        finally:
-            self._unsynced -= 1
-
     # ----------------------------------------------------------- optimizers
-    # (stratagem.placement.data_axis.pipeline_optimizers, the update rule; the step's order is RootsPlacement's;
-    # the modules are placed before each call needs them)
+    # (the data axis's, with stratagem.placement.data_axis.pipeline_optimizers as its update rule; the
+    # modules are placed before each call needs them)
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
         self._take_replacements(optimizer)   # (the mesh's, for parameters taken before the model was placed)
         self.update.created(optimizer, self)
-
-    def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        for sync in self._gradients.values():
-            sync.forget(params)
-        self.update.zero_grad(optimizer, set_to_none)
 
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
         self.finalize()
         return self.update.gradient_parts(params)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        gathered = self._gathered.get(id(optimizer))   # gathered already for the checkpoint being written
+        gathered = self.gathered.get(id(optimizer))   # gathered already for the checkpoint being written
         if gathered is not None:
             return gathered
         self.finalize()
@@ -318,37 +292,25 @@ class PipelinePlacement(RootsPlacement):
         self.finalize()
         self.update.load_state_dict(optimizer, state_dict)
 
-
     # ---------------------------------------------------------- checkpoints
 
-    @contextlib.contextmanager
-    def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
-        """Every process, around the chief's writing: the chief's pipeline gathers the whole
-        state of each split model and optimizer (the other data groups hold the same values
-        and skip it); the chief keeps it for :meth:`write_checkpoint_state`, dropped on exit."""
-        if self.data.worker_index == 0 or self.sharding is not None:   # (ZeRO: collectives over data too)
-            chief = self.everyone.worker_index == 0
-            with self.everyone.group.guard("Checkpoint.save (the whole state, over the mesh)"):
-                for obj in objects.values():
-                    ours = id(obj) in self.models or (isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self)
-                    if ours:
-                        state = obj.state_dict()
-                        if chief:
-                            self._gathered[id(obj)] = state
-        try:
-            yield
-        finally:
-            self._gathered.clear()
+    def spread(self, obj: Any) -> bool:
+        """A split model, or an optimizer over one (their state dicts gather the stages and shards)."""
+        return id(obj) in self.models or (isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self)
+
+    def gathers(self) -> bool:
+        """The chief's pipeline gathers (the other data groups hold the same values); under ZeRO every
+        process (collectives over data too)."""
+        return self.data.worker_index == 0 or self.sharding is not None
 
     def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
-        state = self._gathered.get(id(obj))
+        state = self.gathered.get(id(obj))
         if state is None and isinstance(obj, nn.Module) and \
                 any(t.is_meta for t in obj.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)):
             raise InvalidArgumentError(
                 f"{name!r} is part of a pipelined model whose other stages live on other processes; track the "
                 f"whole model created in the PipelineStrategy's scope in sg.Checkpoint (one logical copy)")
         return None if state is None else (state, {})
-
 
 
 def _whole_state(placement_ref: Any, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -358,7 +320,7 @@ def _whole_state(placement_ref: Any, module: nn.Module, state_dict: dict, prefix
     if placement is None or placement.pipe.num_workers == 1 or \
             any(isinstance(state_dict[k], nn.Parameter) for k in keys):   # keep_vars: the tensors themselves
         return
-    gathered = placement._gathered.get(id(module))
+    gathered = placement.gathered.get(id(module))
     if gathered is not None:   # gathered already for the checkpoint being written
         state_dict.update(gathered)
         return

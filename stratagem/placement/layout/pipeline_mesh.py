@@ -24,21 +24,19 @@ on that axis's rank 0 -- and the p-th powers are summed over every process.
 
 from __future__ import annotations
 
-import fnmatch
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
-from stratagem.placement.layout.fully_sharded import units
-from stratagem.placement.layout.dtensor_state import hook_state_dicts, parameters_before, replacements
-from stratagem.placement.layout.tensor_parallel import check_entry, torch_style
+from stratagem.placement.layout.fully_sharded import check_one_dtype, shard_units
+from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
+from stratagem.placement.layout.tensor_parallel import plan_styles
 
 
 class MeshStages:
@@ -73,38 +71,20 @@ class MeshStages:
         """{module name: torch style} for this process's stages; every entry names a module of some stage."""
         if self.plan is None:
             return {}
-        found: dict[str, Any] = {}
-        for pattern, style in self.plan.items():
-            matches = [(name, m) for name, m in root.named_modules()
-                       if name and (name == pattern or fnmatch.fnmatchcase(name, pattern))]
-            if not matches:
-                available = [n for n, _ in root.named_modules() if n]
-                raise InvalidArgumentError(
-                    f"the tensor-parallel plan names {pattern!r}, but no stage of the pipelined "
-                    f"{type(root).__name__} has a module of that name (names are relative to the whole "
-                    f"model); available: {available}")
-            for name, module in matches:
-                check_entry(name, module, style, self.model_size)
-                if id(module) in mine:
-                    found[name] = torch_style(style, module)
+        (found,), unmatched = plan_styles(self.plan, [root], self.model_size, mine)
+        if unmatched is not None:
+            available = [n for n, _ in root.named_modules() if n]
+            raise InvalidArgumentError(
+                f"the tensor-parallel plan names {unmatched!r}, but no stage of the pipelined "
+                f"{type(root).__name__} has a module of that name (names are relative to the whole "
+                f"model); available: {available}")
         return found
 
     def _shard(self, local: dict[int, nn.Sequential]) -> None:
-        dtypes = {p.dtype for stage in local.values() for p in stage.parameters()}
-        if len(dtypes) > 1:
-            raise InvalidArgumentError(
-                f"sharding='parameters' gathers each unit's parameters as one buffer, so they need one dtype, "
-                f"but this process's stages have {sorted(map(str, dtypes))}; convert the model to one dtype "
-                f"(e.g. model.double()) or use sharding='optimizer'")
-        data = self.mesh["data"]
-        for stage in local.values():
-            for unit in units(stage):
-                fully_shard(unit, mesh=data)
-            fully_shard(stage, mesh=data)   # torch's PipelineStage drives FSDP through its root, the stage
-            for module in stage.modules():
-                if hasattr(module, "set_gradient_divide_factor"):
-                    module.set_gradient_divide_factor(1.0)   # a sum over data, as every other path,
-                    module.set_force_sum_reduction_for_comms(True)   # with ReduceOp.SUM (gloo has no PREMUL_SUM)
+        check_one_dtype([p for stage in local.values() for p in stage.parameters()], "this process's stages have",
+                        "sharding='optimizer'")
+        for stage in local.values():   # (the stage itself a unit: torch's PipelineStage drives FSDP through it)
+            shard_units(stage, self.mesh["data"])
 
     # ------------------------------------------------------------ clipping
 

@@ -8,40 +8,37 @@ holds, with parameters -- moved to this process's device, after every process ch
 that all built the same modules and took the chief's initial values (so that every
 process, and every data-parallel group, starts alike).
 
-They sum gradients over a mesh's data axis with
-:class:`~stratagem.placement.data_axis.axis.DataAxis`.
+Their data axis (:class:`~stratagem.placement.data_axis.axis.DataAxis`, set by the subclass with
+its update rule) sums the gradients over a mesh's data axis or the workers, and steps.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from stratagem.comm.collective import Collective
+from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import sync_batch_norm
 from stratagem.placement.scope.base import Placement
-from stratagem.placement.data_axis.step import synchronous_step
+from stratagem.placement.data_axis.axis import DataAxis
 
 
 class RootsPlacement(Placement):
-    """Collects modules created in scope; ``new_roots`` hands out the complete models. An optimizer
-    steps in the order of :mod:`~stratagem.placement.data_axis.step` with the subclass's update rule (``update``), which answers
-    its other methods too."""
+    """Collects modules created in scope; ``new_roots`` hands out the complete models. One replica per
+    process; the subclass sets its ``data_axis`` (:meth:`_start_roots`)."""
 
     #: set by the subclass: where modules go, and every process (the start-up agreement)
     device: torch.device
     everyone: Collective
-    #: (``update``, set by the subclass: :class:`~stratagem.placement.data_axis.local_update.LocalUpdate`, or a pipeline's stage
-    #: optimizers); one replica per process; no buffers to average at each step, no gradient sync
-    #: (the sum over the data axis), unless the subclass says
     num_replicas = 1
-    buffers: Any = None
-    gradients: Any = None
-
-    #: one logical step, in the order of placement/data_axis/step.py with ``update``'s primitives
-    optimizer_step = synchronous_step
+    #: ``sg.Checkpoint.save``: what the gathering is called while it runs (None: no guard), and the
+    #: refusal of a save that did not gather, ``{name}`` the object's
+    gathering = None
+    ungathered = "{name} can only be saved by sg.Checkpoint.save called on every process"
 
     def own_replica_context(self) -> None:
         """The step runs on the calling thread, this process's one replica (nothing to meet)."""
@@ -50,12 +47,21 @@ class RootsPlacement(Placement):
     def record_updates(self) -> list[str]:
         return []   # no replica copies to watch
 
-    def _start_roots(self) -> None:
+    def synced_models(self) -> list[nn.Module]:
+        """The models whose DDP attribute ``require_backward_grad_sync`` the data axis reads."""
+        return self._placed
+
+    def _start_roots(self, data: Any, update: Any) -> None:
+        """The lists of models, and the data axis: over ``data`` (a mesh's data axis, or the workers),
+        with the update rule ``update``."""
+        self.data_axis = DataAxis(self, data, update)
         self._pending: list[nn.Module] = []
         self._placed: list[nn.Module] = []
         # id(parameter before placing) -> (it, its replacement: a DTensor): an optimizer given the
         # parameters taken before the model was placed gets the replacements
         self._replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(module or optimizer) -> its whole state, gathered for the chief's checkpoint
+        self.gathered: dict[int, dict] = {}
 
     def _take_replacements(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer created in scope: the replacements of the parameters it was given."""
@@ -92,6 +98,44 @@ class RootsPlacement(Placement):
         """The parameters of the models placed here (their gradients are split over processes)."""
         placed = {id(p) for root in self._placed for p in root.parameters()}
         return [id(p) in placed for p in params]
+
+    # ---------------------------------------------------------- checkpoints
+
+    def spread(self, obj: Any) -> bool:
+        """Whether ``obj`` (a module or optimizer) has its state spread over processes by this
+        placement: its state dict gathers it (a collective). Set by the subclass."""
+        raise NotImplementedError
+
+    def gathers(self) -> bool:
+        """Whether this process takes part in gathering the state for a checkpoint (by default, all)."""
+        return True
+
+    @contextlib.contextmanager
+    def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
+        """Every process, around the chief's writing: the processes that :meth:`gathers` gather the
+        whole state of each spread module and optimizer (the others hold the same values); the
+        chief keeps it for :meth:`write_checkpoint_state`, dropped on exit."""
+        if self.gathers():
+            chief = self.everyone.worker_index == 0
+            guard = contextlib.nullcontext() if self.gathering is None else self.everyone.group.guard(self.gathering)
+            with guard:
+                for obj in objects.values():
+                    if self.spread(obj):
+                        state = obj.state_dict()
+                        if chief:
+                            self.gathered[id(obj)] = state
+        try:
+            yield
+        finally:
+            self.gathered.clear()
+
+    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
+        """The whole state that :meth:`prepare_checkpoint` gathered: one logical copy, no other files."""
+        if not self.spread(obj):
+            return None
+        if id(obj) not in self.gathered:
+            raise InvalidArgumentError(self.ungathered.format(name=name))
+        return self.gathered[id(obj)], {}
 
     def _forget_pending(self, modules: Any) -> None:
         """Modules that placing created in scope are not new models."""

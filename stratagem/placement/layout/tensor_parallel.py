@@ -15,8 +15,8 @@ wrong plan raises the same InvalidArgumentError on every process.
 
 Gradients: when ``backward()`` returns, each process's ``.grad`` holds the global batch's
 gradient of the parameters (DTensor shards) it holds, as under the data-parallel strategies:
-the gradient sync of :mod:`stratagem.placement.data_axis.gradient_sync` sums each gradient's local shard
-over the data axis (:class:`~stratagem.placement.data_axis.axis.DataAxis`: in packs that leave while backward runs);
+the placement's data axis (:class:`~stratagem.placement.data_axis.axis.DataAxis`) sums each
+gradient's local shard over the mesh's data axis, in packs that leave while backward runs;
 ``strategy.no_sync()`` and DDP's ``require_backward_grad_sync`` skip that sum as there.
 Optimizers created in scope keep torch's own update over the DTensor parameters, in the step's
 order (:mod:`stratagem.placement.data_axis.step`, with :class:`~stratagem.placement.data_axis.local_update.LocalUpdate`).
@@ -34,11 +34,10 @@ restore reads full tensors, which ``load_state_dict`` cuts into this layout's sh
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import functools
 import weakref
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,8 +49,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
-from stratagem.placement.layout.dtensor_state import hook_state_dicts, parameters_before, replacements
-from stratagem.placement.data_axis.axis import DataAxis
+from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
+from stratagem.placement.data_axis.axis import AxisCollective
 from stratagem.placement.layout.roots import RootsPlacement
 from stratagem.placement.scope.hooks import adopt, placement_of
 from stratagem.placement.data_axis.local_update import LocalUpdate
@@ -106,6 +105,9 @@ class TensorParallelPlacement(RootsPlacement):
     """Parameters as DTensors over the model axis of ``mesh``; gradients summed over its data axis."""
 
     kind = "TensorParallel"
+    gathering = "Checkpoint.save (full tensors over the model axis)"
+    ungathered = ("the tensor-parallel {name} can only be saved by sg.Checkpoint.save called on every process "
+                  "(its full tensors are gathered over the model axis first)")
 
     def __init__(self, strategy: Any, mesh: DeviceMesh, plan: dict[str, Any], data: Collective,
                  everyone: Collective, device: torch.device, *, model: Collective):
@@ -115,14 +117,11 @@ class TensorParallelPlacement(RootsPlacement):
         self.plan = check_plan(plan)
         self.data = data           # the data axis (this process's data-parallel peers)
         self.model = model         # the model axis (this process's model group: the shards of its gradients)
-        #: sums the gradients over the data axis when backward ends (None: a data axis of one)
-        self.gradients = DataAxis.gradient_sync(self, data)
         self.everyone = everyone   # every process (start-up agreement)
-        self.update = LocalUpdate(self)   # the step's primitives: torch's update over the shards
-        self._start_roots()
+        self._start_roots(data, LocalUpdate(self))   # the step's primitives: torch's update over the shards
+        #: sums the gradients over the data axis when backward ends (None: a data axis of one)
+        self.data_axis.gradients = AxisCollective.gradient_sync(self.data_axis, data)
         self._optimizers: list[torch.optim.Optimizer] = []
-        # id(module or optimizer) -> (it, its full state dict): gathered for the chief's checkpoint
-        self._gathered: dict[int, tuple[Any, dict]] = {}
         clipping.register(self)
 
     @property
@@ -154,68 +153,27 @@ class TensorParallelPlacement(RootsPlacement):
         params = list({id(p): p for root in self._placed for p in root.parameters()}.values())
         self.gradients.update(tuple((id(p), p.requires_grad) for p in params), [params])
 
-    def requires_sync(self) -> bool:
-        """False while a user set DistributedDataParallel's ``require_backward_grad_sync = False``
-        on a model created in scope (nanoGPT's accumulation idiom)."""
-        return all(m.__dict__.get("require_backward_grad_sync", True) for m in self._placed)
-
-    def no_sync(self) -> Any:
-        return contextlib.nullcontext() if self.gradients is None else self.gradients.no_sync(None)
-
     def _resolve(self, roots: list[nn.Module]) -> list[dict[str, ParallelStyle]]:
         """For each root, {module name: torch style}; every plan entry names a module of some root."""
-        size = self.mesh["model"].size()
-        assignments: list[dict[str, ParallelStyle]] = [{} for _ in roots]
-        for pattern, style in self.plan.items():
-            found = False
-            for root, names in zip(roots, assignments):
-                for name, module in root.named_modules():
-                    if name and (name == pattern or fnmatch.fnmatchcase(name, pattern)):
-                        check_entry(name, module, style, size)
-                        names[name] = torch_style(style, module)
-                        found = True
-            if not found:
-                available = [n for root in roots for n, _ in root.named_modules() if n]
-                raise InvalidArgumentError(
-                    f"the tensor-parallel plan names {pattern!r}, but no module created in scope has that "
-                    f"name; available: {available}")
+        assignments, unmatched = plan_styles(self.plan, roots, self.mesh["model"].size())
+        if unmatched is not None:
+            available = [n for root in roots for n, _ in root.named_modules() if n]
+            raise InvalidArgumentError(
+                f"the tensor-parallel plan names {unmatched!r}, but no module created in scope has that "
+                f"name; available: {available}")
         return assignments
 
     # ---------------------------------------------------------- checkpoints
 
-    def _split(self, obj: Any) -> bool:
+    def spread(self, obj: Any) -> bool:
         """Whether ``obj``'s state dict gathers DTensors (a collective over the model axis)."""
         if isinstance(obj, torch.optim.Optimizer):
             return placement_of(obj) is self
         return isinstance(obj, nn.Module) and any(isinstance(p, DTensor) for p in obj.parameters())
 
-    @contextlib.contextmanager
-    def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:
-        """Every process, around the chief's writing: the chief's model group gathers the full
-        state of each split module and optimizer (the other data groups hold the same values and
-        skip it); the chief keeps it for :meth:`write_checkpoint_state`, dropped on exit."""
-        if self.mesh.get_local_rank("data") == 0:
-            chief = self.everyone.worker_index == 0
-            with self.everyone.group.guard("Checkpoint.save (full tensors over the model axis)"):
-                for obj in objects.values():
-                    if self._split(obj):
-                        state = obj.state_dict()
-                        if chief:
-                            self._gathered[id(obj)] = (obj, state)
-        try:
-            yield
-        finally:
-            self._gathered.clear()
-
-    def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
-        """The full state that :meth:`prepare_checkpoint` gathered: one logical copy, no other files."""
-        if not self._split(obj):
-            return None
-        if id(obj) not in self._gathered:
-            raise InvalidArgumentError(
-                f"the tensor-parallel {name} can only be saved by sg.Checkpoint.save called on every process "
-                f"(its full tensors are gathered over the model axis first)")
-        return self._gathered[id(obj)][1], {}
+    def gathers(self) -> bool:
+        """The chief's model group gathers (the other data groups hold the same values)."""
+        return self.mesh.get_local_rank("data") == 0
 
     # ----------------------------------------------------------- optimizers
 
@@ -234,6 +192,27 @@ def _rehook(placement_ref: Any, module: nn.Module, args: Any) -> None:
     placement = placement_ref()   # (weakly: the model does not keep its strategy alive)
     if placement is not None:
         placement._hook_gradients()
+
+
+def plan_styles(plan: dict[str, Any], roots: list[nn.Module], size: int, mine: set[int] | None = None
+                ) -> tuple[list[dict[str, ParallelStyle]], str | None]:
+    """For each of ``roots``, {module name: torch style} of the modules a checked ``plan`` names (those
+    whose id is in ``mine``, where given), each entry checked against its module and the model-axis
+    ``size`` (:func:`check_entry`); and the first plan entry that names no module of any root
+    (None: each names one), where the resolution stopped."""
+    assignments: list[dict[str, ParallelStyle]] = [{} for _ in roots]
+    for pattern, style in plan.items():
+        found = False
+        for root, names in zip(roots, assignments):
+            for name, module in root.named_modules():
+                if name and (name == pattern or fnmatch.fnmatchcase(name, pattern)):
+                    check_entry(name, module, style, size)
+                    found = True
+                    if mine is None or id(module) in mine:
+                        names[name] = torch_style(style, module)
+        if not found:
+            return assignments, pattern
+    return assignments, None
 
 
 def torch_style(style: Any, module: nn.Module) -> ParallelStyle:

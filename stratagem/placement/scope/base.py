@@ -14,15 +14,18 @@ created there (``on_optimizer_created``). The placement then owns them:
 - The optimizer operations: an optimizer created in scope has its class replaced by
   a subclass (named after the placement, e.g. ``MirroredSGD``) whose ``step``,
   ``zero_grad``, state dicts, ``add_param_group`` and pickling call the
-  ``optimizer_*`` methods below.
+  ``optimizer_*`` methods below. A synchronous placement hands them, and ``no_sync``, to its
+  second collaborator, its *data axis* (:class:`~stratagem.placement.data_axis.axis.DataAxis`:
+  the gradient sync, the one step, the update rule); the placement itself is the layout,
+  where this process's tensors live.
 - ``grad_scaler_refusal()``: whether a ``torch.amp.GradScaler`` created in scope can be made
   replica-aware (:mod:`stratagem.placement.scope.grad_scaler`).
 
 Implementations: :class:`~stratagem.placement.layout.mirrored.MirroredPlacement` (a copy per
-local replica; also one device; how an optimizer's update is applied is its update rule's,
-:mod:`stratagem.placement.data_axis.update_rule`: mirrored, central storage, ZeRO), the placements
-that take whole models (tensor parallel, pipeline), ZeRO-3's fully sharded placement, and
-the parameter-server placement (variables on the ps tasks).
+local replica; also one device; its data axis's update rule is mirrored, central storage or
+ZeRO: :mod:`stratagem.placement.data_axis.update_rule`), the placements that take whole models
+(tensor parallel, pipeline), ZeRO-3's fully sharded placement, and the parameter-server
+placement (variables on the ps tasks; no data axis).
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ class Placement(abc.ABC):
     #: batch, and is checked (:mod:`stratagem.nn.loss_check`): the replicas' gradients are summed.
     #: False where the strategy's own schedule runs the backward passes (the pipeline).
     checks_loss_scaling = True
-    #: A synchronous placement's update rule: the step's primitives and the optimizer's other methods.
-    update: Any = None
+    #: A synchronous placement's data axis (:class:`~stratagem.placement.data_axis.axis.DataAxis`): the
+    #: gradient sync, the one step, the update rule. None: the placement answers those itself (the
+    #: parameter server's).
+    data_axis: Any = None
     #: Whether a ``torch.nn.SyncBatchNorm`` created in scope combines its training-mode batch statistics
     #: over every replica and worker through the placement's ``collective``
     #: (:mod:`stratagem.placement.scope.sync_batch_norm`); where False, its first training-mode forward is refused.
@@ -76,9 +81,24 @@ class Placement(abc.ABC):
         return tensor
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        """``strategy.no_sync()``: backward passes inside skip the gradient exchange (the default:
-        nothing to skip)."""
-        return contextlib.nullcontext()
+        """``strategy.no_sync()``: backward passes inside skip the gradient exchange (the data axis's;
+        without one, nothing to skip)."""
+        return contextlib.nullcontext() if self.data_axis is None else self.data_axis.no_sync()
+
+    @property
+    def update(self) -> Any:
+        """The data axis's update rule (:mod:`stratagem.placement.data_axis.update_rule`), or None."""
+        return None if self.data_axis is None else self.data_axis.update
+
+    @property
+    def gradients(self) -> Any:
+        """The data axis's gradient sync (:mod:`stratagem.placement.data_axis.gradient_sync`), or None."""
+        return None if self.data_axis is None else self.data_axis.gradients
+
+    @property
+    def buffers(self) -> Any:
+        """The data axis's buffer averaging (:mod:`stratagem.placement.data_axis.buffers`), or None."""
+        return None if self.data_axis is None else self.data_axis.buffers
 
     def all_copies(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """Every local replica's copy of a placed tensor, else None."""
@@ -139,29 +159,31 @@ class Placement(abc.ABC):
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer`` was created in scope (its ``__init__`` has finished)."""
 
-    @abc.abstractmethod
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-        """One logical step: user's step hooks fire once, the update reaches every copy."""
+    # a synchronous placement's are its data axis's (the parameter-server placement answers them its own way)
 
-    # by default the synchronous placements' update rule answers them (``self.update``: its data
-    # axis's half; :mod:`~stratagem.placement.data_axis.update_rule`, :mod:`~stratagem.placement.data_axis.local_update`); the parameter-server placement its own way
+    @property
+    def optimizer_step(self) -> Any:
+        """One logical step, ``(optimizer, closure)``: user's step hooks fire once, the update reaches
+        every copy. The data axis's step (:mod:`stratagem.placement.data_axis.step`), handed over with
+        no frame of the placement's between the optimizer's ``step`` and it."""
+        return self.data_axis.step
 
     def optimizer_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        self.update.zero_grad(optimizer, set_to_none)
+        self.data_axis.zero_grad(optimizer, set_to_none)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """One logical state dict, whatever the number of copies."""
-        return self.update.state_dict(optimizer)
+        return self.data_axis.state_dict(optimizer)
 
     def optimizer_load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        self.update.load_state_dict(optimizer, state_dict)
+        self.data_axis.load_state_dict(optimizer, state_dict)
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
-        self.update.add_param_group(optimizer, param_group)
+        self.data_axis.add_param_group(optimizer, param_group)
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of per-element optimizer state (moments, momentum) this process holds for ``optimizer``."""
-        return self.update.state_bytes(optimizer)
+        return self.data_axis.state_bytes(optimizer)
 
     # ------------------------------------------------------------ GradScaler
 

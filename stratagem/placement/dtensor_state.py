@@ -1,16 +1,18 @@
 """The state of modules and optimizers whose parameters are DTensors: whole outside, shards inside.
 
-The mesh placements -- tensor parallel (:mod:`.tensor_parallel`), ZeRO-3 (:mod:`.fully_sharded`),
-a pipeline's stages on a 3-D mesh (:mod:`.pipeline_mesh`, :mod:`~stratagem.placement.data_axis.zero_ranges`) -- hand a model
-to torch's ``parallelize_module`` or ``fully_shard``, which replace its parameters by DTensors:
-each process holds its shards. What a user saves and loads stays one logical copy, as in plain
-PyTorch, whatever the layout; these helpers, shared by those placements, make it so and find
-the memory each process holds.
+The mesh layouts -- tensor parallel (:mod:`.layout.tensor_parallel`), ZeRO-3
+(:mod:`.layout.fully_sharded`), a pipeline's stages on a 3-D mesh (:mod:`.layout.pipeline_mesh`) -- hand
+a model to torch's ``parallelize_module`` or ``fully_shard``, which replace its parameters by
+DTensors: each process holds its shards. What a user saves and loads stays one logical copy, as
+in plain PyTorch, whatever the layout; these helpers, shared by those layouts and by the data
+axis's update rules over their shards (:mod:`.data_axis.local_update`,
+:mod:`.data_axis.pipeline_optimizers`, :mod:`.data_axis.zero_ranges`), make it so and find the
+memory each process holds.
 
 Example::
 
     import torch
-    from stratagem.placement.layout.dtensor_state import full_value, local_tensor, replacements, parameters_before
+    from stratagem.placement.dtensor_state import full_value, local_tensor, replacements, parameters_before
     plain = torch.ones(2)
     assert full_value(plain) is plain and torch.equal(local_tensor(plain), plain)
     model = torch.nn.Linear(2, 2)
