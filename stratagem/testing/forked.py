@@ -238,7 +238,8 @@ def run_task(command: list[str], *, timeout: float, env: dict[str, str] | None =
              cwd: "str | os.PathLike | None" = None) -> "subprocess.CompletedProcess[str]":
     """What ``subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
     cwd=cwd)`` returns, with ``command`` forked from the shared fork server where
-    :func:`start_task` would fork it (else run so, fresh). On the timeout its process group is
+    :func:`start_task` would fork it (else run so, fresh), and its output as written: a carriage
+    return stays one (``text=True`` would make it a newline). On the timeout its process group is
     killed and :class:`subprocess.TimeoutExpired` raised, with what it had printed.
 
     Example::
@@ -252,7 +253,9 @@ def run_task(command: list[str], *, timeout: float, env: dict[str, str] | None =
     env = dict(os.environ) if env is None else env
     server = shared_server(env)
     if server is None or not server.can_start(env) or fork_request(command, sys.executable) is None:
-        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+        done = subprocess.run(command, capture_output=True, timeout=timeout, env=env, cwd=cwd)
+        return subprocess.CompletedProcess(command, done.returncode, *(
+            raw.decode("utf-8", errors="replace") for raw in (done.stdout, done.stderr)))
     with tempfile.TemporaryDirectory(prefix="stratagem-run-") as folder:
         out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
         for path in (out, err):
@@ -272,7 +275,8 @@ def run_task(command: list[str], *, timeout: float, env: dict[str, str] | None =
 
 
 def _text(path: str) -> str:
-    with open(path, encoding="utf-8", errors="replace") as file:
+    # newline="": a carriage return the task wrote stays one (a progress bar's redraw is visible)
+    with open(path, encoding="utf-8", errors="replace", newline="") as file:
         return file.read()
 
 

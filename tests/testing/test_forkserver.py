@@ -160,6 +160,10 @@ def test_run_task_forks_a_command_and_returns_what_subprocess_run_would(tmp_path
         assert done.stdout == f"out ['a'] {tmp_path} True True\n" and done.stderr == "err\n", done
     plain = run_task(["sh", "-c", "echo out; echo err >&2; exit 3"], timeout=120)   # not python: fresh
     assert (plain.returncode, plain.stdout, plain.stderr) == (3, "out\n", "err\n")
+    # a carriage return stays one, forked or fresh (a progress bar's redraw must be visible to a test)
+    forked = run_task([sys.executable, "-c", "print('a', end='\\r'); print('b')"], timeout=120)
+    fresh = run_task(["sh", "-c", "printf 'a\\rb\\n'"], timeout=120)
+    assert forked.stdout == fresh.stdout == "a\rb\n", (forked, fresh)
 
 
 def test_run_task_past_its_timeout_kills_the_command_and_says_what_it_printed(tmp_path: Path) -> None:
