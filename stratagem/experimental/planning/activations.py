@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from stratagem.experimental.planning.memory import style_of
+from stratagem.placement.layout.pipeline_balance import flat_tensors
 
 
 @dataclasses.dataclass
@@ -35,14 +36,6 @@ class Saved:
     input: float = 0.0   # the storages of the first block's input (any dtype)
     outputs: list[float] = dataclasses.field(default_factory=list)   # of each block's output
     params: list[float] = dataclasses.field(default_factory=list)    # bytes of its parameters it saves (not per row)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -63,7 +56,7 @@ def saved_bytes(model: nn.Module, names: list[str], blocks: list[nn.Module], sam
         assert got.whole == [16.0, 0.0, 0.0] and got.split == [0.0, 32.0, 0.0]
         assert got.saves_input == [True, False, True] and got.saves_output == [False, True, False]
     """
-    rows = _tensors(sample)[0].shape[0]
+    rows = flat_tensors(sample)[0].shape[0]
     n = len(blocks)
     own = {_ptr(t) for t in [*model.parameters(), *model.buffers()]}
     seen: set[int] = set()
@@ -108,12 +101,12 @@ def saved_bytes(model: nn.Module, names: list[str], blocks: list[nn.Module], sam
             value = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in sample)
             for i, block in enumerate(blocks):
                 where["block"] = i
-                inputs.append({_ptr(t) for t in _tensors(value)})
+                inputs.append({_ptr(t) for t in flat_tensors(value)})
                 if i == 0:
-                    first = float(sum(t.untyped_storage().nbytes() for t in _tensors(value)))
+                    first = float(sum(t.untyped_storage().nbytes() for t in flat_tensors(value)))
                 out = block(*value)
-                outputs.append({_ptr(t) for t in _tensors(out)})
-                sizes.append(float(sum(t.untyped_storage().nbytes() for t in _tensors(out))))
+                outputs.append({_ptr(t) for t in flat_tensors(out)})
+                sizes.append(float(sum(t.untyped_storage().nbytes() for t in flat_tensors(out))))
                 value = out if isinstance(out, tuple) else (out,)
             loss = 0.0
             if loss_fn is not None and target is not None:

@@ -181,8 +181,8 @@ def _call(piece: nn.Module, args: Any, spread: bool, first: bool) -> tuple[Any, 
 
 def _forward_backward(piece: nn.Module, args: Any, spread: bool, first: bool) -> None:
     out, leaves = _call(piece, args, spread, first)
-    outputs = [t for t in _tensors(out) if t.requires_grad]
-    wrt = [p for p in piece.parameters() if p.requires_grad] + [t for t in _tensors(leaves) if t.requires_grad]
+    outputs = [t for t in flat_tensors(out) if t.requires_grad]
+    wrt = [p for p in piece.parameters() if p.requires_grad] + [t for t in flat_tensors(leaves) if t.requires_grad]
     if outputs and wrt:   # gradients returned, never accumulated into .grad
         torch.autograd.grad(outputs, wrt, [torch.ones_like(t) for t in outputs], allow_unused=True)
 
@@ -222,11 +222,12 @@ def _leaf(value: Any, grad: bool) -> Any:
     return value
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def flat_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``, a tensor or nested tuples and lists of them (anything else: none)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
+        return [t for v in value for t in flat_tensors(v)]
     return []
 
 
