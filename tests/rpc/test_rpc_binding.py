@@ -143,3 +143,22 @@ def test_caller_gone_is_false_outside_a_call_and_while_the_caller_waits() -> Non
     with RpcServer("127.0.0.1:0", {"gone": lambda _: caller_gone()}, TOKEN) as server, \
             RpcClient(server.address, TOKEN) as client:
         assert client.call("gone") is False
+
+
+def test_a_new_client_is_not_held_back_by_an_earlier_clients_failures_at_its_address() -> None:
+    """A client made after another client to the same address failed (its server gone, a new
+    one now listening on the port) reaches the new server at once: gRPC's process-wide
+    connection pool would hand it the failed connection and its reconnection backoff, and its
+    first call would fail with "Connection refused" (the kernel gives ports out again, so in
+    a long process this happened to unrelated servers, 20 times in 20 here)."""
+    for _ in range(3):
+        with RpcServer("127.0.0.1:0", {"which": lambda _: "first"}, TOKEN) as first:
+            address = first.address
+            earlier = RpcClient(address, TOKEN)
+            assert earlier.call("which") == "first"
+        with pytest.raises(UnavailableError):
+            earlier.call("which", timeout=2)   # its connection now fails and backs off
+        with RpcServer(address, {"which": lambda _: "second"}, TOKEN), \
+                RpcClient(address, TOKEN) as client:
+            assert client.call("which", timeout=10) == "second"
+        earlier.close()
