@@ -36,7 +36,6 @@ import torch
 
 from stratagem._record import record
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.scope import clipping
 from stratagem.placement.data_axis.zero import ZeroUpdate
 from stratagem.placement.data_axis.zero_ranges import ZeroRanges
 from stratagem.comm.collective import Collective
@@ -48,7 +47,7 @@ from stratagem.placement.data_axis.local_update import LocalUpdate
 
 class StageOptimizers(LocalUpdate):
     """The optimizers created in a pipeline's scope: their steps' primitives (the update rule of
-    :mod:`stratagem.placement.data_axis.step`), clipping parts and state dicts."""
+    :mod:`stratagem.placement.data_axis.step`), ZeRO's ranges (clipping's pieces too) and state dicts."""
 
     def __init__(self, placement: Any, *, pipe: Collective, data: Collective, everyone: Collective,
                  mesh: MeshStages | None):
@@ -123,29 +122,10 @@ class StageOptimizers(LocalUpdate):
         else:
             base_of(optimizer).zero_grad(optimizer, set_to_none)
 
-    def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
-        """Clipping: this process's parts of the whole gradients (summed over the data axis when the
-        schedule ended), each counted on one process of the mesh."""
-        own = [p for p in params if not p.is_meta]
-        if self.mesh is None:   # a pipe axis only: the stages' gradients, the same on every data rank
-            grads = [p.grad for p in own if p.grad is not None]
-            return clipping.GradientParts(grads, grads, self.pipe.group)
-        if self.sharding == "parameters":   # summed over data by FSDP during backward: shards
-            return self.mesh.parts(own, summed_over_data=False)
-        tensors, counted = [], []
-        if self.sharding == "gradients":   # each data rank's range of the sum, per optimizer
-            for zero in self._zeros_holding(own):
-                part = zero.parts(own, lambda p: self.mesh.counts(p, summed_over_data=False))
-                tensors += part.tensors
-                counted += part.counted
-                held = {id(p) for _, _, p in zero.entries}
-                own = [p for p in own if id(p) not in held]
-        rest = self.mesh.parts(own, summed_over_data=True)
-        return clipping.GradientParts(tensors + rest.tensors, counted + rest.counted, self.everyone.group)
-
     def reduce_scattered(self, params: list[torch.Tensor]) -> list[ZeroRanges]:
         """Under ``sharding="gradients"``: the ranges of the optimizers that hold some of ``params``
-        (their gradients are reduce-scattered into them when a schedule ends); else none."""
+        (their gradients are reduce-scattered into them when a schedule ends; clipping measures their
+        pieces); else none."""
         return self._zeros_holding(params) if self.sharding == "gradients" else []
 
     def _zeros_holding(self, params: list[torch.Tensor]) -> list[ZeroRanges]:

@@ -74,7 +74,7 @@ class FullyShardedPlacement(RootsPlacement):
         if group.solo and not dist.is_initialized():   # a lone worker still needs a group for the mesh
             dist.init_process_group(group.backend, store=dist.HashStore(), rank=0, world_size=1)
             atexit.register(_leave_solo_group)
-        self.mesh = DeviceMesh.from_group(group.group or dist.group.WORLD, device.type)
+        self.mesh = DeviceMesh.from_group(group.group or dist.group.WORLD, device.type, mesh_dim_names=("data",))
         self._start_roots(collective, LocalUpdate(self))   # the step's primitives: torch's update over the shards
         self._sharded_ids: set[int] = set()
         self._gathered_ids: set[int] = set()   # FSDP2's whole parameters (kept between forwards)
@@ -149,9 +149,10 @@ class FullyShardedPlacement(RootsPlacement):
                               "this strategy did not shard them over the workers")
         adopt(optimizer, self)
 
-    def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
-        """Clipping: each worker's shards of the gradients (summed over the workers in backward)."""
-        return clipping.shard_parts(params, self.collective.group)
+    def norm_axes(self) -> tuple[Any, dict[str, int]]:
+        """Clipping: each worker's shards of the gradients (summed over the workers in backward, its
+        mesh's ``data`` axis)."""
+        return self.collective.group, {"data": self.collective.group.rank}
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
         raise InvalidArgumentError(

@@ -279,7 +279,14 @@ class PipelinePlacement(RootsPlacement):
 
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
         self.finalize()
-        return self.update.gradient_parts(params)
+        return super().gradient_parts(params)
+
+    def norm_axes(self) -> tuple[Any, dict[str, int]]:
+        """Clipping: the stages' parts summed over the pipe axis (a data group's gradients are its
+        peers'), or over the whole mesh with the axes that replicate a part (:class:`MeshStages`)."""
+        if self.mesh is None:
+            return self.pipe.group, {}
+        return self.everyone.group, self.mesh.norm_axes()
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         gathered = self.gathered.get(id(optimizer))   # gathered already for the checkpoint being written

@@ -16,7 +16,7 @@ of this process's stages on the other two axes, as torchtitan composes PyTorch's
    split is sharded over both axes (``data`` then ``model``). Gradients are summed, not
    averaged, over ``data`` (each data group's loss already carries its share of the batch).
 
-Clipping (:meth:`MeshStages.parts`): every gradient part counts toward the global norm on
+Clipping (:meth:`MeshStages.norm_axes`): every gradient part counts toward the global norm on
 exactly one process of the whole mesh -- a part replicated along an axis (a layer the plan left
 whole, along ``model``; a gradient summed over ``data`` before the step, along ``data``) counts
 on that axis's rank 0 -- and the p-th powers are summed over every process.
@@ -29,11 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.scope import clipping
 from stratagem.placement.layout.fully_sharded import check_one_dtype, shard_units
 from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
 from stratagem.placement.layout.tensor_parallel import plan_styles
@@ -86,33 +84,8 @@ class MeshStages:
         for stage in local.values():   # (the stage itself a unit: torch's PipelineStage drives FSDP through it)
             shard_units(stage, self.mesh["data"])
 
-    # ------------------------------------------------------------ clipping
-
-    def counts(self, tensor: torch.Tensor, summed_over_data: bool) -> bool:
-        """Whether this process counts its part of ``tensor`` (a parameter or its gradient) toward a
-        global norm: it does on rank 0 of each axis that replicates the part."""
-        replicated = {"model"} | ({"data"} if summed_over_data else set())
-        if isinstance(tensor, DTensor):
-            names = tensor.device_mesh.mesh_dim_names or ()
-            for dim, (name, placement) in enumerate(zip(names, tensor.placements)):
-                if placement.is_partial():
-                    raise AssertionError(f"a gradient is a partial DTensor ({tensor.placements})")
-                sharded = placement.is_shard() or getattr(placement, "split_factor", None) is not None   # (FSDP x TP)
-                if not sharded and tensor.device_mesh.get_local_rank(dim) != 0:
-                    return False   # replicated along this axis: counted on its rank 0
-                replicated.discard(name)
-        return all(self.mesh.get_local_rank(name) == 0 for name in replicated)
-
-    def parts(self, params: list[torch.Tensor], summed_over_data: bool) -> clipping.GradientParts:
-        """This process's parts of the gradients of ``params`` (its own, not meta), each counted once
-        over the whole mesh; the norm is summed over every process."""
-        tensors, counted = [], []
-        for p in params:
-            grad = p.grad
-            if grad is None:
-                continue
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            tensors.append(local)
-            if self.counts(grad, summed_over_data):
-                counted.append(local)
-        return clipping.GradientParts(tensors, counted, self.everyone.group)
+    def norm_axes(self) -> dict[str, int]:
+        """The axes along which this process's stages hold a plain tensor the same everywhere (a layer
+        the plan left whole, along ``model``; a gradient summed over ``data``), with its rank along
+        each: clipping counts a part on rank 0 of each (a DTensor's placements say so for its own mesh)."""
+        return {name: self.mesh.get_local_rank(name) for name in ("model", "data")}

@@ -182,10 +182,10 @@ class TensorParallelPlacement(RootsPlacement):
         adopt(optimizer, self)
         self._optimizers.append(optimizer)
 
-    def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
+    def norm_axes(self) -> tuple[Any, dict[str, int]]:
         """Clipping: each process's shards of the gradients (summed over the data axis when backward
-        ended) along the model axis (replicated gradients count once)."""
-        return clipping.shard_parts(params, self.model.group)
+        ended) along the model axis; a layer the plan left whole counts on its rank 0."""
+        return self.model.group, {"model": self.model.group.rank}
 
 
 def _rehook(placement_ref: Any, module: nn.Module, args: Any) -> None:
