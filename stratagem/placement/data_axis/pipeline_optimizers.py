@@ -49,10 +49,9 @@ class StageOptimizers(LocalUpdate):
     """The optimizers created in a pipeline's scope: their steps' primitives (the update rule of
     :mod:`stratagem.placement.data_axis.step`), ZeRO's ranges (clipping's pieces too) and state dicts."""
 
-    def __init__(self, placement: Any, *, pipe: Collective, data: Collective, everyone: Collective,
-                 mesh: MeshStages | None):
+    def __init__(self, placement: Any, *, pipe: Collective, data: Collective, mesh: MeshStages | None):
         super().__init__(placement)
-        self.pipe, self.data, self.everyone = pipe, data, everyone
+        self.pipe, self.data = pipe, data
         self.mesh = mesh
         self.sharding = None if mesh is None else mesh.sharding
         self.refs: list[weakref.ref] = []   # the optimizers (a traced model's first trace trims them)
