@@ -41,7 +41,6 @@ from stratagem.placement.data_axis.zero_ranges import ZeroRanges
 from stratagem.comm.collective import Collective
 from stratagem.placement.scope.hooks import adopt, base_of, step_hooks, unhooked_step
 from stratagem.placement.dtensor_state import full_value, local_state_bytes, shard_like
-from stratagem.placement.layout.pipeline_mesh import MeshStages
 from stratagem.placement.data_axis.local_update import LocalUpdate
 
 
@@ -49,11 +48,11 @@ class StageOptimizers(LocalUpdate):
     """The optimizers created in a pipeline's scope: their steps' primitives (the update rule of
     :mod:`stratagem.placement.data_axis.step`), ZeRO's ranges (clipping's pieces too) and state dicts."""
 
-    def __init__(self, placement: Any, *, pipe: Collective, data: Collective, mesh: MeshStages | None):
+    def __init__(self, placement: Any, *, pipe: Collective, data: Collective, sharding: str | None, on_mesh: bool):
         super().__init__(placement)
         self.pipe, self.data = pipe, data
-        self.mesh = mesh
-        self.sharding = None if mesh is None else mesh.sharding
+        self.on_mesh = on_mesh     # a model (and data) axis besides the pipe: the state of DTensor parameters
+        self.sharding = sharding   # ZeRO over the data axis: None, "optimizer", "gradients" or "parameters"
         self.refs: list[weakref.ref] = []   # the optimizers (a traced model's first trace trims them)
         #: sharding="optimizer" / "gradients": ZeRO's update rule over the data axis (each optimizer's
         #: ranges built at first use), else None
@@ -140,7 +139,7 @@ class StageOptimizers(LocalUpdate):
         zero = self._zero_of(optimizer)
         if zero is not None:
             state["state"] = zero.state()
-        elif self.mesh is not None:
+        elif self.on_mesh:
             state["state"] = {k: {n: full_value(v) for n, v in entry.items()} for k, entry in state["state"].items()}
         if self.pipe.num_workers > 1:
             mine = {k: {n: v.detach().cpu() if isinstance(v, torch.Tensor) else v for n, v in entry.items()}
@@ -164,7 +163,7 @@ class StageOptimizers(LocalUpdate):
             base_of(optimizer).load_state_dict(optimizer, {**state, "state": {}})
             zero.load(state["state"])
             return
-        if self.mesh is not None:
+        if self.on_mesh:
             state["state"] = {k: {n: shard_like(v, held[k]) for n, v in entry.items()}
                               for k, entry in state["state"].items()}
         base_of(optimizer).load_state_dict(optimizer, state)

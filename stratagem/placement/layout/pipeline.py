@@ -105,7 +105,8 @@ class PipelinePlacement(RootsPlacement):
         self.mesh = mesh                 # the model axis (tensor parallelism) and ZeRO over data, if any
         self.sharding = None if mesh is None else mesh.sharding
         # the data axis: each model's sum over it, no_sync, the step; its update rule the stages' optimizers
-        self._start_roots(data, StageOptimizers(self, pipe=pipe, data=data, mesh=mesh))
+        self._start_roots(data, StageOptimizers(self, pipe=pipe, data=data, sharding=self.sharding,
+                                                  on_mesh=mesh is not None))
         self.models: dict[int, SplitModel] = {}   # id(model) -> its split
         self._hooks: dict[int, list[int]] = {}     # id(traced model) -> its forward pre-hooks set here
         clipping.register(self)
