@@ -152,7 +152,7 @@ class FullyShardedPlacement(RootsPlacement):
     def norm_axes(self) -> tuple[Any, dict[str, int]]:
         """Clipping: each worker's shards of the gradients (summed over the workers in backward, its
         mesh's ``data`` axis)."""
-        return self.collective.group, {"data": self.collective.group.rank}
+        return self.collective.group, self.shard.norm_axes()
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
         raise InvalidArgumentError(
@@ -176,6 +176,11 @@ class FullyShard:
         check_one_dtype([p for m in modules for p in m.parameters()], holder, self.instead)
         for module in modules:
             shard_units(module, self.mesh, itself=itself)
+
+    def norm_axes(self) -> dict[str, int]:
+        """Clipping: a tensor left unsharded would be the same along the data axis (this process's rank
+        along it); a sharded one's placements say so."""
+        return {"data": self.mesh.get_local_rank()}
 
 
 def check_one_dtype(params: Any, holder: str, instead: str) -> None:
