@@ -216,7 +216,7 @@ def _stage_peak(profile: Profile, layout: Layout, a: int, b: int, s: int, rows: 
         if profile.saved_param_bytes else blocks
     return parameters + state + kept + schedule_peak(
         saved, io, [2 * g for g in blocks], in_flight=inflight, microbatches=m, recompute=layout.recompute,
-        gathered=gathered, regathered=blocks, staged=blocks, released=loss)
+        gathered=gathered, regathered=blocks, released=loss)
 
 
 def probes(ranked: list[Layout]) -> list[Layout]:

@@ -117,7 +117,7 @@ def model_states(psi_r: float, *, data: int, sharding: str | None, element_size:
 
 def schedule_peak(saved: Sequence[float], io: float, grads: Sequence[float], *, in_flight: int,
                   microbatches: int, recompute: bool, gathered: Sequence[float] = (),
-                  regathered: Sequence[float] = (), staged: Sequence[float] = (), released: float = 0.0) -> float:
+                  regathered: Sequence[float] = (), released: float = 0.0) -> float:
     """The most bytes one stage's schedule adds to what a process keeps between steps.
 
     ``saved``: what each block saves for one micro-batch; ``io``: what the schedule holds of a
@@ -130,10 +130,8 @@ def schedule_peak(saved: Sequence[float], io: float, grads: Sequence[float], *, 
     ``regathered``: each block's parameters made whole for its backward (a replay gathers every block
     it runs again; in a pipeline they stay whole until the schedule ends, as ``grads`` then counts, or
     until a forward: 1F1B's next forward reshards each block as it ends, and the backward after it
-    gathers them again, from the last). ``staged``: the buffer each block's gather in forward
-    leaves besides its parameters (FSDP keeps it until the next block's gather, or the end of the
-    stage's forward -- which a replay never reaches: the last block it gathers keeps its buffer
-    through the backward). ``released``: what a micro-batch holds from its forward until its backward begins (the loss's
+    gathers them again, from the last).
+    ``released``: what a micro-batch holds from its forward until its backward begins (the loss's
     saved tensors, outside any recomputed region).
 
     The points: every micro-batch in flight (the last one's forward block by block); the first
@@ -149,20 +147,15 @@ def schedule_peak(saved: Sequence[float], io: float, grads: Sequence[float], *, 
     """
     k, total, g = in_flight, sum(saved), sum(grads)
     whole = list(gathered) or [0.0] * len(saved)
-    buffer = list(staged) or [0.0] * len(saved)
     base = io if recompute else total + io
     held = base + released
     prefix = [sum(saved[:i + 1]) for i in range(len(saved))]
-    running = [w + b for w, b in zip(whole, buffer)]   # a block in forward: what it saves of its parameters, the buffer
-    forward = max(running) if recompute else max(p + r for p, r in zip(prefix, running))
-    # a replay gathers each block but the last (its backward did) in forward: the one before keeps its buffer
-    linger = buffer[-2] if recompute and len(buffer) > 1 else 0.0
+    forward = max(whole) if recompute else max(p + w for p, w in zip(prefix, whole))
     again = list(regathered) or [0.0] * len(saved)
     # a replay gathers the blocks again and keeps them until their backward (FSDP does not reshard in backward)
     gone = [max(sum(again[:i + 1]) if recompute else again[i], whole[i]) for i in range(len(saved))]
     first = max(prefix[i] + sum(grads[i + 1:]) + gone[i] for i in range(len(saved)))
-    points = [(k - 1) * held + io + released + forward, (k - 1) * held + io + first + linger,
-              (k - 1) * held + g + linger]
+    points = [(k - 1) * held + io + released + forward, (k - 1) * held + io + first, (k - 1) * held + g]
     # after the first backward every gradient is there (and the blocks gathered again stay, counted with them)
     resharded = bool(regathered) and not recompute and microbatches > k
     if resharded:
@@ -172,9 +165,8 @@ def schedule_peak(saved: Sequence[float], io: float, grads: Sequence[float], *, 
         points.append((k - 1) * held + io + released + ahead)   # (above that backward's, and the last ones',
         return max(points)                                       # whole again, with one micro-batch fewer held)
     if microbatches > k:   # 1F1B: the next forward
-        points.append((k - 1) * held + io + released + (base - io if regathered else forward) + g + linger)
+        points.append((k - 1) * held + io + released + (base - io if regathered else forward) + g)
     others = k - 1 if microbatches > k else k - 2
     if microbatches > 1 and others >= 0:   # a later backward
-        points.append(others * held + io + (total if regathered else max(p + w for p, w in zip(prefix, gone))) + g
-                      + linger)
+        points.append(others * held + io + (total if regathered else max(p + w for p, w in zip(prefix, gone))) + g)
     return max(points)

@@ -5,9 +5,7 @@ whenever autograd saves a tensor or uses one, a gradient is accumulated, a stage
 replay saves again, the bytes of the distinct storages of
 
 - the model's parameters (a DTensor's local shard), their ``.grad``, and what the placement keeps
-  of the gradients besides (the data axis's packs of sums, ZeRO-2's range of the sum); under
-  ZeRO-3 the parameters FSDP made whole and their gradients (:func:`gathered`), and the buffer it
-  gathered them into, which it keeps in forward until the next gather;
+  of the gradients besides (the data axis's packs of sums, ZeRO-2's range of the sum);
 - the optimizer state (constant during a step after the first);
 - the tensors autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``: each
   kept while autograd holds it, counted by its storage's current size, so a ZeRO-3 unit's
@@ -93,8 +91,7 @@ class _Replay:
 
 def gathered(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
     """ZeRO-3's parameters made whole below ``modules`` (FSDP2's), and their gradients: counted while they
-    hold memory (a resharded one's storage is empty); and the buffer of the last gather in forward, which
-    FSDP keeps (the parameters are copies out of it) until the next gather or the end of the stage's forward."""
+    hold memory (a resharded one's storage is empty)."""
     found = []
     for module in modules:
         for sub in module.modules():
@@ -109,11 +106,6 @@ def gathered(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
                 whole = getattr(param, "_unsharded_param", None)   # (made at the first gather)
                 if whole is not None:
                     found += [whole, whole.grad]
-            # in forward FSDP keeps a block's all-gathered buffer (the parameters are copied out of it) until the
-            # next block's gather, or the end of the stage's forward
-            kept = getattr(getattr(state(), "_comm_ctx", None), "all_gather_state", None)
-            if kept is not None:
-                found.append(kept.all_gather_result.all_gather_output)
     return found
 
 

@@ -85,15 +85,3 @@ def test_zero3_under_1f1b_a_forward_after_a_backward_reshards_what_it_runs() -> 
     assert schedule_peak(saved, 5.0, grads, in_flight=2, microbatches=4, **zero3) == 115 + 5 + 10 + 220 + 220
     # every micro-batch in flight (no forward after a backward): the last backward with everything whole
     assert schedule_peak(saved, 5.0, grads, in_flight=2, microbatches=2, **zero3) == 5 + 110 + 440
-
-
-def test_zero3_gather_buffers_in_forward_and_after_a_replay() -> None:
-    saved = [100.0, 10.0]
-    # a block's forward: FSDP keeps the buffer it gathered into besides the parameters copied out of it
-    assert schedule_peak(saved, 0.0, [5.0, 50.0], in_flight=1, microbatches=1, recompute=False,
-                         gathered=[10.0, 100.0], staged=[10.0, 100.0]) == 110 + 100 + 100
-    # recomputation: the backward gathers block 1, the replay block 0 (in forward: its buffer is kept, and no
-    # later gather of the forward frees it) -- the first backward's first block, with both blocks whole
-    blocks = [20.0, 200.0]
-    assert schedule_peak(saved, 5.0, [40.0, 400.0], in_flight=1, microbatches=1, recompute=True, gathered=blocks,
-                         regathered=blocks, staged=blocks) == 5 + 100 + 400 + 20 + 20
