@@ -157,13 +157,13 @@ def schedule_peak(saved: Sequence[float], io: float, grads: Sequence[float], *, 
     first = max(prefix[i] + sum(grads[i + 1:]) + gone[i] for i in range(len(saved)))
     points = [(k - 1) * held + io + released + forward, (k - 1) * held + io + first, (k - 1) * held + g]
     # after the first backward every gradient is there (and the blocks gathered again stay, counted with them)
-    resharded = bool(regathered) and not recompute and microbatches > k
-    if resharded:
+    if regathered and not recompute and microbatches > k:
         # 1F1B's next forward finds every block whole and reshards each as it ends; the backward after it
-        # gathers them again from the last: at block i, what blocks 0..i saved and blocks i.. whole
+        # gathers them again from the last: at block i, what blocks 0..i saved and blocks i.. whole. That
+        # forward outweighs that backward (no loss held), and the last backwards, with every block whole again
+        # but one micro-batch fewer in flight
         ahead = max(p + sum(again[i:]) for i, p in enumerate(prefix)) + g - sum(again)
-        points.append((k - 1) * held + io + released + ahead)   # (above that backward's, and the last ones',
-        return max(points)                                       # whole again, with one micro-batch fewer held)
+        return max(*points, (k - 1) * held + io + released + ahead)
     if microbatches > k:   # 1F1B: the next forward
         points.append((k - 1) * held + io + released + (base - io if regathered else forward) + g)
     others = k - 1 if microbatches > k else k - 2

@@ -174,8 +174,9 @@ def test_mlp_plan_on_four_processes() -> None:
 
 def test_zero3_under_pipelines_on_four_processes_within_5_percent(tmp_path) -> None:
     # ZeRO-3 under torch's pipeline stage, 2 stages of 2 data ranks: under 1F1B with more micro-batches than in
-    # flight each forward after a backward reshards the blocks it runs (their gradients stay), which GPipe,
-    # 1F1B with every micro-batch in flight, and recomputation's replay do not
+    # flight each forward after a backward reshards the blocks it runs (their gradients stay); its neighbours:
+    # GPipe and 1F1B with every micro-batch in flight (no forward follows a backward), and recomputation (its
+    # replay gathers every block again)
     layouts = ["2x2x1 zero-3 1f1b m=4", "2x2x1 zero-3 1f1b m=2", "2x2x1 zero-3 gpipe m=4",
                "2x2x1 zero-3 1f1b m=4 recompute"]
     out = tmp_path / "peaks.json"
