@@ -35,6 +35,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _harness as h  # noqa: E402
+from ddp import MODEL_OPTIONS, add_shared_options  # noqa: E402   (the same model and loop)
 
 WORLD, TIMEOUT_S, STEP_TARGET = 2, 120.0, 1.05
 
@@ -158,30 +159,16 @@ def report(args: argparse.Namespace, mode: str, ranks: list[dict]) -> list[str]:
     return lines
 
 
-MODEL_OPTIONS = ("layers", "dim", "heads", "vocab", "block", "rows", "accumulate", "distinct", "lr", "clip")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
     p.add_argument("--pairs", type=int, default=60, help="timed pairs of chunks per mode")
     p.add_argument("--chunk", type=int, default=8, help="steps per chunk")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps of each side first (compiled: they compile)")
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    p.add_argument("--dim", type=int, default=64, help="model width")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--block", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--rows", type=int, default=4, help="sequences per micro-batch per worker")
-    p.add_argument("--accumulate", type=int, default=4, help="micro-steps per step (one exchange, at the last)")
-    p.add_argument("--distinct", type=int, default=8, help="distinct synthetic global batches, cycled")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--clip", type=float, default=1.0, help="clip_grad_norm_'s max norm")
+    add_shared_options(p)
     p.add_argument("--max-other-load", type=float, default=0.3,
                    help="set aside pairs during which other processes kept more cores busy")
     p.add_argument("--seed", type=int, default=0)
-    for hidden in ("--child", "--rank", "--port"):
-        p.add_argument(hidden, type=int if hidden != "--child" else str, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if min(args.pairs, args.chunk, args.distinct, args.accumulate, args.rows) < 1 or args.warmup < 1:
         p.error("--pairs, --chunk, --distinct, --accumulate, --rows, --warmup must be >= 1")
