@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     warning = h.load_warning()
     if warning:
         print(warning)
-    return 0
+    return 1 if any("MISMATCH" in line for line in lines) else 0
 
 
 if __name__ == "__main__":
