@@ -22,7 +22,9 @@ model) run in separate processes; the target of the compiled ratio is the eager 
 
 The plain model also runs with the module forward pre-hook that stratagem installs at the first
 multi-replica ``run`` (it returns at once outside ``run``): the process's modules all see it.
-Both models train the same steps, so their losses agree after the run (the check line).
+Both models train the same steps, so their losses agree after the run (the check line). Each
+side's CPU time a step and the cores it kept busy (CPU time over wall time) say whether a slower
+side did more work or left cores idle (replica threads waiting on each other or on the GIL).
 
     python benchmarks/mirrored_paired.py                         # eager and compiled, 40 pairs each
     python benchmarks/mirrored_paired.py --modes eager --pairs 4 --chunk 2     # smoke test
@@ -138,9 +140,10 @@ def report(args: argparse.Namespace, mode: str, r: dict, target: float | None) -
     cpu = [p["mirrored"]["cpu_ms"] / p["plain"]["cpu_ms"] for p in use]
     ms = {side: h.median([p[side]["median_ms"] for p in use]) for side in ("plain", "mirrored")}
     cpu_ms = {side: h.median([p[side]["cpu_ms"] for p in use]) for side in ("plain", "mirrored")}
-    lines = [f"{mode}: plain {ms['plain']:.2f} ms ({cpu_ms['plain']:.1f} CPU ms), Mirrored(2) {ms['mirrored']:.2f} ms "
-             f"({cpu_ms['mirrored']:.1f} CPU ms) a step (medians of the pairs' chunks); {len(quiet)} of {len(pairs)} "
-             f"pairs undisturbed; warm-up {r['warmup_s']:.1f} s; {r['threads']} intra-op threads by default"]
+    lines = [f"{mode}: plain {ms['plain']:.2f} ms ({cpu_ms['plain']:.1f} CPU ms, {cpu_ms['plain'] / ms['plain']:.2f} "
+             f"cores busy), Mirrored(2) {ms['mirrored']:.2f} ms ({cpu_ms['mirrored']:.1f} CPU ms, "
+             f"{cpu_ms['mirrored'] / ms['mirrored']:.2f} cores busy) a step (medians of the pairs' chunks); {len(quiet)} "
+             f"of {len(pairs)} pairs undisturbed; warm-up {r['warmup_s']:.1f} s; {r['threads']} intra-op threads by default"]
     if not quiet:
         verdict = "n/a (no pair undisturbed)"
     else:
