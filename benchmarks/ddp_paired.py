@@ -159,20 +159,32 @@ def report(args: argparse.Namespace, mode: str, ranks: list[dict]) -> list[str]:
     return lines
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_paired_args(argv: list[str] | None, description: str, *, pairs: int, chunk: int) -> argparse.Namespace:
+    """The options of a paired benchmark (this one, ``mirrored_paired.py``): modes, pairs, chunks, the model's."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
-    p.add_argument("--pairs", type=int, default=60, help="timed pairs of chunks per mode")
-    p.add_argument("--chunk", type=int, default=8, help="steps per chunk")
+    p.add_argument("--pairs", type=int, default=pairs, help="timed pairs of chunks per mode")
+    p.add_argument("--chunk", type=int, default=chunk, help="steps per chunk")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps of each side first (compiled: they compile)")
     add_shared_options(p)
     p.add_argument("--max-other-load", type=float, default=0.3,
                    help="set aside pairs during which other processes kept more cores busy")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if min(args.pairs, args.chunk, args.distinct, args.accumulate, args.rows) < 1 or args.warmup < 1:
+    if min(args.pairs, args.chunk, args.distinct, args.accumulate, args.rows, args.warmup) < 1:
         p.error("--pairs, --chunk, --distinct, --accumulate, --rows, --warmup must be >= 1")
     return args
+
+
+def child_run(args: argparse.Namespace, mode: str) -> tuple[list[str], float]:
+    """A paired benchmark's child (``mode``'s run): its arguments and a generous deadline."""
+    argv = ["--child", mode, "--pairs", str(args.pairs), "--chunk", str(args.chunk), "--warmup", str(args.warmup),
+            "--seed", str(args.seed)] + [f"--{name}={getattr(args, name)}" for name in MODEL_OPTIONS]
+    return argv, 180 + (300 if mode == "compiled" else 0) + 2 * (args.pairs * args.chunk + args.warmup) * 3.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parse_paired_args(argv, __doc__.split("\n\n")[0], pairs=60, chunk=8)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,9 +195,7 @@ def main(argv: list[str] | None = None) -> int:
           f"load {h.loadavg()}")
     lines = []
     for mode in args.modes:
-        argv = ["--child", mode, "--pairs", str(args.pairs), "--chunk", str(args.chunk), "--warmup", str(args.warmup),
-                "--seed", str(args.seed)] + [f"--{name}={getattr(args, name)}" for name in MODEL_OPTIONS]
-        timeout = 180 + (300 if mode == "compiled" else 0) + 2 * (args.pairs * args.chunk + args.warmup) * 3.0
+        argv, timeout = child_run(args, mode)
         ranks = h.run_workers(os.path.abspath(__file__), argv, world=WORLD, timeout=timeout)
         lines += report(args, mode, ranks)
         h.log(f"{mode} done")

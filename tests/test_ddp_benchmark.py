@@ -43,3 +43,17 @@ def test_paired_ddp_benchmark_prints_the_ratio_and_the_same_training() -> None:
     assert re.search(rf"^ours/DDP eager: {NUMBER}  IQR .*  target (<=1\.05 undecided|n/a) ", out, re.M), out
     check = re.search(r"^Check \(eager\): after 3 steps each, .* max relative difference ([0-9.e+-]+) ", out, re.M)
     assert check and float(check.group(1)) <= 1e-6, out
+
+
+PAIRED = SCRIPT.parent / "mirrored_paired.py"
+
+
+def test_mirrored_paired_benchmark_prints_the_ratio_and_trains_as_plain() -> None:
+    """benchmarks/mirrored_paired.py: plain and Mirrored(2) in one process, a few tiny chunks, eager."""
+    run = subprocess.run([sys.executable, str(PAIRED), "--modes", "eager", "--pairs", "2", "--chunk", "1",
+                          "--warmup", "1", "--layers", "1", "--dim", "32", "--block", "16", "--accumulate", "2"],
+                         capture_output=True, text=True, timeout=220)
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr[-3000:]
+    assert re.search(rf"^Mirrored\(2\)/plain eager: {NUMBER} ", out, re.M), out
+    assert re.search(r"^Check \(eager\): after 3 steps each, .* relative difference [0-9.e+-]+$", out, re.M), out
