@@ -11,8 +11,9 @@ the data, saving with a CheckpointManager after step ``--save-at`` when ``--save
 ``--wrong``: restoring this checkpoint (of another model) must fail on every process.
 ``--fit``: also trains with sg.Model.fit under the strategy, once with a BackupAndRestore
 interrupted after one epoch and resumed, and reports the weights, logs and a reduced value.
-``--absent`` (with a short ``--timeout``): at the end, process 1 does not call save, and process 0's
-save must raise UnavailableError (written to OUT/NAME-absent.json).
+``--absent SECONDS``: at the end, under a new strategy of the layout whose communication timeout is
+SECONDS (the training's stays ``--timeout``), process 1 does not call save, and process 0's save must
+raise UnavailableError within it (written to OUT/NAME-absent.json).
 Writes OUT/NAME-rank{R}.json.
 """
 
@@ -51,7 +52,7 @@ def make_strategy(layout: str, timeout: float | None = None):
 
 
 def absent(strategy, out: Path, tag: str) -> None:
-    """Process 1 does not call save: process 0's save raises within the timeout; both then leave."""
+    """Process 1 does not call save: process 0's save raises within ``strategy``'s timeout; both then leave."""
     with strategy.scope():
         model = MegatronMLP()
         optimizer = make_optimizer("sgd", model.parameters())
@@ -158,7 +159,7 @@ def main() -> None:
         parser.add_argument(option)
     parser.add_argument("--save-at", type=int, default=2)
     parser.add_argument("--timeout", type=float)
-    parser.add_argument("--absent", action="store_true")
+    parser.add_argument("--absent", type=float)
     args = parser.parse_args()
     torch.set_default_dtype(torch.float64)
     rank = sg.cluster.resolve().worker_rank
@@ -174,8 +175,8 @@ def main() -> None:
     if args.fit:
         fit(strategy, args.fit, result)
     Path(args.out, f"{args.tag}-rank{rank}.json").write_text(json.dumps(result))
-    if args.absent:
-        absent(strategy, Path(args.out), args.tag)
+    if args.absent is not None:
+        absent(make_strategy(args.layout, args.absent), Path(args.out), args.tag)
     print("done", flush=True)
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from stratagem.launch.forks import FORK_SERVER_VARIABLE
+from stratagem.testing.forked import fork_server_variable
 from stratagem.testing.hosts import HostsUnavailable, network_hosts
 
 
@@ -28,11 +30,15 @@ def make_hosts(count: int) -> Iterator[list[tuple[str, str]]]:
 
 
 def start(namespace: str, command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    """``command`` in ``namespace`` (`ip netns exec` execs it: the pid is the command's)."""
+    """``command`` in ``namespace`` (`ip netns exec` execs it: the pid is the command's). In a module
+    of forked launches (``forked_launches``), a ``stratagem launch`` there forks its tasks from a fork
+    server in that namespace."""
     environment = {key: value for key, value in os.environ.items()
                    if key not in ("TF_CONFIG", "GLOO_SOCKET_IFNAME", "RANK", "WORLD_SIZE", "MASTER_ADDR",
                                   "MASTER_PORT", "STRATAGEM_CLUSTER_TOKEN")}
     environment.update(env, PYTHONUNBUFFERED="1")
+    if FORK_SERVER_VARIABLE in environment:   # (a module of forked launches: a server in the namespace forks them)
+        environment.update(fork_server_variable(environment, namespace=namespace))
     with log.open("a") as out:
         return subprocess.Popen(["ip", "netns", "exec", namespace, *command], env=environment,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
