@@ -199,6 +199,7 @@ def test_a_server_in_a_network_namespace_forks_its_tasks_there(tmp_path: Path) -
         with network_hosts(1) as [(namespace, _)]:
             server = shared_server(namespace=namespace)
             log = tmp_path / "task.log"
+            log.touch()
             task = server.start_command([sys.executable, "-c", "import os; print(os.readlink('/proc/self/ns/net'))"],
                                         dict(os.environ), str(log))
             assert task.wait(120) == 0, log.read_text()

@@ -7,7 +7,6 @@ task from the task's environment (real processes: the fork server and its childr
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import os
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import stratagem
 from stratagem.observe.chrome import FOLDER_VARIABLE
 from stratagem.testing import run_task
 from stratagem.testing.forkserver import PRELOADED
@@ -65,10 +65,16 @@ def _reads_at_import(path: Path) -> list[str]:
     return found
 
 
+def _source(module: str) -> Path:
+    """The file of stratagem's ``module`` (found without importing it here)."""
+    path = Path(stratagem.__file__).parent.joinpath(*module.split(".")[1:])
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
 def test_no_preloaded_module_reads_the_environment_when_imported(loaded: list[str]) -> None:
     ours = [name for name in loaded if name.split(".")[0] == "stratagem"]
     assert len(ours) > 50, ours   # (the core: strategies, placements, Model, checkpoints)
-    reads = [read for name in ours for read in _reads_at_import(Path(importlib.util.find_spec(name).origin))]
+    reads = [read for name in ours for read in _reads_at_import(_source(name))]
     assert not reads, reads
 
 
