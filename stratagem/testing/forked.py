@@ -53,7 +53,7 @@ from stratagem.launch.lifeline import die_with_parent
 
 _CLONE_NEWNET = 0x40000000
 _READY_SECONDS = 300.0   # at most, for the server's imports on a loaded machine
-#: the server: run as a script, it imports torch and stratagem's core (its PRELOADED) before it forks
+#: the server: run as a script, it imports torch and stratagem.testing.preloaded before it forks
 _SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver.py")
 
 

@@ -1,11 +1,10 @@
 """The test fork server (see :mod:`stratagem.testing.forked`), run as a script: it imports
 torch and stratagem's core once, then forks one child per task it is asked for, which becomes
 that task and runs its script (or module, or code). Nothing imported here may read a task's
-environment before the child has taken it: of stratagem, only modules that read none when
-imported (:data:`PRELOADED`; ``tests/testing/test_preloaded.py`` checks them), with every
-``STRATAGEM_*`` variable out of the server's environment while they load; the one thing such
-an import would do with the environment, the timeline recorder's start, the child does once it
-has its own (:func:`stratagem.observe.record.follow_environment`).
+environment before the child has taken it: the standard library, torch, and of stratagem only
+modules that read none when imported (:mod:`stratagem.testing.preloaded`, imported with every
+``STRATAGEM_*`` variable out of the server's environment), whose one use of the environment the
+child makes once it has its own (``preloaded.task_started``).
 
 Two kinds of client ask: the test process, over stdin (a request names a log file, and may name
 another for stderr) with replies on stdout; and launchers (``stratagem launch`` under
@@ -18,7 +17,6 @@ import atexit
 import ctypes
 import faulthandler
 import gc
-import importlib
 import io
 import json
 import os
@@ -31,12 +29,6 @@ import threading
 import types
 
 _START_ENV = dict(os.environ)   # what the imports below read
-#: stratagem's modules that a task of a strategy loads before its first step, whatever the
-#: strategy (about a second of a task's start-up on a quiet machine): its core, the Keras-style
-#: Model, checkpoints, callbacks, the tensor-parallel and pipeline strategies. Not the
-#: parameter-server transport (grpc: its fork handlers would run at every fork) nor the launcher.
-PRELOADED = ("stratagem.strategies.multi_worker", "stratagem.strategies.mirrored", "stratagem.keras.model",
-             "stratagem.checkpoint", "stratagem.callbacks", "stratagem.experimental")
 
 
 def _serve() -> dict:
@@ -130,15 +122,13 @@ def _serve() -> dict:
 
 
 def _preload() -> None:
-    """Import :data:`PRELOADED` with no ``STRATAGEM_*`` variable in sight; an import that fails
-    is left to the task, whose own import then says why."""
+    """Import :mod:`stratagem.testing.preloaded` with no ``STRATAGEM_*`` variable in sight; an import
+    that fails is left to the task, whose own import then says why."""
     hidden = {key: os.environ.pop(key) for key in [k for k in os.environ if k.startswith("STRATAGEM_")]}
     try:
-        for name in PRELOADED:
-            try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - (the task's import raises it again, in the task)
-                break
+        import stratagem.testing.preloaded  # noqa: F401
+    except Exception:  # noqa: BLE001 - (the task's import raises it again, in the task)
+        pass
     finally:
         os.environ.update(hidden)
 
@@ -186,8 +176,8 @@ def _run(task: dict) -> None:
     every module: in a child of the server that would touch, and so copy, all of torch's memory."""
     scope, code = {}, 0
     try:
-        if (record := sys.modules.get("stratagem.observe.record")) is not None:
-            record.follow_environment()   # (what its import does in a fresh interpreter)
+        if (preloaded := sys.modules.get("stratagem.testing.preloaded")) is not None:
+            preloaded.task_started()   # (what the imports do with the environment in a fresh interpreter)
         if "script" in task:
             scope = runpy.run_path(task["script"], run_name="__main__")
         elif "module" in task:
