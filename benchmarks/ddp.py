@@ -252,14 +252,9 @@ def _compiled_summary(config: str, rs: list[dict]) -> str:
 MODEL_OPTIONS = ("layers", "dim", "heads", "vocab", "block", "rows", "accumulate", "distinct", "lr", "clip")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    p.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
-    p.add_argument("--warmup", type=int, default=4, help="untimed steps first (compiled: they compile)")
-    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds, fresh processes each")
-    p.add_argument("--max-rounds", type=int, default=0,
-                   help="rounds in all at most, run past --rounds while ours/DDP is undecided (default: no more)")
+def add_shared_options(p: argparse.ArgumentParser) -> None:
+    """The model's and loop's options (:data:`MODEL_OPTIONS`), passed on to the workers, and the
+    hidden ones a worker is started with."""
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
     p.add_argument("--dim", type=int, default=64, help="model width")
     p.add_argument("--heads", type=int, default=4)
@@ -270,6 +265,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--distinct", type=int, default=8, help="distinct synthetic global batches, cycled")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=1.0, help="clip_grad_norm_'s max norm")
+    for hidden in ("--child", "--rank", "--port"):
+        p.add_argument(hidden, type=int if hidden != "--child" else str, help=argparse.SUPPRESS)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
+    p.add_argument("--warmup", type=int, default=4, help="untimed steps first (compiled: they compile)")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds, fresh processes each")
+    p.add_argument("--max-rounds", type=int, default=0,
+                   help="rounds in all at most, run past --rounds while ours/DDP is undecided (default: no more)")
+    add_shared_options(p)
     p.add_argument("--max-other-load", type=float, default=0.3,
                    help="set aside steps during which other processes kept more cores busy")
     p.add_argument("--patience", type=float, default=4.0,
@@ -277,8 +285,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-wait", type=float, default=60.0, help="seconds in all to wait for a quiet machine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write every raw measurement here")
-    for hidden in ("--child", "--rank", "--port"):
-        p.add_argument(hidden, type=int if hidden != "--child" else str, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if min(args.steps, args.rounds, args.distinct, args.accumulate, args.rows) < 1 or args.warmup < 0:
         p.error("--steps, --rounds, --distinct, --accumulate, --rows must be >= 1; --warmup >= 0")

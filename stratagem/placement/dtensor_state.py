@@ -24,7 +24,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -97,6 +98,18 @@ def local_gradient(param: torch.Tensor) -> torch.Tensor:
 def parameters_before(root: nn.Module) -> dict[tuple[int, str], torch.Tensor]:
     """Every parameter of ``root`` by (id of its module, its name), before a placement replaces them."""
     return {(id(m), n): p for m in root.modules() for n, p in m._parameters.items() if p is not None}
+
+
+@contextlib.contextmanager
+def replacing(root: nn.Module, replaced: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """Around the layout parts that place ``root`` in mesh order (a tensor-parallel plan, then FSDP2
+    units): its modules that end with DTensor parameters get the state-dict hooks (whole outside),
+    and ``replaced`` the parameters replaced (:func:`replacements`), for the optimizers given the
+    parameters taken before."""
+    before = parameters_before(root)
+    yield
+    hook_state_dicts(root.modules())
+    replaced.update(replacements(root, before))
 
 
 def replacements(root: nn.Module, before: dict[tuple[int, str], torch.Tensor]

@@ -145,10 +145,7 @@ class RpcClient:
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.enable_http_proxy", 0),   # cluster traffic never goes through a proxy
-            # A channel of its own connections: from gRPC's process-wide pool, a new client
-            # would inherit the reconnection backoff of an earlier channel to the same address
-            # (a server gone, another now listening on its port) and fail at once.
-            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.use_local_subchannel_pool", 1),   # not the backoff of a gone server's port (shared pool)
         ])
         self._callables: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._lane = LaneClient(address.rpartition(":")[0], self.task, self._auth.lane_key, self._open_lane,

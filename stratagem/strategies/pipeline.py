@@ -140,7 +140,7 @@ class PipelineStrategy(MeshStrategy):
                   "recompute": check_recompute(recompute), "balance_by": balance_by}
         self._configure(self._data_topology(), data, PipelinePlacement(
             self, config=config, pipe_rank=self.pipe_rank, pipe=self._pipe, data=data, everyone=self._full,
-            device=self._mesh_device.torch_device, mesh=MeshStages(self.mesh, plan, sharding, self._full)))
+            device=self._mesh_device.torch_device, mesh=MeshStages(self.mesh, plan, sharding)))
         self._check_same_configuration({**config, "mesh": (data_size, pipe_size, model_size), "sharding": sharding,
                                         "plan": plan and {k: re.sub(r" at 0x[0-9a-f]+", "", str(v))
                                                           for k, v in plan.items()}})

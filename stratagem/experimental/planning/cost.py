@@ -12,8 +12,9 @@ Step time, for a ``d x p x t`` layout with ``m`` micro-batches of ``rows = globa
 - the data axis once per step: the gradients all-reduced (``None``, ZeRO-1, whose ranges are then
   all-gathered), reduce-scattered and the parameters all-gathered (ZeRO-2), or, under ZeRO-3, the
   parameters all-gathered in each micro-batch's forward and once for the backward (torch's pipeline
-  stage keeps them whole until the schedule ends, as the measured memory shows) and the gradients
-  reduce-scattered once;
+  stage keeps them whole until the schedule ends, as the measured memory shows -- or until a forward
+  reshards them: under 1F1B each backward that follows a forward gathers them again) and the
+  gradients reduce-scattered once;
 - the optimizer's step over this process's parameters (its range under ZeRO).
 
 Collectives of ``n`` processes over ``B`` bytes cost as a ring: ``2 (n - 1) (α + B / (n β))`` for an
@@ -118,7 +119,7 @@ def predict(profile: Profile, layout: Layout, network: Network, *, global_batch:
     rows = global_batch / (d * m)
     params = profile.block_params[t]
     bounds = stage_bounds(profile, layout)
-    stage_seconds, memory = [], []
+    stage_seconds, memory, inflights = [], [], []
     for s, (a, b) in enumerate(bounds):
         compute = 0.0
         for i in range(a, b):
@@ -137,6 +138,7 @@ def predict(profile: Profile, layout: Layout, network: Network, *, global_batch:
             sends += 2 * network.send(profile.input_bytes[a] * rows)
         stage_seconds.append(compute * network.oversubscription + traffic + sends)
         inflight = m if layout.schedule == "gpipe" or p == 1 else min(m, p - s)
+        inflights.append(inflight)
         psi = sum(params[a:b])
         states = model_states(psi, data=d, sharding=layout.sharding, element_size=profile.element_size,
                               state_per_parameter=profile.state_per_parameter)
@@ -151,8 +153,9 @@ def predict(profile: Profile, layout: Layout, network: Network, *, global_batch:
         seconds += network.all_reduce(grad_bytes, d) + network.gather(grad_bytes, d)
     elif layout.sharding == "gradients":
         seconds += 2 * network.gather(grad_bytes, d)
-    else:   # parameters gathered in each micro-batch's forward and once for the backward, gradients scattered once
-        seconds += (m + 2) * network.gather(grad_bytes, d)
+    else:   # parameters gathered in each micro-batch's forward and for the backward (again after each forward
+        # that resharded them: 1F1B's beyond the micro-batches in flight), gradients scattered once
+        seconds += (m + m - min(inflights) + 2) * network.gather(grad_bytes, d)
     share = d if layout.sharding else 1
     seconds += profile.step_seconds_per_parameter * psi_max / share * network.oversubscription
     params_b, grads_b, state_b = max((states for states, _, _ in memory), key=sum)
@@ -205,7 +208,8 @@ def _stage_peak(profile: Profile, layout: Layout, a: int, b: int, s: int, rows: 
     # ZeRO-3 (FSDP2 under torch's pipeline stage): in forward a block's parameters are whole while it runs,
     # counting what it saves of them (a layer whose input needs no gradient keeps none: the profile's bytes,
     # this process's share of a model axis's split); in backward each block is gathered again and, with its
-    # whole gradient, stays so until the schedule ends (the stage reduce-scatters and reshards then)
+    # whole gradient, stays so until the schedule ends (the stage reduce-scatters and reshards then) or, under
+    # 1F1B, until the next forward reshards it (the gradient stays)
     whole = profile.block_params[1][a:b]
     gathered = [profile.saved_param_bytes[i] * q / w if w else 0.0
                 for i, q, w in zip(range(a, b), profile.block_params[t][a:b], whole)] \

@@ -128,7 +128,9 @@ def schedule_peak(saved: Sequence[float], io: float, grads: Sequence[float], *, 
     saves nothing, and its backward saves the stage's activations again. ``gathered``: under
     ZeRO-3, what each block saves of its parameters made whole in forward (they count while it runs);
     ``regathered``: each block's parameters made whole for its backward (a replay gathers every block
-    it runs again; in a pipeline they stay whole until the schedule ends, as ``grads`` then counts).
+    it runs again; in a pipeline they stay whole until the schedule ends, as ``grads`` then counts, or
+    until a forward: 1F1B's next forward reshards each block as it ends, and the backward after it
+    gathers them again, from the last).
     ``released``: what a micro-batch holds from its forward until its backward begins (the loss's
     saved tensors, outside any recomputed region).
 
@@ -155,6 +157,13 @@ def schedule_peak(saved: Sequence[float], io: float, grads: Sequence[float], *, 
     first = max(prefix[i] + sum(grads[i + 1:]) + gone[i] for i in range(len(saved)))
     points = [(k - 1) * held + io + released + forward, (k - 1) * held + io + first, (k - 1) * held + g]
     # after the first backward every gradient is there (and the blocks gathered again stay, counted with them)
+    if regathered and not recompute and microbatches > k:
+        # 1F1B's next forward finds every block whole and reshards each as it ends; the backward after it
+        # gathers them again from the last: at block i, what blocks 0..i saved and blocks i.. whole. That
+        # forward outweighs that backward (no loss held), and the last backwards, with every block whole again
+        # but one micro-batch fewer in flight
+        ahead = max(p + sum(again[i:]) for i, p in enumerate(prefix)) + g - sum(again)
+        return max(*points, (k - 1) * held + io + released + ahead)
     if microbatches > k:   # 1F1B: the next forward
         points.append((k - 1) * held + io + released + (base - io if regathered else forward) + g)
     others = k - 1 if microbatches > k else k - 2

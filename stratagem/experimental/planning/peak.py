@@ -17,7 +17,11 @@ replay saves again, the bytes of the distinct storages of
 Its peak is the largest such sum. What it leaves out is what lives inside one operation or
 collective: autograd's gradients of the activations between two operations, an optimizer
 step's temporaries, a collective's scratch buffers (on CUDA, ``torch.cuda.max_memory_allocated``
-counts those too, and :class:`PeakMeter` reports it there instead).
+counts those too, and :class:`PeakMeter` reports it there instead) -- and one buffer that outlives
+its collective: under ZeRO-3, FSDP keeps the buffer a block's parameters were gathered into in
+forward (they are copied out of it) until the next gather or the end of the stage's forward, and
+after a recomputed stage's replay into its backward. Neither the meter nor the memory model counts
+it yet.
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@ placement classes of :mod:`stratagem.placement.layout`). What happens along the 
 - ``update``: the update rule (mirrored, central storage, ZeRO 1/2 over whatever group the axis
   is, torch's own over the shards a process holds: :mod:`.update_rule`, :mod:`.local_update`);
 - ``step``: the one order of an optimizer step (:mod:`.step`), and the optimizer's other methods,
-  handed to the rule.
+  handed to the rule;
+- ``gradient_parts``: what clipping measures where no process holds a whole gradient, one rule
+  for every layout (which names the norm's group and the axes that replicate its tensors) and
+  update rule (whose ZeRO-2 ranges are pieces too).
 
 The placement (:class:`~stratagem.placement.scope.base.Placement`) hands its optimizer methods and
 ``no_sync`` to its ``data_axis``.
@@ -29,7 +32,9 @@ from typing import Any, Iterator
 import torch
 
 from stratagem.comm.collective import Collective
+from stratagem.values import is_dtensor
 from stratagem.placement.data_axis.gradient_sync import GradientSync
+from stratagem.placement.scope import clipping
 from stratagem.placement.data_axis.step import synchronous_step
 
 
@@ -119,6 +124,34 @@ class DataAxis:
             yield
         finally:
             self._unsynced -= 1
+
+    # -------------------------------------------------------------- clipping
+
+    def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
+        """Clipping's parts of the whole gradients of ``params`` (:mod:`~stratagem.placement.scope.clipping`),
+        one rule under every layout and update rule: the pieces of this process's range of the sum
+        where the update rule keeps one (ZeRO-2: ``reduce_scattered``; its own along the data axis),
+        else the local part of each ``.grad``; each counts on rank 0 of every axis that replicates
+        it. The layout names the norm's group and its replicating axes (``norm_axes``)."""
+        group, axes = self.placement.norm_axes()
+        own = {k: rank for k, rank in axes.items() if k != "data"}   # a range is this data rank's own
+        params = [p for p in params if not p.is_meta]   # (a pipeline's stages held elsewhere)
+        tensors, counted, held = [], [], set()
+        for ranges in self.update.reduce_scattered(params):
+            for param, piece in ranges.pieces([p for p in params if id(p) not in held]):
+                tensors.append(piece)
+                if clipping.counts_here(param, own):
+                    counted.append(piece)
+            held.update(id(p) for p in ranges.params)
+        for p in params:
+            grad = p.grad
+            if grad is None or id(p) in held:
+                continue
+            local = grad.to_local() if is_dtensor(grad) else grad
+            tensors.append(local)
+            if clipping.counts_here(grad, axes):
+                counted.append(local)
+        return clipping.GradientParts(tensors, counted, group)
 
     # ---------------------------------------------------- the optimizer's other methods
 

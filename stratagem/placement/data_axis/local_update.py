@@ -100,3 +100,7 @@ class LocalUpdate:
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of per-element optimizer state this process holds for ``optimizer``: its shards."""
         return local_state_bytes(optimizer)
+
+    def reduce_scattered(self, params: list[torch.Tensor]) -> list[Any]:
+        """No ZeRO-2 ranges: clipping measures each ``.grad``'s local part (:meth:`~.axis.DataAxis.gradient_parts`)."""
+        return []

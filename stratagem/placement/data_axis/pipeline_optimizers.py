@@ -36,26 +36,23 @@ import torch
 
 from stratagem._record import record
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.scope import clipping
 from stratagem.placement.data_axis.zero import ZeroUpdate
 from stratagem.placement.data_axis.zero_ranges import ZeroRanges
 from stratagem.comm.collective import Collective
 from stratagem.placement.scope.hooks import adopt, base_of, step_hooks, unhooked_step
 from stratagem.placement.dtensor_state import full_value, local_state_bytes, shard_like
-from stratagem.placement.layout.pipeline_mesh import MeshStages
 from stratagem.placement.data_axis.local_update import LocalUpdate
 
 
 class StageOptimizers(LocalUpdate):
     """The optimizers created in a pipeline's scope: their steps' primitives (the update rule of
-    :mod:`stratagem.placement.data_axis.step`), clipping parts and state dicts."""
+    :mod:`stratagem.placement.data_axis.step`), ZeRO's ranges (clipping's pieces too) and state dicts."""
 
-    def __init__(self, placement: Any, *, pipe: Collective, data: Collective, everyone: Collective,
-                 mesh: MeshStages | None):
+    def __init__(self, placement: Any, *, pipe: Collective, data: Collective, sharding: str | None, on_mesh: bool):
         super().__init__(placement)
-        self.pipe, self.data, self.everyone = pipe, data, everyone
-        self.mesh = mesh
-        self.sharding = None if mesh is None else mesh.sharding
+        self.pipe, self.data = pipe, data
+        self.on_mesh = on_mesh     # a model (and data) axis besides the pipe: the state of DTensor parameters
+        self.sharding = sharding   # ZeRO over the data axis: None, "optimizer", "gradients" or "parameters"
         self.refs: list[weakref.ref] = []   # the optimizers (a traced model's first trace trims them)
         #: sharding="optimizer" / "gradients": ZeRO's update rule over the data axis (each optimizer's
         #: ranges built at first use), else None
@@ -123,29 +120,10 @@ class StageOptimizers(LocalUpdate):
         else:
             base_of(optimizer).zero_grad(optimizer, set_to_none)
 
-    def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
-        """Clipping: this process's parts of the whole gradients (summed over the data axis when the
-        schedule ended), each counted on one process of the mesh."""
-        own = [p for p in params if not p.is_meta]
-        if self.mesh is None:   # a pipe axis only: the stages' gradients, the same on every data rank
-            grads = [p.grad for p in own if p.grad is not None]
-            return clipping.GradientParts(grads, grads, self.pipe.group)
-        if self.sharding == "parameters":   # summed over data by FSDP during backward: shards
-            return self.mesh.parts(own, summed_over_data=False)
-        tensors, counted = [], []
-        if self.sharding == "gradients":   # each data rank's range of the sum, per optimizer
-            for zero in self._zeros_holding(own):
-                part = zero.parts(own, lambda p: self.mesh.counts(p, summed_over_data=False))
-                tensors += part.tensors
-                counted += part.counted
-                held = {id(p) for _, _, p in zero.entries}
-                own = [p for p in own if id(p) not in held]
-        rest = self.mesh.parts(own, summed_over_data=True)
-        return clipping.GradientParts(tensors + rest.tensors, counted + rest.counted, self.everyone.group)
-
     def reduce_scattered(self, params: list[torch.Tensor]) -> list[ZeroRanges]:
         """Under ``sharding="gradients"``: the ranges of the optimizers that hold some of ``params``
-        (their gradients are reduce-scattered into them when a schedule ends); else none."""
+        (their gradients are reduce-scattered into them when a schedule ends; clipping measures their
+        pieces); else none."""
         return self._zeros_holding(params) if self.sharding == "gradients" else []
 
     def _zeros_holding(self, params: list[torch.Tensor]) -> list[ZeroRanges]:
@@ -161,7 +139,7 @@ class StageOptimizers(LocalUpdate):
         zero = self._zero_of(optimizer)
         if zero is not None:
             state["state"] = zero.state()
-        elif self.mesh is not None:
+        elif self.on_mesh:
             state["state"] = {k: {n: full_value(v) for n, v in entry.items()} for k, entry in state["state"].items()}
         if self.pipe.num_workers > 1:
             mine = {k: {n: v.detach().cpu() if isinstance(v, torch.Tensor) else v for n, v in entry.items()}
@@ -185,7 +163,7 @@ class StageOptimizers(LocalUpdate):
             base_of(optimizer).load_state_dict(optimizer, {**state, "state": {}})
             zero.load(state["state"])
             return
-        if self.mesh is not None:
+        if self.on_mesh:
             state["state"] = {k: {n: shard_like(v, held[k]) for n, v in entry.items()}
                               for k, entry in state["state"].items()}
         base_of(optimizer).load_state_dict(optimizer, state)

@@ -205,8 +205,10 @@ class UpdateRule:
         """Whether no process holds each parameter's whole gradient between backward and step."""
         return [False] * len(params)
 
-    def gradient_parts(self, params: list[torch.Tensor]) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} keeps whole gradients")
+    def reduce_scattered(self, params: list[torch.Tensor]) -> list[Any]:
+        """The ZeRO-2 ranges that hold the summed gradients of some of ``params`` instead of ``.grad``
+        (clipping measures their pieces: :meth:`~.axis.DataAxis.gradient_parts`); by default none."""
+        return []
 
 
 def refuse_closure(optimizer: torch.optim.Optimizer) -> None:

@@ -99,7 +99,7 @@ class ZeroUpdate(UpdateRule):
         super().bind(placement, axis)
         self.over_data_axis = axis is not None
         if self.stage == "gradients" and not self.over_data_axis:
-            clipping.register(self)   # no worker holds a whole gradient: clipping asks this rule
+            clipping.register(placement)   # no worker holds a whole gradient: clipping asks the placement
 
     @property
     def _rank(self) -> int:
@@ -188,13 +188,10 @@ class ZeroUpdate(UpdateRule):
         found = [self._ranges_by_param.get(id(p)) for p in params]
         return [ranges is not None and ranges.scattered.takes(p) for ranges, p in zip(found, params)]
 
-    def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
-        """Clipping: the pieces of this worker's range of the summed gradients that belong to
-        ``params`` (the packs finished now, the range kept for the step)."""
-        parts = []
-        for ranges in dict.fromkeys(self._ranges_by_param[id(p)] for p in params):
-            parts += ranges.parts(params, lambda p: True).tensors
-        return clipping.GradientParts(parts, parts, self.collective.group)
+    def reduce_scattered(self, params: list[torch.Tensor]) -> list[ZeroRanges]:
+        """The ranges whose packs take gradients of ``params`` (clipping's pieces: :class:`~.axis.DataAxis`)."""
+        found = (self._ranges_by_param.get(id(p)) for p in params)
+        return list(dict.fromkeys(ranges for ranges in found if ranges is not None))
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         if self.placement.gradients is not None:

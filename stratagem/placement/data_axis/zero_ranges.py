@@ -34,7 +34,6 @@ from stratagem.comm.scattered_gradients import ScatteredGradients
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.data_axis.sharded_update import ELEMENTWISE, ShardedUpdate
 from stratagem.placement.dtensor_state import local_gradient, local_tensor
-from stratagem.placement.scope import clipping
 from stratagem.placement.scope.hooks import base_of
 from stratagem.values import is_dtensor
 
@@ -172,18 +171,19 @@ class ZeroRanges:
             exists = [a or b for a, b in zip(known, exists)]
         self.summed = (shard, exists)
 
-    def parts(self, params: list[torch.Tensor], counts: Callable[[torch.Tensor], bool]) -> clipping.GradientParts:
-        """Clipping under stage 2: the pieces of this range of the summed gradients that belong to
-        ``params`` (scaled in place, kept for the step); ``counts(parameter)``: whether this
-        process counts its piece toward the norm. The norm's group is the caller's."""
+    def pieces(self, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Clipping under stage 2: the pieces of this rank's range of the summed gradients that belong
+        to ``params`` (scaled in place, kept for the step), each with its parameter; those of a
+        parameter with no gradient on any rank left out (a collective: the packs finished now)."""
         shard, exists = self.reduced()
         chosen = {id(p) for p in params}
-        found = clipping.range_parts(shard, exists, [t.numel() for t in self.locals], self.offsets,
-                                     self.bounds[self.rank], self.bounds[self.rank + 1],
-                                     [id(p) in chosen for p in self.params])
-        tensors = [piece for _, piece in found]
-        counted = [piece for k, piece in found if counts(self.params[k])]
-        return clipping.GradientParts(tensors, counted, None)
+        lo, hi = self.bounds[self.rank], self.bounds[self.rank + 1]
+        found = []
+        for k, (p, offset) in enumerate(zip(self.params, self.offsets)):
+            a, b = max(lo, offset), min(hi, offset + self.locals[k].numel())
+            if id(p) in chosen and exists[k] and a < b:
+                found.append((p, shard[a - lo:b - lo]))
+        return found
 
     def discard(self) -> None:
         """``zero_grad``: a range of the sum that no step used is dropped (and what packs reduced

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
 from stratagem.placement.data_axis.buffers import BufferSync
-from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
+from stratagem.placement.dtensor_state import replacing
 from stratagem.placement.layout.roots import RootsPlacement
 from stratagem.placement.scope.unscoped import refuse_optimizer_over
 from stratagem.placement.scope.hooks import adopt, placement_of
@@ -74,7 +74,9 @@ class FullyShardedPlacement(RootsPlacement):
         if group.solo and not dist.is_initialized():   # a lone worker still needs a group for the mesh
             dist.init_process_group(group.backend, store=dist.HashStore(), rank=0, world_size=1)
             atexit.register(_leave_solo_group)
-        self.mesh = DeviceMesh.from_group(group.group or dist.group.WORLD, device.type)
+        self.mesh = DeviceMesh.from_group(group.group or dist.group.WORLD, device.type, mesh_dim_names=("data",))
+        #: the layout: FSDP2 units over the workers
+        self.shard = FullyShard(self.mesh, "sharding='gradients'")
         self._start_roots(collective, LocalUpdate(self))   # the step's primitives: torch's update over the shards
         self._sharded_ids: set[int] = set()
         self._gathered_ids: set[int] = set()   # FSDP2's whole parameters (kept between forwards)
@@ -98,16 +100,14 @@ class FullyShardedPlacement(RootsPlacement):
             self._forget_pending(root.modules())   # (fully_shard re-registers parameters)
 
     def _shard(self, root: nn.Module) -> None:
-        check_one_dtype(root.parameters(), f"{type(root).__name__} has", "sharding='gradients'")
-        before = parameters_before(root)
-        shard_units(root, self.mesh, itself=not isinstance(root, (nn.ModuleList, nn.ModuleDict)))
-        for module in root.modules():
-            self._sharded_names[module] = frozenset(n for n, p in module._parameters.items() if p is not None)
-            if isinstance(module, FSDPModule):
-                module.register_forward_pre_hook(self._note_gathered)   # (after FSDP2's: it gathers)
-            self._sharded_ids.update(id(p) for p in module._parameters.values() if isinstance(p, DTensor))
-        self._replaced.update(replacements(root, before))
-        hook_state_dicts(root.modules())
+        with replacing(root, self._replaced):
+            itself = not isinstance(root, (nn.ModuleList, nn.ModuleDict))   # (no forward of its own)
+            self.shard.place([root], f"{type(root).__name__} has", itself=itself)
+            for module in root.modules():
+                self._sharded_names[module] = frozenset(n for n, p in module._parameters.items() if p is not None)
+                if isinstance(module, FSDPModule):
+                    module.register_forward_pre_hook(self._note_gathered)   # (after FSDP2's: it gathers)
+                self._sharded_ids.update(id(p) for p in module._parameters.values() if isinstance(p, DTensor))
 
     # ------------------------------------------------------------ checkpoints
 
@@ -149,14 +149,38 @@ class FullyShardedPlacement(RootsPlacement):
                               "this strategy did not shard them over the workers")
         adopt(optimizer, self)
 
-    def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
-        """Clipping: each worker's shards of the gradients (summed over the workers in backward)."""
-        return clipping.shard_parts(params, self.collective.group)
+    def norm_axes(self) -> tuple[Any, dict[str, int]]:
+        """Clipping: each worker's shards of the gradients (summed over the workers in backward, its
+        mesh's ``data`` axis)."""
+        return self.collective.group, self.shard.norm_axes()
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
         raise InvalidArgumentError(
             "add_param_group is not supported under sharding='parameters'; create the optimizer with "
             "all its parameter groups")
+
+
+class FullyShard:
+    """A layout part: modules as FSDP2 units over a mesh's data axis (ZeRO-3), each parameter a DTensor
+    sharded over it (over ``data``, then ``model`` where a tensor-parallel plan split it first), its
+    gradient summed over it during backward. :class:`FullyShardedPlacement` is this part alone; a
+    pipeline's stages on a 3-D mesh compose it last (:mod:`~stratagem.placement.layout.pipeline_mesh`)."""
+
+    def __init__(self, mesh: Any, instead: str):
+        self.mesh = mesh          # the data axis
+        self.instead = instead    # the setting to use when the modules' parameters have several dtypes
+
+    def place(self, modules: list[nn.Module], holder: str, *, itself: bool = True) -> None:
+        """Each of ``modules`` as FSDP2 units (:func:`shard_units`); ``holder`` names them in the refusal of
+        parameters of several dtypes ("MyModel has")."""
+        check_one_dtype([p for m in modules for p in m.parameters()], holder, self.instead)
+        for module in modules:
+            shard_units(module, self.mesh, itself=itself)
+
+    def norm_axes(self) -> dict[str, int]:
+        """Clipping: a tensor left unsharded would be the same along the data axis (this process's rank
+        along it); a sharded one's placements say so."""
+        return {"data": self.mesh.get_local_rank()}
 
 
 def check_one_dtype(params: Any, holder: str, instead: str) -> None:

@@ -304,5 +304,6 @@ class MirroredPlacement(Placement):
     def splits_gradients(self, params: list[torch.Tensor]) -> list[bool]:
         return self.update.splits_gradients(params)
 
-    def gradient_parts(self, params: list[torch.Tensor]) -> Any:
-        return self.update.gradient_parts(params)
+    def norm_axes(self) -> tuple[Any, dict[str, int]]:
+        """Clipping (ZeRO-2 over the workers): each worker's range of the sum, over the workers."""
+        return self.collective.group, {"data": self.collective.group.rank}

@@ -105,7 +105,8 @@ class PipelinePlacement(RootsPlacement):
         self.mesh = mesh                 # the model axis (tensor parallelism) and ZeRO over data, if any
         self.sharding = None if mesh is None else mesh.sharding
         # the data axis: each model's sum over it, no_sync, the step; its update rule the stages' optimizers
-        self._start_roots(data, StageOptimizers(self, pipe=pipe, data=data, everyone=everyone, mesh=mesh))
+        self._start_roots(data, StageOptimizers(self, pipe=pipe, data=data, sharding=self.sharding,
+                                                  on_mesh=mesh is not None))
         self.models: dict[int, SplitModel] = {}   # id(model) -> its split
         self._hooks: dict[int, list[int]] = {}     # id(traced model) -> its forward pre-hooks set here
         clipping.register(self)
@@ -279,7 +280,14 @@ class PipelinePlacement(RootsPlacement):
 
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
         self.finalize()
-        return self.update.gradient_parts(params)
+        return super().gradient_parts(params)
+
+    def norm_axes(self) -> tuple[Any, dict[str, int]]:
+        """Clipping: the stages' parts summed over the pipe axis (a data group's gradients are its
+        peers'), or over the whole mesh with the axes that replicate a part (:class:`MeshStages`)."""
+        if self.mesh is None:
+            return self.pipe.group, {}
+        return self.everyone.group, self.mesh.norm_axes()
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         gathered = self.gathered.get(id(optimizer))   # gathered already for the checkpoint being written

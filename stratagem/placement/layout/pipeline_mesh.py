@@ -16,7 +16,7 @@ of this process's stages on the other two axes, as torchtitan composes PyTorch's
    split is sharded over both axes (``data`` then ``model``). Gradients are summed, not
    averaged, over ``data`` (each data group's loss already carries its share of the batch).
 
-Clipping (:meth:`MeshStages.parts`): every gradient part counts toward the global norm on
+Clipping (:meth:`MeshStages.norm_axes`): every gradient part counts toward the global norm on
 exactly one process of the whole mesh -- a part replicated along an axis (a layer the plan left
 whole, along ``model``; a gradient summed over ``data`` before the step, along ``data``) counts
 on that axis's rank 0 -- and the p-th powers are summed over every process.
@@ -29,25 +29,24 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
 
-from stratagem.errors import InvalidArgumentError
-from stratagem.placement.scope import clipping
-from stratagem.placement.layout.fully_sharded import check_one_dtype, shard_units
-from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
-from stratagem.placement.layout.tensor_parallel import plan_styles
+from stratagem.placement.dtensor_state import replacing
+from stratagem.placement.layout.fully_sharded import FullyShard
+from stratagem.placement.layout.tensor_parallel import TensorParallel
 
 
 class MeshStages:
-    """Places a pipelined model's stages on the ``model`` and ``data`` axes of a 3-D mesh."""
+    """A pipelined model's stages placed on the ``model`` and ``data`` axes of a 3-D mesh: the layout
+    parts :class:`~stratagem.placement.layout.tensor_parallel.TensorParallel`, then (``sharding="parameters"``)
+    :class:`~stratagem.placement.layout.fully_sharded.FullyShard`, composed in mesh order."""
 
-    def __init__(self, mesh: DeviceMesh, plan: dict[str, Any] | None, sharding: str | None, everyone: Any):
+    def __init__(self, mesh: DeviceMesh, plan: dict[str, Any] | None, sharding: str | None):
         self.mesh = mesh
         self.plan = plan               # checked by check_plan, or None
         self.sharding = sharding       # None, "optimizer", "gradients" or "parameters"
-        self.everyone = everyone       # every process: the norm's sum
-        self.model_size = mesh["model"].size()
+        #: the layout parts after the stages, in mesh order (a model axis of one keeps the layers whole)
+        self.split = TensorParallel(plan, mesh["model"], alone=False)
+        self.shard = FullyShard(mesh["data"], "sharding='optimizer'") if sharding == "parameters" else None
 
     @property
     def needs_sequential(self) -> bool:
@@ -57,62 +56,18 @@ class MeshStages:
     def place(self, root: nn.Module, local: dict[int, nn.Sequential]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Split this process's stages of ``root`` by the plan and shard them over data; returns
         id(parameter replaced) -> (it, its replacement)."""
-        before = parameters_before(root)
         mine = {id(m) for stage in local.values() for m in stage.modules()}
-        styles = self._resolve(root, mine)
-        if styles and self.model_size > 1:
-            parallelize_module(root, self.mesh["model"], styles)
-        if self.sharding == "parameters":
-            self._shard(local)
-        hook_state_dicts(root.modules())
-        return replacements(root, before)
+        (styles,) = self.split.resolve([root], f"no stage of the pipelined {type(root).__name__} has a module of "
+                                               f"that name (names are relative to the whole model)", mine)
+        replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        with replacing(root, replaced):
+            self.split.place(root, styles)
+            if self.shard is not None:   # (each stage itself a unit: torch's PipelineStage drives FSDP through it)
+                self.shard.place(list(local.values()), "this process's stages have")
+        return replaced
 
-    def _resolve(self, root: nn.Module, mine: set[int]) -> dict[str, Any]:
-        """{module name: torch style} for this process's stages; every entry names a module of some stage."""
-        if self.plan is None:
-            return {}
-        (found,), unmatched = plan_styles(self.plan, [root], self.model_size, mine)
-        if unmatched is not None:
-            available = [n for n, _ in root.named_modules() if n]
-            raise InvalidArgumentError(
-                f"the tensor-parallel plan names {unmatched!r}, but no stage of the pipelined "
-                f"{type(root).__name__} has a module of that name (names are relative to the whole "
-                f"model); available: {available}")
-        return found
-
-    def _shard(self, local: dict[int, nn.Sequential]) -> None:
-        check_one_dtype([p for stage in local.values() for p in stage.parameters()], "this process's stages have",
-                        "sharding='optimizer'")
-        for stage in local.values():   # (the stage itself a unit: torch's PipelineStage drives FSDP through it)
-            shard_units(stage, self.mesh["data"])
-
-    # ------------------------------------------------------------ clipping
-
-    def counts(self, tensor: torch.Tensor, summed_over_data: bool) -> bool:
-        """Whether this process counts its part of ``tensor`` (a parameter or its gradient) toward a
-        global norm: it does on rank 0 of each axis that replicates the part."""
-        replicated = {"model"} | ({"data"} if summed_over_data else set())
-        if isinstance(tensor, DTensor):
-            names = tensor.device_mesh.mesh_dim_names or ()
-            for dim, (name, placement) in enumerate(zip(names, tensor.placements)):
-                if placement.is_partial():
-                    raise AssertionError(f"a gradient is a partial DTensor ({tensor.placements})")
-                sharded = placement.is_shard() or getattr(placement, "split_factor", None) is not None   # (FSDP x TP)
-                if not sharded and tensor.device_mesh.get_local_rank(dim) != 0:
-                    return False   # replicated along this axis: counted on its rank 0
-                replicated.discard(name)
-        return all(self.mesh.get_local_rank(name) == 0 for name in replicated)
-
-    def parts(self, params: list[torch.Tensor], summed_over_data: bool) -> clipping.GradientParts:
-        """This process's parts of the gradients of ``params`` (its own, not meta), each counted once
-        over the whole mesh; the norm is summed over every process."""
-        tensors, counted = [], []
-        for p in params:
-            grad = p.grad
-            if grad is None:
-                continue
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            tensors.append(local)
-            if self.counts(grad, summed_over_data):
-                counted.append(local)
-        return clipping.GradientParts(tensors, counted, self.everyone.group)
+    def norm_axes(self) -> dict[str, int]:
+        """The axes along which this process's stages hold a plain tensor the same everywhere (a layer
+        the plan left whole, along ``model``; a gradient summed over ``data``), with its rank along
+        each: clipping counts a part on rank 0 of each (a DTensor's placements say so for its own mesh)."""
+        return {**self.split.norm_axes(), "data": self.mesh.get_local_rank("data")}

@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
-from stratagem.placement.dtensor_state import hook_state_dicts, parameters_before, replacements
+from stratagem.placement.dtensor_state import replacing
 from stratagem.placement.data_axis.axis import AxisCollective
 from stratagem.placement.layout.roots import RootsPlacement
 from stratagem.placement.scope.hooks import adopt, placement_of
@@ -115,6 +115,8 @@ class TensorParallelPlacement(RootsPlacement):
         self.mesh = mesh
         self.device = device       # this process's device: modules move there, then are split
         self.plan = check_plan(plan)
+        #: the layout: the plan's layers split over the model axis
+        self.split = TensorParallel(self.plan, mesh["model"], alone=True)
         self.data = data           # the data axis (this process's data-parallel peers)
         self.model = model         # the model axis (this process's model group: the shards of its gradients)
         self.everyone = everyone   # every process (start-up agreement)
@@ -134,12 +136,10 @@ class TensorParallelPlacement(RootsPlacement):
         roots = self.new_roots()
         if not roots:
             return
-        assignments = self._resolve(roots)
+        assignments = self.split.resolve(roots, "no module created in scope has that name")
         for root, styles in zip(roots, assignments):
-            before = parameters_before(root)
-            parallelize_module(root, self.mesh["model"], styles)
-            self._replaced.update(replacements(root, before))
-            hook_state_dicts(root.modules())
+            with replacing(root, self._replaced):
+                self.split.place(root, styles)
             if self.gradients is not None:   # (a parameter frozen or unfrozen since: hooked again)
                 root.register_forward_pre_hook(functools.partial(_rehook, weakref.ref(self)))
         self._hook_gradients()
@@ -152,16 +152,6 @@ class TensorParallelPlacement(RootsPlacement):
             return
         params = list({id(p): p for root in self._placed for p in root.parameters()}.values())
         self.gradients.update(tuple((id(p), p.requires_grad) for p in params), [params])
-
-    def _resolve(self, roots: list[nn.Module]) -> list[dict[str, ParallelStyle]]:
-        """For each root, {module name: torch style}; every plan entry names a module of some root."""
-        assignments, unmatched = plan_styles(self.plan, roots, self.mesh["model"].size())
-        if unmatched is not None:
-            available = [n for root in roots for n, _ in root.named_modules() if n]
-            raise InvalidArgumentError(
-                f"the tensor-parallel plan names {unmatched!r}, but no module created in scope has that "
-                f"name; available: {available}")
-        return assignments
 
     # ---------------------------------------------------------- checkpoints
 
@@ -182,16 +172,52 @@ class TensorParallelPlacement(RootsPlacement):
         adopt(optimizer, self)
         self._optimizers.append(optimizer)
 
-    def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
+    def norm_axes(self) -> tuple[Any, dict[str, int]]:
         """Clipping: each process's shards of the gradients (summed over the data axis when backward
-        ended) along the model axis (replicated gradients count once)."""
-        return clipping.shard_parts(params, self.model.group)
+        ended) along the model axis; a layer the plan left whole counts on its rank 0."""
+        return self.model.group, self.split.norm_axes()
 
 
 def _rehook(placement_ref: Any, module: nn.Module, args: Any) -> None:
     placement = placement_ref()   # (weakly: the model does not keep its strategy alive)
     if placement is not None:
         placement._hook_gradients()
+
+
+class TensorParallel:
+    """A layout part: the layers a tensor-parallel plan names, split over a mesh's model axis by torch's
+    ``parallelize_module`` (their parameters DTensors sharded over it); the layers it leaves whole are
+    the same on every process of the axis. :class:`TensorParallelPlacement` is this part alone; a
+    pipeline's stages on a 3-D mesh compose it after the stages, before FSDP2's units
+    (:mod:`~stratagem.placement.layout.pipeline_mesh`)."""
+
+    def __init__(self, plan: dict[str, Any] | None, mesh: DeviceMesh, *, alone: bool):
+        self.plan = plan    # checked by check_plan (None: every layer whole)
+        self.mesh = mesh    # the model axis
+        self.size = mesh.size()
+        self.alone = alone  # on an axis of one process (or with no entry), layers still become DTensors over it
+
+    def resolve(self, roots: list[nn.Module], nowhere: str, mine: set[int] | None = None
+                ) -> list[dict[str, ParallelStyle]]:
+        """For each of ``roots``, {module name: torch style} of the modules the plan names (those whose id is
+        in ``mine``, where given); an entry that names no module of any root is refused (``nowhere``: why)."""
+        if self.plan is None:
+            return [{} for _ in roots]
+        assignments, unmatched = plan_styles(self.plan, roots, self.size, mine)
+        if unmatched is not None:
+            available = [n for root in roots for n, _ in root.named_modules() if n]
+            raise InvalidArgumentError(
+                f"the tensor-parallel plan names {unmatched!r}, but {nowhere}; available: {available}")
+        return assignments
+
+    def place(self, root: nn.Module, styles: dict[str, ParallelStyle]) -> None:
+        """Split the modules of ``root`` that ``styles`` name (:meth:`resolve`)."""
+        if self.alone or (styles and self.size > 1):
+            parallelize_module(root, self.mesh, styles)
+
+    def norm_axes(self) -> dict[str, int]:
+        """Clipping: a layer left whole is the same along the model axis (this process's rank along it)."""
+        return {"model": self.mesh.get_local_rank()}
 
 
 def plan_styles(plan: dict[str, Any], roots: list[nn.Module], size: int, mine: set[int] | None = None

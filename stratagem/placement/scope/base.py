@@ -150,7 +150,16 @@ class Placement(abc.ABC):
 
     def gradient_parts(self, params: list[torch.Tensor]) -> Any:
         """This process's parts of the whole gradients of ``params`` (all split by this placement), as a
-        :class:`~stratagem.placement.scope.clipping.GradientParts`: a collective, every process calls it."""
+        :class:`~stratagem.placement.scope.clipping.GradientParts`: a collective, every process calls it.
+        The data axis's (:meth:`~stratagem.placement.data_axis.axis.DataAxis.gradient_parts`), by the
+        layout's :meth:`norm_axes`."""
+        return self.data_axis.gradient_parts(params)
+
+    def norm_axes(self) -> tuple[Any, dict[str, int]]:
+        """Clipping, where this layout splits gradients: the group whose processes' parts make the
+        global norm (None: this process), and the axes of that group along which the layout holds a
+        plain tensor the same on every process (name -> this process's rank along it; a DTensor's
+        placements say so for the axes of its own mesh; ``"data"``: the data axis)."""
         raise NotImplementedError(f"{type(self).__name__} keeps whole gradients")
 
     # ----------------------------------------------------------- optimizers

@@ -6,8 +6,7 @@ shards along the model axis, under pipeline parallelism its own stages' gradient
 a data axis when backward ended). ``torch.nn.utils.clip_grad_norm_`` over such parameters
 measures one process's part. This module makes it measure the whole.
 
-While a placement that holds gradients apart exists (it, or under ZeRO-2 the mirrored
-placement's update rule, calls :func:`register`), torch's
+While a placement that holds gradients apart exists (it calls :func:`register`), torch's
 ``clip_grad_norm_``, ``clip_grad_value_`` and ``clip_grads_with_norm_`` come here: torch
 has no hook for them, so the function that each of torch's (``no_grad``-decorated) wrappers
 calls is swapped, and the wrappers themselves stay -- a name imported earlier
@@ -15,13 +14,16 @@ calls is swapped, and the wrappers themselves stay -- a name imported earlier
 go restores torch's functions. Parameters that no such placement holds get torch's own
 functions, unchanged. Over a placement's parameters, ``clip_grad_norm_``:
 
-1. asks the placement for each gradient's parts on this process (:class:`GradientParts`);
-   the placement first makes the gradients whole where they are only summed at the step
-   (ZeRO-2 over workers: the packs are finished now and this worker's range of the sum is kept
-   for the step);
-2. measures the parts this process counts (each element of a whole gradient is counted on
-   exactly one process) with torch's own norm, and sums their p-th power (inf-norm: takes
-   the max) over the processes the parts are spread on;
+1. asks the placement for each gradient's parts on this process (:class:`GradientParts`), one
+   rule for every layout and update rule (its data axis's,
+   :meth:`~stratagem.placement.data_axis.axis.DataAxis.gradient_parts`): the pieces of this
+   process's range of the sum where ZeRO-2 keeps one (the packs finished now, the range kept for
+   the step), else the local part of each ``.grad``; the layout names the group the parts are
+   spread on and the axes along which it holds a tensor the same everywhere;
+2. measures the parts this process counts -- a part counts on rank 0 of every axis that
+   replicates it (:func:`counts_here`), so each element of a whole gradient counts on exactly
+   one process -- with torch's own norm, and sums their p-th power (inf-norm: takes the max)
+   over that group;
 3. scales every part in place with torch's own code, by ``min(1, max_norm / (norm + 1e-6))``.
 
 Every process returns the same norm, a plain tensor: plain PyTorch's over the whole model.
@@ -72,7 +74,7 @@ def register(placement: Any) -> None:
     clipping through it while it lives.
 
     It answers ``splits_gradients(params) -> list[bool]`` and ``gradient_parts(params)``
-    (:class:`~stratagem.placement.scope.base.Placement`).
+    (:class:`~stratagem.placement.scope.base.Placement`: its data axis's, from its ``norm_axes()``).
     """
     key = id(placement)
     with _lock:
@@ -249,38 +251,21 @@ def global_norm(parts: GradientParts, norm_type: float, params: list[torch.Tenso
     return total
 
 
-def shard_parts(params: list[torch.Tensor], group: Any) -> GradientParts:
-    """The parts of DTensor gradients (and plain ones, the same on every process of ``group``):
-    a shard counts where it is; a replicated gradient counts on the group's first process."""
-    tensors, counted = [], []
-    for p in params:
-        grad = p.grad
-        if grad is None:
-            continue
-        if is_dtensor(grad):
-            local = grad.to_local()
-            once = True
-            for dim, placement in enumerate(grad.placements):
-                if placement.is_partial():
-                    raise AssertionError(f"a gradient is a partial DTensor ({grad.placements})")
-                once = once and (placement.is_shard() or grad.device_mesh.get_local_rank(dim) == 0)
-        else:
-            local, once = grad, group is None or group.rank == 0
-        tensors.append(local)
-        if once:
-            counted.append(local)
-    return GradientParts(tensors, counted, group)
-
-
-def range_parts(shard: torch.Tensor, exists: list, sizes: list[int], offsets: list[int], lo: int, hi: int,
-                chosen: list[bool]) -> list[tuple[int, torch.Tensor]]:
-    """ZeRO-2's parts (:mod:`~stratagem.placement.data_axis.zero_ranges`: over workers, or a pipeline's data axis):
-    tensors of ``sizes`` laid end to end at ``offsets``, of whose sum this process holds ``shard``,
-    the range ``[lo, hi)``; for each tensor ``chosen`` that has a gradient somewhere (``exists``) and
-    meets the range, (its position, its piece of ``shard``)."""
-    found = []
-    for k, (size, offset) in enumerate(zip(sizes, offsets)):
-        a, b = max(lo, offset), min(hi, offset + size)
-        if chosen[k] and exists[k] and a < b:
-            found.append((k, shard[a - lo:b - lo]))
-    return found
+def counts_here(tensor: torch.Tensor, axes: dict[str, int]) -> bool:
+    """Whether this process counts its part of ``tensor`` (a gradient, or the parameter of a range of
+    one) toward a global norm, so that each element counts on exactly one process of the norm's
+    group: a part counts on rank 0 of every axis along which other processes hold the same part.
+    ``axes``: the group's axes along which the layout holds a plain tensor the same everywhere (name ->
+    this process's rank along it); a DTensor's placements say so for the axes of its own mesh."""
+    axes = dict(axes)
+    once = True
+    if is_dtensor(tensor):
+        names = tensor.device_mesh.mesh_dim_names or ()
+        for dim, placement in enumerate(tensor.placements):
+            if placement.is_partial():
+                raise AssertionError(f"a gradient is a partial DTensor ({tensor.placements})")
+            sharded = placement.is_shard() or getattr(placement, "split_factor", None) is not None   # (FSDP x TP)
+            once = once and (sharded or tensor.device_mesh.get_local_rank(dim) == 0)
+            if dim < len(names):
+                axes.pop(names[dim], None)
+    return once and all(rank == 0 for rank in axes.values())

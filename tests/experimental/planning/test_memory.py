@@ -71,3 +71,17 @@ def test_the_schedule_peak_points() -> None:
     # ZeRO-3: the last block's forward, everything saved and its parameters gathered
     assert schedule_peak(saved, 0.0, [5.0, 50.0], in_flight=1, microbatches=1, recompute=False,
                          gathered=[10.0, 100.0]) == 110 + 100
+
+
+def test_zero3_under_1f1b_a_forward_after_a_backward_reshards_what_it_runs() -> None:
+    # two blocks saving 10 and 100 bytes, their parameters 200 and 20 whole (gradients as many), io 5: the first
+    # backward leaves both whole; the next forward reshards block 0 once it ends (its gradient stays), so the
+    # most is block 0 running: 10 saved + 220 whole + 220 of gradients -- not all saved with all whole
+    saved, blocks = [10.0, 100.0], [200.0, 20.0]
+    zero3 = dict(recompute=False, gathered=blocks, regathered=blocks)
+    grads = [2 * b for b in blocks]
+    assert schedule_peak(saved, 5.0, grads, in_flight=1, microbatches=2, **zero3) == 5 + 10 + 220 + 220
+    # two in flight (the first pipe rank of two, 4 micro-batches): the other one's saved bytes and io besides
+    assert schedule_peak(saved, 5.0, grads, in_flight=2, microbatches=4, **zero3) == 115 + 5 + 10 + 220 + 220
+    # every micro-batch in flight (no forward after a backward): the last backward with everything whole
+    assert schedule_peak(saved, 5.0, grads, in_flight=2, microbatches=2, **zero3) == 5 + 110 + 440

@@ -9,6 +9,7 @@ claim that the winner is within 10% of the exhaustive best is ``benchmarks/plann
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import cloudpickle
@@ -169,3 +170,20 @@ def test_mlp_plan_on_four_processes() -> None:
     # 4 stages would cut between the plan's colwise layer and the rowwise one that closes it
     refused = next(row for row in plan.rows if row.layout.describe() == "1x4x1")
     assert refused.note == "rejected: 4 stages need 4 places to cut; the model has 3"
+
+
+def test_zero3_under_pipelines_on_four_processes_within_5_percent(tmp_path) -> None:
+    # ZeRO-3 under torch's pipeline stage, 2 stages of 2 data ranks: under 1F1B with more micro-batches than in
+    # flight each forward after a backward reshards the blocks it runs (their gradients stay); its neighbours:
+    # GPipe and 1F1B with every micro-batch in flight (no forward follows a backward), and recomputation (its
+    # replay gathers every block again)
+    layouts = ["2x2x1 zero-3 1f1b m=4", "2x2x1 zero-3 1f1b m=2", "2x2x1 zero-3 gpipe m=4",
+               "2x2x1 zero-3 1f1b m=4 recompute"]
+    out = tmp_path / "peaks.json"
+    results = run_local_cluster(Path(__file__).with_name("peak_script.py"), 4, args=[str(out), "4", *layouts],
+                                timeout=300)
+    assert_succeeded(results)
+    got = json.loads(out.read_text())
+    assert sorted(got) == sorted(layouts)
+    for name, row in got.items():
+        assert row["peak"] == pytest.approx(row["predicted"], rel=0.05), (name, row)

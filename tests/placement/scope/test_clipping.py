@@ -90,6 +90,18 @@ def test_one_process_meshes_clip_as_plain_pytorch(kind: str, norm_type: float) -
         torch.testing.assert_close(whole(p.grad), q.grad, rtol=1e-13, atol=1e-15)
 
 
+@pytest.mark.parametrize("kind, axis", [("tensor parallel", "model"), ("zero-3", "data")])
+def test_a_part_counts_on_rank_0_of_every_axis_that_replicates_it(kind: str, axis: str) -> None:
+    plain = torch.ones(2)
+    assert clipping.counts_here(plain, {}) and clipping.counts_here(plain, {"model": 0, "data": 0})
+    assert not clipping.counts_here(plain, {"model": 0, "data": 1})
+    _, model = placed(kind)
+    shard = model[0].weight.grad   # a DTensor sharded over the axis: its own mesh says for that axis
+    assert shard.device_mesh.mesh_dim_names == (axis,)
+    assert clipping.counts_here(shard, {axis: 1})
+    assert not clipping.counts_here(shard, {axis: 0, "pipe": 1})
+
+
 def test_refusals_name_the_way() -> None:
     strategy, model = placed("tensor parallel")
     other = nn.Linear(2, 2)
