@@ -84,6 +84,9 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("stratagem.strategies.multi_worker", "stratagem.placement.layout.fully_sharded"):
         "sharding='parameters' only: FSDP2 and DTensor (seconds to import, sympy with them) are not "
         "loaded by a MultiWorkerMirroredStrategy that does not shard its parameters",
+    ("stratagem.testing.forkserver", "stratagem.testing.preloaded"):
+        "the test fork server, a script, imports torch first, then stratagem's core with its STRATAGEM_* "
+        "variables hidden (none of it may see a task's environment); a forked task then calls it",
     ("stratagem.launch.ray_actor", "stratagem.rpc.tokens"):
         "the token's strength rule, needed on a Ray node only when it holds a token; its package "
         "loads grpc and cryptography, which `stratagem launch` (it imports this module) must not pay for",

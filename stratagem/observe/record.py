@@ -36,7 +36,8 @@ from typing import Any
 from stratagem.observe import flight
 from stratagem.observe.chrome import FOLDER_VARIABLE
 
-__all__ = ["ON", "STEPS", "Span", "add", "chrome_events", "count_steps", "span", "start", "stop", "take"]
+__all__ = ["ON", "STEPS", "Span", "add", "chrome_events", "count_steps", "follow_environment", "span", "start", "stop",
+           "take"]
 
 #: True while anything records: the sites check this one flag and nothing else when it is off.
 ON = False
@@ -339,7 +340,20 @@ class _FolderWriter:
                     f.write(json.dumps(event) + "\n")
 
 
-_WRITER = _FolderWriter(os.environ[FOLDER_VARIABLE]) if os.environ.get(FOLDER_VARIABLE) else None
+_WRITER: _FolderWriter | None = None
+
+
+def follow_environment() -> None:
+    """Record for ``stratagem launch --timeline`` when this process's environment names the
+    launcher's folder (``STRATAGEM_TIMELINE_DIR``), once: what importing this module does. A
+    process that imported it before it had its task's environment (a task forked from the test
+    fork server, :mod:`stratagem.testing.forked`) calls it once it has."""
+    global _WRITER
+    if _WRITER is None and os.environ.get(FOLDER_VARIABLE):
+        _WRITER = _FolderWriter(os.environ[FOLDER_VARIABLE])
+
+
+follow_environment()
 
 
 def launched() -> bool:

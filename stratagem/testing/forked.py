@@ -13,8 +13,9 @@ skips the teardown of every module (which would copy all of the server's memory 
 script's own objects are finalized (a file it left open is flushed and closed), then it exits.
 
 What a child inherits that a fresh interpreter would not is what the server's imports did
-(torch, torch.distributed, DTensor, dynamo: most of a strategy's start-up), before any task's
-environment was read. So the server is started with the cluster's environment, and replaced
+(torch, torch.distributed, DTensor, dynamo, and stratagem's core, none of whose modules reads the
+environment when imported: most of a strategy's start-up), before any task's environment was
+read. So the server is started with the cluster's environment, and replaced
 when a later cluster's differs in a variable read at start-up or at those imports
 (:data:`stratagem.launch.forks.READ_AT_IMPORT`; torch's compiler sets some in a process that compiles); a task whose
 own variables differ from its server's starts as a fresh interpreter. So does every task when
@@ -35,6 +36,7 @@ from the server too with :func:`start_task` (its output to a file) or :func:`run
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import shutil
@@ -44,12 +46,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 
 from stratagem.launch.forks import FORK_SERVER_VARIABLE, differs_at_import, fork_request
 from stratagem.launch.lifeline import die_with_parent
 
+_CLONE_NEWNET = 0x40000000
 _READY_SECONDS = 300.0   # at most, for the server's imports on a loaded machine
-#: the server: run as a script, it imports the standard library and torch only
+#: the server: run as a script, it imports torch and stratagem.testing.preloaded before it forks
 _SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver.py")
 
 
@@ -76,12 +80,12 @@ class ForkedTask:
 class ForkServer:
     """The test process's side: asks the server for tasks and learns when they exit."""
 
-    def __init__(self, env: dict[str, str], listener: socket.socket) -> None:
+    def __init__(self, env: dict[str, str], listener: socket.socket, namespace: str | None = None) -> None:
         self._env = dict(env)
         self._process = subprocess.Popen(
             [sys.executable, _SERVER, str(listener.fileno())], env=self._env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True, bufsize=0,
-            pass_fds=[listener.fileno()], preexec_fn=die_with_parent(signal.SIGKILL))
+            pass_fds=[listener.fileno()], preexec_fn=_started_in(namespace, die_with_parent(signal.SIGKILL)))
         self._lock = threading.Lock()            # one request at a time
         self._changed = threading.Condition()
         self._started: list[int] = []
@@ -152,58 +156,94 @@ class ForkServer:
         self.ready.set()
 
 
-_shared: list[ForkServer] = []
+_shared: dict[str | None, ForkServer] = {}   # network namespace (None: ours) -> its server
 
 
 @atexit.register
 def _close_shared() -> None:
-    """The server exits with the test process, which waits for it (its time counts as ours)."""
-    for server in _shared:
+    """The servers exit with the test process, which waits for them (their time counts as ours)."""
+    for server in _shared.values():
         server.close()
-_listener: list[socket.socket] = []   # launchers connect here, to whichever server runs now
+_listeners: dict[str | None, socket.socket] = {}   # launchers connect here, to whichever server runs now
 
 
-def _listening() -> socket.socket:
-    """The socket of this process's fork servers, one path for the whole test run (a launcher
-    told it once reaches the server that runs when it connects)."""
-    if not _listener:
+def _listening(namespace: str | None = None) -> socket.socket:
+    """The socket of this process's fork servers in network namespace ``namespace``, one path for
+    the whole test run (a launcher told it once reaches the server that runs when it connects)."""
+    if not _listeners:
         folder = tempfile.mkdtemp(prefix="stratagem-forks-")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener.bind(os.path.join(folder, "server"))
-        listener.listen(64)
-        _listener.append(listener)
-    return _listener[0]
+        _listeners[None] = _listen(os.path.join(folder, "server"))
+    if namespace not in _listeners:
+        folder = os.path.dirname(_listeners[None].getsockname())
+        _listeners[namespace] = _listen(os.path.join(folder, f"server-in-{namespace}"))
+    return _listeners[namespace]
 
 
-def shared_server(env: dict[str, str] | None = None) -> ForkServer | None:
+def _listen(path: str) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(64)
+    return listener
+
+
+def shared_server(env: dict[str, str] | None = None, *, namespace: str | None = None) -> ForkServer | None:
     """The test process's fork server for tasks with environment ``env`` (this process's by
     default), or None where tasks start fresh. A server whose imports saw other values of the
-    variables they read (torch's compiler sets some in the process that compiles) is replaced."""
+    variables they read (torch's compiler sets some in the process that compiles) is replaced.
+    ``namespace``: the server for tasks in that network namespace (``ip netns``), started in it."""
     if os.environ.get("STRATAGEM_TEST_FORKSERVER", "1") == "0" or not sys.platform.startswith("linux"):
         return None
     if threading.current_thread() is not threading.main_thread():
         return None
     env = dict(os.environ) if env is None else env
-    if _shared and not _shared[0]._gone and _shared[0].can_start(env):
-        return _shared[0]
-    if _shared:
-        _shared[0].close()
-    _shared[:] = [ForkServer(env, _listening())]
-    return _shared[0]
+    server = _shared.get(namespace)
+    if server is not None and not server._gone and server.can_start(env):
+        return server
+    if server is not None:
+        server.close()
+    _shared[namespace] = ForkServer(env, _listening(namespace), namespace)
+    return _shared[namespace]
 
 
-def fork_server_variable(env: dict[str, str] | None = None) -> dict[str, str]:
+def fork_server_variable(env: dict[str, str] | None = None, *, namespace: str | None = None) -> dict[str, str]:
     """``{"STRATAGEM_TEST_FORK_SERVER": path}`` for launchers whose tasks have environment ``env``
     (this process's by default): ``stratagem launch`` then forks its tasks from the shared
     server; ``{}`` where tasks start fresh (see :func:`shared_server`). The path stays the same
-    while this process lives: a later server, started for other variables, answers there."""
+    while this process lives: a later server, started for other variables, answers there.
+    ``namespace``: for launchers in that network namespace, whose tasks a server there forks."""
     env = {k: v for k, v in (os.environ if env is None else env).items() if k != FORK_SERVER_VARIABLE}
-    server = shared_server(env)
+    server = shared_server(env, namespace=namespace)
     if server is None:
         return {}
     server.ready.wait(_READY_SECONDS)    # a launcher's first task does not wait for torch's import
-    return {FORK_SERVER_VARIABLE: _listening().getsockname()}
+    return {FORK_SERVER_VARIABLE: _listening(namespace).getsockname()}
+
+
+def close_server(namespace: str) -> None:
+    """The fork server in network namespace ``namespace`` exits, if one runs (before the namespace
+    is deleted: it would keep it alive); its tasks, which die with it, should have ended."""
+    server = _shared.pop(namespace, None)
+    if server is not None:
+        server.close()
+
+
+def _started_in(namespace: str | None, then: Callable[[], None] | None) -> Callable[[], None] | None:
+    """A ``preexec_fn``: ``then``, and the child enters network namespace ``namespace`` (as
+    ``ip netns exec`` does, by the file ``ip netns add`` made for it)."""
+    if namespace is None:
+        return then
+    libc = ctypes.CDLL(None, use_errno=True)
+    path = os.path.join("/run/netns", namespace)
+
+    def preexec() -> None:
+        if then is not None:
+            then()
+        fd = os.open(path, os.O_RDONLY)
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot enter network namespace {namespace!r}")
+        os.close(fd)
+    return preexec
 
 
 def start_task(command: list[str], *, env: dict[str, str], log: str) -> "ForkedTask | subprocess.Popen":

@@ -1,7 +1,10 @@
 """The test fork server (see :mod:`stratagem.testing.forked`), run as a script: it imports
-torch once, then forks one child per task it is asked for, which becomes that task and runs
-its script (or module, or code). The standard library and torch only: nothing here may read a
-task's environment before the child has taken it.
+torch and stratagem's core once, then forks one child per task it is asked for, which becomes
+that task and runs its script (or module, or code). Nothing imported here may read a task's
+environment before the child has taken it: the standard library, torch, and of stratagem only
+modules that read none when imported (:mod:`stratagem.testing.preloaded`, imported with every
+``STRATAGEM_*`` variable out of the server's environment), whose one use of the environment the
+child makes once it has its own (``preloaded.task_started``).
 
 Two kinds of client ask: the test process, over stdin (a request names a log file, and may name
 another for stderr) with replies on stdout; and launchers (``stratagem launch`` under
@@ -37,6 +40,7 @@ def _serve() -> dict:
     import torch._dynamo  # noqa: F401
     import torch.distributed  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
+    _preload()
 
     # what exists now is never collected: a child's collections, which would touch (and so copy)
     # every page of torch's objects, leave them alone
@@ -117,6 +121,18 @@ def _serve() -> dict:
                 _send(client, json.dumps(reply).encode())
 
 
+def _preload() -> None:
+    """Import :mod:`stratagem.testing.preloaded` with no ``STRATAGEM_*`` variable in sight; an import
+    that fails is left to the task, whose own import then says why."""
+    hidden = {key: os.environ.pop(key) for key in [k for k in os.environ if k.startswith("STRATAGEM_")]}
+    try:
+        import stratagem.testing.preloaded  # noqa: F401
+    except Exception:  # noqa: BLE001 - (the task's import raises it again, in the task)
+        pass
+    finally:
+        os.environ.update(hidden)
+
+
 def _send(client: socket.socket, message: bytes) -> None:
     try:
         client.sendall(message)
@@ -160,6 +176,8 @@ def _run(task: dict) -> None:
     every module: in a child of the server that would touch, and so copy, all of torch's memory."""
     scope, code = {}, 0
     try:
+        if (preloaded := sys.modules.get("stratagem.testing.preloaded")) is not None:
+            preloaded.task_started()   # (what the imports do with the environment in a fresh interpreter)
         if "script" in task:
             scope = runpy.run_path(task["script"], run_name="__main__")
         elif "module" in task:

@@ -25,6 +25,8 @@ import subprocess
 import time
 from collections.abc import Iterator
 
+from stratagem.testing.forked import close_server
+
 __all__ = ["HostsUnavailable", "SUBNET", "network_hosts"]
 
 SUBNET = "10.214.0"
@@ -72,4 +74,5 @@ def network_hosts(count: int) -> Iterator[list[tuple[str, str]]]:
         yield hosts
     finally:
         for name in made:
+            close_server(name)   # (a test's fork server there, which would keep the namespace alive)
             _ip("netns", "del", name)

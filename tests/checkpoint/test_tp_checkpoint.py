@@ -30,6 +30,9 @@ from . import tp_ckpt_script as script
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 SCRIPT = Path(script.__file__)
 KINDS = script.KINDS
+#: the communication timeout of the job in which process 0 saves alone: its error must come within it
+#: (the job's two processes, forked together, meet at their first collective well within it)
+ABSENT_TIMEOUT = 10
 
 
 def plain(kind: str, initial: dict):
@@ -87,8 +90,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     out = root / "out"
     out.mkdir()
     one_by_two = launch(out, 2, "tp12", "--layout", "tp:1,2", "--start", str(root / "start0" / "{kind}"),
-                        "--save", str(root / "tp12" / "{kind}"), "--save-at", "2", "--wrong", str(root / "wrong"),
-                        "--timeout", "30", "--absent")
+                        "--save", str(root / "tp12" / "{kind}"), "--save-at", "2", "--wrong", str(root / "wrong"))
+    assert_succeeded(run_local_cluster(SCRIPT, 2, args=[str(out), "--tag", "tp12", "--layout", "tp:1,2", "--absent",
+                                                         str(ABSENT_TIMEOUT)], timeout=240))
     one_by_four = launch(out, 4, "tp14", "--layout", "tp:1,4", "--restore", str(root / "tp12" / "{kind}"))
     mirrored = launch(out, 2, "mwms", "--layout", "mwms", "--restore", str(root / "tp12" / "{kind}"))
     two_by_two = launch(out, 4, "tp22", "--layout", "tp:2,2", "--start", str(root / "start2" / "{kind}"),
@@ -200,5 +204,8 @@ def test_a_shuffled_loader_gives_a_model_group_the_same_rows(runs, tag: str, mod
 
 
 def test_a_process_that_does_not_save_gets_an_error_not_a_hang(runs) -> None:
-    error = json.loads((runs["root"] / "out" / "tp12-absent.json").read_text())
+    absent = json.loads((runs["root"] / "out" / "tp12-absent.json").read_text())
+    error = absent["error"]
     assert error is not None and "Checkpoint.save" in error and "stopped answering" in error, error
+    assert f"(timeout {ABSENT_TIMEOUT} s;" in error, error
+    assert absent["seconds"] < ABSENT_TIMEOUT + 60, absent   # (not the default timeout: minutes)

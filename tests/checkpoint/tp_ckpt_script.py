@@ -11,8 +11,10 @@ the data, saving with a CheckpointManager after step ``--save-at`` when ``--save
 ``--wrong``: restoring this checkpoint (of another model) must fail on every process.
 ``--fit``: also trains with sg.Model.fit under the strategy, once with a BackupAndRestore
 interrupted after one epoch and resumed, and reports the weights, logs and a reduced value.
-``--absent`` (with a short ``--timeout``): at the end, process 1 does not call save, and process 0's
-save must raise UnavailableError (written to OUT/NAME-absent.json).
+``--absent SECONDS`` (instead of training): under a strategy of the layout whose communication timeout
+is SECONDS, process 1 does not call save, and process 0's save must raise UnavailableError within it
+(written to OUT/NAME-absent.json with the seconds it took). A job of its own: every group of a process
+keeps the timeout of its first strategy.
 Writes OUT/NAME-rank{R}.json.
 """
 
@@ -57,12 +59,13 @@ def absent(strategy, out: Path, tag: str) -> None:
         optimizer = make_optimizer("sgd", model.parameters())
     done = out / f"{tag}-absent-done"
     if strategy.checkpoint_collective.worker_index == 0:
+        started = time.monotonic()
         try:
             sg.Checkpoint(model=model, optimizer=optimizer).save(out / "absent")
             error = None
         except sg.errors.UnavailableError as failure:
             error = str(failure)
-        (out / f"{tag}-absent.json").write_text(json.dumps(error))
+        (out / f"{tag}-absent.json").write_text(json.dumps({"error": error, "seconds": time.monotonic() - started}))
         done.touch()
     else:
         deadline = time.monotonic() + 200
@@ -158,11 +161,13 @@ def main() -> None:
         parser.add_argument(option)
     parser.add_argument("--save-at", type=int, default=2)
     parser.add_argument("--timeout", type=float)
-    parser.add_argument("--absent", action="store_true")
+    parser.add_argument("--absent", type=float)
     args = parser.parse_args()
     torch.set_default_dtype(torch.float64)
     rank = sg.cluster.resolve().worker_rank
     torch.manual_seed(100 + rank)   # every process starts elsewhere: restores and the chief's values win
+    if args.absent is not None:
+        absent(make_strategy(args.layout, args.absent), Path(args.out), args.tag)
     strategy = make_strategy(args.layout, args.timeout)
     result = {"rank": rank}
     # a shuffled loader: the processes of a model group get the same rows (the seed is agreed)
@@ -174,8 +179,6 @@ def main() -> None:
     if args.fit:
         fit(strategy, args.fit, result)
     Path(args.out, f"{args.tag}-rank{rank}.json").write_text(json.dumps(result))
-    if args.absent:
-        absent(strategy, Path(args.out), args.tag)
     print("done", flush=True)
 
 

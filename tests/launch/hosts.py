@@ -14,25 +14,43 @@ from pathlib import Path
 
 import pytest
 
+from stratagem.launch.forks import FORK_SERVER_VARIABLE
+from stratagem.testing.forked import fork_server_variable, shared_server
 from stratagem.testing.hosts import HostsUnavailable, network_hosts
 
 
 @contextlib.contextmanager
 def make_hosts(count: int) -> Iterator[list[tuple[str, str]]]:
-    """:func:`stratagem.testing.hosts.network_hosts`, skipping the test where it cannot be had."""
+    """:func:`stratagem.testing.hosts.network_hosts`, skipping the test where it cannot be had. In a
+    module of forked launches (``forked_launches``), a fork server in each namespace, ready before
+    any node starts (nodes started together must not wait for one another's servers)."""
     try:
         with network_hosts(count) as hosts:
+            if FORK_SERVER_VARIABLE in os.environ:
+                for namespace, _ in hosts:   # (their imports run side by side)
+                    shared_server(_environment({}), namespace=namespace)
+                for namespace, _ in hosts:
+                    fork_server_variable(_environment({}), namespace=namespace)
             yield hosts
     except HostsUnavailable as reason:
         pytest.skip(str(reason))
 
 
-def start(namespace: str, command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    """``command`` in ``namespace`` (`ip netns exec` execs it: the pid is the command's)."""
+def _environment(env: dict[str, str]) -> dict[str, str]:
     environment = {key: value for key, value in os.environ.items()
                    if key not in ("TF_CONFIG", "GLOO_SOCKET_IFNAME", "RANK", "WORLD_SIZE", "MASTER_ADDR",
                                   "MASTER_PORT", "STRATAGEM_CLUSTER_TOKEN")}
     environment.update(env, PYTHONUNBUFFERED="1")
+    return environment
+
+
+def start(namespace: str, command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """``command`` in ``namespace`` (`ip netns exec` execs it: the pid is the command's). In a module
+    of forked launches (``forked_launches``), a ``stratagem launch`` there forks its tasks from the fork
+    server in that namespace."""
+    environment = _environment(env)
+    if FORK_SERVER_VARIABLE in environment:
+        environment.update(fork_server_variable(environment, namespace=namespace))
     with log.open("a") as out:
         return subprocess.Popen(["ip", "netns", "exec", namespace, *command], env=environment,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

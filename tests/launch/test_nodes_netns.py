@@ -25,7 +25,9 @@ from stratagem.launch import launch_local
 from .hosts import launch_command, make_hosts, start, stop, wait_for
 from .test_restarts import SCRIPT, _assert_as_uninterrupted, _committed
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400),
+# (forked launches: the uninterrupted references' tasks fork from the test's fork server, a node's from
+# a fork server in the node's network namespace: tests/launch/hosts.py's start)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400), pytest.mark.usefixtures("forked_launches"),
               pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")]
 
 PORT = 29517

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from stratagem.testing import run_local_cluster, run_task, start_task
-from stratagem.testing.forked import shared_server
+from stratagem.testing.forked import close_server, shared_server
+from stratagem.testing.hosts import HostsUnavailable, network_hosts
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a fork server needs Linux"),
@@ -191,3 +192,23 @@ def test_start_task_logs_a_forked_command_and_wait_takes_a_timeout(tmp_path: Pat
     os.killpg(task.pid, signal.SIGKILL)
     assert task.wait(60) == -signal.SIGKILL
     assert log.read_text().startswith("out ['wait'] ") and "err\n" in log.read_text()
+
+
+def test_a_server_in_a_network_namespace_forks_its_tasks_there(tmp_path: Path) -> None:
+    try:
+        with network_hosts(1) as [(namespace, _)]:
+            server = shared_server(namespace=namespace)
+            log = tmp_path / "task.log"
+            log.touch()
+            task = server.start_command([sys.executable, "-c", "import os; print(os.readlink('/proc/self/ns/net'))"],
+                                        dict(os.environ), str(log))
+            assert task.wait(120) == 0, log.read_text()
+            there = subprocess.run(["ip", "netns", "exec", namespace, "readlink", "/proc/self/ns/net"],
+                                   capture_output=True, text=True, timeout=30).stdout
+            ours = os.readlink("/proc/self/ns/net") + "\n"
+            assert log.read_text() == there != ours, (log.read_text(), there)
+            assert shared_server(namespace=namespace) is server and shared_server() is not server
+            close_server(namespace)
+            assert server._process.poll() is not None   # (it would keep the namespace alive)
+    except HostsUnavailable as reason:
+        pytest.skip(str(reason))
