@@ -36,7 +36,8 @@ summed gradients that ``.grad`` views -- plus what its schedule adds (:func:`~.m
 the activations each block saves per micro-batch (the profile's bytes per row, the part a plan splits
 divided by ``t``, the loss's on the last stage) for the micro-batches in flight (GPipe: all ``m``;
 1F1B: ``min(m, p - s)``), the stage's input and output of each (where no block saves them), the
-gradients its backward creates, and under ZeRO-3 the blocks' parameters gathered while they run.
+gradients its backward creates, and under ZeRO-3 the blocks' parameters gathered while they run and
+the all-gather buffers FSDP keeps besides (each unit's parameters, rows padded to a multiple of ``d``).
 With recomputation a micro-batch in flight holds only its input and output, and its backward saves
 the whole stage's activations again.
 """
@@ -48,7 +49,7 @@ import statistics
 from typing import Any
 
 from stratagem.experimental.planning.layouts import Layout
-from stratagem.experimental.planning.memory import model_states, schedule_peak
+from stratagem.experimental.planning.memory import gather_bytes, model_states, schedule_peak
 from stratagem.experimental.planning.profile import Profile
 
 
@@ -214,9 +215,17 @@ def _stage_peak(profile: Profile, layout: Layout, a: int, b: int, s: int, rows: 
     gathered = [profile.saved_param_bytes[i] * q / w if w else 0.0
                 for i, q, w in zip(range(a, b), profile.block_params[t][a:b], whole)] \
         if profile.saved_param_bytes else blocks
+    # FSDP gathers each unit into one buffer, each parameter's rows padded to a multiple of d (the whole
+    # parameters are copied out of it into storages as large; their gradients are not padded); a block made
+    # of several units (a container looked through) at its largest unit's buffer
+    units = profile.unit_rows.get(t)
+    padded = [sum(gather_bytes(u, data=d, element_size=e) for u in units[i]) for i in range(a, b)] \
+        if units else blocks
+    staged = [max((gather_bytes(u, data=d, element_size=e) for u in units[i]), default=0.0) for i in range(a, b)] \
+        if units else blocks
     return parameters + state + kept + schedule_peak(
-        saved, io, [2 * g for g in blocks], in_flight=inflight, microbatches=m, recompute=layout.recompute,
-        gathered=gathered, regathered=blocks, released=loss)
+        saved, io, [w + g for w, g in zip(padded, blocks)], in_flight=inflight, microbatches=m,
+        recompute=layout.recompute, gathered=gathered, regathered=padded, staged=staged, released=loss)
 
 
 def probes(ranked: list[Layout]) -> list[Layout]:

@@ -5,7 +5,12 @@ whenever autograd saves a tensor or uses one, a gradient is accumulated, a stage
 replay saves again, the bytes of the distinct storages of
 
 - the model's parameters (a DTensor's local shard), their ``.grad``, and what the placement keeps
-  of the gradients besides (the data axis's packs of sums, ZeRO-2's range of the sum);
+  of the gradients besides (the data axis's packs of sums, ZeRO-2's range of the sum); under
+  ZeRO-3 the parameters FSDP made whole and their gradients (:func:`gathered`);
+- under ZeRO-3, FSDP's all-gather buffers that outlive their gather (:func:`gather_buffers`): the
+  one a forward gathered a unit into (the parameters are copies out of it), kept until the next
+  unit's gather or the end of the stage's forward, and a unit's gather issued ahead of it (the
+  backward's prefetch of the unit before), held until that unit's backward takes it;
 - the optimizer state (constant during a step after the first);
 - the tensors autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``: each
   kept while autograd holds it, counted by its storage's current size, so a ZeRO-3 unit's
@@ -16,12 +21,10 @@ replay saves again, the bytes of the distinct storages of
 
 Its peak is the largest such sum. What it leaves out is what lives inside one operation or
 collective: autograd's gradients of the activations between two operations, an optimizer
-step's temporaries, a collective's scratch buffers (on CUDA, ``torch.cuda.max_memory_allocated``
-counts those too, and :class:`PeakMeter` reports it there instead) -- and one buffer that outlives
-its collective: under ZeRO-3, FSDP keeps the buffer a block's parameters were gathered into in
-forward (they are copied out of it) until the next gather or the end of the stage's forward, and
-after a recomputed stage's replay into its backward. Neither the meter nor the memory model counts
-it yet.
+step's temporaries, a collective's scratch buffers -- ZeRO-3's two buffers side by side while
+a forward's gather runs (the next one is filled before the last is freed), the gradients'
+reduce-scatter buffer at the schedule's end (on CUDA, ``torch.cuda.max_memory_allocated``
+counts those too, and :class:`PeakMeter` reports it there instead).
 """
 
 from __future__ import annotations
@@ -93,23 +96,46 @@ class _Replay:
             self.hooks.__exit__(*exc)
 
 
-def gathered(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
-    """ZeRO-3's parameters made whole below ``modules`` (FSDP2's), and their gradients: counted while they
-    hold memory (a resharded one's storage is empty)."""
-    found = []
+def _groups(modules: list[torch.nn.Module]) -> Iterator[Any]:
+    """FSDP2's parameter groups below ``modules`` (each unit's)."""
     for module in modules:
         for sub in module.modules():
             state = getattr(sub, "_get_fsdp_state", None)
             group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
-            if group is None:
-                continue
-            if not hasattr(group, "fsdp_params"):   # (not silently: the layout's row says so)
-                raise RuntimeError("the memory meter cannot find FSDP's parameter group's fsdp_params in this torch: "
-                                   "ZeRO-3's gathered parameters would go uncounted")
-            for param in group.fsdp_params:
-                whole = getattr(param, "_unsharded_param", None)   # (made at the first gather)
-                if whole is not None:
-                    found += [whole, whole.grad]
+            if group is not None:
+                yield group
+
+
+def gather_buffers(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """ZeRO-3's all-gather buffers below ``modules`` (FSDP2's) that outlive their gather: the one FSDP keeps after a
+    gather in forward (the parameters are copies out of it) until the next gather or the end of the root's
+    forward, and a gather issued ahead of its unit (the backward's prefetch of the unit before), held until that
+    unit takes it."""
+    found = []
+    for group in _groups(modules):
+        if not hasattr(group, "_all_gather_result") or not hasattr(getattr(group, "comm_ctx", None),
+                                                                     "all_gather_state"):
+            raise RuntimeError("the memory meter cannot find FSDP's all-gather buffers (_all_gather_result, "
+                               "comm_ctx.all_gather_state) in this torch: ZeRO-3's would go uncounted")
+        kept = group.comm_ctx.all_gather_state
+        for result in (group._all_gather_result, kept.all_gather_result if kept is not None else None):
+            if result is not None:
+                found.append(result.all_gather_output)
+    return found
+
+
+def gathered(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """ZeRO-3's parameters made whole below ``modules`` (FSDP2's), and their gradients: counted while they
+    hold memory (a resharded one's storage is empty)."""
+    found = []
+    for group in _groups(modules):
+        if not hasattr(group, "fsdp_params"):   # (not silently: the layout's row says so)
+            raise RuntimeError("the memory meter cannot find FSDP's parameter group's fsdp_params in this torch: "
+                               "ZeRO-3's gathered parameters would go uncounted")
+        for param in group.fsdp_params:
+            whole = getattr(param, "_unsharded_param", None)   # (made at the first gather)
+            if whole is not None:
+                found += [whole, whole.grad]
     return found
 
 
@@ -129,10 +155,12 @@ class PeakMeter:
     """
 
     def __init__(self, params: list[torch.Tensor], *, state_bytes: int = 0,
-                 buffers: Callable[[], list[torch.Tensor]] = list, stages: list[torch.nn.Module] = ()):
+                 buffers: Callable[[], list[torch.Tensor]] = list, stages: list[torch.nn.Module] = (),
+                 gathering: Callable[[], list[torch.Tensor]] = list):
         self.params = [p for p in params if not p.is_meta]
         self.state_bytes = state_bytes
         self.buffers = buffers
+        self.gathering = gathering   # collective buffers that outlive their collective (:func:`gather_buffers`)
         self.stages = list(stages)
         self.saved: dict[int, torch.Tensor] = {}
         self.held: list[weakref.ref] = []   # stage inputs and outputs
@@ -151,6 +179,7 @@ class PeakMeter:
             self.held = [weakref.ref(t) for t in alive]
         parts["in flight"] = alive
         parts["replayed"] = [t for ref, gid in self.replays if ref() is not None for t in ref().recomputed[gid].values()]
+        parts["gather buffers"] = self.gathering()
         counts = {}
         for name, tensors in parts.items():
             before = sum(sizes.values())

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from stratagem.experimental.planning.activations import saved_bytes
-from stratagem.experimental.planning.memory import block_parameters, style_of
+from stratagem.experimental.planning.memory import block_parameters, style_of, unit_shapes
 from stratagem.placement.dtensor_state import local_state_bytes
 from stratagem.placement.layout.pipeline_balance import timed
 
@@ -64,6 +64,8 @@ class Profile:
     input_storage_bytes: float = 0.0      # the first block's input per row (any dtype; 0: input_bytes[0])
     output_storage_bytes: list[float] = dataclasses.field(default_factory=list)   # each block's (empty: output_bytes)
     saved_param_bytes: list[float] = dataclasses.field(default_factory=list)   # of its parameters, each block saves
+    # model-axis size -> each block's FSDP units, each the (rows, elements) of its parameters on one process
+    unit_rows: dict[int, list[list[list[tuple[float, float]]]]] = dataclasses.field(default_factory=dict)
     recompute_fixed: float = -1.0         # seconds a checkpointed forward and backward adds (-1: not measured)
     recompute_per_row: float = 0.0
 
@@ -101,7 +103,8 @@ def profile(model: nn.Module, sample: tuple[Any, ...], *, make_optimizer: Callab
         state_per_parameter=state, step_seconds_per_parameter=step,
         activation_split_bytes=saved.split, saves_input=saved.saves_input, saves_output=saved.saves_output,
         loss_bytes=saved.loss, input_storage_bytes=saved.input, output_storage_bytes=saved.outputs,
-        saved_param_bytes=saved.params, recompute_fixed=overhead[0], recompute_per_row=overhead[1])
+        saved_param_bytes=saved.params, unit_rows={t: unit_shapes(model, plan, t) for t in model_sizes},
+        recompute_fixed=overhead[0], recompute_per_row=overhead[1])
 
 
 def _inputs(blocks: list[nn.Module], sample: tuple[Any, ...]) -> list[tuple[Any, ...]]:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from stratagem.experimental.planning.cost import Network, calibrated, calibration, predict, probes
 from stratagem.experimental.planning.layouts import Layout, enumerate_layouts
 from stratagem.experimental.planning.memory import storage_bytes
-from stratagem.experimental.planning.peak import PeakMeter, gathered
+from stratagem.experimental.planning.peak import PeakMeter, gather_buffers, gathered
 from stratagem.experimental.planning.profile import profile
 from stratagem.experimental.planning.request import make_optimizer
 
@@ -234,7 +234,7 @@ def _measure(spec: dict[str, Any], layout: Layout, batch: tuple[torch.Tensor, to
         stages = list(strategy.placement.split_of(model).local.values())
         meter = PeakMeter(list(model.parameters()), state_bytes=strategy.placement.state_bytes(optimizer),
                           buffers=lambda: strategy.placement.gradient_buffers(model) + gathered(stages),
-                          stages=stages)
+                          stages=stages, gathering=lambda: gather_buffers(stages))
         with meter.active():
             strategy.forward_backward(model, x, y)
             optimizer.step()

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from stratagem.experimental.planning.activations import saved_bytes
-from stratagem.experimental.planning.memory import model_states, rank_parameters, schedule_peak, storage_bytes
+from stratagem.experimental.planning.memory import (gather_bytes, model_states, rank_parameters, schedule_peak,
+                                                    storage_bytes, unit_shapes)
 
 from . import models
 
@@ -85,3 +86,54 @@ def test_zero3_under_1f1b_a_forward_after_a_backward_reshards_what_it_runs() -> 
     assert schedule_peak(saved, 5.0, grads, in_flight=2, microbatches=4, **zero3) == 115 + 5 + 10 + 220 + 220
     # every micro-batch in flight (no forward after a backward): the last backward with everything whole
     assert schedule_peak(saved, 5.0, grads, in_flight=2, microbatches=2, **zero3) == 5 + 110 + 440
+
+
+def test_gather_buffer_pads_each_parameter_to_the_data_axis() -> None:
+    # FSDP gathers a unit as one buffer, each parameter's rows padded to a multiple of d: Linear(4, 10) over 4
+    # processes is 12 x 4 + 12 elements, over 2 exactly its 50
+    assert gather_bytes([(10, 40), (10, 10)], data=4, element_size=8) == 8 * (48 + 12)
+    assert gather_bytes([(10, 40), (10, 10)], data=2, element_size=8) == 8 * 50
+    # the units ZeRO-3 makes of the tests' transformer: one a block; under a model axis of 2 a colwise layer's
+    # rows and a rowwise layer's columns are split
+    shapes = unit_shapes(models.transformer(), models.TRANSFORMER_PLAN, 2)
+    assert [len(units) for units in shapes] == [1, 1, 1, 1]
+    w = models.WIDTH
+    [block] = shapes[1]
+    assert (w / 2, w * w / 2) in block and (w, w * w / 2) in block   # attn.q's weight, attn.out's
+    assert sum(n for _, n in block) == rank_parameters(models.transformer(), [(1, 2)], models.TRANSFORMER_PLAN, 2)[0]
+
+
+# ZeRO-3's all-gather buffers (``staged``): FSDP keeps the buffer a forward gathered a unit into until the next
+# gather; a backward that gathers prefetches the unit before; a replay's units free their own as they end
+def test_zero3_a_forward_that_gathers_keeps_the_running_units_buffer() -> None:
+    blocks = [10.0, 300.0]
+    got = schedule_peak([1000.0, 10.0], 0.0, [20.0, 400.0], in_flight=1, microbatches=1, recompute=False,
+                        gathered=blocks, regathered=blocks, staged=blocks)
+    assert got == 1010 + 300 + 300   # block 1 running: everything saved, its parameters whole, its buffer
+
+
+def test_zero3_a_backward_that_gathers_holds_the_block_befores_prefetched_buffer() -> None:
+    blocks = [100.0, 100.0, 100.0]
+    got = schedule_peak([10.0, 500.0, 10.0], 0.0, [200.0] * 3, in_flight=1, microbatches=1, recompute=False,
+                        gathered=blocks, regathered=blocks, staged=blocks)
+    # block 1's backward: blocks 0 and 1 saved, block 2's parameters and gradient, block 1 whole, block 0's buffer
+    assert got == 510 + 200 + 100 + 100
+
+
+def test_zero3_a_replay_holds_the_running_units_buffer_and_the_prefetched_one() -> None:
+    blocks = [100.0, 100.0, 100.0]
+    got = schedule_peak([50.0, 50.0, 5.0], 0.0, [10.0] * 3, in_flight=1, microbatches=1, recompute=True,
+                        gathered=blocks, regathered=blocks, staged=blocks)
+    # the last block's backward gathered it and prefetched block 1; the replay at block 1: blocks 0 and 1 saved
+    # again, all three whole, block 1's buffer (the prefetched one, now its own); at block 0 both buffers but
+    # less saved; complete, no buffer (each replayed unit freed its own as it ended)
+    assert got == 100 + 300 + 100
+
+
+def test_zero3_under_1f1b_the_backward_after_a_resharding_forward_prefetches() -> None:
+    # as test_zero3_under_1f1b_a_forward_after_a_backward_reshards_what_it_runs, with the buffers: the backward
+    # after that forward, at block 1: block 1 gathered again, block 0's buffer prefetched, every gradient
+    saved, blocks = [10.0, 100.0], [200.0, 20.0]
+    got = schedule_peak(saved, 5.0, [400.0, 40.0], in_flight=1, microbatches=2, recompute=False, gathered=blocks,
+                        regathered=blocks, staged=blocks)
+    assert got == 5 + 110 + 20 + 200 + 440 - 220
