@@ -137,3 +137,19 @@ def test_zero3_under_1f1b_the_backward_after_a_resharding_forward_prefetches() -
     got = schedule_peak(saved, 5.0, [400.0, 40.0], in_flight=1, microbatches=2, recompute=False, gathered=blocks,
                         regathered=blocks, staged=blocks)
     assert got == 5 + 110 + 20 + 200 + 440 - 220
+
+
+def test_the_meter_refuses_a_torch_whose_fsdp_hides_its_gather_buffers() -> None:
+    from types import SimpleNamespace
+
+    from stratagem.experimental.planning.peak import gather_buffers, gathered
+
+    class Unit(torch.nn.Module):   # FSDP2's face as the meter reads it, without the attributes it counts
+        def _get_fsdp_state(self):
+            return SimpleNamespace(_fsdp_param_group=SimpleNamespace())
+    with pytest.raises(RuntimeError, match="all-gather buffers .* uncounted"):
+        gather_buffers([Unit()])
+    with pytest.raises(RuntimeError, match="fsdp_params .* uncounted"):
+        gathered([Unit()])
+    # a module without FSDP has none
+    assert gather_buffers([torch.nn.Linear(2, 2)]) == [] == gathered([torch.nn.Linear(2, 2)])

@@ -176,9 +176,10 @@ def test_zero3_under_pipelines_on_four_processes_within_5_percent(tmp_path) -> N
     # ZeRO-3 under torch's pipeline stage, 2 stages of 2 data ranks: under 1F1B with more micro-batches than in
     # flight each forward after a backward reshards the blocks it runs (their gradients stay); its neighbours:
     # GPipe and 1F1B with every micro-batch in flight (no forward follows a backward), and recomputation (its
-    # replay gathers every block again)
+    # replay gathers every block again); with a model axis (2 data ranks of 2) plain and recomputed. FSDP's
+    # all-gather buffers are at the peak of most (a backward's prefetch, a replay's), counted on both sides
     layouts = ["2x2x1 zero-3 1f1b m=4", "2x2x1 zero-3 1f1b m=2", "2x2x1 zero-3 gpipe m=4",
-               "2x2x1 zero-3 1f1b m=4 recompute"]
+               "2x2x1 zero-3 1f1b m=4 recompute", "2x1x2 zero-3", "2x1x2 zero-3 recompute"]
     out = tmp_path / "peaks.json"
     results = run_local_cluster(Path(__file__).with_name("peak_script.py"), 4, args=[str(out), "4", *layouts],
                                 timeout=300)
@@ -187,3 +188,6 @@ def test_zero3_under_pipelines_on_four_processes_within_5_percent(tmp_path) -> N
     assert sorted(got) == sorted(layouts)
     for name, row in got.items():
         assert row["peak"] == pytest.approx(row["predicted"], rel=0.05), (name, row)
+    for name in ("2x2x1 zero-3 gpipe m=4", "2x2x1 zero-3 1f1b m=4 recompute", "2x1x2 zero-3"):
+        fullest = max(got[name]["parts"], key=lambda parts: sum(v for v in parts.values() if isinstance(v, int)))
+        assert fullest.get("gather buffers", 0) > 0, (name, fullest)
