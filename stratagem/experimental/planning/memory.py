@@ -117,7 +117,8 @@ def model_states(psi_r: float, *, data: int, sharding: str | None, element_size:
     return params, params, state
 
 
-def unit_shapes(model: nn.Module, plan: dict[str, Any] | None, model_size: int) -> list[list[list[tuple[float, float]]]]:
+def unit_shapes(model: nn.Module, plan: dict[str, Any] | None,
+                model_size: int) -> list[list[list[tuple[float, float]]]]:
     """Each child of ``model`` (a pipeline block) as ZeRO-3 wraps it: its FSDP units (the block, or a container's
     children that hold parameters, looked through), each the ``(rows, elements)`` of its parameters on one
     process of a model group of ``model_size`` (rows: dimension 0, which FSDP shards; a ``"colwise"`` layer's
@@ -243,8 +244,8 @@ def schedule_peak(saved: Sequence[float], io: float, grads: Sequence[float], *, 
         # gathering, the block before's buffer). The last backwards have every block whole again but one
         # micro-batch fewer in flight
         ahead = max(p + sum(again[i:]) for i, p in enumerate(prefix)) + g - sum(again)
-        again_back = max(p + sum(again[i:]) + behind[i] for i, p in enumerate(prefix)) + g - sum(again)
-        return max(*points, (k - 1) * held + io + released + ahead, (k - 1) * held + io + again_back)
+        regathering = max(p + sum(again[i:]) + behind[i] for i, p in enumerate(prefix)) + g - sum(again)
+        return max(*points, (k - 1) * held + io + released + ahead, (k - 1) * held + io + regathering)
     if microbatches > k:   # 1F1B: the next forward
         points.append((k - 1) * held + io + released + (base - io if regathered else forward) + g)
         if staged and recompute:   # the backward after it replays what that forward resharded
