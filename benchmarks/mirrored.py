@@ -331,8 +331,8 @@ def run_paired(args: argparse.Namespace) -> list[str]:
                          f"{CONFIGS[c]} {ms[c]:.2f} ms ({cpu[c]:.1f} CPU ms)" for c in configs) + " a step")
         for config in configs[1:]:
             target = TARGETS.get((config, batch))
-            verdict = h.verdict(ratios[config], target) if target is not None else \
-                f"interval {h.interval_text(ratios[config])}"
+            verdict = "n/a (no pair undisturbed)" if not quiet else h.verdict(ratios[config], target) \
+                if target is not None else f"interval {h.interval_text(ratios[config])}"
             cpu_ratio = h.median([p[config]["cpu_ms"] / p["plain"]["cpu_ms"] for p in pairs])
             lines.append(f"  {CONFIGS[config]} / plain at batch {batch}: {h.median(ratios[config]):.3f}  IQR "
                          f"{h.quartiles(ratios[config]) or '-'}  range {h.spread(ratios[config], 3) or '-'}  "
