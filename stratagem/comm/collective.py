@@ -55,7 +55,14 @@ def deal_pieces(sizes: Sequence[int], parts: int, overhead: int = PIECE_OVERHEAD
     costs (elements plus ``overhead`` per piece) come out even: the costliest piece first, each to the
     thread with the least so far (ties: the earlier piece, the lower thread). Where a cut into equal
     ranges of elements leaves one thread all the small tensors of a model (every bias and norm
-    weight), this spreads them; what each piece computes is the same whichever thread computes it."""
+    weight), this spreads them; what each piece computes is the same whichever thread computes it.
+
+    Example::
+
+        from stratagem.comm.collective import deal_pieces
+        assert deal_pieces([10, 10, 10, 10], 2) == [0, 1, 0, 1]
+        assert deal_pieces([100_000] + [64] * 4, 2) == [0, 1, 1, 1, 1]   # the small ones together
+    """
     load = [0] * parts
     owners = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
