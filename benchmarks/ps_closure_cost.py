@@ -33,13 +33,8 @@ def chief(spec: dict) -> None:
     import stratagem as sg
 
     torch.set_num_threads(1)
-    strategy = sg.ParameterServerStrategy(sg.cluster.TFConfigClusterResolver())
-    coordinator = sg.ClusterCoordinator(strategy)
-    for _ in range(200):   # warm: the function cached on both workers, the connections open
-        coordinator.schedule(_noop)
-    coordinator.join()
     profiles: list = []
-    if spec["profile"]:   # every thread of the coordinator, CPU time
+    if spec["profile"]:   # every thread of the coordinator (its dispatchers too, and the warm-up), CPU time
         import cProfile
         import threading
 
@@ -49,6 +44,11 @@ def chief(spec: dict) -> None:
             profiles[-1].enable()
         threading.setprofile(hook)
         hook()
+    strategy = sg.ParameterServerStrategy(sg.cluster.TFConfigClusterResolver())
+    coordinator = sg.ClusterCoordinator(strategy)
+    for _ in range(200):   # warm: the function cached on both workers, the connections open
+        coordinator.schedule(_noop)
+    coordinator.join()
     rows = []
     for _ in range(spec["rounds"]):
         usage = resource.getrusage(resource.RUSAGE_SELF)

@@ -24,6 +24,7 @@ _HEAD = struct.Struct("<4sQQH")
 _IV = struct.Struct("<IQ")
 _TAG = 16
 _REQUEST, _REPLY = 0, 2      # IV direction codes (+0 head, +1 body)
+_JOIN_BYTES = 64 << 10       # a body of parts up to this size is tagged joined (cheaper than a GCM context)
 
 
 def _limit_time(sock: socket.socket, deadline: float | None) -> None:
@@ -89,6 +90,8 @@ class _Connection:
 
     def _tag(self, kind: int, buffers: list) -> bytes:
         iv = _IV.pack(kind, self.counter)
+        if len(buffers) > 1 and sum(memoryview(b).nbytes for b in buffers) <= _JOIN_BYTES:
+            buffers = [b"".join(buffers)]   # (the same tag: the parts are one stream of associated data)
         if len(buffers) == 1:
             return self._aead.encrypt(iv, b"", buffers[0])   # nothing encrypted: the GMAC tag
         tagger = Cipher(algorithms.AES(self._key), modes.GCM(iv)).encryptor()

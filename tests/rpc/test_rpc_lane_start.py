@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import secrets
 import signal
+import socket
 import threading
 import time
 from concurrent import futures
@@ -162,3 +163,22 @@ def test_a_wrong_token_runs_nothing_and_a_closed_lane_port_means_grpc(caplog) ->
     finally:
         client.close(), server.stop()
         logger.removeHandler(caplog.handler)
+
+
+def test_a_small_body_of_parts_is_tagged_as_one_stream_and_a_large_one_alike() -> None:
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    from stratagem.rpc.lane_frames import _IV, _JOIN_BYTES, _Connection
+
+    key = secrets.token_bytes(16)
+    ends = socket.socketpair()
+    try:
+        connection = _Connection(ends[0], key, server=False)
+        for parts in ([b"head", bytes(100), b"tail"], [bytes(_JOIN_BYTES), b"x", bytearray(b"yz")]):
+            tagger = Cipher(algorithms.AES(key), modes.GCM(_IV.pack(1, connection.counter))).encryptor()
+            for part in parts:
+                tagger.authenticate_additional_data(part)
+            tagger.finalize()
+            assert connection._tag(1, parts) == tagger.tag == connection._tag(1, [b"".join(parts)])
+    finally:
+        ends[0].close(), ends[1].close()
