@@ -6,6 +6,7 @@ compares two checkouts measured minutes apart; the round trip does only when the
 
     python benchmarks/ps_closure_cost.py --closures 2000 --rounds 5
     python benchmarks/ps_closure_cost.py --one-worker     # round trip of one closure at a time
+    python benchmarks/ps_closure_cost.py --small-step     # each closure a small SGD step (a pull, a push)
 """
 
 from __future__ import annotations
@@ -46,8 +47,18 @@ def chief(spec: dict) -> None:
         hook()
     strategy = sg.ParameterServerStrategy(sg.cluster.TFConfigClusterResolver())
     coordinator = sg.ClusterCoordinator(strategy)
+    fn = _noop
+    if spec["small_step"]:
+        with strategy.scope():
+            model = torch.nn.Linear(64, 8)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def fn() -> None:
+            optimizer.zero_grad()
+            model(torch.ones(4, 64)).sum().backward()
+            optimizer.step()
     for _ in range(200):   # warm: the function cached on both workers, the connections open
-        coordinator.schedule(_noop)
+        coordinator.schedule(fn)
     coordinator.join()
     rows = []
     for _ in range(spec["rounds"]):
@@ -55,10 +66,10 @@ def chief(spec: dict) -> None:
         own, cluster, start = usage.ru_utime + usage.ru_stime, h.cluster_cpu_s(), time.perf_counter()
         if spec["one_worker"]:   # one closure in flight: each waits for the previous one's value
             for _ in range(spec["closures"]):
-                coordinator.schedule(_noop).fetch()
+                coordinator.schedule(fn).fetch()
         else:
             for _ in range(spec["closures"]):
-                coordinator.schedule(_noop)
+                coordinator.schedule(fn)
             coordinator.join()
         wall = time.perf_counter() - start
         usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -85,13 +96,14 @@ def main() -> None:
     parser.add_argument("--closures", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--one-worker", action="store_true")
+    parser.add_argument("--small-step", action="store_true", help="closures that pull and push a Linear(64, 8)")
     parser.add_argument("--profile", action="store_true", help="print the coordinator's profile (all threads)")
     parser.add_argument("--chief", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.chief:
         chief(json.loads(args.chief))
         return
-    spec = {"closures": args.closures, "rounds": args.rounds, "one_worker": args.one_worker, "profile": args.profile}
+    spec = {"closures": args.closures, "rounds": args.rounds, "one_worker": args.one_worker, "profile": args.profile, "small_step": args.small_step}
     out = subprocess.run([sys.executable, "-m", "stratagem", "launch", "--workers", "2", "--ps", "1",
                           os.path.abspath(__file__), "--chief", json.dumps(spec)], env=h.child_env(),
                          capture_output=True, text=True, timeout=900)
