@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
+from stratagem.testing import run_task
 
 from .common import build, make_strategy
 
@@ -138,12 +139,10 @@ def test_a_killed_job_resumes_from_its_backup(tmp_path: Path) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         proc.stdout.close()
-    resumed = subprocess.run(script + [str(tmp_path / "backup"), str(tmp_path / "resumed.jsonl")],
-                             capture_output=True, text=True, timeout=100)
+    resumed = run_task(script + [str(tmp_path / "backup"), str(tmp_path / "resumed.jsonl")], timeout=100)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert resumed.stdout.splitlines()[0] == "resumed 1 1"   # 6 steps = epoch 0 (5 steps) + 1
-    whole = subprocess.run(script + [str(tmp_path / "whole"), str(tmp_path / "whole.jsonl")],
-                           capture_output=True, text=True, timeout=100)
+    whole = run_task(script + [str(tmp_path / "whole"), str(tmp_path / "whole.jsonl")], timeout=100)
     assert whole.returncode == 0, whole.stdout + whole.stderr
 
     def log(name):
