@@ -12,10 +12,20 @@ Every measurement runs in a fresh interpreter (thread settings and allocator cac
 between configurations), in interleaved rounds; ``x plain`` is the median over rounds of the
 ratio to plain PyTorch measured in the same round. See benchmarks/README.md.
 
+``--paired`` measures the same steps in one process per batch size instead, as
+``mirrored_paired.py`` does for a GPT: plain PyTorch and each strategy's model (built from the same
+initial weights, trained on the same batches) take turns in chunks of ``--chunk`` steps, the order
+rotated every pair. torch's intra-op thread count is set back to its default before each chunk
+(untimed): plain PyTorch computes with torch's default threads, and ``strategy.run`` lowers the count
+to one per replica thread while it runs, as it does in a process of its own. A pair's ratio
+compares chunks a fraction of a second apart, so what the host does over minutes cancels, and the
+pairs go on (up to ``--max-pairs``) until every target is decided: one run decides.
+
     python benchmarks/mirrored.py                      # 5 rounds, batch 128 and 512
     python benchmarks/mirrored.py --rounds 3 --configs plain one_device mirrored_hier mirrored_r1d
     python benchmarks/mirrored.py --quick              # smoke test: batch 128, 1 round, 4 steps
     python benchmarks/mirrored.py --profile            # torch.profiler tables, first batch size
+    python benchmarks/mirrored.py --paired --configs plain mirrored_hier   # one process per batch size
 """
 
 from __future__ import annotations
@@ -113,6 +123,102 @@ def torch_child(args: argparse.Namespace) -> dict:
     return {**result, "peak_rss_mib": peak_rss_mib()}
 
 
+STRATEGIES = {"one_device": lambda sg: sg.OneDeviceStrategy("cpu"),
+              "mirrored_hier": lambda sg: sg.MirroredStrategy(["cpu:0", "cpu:1"]),
+              "mirrored_r1d": lambda sg: sg.MirroredStrategy(["cpu:0", "cpu:1"],
+                                                             cross_device_ops=sg.ReductionToOneDevice())}
+
+
+def paired_child(args: argparse.Namespace) -> dict:
+    """``--paired``: plain PyTorch and every configuration of ``args.configs`` in this process, built
+    from the same initial weights, timed in chunks that take turns; pairs go on while a target is
+    undecided (up to ``--max-pairs``)."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    import stratagem as sg
+
+    default_threads = torch.get_num_threads()
+    x_np, y_np = h.synthetic_batches(args.batch, args.distinct, seed=args.seed)
+    batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in zip(x_np, y_np)]
+    torch.manual_seed(args.seed)
+    models = {"plain": h.mlp()}
+    initial = {k: v.clone() for k, v in models["plain"].state_dict().items()}
+    optimizers = {"plain": torch.optim.SGD(models["plain"].parameters(), lr=h.LR, momentum=h.MOMENTUM)}
+    steps: dict[str, Any] = {}
+    done = dict.fromkeys(args.configs, 0)
+
+    def plain_step() -> None:
+        x, y = batches[done["plain"] % args.distinct]
+        loss = F.cross_entropy(models["plain"](x), y)
+        optimizers["plain"].zero_grad()
+        loss.backward()
+        optimizers["plain"].step()
+    steps["plain"] = plain_step
+
+    for config in args.configs[1:]:
+        strategy = STRATEGIES[config](sg)
+        with strategy.scope():
+            model = h.mlp()
+            optimizer = torch.optim.SGD(model.parameters(), lr=h.LR, momentum=h.MOMENTUM)
+        model.load_state_dict(initial)
+        models[config], optimizers[config] = model, optimizer
+
+        def replica_step(batch: Any, model: Any = model, optimizer: Any = optimizer) -> Any:
+            x, y = batch
+            loss = sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        # an endless cycle over the batches; next() splits one for the replicas
+        iterator = iter(strategy.experimental_distribute_dataset(itertools.cycle(batches)))
+        steps[config] = lambda strategy=strategy, iterator=iterator, fn=replica_step: strategy.run(
+            fn, args=(next(iterator),))
+
+    def chunk(config: str, count: int) -> dict:
+        torch.set_num_threads(default_threads)   # (untimed: run lowers it for its replicas, then restores)
+        times = []
+        with h.CpuWindow() as window:
+            for _ in range(count):
+                t0 = time.perf_counter()
+                steps[config]()
+                times.append(1e3 * (time.perf_counter() - t0))
+                done[config] += 1
+        return {"median_ms": h.median(times), "cpu_ms": 1e3 * window.own_cores * window.seconds / count,
+                "foreign": window.foreign_cores}
+
+    for config in reversed(args.configs):   # warm-up; the strategies first (their forward pre-hook in place)
+        chunk(config, args.warmup)
+    pairs: list[dict] = []
+
+    def decided() -> bool:
+        ratios = paired_ratios(pairs, args.max_other_load)
+        return all(h.decision(ratios[c], TARGETS[(c, args.batch)]) != "undecided"
+                   for c in args.configs[1:] if (c, args.batch) in TARGETS)
+    while len(pairs) < args.pairs or (len(pairs) < args.max_pairs and not decided()):
+        k = len(pairs) % len(args.configs)
+        pairs.append({config: chunk(config, args.chunk) for config in args.configs[k:] + args.configs[:k]})
+
+    def probe(model: Any) -> float:   # outside run a mirrored module reads its primary copy
+        with torch.no_grad():
+            return float(F.cross_entropy(model(batches[0][0]), batches[0][1]))
+
+    return {"pairs": pairs, "threads": default_threads, "steps": done,
+            "loss": {config: probe(model) for config, model in models.items()}}
+
+
+def paired_ratios(pairs: list[dict], max_other_load: float) -> dict[str, list[float]]:
+    """Per configuration, its chunk median over plain's in each pair that no other process
+    disturbed (every pair when none was undisturbed)."""
+    quiet = [p for p in pairs if all(s["foreign"] is None or s["foreign"] <= max_other_load for s in p.values())]
+    return {config: [p[config]["median_ms"] / p["plain"]["median_ms"] for p in quiet or pairs]
+            for config in (pairs[0] if pairs else {}) if config != "plain"}
+
+
 # ================================================================ parent side
 
 def measure(args: argparse.Namespace, config: str, batch: int, profile: bool = False) -> dict:
@@ -201,6 +307,49 @@ def run_tables(args: argparse.Namespace) -> tuple[list[str], list[dict], dict]:
     return out, rows, raw
 
 
+def run_paired(args: argparse.Namespace) -> list[str]:
+    """``--paired``: one process per batch size; the lines to print."""
+    lines = []
+    configs = [c for c in args.configs if c in ("plain", *STRATEGIES)]
+    skipped = [c for c in args.configs if c not in configs]
+    if skipped:
+        lines.append(f"--paired leaves out {', '.join(skipped)} (TensorFlow runs in processes of its own)")
+    for batch in args.batch_sizes:
+        argv = ["--child", "paired", "--batch", str(batch), "--pairs", str(args.pairs), "--max-pairs",
+                str(args.max_pairs), "--chunk", str(args.chunk), "--warmup", str(args.warmup), "--distinct",
+                str(args.distinct), "--seed", str(args.seed), "--max-other-load", str(args.max_other_load),
+                "--configs", *configs]
+        timeout = 120 + (args.max_pairs * args.chunk + args.warmup) * len(configs) * 0.2 * max(1.0, batch / 128)
+        r = h.run_json([sys.executable, os.path.abspath(__file__), *argv], timeout)
+        pairs, ratios = r["pairs"], paired_ratios(r["pairs"], args.max_other_load)
+        quiet = sum(all(s["foreign"] is None or s["foreign"] <= args.max_other_load for s in p.values())
+                    for p in pairs)
+        ms = {c: h.median([p[c]["median_ms"] for p in pairs]) for c in configs}
+        cpu = {c: h.median([p[c]["cpu_ms"] for p in pairs]) for c in configs}
+        lines.append(f"batch {batch}: {len(pairs)} pairs of {args.chunk}-step chunks ({quiet} undisturbed), "
+                     f"{r['threads']} intra-op threads by default; " + ", ".join(
+                         f"{CONFIGS[c]} {ms[c]:.2f} ms ({cpu[c]:.1f} CPU ms)" for c in configs) + " a step")
+        for config in configs[1:]:
+            target = TARGETS.get((config, batch))
+            verdict = "n/a (no pair undisturbed)" if not quiet else h.verdict(ratios[config], target) \
+                if target is not None else f"interval {h.interval_text(ratios[config])}"
+            cpu_ratio = h.median([p[config]["cpu_ms"] / p["plain"]["cpu_ms"] for p in pairs])
+            lines.append(f"  {CONFIGS[config]} / plain at batch {batch}: {h.median(ratios[config]):.3f}  IQR "
+                         f"{h.quartiles(ratios[config]) or '-'}  range {h.spread(ratios[config], 3) or '-'}  "
+                         f"target {verdict}; CPU time ratio {cpu_ratio:.3f}")
+        losses = r["loss"]
+        diff = max(abs(v - losses["plain"]) / abs(losses["plain"]) for v in losses.values())
+        lines.append(f"  Check: after {r['steps']['plain']} steps each, loss on batch 0 vs plain, max relative "
+                     f"difference {diff:.1e}: " + ("same training" if diff < 1e-3 else
+                                                   "DIFFERENT TRAINING: numbers are not comparable"))
+        h.log(f"batch {batch} done")
+    lines.append("A pair: one chunk of each configuration, back to back, in the same process; a ratio: the "
+                 "configuration's chunk median over plain's; pairs with other processes keeping more than "
+                 f"{args.max_other_load} cores busy set aside; a target is decided when the median's 95 % "
+                 "interval lies on one side of it.")
+    return lines
+
+
 def run_profile(args: argparse.Namespace) -> dict:
     batch, raw = args.batch_sizes[0], {}
     for config in PROFILE_CONFIGS:
@@ -222,6 +371,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="configurations (plain is always run: it is the reference)")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler tables instead of the timing table (default --steps 20)")
+    p.add_argument("--paired", action="store_true",
+                   help="plain and each strategy in one process per batch size, in alternating chunks")
+    p.add_argument("--pairs", type=int, default=30, help="--paired: pairs of chunks at least (default 30)")
+    p.add_argument("--max-pairs", type=int, default=120,
+                   help="--paired: pairs in all at most, run past --pairs while a target is undecided")
+    p.add_argument("--chunk", type=int, default=10, help="--paired: steps per chunk (default 10)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -231,13 +386,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_rounds is None:
         args.max_rounds = 0 if args.quick or args.profile else 12
     args.configs = ["plain"] + [c for c in args.configs if c != "plain"]
+    if args.quick:
+        args.pairs, args.max_pairs, args.chunk = 2, 2, 2
+    args.max_pairs = max(args.max_pairs, args.pairs)
+    if min(args.pairs, args.chunk) < 1:
+        p.error("--pairs and --chunk must be >= 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if h.as_child(args, torch_child):
+    if h.as_child(args, lambda a: paired_child(a) if a.child == "paired" else torch_child(a)):
         return 0
+    if args.paired:
+        h.log(f"MirroredStrategy benchmark, paired in one process: batch sizes {args.batch_sizes}, at least "
+              f"{args.pairs} pairs of {args.chunk}-step chunks, load {h.loadavg()}")
+        lines = run_paired(args)
+        print(f"\nMLP {'-'.join(map(str, h.MLP_LAYERS))} ({h.param_count() / 1e6:.2f} M params), SGD lr {h.LR} "
+              f"momentum {h.MOMENTUM}; {h.usable_cores()} cores; commit {h.git_commit()}")
+        print("\n".join(lines))
+        warning = h.load_warning()
+        if warning:
+            print(warning)
+        return 1 if any("DIFFERENT TRAINING" in line for line in lines) else 0
     if args.profile:
         raw = run_profile(args)
         errors = []

@@ -45,6 +45,33 @@ def range_bounds(total: int, parts: int, start: int = 0) -> list[int]:
     return [start + total * r // parts for r in range(parts + 1)]
 
 
+#: What one more piece costs a thread, in elements: the Python and dispatch of its operations (a few
+#: microseconds each), about what a thread adds, copies or updates of a piece this long meanwhile.
+PIECE_OVERHEAD = 8192
+
+
+def deal_pieces(sizes: Sequence[int], parts: int, overhead: int = PIECE_OVERHEAD) -> list[int]:
+    """Which of ``parts`` threads takes each piece (``sizes``: their elements) so that the threads'
+    costs (elements plus ``overhead`` per piece) come out even: the costliest piece first, each to the
+    thread with the least so far (ties: the earlier piece, the lower thread). Where a cut into equal
+    ranges of elements leaves one thread all the small tensors of a model (every bias and norm
+    weight), this spreads them; what each piece computes is the same whichever thread computes it.
+
+    Example::
+
+        from stratagem.comm.collective import deal_pieces
+        assert deal_pieces([10, 10, 10, 10], 2) == [0, 1, 0, 1]
+        assert deal_pieces([100_000] + [64] * 4, 2) == [0, 1, 1, 1, 1]   # the small ones together
+    """
+    load = [0] * parts
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owner = min(range(parts), key=load.__getitem__)
+        owners[i] = owner
+        load[owner] += sizes[i] + overhead
+    return owners
+
+
 def check_gatherable(shapes: Sequence[Sequence[tuple[int, ...]]], dtypes: Sequence[Sequence[torch.dtype]],
                      axis: int) -> None:
     """Every replica's tensors agree in number, dtype and every dimension but ``axis``."""

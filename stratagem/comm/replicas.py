@@ -8,8 +8,9 @@ bit-identical results; they differ in who does the work:
 
 - :class:`RangeCollective` (``HierarchicalCopyAllReduce``, the CPU default): the flat
   concatenation of all tensors is cut into ``num_packs`` packs and each pack into one
-  range per replica; each replica's thread sums its ranges for everyone and copies the
-  sums back (a reduce-scatter followed by an all-gather), so all threads work at once.
+  range per replica, whose pieces are dealt to the replicas' threads by cost; each thread
+  sums its pieces for everyone and copies the sums back (a reduce-scatter followed by an
+  all-gather), so all threads work at once.
 - :class:`OneDeviceCollective` (``ReductionToOneDevice``): local replica 0's thread
   sums everything on one device, then every replica's tensor receives a copy.
 - :class:`NcclCollective` (``NcclAllReduce``): ``torch.cuda.nccl.all_reduce`` over the
@@ -24,11 +25,12 @@ over every replica, in replica order (so it equals the matching slice of the all
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Sequence
 
 import torch
 
-from stratagem.comm.collective import Collective, range_bounds
+from stratagem.comm.collective import Collective, deal_pieces, range_bounds
 from stratagem.comm.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                              ReductionToOneDevice)
 from stratagem.comm.sync import ReplicaSync
@@ -183,21 +185,25 @@ class RangeCollective(ReplicaCollective):
         self._plans: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
 
     def _plan(self, numels: tuple[int, ...], n: int) -> list[list[tuple[int, int, int]]]:
-        """For each replica, the (tensor index, start, stop) pieces of its ranges."""
+        """For each replica, the (tensor index, start, stop) pieces of its ranges: each pack cut into
+        one range per replica, each tensor's part of a range into pieces, and each pack's pieces dealt
+        to the replicas by cost (:func:`~stratagem.comm.collective.deal_pieces`: a model's many small
+        tensors spread over the threads), pack after pack."""
         plan = self._plans.get((n,) + numels)
         if plan is None:
             total, packs = sum(numels), self.options.num_packs
             pack_bounds = range_bounds(total, packs)
-            bounds = [(cut[r], cut[r + 1]) for lo, hi in zip(pack_bounds, pack_bounds[1:])
-                      for cut in [range_bounds(hi - lo, n, lo)] for r in range(n)]
             plan = [[] for _ in range(n)]
-            offset = 0
-            for i, numel in enumerate(numels):
-                for k, (range_lo, range_hi) in enumerate(bounds):
-                    lo, hi = max(range_lo, offset), min(range_hi, offset + numel)
-                    for start in range(lo, hi, _PIECE_ELEMENTS):
-                        plan[k % n].append((i, start - offset, min(start + _PIECE_ELEMENTS, hi) - offset))
-                offset += numel
+            starts = list(itertools.accumulate(numels, initial=0))
+            for pack_lo, pack_hi in zip(pack_bounds, pack_bounds[1:]):
+                cut = range_bounds(pack_hi - pack_lo, n, pack_lo)
+                pieces = [(i, start - offset, min(start + _PIECE_ELEMENTS, hi) - offset)
+                          for i, (offset, numel) in enumerate(zip(starts, numels))
+                          for range_lo, range_hi in zip(cut, cut[1:])
+                          for lo, hi in [(max(range_lo, offset), min(range_hi, offset + numel))]
+                          for start in range(lo, hi, _PIECE_ELEMENTS)]
+                for piece, owner in zip(pieces, deal_pieces([stop - start for _, start, stop in pieces], n)):
+                    plan[owner].append(piece)
             self._plans[(n,) + numels] = plan
         return plan
 

@@ -92,11 +92,16 @@ class PerWorkerIterator:
         raise InvalidArgumentError("a per-worker iterator is read inside a scheduled function, on a worker")
 
 
+_PLAIN = frozenset({str, bytes, int, float, bool, type(None), tuple, list, dict})   # exactly these, not subclasses
+
+
 class ClosurePickler(Pickler):
     """The coordinator's pickler of closures: variables, optimizers and per-worker
     iterators become references (see the module docstring)."""
 
     def persistent_id(self, obj: Any) -> Any:
+        if type(obj) in _PLAIN:   # most of a request: nothing to look up
+            return None
         pid = super().persistent_id(obj)   # tensors
         if pid is not None:
             return pid

@@ -252,7 +252,10 @@ class _Worker:
         request = {"key": key, "fn": closure.fn if send else None, "fence": fence,
                    "args": closure.args, "kwargs": closure.kwargs, "release": releases,
                    "writes": link.strategy.placement.writes}   # (values prefetched before a write are old)
-        future = self.client.call_async("run", request, timeout=RUN_TIMEOUT_SECONDS)
+        try:   # (on the worker's lane: sent, and its reply awaited, from this thread)
+            future = self.client.start("run", request, timeout=RUN_TIMEOUT_SECONDS)
+        except UnavailableError as error:   # its lane's session or the request did not go through
+            raise _WorkerLost() from error
         if len(self.cached) >= MAX_CACHED_HINTS:
             self.cached.clear()
         self.cached.add(key)

@@ -46,7 +46,7 @@ from stratagem.observe import flight
 from stratagem.ps.closures import ClosureNotCachedError, ClosureUnpickler
 from stratagem.ps.runtime import WorkerRuntime
 from stratagem.rpc.auth import cluster_token
-from stratagem.rpc.server import decodes_request, large_requests
+from stratagem.rpc.server import decodes_request, fast_lane, large_requests
 from stratagem.values import map_structure
 
 __all__ = ["WorkerService"]
@@ -93,7 +93,7 @@ class WorkerService:
 
     def handlers(self) -> dict[str, Callable[[Any], Any]]:
         # A closure and its arguments, or a dataset function, may be large (captured tensors).
-        return {"ping": self.ping, "run": large_requests(decodes_request(self.run)),
+        return {"ping": self.ping, "run": fast_lane(large_requests(decodes_request(self.run))),
                 "create_dataset": large_requests(decodes_request(self.create_dataset))}
 
     def ping(self, request: Any = None) -> dict:

@@ -10,8 +10,11 @@
   message size limit and the default deadline;
 - :mod:`~stratagem.rpc.server` -- :class:`RpcServer` (named handlers at one address, with
   size limits and wire counters);
-- :mod:`~stratagem.rpc.client` -- :class:`RpcClient` (``call``, ``call_async``), with
+- :mod:`~stratagem.rpc.client` -- :class:`RpcClient` (``call``, ``call_async``, ``start``), with
   deadlines, reconnection, and errors that name the peer task;
+- :mod:`~stratagem.rpc.lane` (framing in :mod:`~stratagem.rpc.lane_frames`) -- a TCP connection
+  beside gRPC, same token, for the handlers marked ``fast_lane``; :mod:`~stratagem.rpc.pending`
+  -- the handles of calls in flight;
 - :mod:`~stratagem.rpc.errors` -- the exceptions a caller can see.
 
 This layer knows nothing of parameters or steps: services (the parameter server in

@@ -6,6 +6,8 @@
     client.call("add", (torch.ones(3), 2))            # tensor([3., 3., 3.])
     future = client.call_async("add", (1, 2))         # concurrent.futures.Future
     future.cancel()                                   # cancels the gRPC call too
+    started = client.start("add", (1, 2))             # on the lane where the server serves "add" there
+    started.result(timeout=1.0)                       # 3 (TimeoutError while it has not come: ask again)
 
 Failures on the caller: a dead, unreachable or silent peer raises
 :class:`stratagem.errors.UnavailableError` naming the task (gRPC ``UNAVAILABLE`` -- a killed
@@ -47,6 +49,7 @@ from stratagem.rpc.codec import Pickler, decode, encode
 from stratagem.rpc.errors import (AuthenticationError, ClockSkewError, MessageTooLargeError, RemoteError,
                                    RpcError)
 from stratagem.rpc.lane import LaneClient
+from stratagem.rpc.pending import LanePending, _CallFuture
 from stratagem.rpc.tokens import check_token_strength
 from stratagem.rpc.transport import (DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HELLO_METHOD, LANE_METHOD,
                                      REPLY_OK, SERVICE, check_max_bytes, size_options)
@@ -68,42 +71,6 @@ def _left(deadline: float) -> float:
 def _is_stale(err: grpc.RpcError) -> bool:
     """Whether the server refused the call as signed for another server or an earlier run."""
     return hasattr(err, "code") and err.code() == grpc.StatusCode.FAILED_PRECONDITION
-
-
-class _CallFuture(futures.Future):
-    """The Future that :meth:`RpcClient.call_async` returns: its ``cancel()`` also cancels
-    the gRPC call in flight, which the server's handler sees
-    (:func:`~stratagem.rpc.server.caller_gone`). It stays pending, never running, until
-    the reply comes, so that it can be cancelled until then."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._grpc_call: grpc.Future | None = None
-        self._call_lock = threading.Lock()
-
-    def cancel(self) -> bool:
-        if not super().cancel():
-            return False
-        with self._call_lock:
-            call = self._grpc_call
-        if call is not None:
-            call.cancel()
-        return True
-
-    def _attach(self, call: grpc.Future) -> None:
-        with self._call_lock:
-            self._grpc_call = call
-        if self.cancelled():   # cancelled before the call existed
-            call.cancel()
-
-    def _settle(self, value: Any = None, error: BaseException | None = None) -> None:
-        try:
-            if error is None:
-                self.set_result(value)
-            else:
-                self.set_exception(error)
-        except futures.InvalidStateError:   # cancelled meanwhile: nobody waits for it
-            pass
 
 
 class RpcClient:
@@ -182,6 +149,25 @@ class RpcClient:
         result.add_done_callback(lambda _: flight.end(seq))
         self._send_async(result, method, body, time.monotonic() + seconds, seconds, writable_reply, True)
         return result
+
+    def start(self, method: str, request: Any = None, *, timeout: float | None = None,
+              writable_reply: bool = True) -> LanePending | futures.Future[Any]:
+        """Like :meth:`call_async`, for a caller that waits for the reply in its own thread: when the
+        server serves ``method`` on its lane, the call goes there (no thread of the gRPC stack
+        involved: far less CPU per call) and the handle's ``result(timeout)`` waits on the lane's
+        socket; otherwise the handle is :meth:`call_async`'s Future. Either way ``result(t)`` raises
+        TimeoutError when the reply has not come within ``t`` seconds (the call goes on), and
+        ``cancel()`` stops the call (on the lane the handler runs on, its reply is dropped: as with
+        gRPC, a handler that does not poll :func:`~stratagem.rpc.server.caller_gone` is not stopped).
+        Asking for the lane and sending the request take at most ``default_timeout``."""
+        seconds = self.default_timeout if timeout is None else _check_timeout(timeout, "timeout")
+        if self._lane is not None and method != LANE_METHOD and self._lane.serves(method, self.default_timeout):
+            with label("stratagem.rpc.call"):
+                started = self._lane.start(method, request, seconds, self.default_timeout)
+            if started is not None:   # (None: the port is closed to us, or a large request: gRPC)
+                return LanePending(started, lambda reply: self._decode_reply(method, reply, writable_reply),
+                                   flight.begin(f"rpc {method}", 0, self.task))
+        return self.call_async(method, request, timeout=seconds, writable_reply=writable_reply)
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Waits until the server accepts connections; UnavailableError after ``timeout``."""

@@ -39,146 +39,30 @@ reuse, so a restarted server costs a new session, not an error.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import secrets
+import select
 import socket
-import struct
 import threading
 import time
-from typing import Any, Callable
-
-import numpy as np
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from concurrent import futures
+from typing import Any, Callable, NoReturn
 
 from stratagem.errors import UnavailableError
 from stratagem.rpc.codec import Pickler, encode_parts
 from stratagem.rpc.errors import AuthenticationError, MessageTooLargeError
+from stratagem.rpc.lane_frames import _Connection, _limit_time, _recv
 
-__all__ = ["LaneClient", "LaneServer", "SESSION_TTL_S"]
+__all__ = ["LaneCall", "LaneClient", "LaneServer", "SESSION_TTL_S"]
 
 logger = logging.getLogger("stratagem.rpc")
 
-MAGIC = b"SGL1"
-_HEAD = struct.Struct("<4sQQH")
-_IV = struct.Struct("<IQ")
-_TAG = 16
 _SESSION = 16
 SESSION_TTL_S = 30.0
 MAX_CONNECTIONS = 256        # per server; more are closed unread
 MAX_PENDING_SESSIONS = 1024
-_REQUEST, _REPLY = 0, 2      # IV direction codes (+0 head, +1 body)
-
-
-def _limit_time(sock: socket.socket, deadline: float | None) -> None:
-    """Bounds the socket's blocking reads and writes by ``deadline`` (None: unbounded) in the
-    kernel (SO_RCVTIMEO / SO_SNDTIMEO). The socket itself stays blocking: one ``recv`` with
-    MSG_WAITALL then takes a whole body in one system call, the GIL released once -- where a
-    Python-level timeout polls and reads in 64 KiB pieces, each taking the GIL back (measured:
-    a ps step 3x slower once other threads of the process wanted the GIL)."""
-    left = 0.0 if deadline is None else max(deadline - time.monotonic(), 1e-3)
-    limit = struct.pack("ll", int(left), int(left % 1 * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
-
-
-def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
-    while view.nbytes:
-        try:
-            got = sock.recv_into(view, view.nbytes, socket.MSG_WAITALL)
-        except BlockingIOError:   # SO_RCVTIMEO ran out
-            raise TimeoutError("timed out") from None
-        if not got:
-            raise ConnectionResetError("the connection was closed")
-        view = view[got:]
-        if view.nbytes and deadline is not None and time.monotonic() >= deadline:
-            raise TimeoutError("timed out")
-
-
-def _recv(sock: socket.socket, n: int, deadline: float | None) -> bytes:
-    buffer = bytearray(n)
-    _recv_into(sock, memoryview(buffer), deadline)
-    return bytes(buffer)
-
-
-def _send(sock: socket.socket, buffers: list, deadline: float | None) -> None:
-    """Writes every buffer, in order, without joining them (``sendmsg`` with their views)."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    views = [v for v in views if v.nbytes]
-    first = 0
-    while first < len(views):
-        try:
-            sent = sock.sendmsg(views[first:first + 512])
-        except BlockingIOError:   # SO_SNDTIMEO ran out
-            raise TimeoutError("timed out") from None
-        if deadline is not None and time.monotonic() >= deadline and sent < sum(v.nbytes for v in views[first:]):
-            raise TimeoutError("timed out")
-        while sent:
-            if sent >= views[first].nbytes:
-                sent -= views[first].nbytes
-                first += 1
-            else:
-                views[first], sent = views[first][sent:], 0
-
-
-class _Connection:
-    """One authenticated connection's framing: its key and the counter of its next request."""
-
-    def __init__(self, sock: socket.socket, key: bytes, *, server: bool) -> None:
-        self.sock = sock
-        self._key = key
-        self._aead = AESGCM(key)
-        self._sends, self._receives = (_REPLY, _REQUEST) if server else (_REQUEST, _REPLY)
-        self.counter = 0
-
-    def _tag(self, kind: int, buffers: list) -> bytes:
-        iv = _IV.pack(kind, self.counter)
-        if len(buffers) == 1:
-            return self._aead.encrypt(iv, b"", buffers[0])   # nothing encrypted: the GMAC tag
-        tagger = Cipher(algorithms.AES(self._key), modes.GCM(iv)).encryptor()
-        for buffer in buffers:
-            tagger.authenticate_additional_data(buffer)
-        tagger.finalize()
-        return tagger.tag
-
-    def send(self, word: str, body: list, deadline: float | None) -> None:
-        encoded = word.encode()
-        size = sum(memoryview(b).nbytes for b in body)
-        head = _HEAD.pack(MAGIC, self.counter, size, len(encoded)) + encoded
-        _limit_time(self.sock, deadline)
-        _send(self.sock, [head, self._tag(self._sends, [head]), *body,
-                          self._tag(self._sends + 1, body or [b""])], deadline)
-
-    def receive(self, limit: Callable[[str], int], deadline: float | None) -> tuple[str, memoryview]:
-        """The next frame's word and body, both checked; the head before the body is read."""
-        _limit_time(self.sock, deadline)
-        head = _recv(self.sock, _HEAD.size, deadline)
-        magic, counter, size, word_size = _HEAD.unpack(head)
-        if magic != MAGIC:
-            raise AuthenticationError(f"not a stratagem lane frame (starts with {magic!r})")
-        head += _recv(self.sock, word_size, deadline)
-        if not hmac.compare_digest(_recv(self.sock, _TAG, deadline), self._tag(self._receives, [head])):
-            raise AuthenticationError("the frame's head does not carry this connection's tag (wrong "
-                                      "cluster token, or a frame replayed or altered)")
-        if counter != self.counter:
-            raise AuthenticationError(f"frame {counter} where {self.counter} was due (replayed or reordered)")
-        word = head[_HEAD.size:].decode()
-        if size > limit(word):
-            raise MessageTooLargeError(f"{word!r} takes at most {limit(word)} bytes on the lane; this "
-                                       f"frame announces {size}")
-        body = memoryview(np.empty(size, dtype=np.uint8)).cast("B")   # not zeroed: filled below
-        _recv_into(self.sock, body, deadline)
-        if not hmac.compare_digest(_recv(self.sock, _TAG, deadline), self._tag(self._receives + 1, [body])):
-            raise AuthenticationError("the frame's body does not carry this connection's tag (altered "
-                                      "on its way, or a wrong cluster token)")
-        return word, body
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+REPLY_S = 60.0               # a reply that has begun to arrive is whole within this (the server's send bound)
+MAX_STARTED_BYTES = 4 << 20  # larger requests of LaneClient.start go over gRPC (their send is not bounded by start)
 
 
 class LaneServer:
@@ -254,7 +138,7 @@ class LaneServer:
             connection = _Connection(sock, self._keys(session), server=True)
             while True:   # idle between requests as long as the client likes
                 method, body = connection.receive(self._limit, None)
-                connection.send(method, self._serve(method, body), time.monotonic() + 60.0)
+                connection.send(method, self._serve(method, body), time.monotonic() + REPLY_S)
                 connection.counter += 1
         except (AuthenticationError, MessageTooLargeError) as error:
             self._refused("lane")
@@ -302,33 +186,40 @@ class LaneClient:
         is left of the call's ``timeout``, the one an error names);
         the request's tensors are written from their own memory, unjoined. None, with nothing
         sent, when the lane's port cannot be reached (firewalled): the caller uses gRPC."""
+        deadline = time.monotonic() + seconds
+        started = self._begin(method, self._encode(method, request), deadline, deadline, timeout or seconds)
+        return None if started is None else started.reply(None)
+
+    def start(self, method: str, request: Any, seconds: float, start_seconds: float) -> LaneCall | None:
+        """``method`` sent with ``request``, its reply not waited for: the :class:`LaneCall` in flight
+        (the reply due within ``seconds``). Asking for a session and sending the request take at most
+        ``start_seconds`` (a stopped server is not waited for longer: UnavailableError). None, with
+        nothing sent, when the port cannot be reached or the request is over ``MAX_STARTED_BYTES``."""
+        body = self._encode(method, request)
+        if sum(memoryview(part).nbytes for part in body) > MAX_STARTED_BYTES:
+            return None
+        now = time.monotonic()
+        return self._begin(method, body, now + seconds, now + min(seconds, start_seconds), seconds)
+
+    def _encode(self, method: str, request: Any) -> list:
         body = encode_parts(request, pickler=self._pickler)
         size = sum(memoryview(part).nbytes for part in body)
         if size > min(self._max_bytes, self.methods[method]):   # (the server checks it too)
             raise MessageTooLargeError(f"{method!r} on {self.task} takes requests of at most "
                                        f"{min(self._max_bytes, self.methods[method])} bytes and this one is {size} "
                                        "bytes; send less per call, or raise the limits on both sides.")
-        deadline = time.monotonic() + seconds
-        connection = self._take(deadline)
+        return body
+
+    def _begin(self, method: str, body: list, deadline: float, sent_by: float, timeout: float) -> LaneCall | None:
+        connection = self._take(sent_by)
         if connection is None:
             return None
+        call = LaneCall(self, connection, method, deadline, timeout)
         try:
-            connection.send(method, body, deadline)
-            _, reply = connection.receive(lambda _: self._max_bytes, deadline)
-        except TimeoutError:
-            self._broken(connection)
-            raise UnavailableError(f"{self.task} did not answer {method!r} within {timeout or seconds:g} s: the task is "
-                                   "hung, overloaded or dead.", task=self.task) from None
-        except OSError as error:
-            self._broken(connection)
-            raise UnavailableError(f"{self.task} is unavailable: {method!r} failed on its lane ({error}); the "
-                                   "task has died or cannot be reached.", task=self.task) from None
-        except AuthenticationError as error:
-            self._broken(connection)
-            raise AuthenticationError(f"{self.task}'s reply to {method!r} failed the lane's check: {error}") from None
-        connection.counter += 1
-        self._give_back(connection)
-        return reply
+            connection.send(method, body, sent_by)
+        except (OSError, TimeoutError) as error:
+            call._fail(error)
+        return call
 
     def close(self) -> None:
         with self._lock:
@@ -371,8 +262,66 @@ class LaneClient:
             with self._lock:
                 self._idle.append(connection)
 
-    def _broken(self, connection: _Connection) -> None:
-        connection.close()   # its state is unknown: never reused
+
+
+class LaneCall:
+    """One call on a lane connection, sent, its reply awaited in steps by one thread
+    (:meth:`LaneClient.start`). The connection is the call's until the reply has come; then
+    it goes back to the pool."""
+
+    def __init__(self, lane: LaneClient, connection: _Connection, method: str, deadline: float,
+                 timeout: float) -> None:
+        self._lane, self._connection, self.method = lane, connection, method
+        self._deadline, self._timeout = deadline, timeout
+
+    def reply(self, wait: float | None) -> memoryview:
+        """The reply body, its tags checked, once it has come. ``futures.TimeoutError`` when it has
+        not come within ``wait`` seconds (None: the call's whole time); the call goes on. A dead
+        peer (its connection closed), a passed deadline: UnavailableError naming the task."""
+        connection = self._connection
+        if connection is None:
+            raise futures.CancelledError()
+        deadline = self._deadline
+        if wait is not None:
+            if not _readable(connection.sock, max(0.0, min(wait, deadline - time.monotonic()))):
+                if time.monotonic() < deadline:
+                    raise futures.TimeoutError()
+                self._fail(TimeoutError("timed out"))
+            deadline = min(deadline, time.monotonic() + REPLY_S)   # it has begun to come: the rest follows
+        try:
+            _, reply = connection.receive(lambda _: self._lane._max_bytes, deadline)
+        except (OSError, TimeoutError) as error:
+            self._fail(error)
+        except AuthenticationError as error:
+            self.cancel()
+            raise AuthenticationError(f"{self._lane.task}'s reply to {self.method!r} failed the lane's check: "
+                                      f"{error}") from None
+        connection.counter += 1
+        self._connection = None
+        self._lane._give_back(connection)
+        return reply
+
+    def cancel(self) -> None:
+        """Stops waiting: the connection closes (the server's handler runs on, its reply is dropped)."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.close()
+
+    def _fail(self, error: BaseException) -> NoReturn:
+        self.cancel()   # its state is unknown: never reused
+        task, method = self._lane.task, self.method
+        if isinstance(error, TimeoutError):
+            raise UnavailableError(f"{task} did not answer {method!r} within {self._timeout:g} s: the task is "
+                                   "hung, overloaded or dead.", task=task) from None
+        raise UnavailableError(f"{task} is unavailable: {method!r} failed on its lane ({error}); the "
+                               "task has died or cannot be reached.", task=task) from None
+
+
+def _readable(sock: socket.socket, seconds: float) -> bool:
+    """Whether ``sock`` has bytes (or EOF) to read within ``seconds``."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(int(seconds * 1000) + (seconds > 0)))
 
 
 def _idle_and_open(sock: socket.socket) -> bool:

@@ -90,7 +90,8 @@ def large_requests(handler: Handler) -> Handler:
 def fast_lane(handler: Handler) -> Handler:
     """Marks ``handler`` as served on the server's lane too (:mod:`~stratagem.rpc.lane`: a TCP
     connection beside gRPC, same token, far less CPU per call), where clients call it; for
-    handlers that never poll :func:`caller_gone` (a lane call cannot be cancelled). Returns ``handler``."""
+    handlers that never poll :func:`caller_gone` (a cancelled lane call closes its connection; the
+    handler runs on, its reply dropped). Returns ``handler``."""
     handler._rpc_fast_lane = True   # type: ignore[attr-defined]
     return handler
 

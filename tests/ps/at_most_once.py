@@ -98,6 +98,7 @@ def main():
         coordinator.join(timeout=60)
         report["after"] = more.fetch() is not None
         report["weight"] = model.weight.item()
+        report["run_on_lane"] = ["run" in (w.client._lane.methods or {}) for w in coordinator._workers]
     elif mode == "ps-stall":
         values = [coordinator.schedule(step, args=(0, gate)) for _ in range(STEPS)]
         wait_until(lambda: sum(v.status.value == "READY" for v in values) >= 5, 60, "some steps")

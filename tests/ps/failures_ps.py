@@ -126,6 +126,7 @@ def main():
         coordinator.join()
         report["join_seconds"] = time.time() - started
         report["ran"] = [v.fetch()[1] for v in values]
+        report["run_on_lane"] = ["run" in (w.client._lane.methods or {}) for w in coordinator._workers]
         if args.mode == "kill-worker":  # the launcher restarts it: it must get work again
             report["after_restart"] = sorted(workers_seen(coordinator, step, want={1}))
         else:

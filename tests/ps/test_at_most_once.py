@@ -47,6 +47,7 @@ def test_a_stopped_worker_that_resumes_does_not_apply_its_step_twice(cluster_fac
     # worker 1 resumed and pushed its step late: refused, nothing applied twice
     assert report["refused"] >= 1 and report["updates"] == 42, report
     assert report["after"] and report["weight"] == 43.0, report
+    assert report["run_on_lane"] == [True, True], report   # the closures went on the workers' lanes
 
 
 def test_a_three_second_ps_stall_is_not_a_loss(cluster_factory, tmp_path) -> None:  # noqa: F811

@@ -40,6 +40,7 @@ def test_two_workers_two_ps_converge_like_single_process_training(tmp_path: Path
 def test_killed_worker_closures_run_elsewhere_and_the_restarted_worker_gets_work(tmp_path: Path) -> None:
     report = launch(tmp_path, "failures_ps.py", "kill-worker", restarts=1)
     assert len(report["ran"]) == 20            # join() returned with every step run
+    assert report["run_on_lane"] == [True, True]   # the closures went on the workers' lanes
     assert 1 in report["after_restart"]        # the restarted worker 1 took work again
 
 
@@ -47,6 +48,7 @@ def test_stopped_worker_closure_moves_after_the_heartbeat_deadline(tmp_path: Pat
     report = launch(tmp_path, "failures_ps.py", "stop-worker")
     assert len(report["ran"]) == 20
     assert report["ran"].count(0) >= 19
+    assert report["run_on_lane"] == [True, True]
     assert report["join_seconds"] < 30
 
 

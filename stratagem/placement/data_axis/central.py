@@ -117,7 +117,7 @@ class CentralUpdate(UpdateRule):
                     # the update happens on the parameter device, whatever the compute devices
                     sharded = None
                     if ShardedUpdate.supports(optimizer, (self.parameter_device,) * self.num_replicas):
-                        sharded = ShardedUpdate(optimizer, lambda p: (p,), self.num_replicas)
+                        sharded = ShardedUpdate(optimizer, lambda p: (p,), self.num_replicas, balance=True)
                     record(optimizer).sharded = sharded
         return sharded
 

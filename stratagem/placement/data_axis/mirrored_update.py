@@ -90,7 +90,7 @@ class MirroredUpdate(UpdateRule):
                     sharded = None
                     if self.collective.num_workers == 1 and ShardedUpdate.supports(optimizer,
                                                                                    self.placement.devices):
-                        sharded = ShardedUpdate(optimizer, self.placement.all_copies, len(twins))
+                        sharded = ShardedUpdate(optimizer, self.placement.all_copies, len(twins), balance=True)
                     record(optimizer).sharded = sharded
         return sharded
 

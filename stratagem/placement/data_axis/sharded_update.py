@@ -1,11 +1,18 @@
 """One optimizer update per process, split between the replica threads.
 
 For optimizers that act element by element (SGD, Adam, ...) one update can be split
-between the replica threads of a CPU strategy: thread ``r`` updates range ``r`` of
-replica 0's flattened parameters with the summed gradient, using one optimizer over
-views of that range, then copies the new values of its range to the replicas whose
-parameters do not share replica 0's memory (on logical CPU devices they all do, and
-nothing is copied). The optimizer state exists once, and the threads share the work.
+between the replica threads of a CPU strategy: replica 0's flattened parameters are cut
+into one range per thread, each tensor's part of a range is a piece, and thread ``r``
+updates its pieces with the summed gradient, using one optimizer over views of them, then
+copies their new values to the replicas whose parameters do not share replica 0's memory
+(on logical CPU devices they all do, and nothing is copied). The optimizer state exists
+once, and the threads share the work. Between threads (``balance=True``) the pieces are
+dealt by cost, elements plus a fixed cost per piece (:func:`~stratagem.comm.collective.deal_pieces`):
+a model's small tensors (biases, norm weights) sit at the end of its parameter groups, where
+a cut into equal ranges of elements gives them all to the last thread. The cut stays where
+it is and an element's update does not depend on which thread applies it, so dealing changes
+no value. Across workers (ZeRO) thread ``r``'s pieces are range ``r``, the one its worker's
+gradients were reduce-scattered to.
 
 The user's optimizer keeps its hyperparameters (schedulers change them there); its
 ``state_dict()`` is assembled from the range optimizers, in the usual layout.
@@ -20,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.comm.collective import range_bounds
+from stratagem.comm.collective import deal_pieces, range_bounds
 from stratagem.placement.scope.hooks import base_of, internal_optimizers, unhooked_step
 
 #: Optimizers whose update of an element depends only on that element's history.
@@ -32,7 +39,7 @@ class ShardedUpdate:
     """Range optimizers of one distributed optimizer, one per local replica."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, copies: Any, num_replicas: int, *,
-                 entries: list[tuple[int, torch.Tensor]] | None = None):
+                 entries: list[tuple[int, torch.Tensor]] | None = None, balance: bool = False):
         # (weakly: a pipeline keeps its ranges in a WeakKeyDictionary keyed by the optimizer)
         self._optimizer = weakref.ref(optimizer)
         base = base_of(optimizer)
@@ -44,12 +51,17 @@ class ShardedUpdate:
         self.pieces: list[list[tuple[int, int, nn.Parameter, int, int]]] = [[] for _ in range(num_replicas)]
         self.optimizers: list[torch.optim.Optimizer | None] = []
         self._copies = [copies(p) for _, p in entries]
+        cut: list[tuple[int, tuple[int, int, nn.Parameter, int, int]]] = []   # (its range, piece), in order
         for index, ((g, p), offset) in enumerate(zip(entries, self.offsets)):
             for r in range(num_replicas):
                 lo, hi = max(bounds[r], offset), min(bounds[r + 1], offset + p.numel())
                 if lo < hi:
                     view = nn.Parameter(p.data.view(-1)[lo - offset:hi - offset], requires_grad=p.requires_grad)
-                    self.pieces[r].append((index, g, view, lo - offset, hi - offset))
+                    cut.append((r, (index, g, view, lo - offset, hi - offset)))
+        owners = deal_pieces([piece[4] - piece[3] for _, piece in cut], num_replicas) if balance else \
+            [r for r, _ in cut]
+        for owner, (_, piece) in zip(owners, cut):
+            self.pieces[owner].append(piece)
         with internal_optimizers():  # range optimizers are not the user's: never adopted
             for r in range(num_replicas):
                 groups: dict[int, list[nn.Parameter]] = {}
@@ -72,7 +84,7 @@ class ShardedUpdate:
                    for group in optimizer.param_groups for p in group["params"])
 
     def step(self, replica: int, grads: Any = None) -> None:
-        """Update range ``replica`` from replica 0's (summed) gradients; copy it to every replica.
+        """Update thread ``replica``'s pieces from replica 0's (summed) gradients; copy them to every replica.
 
         ``grads(index, start, stop)``, when given, supplies the gradient of each piece instead
         (a worker's shard of a reduce-scattered gradient)."""
@@ -113,9 +125,10 @@ class ShardedUpdate:
         return per_param
 
     def merge(self, per_param: dict[int, list[tuple[int, dict]]]) -> dict[int, dict]:
-        """One optimizer's state per parameter index from the pieces of every range."""
+        """One optimizer's state per parameter index (in index order, as one optimizer's state dict
+        lists it) from the pieces of every range."""
         result = {}
-        for index, parts in per_param.items():
+        for index, parts in sorted(per_param.items()):
             parts.sort(key=lambda part: part[0])
             shape = self._copies[index][0].shape
             merged = {}

@@ -243,7 +243,8 @@ class MirroredPlacement(Placement):
     def before_run(self) -> None:
         self.finalize()
         for entries in self._dicts:
-            entries.push_modified()
+            if not entries.holds_nothing():
+                entries.push_modified()
         if self.gradients is not None:
             self._hook_gradients()
             self.gradients.in_run = True
@@ -271,7 +272,8 @@ class MirroredPlacement(Placement):
         shared parameters that a replica other than the first wrote in place."""
         written = []
         for entries in self._dicts:
-            written += entries.after_run()
+            if not entries.holds_nothing():
+                written += entries.after_run()
         return written
 
     # ------------------------------------------------------------- optimizers

@@ -150,6 +150,11 @@ class MirroredDict(dict):
         return [key for copies, versions in zip(self.copies[self.first:], self._copy_versions[self.first:])
                 for key, t in copies.items() if t is not None and versions.get(key) != t._version]
 
+    def holds_nothing(self) -> bool:
+        """No tensor on any replica and nothing to average: what ``push_modified`` and ``after_run``
+        would do is nothing (a container module's dicts; ``run`` skips them)."""
+        return not dict.__len__(self) and not self._stale and not any(self.copies)
+
     def push_modified(self) -> None:
         """Copy primaries written outside ``run`` to every replica."""
         if self._stale:
