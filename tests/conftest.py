@@ -6,7 +6,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from stratagem.launch.forks import FORK_SERVER_VARIABLE
 from stratagem.testing.forked import fork_server_variable
 
 
@@ -16,8 +15,10 @@ def forked_launches(request: pytest.FixtureRequest) -> Iterator[None]:
     as a command that inherits its environment) forks its tasks from the test fork server instead
     of starting a fresh interpreter for each (``stratagem.launch.forks``). A module opts in with
     ``pytestmark = pytest.mark.usefixtures("forked_launches")``; tests of how an interpreter starts
-    (the launcher's own imports, a task's parent) stay without it. A module none of whose selected
-    tests is marked ``multiprocess`` starts no server for it."""
+    (the launcher's own imports, a task's parent) stay without it. A test finds a forked task by the
+    environment it was given with ``stratagem.testing.task_environments`` (its ``/proc/PID/environ``
+    is its server's). A module none of whose selected tests is marked ``multiprocess`` starts no
+    server for it."""
     if not any(getattr(item, "module", None) is request.module and item.get_closest_marker("multiprocess") is not None
                for item in request.session.items):
         yield
@@ -26,11 +27,3 @@ def forked_launches(request: pytest.FixtureRequest) -> Iterator[None]:
         for key, value in fork_server_variable().items():
             monkeypatch.setenv(key, value)
         yield
-
-
-@pytest.fixture
-def fresh_launches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In a module that uses ``forked_launches``, a test whose launches start every task fresh: one
-    that finds a task by what only a fresh process shows (its TF_CONFIG in ``/proc/PID/environ``,
-    which a forked task's is not: it keeps its server's; or among the launcher's children)."""
-    monkeypatch.delenv(FORK_SERVER_VARIABLE, raising=False)

@@ -1,7 +1,6 @@
 """In one process, every misuse fails early with an error that names the problem and the fix."""
 
 import inspect
-import subprocess
 import sys
 
 import pytest
@@ -11,6 +10,7 @@ import stratagem as sg
 from stratagem import errors
 from stratagem.devices import parse_device
 from stratagem.errors import ContextError, InvalidArgumentError, InvalidDeviceError, StratagemError
+from stratagem.testing import run_task
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -267,7 +267,7 @@ print("SCOPED OK")
 def test_optimizer_created_outside_the_scope_is_refused_in_a_multi_replica_run():
     # it used to train silently wrong (the replicas drifted apart), and its zero_grad on one
     # replica's thread could crash the interpreter inside another's backward: a subprocess
-    proc = subprocess.run([sys.executable, "-c", OPTIMIZER_OUTSIDE], capture_output=True, text=True, timeout=120)
+    proc = run_task([sys.executable, "-c", OPTIMIZER_OUTSIDE], timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     refused = [line for line in lines if line.startswith("REFUSED")]

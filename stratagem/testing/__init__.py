@@ -33,10 +33,10 @@ from typing import Sequence
 
 from stratagem.launch.lifeline import Reaper, die_with_parent
 from stratagem.launch.ports import free_ports
-from stratagem.testing.forked import run_task, shared_server, start_task
+from stratagem.testing.forked import run_task, shared_server, start_task, task_environments
 
 __all__ = ["TaskResult", "assert_succeeded", "free_ports", "local_cluster", "run_local_cluster", "run_task",
-           "start_task"]
+           "start_task", "task_environments"]
 
 
 def local_cluster(num_workers: int, *, chief: bool = False, num_ps: int = 0,

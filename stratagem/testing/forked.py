@@ -30,7 +30,8 @@ names the server's socket (:func:`fork_server_variable`; :mod:`stratagem.launch.
 which tasks, and what differs): tests that launch jobs set it (``tests/conftest.py``). A test that
 starts one process itself -- ``python SCRIPT``, ``python -m MODULE``, ``python -c CODE`` -- forks it
 from the server too with :func:`start_task` (its output to a file) or :func:`run_task` (as
-``subprocess.run`` with ``capture_output=True``).
+``subprocess.run`` with ``capture_output=True``). A forked task's ``/proc/PID/environ`` is its
+server's: :func:`task_environments` says which environment each task was given.
 """
 
 from __future__ import annotations
@@ -244,6 +245,60 @@ def _started_in(namespace: str | None, then: Callable[[], None] | None) -> Calla
             raise OSError(ctypes.get_errno(), f"cannot enter network namespace {namespace!r}")
         os.close(fd)
     return preexec
+
+
+def task_environments(parent: int | None = None) -> dict[int, dict[str, str]]:
+    """The environment of each living task that process ``parent`` started, by pid (of every process
+    when ``parent`` is None): its children's ``/proc/PID/environ``, and for the tasks that a test fork
+    server forked at its request, the environment each was given (a forked task's
+    ``/proc/PID/environ`` is its server's). A test finds a task of ``stratagem launch`` by its
+    TF_CONFIG so, ``parent`` being the launcher; a task of a launch finds another with ``None``.
+
+    Example::
+
+        import os, signal, sys, tempfile
+        from stratagem.testing import start_task, task_environments
+        log = os.path.join(tempfile.mkdtemp(), "task.log")
+        task = start_task([sys.executable, "-c", "import time; time.sleep(60)"],
+                          env={**os.environ, "WHO": "task 1"}, log=log)
+        assert task_environments(os.getpid())[task.pid]["WHO"] == "task 1"
+        os.killpg(task.pid, signal.SIGKILL)
+        task.wait(60)
+    """
+    found: dict[int, dict[str, str]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (ppid := _parent_of(int(entry))) is not None and parent in (None, ppid):
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as file:
+                    found[int(entry)] = dict(item.decode(errors="replace").split("=", 1)
+                                             for item in file.read().split(b"\0") if b"=" in item)
+            except OSError:
+                pass
+    # the servers' records: beside the sockets of this process's servers, or of the launch's
+    sockets = [listener.getsockname() for listener in _listeners.values()] + [
+        path for path in [os.environ.get(FORK_SERVER_VARIABLE)] if path]
+    for folder in {os.path.dirname(path) for path in sockets}:
+        for name in os.listdir(folder) if os.path.isdir(folder) else ():
+            if name.startswith("task-") and name.endswith(".json"):
+                try:
+                    with open(os.path.join(folder, name)) as file:
+                        record = json.load(file)
+                except (OSError, ValueError):
+                    continue   # (its task has just exited)
+                pid = int(name[len("task-"):-len(".json")])
+                if parent in (None, record["asker"]) and _parent_of(pid) is not None:
+                    found[pid] = record["env"]
+    return found
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent of living process ``pid``; None once it has exited (a zombie too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            fields = file.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[1])
 
 
 def start_task(command: list[str], *, env: dict[str, str], log: str) -> "ForkedTask | subprocess.Popen":

@@ -11,7 +11,9 @@ another for stderr) with replies on stdout; and launchers (``stratagem launch`` 
 ``STRATAGEM_TEST_FORK_SERVER``, :mod:`stratagem.launch.forks`), over the listening Unix socket
 whose descriptor is the first argument (a request comes with the task's output descriptor).
 Each client gets its tasks' pids, then their exit codes; a launcher's connection that closes
-sends its live tasks SIGTERM."""
+sends its live tasks SIGTERM. Each live task has a file ``task-PID.json`` beside the socket: the pid
+of the process that asked for it and the environment it was given (its ``/proc/PID/environ`` is the
+server's), written before anyone learns the pid (``forked.task_environments``)."""
 
 import atexit
 import ctypes
@@ -24,6 +26,7 @@ import runpy
 import select
 import signal
 import socket
+import struct
 import sys
 import threading
 import types
@@ -51,8 +54,11 @@ def _serve() -> dict:
     hello = json.dumps({"env": _START_ENV, "executable": sys.executable,
                         "netns": os.readlink("/proc/self/ns/net")}).encode()
     pending, children, launchers = b"", {}, []   # children: pid -> the launcher that asked (None: stdin)
+    folder = os.path.dirname(listener.getsockname()) if listener is not None else None
+    askers: dict[socket.socket, int] = {}   # a launcher's connection -> the launcher's pid
 
     def fork(request: dict, output: int | None, client: socket.socket | None) -> int:
+        asker = os.getppid() if client is None else askers.get(client, 0)
         ready_r, ready_w = os.pipe()
         pid = os.fork()
         if pid == 0:
@@ -62,6 +68,7 @@ def _serve() -> dict:
                 if s is not None:
                     s.close()
             _become_task(request, output)
+            _record(folder, asker, request["env"])
             os.write(ready_w, b"x")
             os.close(ready_w)
             return 0
@@ -91,6 +98,8 @@ def _serve() -> dict:
             elif source is listener:
                 client, _ = listener.accept()
                 launchers.append(client)
+                askers[client] = struct.unpack("3i", client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                       struct.calcsize("3i")))[0]
                 _send(client, hello)
             else:
                 try:
@@ -103,6 +112,7 @@ def _serve() -> dict:
                     for pid in [pid for pid, owner in children.items() if owner is source]:
                         os.kill(pid, signal.SIGTERM)    # (its exit code then goes to no one)
                     launchers.remove(source)
+                    askers.pop(source, None)
                     source.close()
                     continue
                 request = json.loads(message)
@@ -113,6 +123,11 @@ def _serve() -> dict:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
+            if folder is not None:
+                try:
+                    os.unlink(os.path.join(folder, f"task-{pid}.json"))
+                except FileNotFoundError:
+                    pass
             reply = {"exited": pid, "code": os.waitstatus_to_exitcode(status)}
             client = children.pop(pid)
             if client is None:
@@ -131,6 +146,19 @@ def _preload() -> None:
         pass
     finally:
         os.environ.update(hidden)
+
+
+def _record(folder: str | None, asker: int, env: dict) -> None:
+    """In the forked child: ``folder/task-PID.json``, who asked for this task and its environment."""
+    if folder is None:
+        return
+    path = os.path.join(folder, f"task-{os.getpid()}.json")
+    try:
+        with open(path + ".tmp", "w") as file:
+            json.dump({"asker": asker, "env": env}, file)
+        os.replace(path + ".tmp", path)
+    except OSError:   # (the test process is removing the folder: it is exiting)
+        pass
 
 
 def _send(client: socket.socket, message: bytes) -> None:

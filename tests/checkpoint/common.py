@@ -1,12 +1,19 @@
-"""Shared pieces of the checkpoint tests: a small model, its training step, state comparisons."""
+"""Shared pieces of the checkpoint tests: a small model, its training step, state comparisons, a
+process killed at a line it prints."""
 
 from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import stratagem as sg
+from stratagem.testing import start_task
 
 
 class Net(nn.Module):
@@ -78,3 +85,35 @@ def assert_same_state(model_a, opt_a, model_b, opt_b, rtol: float = 0.0, atol: f
         for key, value in sa["state"][index].items():
             torch.testing.assert_close(value, sb["state"][index][key], rtol=rtol, atol=atol,
                                        msg=lambda m: f"optimizer state {index}/{key}: {m}")
+
+
+def killed_at_line(command: list[str], wanted: str, timeout: float = 90.0) -> list[str]:
+    """Starts ``command`` (``python SCRIPT ...``, forked from the test fork server), waits until it
+    prints a line that starts with ``wanted``, then SIGKILLs its process group; returns the lines it
+    printed, that one last. Fails if it exits or ``timeout`` passes first (killing it)."""
+    handle, log = tempfile.mkstemp(prefix="killed-at-line-", suffix=".log")
+    os.close(handle)
+    task = start_task(command, env=dict(os.environ), log=log)
+    try:
+        deadline, lines, read = time.monotonic() + timeout, [], 0
+        while time.monotonic() < deadline:
+            exited = task.poll() is not None   # (before reading: every line it wrote is then in the log)
+            with open(log, "rb") as file:
+                file.seek(read)
+                chunk = file.read()
+            complete = chunk[:chunk.rfind(b"\n") + 1]
+            read += len(complete)
+            for line in complete.decode(errors="replace").splitlines():
+                lines.append(line)
+                if line.startswith(wanted):
+                    return lines
+            if exited:
+                break
+            time.sleep(0.02)
+        raise AssertionError(f"no line starting {wanted!r} (exit {task.poll()}); output:\n"
+                             + "\n".join(lines) + open(log, errors="replace").read()[read:])
+    finally:
+        if task.poll() is None:
+            os.killpg(task.pid, signal.SIGKILL)
+        task.wait(60)
+        os.unlink(log)

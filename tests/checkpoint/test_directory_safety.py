@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import torch
 
 import stratagem as sg
 from stratagem.checkpoint import writer_lock
+from stratagem.testing import start_task
 
 pytestmark = pytest.mark.timeout(180)
 SCRIPT = Path(__file__).with_name("directory_script.py")
@@ -39,27 +41,41 @@ def env() -> dict[str, str]:
 
 
 class Writer:
-    """A directory_script.py process whose output lines the test reads as they come."""
+    """A directory_script.py process whose output lines the test reads as they come (from its log
+    file): forked from the test fork server, or started fresh behind ``prefix`` (``unshare ...``)."""
 
     def __init__(self, mode: str, directory: Path, prefix: tuple[str, ...] = ()):
         self.lines: list[str] = []
-        self.proc = subprocess.Popen([*prefix, sys.executable, str(SCRIPT), mode, str(directory)], env=env(),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        handle, self.log = tempfile.mkstemp(prefix="directory-script-", suffix=".log")
+        os.close(handle)
+        self._read = 0   # bytes of the log already split into lines
+        self.proc = start_task([*prefix, sys.executable, str(SCRIPT), mode, str(directory)], env=env(), log=self.log)
+
+    def _next_line(self) -> str | None:
+        with open(self.log, "rb") as file:
+            file.seek(self._read)
+            line = file.readline()
+        if not line.endswith(b"\n"):
+            return None   # (nothing new, or a line still being written)
+        self._read += len(line)
+        return line.decode(errors="replace").rstrip("\n")
 
     def wait_for(self, prefix: str, timeout: float = 90.0) -> str:
         """The next line that starts with ``prefix`` (skipping others); fails after ``timeout``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.lines.append(line.rstrip("\n"))
+            line = self._next_line()
+            if line is None:
+                if self.proc.poll() is not None and self._next_line() is None:
+                    break   # it exited, and every line it wrote has been read
+                time.sleep(0.02)
+                continue
+            self.lines.append(line)
             if line.startswith(prefix):
-                return line.rstrip("\n")
+                return line
+        rest = Path(self.log).read_bytes()[self._read:].decode(errors="replace")
         self.kill()
-        pytest.fail(f"no {prefix!r} line (exit {self.proc.poll()}); output:\n" + "\n".join(self.lines)
-                    + (self.proc.stdout.read() or ""))
+        pytest.fail(f"no {prefix!r} line (exit {self.proc.poll()}); output:\n" + "\n".join(self.lines) + rest)
 
     def result(self, prefix: str = "RESULT ") -> dict:
         return json.loads(self.wait_for(prefix)[len(prefix):])
@@ -68,7 +84,7 @@ class Writer:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
-        self.proc.stdout.close()
+        Path(self.log).unlink(missing_ok=True)
 
 
 @pytest.fixture

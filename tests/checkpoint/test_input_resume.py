@@ -4,9 +4,6 @@ seen next -- nothing skipped, nothing repeated -- and it ends with the same para
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,8 +13,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import stratagem as sg
+from stratagem.testing import run_task
 
-from .common import build, make_strategy
+from .common import build, killed_at_line, make_strategy
 
 pytestmark = pytest.mark.timeout(120)
 HERE = Path(__file__).parent
@@ -125,25 +123,12 @@ def test_a_killed_job_resumes_from_its_backup(tmp_path: Path) -> None:
     """SIGKILL after the job printed that a backup was saved; run again: the steps after the
     backup run again, and the whole sequence equals that of a job never stopped."""
     script = [sys.executable, str(HERE / "resume_script.py")]
-    proc = subprocess.Popen(script + [str(tmp_path / "backup"), str(tmp_path / "killed.jsonl"), "--pause-at", "6"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.strip() == "saved 6":
-                break
-        assert lines[-1].strip() == "saved 6", "".join(lines)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        proc.stdout.close()
-    resumed = subprocess.run(script + [str(tmp_path / "backup"), str(tmp_path / "resumed.jsonl")],
-                             capture_output=True, text=True, timeout=100)
+    killed_at_line(script + [str(tmp_path / "backup"), str(tmp_path / "killed.jsonl"), "--pause-at", "6"],
+                   "saved 6")
+    resumed = run_task(script + [str(tmp_path / "backup"), str(tmp_path / "resumed.jsonl")], timeout=100)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert resumed.stdout.splitlines()[0] == "resumed 1 1"   # 6 steps = epoch 0 (5 steps) + 1
-    whole = subprocess.run(script + [str(tmp_path / "whole"), str(tmp_path / "whole.jsonl")],
-                           capture_output=True, text=True, timeout=100)
+    whole = run_task(script + [str(tmp_path / "whole"), str(tmp_path / "whole.jsonl")], timeout=100)
     assert whole.returncode == 0, whole.stdout + whole.stderr
 
     def log(name):

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +9,8 @@ import pytest
 import torch
 
 import stratagem as sg
+
+from .common import killed_at_line
 
 pytestmark = pytest.mark.timeout(120)
 HERE = Path(__file__).parent
@@ -49,21 +48,7 @@ def test_arguments_are_checked(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_a_crash_mid_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, str(HERE / "crash_script.py"), str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("writing"):
-                break
-        assert lines and lines[-1].startswith("writing"), "".join(lines)
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        proc.stdout.close()
+    killed_at_line([sys.executable, str(HERE / "crash_script.py"), str(tmp_path)], "writing")
     leftovers = [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
     assert len(leftovers) == 1 and leftovers[0].startswith("ckpt-2.tmp-")
 

@@ -18,6 +18,7 @@ import pytest
 from stratagem.errors import ClusterConfigError
 from stratagem.launch import launch_local
 from stratagem.launch.forks import FORK_SERVER_VARIABLE
+from stratagem.testing import task_environments
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a fork server needs Linux"),
@@ -28,7 +29,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240),
 _SCRIPT = '''
 import json, os, sys
 task = json.loads(os.environ["TF_CONFIG"])["task"]
-print("REPORT " + json.dumps({"argv": sys.argv, "path0": sys.path[0], "ppid": os.getppid(), "pid": os.getpid(),
+print("REPORT " + json.dumps({"index": task["index"], "argv": sys.argv, "path0": sys.path[0], "ppid": os.getppid(),
+                              "pid": os.getpid(),
                               "pgid": os.getpgid(0), "restart": os.environ["STRATAGEM_RESTART"],
                               "threads": os.environ.get("OMP_NUM_THREADS"), "name": __name__}), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
@@ -111,14 +113,19 @@ def test_the_command_forks_its_tasks_and_signals_stop_them(script: Path, tmp_pat
             seen += line
         pids = [r["pid"] for r in _reports(seen)]
         assert all(_forked(r["ppid"]) for r in _reports(seen))
+        # found by the TF_CONFIG the launcher gave each (their /proc/PID/environ is the server's)
+        tasks = {json.loads(env["TF_CONFIG"])["task"]["index"]: pid
+                 for pid, env in task_environments(launcher.pid).items() if "TF_CONFIG" in env}
+        assert tasks == {r["index"]: r["pid"] for r in _reports(seen)}, (tasks, seen)
+        assert all(b"TF_CONFIG=" not in Path(f"/proc/{pid}/environ").read_bytes() for pid in pids)
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(60) == 143
     finally:
         launcher.kill()
         launcher.wait()
     deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in pids):
-        assert time.monotonic() < deadline, "a forked task outlived its launcher's stop"
+    while any(_alive(pid) for pid in pids) or set(pids) & set(task_environments(launcher.pid)):
+        assert time.monotonic() < deadline, "a forked task (or its record) outlived its launcher's stop"
         time.sleep(0.05)
 
 

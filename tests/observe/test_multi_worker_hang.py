@@ -22,6 +22,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240),
 
 SCRIPT = Path(__file__).with_name("hang_script.py")
 HANG_TIMEOUT = 8.0   # seconds without progress: a healthy step here takes milliseconds
+#: the communication timeout of the test without --hang-timeout: as short, for the same reason
+COLLECTIVE_TIMEOUT = 8
 
 
 def _place(code: str) -> str:
@@ -96,10 +98,11 @@ def test_a_worker_that_skipped_a_collective_is_named_at_its_line() -> None:
 
 
 def test_a_timed_out_collective_says_where_every_task_stands() -> None:
-    """Without --hang-timeout: worker 0's all-reduce times out (20 s) and its error says where
-    each task stands; the launcher then kills the stopped worker 1."""
+    """Without --hang-timeout: worker 0's all-reduce times out (``CommunicationOptions(timeout_seconds=8)``)
+    and its error says where each task stands; the launcher then kills the stopped worker 1."""
     out, err = io.StringIO(), io.StringIO()
-    status = launch_local(SCRIPT, ["stop", "20"], num_workers=2, stdout=out, stderr=err, grace_period=2.0)
+    status = launch_local(SCRIPT, ["stop", str(COLLECTIVE_TIMEOUT)], num_workers=2, stdout=out, stderr=err,
+                          grace_period=2.0)
     output = out.getvalue()
     assert status == 1, output + err.getvalue()
     assert "UnavailableError" in output and "worker 1 stopped answering" in output, output

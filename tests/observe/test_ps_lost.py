@@ -18,7 +18,7 @@ from stratagem.launch import launch_local
 from stratagem.observe import answer, hang_report
 from stratagem.ps.health import PsWatchdog
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("forked_launches")]
 
 SCRIPT = Path(__file__).with_name("ps_lost_script.py")
 

@@ -21,24 +21,16 @@ from torch import nn
 
 import stratagem as sg
 from stratagem.ps.remote_value import RemoteValueStatus
+from stratagem.testing import task_environments
 
 
 def task_pid(task_type, index):
     """The pid of a local task of this job, found by its TF_CONFIG (test helper, Linux only)."""
     mine = json.loads(os.environ["TF_CONFIG"])["cluster"]
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except OSError:
-            continue
-        config = env.get(b"TF_CONFIG")
-        if config:
-            config = json.loads(config)
-            if config["cluster"] == mine and config["task"] == {"type": task_type, "index": index}:
-                return int(entry)
+    for pid, env in task_environments().items():
+        config = json.loads(env.get("TF_CONFIG", "{}"))
+        if config.get("cluster") == mine and config["task"] == {"type": task_type, "index": index}:
+            return pid
     raise LookupError(f"no {task_type} {index} process found")
 
 

@@ -78,7 +78,6 @@ def test_exception_in_a_step_reaches_the_coordinator_with_a_short_traceback(tmp_
     assert "stratagem/ps/worker.py" in on_worker and "stratagem/ps/service.py" in on_ps
 
 
-@pytest.mark.usefixtures("fresh_launches")   # failures_ps.py finds ps 0 by its /proc/PID/environ
 def test_killed_ps_raises_unavailable_then_restores_and_continues(tmp_path: Path) -> None:
     report = launch(tmp_path, "failures_ps.py", "kill-ps", restarts=1)
     assert report["task"] == "ps 0" and "ps 0" in report["raised"]

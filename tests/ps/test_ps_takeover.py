@@ -1,9 +1,9 @@
 """examples/train_ps.py under `stratagem launch --max-restarts`, its chief or a ps SIGKILLed mid-training.
 
 The test waits for a checkpoint line the chief prints, kills the task (found among the
-launcher's children by its TF_CONFIG), and checks that the job finishes as one that was
-never interrupted would: a restarted chief takes the parameter servers over and restores the
-last checkpoint; a restarted ps gets its shard back from the last checkpoint.
+launcher's tasks, forked from the test fork server, by its TF_CONFIG), and checks that the job
+finishes as one that was never interrupted would: a restarted chief takes the parameter servers
+over and restores the last checkpoint; a restarted ps gets its shard back from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -19,35 +19,18 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+from stratagem.testing import task_environments
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300), pytest.mark.usefixtures("forked_launches")]
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ps.py"
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
-    return found
 
 
 def task_pid(launcher: int, task_type: str, index: int) -> int:
     """The pid of a task the launcher started, by the TF_CONFIG it gave it."""
-    for pid in _children(launcher):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except OSError:
-            continue
-        task = json.loads(env.get(b"TF_CONFIG", b"{}")).get("task")
-        if task == {"type": task_type, "index": index}:
+    for pid, env in task_environments(launcher).items():
+        if json.loads(env.get("TF_CONFIG", "{}")).get("task") == {"type": task_type, "index": index}:
             return pid
-    raise LookupError(f"no {task_type} {index} among the launcher's children")
+    raise LookupError(f"no {task_type} {index} among the launcher's tasks")
 
 
 class Job:

@@ -22,7 +22,7 @@ from torch import nn
 
 import stratagem as sg
 
-TIMEOUT = 20   # seconds: how long a process waits for a silent peer
+TIMEOUT = 8   # seconds: how long a process waits for a silent peer (a healthy step takes milliseconds)
 
 
 def main() -> None:
