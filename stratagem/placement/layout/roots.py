@@ -137,6 +137,15 @@ class RootsPlacement(Placement):
             raise InvalidArgumentError(self.ungathered.format(name=name))
         return self.gathered[id(obj)], {}
 
+    @contextlib.contextmanager
+    def keeping_pending(self) -> Iterator[None]:
+        """The modules created in scope meanwhile (a tracer's copies of a model) are no new models."""
+        pending = list(self._pending)
+        try:
+            yield
+        finally:
+            self._pending = pending
+
     def _forget_pending(self, modules: Any) -> None:
         """Modules that placing created in scope are not new models."""
         ids = {id(m) for m in modules}
