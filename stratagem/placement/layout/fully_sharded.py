@@ -164,7 +164,7 @@ class FullyShard:
     """A layout part: modules as FSDP2 units over a mesh's data axis (ZeRO-3), each parameter a DTensor
     sharded over it (over ``data``, then ``model`` where a tensor-parallel plan split it first), its
     gradient summed over it during backward. :class:`FullyShardedPlacement` is this part alone; a
-    pipeline's stages on a 3-D mesh compose it last (:mod:`~stratagem.placement.layout.pipeline_mesh`)."""
+    pipeline's stages on a 3-D mesh compose it last (:mod:`~stratagem.placement.layout.pipeline`)."""
 
     def __init__(self, mesh: Any, instead: str):
         self.mesh = mesh          # the data axis

@@ -7,9 +7,26 @@ and every data-parallel group, starts alike), and the layout's first part,
 each process keeping only its own (an ``nn.Sequential`` at once; any other model by torch's tracer
 at its first step).
 
-On a 3-D mesh (a ``model`` axis, or ``sharding=`` over the data axis), each process's stages
-are then split by the tensor-parallel plan and sharded over data
-(:class:`~stratagem.placement.layout.pipeline_mesh.MeshStages`): an ``nn.Sequential`` only.
+On a 3-D mesh ``{"data": d, "pipe": p, "model": t}`` the layout's parts follow in mesh order, as
+torchtitan composes PyTorch's engines on one ``DeviceMesh``, on this process's stages of an
+``nn.Sequential`` (cut at placement):
+
+1. :class:`~stratagem.placement.layout.tensor_parallel.TensorParallel`: the tensor-parallel plan
+   (module names relative to the whole model, as ``TensorParallelStrategy`` takes them) is resolved
+   over the whole model, the same on every process: an entry that names no module of any stage is
+   refused; the entries that name modules of this process's stages go to torch's
+   ``parallelize_module`` over the ``model`` axis (with ``t = 1`` the layers stay whole);
+2. with ``sharding="parameters"``, :class:`~stratagem.placement.layout.fully_sharded.FullyShard`: each
+   stage becomes FSDP2 ``fully_shard`` units over the ``data`` axis (each child holding parameters,
+   containers looked through, then the stage itself, which torch's ``PipelineStage`` needs as the
+   FSDP root): a parameter that the plan split is sharded over both axes (``data`` then ``model``).
+   Gradients are summed, not averaged, over ``data`` (each data group's loss already carries its
+   share of the batch).
+
+Clipping (:meth:`PipelinePlacement.norm_axes`): every gradient part counts toward the global norm
+on exactly one process of the whole mesh -- a part replicated along an axis (a layer the plan left
+whole, along ``model``; a gradient summed over ``data`` before the step, along ``data``) counts on
+that axis's rank 0 -- and the p-th powers are summed over every process.
 
 Gradients: when ``forward_backward`` returns, each process's ``.grad`` holds the global batch's
 gradient of its stages' parameters (shards), as ``backward()`` does under the data-parallel
@@ -42,13 +59,16 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
 from stratagem.placement.layout.roots import RootsPlacement
 from stratagem.placement.scope.hooks import placement_of
-from stratagem.placement.layout.pipeline_mesh import MeshStages
+from stratagem.placement.dtensor_state import replacing
+from stratagem.placement.layout.fully_sharded import FullyShard
+from stratagem.placement.layout.tensor_parallel import TensorParallel
 from stratagem.placement.data_axis.pipeline_optimizers import StageOptimizers
 from stratagem.placement.layout.stages import SplitModel, Stages
 
@@ -61,20 +81,28 @@ class PipelinePlacement(RootsPlacement):
     gathering = "Checkpoint.save (the whole state, over the mesh)"
 
     def __init__(self, strategy: Any, *, config: dict[str, Any], pipe_rank: int, pipe: Collective,
-                 data: Collective, everyone: Collective, device: torch.device, mesh: MeshStages | None = None):
+                 data: Collective, everyone: Collective, device: torch.device, mesh: DeviceMesh | None = None,
+                 plan: dict[str, Any] | None = None, sharding: str | None = None):
         self._strategy_ref = weakref.ref(strategy)
         self.pipe = pipe                 # this process's pipeline (gathers the stages' state)
         self.data = data                 # this process's data-parallel peers (same stages)
         self.everyone = everyone         # every process (start-up agreement)
         self.device = device
-        self.mesh = mesh                 # the model axis (tensor parallelism) and ZeRO over data, if any
-        self.sharding = None if mesh is None else mesh.sharding
+        self.mesh = mesh                 # (data, pipe, model), or None: the pipe axis alone
+        self.sharding = sharding         # ZeRO over the data axis: None, "optimizer", "gradients" or "parameters"
         # the data axis: each model's sum over it, no_sync, the step; its update rule the stages' optimizers
         self._start_roots(data, StageOptimizers(self, pipe=pipe, data=data, sharding=self.sharding,
                                                   on_mesh=mesh is not None))
         #: the layout's first part: the models cut into stages over the pipe axis, this process keeping its own
         self.stages = Stages(self, config, pipe_rank=pipe_rank, pipe=pipe, everyone=everyone, device=device,
-                             gathered=self.gathered, sequential_only=mesh is not None and mesh.needs_sequential)
+                             gathered=self.gathered, sequential_only=plan is not None or sharding is not None)
+        #: the layout's parts in mesh order: the stages over pipe, the plan's layers over model (a model axis of
+        #: one keeps them whole), with sharding="parameters" FSDP2's units over data
+        self.parts: tuple[Any, ...] = (self.stages,)
+        if mesh is not None:
+            self.parts += (TensorParallel(plan, mesh["model"], alone=False),)
+            if sharding == "parameters":
+                self.parts += (FullyShard(mesh["data"], "sharding='optimizer'"),)
         clipping.register(self)
 
     @property
@@ -92,9 +120,17 @@ class PipelinePlacement(RootsPlacement):
     def _place_stages(self, root: nn.Sequential, local: dict[int, nn.Sequential]) -> None:
         """This process's stages of ``root``, just cut: the layout parts after the stages place them."""
         self._forget_pending(local.values())   # the stage containers, created in scope
-        if self.mesh is not None:
-            self._replaced.update(self.mesh.place(root, local))
-            self._forget_pending([*local.values(), *root.modules()])   # (re-registered by the mesh)
+        if len(self.parts) == 1:
+            return
+        _, split, *shard = self.parts
+        mine = {id(m) for stage in local.values() for m in stage.modules()}
+        (styles,) = split.resolve([root], f"no stage of the pipelined {type(root).__name__} has a module of "
+                                          f"that name (names are relative to the whole model)", mine)
+        with replacing(root, self._replaced):
+            split.place(root, styles)
+            for part in shard:   # (each stage itself a unit: torch's PipelineStage drives FSDP through it)
+                part.place(list(local.values()), "this process's stages have")
+        self._forget_pending([*local.values(), *root.modules()])   # (re-registered by the parts)
 
     def split_of(self, model: Any, batch: tuple[torch.Tensor, ...] | None = None) -> SplitModel:
         """The split of ``model``; given the step's ``batch``, a split that ``split_points="auto"`` still has
@@ -151,10 +187,12 @@ class PipelinePlacement(RootsPlacement):
 
     def norm_axes(self) -> tuple[Any, dict[str, int]]:
         """Clipping: the stages' parts summed over the pipe axis (a data group's gradients are its
-        peers'), or over the whole mesh with the axes that replicate a part (:class:`MeshStages`)."""
+        peers'), or over the whole mesh with the axes that replicate a part (a layer the plan left whole,
+        along ``model``; a gradient summed over ``data``), each part naming its own."""
         if self.mesh is None:
             return self.pipe.group, {}
-        return self.everyone.group, self.mesh.norm_axes()
+        axes = {name: rank for part in self.parts for name, rank in part.norm_axes().items()}
+        return self.everyone.group, {**axes, "data": self.mesh.get_local_rank("data")}
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         gathered = self.gathered.get(id(optimizer))   # gathered already for the checkpoint being written

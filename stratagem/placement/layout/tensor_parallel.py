@@ -189,7 +189,7 @@ class TensorParallel:
     ``parallelize_module`` (their parameters DTensors sharded over it); the layers it leaves whole are
     the same on every process of the axis. :class:`TensorParallelPlacement` is this part alone; a
     pipeline's stages on a 3-D mesh compose it after the stages, before FSDP2's units
-    (:mod:`~stratagem.placement.layout.pipeline_mesh`)."""
+    (:mod:`~stratagem.placement.layout.pipeline`)."""
 
     def __init__(self, plan: dict[str, Any] | None, mesh: DeviceMesh, *, alone: bool):
         self.plan = plan    # checked by check_plan (None: every layer whole)
