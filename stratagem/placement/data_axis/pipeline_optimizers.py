@@ -60,6 +60,7 @@ class StageOptimizers(LocalUpdate):
         if self.sharding in ("optimizer", "gradients"):
             self.zero = ZeroUpdate(self.sharding)
             self.zero.bind(placement, data)
+            self.spread_over_data = True
 
     def created(self, optimizer: torch.optim.Optimizer, placement: Any) -> None:
         """An optimizer created in ``placement``'s scope: its parameter groups keep every parameter

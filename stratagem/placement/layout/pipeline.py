@@ -65,7 +65,6 @@ from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping
 from stratagem.placement.layout.roots import RootsPlacement
-from stratagem.placement.scope.hooks import placement_of
 from stratagem.placement.dtensor_state import replacing
 from stratagem.placement.layout.fully_sharded import FullyShard
 from stratagem.placement.layout.tensor_parallel import TensorParallel
@@ -206,15 +205,8 @@ class PipelinePlacement(RootsPlacement):
         self.update.load_state_dict(optimizer, state_dict)
 
     # ---------------------------------------------------------- checkpoints
-
-    def spread(self, obj: Any) -> bool:
-        """A split model, or an optimizer over one (their state dicts gather the stages and shards)."""
-        return self.stages.spreads(obj) or (isinstance(obj, torch.optim.Optimizer) and placement_of(obj) is self)
-
-    def gathers(self) -> bool:
-        """The chief's pipeline gathers (the other data groups hold the same values); under ZeRO every
-        process (collectives over data too)."""
-        return self.data.worker_index == 0 or self.sharding is not None
+    # (RootsPlacement's spread and gathers: a split model, or an optimizer over one; the chief's pipeline
+    # gathers, every process under ZeRO)
 
     def write_checkpoint_state(self, obj: Any, directory: Any, name: str) -> Any:
         state = self.gathered.get(id(obj))

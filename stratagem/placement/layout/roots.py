@@ -24,6 +24,7 @@ from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import sync_batch_norm
 from stratagem.placement.scope.base import Placement
+from stratagem.placement.scope.hooks import placement_of
 from stratagem.placement.data_axis.axis import DataAxis
 
 
@@ -34,6 +35,11 @@ class RootsPlacement(Placement):
     #: set by the subclass: where modules go, and every process (the start-up agreement)
     device: torch.device
     everyone: Collective
+    #: set by the subclass: the layout's parts in mesh order, the first holding the whole models (e.g. a
+    #: pipeline's ``Stages``, then ``TensorParallel``, then ``FullyShard``). Each says which modules it
+    #: ``spreads`` over processes, whether it lays state out over the data axis (``spread_over_data``),
+    #: and the axes along which it keeps a tensor whole (``norm_axes``)
+    parts: tuple[Any, ...] = ()
     num_replicas = 1
     #: ``sg.Checkpoint.save``: what the gathering is called while it runs (None: no guard), and the
     #: refusal of a save that did not gather, ``{name}`` the object's
@@ -102,13 +108,19 @@ class RootsPlacement(Placement):
     # ---------------------------------------------------------- checkpoints
 
     def spread(self, obj: Any) -> bool:
-        """Whether ``obj`` (a module or optimizer) has its state spread over processes by this
-        placement: its state dict gathers it (a collective). Set by the subclass."""
-        raise NotImplementedError
+        """Whether ``obj`` has its state spread over processes by this placement, so that its state dict
+        gathers it (a collective): an optimizer created in its scope, or a model that the layout's first
+        part placed (it holds the whole models; the parts after it place what it kept here)."""
+        if isinstance(obj, torch.optim.Optimizer):
+            return placement_of(obj) is self
+        return isinstance(obj, nn.Module) and self.parts[0].spreads(obj)
 
     def gathers(self) -> bool:
-        """Whether this process takes part in gathering the state for a checkpoint (by default, all)."""
-        return True
+        """Whether this process takes part in gathering the state for a checkpoint: the first process of
+        the data axis (the others hold the same values), or every process where a layout part or the
+        update rule lays state out over the data axis (FSDP2's units, ZeRO's ranges)."""
+        return (self.data_axis.collective.worker_index == 0 or self.update.spread_over_data
+                or any(part.spread_over_data for part in self.parts))
 
     @contextlib.contextmanager
     def prepare_checkpoint(self, objects: dict[str, Any]) -> Iterator[None]:

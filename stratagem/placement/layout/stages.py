@@ -209,6 +209,9 @@ class Stages:
             return None
         return self.cut(model, layout, late=True)
 
+    #: each stage's state lives on the pipe axis alone (the data groups hold the same values)
+    spread_over_data = False
+
     def spreads(self, obj: Any) -> bool:
         """Whether ``obj`` is a split model (its state dict gathers the stages over the pipe axis)."""
         return id(obj) in self.models

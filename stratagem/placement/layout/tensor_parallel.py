@@ -52,7 +52,7 @@ from stratagem.placement.scope import clipping
 from stratagem.placement.dtensor_state import replacing
 from stratagem.placement.data_axis.axis import AxisCollective
 from stratagem.placement.layout.roots import RootsPlacement
-from stratagem.placement.scope.hooks import adopt, placement_of
+from stratagem.placement.scope.hooks import adopt
 from stratagem.placement.data_axis.local_update import LocalUpdate
 
 #: plan style names and the torch ParallelStyle each stands for
@@ -117,6 +117,7 @@ class TensorParallelPlacement(RootsPlacement):
         self.plan = check_plan(plan)
         #: the layout: the plan's layers split over the model axis
         self.split = TensorParallel(self.plan, mesh["model"], alone=True)
+        self.parts = (self.split,)
         self.data = data           # the data axis (this process's data-parallel peers)
         self.model = model         # the model axis (this process's model group: the shards of its gradients)
         self.everyone = everyone   # every process (start-up agreement)
@@ -152,18 +153,6 @@ class TensorParallelPlacement(RootsPlacement):
             return
         params = list({id(p): p for root in self._placed for p in root.parameters()}.values())
         self.gradients.update(tuple((id(p), p.requires_grad) for p in params), [params])
-
-    # ---------------------------------------------------------- checkpoints
-
-    def spread(self, obj: Any) -> bool:
-        """Whether ``obj``'s state dict gathers DTensors (a collective over the model axis)."""
-        if isinstance(obj, torch.optim.Optimizer):
-            return placement_of(obj) is self
-        return isinstance(obj, nn.Module) and any(isinstance(p, DTensor) for p in obj.parameters())
-
-    def gathers(self) -> bool:
-        """The chief's model group gathers (the other data groups hold the same values)."""
-        return self.mesh.get_local_rank("data") == 0
 
     # ----------------------------------------------------------- optimizers
 
@@ -214,6 +203,13 @@ class TensorParallel:
         """Split the modules of ``root`` that ``styles`` name (:meth:`resolve`)."""
         if self.alone or (styles and self.size > 1):
             parallelize_module(root, self.mesh, styles)
+
+    #: its state is laid out over the model axis alone (the data groups hold the same values)
+    spread_over_data = False
+
+    def spreads(self, module: nn.Module) -> bool:
+        """Whether ``module``'s state dict gathers DTensors (a collective over the model axis)."""
+        return any(isinstance(p, DTensor) for p in module.parameters())
 
     def norm_axes(self) -> dict[str, int]:
         """Clipping: a layer left whole is the same along the model axis (this process's rank along it)."""
