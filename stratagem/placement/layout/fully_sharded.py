@@ -46,7 +46,6 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.scope import clipping
 from stratagem.placement.data_axis.buffers import BufferSync
 from stratagem.placement.dtensor_state import replacing
 from stratagem.placement.layout.roots import RootsPlacement
@@ -66,7 +65,6 @@ class FullyShardedPlacement(RootsPlacement):
                   "on every worker can save it (its full tensors are gathered first)")
 
     def __init__(self, strategy: Any, collective: Any, device: torch.device):
-        self._strategy_ref = weakref.ref(strategy)
         self.collective = collective
         self.everyone = collective   # the start-up agreement on the modules built
         self.device = device
@@ -78,7 +76,8 @@ class FullyShardedPlacement(RootsPlacement):
         #: the layout: FSDP2 units over the workers
         self.shard = FullyShard(self.mesh, "sharding='gradients'")
         self.parts = (self.shard,)
-        self._start_roots(collective, LocalUpdate(self))   # the step's primitives: torch's update over the shards
+        self.norm_group, self.norm_spans_data = collective.group, True   # (clipping: every worker's shards)
+        self._start_roots(strategy, collective, LocalUpdate(self))   # the step's primitives: torch's update over the shards
         self._gathered_ids: set[int] = set()   # FSDP2's whole parameters (kept between forwards)
         #: every module of a sharded model -> the names of its parameters then
         self._sharded_names: "weakref.WeakKeyDictionary[nn.Module, frozenset]" = weakref.WeakKeyDictionary()
@@ -86,11 +85,6 @@ class FullyShardedPlacement(RootsPlacement):
         #: BatchNorm's running statistics (buffers are not sharded) averaged over the workers at each
         #: step and checkpoint
         self.data_axis.buffers = BufferSync(strategy, collective, lambda: [m for root in placed for m in root.modules()])
-        clipping.register(self)
-
-    @property
-    def strategy(self) -> Any:
-        return self._strategy_ref()
 
     # ---------------------------------------------------------------- modules
 
@@ -142,11 +136,6 @@ class FullyShardedPlacement(RootsPlacement):
         refuse_optimizer_over(optimizer, outside, "sharding='parameters'",
                               "this strategy did not shard them over the workers")
         adopt(optimizer, self)
-
-    def norm_axes(self) -> tuple[Any, dict[str, int]]:
-        """Clipping: each worker's shards of the gradients (summed over the workers in backward, its
-        mesh's ``data`` axis)."""
-        return self.collective.group, self.shard.norm_axes()
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
         raise InvalidArgumentError(

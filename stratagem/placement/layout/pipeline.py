@@ -23,10 +23,10 @@ torchtitan composes PyTorch's engines on one ``DeviceMesh``, on this process's s
    Gradients are summed, not averaged, over ``data`` (each data group's loss already carries its
    share of the batch).
 
-Clipping (:meth:`PipelinePlacement.norm_axes`): every gradient part counts toward the global norm
-on exactly one process of the whole mesh -- a part replicated along an axis (a layer the plan left
-whole, along ``model``; a gradient summed over ``data`` before the step, along ``data``) counts on
-that axis's rank 0 -- and the p-th powers are summed over every process.
+Clipping (:meth:`~stratagem.placement.layout.roots.RootsPlacement.norm_axes`): every gradient part
+counts toward the global norm on exactly one process of the whole mesh -- a part replicated along an
+axis (a layer the plan left whole, along ``model``; a gradient summed over ``data`` before the step,
+along ``data``) counts on that axis's rank 0 -- and the p-th powers are summed over every process.
 
 Gradients: when ``forward_backward`` returns, each process's ``.grad`` holds the global batch's
 gradient of its stages' parameters (shards), as ``backward()`` does under the data-parallel
@@ -54,7 +54,6 @@ plain model.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any, Iterator
 
 import torch
@@ -80,33 +79,27 @@ class PipelinePlacement(RootsPlacement):
     gathering = "Checkpoint.save (the whole state, over the mesh)"
 
     def __init__(self, strategy: Any, *, config: dict[str, Any], pipe_rank: int, pipe: Collective,
-                 data: Collective, everyone: Collective, device: torch.device, mesh: DeviceMesh | None = None,
+                 data: Collective, everyone: Collective, device: torch.device, mesh: DeviceMesh,
                  plan: dict[str, Any] | None = None, sharding: str | None = None):
-        self._strategy_ref = weakref.ref(strategy)
         self.pipe = pipe                 # this process's pipeline (gathers the stages' state)
         self.data = data                 # this process's data-parallel peers (same stages)
         self.everyone = everyone         # every process (start-up agreement)
         self.device = device
-        self.mesh = mesh                 # (data, pipe, model), or None: the pipe axis alone
+        self.mesh = mesh                 # (data, pipe, model)
         self.sharding = sharding         # ZeRO over the data axis: None, "optimizer", "gradients" or "parameters"
         # the data axis: each model's sum over it, no_sync, the step; its update rule the stages' optimizers
-        self._start_roots(data, StageOptimizers(self, pipe=pipe, data=data, sharding=self.sharding,
-                                                  on_mesh=mesh is not None))
+        self._start_roots(strategy, data, StageOptimizers(self, pipe=pipe, data=data, sharding=sharding))
         #: the layout's first part: the models cut into stages over the pipe axis, this process keeping its own
         self.stages = Stages(self, config, pipe_rank=pipe_rank, pipe=pipe, everyone=everyone, device=device,
                              gathered=self.gathered, sequential_only=plan is not None or sharding is not None)
         #: the layout's parts in mesh order: the stages over pipe, the plan's layers over model (a model axis of
         #: one keeps them whole), with sharding="parameters" FSDP2's units over data
-        self.parts: tuple[Any, ...] = (self.stages,)
-        if mesh is not None:
-            self.parts += (TensorParallel(plan, mesh["model"], alone=False),)
-            if sharding == "parameters":
-                self.parts += (FullyShard(mesh["data"], "sharding='optimizer'"),)
-        clipping.register(self)
-
-    @property
-    def strategy(self) -> Any:
-        return self._strategy_ref()
+        self.parts: tuple[Any, ...] = (self.stages, TensorParallel(plan, mesh["model"], alone=False))
+        if sharding == "parameters":
+            self.parts += (FullyShard(mesh["data"], "sharding='optimizer'"),)
+        #: clipping: the parts over the whole mesh, each naming the axes that replicate a tensor, the data
+        #: axis too (RootsPlacement.norm_axes)
+        self.norm_group, self.norm_spans_data = everyone.group, True
 
     # ---------------------------------------------------------------- modules
 
@@ -119,8 +112,6 @@ class PipelinePlacement(RootsPlacement):
     def _place_stages(self, root: nn.Sequential, local: dict[int, nn.Sequential]) -> None:
         """This process's stages of ``root``, just cut: the layout parts after the stages place them."""
         self._forget_pending(local.values())   # the stage containers, created in scope
-        if len(self.parts) == 1:
-            return
         _, split, *shard = self.parts
         mine = {id(m) for stage in local.values() for m in stage.modules()}
         (styles,) = split.resolve([root], f"no stage of the pipelined {type(root).__name__} has a module of "
@@ -183,15 +174,6 @@ class PipelinePlacement(RootsPlacement):
     def gradient_parts(self, params: list[torch.Tensor]) -> clipping.GradientParts:
         self.finalize()
         return super().gradient_parts(params)
-
-    def norm_axes(self) -> tuple[Any, dict[str, int]]:
-        """Clipping: the stages' parts summed over the pipe axis (a data group's gradients are its
-        peers'), or over the whole mesh with the axes that replicate a part (a layer the plan left whole,
-        along ``model``; a gradient summed over ``data``), each part naming its own."""
-        if self.mesh is None:
-            return self.pipe.group, {}
-        axes = {name: rank for part in self.parts for name, rank in part.norm_axes().items()}
-        return self.everyone.group, {**axes, "data": self.mesh.get_local_rank("data")}
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         gathered = self.gathered.get(id(optimizer))   # gathered already for the checkpoint being written

@@ -48,7 +48,6 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.scope import clipping
 from stratagem.placement.dtensor_state import replacing
 from stratagem.placement.data_axis.axis import AxisCollective
 from stratagem.placement.layout.roots import RootsPlacement
@@ -111,7 +110,6 @@ class TensorParallelPlacement(RootsPlacement):
 
     def __init__(self, strategy: Any, mesh: DeviceMesh, plan: dict[str, Any], data: Collective,
                  everyone: Collective, device: torch.device, *, model: Collective):
-        self._strategy_ref = weakref.ref(strategy)
         self.mesh = mesh
         self.device = device       # this process's device: modules move there, then are split
         self.plan = check_plan(plan)
@@ -121,15 +119,11 @@ class TensorParallelPlacement(RootsPlacement):
         self.data = data           # the data axis (this process's data-parallel peers)
         self.model = model         # the model axis (this process's model group: the shards of its gradients)
         self.everyone = everyone   # every process (start-up agreement)
-        self._start_roots(data, LocalUpdate(self))   # the step's primitives: torch's update over the shards
+        self.norm_group = model.group   # (clipping: the shards of a gradient summed over data)
+        self._start_roots(strategy, data, LocalUpdate(self))   # the step's primitives: torch's update over the shards
         #: sums the gradients over the data axis when backward ends (None: a data axis of one)
         self.data_axis.gradients = AxisCollective.gradient_sync(self.data_axis, data)
         self._optimizers: list[torch.optim.Optimizer] = []
-        clipping.register(self)
-
-    @property
-    def strategy(self) -> Any:
-        return self._strategy_ref()
 
     # ---------------------------------------------------------------- modules
 
@@ -160,11 +154,6 @@ class TensorParallelPlacement(RootsPlacement):
         self._take_replacements(optimizer)
         adopt(optimizer, self)
         self._optimizers.append(optimizer)
-
-    def norm_axes(self) -> tuple[Any, dict[str, int]]:
-        """Clipping: each process's shards of the gradients (summed over the data axis when backward
-        ended) along the model axis; a layer the plan left whole counts on its rank 0."""
-        return self.model.group, self.split.norm_axes()
 
 
 def _rehook(placement_ref: Any, module: nn.Module, args: Any) -> None:
