@@ -31,7 +31,7 @@ from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.scope import clipping, sync_batch_norm
 from stratagem.placement.scope.base import Placement
-from stratagem.placement.scope.hooks import placement_of
+from stratagem.placement.scope.hooks import adopt, placement_of
 from stratagem.placement.data_axis.axis import DataAxis
 
 
@@ -90,6 +90,12 @@ class RootsPlacement(Placement):
         """An optimizer created in scope: the replacements of the parameters it was given."""
         for group in optimizer.param_groups:
             group["params"] = [self._replaced.get(id(p), (p, p))[1] for p in group["params"]]
+
+    def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer created in scope: over the parameters the layout put in place of those it was
+        given, its methods answered by this placement (its data axis)."""
+        self._take_replacements(optimizer)
+        adopt(optimizer, self)
 
     def on_module_registered(self, module: nn.Module) -> None:
         sync_batch_norm.adopt(module)   # (synchronized or refused at its first training-mode forward)

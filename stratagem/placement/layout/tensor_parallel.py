@@ -51,7 +51,6 @@ from stratagem.errors import InvalidArgumentError
 from stratagem.placement.dtensor_state import replacing
 from stratagem.placement.data_axis.axis import AxisCollective
 from stratagem.placement.layout.roots import RootsPlacement
-from stratagem.placement.scope.hooks import adopt
 from stratagem.placement.data_axis.local_update import LocalUpdate
 
 #: plan style names and the torch ParallelStyle each stands for
@@ -123,7 +122,6 @@ class TensorParallelPlacement(RootsPlacement):
         self._start_roots(strategy, data, LocalUpdate(self))   # the step's primitives: torch's update over the shards
         #: sums the gradients over the data axis when backward ends (None: a data axis of one)
         self.data_axis.gradients = AxisCollective.gradient_sync(self.data_axis, data)
-        self._optimizers: list[torch.optim.Optimizer] = []
 
     # ---------------------------------------------------------------- modules
 
@@ -147,13 +145,6 @@ class TensorParallelPlacement(RootsPlacement):
             return
         params = list({id(p): p for root in self._placed for p in root.parameters()}.values())
         self.gradients.update(tuple((id(p), p.requires_grad) for p in params), [params])
-
-    # ----------------------------------------------------------- optimizers
-
-    def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        self._take_replacements(optimizer)
-        adopt(optimizer, self)
-        self._optimizers.append(optimizer)
 
 
 def _rehook(placement_ref: Any, module: nn.Module, args: Any) -> None:
