@@ -1,7 +1,7 @@
 """The state of modules and optimizers whose parameters are DTensors: whole outside, shards inside.
 
 The mesh layouts -- tensor parallel (:mod:`.layout.tensor_parallel`), ZeRO-3
-(:mod:`.layout.fully_sharded`), a pipeline's stages on a 3-D mesh (:mod:`.layout.pipeline_mesh`) -- hand
+(:mod:`.layout.fully_sharded`), a pipeline's stages on a 3-D mesh (:mod:`.layout.pipeline`) -- hand
 a model to torch's ``parallelize_module`` or ``fully_shard``, which replace its parameters by
 DTensors: each process holds its shards. What a user saves and loads stays one logical copy, as
 in plain PyTorch, whatever the layout; these helpers, shared by those layouts and by the data

@@ -12,7 +12,7 @@ batch, and gradients are summed over the data axis when the step's schedule ends
 ``.grad`` holds the global batch's gradient when ``forward_backward`` returns (or ZeRO shards
 the update, the gradients or the parameters over it). Along the model axis, the layers of
 each stage named by a tensor-parallel plan are split with ``parallelize_module``
-(:mod:`stratagem.placement.layout.pipeline_mesh`).
+(:mod:`stratagem.placement.layout.pipeline`: the layout's parts in mesh order).
 
 So ``num_replicas_in_sync`` is the data-parallel degree ``data``; ``strategy.reduce``
 and the input pipeline work over the data axis (the processes of one pipeline get the
@@ -30,7 +30,6 @@ from stratagem.comm.options import CommunicationOptions, check_compression
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.layout.pipeline import PipelinePlacement
 from stratagem.placement.layout.pipeline_balance import BALANCE_BY
-from stratagem.placement.layout.pipeline_mesh import MeshStages
 from stratagem.placement.layout.pipeline_plan import check_schedule
 from stratagem.placement.layout.pipeline_schedule import PipelineSchedules, forward_only
 from stratagem.placement.layout.recompute import check_recompute
@@ -140,7 +139,7 @@ class PipelineStrategy(MeshStrategy):
                   "recompute": check_recompute(recompute), "balance_by": balance_by}
         self._configure(self._data_topology(), data, PipelinePlacement(
             self, config=config, pipe_rank=self.pipe_rank, pipe=self._pipe, data=data, everyone=self._full,
-            device=self._mesh_device.torch_device, mesh=MeshStages(self.mesh, plan, sharding)))
+            device=self._mesh_device.torch_device, mesh=self.mesh, plan=plan, sharding=sharding))
         self._check_same_configuration({**config, "mesh": (data_size, pipe_size, model_size), "sharding": sharding,
                                         "plan": plan and {k: re.sub(r" at 0x[0-9a-f]+", "", str(v))
                                                           for k, v in plan.items()}})

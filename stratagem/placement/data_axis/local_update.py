@@ -50,6 +50,10 @@ class LocalUpdate:
         assert p.grad is None
     """
 
+    #: whether it lays optimizer state out over the data axis (ZeRO's ranges): then every process of the
+    #: axis gathers it for a checkpoint
+    spread_over_data = False
+
     def __init__(self, placement: Any):
         # (its finalize: the models placed before the update reads them; weakly, as a placement is
         # let go with its strategy, which clipping's routing notices)

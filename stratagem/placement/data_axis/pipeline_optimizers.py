@@ -48,10 +48,9 @@ class StageOptimizers(LocalUpdate):
     """The optimizers created in a pipeline's scope: their steps' primitives (the update rule of
     :mod:`stratagem.placement.data_axis.step`), ZeRO's ranges (clipping's pieces too) and state dicts."""
 
-    def __init__(self, placement: Any, *, pipe: Collective, data: Collective, sharding: str | None, on_mesh: bool):
+    def __init__(self, placement: Any, *, pipe: Collective, data: Collective, sharding: str | None):
         super().__init__(placement)
         self.pipe, self.data = pipe, data
-        self.on_mesh = on_mesh     # a model (and data) axis besides the pipe: the state of DTensor parameters
         self.sharding = sharding   # ZeRO over the data axis: None, "optimizer", "gradients" or "parameters"
         self.refs: list[weakref.ref] = []   # the optimizers (a traced model's first trace trims them)
         #: sharding="optimizer" / "gradients": ZeRO's update rule over the data axis (each optimizer's
@@ -60,6 +59,7 @@ class StageOptimizers(LocalUpdate):
         if self.sharding in ("optimizer", "gradients"):
             self.zero = ZeroUpdate(self.sharding)
             self.zero.bind(placement, data)
+            self.spread_over_data = True
 
     def created(self, optimizer: torch.optim.Optimizer, placement: Any) -> None:
         """An optimizer created in ``placement``'s scope: its parameter groups keep every parameter
@@ -139,7 +139,7 @@ class StageOptimizers(LocalUpdate):
         zero = self._zero_of(optimizer)
         if zero is not None:
             state["state"] = zero.state()
-        elif self.on_mesh:
+        else:   # (the state of DTensor parameters made whole)
             state["state"] = {k: {n: full_value(v) for n, v in entry.items()} for k, entry in state["state"].items()}
         if self.pipe.num_workers > 1:
             mine = {k: {n: v.detach().cpu() if isinstance(v, torch.Tensor) else v for n, v in entry.items()}
@@ -163,9 +163,8 @@ class StageOptimizers(LocalUpdate):
             base_of(optimizer).load_state_dict(optimizer, {**state, "state": {}})
             zero.load(state["state"])
             return
-        if self.on_mesh:
-            state["state"] = {k: {n: shard_like(v, held[k]) for n, v in entry.items()}
-                              for k, entry in state["state"].items()}
+        state["state"] = {k: {n: shard_like(v, held[k]) for n, v in entry.items()}
+                          for k, entry in state["state"].items()}
         base_of(optimizer).load_state_dict(optimizer, state)
 
     def add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:

@@ -5,6 +5,7 @@
 :mod:`.tensor_parallel` (a plan over a mesh's model axis), :mod:`.fully_sharded` (ZeRO-3's FSDP2
 units over the workers), :mod:`.pipeline` (stages over a pipe axis: :mod:`.pipeline_plan`,
 :mod:`.pipeline_schedule`, :mod:`.pipeline_trace`, :mod:`.pipeline_balance`, :mod:`.recompute`;
-on a 3-D mesh, :mod:`.pipeline_mesh`). :mod:`stratagem.placement.dtensor_state` (shared with the data axis)
-reads and writes the state of DTensor parameters whole.
+its layout parts in mesh order: :mod:`.stages` cuts the model, then on a 3-D mesh the
+tensor-parallel and FSDP2 parts place this process's stages). :mod:`stratagem.placement.dtensor_state`
+(shared with the data axis) reads and writes the state of DTensor parameters whole.
 """

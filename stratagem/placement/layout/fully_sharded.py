@@ -46,12 +46,11 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.scope import clipping
 from stratagem.placement.data_axis.buffers import BufferSync
 from stratagem.placement.dtensor_state import replacing
 from stratagem.placement.layout.roots import RootsPlacement
 from stratagem.placement.scope.unscoped import refuse_optimizer_over
-from stratagem.placement.scope.hooks import adopt, placement_of
+from stratagem.placement.scope.hooks import adopt
 from stratagem.placement.data_axis.local_update import LocalUpdate
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -66,7 +65,6 @@ class FullyShardedPlacement(RootsPlacement):
                   "on every worker can save it (its full tensors are gathered first)")
 
     def __init__(self, strategy: Any, collective: Any, device: torch.device):
-        self._strategy_ref = weakref.ref(strategy)
         self.collective = collective
         self.everyone = collective   # the start-up agreement on the modules built
         self.device = device
@@ -77,8 +75,9 @@ class FullyShardedPlacement(RootsPlacement):
         self.mesh = DeviceMesh.from_group(group.group or dist.group.WORLD, device.type, mesh_dim_names=("data",))
         #: the layout: FSDP2 units over the workers
         self.shard = FullyShard(self.mesh, "sharding='gradients'")
-        self._start_roots(collective, LocalUpdate(self))   # the step's primitives: torch's update over the shards
-        self._sharded_ids: set[int] = set()
+        self.parts = (self.shard,)
+        self.norm_group, self.norm_spans_data = collective.group, True   # (clipping: every worker's shards)
+        self._start_roots(strategy, collective, LocalUpdate(self))   # the step's primitives: torch's update over the shards
         self._gathered_ids: set[int] = set()   # FSDP2's whole parameters (kept between forwards)
         #: every module of a sharded model -> the names of its parameters then
         self._sharded_names: "weakref.WeakKeyDictionary[nn.Module, frozenset]" = weakref.WeakKeyDictionary()
@@ -86,11 +85,6 @@ class FullyShardedPlacement(RootsPlacement):
         #: BatchNorm's running statistics (buffers are not sharded) averaged over the workers at each
         #: step and checkpoint
         self.data_axis.buffers = BufferSync(strategy, collective, lambda: [m for root in placed for m in root.modules()])
-        clipping.register(self)
-
-    @property
-    def strategy(self) -> Any:
-        return self._strategy_ref()
 
     # ---------------------------------------------------------------- modules
 
@@ -107,7 +101,6 @@ class FullyShardedPlacement(RootsPlacement):
                 self._sharded_names[module] = frozenset(n for n, p in module._parameters.items() if p is not None)
                 if isinstance(module, FSDPModule):
                     module.register_forward_pre_hook(self._note_gathered)   # (after FSDP2's: it gathers)
-                self._sharded_ids.update(id(p) for p in module._parameters.values() if isinstance(p, DTensor))
 
     # ------------------------------------------------------------ checkpoints
 
@@ -120,7 +113,7 @@ class FullyShardedPlacement(RootsPlacement):
     def holds(self, tensor: torch.Tensor) -> bool:
         """Sharded by this placement (its gradient reduce-scattered over the workers), or the
         whole parameter FSDP2 gathered from such shards for a forward."""
-        return id(tensor) in self._sharded_ids or id(tensor) in self._gathered_ids
+        return id(tensor) in self.shard.sharded or id(tensor) in self._gathered_ids
 
     def _note_gathered(self, module: nn.Module, args: Any) -> None:
         """After FSDP2's own forward pre-hook: the unit's parameters are the gathered ones."""
@@ -135,24 +128,14 @@ class FullyShardedPlacement(RootsPlacement):
         names = self._sharded_names.get(module, frozenset())
         return [name for name, p in module._parameters.items() if p is not None and name not in names]
 
-    def spread(self, obj: Any) -> bool:
-        if isinstance(obj, torch.optim.Optimizer):
-            return placement_of(obj) is self
-        return isinstance(obj, nn.Module) and any(id(p) in self._sharded_ids for p in obj.parameters())
-
     # ----------------------------------------------------------- optimizers
 
     def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
         self._take_replacements(optimizer)
-        outside = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in self._sharded_ids]
+        outside = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in self.shard.sharded]
         refuse_optimizer_over(optimizer, outside, "sharding='parameters'",
                               "this strategy did not shard them over the workers")
         adopt(optimizer, self)
-
-    def norm_axes(self) -> tuple[Any, dict[str, int]]:
-        """Clipping: each worker's shards of the gradients (summed over the workers in backward, its
-        mesh's ``data`` axis)."""
-        return self.collective.group, self.shard.norm_axes()
 
     def optimizer_add_param_group(self, optimizer: torch.optim.Optimizer, param_group: dict) -> None:
         raise InvalidArgumentError(
@@ -164,11 +147,15 @@ class FullyShard:
     """A layout part: modules as FSDP2 units over a mesh's data axis (ZeRO-3), each parameter a DTensor
     sharded over it (over ``data``, then ``model`` where a tensor-parallel plan split it first), its
     gradient summed over it during backward. :class:`FullyShardedPlacement` is this part alone; a
-    pipeline's stages on a 3-D mesh compose it last (:mod:`~stratagem.placement.layout.pipeline_mesh`)."""
+    pipeline's stages on a 3-D mesh compose it last (:mod:`~stratagem.placement.layout.pipeline`)."""
+
+    #: its parameters, gradients and optimizer state are laid out over the data axis
+    spread_over_data = True
 
     def __init__(self, mesh: Any, instead: str):
         self.mesh = mesh          # the data axis
         self.instead = instead    # the setting to use when the modules' parameters have several dtypes
+        self.sharded: set[int] = set()   # id of each parameter sharded here (a DTensor)
 
     def place(self, modules: list[nn.Module], holder: str, *, itself: bool = True) -> None:
         """Each of ``modules`` as FSDP2 units (:func:`shard_units`); ``holder`` names them in the refusal of
@@ -176,6 +163,12 @@ class FullyShard:
         check_one_dtype([p for m in modules for p in m.parameters()], holder, self.instead)
         for module in modules:
             shard_units(module, self.mesh, itself=itself)
+            self.sharded.update(id(p) for m in module.modules() for p in m._parameters.values()
+                                if isinstance(p, DTensor))
+
+    def spreads(self, module: nn.Module) -> bool:
+        """Whether ``module`` holds parameters sharded here (its state dict gathers them over the data axis)."""
+        return any(id(p) in self.sharded for p in module.parameters())
 
     def norm_axes(self) -> dict[str, int]:
         """Clipping: a tensor left unsharded would be the same along the data axis (this process's rank

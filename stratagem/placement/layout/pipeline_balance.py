@@ -105,16 +105,16 @@ class Balance:
 
 
 def balance_layout(model: nn.Module, layout: StageLayout, sample: tuple[torch.Tensor, ...], *,
-                   placement: Any) -> StageLayout:
+                   part: Any) -> StageLayout:
     """The layout of ``model`` cut where its blocks' costs are balanced (the same on every process)."""
     if layout.num_stages == 1:   # nothing to choose
         return dataclasses.replace(layout, balance=None)
-    everyone, device = placement.everyone, placement.device
+    everyone, device = part.everyone, part.device   # (the Stages part's)
     measured: Any = None
     error = None
     if everyone.worker_index == 0:
         try:
-            with placement.tracing(model), torch.random.fork_rng(devices=_cuda(device)):
+            with part.tracing(model), torch.random.fork_rng(devices=_cuda(device)):
                 names, pieces, spread = _blocks(model, sample, device)
                 costs = _measure(pieces, sample, spread, layout.balance, device)
             measured = Balance(names, costs, partition(costs, layout.num_stages))

@@ -33,7 +33,7 @@ from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
 from stratagem.observe import record
 from stratagem.placement.layout import recompute
-from stratagem.placement.layout.pipeline import SplitModel
+from stratagem.placement.layout.stages import SplitModel
 from stratagem.placement.layout.pipeline_plan import SCHEDULES
 
 #: micro-batch shapes kept per model (each holds torch's stages and receive buffers)

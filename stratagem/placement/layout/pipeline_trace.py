@@ -81,12 +81,12 @@ class TracedStages:
     """The stage graphs of one model for each traced input shape; this process's held tensors."""
 
     def __init__(self, model: nn.Module, points: list[str], *, num_stages: int, stages: list[int],
-                 placement: Any):
+                 part: Any):
         self.model = model
         self.points = points
         self.num_stages = num_stages
         self.stages = stages               # the stage indices this process holds
-        self.placement = placement         # pipe group, device, optimizers, hooks to hide from the tracer
+        self.part = part                   # the Stages part: pipe group, device, what to hide from the tracer
         self.names: list[set[str]] | None = None   # per stage: the model's tensors it uses (first trace)
         self._traced: collections.OrderedDict[Any, dict[int, nn.Module]] = collections.OrderedDict()
 
@@ -97,11 +97,11 @@ class TracedStages:
         if modules is None:
             error = None
             try:
-                with self.placement.tracing(self.model):
+                with self.part.tracing(self.model):
                     modules = self._trace(sample)
             except Exception as e:   # raised below, once the other processes know
                 error = e
-            self.placement.agree_on_trace(error)   # every process of the pipeline raises, or none
+            self.part.agree_on_trace(error)   # every process of the pipeline raises, or none
             self._traced[key] = modules
             if len(self._traced) > MAX_TRACES:
                 self._traced.popitem(last=False)
@@ -128,7 +128,7 @@ class TracedStages:
             names.append({origin[id(t)] for _, t in tensors if id(t) in origin})
         if self.names is None:
             self.names = names
-            self.placement.keep_only(self.model, set().union(*(names[s] for s in self.stages)), set().union(*names),
+            self.part.keep_only(self.model, set().union(*(names[s] for s in self.stages)), set().union(*names),
                                      self.stages)
         elif names != self.names:
             raise InvalidArgumentError(
@@ -137,7 +137,7 @@ class TracedStages:
                 f"same modules for every input shape")
         held = {}
         for s in self.stages:
-            held[s] = stage_module(pipe, s, self.model, origin, self.placement.device)
+            held[s] = stage_module(pipe, s, self.model, origin, self.part.device)
         return held
 
 

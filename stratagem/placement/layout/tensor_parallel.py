@@ -48,11 +48,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 
 from stratagem.comm.collective import Collective
 from stratagem.errors import InvalidArgumentError
-from stratagem.placement.scope import clipping
 from stratagem.placement.dtensor_state import replacing
 from stratagem.placement.data_axis.axis import AxisCollective
 from stratagem.placement.layout.roots import RootsPlacement
-from stratagem.placement.scope.hooks import adopt, placement_of
 from stratagem.placement.data_axis.local_update import LocalUpdate
 
 #: plan style names and the torch ParallelStyle each stands for
@@ -111,24 +109,19 @@ class TensorParallelPlacement(RootsPlacement):
 
     def __init__(self, strategy: Any, mesh: DeviceMesh, plan: dict[str, Any], data: Collective,
                  everyone: Collective, device: torch.device, *, model: Collective):
-        self._strategy_ref = weakref.ref(strategy)
         self.mesh = mesh
         self.device = device       # this process's device: modules move there, then are split
         self.plan = check_plan(plan)
         #: the layout: the plan's layers split over the model axis
         self.split = TensorParallel(self.plan, mesh["model"], alone=True)
+        self.parts = (self.split,)
         self.data = data           # the data axis (this process's data-parallel peers)
         self.model = model         # the model axis (this process's model group: the shards of its gradients)
         self.everyone = everyone   # every process (start-up agreement)
-        self._start_roots(data, LocalUpdate(self))   # the step's primitives: torch's update over the shards
+        self.norm_group = model.group   # (clipping: the shards of a gradient summed over data)
+        self._start_roots(strategy, data, LocalUpdate(self))   # the step's primitives: torch's update over the shards
         #: sums the gradients over the data axis when backward ends (None: a data axis of one)
         self.data_axis.gradients = AxisCollective.gradient_sync(self.data_axis, data)
-        self._optimizers: list[torch.optim.Optimizer] = []
-        clipping.register(self)
-
-    @property
-    def strategy(self) -> Any:
-        return self._strategy_ref()
 
     # ---------------------------------------------------------------- modules
 
@@ -153,30 +146,6 @@ class TensorParallelPlacement(RootsPlacement):
         params = list({id(p): p for root in self._placed for p in root.parameters()}.values())
         self.gradients.update(tuple((id(p), p.requires_grad) for p in params), [params])
 
-    # ---------------------------------------------------------- checkpoints
-
-    def spread(self, obj: Any) -> bool:
-        """Whether ``obj``'s state dict gathers DTensors (a collective over the model axis)."""
-        if isinstance(obj, torch.optim.Optimizer):
-            return placement_of(obj) is self
-        return isinstance(obj, nn.Module) and any(isinstance(p, DTensor) for p in obj.parameters())
-
-    def gathers(self) -> bool:
-        """The chief's model group gathers (the other data groups hold the same values)."""
-        return self.mesh.get_local_rank("data") == 0
-
-    # ----------------------------------------------------------- optimizers
-
-    def on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        self._take_replacements(optimizer)
-        adopt(optimizer, self)
-        self._optimizers.append(optimizer)
-
-    def norm_axes(self) -> tuple[Any, dict[str, int]]:
-        """Clipping: each process's shards of the gradients (summed over the data axis when backward
-        ended) along the model axis; a layer the plan left whole counts on its rank 0."""
-        return self.model.group, self.split.norm_axes()
-
 
 def _rehook(placement_ref: Any, module: nn.Module, args: Any) -> None:
     placement = placement_ref()   # (weakly: the model does not keep its strategy alive)
@@ -189,7 +158,7 @@ class TensorParallel:
     ``parallelize_module`` (their parameters DTensors sharded over it); the layers it leaves whole are
     the same on every process of the axis. :class:`TensorParallelPlacement` is this part alone; a
     pipeline's stages on a 3-D mesh compose it after the stages, before FSDP2's units
-    (:mod:`~stratagem.placement.layout.pipeline_mesh`)."""
+    (:mod:`~stratagem.placement.layout.pipeline`)."""
 
     def __init__(self, plan: dict[str, Any] | None, mesh: DeviceMesh, *, alone: bool):
         self.plan = plan    # checked by check_plan (None: every layer whole)
@@ -214,6 +183,13 @@ class TensorParallel:
         """Split the modules of ``root`` that ``styles`` name (:meth:`resolve`)."""
         if self.alone or (styles and self.size > 1):
             parallelize_module(root, self.mesh, styles)
+
+    #: its state is laid out over the model axis alone (the data groups hold the same values)
+    spread_over_data = False
+
+    def spreads(self, module: nn.Module) -> bool:
+        """Whether ``module``'s state dict gathers DTensors (a collective over the model axis)."""
+        return any(isinstance(p, DTensor) for p in module.parameters())
 
     def norm_axes(self) -> dict[str, int]:
         """Clipping: a layer left whole is the same along the model axis (this process's rank along it)."""
