@@ -31,6 +31,7 @@ pairs go on (up to ``--max-pairs``) until every target is decided: one run decid
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import itertools
 import json
@@ -56,6 +57,21 @@ def peak_rss_mib() -> float:
 
 
 # ================================================================ child side
+
+def replica_step(model: Any, optimizer: Any, batch: Any) -> Any:
+    """One replica's step in ``strategy.run``: the loss as its share of the global batch's mean,
+    backward (the gradients summed over the replicas when it ends), the update."""
+    import torch.nn.functional as F
+
+    import stratagem as sg
+
+    x, y = batch
+    loss = sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss
+
 
 def torch_child(args: argparse.Namespace) -> dict:
     import torch
@@ -93,13 +109,7 @@ def torch_child(args: argparse.Namespace) -> dict:
             model = h.mlp()
             opt = torch.optim.SGD(model.parameters(), lr=h.LR, momentum=h.MOMENTUM)
 
-        def step(batch: Any) -> Any:
-            x, y = batch
-            loss = sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            return loss
+        step = functools.partial(replica_step, model, opt)
 
         # an endless cycle over references to the batches; next() splits one for the replicas
         iterator = iter(strategy.experimental_distribute_dataset(itertools.cycle(list(zip(xs, ys)))))
@@ -166,18 +176,10 @@ def paired_child(args: argparse.Namespace) -> dict:
         model.load_state_dict(initial)
         models[config], optimizers[config] = model, optimizer
 
-        def replica_step(batch: Any, model: Any = model, optimizer: Any = optimizer) -> Any:
-            x, y = batch
-            loss = sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            return loss
-
         # an endless cycle over the batches; next() splits one for the replicas
         iterator = iter(strategy.experimental_distribute_dataset(itertools.cycle(batches)))
-        steps[config] = lambda strategy=strategy, iterator=iterator, fn=replica_step: strategy.run(
-            fn, args=(next(iterator),))
+        steps[config] = lambda strategy=strategy, iterator=iterator, fn=functools.partial(
+            replica_step, model, optimizer): strategy.run(fn, args=(next(iterator),))
 
     def chunk(config: str, count: int) -> dict:
         torch.set_num_threads(default_threads)   # (untimed: run lowers it for its replicas, then restores)
