@@ -68,7 +68,7 @@ class LanePending:
         if self._outcome is None:
             try:
                 value, error = self._decode(self._call.reply(timeout)), None
-            except (futures.TimeoutError, futures.CancelledError):   # not an outcome: the call goes on, or was ended here
+            except (futures.TimeoutError, futures.CancelledError):   # not an outcome: the call goes on
                 raise
             except BaseException as raised:  # noqa: BLE001 - kept, and raised to every caller
                 value, error = None, raised
