@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -27,3 +28,18 @@ def forked_launches(request: pytest.FixtureRequest) -> Iterator[None]:
         for key, value in fork_server_variable().items():
             monkeypatch.setenv(key, value)
         yield
+
+
+# Modules that share something of the machine besides its cores: they run on one pytest-xdist worker,
+# one after the other (Ray's local heads and its /tmp/ray sessions).
+_SHARED = {"tests/launch/test_ray.py": "ray", "tests/launch/test_ray_nodes.py": "ray"}
+
+
+@pytest.hookimpl(tryfirst=True)   # (before pytest-xdist's, which reads the groups)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``-n 2 --dist loadgroup`` (the suite's command) each module runs whole on one worker, so its
+    module fixtures (a shared cluster, a launched job) are made once; :data:`_SHARED`'s modules share one."""
+    root = Path(str(config.rootpath))
+    for item in items:
+        module = Path(str(item.path)).relative_to(root).as_posix()
+        item.add_marker(pytest.mark.xdist_group(_SHARED.get(module, module)))

@@ -14,6 +14,7 @@ backup every step. Its oracle is plain one-process PyTorch on the same global ba
 
 from __future__ import annotations
 
+import builtins
 import importlib.util
 import io
 import json
@@ -61,7 +62,7 @@ class RayCluster:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    previous = os.environ.get(ONE_MACHINE)
+    previous, real_print = os.environ.get(ONE_MACHINE), builtins.print
     os.environ[ONE_MACHINE] = "0"   # before ray is imported: it reads this once (for this process)
     import ray
     from ray._private import ray_constants
@@ -88,6 +89,7 @@ def ray_cluster():
         if sid is not None:
             stop_session(sid)
         shutil.rmtree(temp, ignore_errors=True)
+        builtins.print = real_print   # (Ray's driver puts its own there: tqdm_ray.instance())
         if previous is None:
             del os.environ[ONE_MACHINE]
         else:

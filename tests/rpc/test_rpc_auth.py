@@ -199,7 +199,7 @@ def test_blank_and_tiny_tokens_are_refused_by_servers_and_clients_too() -> None:
     secrets.token_urlsafe(16),       # 128 bits in 22 characters
     secrets.token_hex(16).upper(),
     "9f86d081-884c-7d65-9a2f-eaa0c55ad015",   # a uuid4's text
-])
+], ids=["hex32", "hex16", "urlsafe32", "urlsafe16", "HEX16", "uuid4"])   # (tokens are new each collection)
 def test_random_tokens_are_strong_enough(token: str) -> None:
     check_token_strength(token)
     assert cluster_token({"STRATAGEM_CLUSTER_TOKEN": token}) == token
