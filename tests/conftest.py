@@ -37,8 +37,10 @@ _SHARED = {"tests/launch/test_ray.py": "ray", "tests/launch/test_ray_nodes.py": 
 
 @pytest.hookimpl(tryfirst=True)   # (before pytest-xdist's, which reads the groups)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``-n 2 --dist loadgroup`` (the suite's command) each module runs whole on one worker, so its
+    """Under ``-n 2 --dist loadgroup`` (tests/README.md, "Two workers") each module runs whole on one worker, so its
     module fixtures (a shared cluster, a launched job) are made once; :data:`_SHARED`'s modules share one."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
     root = Path(str(config.rootpath))
     for item in items:
         module = Path(str(item.path)).relative_to(root).as_posix()

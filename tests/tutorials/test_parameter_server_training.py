@@ -26,10 +26,7 @@ def test_parameter_server_training_tutorial(tmp_path: Path) -> None:
     # the custom loop: the embedding split over the 2 ps, the rule learnt, evaluated
     assert report["embedding_shards"] == [(4, 16384), (4, 16384)]
     assert report["same_coordinator"]
-    # each epoch's training accuracy is an asynchronous run's: after 15 steps it is 1.0 in most runs, but
-    # stale gradients (one worker starved by a busy machine) can hold it back (0.79 once); that the rule
-    # was learnt is checked on the trained model, inline and on the workers
-    assert len(report["accuracy"]) == 4 and all(0 <= a <= 1 for a in report["accuracy"]), report["accuracy"]
+    assert report["accuracy"][-1] >= 0.9, report["accuracy"]
     assert 0 < report["final_loss"] < 2   # one asynchronous step's loss: it varies from run to run
-    assert report["inline_eval_accuracy"] >= 0.9 and report["distributed_eval_accuracy"] >= 0.9, report["accuracy"]
+    assert report["inline_eval_accuracy"] >= 0.9 and report["distributed_eval_accuracy"] >= 0.9
     assert "Finished epoch 3, accuracy is " in report["output"]
