@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -41,7 +40,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     module fixtures (a shared cluster, a launched job) are made once; :data:`_SHARED`'s modules share one."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
-    root = Path(str(config.rootpath))
     for item in items:
-        module = Path(str(item.path)).relative_to(root).as_posix()
+        module = item.nodeid.split("::", 1)[0]   # the file, from the root
         item.add_marker(pytest.mark.xdist_group(_SHARED.get(module, module)))
