@@ -13,10 +13,11 @@ How: every replica's tensor of every placed parameter carries two autograd hooks
   accumulate into ``.grad``, never for ``torch.autograd.grad``) sets aside a gradient that is
   already global (from an earlier backward of the same step) so that this backward
   accumulates this replica's *new* contribution alone;
-- a post-accumulate hook notes that the parameter's contribution is final (across workers
-  with one local replica, its pack of gradients can start its all-reduce while backward still
-  runs) and, the first time in a backward, queues a callback for the end of that backward
-  (``queue_callback``: it runs when the whole backward pass has finished).
+- where packs of gradients leave while backward runs (across workers with one local replica),
+  a post-accumulate hook notes that the parameter's contribution is final, so that its pack can
+  start its all-reduce; elsewhere the pre-hook notes the accumulation itself (one Python call
+  per parameter and backward, not two). The first hook of a backward queues a callback for its
+  end (``queue_callback``: it runs when the whole backward pass has finished).
 
 At the end of the backward the collective sums the new contributions over every replica and
 worker (``Collective.sum_gradients``), and each parameter's ``.grad`` becomes the set-aside
@@ -129,7 +130,8 @@ class GradientSync:
                     accumulator = p.view_as(p).grad_fn.next_functions[0][0]
                 self._accumulators.append(accumulator)
                 self._handles.append(accumulator.register_prehook(self._prehook(r, i, p)))
-                self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+                if self._collective.overlaps_backward:   # (else the pre-hook notes the accumulation)
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
     def buffers(self) -> list[torch.Tensor]:
         """What the collective keeps of the gradients between steps (one replica's packs), for memory counts."""
@@ -183,9 +185,14 @@ class GradientSync:
         return task
 
     def _prehook(self, replica: int, index: int, p: torch.Tensor) -> Any:
+        notes = not self._collective.overlaps_backward   # no pack to let leave: no post-accumulate hook
+
         @_hook_eager
         def set_aside(grad_outputs: Any) -> None:
-            self._task(replica)
+            task = self._task(replica)
+            if notes:   # (what the post-accumulate hook notes where packs leave during backward)
+                task.replicas.add(replica)
+                task.accumulated.add((replica, index))
             grad = p.grad
             if grad is None or grad is self._local[replica].get(index):
                 return None   # nothing, or this replica's unsynced accumulation: keep adding to it
