@@ -26,6 +26,11 @@ pairs go on (up to ``--max-pairs``) until every target is decided: one run decid
     python benchmarks/mirrored.py --quick              # smoke test: batch 128, 1 round, 4 steps
     python benchmarks/mirrored.py --profile            # torch.profiler tables, first batch size
     python benchmarks/mirrored.py --paired --configs plain mirrored_hier   # one process per batch size
+    python benchmarks/mirrored.py --paired --configs plain mirrored_hier thread_floor   # and the floor
+
+``thread_floor`` (``--paired`` only) is what running the replicas as threads costs by itself: the
+batch's halves forward and backward on two threads at once, one meeting, each thread's share of the
+update; no gradient sum.
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ import _harness as h  # noqa: E402
 
 CONFIGS = {"plain": "PyTorch plain", "one_device": "OneDeviceStrategy(cpu)",
            "mirrored_hier": "Mirrored(2) HierarchicalCopy*", "mirrored_r1d": "Mirrored(2) ReductionToOneDevice",
-           "tf_single": "TF single device", "tf_mirrored": "TF Mirrored(2)"}
+           "tf_single": "TF single device", "tf_mirrored": "TF Mirrored(2)",
+           "thread_floor": "two threads, no strategy (floor)"}
+PAIRED_ONLY = ("thread_floor",)   # a timing floor: it does not train as plain PyTorch
 PROFILE_CONFIGS = ("plain", "plain_1thread", "mirrored_hier", "mirrored_r1d")
 TARGETS = {("one_device", 128): 1.03, ("one_device", 512): 1.03, ("mirrored_hier", 128): 1.15,
            ("mirrored_hier", 512): 1.05, ("mirrored_r1d", 128): 1.15, ("mirrored_r1d", 512): 1.05}
@@ -168,7 +175,7 @@ def paired_child(args: argparse.Namespace) -> dict:
         optimizers["plain"].step()
     steps["plain"] = plain_step
 
-    for config in args.configs[1:]:
+    for config in [c for c in args.configs[1:] if c in STRATEGIES]:
         strategy = STRATEGIES[config](sg)
         with strategy.scope():
             model = h.mlp()
@@ -193,6 +200,9 @@ def paired_child(args: argparse.Namespace) -> dict:
         return {"median_ms": h.median(times), "cpu_ms": 1e3 * window.own_cores * window.seconds / count,
                 "foreign": window.foreign_cores}
 
+    if "thread_floor" in args.configs:
+        models["thread_floor"], steps["thread_floor"] = thread_floor(initial, batches, done)
+
     for config in reversed(args.configs):   # warm-up; the strategies first (their forward pre-hook in place)
         chunk(config, args.warmup)
     pairs: list[dict] = []
@@ -211,6 +221,78 @@ def paired_child(args: argparse.Namespace) -> dict:
 
     return {"pairs": pairs, "threads": default_threads, "steps": done,
             "loss": {config: probe(model) for config, model in models.items()}}
+
+
+def thread_floor(initial: dict, batches: list, done: dict) -> tuple[Any, Any]:
+    """``thread_floor``: what any design that runs a process's replicas as threads pays before it sums
+    anything. The batch's two halves go forward and backward at once on two threads (the caller's and a
+    helper's, one intra-op thread each, the weights in one memory under two ``Parameter`` objects, as
+    ``MirroredStrategy`` shares them on CPU); the threads meet once; then each updates its share of the
+    weights (by elements) from its own half's gradient, as the strategy splits its update. No gradient
+    sum and one meeting: it does not train as plain PyTorch does (the check leaves it out); it is the
+    time to compare with. (An update on two intra-op threads between the halves would leave an OpenMP
+    worker spinning while they run: it doubled this step's time.)"""
+    import copy
+    import queue
+    import threading
+
+    import torch
+    import torch.nn.functional as F
+
+    first = h.mlp()
+    first.load_state_dict(initial)
+    second = copy.deepcopy(first)
+    for mine, theirs in zip(first.parameters(), second.parameters()):
+        theirs.data = mine.data   # one memory, two Parameters: each its own .grad
+    shares: list[list[int]] = [[], []]
+    sizes = [0, 0]
+    for i, param in sorted(enumerate(first.parameters()), key=lambda item: -item[1].numel()):
+        lighter = sizes.index(min(sizes))
+        shares[lighter].append(i)
+        sizes[lighter] += param.numel()
+    optimizers = [torch.optim.SGD([list(model.parameters())[i] for i in share], lr=h.LR, momentum=h.MOMENTUM)
+                  for model, share in zip((first, second), shares)]
+    meeting = threading.Barrier(2)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def half(r: int, x: Any, y: Any) -> None:
+        model = (first, second)[r]
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        meeting.wait(timeout=60)
+        optimizers[r].step()
+
+    def serve() -> None:
+        torch.set_num_threads(1)
+        while True:
+            x, y = inbox.get()
+            try:
+                half(1, x, y)
+                outbox.put(None)
+            except BaseException as error:  # noqa: BLE001 - raised on the caller's thread
+                meeting.abort()
+                outbox.put(error)
+
+    threading.Thread(target=serve, daemon=True, name="thread-floor").start()
+
+    def step() -> None:
+        x, y = batches[done["thread_floor"] % len(batches)]
+        cut = len(x) // 2
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        inbox.put((x[cut:], y[cut:]))
+        try:
+            half(0, x[:cut], y[:cut])
+        except BaseException:
+            meeting.abort()
+            raise
+        finally:
+            error = outbox.get()
+            torch.set_num_threads(threads)
+        if error is not None:
+            raise error
+    return first, step
 
 
 def paired_ratios(pairs: list[dict], max_other_load: float) -> dict[str, list[float]]:
@@ -312,7 +394,7 @@ def run_tables(args: argparse.Namespace) -> tuple[list[str], list[dict], dict]:
 def run_paired(args: argparse.Namespace) -> list[str]:
     """``--paired``: one process per batch size; the lines to print."""
     lines = []
-    configs = [c for c in args.configs if c in ("plain", *STRATEGIES)]
+    configs = [c for c in args.configs if c in ("plain", *STRATEGIES, *PAIRED_ONLY)]
     skipped = [c for c in args.configs if c not in configs]
     if skipped:
         lines.append(f"--paired leaves out {', '.join(skipped)} (TensorFlow runs in processes of its own)")
@@ -339,7 +421,7 @@ def run_paired(args: argparse.Namespace) -> list[str]:
             lines.append(f"  {CONFIGS[config]} / plain at batch {batch}: {h.median(ratios[config]):.3f}  IQR "
                          f"{h.quartiles(ratios[config]) or '-'}  range {h.spread(ratios[config], 3) or '-'}  "
                          f"target {verdict}; CPU time ratio {cpu_ratio:.3f}")
-        losses = r["loss"]
+        losses = {c: loss for c, loss in r["loss"].items() if c not in PAIRED_ONLY}
         diff = max(abs(v - losses["plain"]) / abs(losses["plain"]) for v in losses.values())
         lines.append(f"  Check: after {r['steps']['plain']} steps each, loss on batch 0 vs plain, max relative "
                      f"difference {diff:.1e}: " + ("same training" if diff < 1e-3 else
@@ -369,8 +451,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-rounds", type=int,
                    help="rounds in all at most, run past --rounds while a target is undecided (default 12; "
                         "--quick: no more)")
-    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
-                   help="configurations (plain is always run: it is the reference)")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS),
+                   default=[c for c in CONFIGS if c not in PAIRED_ONLY],
+                   help="configurations (plain is always run: it is the reference; thread_floor only with "
+                        "--paired)")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler tables instead of the timing table (default --steps 20)")
     p.add_argument("--paired", action="store_true",
@@ -388,6 +472,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_rounds is None:
         args.max_rounds = 0 if args.quick or args.profile else 12
     args.configs = ["plain"] + [c for c in args.configs if c != "plain"]
+    if not args.paired and args.child != "paired" and any(c in PAIRED_ONLY for c in args.configs):
+        p.error(f"{', '.join(c for c in args.configs if c in PAIRED_ONLY)} runs only with --paired "
+                "(it shares the process with plain PyTorch)")
     if args.quick:
         args.pairs, args.max_pairs, args.chunk = 2, 2, 2
     args.max_pairs = max(args.max_pairs, args.pairs)
