@@ -7,7 +7,7 @@ storage, ZeRO stage 1, and the data axis of the mesh strategies: tensor parallel
 ``clip_grad_norm_``, gradient logging, ``GradScaler.unscale_`` and its inf check -- sees on
 every replica the gradient plain single-device PyTorch would hold.
 
-How: every replica's tensor of every placed parameter carries two autograd hooks.
+How: every replica's tensor of every placed parameter carries one or two autograd hooks.
 
 - a pre-hook on its ``AccumulateGrad`` node (it fires only when backward is about to
   accumulate into ``.grad``, never for ``torch.autograd.grad``) sets aside a gradient that is
@@ -62,7 +62,7 @@ from stratagem.values import is_dtensor
 def _hook_eager(hook: Any) -> Any:
     """``hook``, which torch's autograd engine calls (never traced into), run eagerly at no cost
     per call: dynamo is told to leave its code, and every frame it calls, alone (torch's frame
-    strategy). Two such hooks fire per parameter and backward, where ``torch.compiler.disable``'s
+    strategy). One or two such hooks fire per parameter and backward, where ``torch.compiler.disable``'s
     wrapper cost several percent of a small model's step; it stays the fallback where this torch
     has no frame strategies (imported lazily: it loads dynamo)."""
     if _SKIP_RECURSIVELY is None:
