@@ -111,6 +111,7 @@ class WorkerGroup:
         if self.solo:  # a lone worker: nothing to join, every collective is the identity
             self.group = None
             return
+        _import_before_groups()
         if dist.is_initialized():
             if dist.get_world_size() != self.world_size or dist.get_rank() != rank:
                 raise InvalidArgumentError(
@@ -283,6 +284,18 @@ class WorkerGroup:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - peers may be gone already; nothing left to do
                 pass
+
+
+def _import_before_groups() -> None:
+    """Import ``torch.distributed._shard`` before this process has a group.
+
+    Imported while a default group exists (FSDP, ``torch.distributed.checkpoint`` and pipelining
+    import it, and stratagem imports them when a model or optimizer is placed), it keeps that group
+    alive past ``destroy_process_group()``: gloo's threads then outlive :meth:`WorkerGroup.close`,
+    and one of them, releasing a finished collective's tensors while the interpreter finalizes,
+    aborts the process after a successful run ("terminate called without an active exception",
+    a few runs in a hundred on a busy machine). Imported first, it holds no group (10 ms)."""
+    import torch.distributed._shard  # noqa: F401
 
 
 def peers_of(names: list[str]) -> str:
