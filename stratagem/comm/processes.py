@@ -293,8 +293,9 @@ def _import_before_groups() -> None:
     import it, and stratagem imports them when a model or optimizer is placed), it keeps that group
     alive past ``destroy_process_group()``: gloo's threads then outlive :meth:`WorkerGroup.close`,
     and one of them, releasing a finished collective's tensors while the interpreter finalizes,
-    aborts the process after a successful run ("terminate called without an active exception",
-    a few runs in a hundred on a busy machine). Imported first, it holds no group (10 ms)."""
+    aborts the process after a successful run ("terminate called without an active exception":
+    up to one run in ten of a short job on a busy machine). Imported first, it holds no group
+    (10 ms). A group the program made itself before the strategy is kept if it already imported it."""
     import torch.distributed._shard  # noqa: F401
 
 
