@@ -239,19 +239,16 @@ def thread_floor(initial: dict, batches: list, done: dict) -> tuple[Any, Any]:
     import torch
     import torch.nn.functional as F
 
+    from stratagem.comm.collective import deal_pieces
+
     first = h.mlp()
     first.load_state_dict(initial)
     second = copy.deepcopy(first)
     for mine, theirs in zip(first.parameters(), second.parameters()):
         theirs.data = mine.data   # one memory, two Parameters: each its own .grad
-    shares: list[list[int]] = [[], []]
-    sizes = [0, 0]
-    for i, param in sorted(enumerate(first.parameters()), key=lambda item: -item[1].numel()):
-        lighter = sizes.index(min(sizes))
-        shares[lighter].append(i)
-        sizes[lighter] += param.numel()
-    optimizers = [torch.optim.SGD([list(model.parameters())[i] for i in share], lr=h.LR, momentum=h.MOMENTUM)
-                  for model, share in zip((first, second), shares)]
+    owners = deal_pieces([p.numel() for p in first.parameters()], 2)   # as the strategy deals its update
+    optimizers = [torch.optim.SGD([p for p, owner in zip(model.parameters(), owners) if owner == r],
+                                  lr=h.LR, momentum=h.MOMENTUM) for r, model in enumerate((first, second))]
     meeting = threading.Barrier(2)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     outbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -36,8 +36,9 @@ _SHARED = {"tests/launch/test_ray.py": "ray", "tests/launch/test_ray_nodes.py": 
 
 @pytest.hookimpl(tryfirst=True)   # (before pytest-xdist's, which reads the groups)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``-n 2 --dist loadgroup`` (tests/README.md, "Two workers") each module runs whole on one worker, so its
-    module fixtures (a shared cluster, a launched job) are made once; :data:`_SHARED`'s modules share one."""
+    """Under ``-n 2 --dist loadgroup`` (the suite's command; tests/README.md, "Two workers") each module
+    runs whole on one worker, so its module fixtures (a shared cluster, a launched job) are made once;
+    :data:`_SHARED`'s modules share one."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:

@@ -89,6 +89,11 @@ class _Backward:
         self.sync = sync
         self.packs: Any = None   # where packs leave during backward: looked up once per pass
 
+    def note(self, replica: int, index: int) -> None:
+        """Replica ``replica`` accumulates (or has accumulated) into parameter ``index`` in this pass."""
+        self.replicas.add(replica)
+        self.accumulated.add((replica, index))
+
 
 class GradientSync:
     """Sums the gradients of one placement's parameters over all replicas when backward ends."""
@@ -121,6 +126,7 @@ class GradientSync:
         self._replicas = replicas
         self._set_aside = [{} for _ in replicas]
         self._local = [{} for _ in replicas]
+        overlaps = self._collective.overlaps_backward   # packs leave during backward: a post-accumulate hook
         for r, tensors in enumerate(replicas):
             for i, p in enumerate(tensors):
                 self._where[id(p)] = (r, i)
@@ -129,8 +135,8 @@ class GradientSync:
                 with torch.inference_mode(False), torch.enable_grad():   # placed under no_grad (inference) too
                     accumulator = p.view_as(p).grad_fn.next_functions[0][0]
                 self._accumulators.append(accumulator)
-                self._handles.append(accumulator.register_prehook(self._prehook(r, i, p)))
-                if self._collective.overlaps_backward:   # (else the pre-hook notes the accumulation)
+                self._handles.append(accumulator.register_prehook(self._prehook(r, i, p, notes=not overlaps)))
+                if overlaps:   # (else the pre-hook notes the accumulation)
                     self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
     def buffers(self) -> list[torch.Tensor]:
@@ -184,15 +190,14 @@ class GradientSync:
                     Variable._execution_engine.queue_callback(functools.partial(self._backward_done, key))
         return task
 
-    def _prehook(self, replica: int, index: int, p: torch.Tensor) -> Any:
-        notes = not self._collective.overlaps_backward   # no pack to let leave: no post-accumulate hook
-
+    def _prehook(self, replica: int, index: int, p: torch.Tensor, *, notes: bool) -> Any:
+        """``notes``: no post-accumulate hook on ``p`` (no pack leaves during backward): this one notes
+        the accumulation."""
         @_hook_eager
         def set_aside(grad_outputs: Any) -> None:
             task = self._task(replica)
-            if notes:   # (what the post-accumulate hook notes where packs leave during backward)
-                task.replicas.add(replica)
-                task.accumulated.add((replica, index))
+            if notes:
+                task.note(replica, index)
             grad = p.grad
             if grad is None or grad is self._local[replica].get(index):
                 return None   # nothing, or this replica's unsynced accumulation: keep adding to it
@@ -208,9 +213,8 @@ class GradientSync:
     def _accumulated(self, p: torch.Tensor) -> None:
         replica, index = self._where[id(p)]
         task = self._task(replica)
-        task.replicas.add(replica)
-        task.accumulated.add((replica, index))
-        if task.sync and self._collective.overlaps_backward:   # one local replica: its pack may leave now
+        task.note(replica, index)
+        if task.sync:   # (hooked only where packs overlap backward) its pack may leave now
             if task.packs is None:
                 task.packs = self._collective.gradient_packs(self._replicas[replica])
             task.packs.ready(p)
