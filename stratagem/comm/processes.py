@@ -56,6 +56,7 @@ import torch.distributed as dist
 from stratagem.cluster.joined import mark_joined
 from stratagem.comm import agreement
 from stratagem.comm.binding import bind_gloo
+from stratagem.comm.gloo_threads import REST_SECONDS, bring_to_rest
 from stratagem.comm.options import CommunicationImplementation, CommunicationOptions
 from stratagem.errors import InvalidArgumentError, UnavailableError
 from stratagem.observe import flight, hang_report
@@ -211,6 +212,7 @@ class WorkerGroup:
         except UnavailableError:
             raise
         except (RuntimeError, dist.DistBackendError, ConnectionError) as error:
+            self._failed = True   # (collectives may still wait on the lost task: close() does not wait long)
             lost = self._lost_tasks()
             who = ", ".join(lost) if lost else "a peer"
             heartbeat = f"; earlier, {self.heartbeat_failure}" if self.heartbeat_failure else ""
@@ -279,6 +281,11 @@ class WorkerGroup:
         thread = getattr(self, "_heartbeat_thread", None)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=HEARTBEAT_SECONDS if getattr(self, "_lost_chief", False) else 5.0)
+        # gloo's threads outlive the groups (a sharded model holds them): they must have let go of every
+        # collective before the interpreter finalizes, or one may abort the process (gloo_threads.py);
+        # after a failure, some may wait on the lost task until gloo's timeout: a moment then, quietly
+        failed = getattr(self, "_failed", False) or self.heartbeat_failure is not None
+        bring_to_rest(1.0 if failed else REST_SECONDS, warn=not failed)
         if self.group is None and not self.solo and dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from stratagem.cluster import resolve
 from stratagem.comm.cross_device_ops import default_cross_device_ops
+from stratagem.comm.gloo_threads import leave_every_group
 from stratagem.comm.options import CommunicationOptions, check_compression
 from stratagem.comm.processes import WorkerGroup, peers_of
 from stratagem.comm.replicas import ReplicaCollective
@@ -80,7 +81,7 @@ class MeshStrategy(Strategy):
         full = WorkerGroup(resolver, options, uses_cuda=cuda)   # (closed at exit: its heartbeat stops)
         if full.solo and not dist.is_initialized():  # a lone process still needs a group for the mesh
             dist.init_process_group(full.backend, store=dist.HashStore(), rank=0, world_size=1)
-            atexit.register(_leave_solo_group)
+            atexit.register(leave_every_group)
         self.mesh = init_device_mesh(device.kind, sizes, mesh_dim_names=self.axes)
         self._mesh_device = device
         self._options = options
@@ -172,8 +173,3 @@ def mesh_shape(mesh: dict[str, int] | None, world_size: int, axes: tuple[str, ..
             f"the mesh {{{named}}} has {total} processes, but the cluster has {world_size}; give sizes whose "
             f"product is {world_size}")
     return sizes
-
-
-def _leave_solo_group() -> None:
-    if dist.is_initialized():   # (a test may have left it already)
-        dist.destroy_process_group()

@@ -45,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from stratagem.comm.gloo_threads import leave_every_group
 from stratagem.errors import InvalidArgumentError
 from stratagem.placement.data_axis.buffers import BufferSync
 from stratagem.placement.dtensor_state import replacing
@@ -71,7 +72,7 @@ class FullyShardedPlacement(RootsPlacement):
         group = collective.group
         if group.solo and not dist.is_initialized():   # a lone worker still needs a group for the mesh
             dist.init_process_group(group.backend, store=dist.HashStore(), rank=0, world_size=1)
-            atexit.register(_leave_solo_group)
+            atexit.register(leave_every_group)
         self.mesh = DeviceMesh.from_group(group.group or dist.group.WORLD, device.type, mesh_dim_names=("data",))
         #: the layout: FSDP2 units over the workers
         self.shard = FullyShard(self.mesh, "sharding='gradients'")
@@ -212,8 +213,3 @@ def units(root: nn.Module) -> list[nn.Module]:
         else:
             found.append(child)
     return found
-
-
-def _leave_solo_group() -> None:
-    if dist.is_initialized():   # (a test may have left it already)
-        dist.destroy_process_group()
