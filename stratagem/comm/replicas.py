@@ -40,6 +40,7 @@ from stratagem.observe import flight
 from stratagem.values import ReduceOp
 
 _PIECE_ELEMENTS = 1 << 18  # pieces small enough that the copy-back still finds the sum in cache
+_SMALL_ELEMENTS = 1 << 12  # an all-reduce this small is summed by every replica alone (``sums_small_alone``)
 
 
 def sum_into(first: torch.Tensor, others: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -47,6 +48,19 @@ def sum_into(first: torch.Tensor, others: Sequence[torch.Tensor]) -> torch.Tenso
     for other in others:
         first.add_(other.to(first.device, non_blocking=True))
     return first
+
+
+def _sum_in_order(everyone: list[list[torch.Tensor]], op: ReduceOp) -> list[torch.Tensor]:
+    """Every replica's tensors summed in replica order (then divided once, for MEAN), as new tensors."""
+    sums = []
+    for i, first in enumerate(everyone[0]):
+        acc = first.clone()
+        for theirs in everyone[1:]:
+            acc.add_(theirs[i])
+        if op is ReduceOp.MEAN:
+            acc.div_(len(everyone))
+        sums.append(acc)
+    return sums
 
 
 def check_mean(tensors: Sequence[torch.Tensor], op: ReduceOp) -> None:
@@ -76,6 +90,10 @@ class ReplicaCollective(Collective):
     #: The cross-device op class this collective carries out (each subclass declares its own;
     #: ``CrossDeviceOps`` itself stands for every user subclass).
     serves: type | None = None
+    #: whether a few values (a loss's row count, a metric) may be summed by every replica alone, on
+    #: the CPU, in replica order -- what this op computes -- without a second meeting (no replica
+    #: writes another's tensors, so none need wait for the others to finish reading its own)
+    sums_small_alone = False
 
     @staticmethod
     def create(devices: Sequence[Device], options: CrossDeviceOps) -> "ReplicaCollective":
@@ -119,8 +137,17 @@ class ReplicaCollective(Collective):
         check_mean(tensors, op)
         tensors = [t.clone() for t in tensors]
         everyone = self.sync.exchange(local_id, tensors, f"all_reduce({len(tensors)} tensors)")
+        if self._sums_alone(everyone):
+            self._check(everyone)   # (every replica checks the same lists: all raise alike)
+            return _sum_in_order(everyone, op)
         self.sum_exchanged(local_id, everyone, op)
         return tensors
+
+    def _sums_alone(self, everyone: list[list[torch.Tensor]]) -> bool:
+        """Decided from replica 0's tensors, which every replica sees: the same answer on each."""
+        first = everyone[0]
+        return (self.sums_small_alone and len(everyone) > 1 and sum(t.numel() for t in first) <= _SMALL_ELEMENTS
+                and all(t.device.type == "cpu" for e in everyone for t in e))
 
     def reduce_scatter(self, local_id: int, tensor: torch.Tensor, op: ReduceOp, axis: int,
                        sizes: Sequence[int] | None = None) -> torch.Tensor:
@@ -179,6 +206,7 @@ class RangeCollective(ReplicaCollective):
     """``HierarchicalCopyAllReduce``: every replica thread reduces its own ranges."""
 
     serves = HierarchicalCopyAllReduce
+    sums_small_alone = True
 
     def __init__(self, devices: Sequence[Device], options: HierarchicalCopyAllReduce):
         super().__init__(devices, options)
@@ -231,6 +259,7 @@ class OneDeviceCollective(ReplicaCollective):
     """``ReductionToOneDevice``: one thread sums on one device; every replica gets a copy."""
 
     serves = ReductionToOneDevice
+    sums_small_alone = True
 
     def reduce_in_place(self, local_id, everyone, op, copy_back):
         if local_id != 0:  # the others wait for replica 0 at the "done" exchange

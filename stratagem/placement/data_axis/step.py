@@ -9,7 +9,9 @@ backward:
 1. ``prepare_gradients`` -- the summed gradients where the update reads them (central storage
    with GPU replicas: the parameter device; ZeRO stage 2: this worker's range of the sum);
 2. the user's step pre-hooks, once (replica 0 while the others wait), seeing the summed
-   gradients; gradients a hook changed reach the other replicas (``copy_changed``);
+   gradients; gradients a hook changed reach the other replicas (``copy_changed``); without
+   hooks the replicas meet all the same: no update reads gradients that another replica's code
+   (a ``clip_grad_norm_`` between ``backward()`` and ``step()``) has yet to change;
 3. ``update_call`` -- the update: this replica's range (split updates), replica 0's single
    update on shared memory, or this replica's twin on its own copy;
 4. ``after_update`` -- the replicas meet; the new values reach every copy (central storage: its
@@ -77,7 +79,11 @@ def synchronous_step(axis: SynchronousAxis, optimizer: torch.optim.Optimizer, cl
     with label("stratagem.optimizer.step"):
         gradients = rule.prepare_gradients(optimizer, replica)
         if pre:
-            _hooks_once(axis, pre, optimizer, replica, grads=True)
+            _hooks_once(axis, pre, optimizer, replica, grads=True)   # (replica 0 runs them: the replicas meet)
+        elif replica is not None and axis.num_replicas > 1:
+            # a replica's update may read another's gradients (its range of replica 0's): every
+            # replica's code between backward and step (clipping, unscaling) must have run first
+            axis.collective.exchange(replica, None, "optimizer.step (gradients final)")
         with label("stratagem.optimizer.update"):
             result = rule.update_call(optimizer, replica, gradients, closure)
         result = rule.after_update(optimizer, replica, result)
