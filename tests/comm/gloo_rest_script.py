@@ -1,12 +1,13 @@
-"""A job's worker whose gloo threads crawl while they hold finished collectives, which
+"""A job's worker whose gloo thread still holds a collective, which
 stratagem.comm.gloo_threads.bring_to_rest must wait out.
 
-The threads get the idlest scheduling class on a core a busy process holds (where there are two
-cores); each runs an all-reduce of a tensor this thread dropped at once, so letting go of it is
-theirs to do, and takes them the GIL, which this thread keeps from the moment the collectives
-return (a switch interval of 1,000 s: it lets go only when it blocks) -- as a thread that runs on
-into the interpreter's exit may. ``bring_to_rest`` must return only once they have let go: the
-state in which an interpreter may finalize without a thread of gloo's aborting it.
+Worker 0 starts an all-reduce of a tensor it drops at once, with its work, and asks for gloo's
+threads at rest; worker 1 joins that all-reduce only 1.5 s later. Until then a gloo thread of
+worker 0 holds the collective (and with it the last reference to the tensor), so
+``bring_to_rest`` must not return before worker 1 has joined, and once it has returned the tensor
+must be gone: the state in which an interpreter may finalize without a thread of gloo's aborting
+it. Worker 0 prints how long it waited, whether the tensor was still held before and after, and the
+sum the peer's value made.
 
 Usage: stratagem launch --workers 2 gloo_rest_script.py
 """
@@ -23,32 +24,24 @@ import torch.distributed as dist  # noqa: E402
 
 import stratagem as sg  # noqa: E402
 from stratagem.comm.gloo_threads import bring_to_rest  # noqa: E402
-from tests.comm.crawling_gloo import crawl  # noqa: E402
-
 
 strategy = sg.MultiWorkerMirroredStrategy()
 worker = strategy.cluster_resolver.task_id
-hog = crawl()
-try:
-    tensors, works = [], []
-    for i in range(2):   # one for each of gloo's threads
-        tensor = torch.full((1024,), float(i))
-        tensors.append(weakref.ref(tensor))
-        works.append(dist.all_reduce(tensor, async_op=True))
-        del tensor
-    sys.setswitchinterval(1000.0)   # from here this thread keeps the GIL until it blocks
-    for work in works:
-        work.wait()
-    del works, work   # (the works hold the tensors too)
-    held = sum(ref() is not None for ref in tensors)   # (no print: it would let go of the GIL)
+if worker == 1:
+    time.sleep(1.5)
+    dist.all_reduce(torch.full((4,), 2.0))
+    print("worker 1: joined the all-reduce", flush=True)
+else:
+    result = {}
+    tensor = torch.full((4,), 1.0)
+    watch = weakref.ref(tensor)
+    work = dist.all_reduce(tensor, async_op=True)
+    summed = work.get_future().then(lambda future: result.setdefault("sum", future.value()[0][0].item()))
+    del tensor, work
+    held_before = watch() is not None
     started = time.monotonic()
-    rested = bring_to_rest(timeout=120.0)
-    took = time.monotonic() - started
-    left = sum(ref() is not None for ref in tensors)
-finally:
-    sys.setswitchinterval(0.005)
-    if hog is not None:
-        hog.kill()
-        hog.wait()
-print(f"worker {worker}: {held} tensor(s) still held by gloo's threads when the collectives returned; "
-      f"at rest: {rested} after {took:.3f} s, {left} tensor(s) still held", flush=True)
+    rested = bring_to_rest(timeout=60.0)
+    waited = time.monotonic() - started
+    held_after = watch() is not None
+    print(f"worker 0: held before: {held_before}; at rest: {rested} after {waited:.2f} s; held after: "
+          f"{held_after}; sum {result.get('sum')}", flush=True)
