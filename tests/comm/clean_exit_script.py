@@ -1,7 +1,7 @@
 """A job's worker that trains one step under MultiWorkerMirroredStrategy and ends, as the Slurm
 guide's script does: it must exit 0 with none of gloo's threads left once the strategy has closed,
 or with ``sharding="parameters"`` (whose model holds the group, so its threads live on) with every
-one of them at rest -- although they crawl from the last collective on (tests/comm/crawling_gloo.py).
+one of them at rest -- although they crawl for 3 s from the last collective on (tests/comm/crawling_gloo.py).
 
 The check is an ``atexit`` handler registered before the strategy exists, so it runs after the
 strategy's own (which leave the process group). A gloo thread that is not at rest then can be
