@@ -24,5 +24,5 @@ def test_only_a_condition_variables_wait_without_a_limit_is_rest(state: str, lin
     assert gloo_threads._waiting_untimed(state, line.split()) is at_rest
 
 
-def test_a_process_without_gloo_threads_is_at_rest_at_once() -> None:
-    assert gloo_threads.bring_to_rest(timeout=0.0) is True
+def test_a_process_whose_gloo_threads_do_nothing_is_at_rest() -> None:
+    assert gloo_threads.bring_to_rest(timeout=10.0) is True   # (at once where no gloo thread works)
