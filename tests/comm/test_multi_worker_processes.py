@@ -36,8 +36,9 @@ def test_a_sharded_job_ends_with_gloo_threads_at_rest_though_they_crawl(tmp_path
 
 
 def test_gloo_threads_are_brought_to_rest_only_once_they_let_go(tmp_path: Path) -> None:
-    """A gloo thread holds a collective until the peer joins it 1.5 s later: bring_to_rest waits for
-    it, and after it the dropped tensor is gone (without the wait it is still held, every time)."""
+    """A gloo thread holds a collective until the peer joins it, 0.5 s after being told: bring_to_rest
+    waits for it, and after it the dropped tensor is gone (without the wait it is still held, every
+    time)."""
     output = _launch(tmp_path, HERE / "gloo_rest_script.py")
     assert "worker 1: joined the all-reduce" in output, output[-4000:]
     line = next((text for text in output.splitlines() if "worker 0: held before" in text), "")
