@@ -67,20 +67,31 @@ def leave_every_group() -> None:
         dist.destroy_process_group()
 
 
-def _busy_threads() -> "list[int] | None":
-    """The ids of gloo's threads not at rest; None where this system does not say."""
-    if _FUTEX is None:
-        return None
-    busy = []
+def thread_names() -> "dict[int, str]":
+    """This process's threads, id -> name, as ``/proc`` lists them (empty where it does not)."""
+    names = {}
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
-        return None
+        return names
     for task in tasks:
         try:
             with open(f"/proc/self/task/{task}/comm") as f:
-                if f.read().strip() != "pt_gloo_runloop":
-                    continue
+                names[int(task)] = f.read().strip()
+        except OSError:   # (a thread that ended meanwhile)
+            pass
+    return names
+
+
+def _busy_threads() -> "list[int] | None":
+    """The ids of gloo's threads not at rest; None where this system does not say."""
+    if _FUTEX is None or not os.path.isdir("/proc/self/task"):
+        return None
+    busy = []
+    for task, name in thread_names().items():
+        if name != "pt_gloo_runloop":
+            continue
+        try:
             with open(f"/proc/self/task/{task}/stat") as f:
                 state = f.read().rsplit(")", 1)[1].split()[0]
             with open(f"/proc/self/task/{task}/syscall") as f:
@@ -90,7 +101,7 @@ def _busy_threads() -> "list[int] | None":
         except OSError:   # (a system that keeps system calls from the process itself)
             return None
         if not _waiting_untimed(state, call):
-            busy.append(int(task))
+            busy.append(task)
     return busy
 
 

@@ -20,25 +20,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def _gloo_threads() -> list[str]:
-    names = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:   # (a thread that ended meanwhile)
-            pass
-    return [name for name in names if "gloo" in name]
-
-
 SHARDING = sys.argv[1] if len(sys.argv) > 1 else None
 hog = None   # the busy process that makes gloo's threads crawl (sharding="parameters")
 
 
 def _check() -> None:
-    left = _gloo_threads()
+    from stratagem.comm.gloo_threads import _busy_threads, thread_names   # (imported by now: the strategy's)
+    left = [name for name in thread_names().values() if "gloo" in name]
     if SHARDING == "parameters":   # FSDP's mesh and DTensor parameters hold the group: at rest is the bar
-        from stratagem.comm.gloo_threads import _busy_threads
         busy = _busy_threads()
         if hog is not None:
             hog.kill()

@@ -12,18 +12,12 @@ import subprocess
 import sys
 import threading
 
+from stratagem.comm.gloo_threads import thread_names
+
 
 def gloo_threads(name: str = "pt_gloo_runloop") -> list[int]:
     """The ids of this process's threads called ``name``."""
-    found = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                if f.read().strip() == name:
-                    found.append(int(task))
-        except OSError:   # (a thread that ended meanwhile)
-            pass
-    return found
+    return [tid for tid, named in thread_names().items() if named == name]
 
 
 def crawl(seconds: float = 3.0) -> "subprocess.Popen | None":
