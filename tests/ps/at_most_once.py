@@ -73,7 +73,15 @@ def main():
             deadline = time.monotonic() + 120
             while not Path(gate, "open").exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
-        optimizer.step()
+        try:
+            optimizer.step()
+            outcome = "applied"
+        except Exception as error:  # noqa: BLE001 - what the late push met, for the report
+            outcome = f"{type(error).__name__}: {str(error)[:300]}"
+            raise
+        finally:
+            if hold_pid == me:   # the held step: the coordinator waits for its outcome
+                Path(gate, f"outcome-{me}-{time.monotonic_ns()}").write_text(outcome)
         return me
 
     report = {"mode": mode}
@@ -91,7 +99,10 @@ def main():
         report["updates_after_join"] = updates()
         os.kill(pid, signal.SIGCONT)
         say("CONTINUED")
-        wait_until(lambda: refused() >= 1, 60, "the stopped worker's late push")
+        # the held step's push, sent once the worker resumed: whatever it met is written beside
+        # the gate (a refusal, or an error on the way), so a failure names it at once
+        wait_until(lambda: any(gate_dir.glob(f"outcome-{pid}-*")), 60, "the stopped worker's late push")
+        report["late_push"] = [f.read_text() for f in sorted(gate_dir.glob(f"outcome-{pid}-*"))]
         report["refused"] = refused()
         report["updates"] = updates()
         more = coordinator.schedule(step, args=(0, gate))      # the resumed worker still works

@@ -45,6 +45,8 @@ def test_a_stopped_worker_that_resumes_does_not_apply_its_step_twice(cluster_fac
     # the held step ran again on worker 0 once worker 1 missed its heartbeats
     assert report["updates_after_join"] == 42 and report["join_seconds"] < 30, report
     # worker 1 resumed and pushed its step late: refused, nothing applied twice
+    (late,) = report["late_push"]
+    assert late.startswith("SupersededError") or "superseded" in late, report
     assert report["refused"] >= 1 and report["updates"] == 42, report
     assert report["after"] and report["weight"] == 43.0, report
     assert report["run_on_lane"] == [True, True], report   # the closures went on the workers' lanes
