@@ -159,10 +159,11 @@ def report(args: argparse.Namespace, mode: str, ranks: list[dict]) -> list[str]:
     return lines
 
 
-def parse_paired_args(argv: list[str] | None, description: str, *, pairs: int, chunk: int) -> argparse.Namespace:
+def parse_paired_args(argv: list[str] | None, description: str, *, pairs: int, chunk: int,
+                      modes: tuple[str, ...] = ("eager", "compiled")) -> argparse.Namespace:
     """The options of a paired benchmark (this one, ``mirrored_paired.py``): modes, pairs, chunks, the model's."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
+    p.add_argument("--modes", nargs="+", choices=list(modes), default=list(modes))
     p.add_argument("--pairs", type=int, default=pairs, help="timed pairs of chunks per mode")
     p.add_argument("--chunk", type=int, default=chunk, help="steps per chunk")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps of each side first (compiled: they compile)")
@@ -180,7 +181,7 @@ def child_run(args: argparse.Namespace, mode: str) -> tuple[list[str], float]:
     """A paired benchmark's child (``mode``'s run): its arguments and a generous deadline."""
     argv = ["--child", mode, "--pairs", str(args.pairs), "--chunk", str(args.chunk), "--warmup", str(args.warmup),
             "--seed", str(args.seed)] + [f"--{name}={getattr(args, name)}" for name in MODEL_OPTIONS]
-    return argv, 180 + (300 if mode == "compiled" else 0) + 2 * (args.pairs * args.chunk + args.warmup) * 3.0
+    return argv, 180 + (300 if mode.startswith("compiled") else 0) + 2 * (args.pairs * args.chunk + args.warmup) * 3.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -17,8 +17,14 @@ torch's intra-op thread count is process-wide: before each chunk (untimed) it is
 torch's default, which plain uses and which the strategy divides between its replicas during
 ``run``. A pair's ratio (mirrored's chunk median over plain's) compares two chunks a fraction of a
 second apart, so what the host does over minutes cancels; the verdict reads the median of the
-undisturbed pairs' ratios and its 95 % interval. Eager and compiled (``torch.compile`` of each
-model) run in separate processes; the target of the compiled ratio is the eager one's median.
+undisturbed pairs' ratios and its 95 % interval. Each mode runs in a process of its own: ``eager``,
+``compiled`` (``torch.compile`` of each model) and ``compiled_cpp`` (``torch.compile(model,
+options={"cpp_wrapper": True})``); the target of a compiled mode's ratio is the eager one's median.
+
+Why ``compiled_cpp``: inductor's default (Python) wrapper calls each fused CPU kernel through a
+binding that holds the GIL while the kernel runs, so two replica threads' compiled kernels take
+turns instead of running on two cores at once; the C++ wrapper runs the whole graph with the GIL
+released. Plain PyTorch (one Python thread) gains a little from it, the replicas more.
 
 The plain model also runs with the module forward pre-hook that stratagem installs at the first
 multi-replica ``run`` (it returns at once outside ``run``): the process's modules all see it.
@@ -26,7 +32,8 @@ Both models train the same steps, so their losses agree after the run (the check
 side's CPU time a step and the cores it kept busy (CPU time over wall time) say whether a slower
 side did more work or left cores idle (replica threads waiting on each other or on the GIL).
 
-    python benchmarks/mirrored_paired.py                         # eager and compiled, 40 pairs each
+    python benchmarks/mirrored_paired.py                         # the three modes, 40 pairs each
+    python benchmarks/mirrored_paired.py --modes eager compiled_cpp
     python benchmarks/mirrored_paired.py --modes eager --pairs 4 --chunk 2     # smoke test
 """
 
@@ -46,6 +53,8 @@ import _harness as h  # noqa: E402
 from ddp_paired import child_run, parse_paired_args  # noqa: E402
 
 REPLICAS = 2
+#: eager; ``torch.compile`` of each model; and compiled with inductor's C++ wrapper
+MODES = ("eager", "compiled", "compiled_cpp")
 
 
 def child_main(args: argparse.Namespace) -> dict:
@@ -60,7 +69,9 @@ def child_main(args: argparse.Namespace) -> dict:
     tokens = torch.randint(0, args.vocab, (args.distinct, args.rows * REPLICAS, args.accumulate, args.block + 1),
                            generator=g)
     batches = [(t[..., :-1], t[..., 1:]) for t in tokens]   # (global rows, micro-steps, block)
-    compiled, k = args.child == "compiled", args.accumulate
+    compiled, k = args.child.startswith("compiled"), args.accumulate
+    # compiled_cpp: inductor's C++ wrapper runs each compiled graph with the GIL released
+    options = {"cpp_wrapper": True} if args.child == "compiled_cpp" else None
 
     def build() -> tuple[Any, Any]:
         net = h.gpt(args.dim, args.layers, args.vocab, args.heads, tied=True, seed=args.seed)
@@ -74,8 +85,8 @@ def child_main(args: argparse.Namespace) -> dict:
     strategy = sg.MirroredStrategy([f"cpu:{r}" for r in range(REPLICAS)])
     with strategy.scope():
         mirrored_net, mirrored_opt = build()
-    models = {"plain": torch.compile(plain_net) if compiled else plain_net,
-              "mirrored": torch.compile(mirrored_net) if compiled else mirrored_net}
+    models = {"plain": torch.compile(plain_net, options=options) if compiled else plain_net,
+              "mirrored": torch.compile(mirrored_net, options=options) if compiled else mirrored_net}
 
     def train_step(side: str, x: Any, y: Any) -> None:
         model, optimizer = models[side], (plain_opt if side == "plain" else mirrored_opt)
@@ -156,16 +167,16 @@ def report(args: argparse.Namespace, mode: str, r: dict, target: float | None) -
     lines.append(f"Check ({mode}): after {r['steps']['plain']} steps each, loss plain {r['loss']['plain']:.6f}, "
                  f"Mirrored(2) {r['loss']['mirrored']:.6f}, relative difference {diff:.1e}"
                  + ("" if diff <= 1e-3 else "  MISMATCH"))
-    if mode == "compiled":
+    if mode != "eager":
         breaks = r["graph_breaks"]
-        lines.append(f"compiled: {r['graphs']} graph(s) (plain's and each replica's), {r['graphs_after_warmup']} "
+        lines.append(f"{mode}: {r['graphs']} graph(s) (plain's and each replica's), {r['graphs_after_warmup']} "
                      f"during warm-up; compiled again after: {r['graphs'] - r['graphs_after_warmup']}; graph breaks: "
                      + (", ".join(f"{n} x {reason!r}" for reason, n in breaks.items()) if breaks else "none"))
     return lines, ratios
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return parse_paired_args(argv, __doc__.split("\n\n")[0], pairs=40, chunk=6)
+    return parse_paired_args(argv, __doc__.split("\n\n")[0], pairs=40, chunk=6, modes=MODES)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,10 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     h.log(f"plain and Mirrored(2) in the same process: {args.modes}, {args.pairs} pairs of {args.chunk}-step chunks, "
           f"load {h.loadavg()}")
     lines, eager_ratios = [], None
-    for mode in sorted(args.modes, key=["eager", "compiled"].index):   # eager first: its median is compiled's target
+    for mode in sorted(args.modes, key=MODES.index):   # eager first: its median is the compiled modes' target
         argv, timeout = child_run(args, mode)
         result = h.run_json([sys.executable, os.path.abspath(__file__), *argv], timeout)
-        target = h.median(eager_ratios) if mode == "compiled" and eager_ratios else None
+        target = h.median(eager_ratios) if mode != "eager" and eager_ratios else None
         more, ratios = report(args, mode, result, target)
         lines += more
         eager_ratios = ratios if mode == "eager" else eager_ratios
@@ -189,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     print("A pair: one chunk of each side, back to back, in the same process; a ratio: Mirrored(2)'s chunk median "
           f"over plain's; pairs with other processes keeping more than {args.max_other_load} cores busy set aside; "
-          "the verdict (compiled, against the eager median) needs the median's 95 % interval on one side of it.")
+          "the verdict (compiled modes, against the eager median) needs the median's 95 % interval on one side "
+          "of it.")
     warning = h.load_warning()
     if warning:
         print(warning)

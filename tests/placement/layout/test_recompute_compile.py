@@ -38,7 +38,8 @@ COMPILED = 1e-9      # inductor fuses float64 operations in another order than e
 
 def train(strategy: sg.Strategy, batch_sizes: list[int], *, tolerance: float, recompute: str | None = None,
           shared_blocks: bool = False, compile_model: bool = False, compile_step: bool = False,
-          clip: float | None = None, after_each_step: Callable[[int], None] = lambda step: None) -> None:
+          clip: float | None = None, after_each_step: Callable[[int], None] = lambda step: None,
+          compile_options: dict | None = None) -> None:
     """Train TinyGPT in ``strategy`` and compare the loss, every parameter and the gradient norm
     ``clip_grad_norm_`` returns (with ``clip``) with plain PyTorch (no recomputation, not
     compiled) after every step."""
@@ -47,7 +48,7 @@ def train(strategy: sg.Strategy, batch_sizes: list[int], *, tolerance: float, re
     with strategy.scope():
         model = tiny_gpt.make_model(recompute=recompute, shared_blocks=shared_blocks)
         optimizer = tiny_gpt.make_optimizer(model)
-    forward = torch.compile(model) if compile_model else model
+    forward = torch.compile(model, options=compile_options) if compile_model else model
 
     def step(batch):
         x, y = batch
@@ -122,6 +123,16 @@ def test_compiled_model_under_mirrored() -> None:
     check = _count_compiled_graphs()
     train(STRATEGIES["mirrored"](), [8, 8, 8], tolerance=COMPILED, compile_model=True, after_each_step=check)
     assert counters["stats"]["unique_graphs"] == 2    # one graph per replica thread: each its own parameters
+
+
+@pytest.mark.timeout(600)
+def test_compiled_model_with_the_cpp_wrapper_under_mirrored() -> None:
+    """Inductor's C++ wrapper (each compiled graph runs with the GIL released, so the replica threads'
+    graphs run at once: the form docs/guarantees.md advises for CPU replicas) trains as plain PyTorch."""
+    check = _count_compiled_graphs()
+    train(STRATEGIES["mirrored"](), [8, 8, 8], tolerance=COMPILED, compile_model=True, after_each_step=check,
+          compile_options={"cpp_wrapper": True}, clip=2.0)
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 @pytest.mark.timeout(600)
