@@ -80,8 +80,10 @@ def main():
             outcome = f"{type(error).__name__}: {str(error)[:300]}"
             raise
         finally:
-            if hold_pid == me:   # the held step: the coordinator waits for its outcome
-                Path(gate, f"outcome-{me}-{time.monotonic_ns()}").write_text(outcome)
+            if hold_pid == me:   # the held step: the coordinator waits for its outcome (renamed
+                name = f"outcome-{me}-{time.monotonic_ns()}"   # into place whole, never read half written)
+                Path(gate, "." + name).write_text(outcome)
+                os.replace(Path(gate, "." + name), Path(gate, name))
         return me
 
     report = {"mode": mode}
