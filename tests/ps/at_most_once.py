@@ -73,6 +73,7 @@ def main():
             deadline = time.monotonic() + 120
             while not Path(gate, "open").exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
+        outcome = "interrupted"
         try:
             optimizer.step()
             outcome = "applied"
