@@ -104,6 +104,7 @@ class WorkerGroup:
         # (time.monotonic(), every rank's counter) as the heartbeat last read them, newest last
         self._snapshots: collections.deque[tuple[float, list[bytes]]] = collections.deque(maxlen=8)
         self._lost_chief = False  # a collective failed and the store stopped answering
+        self._failed = False  # a collective failed: gloo's threads may wait on the lost task
         self._store_failed_at = 0.0  # time.monotonic() of the heartbeat's last failed read
         # NCCL moves CUDA tensors only: small host-side values travel through this device
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
@@ -284,7 +285,7 @@ class WorkerGroup:
         # gloo's threads outlive the groups (a sharded model holds them): they must have let go of every
         # collective before the interpreter finalizes, or one may abort the process (gloo_threads.py);
         # after a failure, some may wait on the lost task until gloo's timeout: a moment then, quietly
-        failed = getattr(self, "_failed", False) or self.heartbeat_failure is not None
+        failed = self._failed or self.heartbeat_failure is not None
         bring_to_rest(1.0 if failed else REST_SECONDS, warn=not failed)
         if self.group is None and not self.solo and dist.is_initialized():
             try:

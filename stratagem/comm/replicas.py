@@ -54,9 +54,7 @@ def _sum_in_order(everyone: list[list[torch.Tensor]], op: ReduceOp) -> list[torc
     """Every replica's tensors summed in replica order (then divided once, for MEAN), as new tensors."""
     sums = []
     for i, first in enumerate(everyone[0]):
-        acc = first.clone()
-        for theirs in everyone[1:]:
-            acc.add_(theirs[i])
+        acc = sum_into(first.clone(), [theirs[i] for theirs in everyone[1:]])
         if op is ReduceOp.MEAN:
             acc.div_(len(everyone))
         sums.append(acc)
