@@ -26,11 +26,12 @@ pairs go on (up to ``--max-pairs``) until every target is decided: one run decid
     python benchmarks/mirrored.py --quick              # smoke test: batch 128, 1 round, 4 steps
     python benchmarks/mirrored.py --profile            # torch.profiler tables, first batch size
     python benchmarks/mirrored.py --paired --configs plain mirrored_hier   # one process per batch size
-    python benchmarks/mirrored.py --paired --configs plain mirrored_hier thread_floor   # and the floor
+    python benchmarks/mirrored.py --paired --configs plain mirrored_hier thread_floor sum_floor   # and the floors
 
 ``thread_floor`` (``--paired`` only) is what running the replicas as threads costs by itself: the
 batch's halves forward and backward on two threads at once, one meeting, each thread's share of the
-update; no gradient sum.
+update; no gradient sum. ``sum_floor`` (``--paired`` only) adds the gradient sum and a second meeting:
+the least that trains as plain PyTorch does (the check includes it), without the strategy.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ import _harness as h  # noqa: E402
 CONFIGS = {"plain": "PyTorch plain", "one_device": "OneDeviceStrategy(cpu)",
            "mirrored_hier": "Mirrored(2) HierarchicalCopy*", "mirrored_r1d": "Mirrored(2) ReductionToOneDevice",
            "tf_single": "TF single device", "tf_mirrored": "TF Mirrored(2)",
-           "thread_floor": "two threads, no strategy (floor)"}
-PAIRED_ONLY = ("thread_floor",)   # a timing floor: it does not train as plain PyTorch
+           "thread_floor": "two threads, no strategy (floor)",
+           "sum_floor": "two threads and the sum, no strategy"}
+PAIRED_ONLY = ("thread_floor", "sum_floor")   # timing floors, written for the paired process
+UNTRAINED = ("thread_floor",)   # it does not train as plain PyTorch: the check leaves it out
 PROFILE_CONFIGS = ("plain", "plain_1thread", "mirrored_hier", "mirrored_r1d")
 TARGETS = {("one_device", 128): 1.03, ("one_device", 512): 1.03, ("mirrored_hier", 128): 1.15,
            ("mirrored_hier", 512): 1.05, ("mirrored_r1d", 128): 1.15, ("mirrored_r1d", 512): 1.05}
@@ -200,8 +203,8 @@ def paired_child(args: argparse.Namespace) -> dict:
         return {"median_ms": h.median(times), "cpu_ms": 1e3 * window.own_cores * window.seconds / count,
                 "foreign": window.foreign_cores}
 
-    if "thread_floor" in args.configs:
-        models["thread_floor"], steps["thread_floor"] = thread_floor(initial, batches, done)
+    for floor in [c for c in args.configs if c in PAIRED_ONLY]:
+        models[floor], steps[floor] = thread_floor(initial, batches, done, summed=floor == "sum_floor")
 
     for config in reversed(args.configs):   # warm-up; the strategies first (their forward pre-hook in place)
         chunk(config, args.warmup)
@@ -223,7 +226,7 @@ def paired_child(args: argparse.Namespace) -> dict:
             "loss": {config: probe(model) for config, model in models.items()}}
 
 
-def thread_floor(initial: dict, batches: list, done: dict) -> tuple[Any, Any]:
+def thread_floor(initial: dict, batches: list, done: dict, *, summed: bool = False) -> tuple[Any, Any]:
     """``thread_floor``: what any design that runs a process's replicas as threads pays before it sums
     anything. The batch's two halves go forward and backward at once on two threads (the caller's and a
     helper's, one intra-op thread each, the weights in one memory under two ``Parameter`` objects, as
@@ -231,7 +234,13 @@ def thread_floor(initial: dict, batches: list, done: dict) -> tuple[Any, Any]:
     weights (by elements) from its own half's gradient, as the strategy splits its update. No gradient
     sum and one meeting: it does not train as plain PyTorch does (the check leaves it out); it is the
     time to compare with. (An update on two intra-op threads between the halves would leave an OpenMP
-    worker spinning while they run: it doubled this step's time.)"""
+    worker spinning while they run: it doubled this step's time.)
+
+    ``summed`` (``sum_floor``): the least that trains exactly as plain PyTorch does. Each half's loss
+    counts half (their gradients add up to the whole batch's mean); after the first meeting each
+    thread sums its half of every gradient into both replicas' gradients, in replica order, as the
+    strategy's ``HierarchicalCopyAllReduce`` does, and the threads meet again before the update. What
+    ``Mirrored(2)`` costs beyond this is the strategy's own: its meetings, hooks and Python."""
     import copy
     import queue
     import threading
@@ -250,14 +259,26 @@ def thread_floor(initial: dict, batches: list, done: dict) -> tuple[Any, Any]:
     optimizers = [torch.optim.SGD([p for p, owner in zip(model.parameters(), owners) if owner == r],
                                   lr=h.LR, momentum=h.MOMENTUM) for r, model in enumerate((first, second))]
     meeting = threading.Barrier(2)
+    # thread r sums half r of every gradient (elements lo..hi of each)
+    halves = [[(0, p.numel() // 2) if r == 0 else (p.numel() // 2, p.numel()) for p in first.parameters()]
+              for r in range(2)]
+    name = "sum_floor" if summed else "thread_floor"
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     outbox: queue.SimpleQueue = queue.SimpleQueue()
 
     def half(r: int, x: Any, y: Any) -> None:
         model = (first, second)[r]
         model.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        loss = F.cross_entropy(model(x), y)
+        (loss * 0.5 if summed else loss).backward()
         meeting.wait(timeout=60)
+        if summed:
+            with torch.no_grad():
+                for (lo, hi), a, b in zip(halves[r], first.parameters(), second.parameters()):
+                    primary, other = a.grad.view(-1)[lo:hi], b.grad.view(-1)[lo:hi]
+                    primary.add_(other)
+                    other.copy_(primary)
+            meeting.wait(timeout=60)
         optimizers[r].step()
 
     def serve() -> None:
@@ -274,7 +295,7 @@ def thread_floor(initial: dict, batches: list, done: dict) -> tuple[Any, Any]:
     threading.Thread(target=serve, daemon=True, name="thread-floor").start()
 
     def step() -> None:
-        x, y = batches[done["thread_floor"] % len(batches)]
+        x, y = batches[done[name] % len(batches)]
         cut = len(x) // 2
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -418,7 +439,7 @@ def run_paired(args: argparse.Namespace) -> list[str]:
             lines.append(f"  {CONFIGS[config]} / plain at batch {batch}: {h.median(ratios[config]):.3f}  IQR "
                          f"{h.quartiles(ratios[config]) or '-'}  range {h.spread(ratios[config], 3) or '-'}  "
                          f"target {verdict}; CPU time ratio {cpu_ratio:.3f}")
-        losses = {c: loss for c, loss in r["loss"].items() if c not in PAIRED_ONLY}
+        losses = {c: loss for c, loss in r["loss"].items() if c not in UNTRAINED}
         diff = max(abs(v - losses["plain"]) / abs(losses["plain"]) for v in losses.values())
         lines.append(f"  Check: after {r['steps']['plain']} steps each, loss on batch 0 vs plain, max relative "
                      f"difference {diff:.1e}: " + ("same training" if diff < 1e-3 else
@@ -450,8 +471,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--quick: no more)")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS),
                    default=[c for c in CONFIGS if c not in PAIRED_ONLY],
-                   help="configurations (plain is always run: it is the reference; thread_floor only with "
-                        "--paired)")
+                   help="configurations (plain is always run: it is the reference; thread_floor and sum_floor "
+                        "only with --paired)")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler tables instead of the timing table (default --steps 20)")
     p.add_argument("--paired", action="store_true",

@@ -33,7 +33,7 @@ def test_paired_in_one_process_prints_the_ratio_and_the_same_training() -> None:
     """Two pairs of two-step chunks at batch 128: plain and both Mirrored(2) ops in one process;
     after the same steps, the models' losses agree."""
     out = _run("--paired", "--quick", "--configs", "plain", "mirrored_hier", "mirrored_r1d", "tf_mirrored",
-               "thread_floor")
+               "thread_floor", "sum_floor")
     assert "--paired leaves out tf_mirrored" in out, out
     assert re.search(r"^batch 128: 2 pairs of 2-step chunks \([0-9] undisturbed\)", out, re.M), out
     for name in (r"HierarchicalCopy\*", "ReductionToOneDevice"):
@@ -42,6 +42,9 @@ def test_paired_in_one_process_prints_the_ratio_and_the_same_training() -> None:
                          out, re.M), out
     # the floor (two threads, no strategy) is timed beside them, without a target, and left out of the check
     assert re.search(rf"^  two threads, no strategy \(floor\) / plain at batch 128: {NUMBER}  IQR .*  target "
+                     rf"(interval .*|n/a \(no pair undisturbed\)); CPU time ratio {NUMBER}$", out, re.M), out
+    # the floor with the sum trains as plain PyTorch: timed without a target, and in the check
+    assert re.search(rf"^  two threads and the sum, no strategy / plain at batch 128: {NUMBER}  IQR .*  target "
                      rf"(interval .*|n/a \(no pair undisturbed\)); CPU time ratio {NUMBER}$", out, re.M), out
     check = re.search(r"^  Check: after [0-9]+ steps each, loss on batch 0 vs plain, max relative difference "
                       r"([0-9.e+-]+): same training$", out, re.M)
@@ -54,7 +57,8 @@ def test_paired_counts_are_checked() -> None:
     assert run.returncode == 2 and "--pairs and --chunk must be >= 1" in run.stderr, run.stderr
 
 
-def test_the_floor_runs_only_paired() -> None:
-    run = subprocess.run([sys.executable, str(SCRIPT), "--configs", "plain", "thread_floor"], capture_output=True,
+@pytest.mark.parametrize("floor", ["thread_floor", "sum_floor"])
+def test_the_floors_run_only_paired(floor: str) -> None:
+    run = subprocess.run([sys.executable, str(SCRIPT), "--configs", "plain", floor], capture_output=True,
                          text=True, timeout=60)
-    assert run.returncode == 2 and "thread_floor runs only with --paired" in run.stderr, run.stderr
+    assert run.returncode == 2 and f"{floor} runs only with --paired" in run.stderr, run.stderr

@@ -84,6 +84,30 @@ def test_every_implementation_matches_the_reference(n, name, dtype, shapes, seed
             assert torch.equal(got["reduce_scatter"], flat[sum(sizes[:r]):sum(sizes[:r + 1])])
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("name", ["hierarchical", "hierarchical-3-packs", "one-device"])
+def test_large_all_reduces_are_the_replica_order_sums(n, name):
+    """Past the small all-reduce that every replica sums alone: each replica thread sums its pieces of
+    every tensor (several pieces each, float32 and float64 together, one tensor not contiguous) and
+    copies the sums back; SUM and MEAN equal the replica-order reference bit for bit."""
+    generator = torch.Generator().manual_seed(n)
+    shapes = [(300, 1000), (7,), (40, 50), (1 << 19,)]
+    data = [[torch.randn(shape, generator=generator, dtype=torch.float64 if i == 1 else torch.float32)
+             for i, shape in enumerate(shapes)] for _ in range(n)]
+    for replica in data:
+        replica[2] = replica[2].t()   # (not contiguous: its replica sums it whole)
+    strategy = strategy_for(name, n)
+    results = strategy.run(lambda: {op: ctx().all_reduce(op, data[ctx().replica_id_in_sync_group])
+                                    for op in ("sum", "mean")})
+    for i in range(len(shapes)):
+        total = data[0][i]
+        for s in range(1, n):
+            total = total + data[s][i]
+        for op, want in (("sum", total), ("mean", total / n)):
+            for r in range(n):
+                assert torch.equal(strategy.experimental_local_results(results[op][i])[r], want), (op, i, r)
+
+
 # ------------------------------------------------------------------ the plug-in point
 
 class Counting(sg.CrossDeviceOps):

@@ -271,10 +271,18 @@ def unhooked_step(base: type) -> Callable[..., Any]:
     return step.__wrapped__ if getattr(step, "hooked", False) else step
 
 
+#: Global step pre-hooks that stratagem registers for its own checks, each a no-op for a scoped
+#: optimizer (it looks at optimizers created outside every scope): :func:`step_hooks` leaves them out,
+#: so a scoped step neither runs them nor holds the replicas' meeting that a user's hook needs.
+OWN_STEP_PRE_HOOKS: set[Callable[..., Any]] = set()
+
+
 def step_hooks(optimizer: torch.optim.Optimizer) -> tuple[list, list]:
     """The step pre- and post-hooks that torch would run for ``optimizer`` (global ones first
-    among the pre-hooks, last among the post-hooks, as torch's wrapper orders them)."""
+    among the pre-hooks, last among the post-hooks, as torch's wrapper orders them), stratagem's
+    own checks (:data:`OWN_STEP_PRE_HOOKS`) left out."""
     global_pre, global_post = _global_step_hooks()
+    global_pre = [hook for hook in global_pre if hook not in OWN_STEP_PRE_HOOKS]
     pre = list(itertools.chain(global_pre, optimizer.__dict__.get("_optimizer_step_pre_hooks", {}).values()))
     post = list(itertools.chain(optimizer.__dict__.get("_optimizer_step_post_hooks", {}).values(), global_post))
     return pre, post

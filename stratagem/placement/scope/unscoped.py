@@ -41,7 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from stratagem import _context
 from stratagem.errors import ContextError, InvalidArgumentError
-from stratagem.placement.scope.hooks import own_placement, placement_of
+from stratagem.placement.scope.hooks import OWN_STEP_PRE_HOOKS, own_placement, placement_of
 from stratagem.placement.layout.mirrored_dict import MirroredDict
 
 
@@ -197,6 +197,9 @@ def _forbid_unscoped_optimizer(optimizer: torch.optim.Optimizer, *args: Any) -> 
             f"step it (and clear its gradients) on its own thread, so the replicas would diverge or "
             f"race. Create the optimizer inside `with strategy.scope():` too; its step then sums the "
             f"replicas' gradients and applies the update once")
+
+
+OWN_STEP_PRE_HOOKS.add(_forbid_unscoped_optimizer)   # (a scoped optimizer's step need not run it)
 
 
 #: the ``Optimizer.zero_grad`` that :func:`_checked_zero_grad` calls: the one found at acquire

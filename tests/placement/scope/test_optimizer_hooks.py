@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import stratagem as sg
@@ -140,6 +141,36 @@ def test_global_hooks_fire_once_per_step() -> None:
     finally:
         handle.remove()
     assert calls == ["pre", "pre"] * 2  # ours and the reference's, once each per step
+
+
+def test_stratagems_own_step_check_is_not_a_hook_of_a_scoped_step() -> None:
+    """During a multi-replica run stratagem registers a global step pre-hook of its own (it refuses an
+    optimizer created outside the scope); a scoped optimizer's step leaves it out of the hooks it fires
+    (it is a no-op there), while a user's global hook registered beside it is still listed and fired."""
+    from stratagem.placement.scope.unscoped import _forbid_unscoped_optimizer
+    strategy = sg.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls, seen = [], []
+
+    def user_hook(opt, args, kwargs):
+        calls.append(sg.get_replica_context() is None)
+
+    def step(x):
+        seen.append(hooks.step_hooks(optimizer)[0])
+        registered = list(torch_optimizer._global_optimizer_pre_hooks.values())
+        assert _forbid_unscoped_optimizer in registered   # (registered for the run)
+        model(x).sum().backward()
+        optimizer.step()
+    handle = register_optimizer_step_pre_hook(user_hook)
+    try:
+        batch = next(iter(strategy.experimental_distribute_dataset([torch.ones(4, 2)])))
+        strategy.run(step, args=(batch,))
+    finally:
+        handle.remove()
+    assert seen == [[user_hook], [user_hook]]
+    assert len(calls) == 1
 
 
 def test_a_hook_that_raises_fails_the_run_cleanly() -> None:
