@@ -36,11 +36,14 @@ own state for the pack in ``coded``.
   subspace iteration per training step; not orthonormalized, its columns would all turn towards
   the first singular vector, rank 1 in effect); the first ``Q`` is drawn from a fixed seed per
   parameter and orthonormalized, so every worker starts alike.
-  Where no worker has a gradient for a parameter, its residual is kept whole.
+  Where no worker has a gradient for a parameter, its residual is kept whole. With
+  ``powersgd_start_step`` k, each pack's first k sums are exact (one round, as :class:`Exact`),
+  as DistributedDataParallel's ``start_powerSGD_iter`` does: the residuals start at zero when
+  PowerSGD does, and the first ``Q`` is the seeded one.
 
-The residuals and ``Q`` live in the process only: a checkpoint does not hold them, and a
-restored job starts with zero residuals and seeded ``Q`` (it forgets at most one step's
-approximation error).
+The residuals, ``Q`` and the count of exact sums live in the process only: a checkpoint does not
+hold them, and a restored job starts with zero residuals and seeded ``Q`` (it forgets at most one
+step's approximation error), and sums its first ``powersgd_start_step`` steps exactly again.
 """
 
 from __future__ import annotations
@@ -121,15 +124,17 @@ class _Plan:
         self.exact_numel = sum(b - a for a, b in exact)
         self.p_numel = sum(x.n * x.rank for x in self.matrices)
         self.q_numel = sum(x.m * x.rank for x in self.matrices)
+        self.exact_sums = 0   # the sums made exactly before PowerSGD starts (``powersgd_start_step``)
         self.first = torch.empty(self.exact_numel + self.p_numel, dtype=buffer.dtype, device=buffer.device)
         self.second = torch.empty(self.q_numel, dtype=buffer.dtype, device=buffer.device)
 
 
 class PowerSGD:
-    """``"powersgd"``: rank-``rank`` approximations with error feedback (module docstring)."""
+    """``"powersgd"``: rank-``rank`` approximations with error feedback (module docstring), after
+    ``start_step`` exact sums of each pack."""
 
-    def __init__(self, rank: int):
-        self.rank = rank
+    def __init__(self, rank: int, start_step: int = 0):
+        self.rank, self.start_step = rank, start_step
 
     def rounds(self, pack: Any) -> Iterator[torch.Tensor]:
         plan = pack.coded   # (its plan and state)
@@ -137,6 +142,10 @@ class PowerSGD:
             plan = pack.coded = _Plan(pack, self.rank)
         if not plan.matrices:
             yield pack.buffer
+            return
+        if plan.exact_sums < self.start_step:
+            yield pack.buffer
+            plan.exact_sums += 1   # (once the sum is read: a pack summed again counts once)
             return
         buffer, first, second = pack.buffer, plan.first, plan.second
         ms, ps, qs = [], [], []
@@ -204,10 +213,11 @@ def _orthonormalize(p: torch.Tensor) -> None:
         column.div_(column.norm().clamp_min(tiny))
 
 
-def codec(compression: str | None, *, num_workers: int, powersgd_rank: int | None = None) -> Any:
+def codec(compression: str | None, *, num_workers: int, powersgd_rank: int | None = None,
+          powersgd_start_step: int | None = None) -> Any:
     """The codec of ``CommunicationOptions.compression`` (checked there)."""
     if compression is None:
         return Exact()
     if compression == "powersgd":
-        return PowerSGD(powersgd_rank or 1)
+        return PowerSGD(powersgd_rank or 1, powersgd_start_step or 0)
     return LowPrecision(compression, num_workers)

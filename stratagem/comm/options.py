@@ -33,8 +33,10 @@ class CommunicationOptions:
     a slow link (opt-in; None, the default, sums exactly): ``"bf16"`` / ``"fp16"`` send each
     worker's gradient in half precision, ``"powersgd"`` sends a rank-``powersgd_rank`` (default 1)
     approximation of each matrix-shaped gradient and keeps the error for the next step
-    (:mod:`stratagem.comm.compression`). Only the sums at the end of ``backward()`` are compressed,
-    never a collective the user calls.
+    (:mod:`stratagem.comm.compression`). ``powersgd_start_step`` (default 0) sums the first that
+    many steps exactly before PowerSGD starts, as ``start_powerSGD_iter`` does for
+    DistributedDataParallel's PowerSGD hook. Only the sums at the end of ``backward()`` are
+    compressed, never a collective the user calls.
 
     Example::
 
@@ -42,6 +44,8 @@ class CommunicationOptions:
         opts = sg.CommunicationOptions(bytes_per_pack=32 << 20, timeout_seconds=120)
         slow_link = sg.CommunicationOptions(compression="powersgd", powersgd_rank=4)
         assert sg.CommunicationOptions(compression="powersgd").powersgd_rank == 1
+        like_ddp = sg.CommunicationOptions(compression="powersgd", powersgd_start_step=1000)
+        assert like_ddp.compression_settings == ("powersgd", 1, 1000)
     """
 
     implementation: CommunicationImplementation = CommunicationImplementation.AUTO
@@ -49,6 +53,7 @@ class CommunicationOptions:
     timeout_seconds: float | None = None
     compression: str | None = None
     powersgd_rank: int | None = None
+    powersgd_start_step: int | None = None
 
     def __post_init__(self) -> None:
         impl = self.implementation
@@ -79,6 +84,11 @@ class CommunicationOptions:
             raise InvalidArgumentError(
                 f"powersgd_rank={rank!r} is given but compression is {self.compression!r}; pass "
                 f"compression='powersgd' with it, or leave powersgd_rank out")
+        start = self.powersgd_start_step
+        if start is not None and self.compression != "powersgd":
+            raise InvalidArgumentError(
+                f"powersgd_start_step={start!r} is given but compression is {self.compression!r}; pass "
+                f"compression='powersgd' with it, or leave powersgd_start_step out")
         if self.compression == "powersgd":
             if rank is None:
                 object.__setattr__(self, "powersgd_rank", 1)
@@ -86,6 +96,17 @@ class CommunicationOptions:
                 raise InvalidArgumentError(
                     f"powersgd_rank must be an integer >= 1 (the rank of each compressed gradient's "
                     f"approximation; 1 sends the fewest bytes), got {rank!r}")
+            if start is None:
+                object.__setattr__(self, "powersgd_start_step", 0)
+            elif isinstance(start, bool) or not isinstance(start, int) or start < 0:
+                raise InvalidArgumentError(
+                    f"powersgd_start_step must be an integer >= 0 (the steps summed exactly before "
+                    f"PowerSGD starts; 0 compresses from the first), got {start!r}")
+
+    @property
+    def compression_settings(self) -> tuple[str | None, int | None, int | None]:
+        """``(compression, powersgd_rank, powersgd_start_step)``: what every worker must agree on."""
+        return self.compression, self.powersgd_rank, self.powersgd_start_step
 
 
 def check_compression(options: CommunicationOptions | None, *, sharding: str | None = None,

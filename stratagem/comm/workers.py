@@ -267,7 +267,8 @@ class WorkerCollective(Collective):
             options = self.options
             packs = GradientPacks(params, self.group, bytes_per_pack=options.bytes_per_pack,
                                   codec=compression.codec(options.compression, num_workers=self.num_workers,
-                                                          powersgd_rank=options.powersgd_rank))
+                                                          powersgd_rank=options.powersgd_rank,
+                                                          powersgd_start_step=options.powersgd_start_step))
             self._packs[key] = packs
         return packs
 

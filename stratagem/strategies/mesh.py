@@ -119,7 +119,7 @@ class MeshStrategy(Strategy):
         return self._full
 
     def _check_same_configuration(self, mine: dict) -> None:
-        mine = {**mine, "compression": (self._options.compression, self._options.powersgd_rank)}
+        mine = {**mine, "compression": self._options.compression_settings}
         everyone = self._full.all_gather_object(mine, "start-up configuration check")
         names = self._full.group.names
         for rank, theirs in enumerate(everyone):

@@ -113,7 +113,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         mine = {"strategy": type(self).__name__, "local replicas": self._topology.num_local_replicas,
                 "device kind": self._topology.devices[0].kind, "backend": collective.group.backend,
                 "bytes_per_pack": collective.options.bytes_per_pack,
-                "compression": (collective.options.compression, collective.options.powersgd_rank),
+                "compression": collective.options.compression_settings,
                 "cross_device_ops": type(collective.local.options).__name__, "sharding": self._sharding}
         everyone = collective.all_gather_object(mine, "start-up configuration check")
         for rank, theirs in enumerate(everyone):

@@ -1,15 +1,18 @@
 """Trains a small regression under MultiWorkerMirroredStrategy with gradient compression.
 
 Usage (one process per worker, with TF_CONFIG): ``python compression_script.py OUT COMPRESSION STEPS
-[STRATEGY]`` (COMPRESSION: none, bf16, fp16, powersgd; STRATEGY: mirrored, the default, "zero1"
+[STRATEGY [START]]`` (COMPRESSION: none, bf16, fp16, powersgd; STRATEGY: mirrored, the default, "zero1"
 for ``sharding="optimizer"``, or "tensor_parallel" for the data axis of a ``{"data": 2, "model":
-1}`` mesh). Writes ``OUT/rank{r}.pt``: this worker's gradient of
+1}`` mesh; START: ``powersgd_start_step``, or a comma-separated one per worker, to start workers
+that disagree). Writes ``OUT/rank{r}.pt``: this worker's gradient of
 the first batch alone (under ``no_sync``), the summed gradient of the same batch (and how many
 frames of stratagem's were above each ``torch.distributed.all_reduce`` of that sum), the global
 loss at every step and the final parameters. Packs are small (512 B: two packs) so that one
 leaves while backward runs.
 """
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -46,9 +49,13 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     out, compression, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    options = sg.CommunicationOptions(compression=None if compression == "none" else compression,
-                                      bytes_per_pack=512)
     kind = sys.argv[4] if len(sys.argv) > 4 else "mirrored"
+    start = None
+    if len(sys.argv) > 5:   # (this worker's: its index in TF_CONFIG picks it)
+        starts = sys.argv[5].split(",")
+        start = int(starts[json.loads(os.environ["TF_CONFIG"])["task"]["index"] % len(starts)])
+    options = sg.CommunicationOptions(compression=None if compression == "none" else compression,
+                                      bytes_per_pack=512, powersgd_start_step=start)
     if kind == "tensor_parallel":
         strategy = sg.experimental.TensorParallelStrategy({"data": 2, "model": 1}, {"0": "colwise", "2": "rowwise"},
                                                           communication_options=options)

@@ -92,6 +92,12 @@ def _codecs(name: str | None, num: int, rank: int | None = None) -> list:
     ({"compression": "powersgd", "powersgd_rank": 0}, "powersgd_rank must be an integer >= 1"),
     ({"compression": "powersgd", "powersgd_rank": 1.5}, "got 1.5"),
     ({"compression": "powersgd", "powersgd_rank": True}, "got True"),
+    ({"powersgd_start_step": 10}, "powersgd_start_step=10 is given but compression is None; pass "
+                                  "compression='powersgd'"),
+    ({"compression": "fp16", "powersgd_start_step": 0}, "but compression is 'fp16'"),
+    ({"compression": "powersgd", "powersgd_start_step": -1}, "powersgd_start_step must be an integer >= 0"),
+    ({"compression": "powersgd", "powersgd_start_step": 2.0}, "got 2.0"),
+    ({"compression": "powersgd", "powersgd_start_step": False}, "got False"),
 ])
 def test_bad_compression_options_are_refused_naming_the_fix(kwargs, message) -> None:
     with pytest.raises(ValueError) as raised:
@@ -104,6 +110,9 @@ def test_exact_by_default_and_powersgd_rank_one_unless_given() -> None:
     assert sg.CommunicationOptions().powersgd_rank is None
     assert sg.CommunicationOptions(compression="powersgd").powersgd_rank == 1
     assert sg.CommunicationOptions(compression="powersgd", powersgd_rank=4).powersgd_rank == 4
+    assert sg.CommunicationOptions().compression_settings == (None, None, None)
+    assert sg.CommunicationOptions(compression="powersgd").compression_settings == ("powersgd", 1, 0)
+    assert sg.CommunicationOptions(compression="powersgd", powersgd_start_step=1000).powersgd_start_step == 1000
 
 
 @pytest.mark.parametrize("sharding", ["gradients", "parameters"])
@@ -222,6 +231,29 @@ def test_powersgd_keeps_the_residual_of_a_parameter_no_worker_has_a_gradient_for
     sum_packs(packs, codecs)
     assert packs[0].packs[0].flags.tolist() == [0.0]
     assert torch.equal(matrix.residual, before)
+
+
+def test_powersgd_start_step_sums_exactly_first_then_starts_afresh() -> None:
+    """``powersgd_start_step=2``: each pack's first two sums are the exact ones, bit for bit, and
+    nothing is held back; the third is PowerSGD's first, as a codec that compresses from the start
+    makes it from the same gradients (zero residuals, the seeded ``Q``); every worker holds the same."""
+    workers = _workers([(48, 20), (20,)], 3)
+    codecs = [compression.codec("powersgd", num_workers=3, powersgd_start_step=2) for _ in range(3)]
+    packs = make_packs(workers, codecs)
+    for step in range(2):
+        _regrad(workers, step)
+        summed = sum_packs(packs, codecs, drop_first=step == 1)   # (a pack summed again counts once)
+        for i in range(2):
+            assert torch.equal(_sums(summed[0])[i], sum(w[i].grad for w in workers)), (step, i)
+        assert packs[0].packs[0].coded.matrices[0].residual is None
+    _regrad(workers, 2)
+    third = [_sums(p) for p in sum_packs(packs, codecs)]
+    fresh_workers = _workers([(48, 20), (20,)], 3)
+    _regrad(fresh_workers, 2)
+    first = _sums(sum_packs(*_packed(fresh_workers, "powersgd", 3))[0])
+    assert all(torch.equal(a, b) for a, b in zip(third[0], first))
+    assert torch.linalg.matrix_rank(third[0][0]) == 1 and not torch.allclose(third[0][0], sum(w[0].grad for w in workers))
+    assert all(torch.equal(a, b) for other in third[1:] for a, b in zip(other, third[0]))
 
 
 def _train(codec_name: str | None, steps: int = 300, workers: int = 2, rank: int = 1) -> list[float]:
