@@ -11,7 +11,8 @@ steps of:
 - theirs: ``DistributedDataParallel`` with no hook (exact), ``bf16_compress_hook`` (under
   another name: DDP refuses it by name without CUDA, though gloo sums bfloat16),
   ``fp16_compress_hook``, ``powerSGD_hook`` (``PowerSGDState(matrix_approximation_rank=rank,
-  start_powerSGD_iter=2)``: DDP compresses from its second step on; warm start and error
+  start_powerSGD_iter=S)``, S = ``--powersgd-start``, default 2, the least DDP accepts: both sides
+  sum the first S steps exactly, ours with ``powersgd_start_step=S``; warm start and error
   feedback on, as ours; in one bucket: on gloo, the chained all-reduces of several buckets
   interleave in a different order on each rank, and the workers abort on a size mismatch);
 
@@ -85,8 +86,9 @@ def worker(args: argparse.Namespace) -> None:
     if args.kind == "ours":
         import stratagem as sg
 
-        options = sg.CommunicationOptions(compression=compression,
-                                          powersgd_rank=args.rank if compression == "powersgd" else None)
+        powersgd = compression == "powersgd"
+        options = sg.CommunicationOptions(compression=compression, powersgd_rank=args.rank if powersgd else None,
+                                          powersgd_start_step=args.powersgd_start if powersgd else None)
         strategy = sg.MultiWorkerMirroredStrategy(communication_options=options)
         with strategy.scope():
             model = _model()
@@ -120,7 +122,7 @@ def worker(args: argparse.Namespace) -> None:
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif compression == "powersgd":
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,
-                                                start_powerSGD_iter=2)
+                                                start_powerSGD_iter=args.powersgd_start)
             model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
@@ -137,6 +139,18 @@ def worker(args: argparse.Namespace) -> None:
         losses.append(train(x, y))
         times.append(time.perf_counter() - start)
     print(json.dumps({"times": times, "losses": losses}), flush=True)
+    if args.kind == "theirs":
+        # a DDP script's ending: the model (its reducer holds the group, and with it gloo's threads)
+        # dropped, then the group destroyed; otherwise a gloo thread may still hold a collective's
+        # tensors while the interpreter finalizes, and the process aborts after a good run
+        # ("terminate called without an active exception": once in 12 runs here, on a busy machine)
+        import gc
+
+        import torch.distributed as dist
+        del train, model, optimizer
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------ the parent
@@ -151,7 +165,7 @@ def _shape(hosts, link: str | None) -> None:
                                   "burst", BURST.get(link, "256kb"), "latency", "100ms"], check=True)
 
 
-def _run(hosts, kind: str, compression: str, steps: int, rank: int, timeout: float) -> dict:
+def _run(hosts, kind: str, compression: str, steps: int, args: argparse.Namespace, timeout: float) -> dict:
     """Both workers of one run; their step times (the slower worker's, per step) and global losses."""
     port = free_ports(1)[0]
     addresses = [f"{address}:{port}" for _, address in hosts]
@@ -163,7 +177,8 @@ def _run(hosts, kind: str, compression: str, steps: int, rank: int, timeout: flo
                                                      "task": {"type": "worker", "index": r}})}
             procs.start(f"worker {r}", ["ip", "netns", "exec", namespace, sys.executable, os.path.abspath(__file__),
                                         "--worker", kind, "--compression", compression, "--rank-of", str(r),
-                                        "--chief", addresses[0], "--steps", str(steps), "--rank", str(rank)], task)
+                                        "--chief", addresses[0], "--steps", str(steps), "--rank", str(args.rank),
+                                        "--powersgd-start", str(args.powersgd_start)], task)
         names = ["worker 0", "worker 1"]
         procs.wait(names, timeout)
         results = [json.loads([ln for ln in procs.output(n).splitlines() if ln.startswith("{")][-1]) for n in names]
@@ -176,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--links", nargs="+", default=["1gbit", "100mbit"], help="tc rates (default 1gbit 100mbit)")
     parser.add_argument("--compressions", nargs="+", default=list(COMPRESSIONS), choices=COMPRESSIONS)
     parser.add_argument("--rank", type=int, default=2, help="PowerSGD's rank (default 2)")
+    parser.add_argument("--powersgd-start", type=int, default=2,
+                        help="steps summed exactly before PowerSGD starts, on both sides (default 2; DDP needs >= 2)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
     parser.add_argument("--loss-steps", type=int, default=300, help="steps of the loss comparison (default 300)")
@@ -186,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank-of", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--chief", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.powersgd_start < 2:
+        parser.error(f"--powersgd-start must be >= 2 (DDP's PowerSGDState refuses less with error feedback), "
+                     f"got {args.powersgd_start}")
     if args.kind:
         worker(args)
         return 0
@@ -202,12 +222,12 @@ def main(argv: list[str] | None = None) -> int:
                 for round_ in range(args.rounds):
                     shift = round_ % len(configurations)
                     for kind, c in configurations[shift:] + configurations[:shift]:
-                        run = _run(hosts, kind, c, args.warmup + args.steps, args.rank, timeout=600)
+                        run = _run(hosts, kind, c, args.warmup + args.steps, args, timeout=600)
                         times.setdefault((link, kind, c), []).append(statistics.median(run["times"][args.warmup:]))
                         loads.append(loadavg())
             _shape(hosts, None)
             for kind, c in configurations:
-                run = _run(hosts, kind, c, args.loss_steps, args.rank, timeout=900)
+                run = _run(hosts, kind, c, args.loss_steps, args, timeout=900)
                 losses[(kind, c)] = (run["losses"][0], statistics.mean(run["losses"][-10:]))
     except HostsUnavailable as reason:
         print(f"cannot run: {reason}", file=sys.stderr)
