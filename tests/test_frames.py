@@ -2,8 +2,8 @@
 
 Depth is the number of stratagem's frames on the stack between a user's call and the torch call
 it leads to: ``strategy.run(fn)`` to ``fn``; ``loss.backward()`` (autograd's end-of-backward
-callback) to the torch call that sums the gradients (the in-place add of the sum, a user's
-``batch_reduce``, ``torch.distributed.all_reduce``); ``optimizer.step()`` to the optimizer's own
+callback) to the torch call that sums the gradients (the in-place add of the sum, or one
+``torch._foreach_add_`` for many pieces, a user's ``batch_reduce``, ``torch.distributed.all_reduce``); ``optimizer.step()`` to the optimizer's own
 ``step``; across workers ``strategy.reduce`` to ``torch.distributed`` (its checked message: an
 all-gather that carries a small sum itself). Every frame of ours between the two counts, also
 where torch's frames lie between ours (a decorator such as ``torch.compiler.disable``): the
@@ -142,13 +142,18 @@ def test_backward_reaches_the_sum_and_step_the_update_within_three_frames(
     def counting_update(self, *args, **kwargs):
         _record("optimizer step", sys._getframe(1))
         return update(self, *args, **kwargs)
-    add_ = torch.Tensor.add_
+    add_, foreach_add_ = torch.Tensor.add_, torch._foreach_add_
 
     def counting_add_(self, *args, **kwargs):
         _record("add_", sys._getframe(1))
         return add_(self, *args, **kwargs)
+
+    def counting_foreach_add_(*args, **kwargs):   # (the sum of pieces in CPU memory: one call for all)
+        _record("_foreach_add_", sys._getframe(1))
+        return foreach_add_(*args, **kwargs)
     monkeypatch.setattr(base.step, "__wrapped__", counting_update)
     monkeypatch.setattr(torch.Tensor, "add_", counting_add_)   # seen on every thread, in the callback too
+    monkeypatch.setattr(torch, "_foreach_add_", counting_foreach_add_)
     _recorded.clear()
     strategy.run(step, args=(batches[1],))
     monkeypatch.undo()

@@ -235,16 +235,18 @@ class RangeCollective(ReplicaCollective):
 
     def reduce_in_place(self, local_id, everyone, op, copy_back):
         n = len(everyone)
-        plan = self._plan(tuple(t.numel() for t in everyone[0]), n)
-        groups = []   # per piece, every replica's part of it
-        for i, start, stop in plan[local_id]:
-            if all(everyone[r][i].is_contiguous() for r in range(n)):
-                groups.append([everyone[r][i].view(-1)[start:stop] for r in range(n)])
-            elif start == 0:  # e.g. channels_last: no flat view, so reduce the whole tensor
-                groups.append([everyone[r][i] for r in range(n)])
-            # (else the replica holding this tensor's first element reduces all of it)
+        groups = self._parts(local_id, everyone)
         if all(part.device.type == "cpu" for parts in groups for part in parts):
-            _reduce_parts_on_cpu(groups, op, copy_back)
+            # the same additions in replica order, each one call over all of this thread's pieces
+            # instead of one per piece: fewer turns at the GIL for the replica threads
+            accs = [parts[0] for parts in groups]
+            for r in range(1, n):
+                torch._foreach_add_(accs, [parts[r] for parts in groups])
+            if op is ReduceOp.MEAN:
+                torch._foreach_div_(accs, n)
+            if copy_back:
+                for r in range(1, n):
+                    torch._foreach_copy_([parts[r] for parts in groups], accs)
             return
         for pieces in groups:
             acc = pieces[0]
@@ -256,23 +258,17 @@ class RangeCollective(ReplicaCollective):
                 for piece in pieces[1:]:
                     piece.copy_(acc, non_blocking=True)
 
-
-def _reduce_parts_on_cpu(groups: list[list[torch.Tensor]], op: ReduceOp, copy_back: bool) -> None:
-    """:meth:`RangeCollective.reduce_in_place`'s arithmetic where every part is in CPU memory: the
-    same element-wise additions in replica order (one division for MEAN, the copies back), each a
-    single call over all of this thread's pieces instead of one call per piece (fewer turns at the
-    GIL for the replica threads)."""
-    if not groups:
-        return
-    n = len(groups[0])
-    accs = [parts[0] for parts in groups]
-    for r in range(1, n):
-        torch._foreach_add_(accs, [parts[r] for parts in groups])
-    if op is ReduceOp.MEAN:
-        torch._foreach_div_(accs, n)
-    if copy_back:
-        for r in range(1, n):
-            torch._foreach_copy_([parts[r] for parts in groups], accs)
+    def _parts(self, local_id: int, everyone: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Per piece of this replica's ranges, every replica's part of it."""
+        n = len(everyone)
+        groups = []
+        for i, start, stop in self._plan(tuple(t.numel() for t in everyone[0]), n)[local_id]:
+            if all(everyone[r][i].is_contiguous() for r in range(n)):
+                groups.append([everyone[r][i].view(-1)[start:stop] for r in range(n)])
+            elif start == 0:  # e.g. channels_last: no flat view, so reduce the whole tensor
+                groups.append([everyone[r][i] for r in range(n)])
+            # (else the replica holding this tensor's first element reduces all of it)
+        return groups
 
 
 class OneDeviceCollective(ReplicaCollective):
