@@ -79,29 +79,22 @@ class CommunicationOptions:
         if self.compression is not None and self.compression not in COMPRESSIONS:
             raise InvalidArgumentError(
                 f"compression must be None (exact sums) or one of {list(COMPRESSIONS)}, got {self.compression!r}")
-        rank = self.powersgd_rank
-        if rank is not None and self.compression != "powersgd":
-            raise InvalidArgumentError(
-                f"powersgd_rank={rank!r} is given but compression is {self.compression!r}; pass "
-                f"compression='powersgd' with it, or leave powersgd_rank out")
-        start = self.powersgd_start_step
-        if start is not None and self.compression != "powersgd":
-            raise InvalidArgumentError(
-                f"powersgd_start_step={start!r} is given but compression is {self.compression!r}; pass "
-                f"compression='powersgd' with it, or leave powersgd_start_step out")
-        if self.compression == "powersgd":
-            if rank is None:
-                object.__setattr__(self, "powersgd_rank", 1)
-            elif isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-                raise InvalidArgumentError(
-                    f"powersgd_rank must be an integer >= 1 (the rank of each compressed gradient's "
-                    f"approximation; 1 sends the fewest bytes), got {rank!r}")
-            if start is None:
-                object.__setattr__(self, "powersgd_start_step", 0)
-            elif isinstance(start, bool) or not isinstance(start, int) or start < 0:
-                raise InvalidArgumentError(
-                    f"powersgd_start_step must be an integer >= 0 (the steps summed exactly before "
-                    f"PowerSGD starts; 0 compresses from the first), got {start!r}")
+        # (name, default, least, what it is): PowerSGD's own settings, refused with another compression
+        settings = (("powersgd_rank", 1, 1, "the rank of each compressed gradient's approximation; 1 sends "
+                     "the fewest bytes"),
+                    ("powersgd_start_step", 0, 0, "the steps summed exactly before PowerSGD starts; 0 "
+                     "compresses from the first"))
+        for name, default, least, meaning in settings:
+            value = getattr(self, name)
+            if self.compression != "powersgd":
+                if value is not None:
+                    raise InvalidArgumentError(
+                        f"{name}={value!r} is given but compression is {self.compression!r}; pass "
+                        f"compression='powersgd' with it, or leave {name} out")
+            elif value is None:
+                object.__setattr__(self, name, default)
+            elif isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InvalidArgumentError(f"{name} must be an integer >= {least} ({meaning}), got {value!r}")
 
     @property
     def compression_settings(self) -> tuple[str | None, int | None, int | None]:
