@@ -236,6 +236,8 @@ class RangeCollective(ReplicaCollective):
     def reduce_in_place(self, local_id, everyone, op, copy_back):
         n = len(everyone)
         groups = self._parts(local_id, everyone)
+        if not groups:   # (its pieces all in tensors that other replicas reduce whole)
+            return
         if all(part.device.type == "cpu" for parts in groups for part in parts):
             # the same additions in replica order, each one call over all of this thread's pieces
             # instead of one per piece: fewer turns at the GIL for the replica threads

@@ -91,10 +91,22 @@ def test_all_reduce_of_non_contiguous_tensors(ops_name, layout):
         torch.testing.assert_close(t, make(0) * 3)
 
 
-def test_optimizer_step_with_channels_last_parameters():
-    strategy = mirrored(2)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("n", [2, 3])
+def test_optimizer_step_with_channels_last_parameters(n, bias):
+    """A channels_last gradient has no flat view: the replica holding its first element sums it
+    whole, and a replica left with no piece of any gradient (a convolution without bias) sums
+    nothing; the step is plain PyTorch's on the whole batch."""
+    def conv():
+        torch.manual_seed(0)
+        return torch.nn.Conv2d(3, 4, 3, bias=bias).double().to(memory_format=torch.channels_last)
+    x = torch.randn(2 * n, 3, 5, 5, dtype=torch.float64).to(memory_format=torch.channels_last)
+    plain = conv()
+    plain(x).sum().backward()
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    strategy = mirrored(n)
     with strategy.scope():
-        model = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        model = conv()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step(x):
@@ -102,9 +114,11 @@ def test_optimizer_step_with_channels_last_parameters():
         model(x).sum().backward()
         optimizer.step()
 
-    strategy.run(step, args=(torch.randn(2, 3, 5, 5),))
-    first, second = strategy.experimental_local_results(model.weight)
-    assert torch.equal(first, second)
+    strategy.run(step, args=(next(iter(strategy.experimental_distribute_dataset([x]))),))
+    for mine, theirs in zip(model.parameters(), plain.parameters()):
+        copies = strategy.experimental_local_results(mine)
+        assert all(torch.equal(c, copies[0]) for c in copies[1:])
+        torch.testing.assert_close(copies[0], theirs.detach(), rtol=0, atol=1e-12)
 
 
 def test_all_reduce_of_numbers_and_structures(num_replicas):
