@@ -191,8 +191,10 @@ def test_a_hung_worker_is_noticed_within_the_timeout_and_the_group_restarts(
     status, out, err = _launch(tmp_path, "--timeout", str(timeout), "--event", f"0:{hung}:3:stop",
                                max_restarts=1)
     assert status == 0, out + err
-    stopped_at = float(re.search(rf"rank {hung} sends itself SIGSTOP at ([\d.]+)", out)[1])
-    failed_at = float(re.search(rf"rank {survivor} raised UnavailableError at ([\d.]+)", out)[1])
+    stopped = re.search(rf"rank {hung} sends itself SIGSTOP at ([\d.]+)", out)
+    failed = re.search(rf"rank {survivor} raised UnavailableError at ([\d.]+)", out)
+    assert stopped and failed, out + err
+    stopped_at, failed_at = float(stopped[1]), float(failed[1])
     # gloo's timeout, then up to 3.5 heartbeats to name the lost worker, then slack for load
     assert timeout - 0.5 < failed_at - stopped_at < timeout + 3.5 + 4, failed_at - stopped_at
     assert (f"UnavailableError: gradient all_reduce failed on worker {survivor}: worker {hung} "
