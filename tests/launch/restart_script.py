@@ -32,6 +32,11 @@ import sys
 import time
 
 import torch
+# torch imports dynamo at the first optimizer (a second here, several under load), right before the
+# collective that agrees on the model's initial values: with a test's 6 s collective timeout, a worker
+# slower to import can make the other time out before any event (a restart no test asked for). Now, before
+# the cluster, where the rendezvous absorbs the difference.
+import torch._dynamo  # noqa: F401
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
